@@ -1,0 +1,118 @@
+"""dist_ckpt: distributed checkpointing of sharded model and optimizer state.
+
+Save a sharded state dict from N processes, load it back under another parallel layout::
+
+    import dist_ckpt as dc
+    sd = {"layer.weight": dc.ShardedTensor.from_rank_offsets("layer.weight", w, (0, tp_rank, tp_size)),
+          "step": 1000}
+    dc.save(sd, "ckpt/iter_1000")
+    state = dc.load(sd_in_new_layout, "ckpt/iter_1000")
+
+This module re-exports the public API; importing it imports no optional backend.
+"""
+
+from .core import CheckpointingConfig, check_is_distributed_checkpoint, maybe_load_config
+from .errors import (
+    CheckpointExistsError,
+    CheckpointingException,
+    CorruptCheckpointError,
+    IncompatibleStrategyError,
+    InvalidKeyError,
+    InvalidShardedTensorError,
+    KeyMismatchError,
+    LoadMismatchError,
+    MissingDependencyError,
+    NotACheckpointError,
+    RankFailedError,
+    ShardingIntegrityError,
+    StateDictStructureError,
+    UnknownStrategyError,
+    UnsafeObjectError,
+)
+from .mapping import (
+    LocalNonPersistentObject,
+    LocalNonpersistentObject,
+    LocalNonpersitentObject,
+    ShardedBase,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    ShardedTensorFactory,
+    StateDict,
+    apply_factories,
+    apply_factory_merges,
+    is_main_replica,
+)
+from .serialization import (
+    LoadResult,
+    load,
+    load_common_state_dict,
+    load_plain_tensors,
+    load_sharded_metadata,
+    load_sharded_objects,
+    load_tensors_metadata,
+    load_with_report,
+    remove_sharded_tensors,
+    save,
+)
+from .strategies.base import (
+    StrategyAction,
+    StrategyKey,
+    get_default_strategy,
+    register_default_strategy,
+    registered_strategies,
+)
+from .validation import StrictHandling, validate_sharding_integrity
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointExistsError",
+    "CheckpointingConfig",
+    "CheckpointingException",
+    "CorruptCheckpointError",
+    "IncompatibleStrategyError",
+    "InvalidKeyError",
+    "InvalidShardedTensorError",
+    "KeyMismatchError",
+    "LoadMismatchError",
+    "LoadResult",
+    "LocalNonPersistentObject",
+    "LocalNonpersistentObject",
+    "LocalNonpersitentObject",
+    "MissingDependencyError",
+    "NotACheckpointError",
+    "RankFailedError",
+    "ShardedBase",
+    "ShardedObject",
+    "ShardedStateDict",
+    "ShardedTensor",
+    "ShardedTensorFactory",
+    "ShardingIntegrityError",
+    "StateDict",
+    "StateDictStructureError",
+    "StrategyAction",
+    "StrategyKey",
+    "StrictHandling",
+    "UnknownStrategyError",
+    "UnsafeObjectError",
+    "__version__",
+    "apply_factories",
+    "apply_factory_merges",
+    "check_is_distributed_checkpoint",
+    "get_default_strategy",
+    "is_main_replica",
+    "load",
+    "load_common_state_dict",
+    "load_plain_tensors",
+    "load_sharded_metadata",
+    "load_sharded_objects",
+    "load_tensors_metadata",
+    "load_with_report",
+    "maybe_load_config",
+    "register_default_strategy",
+    "registered_strategies",
+    "remove_sharded_tensors",
+    "save",
+    "validate_sharding_integrity",
+]

@@ -1,0 +1,117 @@
+"""The dist_ckpt exception family.
+
+Every error raised on purpose by dist_ckpt is a :class:`CheckpointingException`. Subclasses exist
+where a caller needs to tell cases apart, and each also inherits the matching builtin so that
+``except KeyError`` / ``except FileNotFoundError`` style handlers keep working.
+
+Messages name the key, the rank, the checkpoint path and what was expected vs found, and say how
+to fix the problem when there is an obvious fix.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+
+
+class CheckpointingException(Exception):
+    """Base class of every checkpointing error raised by dist_ckpt."""
+
+
+class ShardingIntegrityError(CheckpointingException, ValueError):
+    """The shards of a tensor or object do not form a valid sharding.
+
+    Raised for overlapping main replicas, gaps in coverage, and metadata (global shape, dtype,
+    local shape) that disagrees between ranks.
+    """
+
+
+class InvalidShardedTensorError(CheckpointingException, ValueError):
+    """A ``ShardedTensor`` / ``ShardedObject`` was built from inconsistent arguments."""
+
+
+class StateDictStructureError(CheckpointingException, ValueError):
+    """Two nested state dicts that must have the same structure do not."""
+
+
+class KeyMismatchError(CheckpointingException, KeyError):
+    """Keys requested by ``load`` and keys stored in the checkpoint do not match.
+
+    Attributes:
+        missing_keys: keys stored in the checkpoint but requested by no rank (Megatron-Core's
+            "missing" keys).
+        unexpected_keys: keys requested by ``load`` but absent from the checkpoint (Megatron-Core's
+            "unexpected" keys).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        missing_keys: Iterable[str] = (),
+        unexpected_keys: Iterable[str] = (),
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.missing_keys = sorted(missing_keys)
+        self.unexpected_keys = sorted(unexpected_keys)
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return self.message
+
+
+class LoadMismatchError(CheckpointingException, ValueError):
+    """A stored tensor does not match what ``load`` asked for (dtype or global shape)."""
+
+
+class NotACheckpointError(CheckpointingException, FileNotFoundError):
+    """The directory is missing or holds no committed checkpoint (no valid ``metadata.json``)."""
+
+
+class CheckpointExistsError(CheckpointingException, FileExistsError):
+    """``save`` was pointed at a directory that already holds a committed checkpoint."""
+
+
+class CorruptCheckpointError(CheckpointingException, ValueError):
+    """A committed checkpoint has missing, truncated or unreadable files."""
+
+
+class UnknownStrategyError(CheckpointingException, ValueError):
+    """No strategy is registered for the requested (action, backend, version)."""
+
+
+class IncompatibleStrategyError(CheckpointingException, ValueError):
+    """A strategy cannot handle the backend or format version recorded in a checkpoint."""
+
+
+class MissingDependencyError(CheckpointingException, ImportError):
+    """A backend was chosen whose optional dependency is not installed."""
+
+
+class UnsafeObjectError(CheckpointingException):
+    """Loading an object would need full (code-executing) pickle, which is off by default."""
+
+
+class InvalidKeyError(CheckpointingException, ValueError):
+    """A key cannot be stored safely (for example it would escape the checkpoint directory)."""
+
+
+class RankFailedError(CheckpointingException):
+    """Raised on every rank when another rank failed a collective step in a non-library way.
+
+    Errors of the :class:`CheckpointingException` family are re-raised with their own type on
+    every rank; anything else (an ``OSError``, a bug) arrives as this type, with the failing
+    rank, the original type and its message.
+    """
+
+
+def format_keys(keys: Iterable[str], limit: int = 20) -> str:
+    """Return a short, sorted, human-readable list of keys for error messages."""
+    ordered: Sequence[str] = sorted(keys)
+    shown = ", ".join(repr(k) for k in ordered[:limit])
+    if len(ordered) > limit:
+        shown += f", ... ({len(ordered) - limit} more)"
+    return "[" + shown + "]"
+
+
+def with_rank(message: str, rank: Optional[int]) -> str:
+    """Prefix ``message`` with the rank it comes from, when known."""
+    return message if rank is None else f"[rank {rank}] {message}"

@@ -1,0 +1,440 @@
+"""Entry points for saving and loading distributed checkpoints.
+
+``save`` and ``load`` are the distributed counterparts of ``torch.save`` / ``torch.load``: the
+state dict's tensors are wrapped in :mod:`dist_ckpt.mapping` classes that say which part of a
+global tensor each rank holds, and ``load`` takes such a sharded state dict as the description of
+what to load, in whatever layout the loading job uses. Both are collective: every rank calls
+them together (or a single process calls them without any process group).
+
+Example::
+
+    import dist_ckpt as dc
+    sd = {"w": dc.ShardedTensor.from_rank_offsets("w", w_local, (0, tp_rank, tp_size)), "step": 10}
+    dc.save(sd, "ckpt/iter_10")
+    loaded = dc.load(sd_for_new_layout, "ckpt/iter_10")
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
+
+from .core import METADATA_FILENAME, CheckpointingConfig, save_config
+from .dict_utils import dict_list_map_inplace, extract_matching_values, merge, nested_values
+from .distributed import broadcast_json, get_rank, get_world_size, run_collectively
+from .errors import CheckpointExistsError, InvalidShardedTensorError
+from .mapping import (
+    ShardedBase,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    ShardedTensorFactory,
+    StateDict,
+    apply_factories,
+    apply_factory_merges,
+    is_main_replica,
+)
+from .storage import validate_key
+from .strategies.async_utils import AsyncRequest
+from .strategies.base import (
+    AsyncSaveShardedStrategy,
+    LoadCommonStrategy,
+    LoadShardedStrategy,
+    SaveCommonStrategy,
+    SaveShardedStrategy,
+    StrategyAction,
+    StrategySpec,
+    get_default_strategy,
+    resolve_strategy,
+)
+from .utils import extract_nonpersistent, extract_sharded_base
+from .validation import (
+    StrictHandling,
+    gather_and_validate_sharding,
+    parse_strict_flag,
+    validate_common_state_dict,
+    validate_integrity_and_strict_load,
+    validate_sharded_objects_handling,
+    validate_sharding_integrity,
+    verify_checkpoint_and_load_strategy,
+)
+
+logger = logging.getLogger(__name__)
+
+#: (backend, version) used by ``save`` when no sharded strategy is given
+DEFAULT_SHARDED_BACKEND: Tuple[str, int] = ("zarr", 1)
+DEFAULT_COMMON_BACKEND: Tuple[str, int] = ("torch", 1)
+
+__all__ = [
+    "LoadResult",
+    "get_default_load_sharded_strategy",
+    "get_default_save_common_strategy",
+    "get_default_save_sharded_strategy",
+    "load",
+    "load_common_state_dict",
+    "load_plain_tensors",
+    "load_sharded_metadata",
+    "load_sharded_objects",
+    "load_tensors_metadata",
+    "load_with_report",
+    "remove_sharded_tensors",
+    "save",
+    "validate_sharding_integrity",
+]
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What :func:`load_with_report` returns, whatever the ``strict`` mode.
+
+    Attributes:
+        state_dict: the loaded state dict.
+        missing_keys: keys in the checkpoint that no rank requested (found by ``*_ALL`` modes).
+        unexpected_keys: keys this rank requested that the checkpoint lacks (skipped).
+    """
+
+    state_dict: StateDict
+    missing_keys: Set[str]
+    unexpected_keys: Set[str]
+
+
+def get_default_save_sharded_strategy(backend: str = DEFAULT_SHARDED_BACKEND[0], version: int = DEFAULT_SHARDED_BACKEND[1]) -> SaveShardedStrategy:
+    """The registered save strategy for ``(backend, version)`` (the default backend if omitted)."""
+    strategy = get_default_strategy(StrategyAction.SAVE_SHARDED, backend, version)
+    assert isinstance(strategy, SaveShardedStrategy)
+    return strategy
+
+
+def get_default_save_common_strategy(backend: str = DEFAULT_COMMON_BACKEND[0], version: int = DEFAULT_COMMON_BACKEND[1]) -> SaveCommonStrategy:
+    """The registered common-state save strategy for ``(backend, version)``."""
+    strategy = get_default_strategy(StrategyAction.SAVE_COMMON, backend, version)
+    assert isinstance(strategy, SaveCommonStrategy)
+    return strategy
+
+
+def get_default_load_sharded_strategy(checkpoint_dir: Union[str, Path]) -> LoadShardedStrategy:
+    """The registered load strategy for the backend recorded in ``checkpoint_dir``."""
+    return verify_checkpoint_and_load_strategy(checkpoint_dir)[0]
+
+
+# --------------------------------------------------------------------------- save
+
+
+def _prepare_directory(checkpoint_dir: Path, strategies: List[Any]) -> None:
+    """On rank 0: create the directory, refuse a committed one, clear an interrupted save."""
+    if get_rank() != 0:
+        return
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    if (checkpoint_dir / METADATA_FILENAME).exists():
+        raise CheckpointExistsError(
+            f"{str(checkpoint_dir)!r} already holds a committed checkpoint ({METADATA_FILENAME}); "
+            f"save to a new directory or delete it first"
+        )
+    owned = {name for s in strategies for name in getattr(s, "owned_paths", ())}
+    leftovers = sorted(name for name in owned if (checkpoint_dir / name).exists())
+    if leftovers:
+        logger.warning(
+            "%s holds %s from an interrupted save (no %s); removing them before saving",
+            checkpoint_dir,
+            leftovers,
+            METADATA_FILENAME,
+        )
+        for name in leftovers:
+            path = checkpoint_dir / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def _check_same_on_all_ranks(value: List[Any], what: str) -> None:
+    reference = broadcast_json(value)
+    if reference != value:
+        raise InvalidShardedTensorError(
+            f"[rank {get_rank()}] {what} differs from rank 0: {value} vs {reference}; every rank must pass the same"
+        )
+
+
+def _check_save_inputs(sharded_part: ShardedStateDict) -> List[ShardedBase]:
+    rank = get_rank()
+    local_metadata = []
+    for sh in nested_values(sharded_part):
+        if not isinstance(sh, ShardedBase):
+            continue
+        validate_key(sh.key, rank)
+        if isinstance(sh, ShardedTensor) and sh.data is None and is_main_replica(sh.replica_id):
+            raise InvalidShardedTensorError(f"[rank {rank}] main replica of {sh.key!r} has no data to save")
+        local_metadata.append(sh.without_data())
+    return local_metadata
+
+
+def save(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: Union[str, Path],
+    sharded_strategy: StrategySpec = None,
+    common_strategy: StrategySpec = None,
+    validate_access_integrity: bool = True,
+    async_sharded_save: bool = False,
+    preprocess_common_before_consistancy_check: Optional[Callable[[StateDict], StateDict]] = None,
+) -> Optional[AsyncRequest]:
+    """Save a sharded state dict (collective).
+
+    Steps:
+
+    1. Resolve the strategies; rank 0 prepares the directory (refusing a committed checkpoint).
+    2. Apply factories, drop LocalNonPersistentObjects, split into sharded and common parts.
+    3. Check keys; if ``validate_access_integrity``, check the sharding on rank 0 and warn if
+       the common state differs between ranks.
+    4. Save the common state (rank 0) and this rank's ShardedObjects.
+    5. Save the sharded tensors (in the background if ``async_sharded_save``).
+    6. Commit: once every rank succeeded, rank 0 writes ``metadata.json``.
+
+    Each step ends with an error exchange, so a failure on any rank raises the same
+    CheckpointingException on every rank, and no partial checkpoint is ever committed.
+
+    Args:
+        sharded_state_dict: the state to save; modified in place by factories.
+        checkpoint_dir: target directory (created if missing; must not hold a checkpoint).
+        sharded_strategy: a SaveShardedStrategy, a ``(backend, version)`` tuple, or None for
+            the default backend.
+        common_strategy: a SaveCommonStrategy, a ``(backend, version)`` tuple, or None.
+        validate_access_integrity: check that main replicas cover every tensor exactly once.
+        async_sharded_save: return an AsyncRequest that performs steps 5 and 6 instead of doing
+            them (needs an AsyncSaveShardedStrategy).
+        preprocess_common_before_consistancy_check: applied to the common state before the
+            cross-rank consistency check only (e.g. to drop entries expected to differ).
+
+    Returns:
+        None, or the AsyncRequest when ``async_sharded_save`` is set.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+
+    # 1. strategies and directory
+    def resolve() -> Tuple[SaveShardedStrategy, SaveCommonStrategy]:
+        sharded = resolve_strategy(sharded_strategy, StrategyAction.SAVE_SHARDED, DEFAULT_SHARDED_BACKEND)
+        common = resolve_strategy(common_strategy, StrategyAction.SAVE_COMMON, DEFAULT_COMMON_BACKEND)
+        assert isinstance(sharded, SaveShardedStrategy) and isinstance(common, SaveCommonStrategy)
+        if async_sharded_save and not isinstance(sharded, AsyncSaveShardedStrategy):
+            raise InvalidShardedTensorError(
+                f"async_sharded_save=True needs an AsyncSaveShardedStrategy, got {sharded}"
+            )
+        _check_same_on_all_ranks([str(checkpoint_dir), sharded.backend, sharded.version], "(checkpoint_dir, backend, version)")
+        _prepare_directory(checkpoint_dir, [sharded, common])
+        return sharded, common
+
+    sharded_strat, common_strat = run_collectively("preparing the save", resolve)
+
+    # 2. split the state
+    def split() -> Tuple[ShardedStateDict, StateDict, List[ShardedBase]]:
+        apply_factories(sharded_state_dict)
+        _, persistent = extract_nonpersistent(sharded_state_dict)
+        sharded_part, common_part = extract_sharded_base(persistent)
+        return sharded_part, common_part, _check_save_inputs(sharded_part)
+
+    sharded_part, common_state_dict, local_metadata = run_collectively("checking the state to save", split)
+
+    # 3. validation
+    if validate_access_integrity:
+        gather_and_validate_sharding(local_metadata)
+        to_compare = common_state_dict
+        if preprocess_common_before_consistancy_check is not None:
+            to_compare = preprocess_common_before_consistancy_check(common_state_dict)
+        validate_common_state_dict(to_compare)
+
+    # 4. common state and ShardedObjects
+    def save_common() -> ShardedStateDict:
+        common_strat.save_common(common_state_dict, checkpoint_dir)
+        if sharded_strat.can_handle_sharded_objects:
+            return sharded_part
+        validate_sharded_objects_handling(sharded_strat, common_strat)
+        objects, tensors = extract_matching_values(sharded_part, lambda v: isinstance(v, ShardedObject))
+        common_strat.save_sharded_objects(objects, checkpoint_dir)  # type: ignore[arg-type]
+        return tensors  # type: ignore[return-value]
+
+    to_save = run_collectively("saving the common state", save_common)
+
+    # 6. commit (run after step 5, directly or as the async request's finalization)
+    def commit() -> None:
+        config = CheckpointingConfig(
+            sharded_strat.backend, sharded_strat.version, common_strat.backend, common_strat.version
+        )
+        run_collectively(
+            "committing metadata.json",
+            lambda: save_config(config, checkpoint_dir, get_world_size()) if get_rank() == 0 else None,
+        )
+
+    # 5. sharded tensors
+    if async_sharded_save:
+        assert isinstance(sharded_strat, AsyncSaveShardedStrategy)
+        request = run_collectively("preparing the async save", lambda: sharded_strat.async_save(to_save, checkpoint_dir))
+        request.add_finalize_fn(commit)
+        return request
+    run_collectively("saving sharded tensors", lambda: sharded_strat.save(to_save, checkpoint_dir))
+    commit()
+    return None
+
+
+# --------------------------------------------------------------------------- load
+
+
+def _load_preprocess(sharded_state_dict: ShardedStateDict) -> Tuple[ShardedStateDict, StateDict, ShardedStateDict]:
+    """Copy the structure, build factories (keeping them for the merge), unwrap non-persistent."""
+    request, _ = extract_matching_values(sharded_state_dict, lambda x: True)
+    factories, _ = extract_matching_values(request, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True)
+    apply_factories(request)  # type: ignore[arg-type]
+    dict_list_map_inplace(lambda f: f.without_data(), factories)
+    nonpersistent, request = extract_nonpersistent(request)  # type: ignore[arg-type]
+    dict_list_map_inplace(lambda o: o.unwrap(), nonpersistent)
+    return request, nonpersistent, factories  # type: ignore[return-value]
+
+
+def load_with_report(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: Union[str, Path],
+    sharded_strategy: StrategySpec = None,
+    common_strategy: StrategySpec = None,
+    validate_access_integrity: bool = True,
+    strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
+) -> LoadResult:
+    """Load like :func:`load`, always returning a :class:`LoadResult` (collective).
+
+    Steps:
+
+    1. Read ``metadata.json`` and pick load strategies compatible with it.
+    2. Load the common state: the base of the result.
+    3. Build factories and put LocalNonPersistentObjects' local values in the result.
+    4. Match requested keys against the checkpoint (``strict``) and, if
+       ``validate_access_integrity``, check the requested sharding on rank 0.
+    5. Load ShardedObjects and ShardedTensors (in place where ``data`` is allocated).
+    6. Merge them into the result and apply factory merges.
+
+    A key requested but absent from the checkpoint raises (naming it) unless ``strict`` says
+    to skip it; it is never silently left unloaded.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    strict = parse_strict_flag(strict)
+
+    # 1. strategies
+    sharded_strat, common_strat = run_collectively(
+        "opening the checkpoint",
+        lambda: verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy, common_strategy),
+    )
+
+    # 2. and 3. common state, factories, non-persistent objects
+    def prepare() -> Tuple[StateDict, ShardedStateDict, ShardedStateDict, Optional[ShardedStateDict]]:
+        common = common_strat.load_common(checkpoint_dir)
+        request, nonpersistent, factories = _load_preprocess(sharded_state_dict)
+        merge(common, nonpersistent)
+        request, _ = extract_sharded_base(request)
+        ckpt_metadata = None
+        if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
+            ckpt_metadata = load_sharded_metadata(checkpoint_dir, sharded_strat, common_strat)
+        return common, request, factories, ckpt_metadata
+
+    common_state, request, factories, ckpt_metadata = run_collectively("loading the common state", prepare)
+
+    # 4. key matching and sharding validation
+    request, missing, unexpected = validate_integrity_and_strict_load(
+        request, strict, validate_access_integrity, ckpt_sharded_metadata=ckpt_metadata
+    )
+
+    # 5. sharded objects and tensors
+    def load_sharded() -> StateDict:
+        tensors = request
+        loaded: StateDict = {}
+        if not sharded_strat.can_handle_sharded_objects:
+            validate_sharded_objects_handling(sharded_strat, common_strat)
+            objects, tensors = extract_matching_values(request, lambda v: isinstance(v, ShardedObject))  # type: ignore[assignment]
+            loaded = common_strat.load_sharded_objects(objects, checkpoint_dir)  # type: ignore[arg-type]
+        merge(loaded, sharded_strat.load(tensors, checkpoint_dir))
+        return loaded
+
+    loaded = run_collectively("loading sharded tensors", load_sharded)
+
+    # 6. merge
+    merge(common_state, loaded)
+    state = apply_factory_merges(common_state, factories)
+    return LoadResult(state, missing, unexpected)
+
+
+def load(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: Union[str, Path],
+    sharded_strategy: StrategySpec = None,
+    common_strategy: StrategySpec = None,
+    validate_access_integrity: bool = True,
+    strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
+) -> Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]:
+    """Load a checkpoint into the layout described by ``sharded_state_dict`` (collective).
+
+    See :func:`load_with_report` for the steps. Megatron-Core compatible: with
+    ``strict=StrictHandling.RETURN_UNEXPECTED`` or ``RETURN_ALL`` the result is
+    ``(state_dict, missing_keys, unexpected_keys)``, otherwise the state dict. New code that
+    wants one return type should call :func:`load_with_report`.
+
+    Args:
+        sharded_state_dict: what to load: ShardedTensors describe this rank's part of each
+            tensor (their ``data``, if allocated, is filled in place); other leaves are ignored.
+        checkpoint_dir: a committed checkpoint directory.
+        sharded_strategy: a LoadShardedStrategy or ``(backend, version)``; by default the one
+            registered for the checkpoint's backend.
+        common_strategy: a LoadCommonStrategy or ``(backend, version)``.
+        validate_access_integrity: check that the requested main replicas form a valid sharding.
+        strict: how to handle key mismatches (:class:`StrictHandling` or its value).
+    """
+    result = load_with_report(
+        sharded_state_dict, checkpoint_dir, sharded_strategy, common_strategy, validate_access_integrity, strict
+    )
+    if StrictHandling.requires_returning_mismatch_keys(parse_strict_flag(strict)):
+        return result.state_dict, result.missing_keys, result.unexpected_keys
+    return result.state_dict
+
+
+def load_common_state_dict(checkpoint_dir: Union[str, Path], common_strategy: StrategySpec = None) -> StateDict:
+    """The common (non-sharded) state of a checkpoint; needs no process group."""
+    _, common = verify_checkpoint_and_load_strategy(checkpoint_dir, common_strategy=common_strategy)
+    return common.load_common(Path(checkpoint_dir))
+
+
+def load_tensors_metadata(checkpoint_dir: Union[str, Path], sharded_strategy: StrategySpec = None) -> ShardedStateDict:
+    """``{key: ShardedTensor}`` with each stored tensor's global shape and dtype (no data).
+
+    The ShardedTensors describe whole, unsharded tensors, so the result can be passed to
+    :func:`load` to read full tensors. Needs no process group.
+    """
+    sharded, _ = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy)
+    return sharded.load_tensors_metadata(Path(checkpoint_dir))
+
+
+def load_sharded_metadata(
+    checkpoint_dir: Union[str, Path], sharded_strategy: StrategySpec = None, common_strategy: StrategySpec = None
+) -> ShardedStateDict:
+    """Metadata of every stored ShardedTensor (by key) and ShardedObject (by unique key)."""
+    sharded, common = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy, common_strategy)
+    metadata = sharded.load_sharded_metadata(Path(checkpoint_dir))
+    if not sharded.can_handle_sharded_objects:
+        validate_sharded_objects_handling(sharded, common)
+        merge(metadata, common.load_sharded_metadata(Path(checkpoint_dir)))
+    return metadata
+
+
+def load_plain_tensors(checkpoint_dir: Union[str, Path]) -> StateDict:
+    """Every stored tensor, whole, keyed by its checkpoint key (the common state is not included).
+
+    Collective when a process group is initialized (every rank loads the full tensors).
+    """
+    sharded, _ = run_collectively("opening the checkpoint", lambda: verify_checkpoint_and_load_strategy(checkpoint_dir))
+    metadata = run_collectively("reading tensor metadata", lambda: sharded.load_tensors_metadata(Path(checkpoint_dir)))
+    return run_collectively("loading tensors", lambda: sharded.load(metadata, Path(checkpoint_dir)))
+
+
+def load_sharded_objects(sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> StateDict:
+    """Replace every ShardedObject in ``sharded_state_dict`` by its stored value (in place)."""
+    _, common = verify_checkpoint_and_load_strategy(checkpoint_dir)
+    return common.load_sharded_objects(sharded_state_dict, Path(checkpoint_dir))
+
+
+def remove_sharded_tensors(checkpoint_dir: Union[str, Path], key_prefix: str) -> None:
+    """Delete every stored tensor whose key starts with ``key_prefix`` (one process calls it)."""
+    sharded, _ = verify_checkpoint_and_load_strategy(checkpoint_dir)
+    sharded.remove_sharded_tensors(str(checkpoint_dir), key_prefix)

@@ -1,0 +1,35 @@
+"""Checkpoint formats (backends) and saving/loading algorithms (strategies).
+
+Importing this package imports no backend: built-ins are resolved lazily by
+:mod:`dist_ckpt.strategies.base`.
+"""
+
+from .base import (
+    AsyncSaveShardedStrategy,
+    LoadCommonStrategy,
+    LoadShardedStrategy,
+    LoadStrategyBase,
+    SaveCommonStrategy,
+    SaveShardedStrategy,
+    SaveStrategyBase,
+    StrategyAction,
+    StrategyKey,
+    get_default_strategy,
+    register_default_strategy,
+    registered_strategies,
+)
+
+__all__ = [
+    "AsyncSaveShardedStrategy",
+    "LoadCommonStrategy",
+    "LoadShardedStrategy",
+    "LoadStrategyBase",
+    "SaveCommonStrategy",
+    "SaveShardedStrategy",
+    "SaveStrategyBase",
+    "StrategyAction",
+    "StrategyKey",
+    "get_default_strategy",
+    "register_default_strategy",
+    "registered_strategies",
+]

@@ -1,0 +1,346 @@
+"""Strategy interfaces and the registry of default strategies.
+
+A *strategy* saves or loads one part of a checkpoint: the sharded tensors (a *sharded backend*
+such as Zarr) or the common, non-sharded state. Strategies are looked up by a
+:class:`StrategyKey` ``(action, backend, version)``, where ``backend`` is the on-disk format
+name recorded in ``metadata.json``.
+
+Call order (all methods are collective unless noted: every rank calls them together):
+
+* save: ``SaveCommonStrategy.save_common`` (acts on rank 0 only),
+  ``SaveCommonStrategy.save_sharded_objects``, then ``SaveShardedStrategy.save``. Each returns
+  after this rank's files are durable; ``dist_ckpt.save`` then commits ``metadata.json``.
+* load: ``LoadStrategyBase.check_backend_compatibility`` / ``check_version_compatibility``
+  (local), ``LoadCommonStrategy.load_common``, ``load_sharded_objects``, then
+  ``LoadShardedStrategy.load``. The ``*_metadata`` methods are local and need no process group.
+
+Where strategies come from (nothing registers at import time):
+
+1. :func:`register_default_strategy` calls made by the application;
+2. the built-in table below (``"module:Class"`` strings imported on first use);
+3. the entry-point group ``dist_ckpt.strategies``: an entry point named
+   ``<action>.<backend>.<version>`` (e.g. ``load_sharded.mybackend.1``) pointing at a strategy
+   class or factory.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from enum import Enum
+from importlib import metadata as importlib_metadata
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, List, Optional, Tuple, Type, Union
+
+from ..errors import IncompatibleStrategyError, MissingDependencyError, UnknownStrategyError
+from ..mapping import ShardedStateDict, StateDict
+
+if TYPE_CHECKING:
+    from .async_utils import AsyncRequest
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "dist_ckpt.strategies"
+
+
+class StrategyAction(Enum):
+    """Save vs load, sharded vs common."""
+
+    LOAD_COMMON = "load_common"
+    LOAD_SHARDED = "load_sharded"
+    SAVE_COMMON = "save_common"
+    SAVE_SHARDED = "save_sharded"
+
+
+@dataclass(frozen=True)
+class StrategyKey:
+    """Registry key: what the strategy does, and which on-disk format and version."""
+
+    action: StrategyAction
+    backend: str
+    version: int
+
+    def __str__(self) -> str:
+        return f"{self.action.value}:{self.backend}:v{self.version}"
+
+
+class SaveStrategyBase(ABC):
+    """Base of save strategies: they write ``backend`` format version ``version``."""
+
+    #: top-level entries of a checkpoint directory this strategy writes; save() refuses a
+    #: directory that already holds any of them (the leftovers of an interrupted save)
+    owned_paths: ClassVar[Tuple[str, ...]] = ()
+
+    def __init__(self, backend: str, version: int) -> None:
+        self.backend = backend
+        self.version = version
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        """Whether :meth:`SaveShardedStrategy.save` also saves ShardedObjects."""
+        return False
+
+    def __str__(self) -> str:
+        return f"{self.__class__.__name__}({self.backend!r}, {self.version})"
+
+
+class LoadStrategyBase(ABC):
+    """Base of load strategies.
+
+    Subclasses declare the formats they read in ``supported_backends`` and
+    ``supported_versions``; the compatibility checks below compare the checkpoint's
+    ``metadata.json`` against them before any tensor is touched.
+    """
+
+    supported_backends: ClassVar[Tuple[str, ...]] = ()
+    supported_versions: ClassVar[Tuple[int, ...]] = ()
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        """Whether :meth:`LoadShardedStrategy.load` also loads ShardedObjects."""
+        return False
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        """Raise :class:`IncompatibleStrategyError` if this strategy cannot read ``loaded_backend``."""
+        if loaded_backend not in self.supported_backends:
+            raise IncompatibleStrategyError(
+                f"{self.__class__.__name__} reads backends {list(self.supported_backends)}, "
+                f"but the checkpoint was written with backend {loaded_backend!r}"
+            )
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        """Raise :class:`IncompatibleStrategyError` if this strategy cannot read ``loaded_version``."""
+        if loaded_version not in self.supported_versions:
+            raise IncompatibleStrategyError(
+                f"{self.__class__.__name__} reads format versions {list(self.supported_versions)}, "
+                f"but the checkpoint has version {loaded_version}; upgrade dist_ckpt or use a "
+                f"strategy that supports it"
+            )
+
+    def __str__(self) -> str:
+        return self.__class__.__name__
+
+
+class SaveCommonStrategy(SaveStrategyBase):
+    """Saves the common (non-sharded) state and, usually, ShardedObjects."""
+
+    @abstractmethod
+    def save_common(self, common_state_dict: StateDict, checkpoint_dir: Path) -> None:
+        """Save the common state; only rank 0's call writes anything."""
+
+    def save_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
+        """Save this rank's main-replica ShardedObjects."""
+        raise IncompatibleStrategyError(f"{self} cannot save ShardedObjects; use a common strategy that can")
+
+
+class SaveShardedStrategy(SaveStrategyBase):
+    """Saves sharded tensors (the sharded backend)."""
+
+    @abstractmethod
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
+        """Save this rank's main-replica shards; return once they are durable on every rank."""
+
+
+class AsyncSaveShardedStrategy(SaveShardedStrategy):
+    """A sharded save strategy that can write in the background."""
+
+    @abstractmethod
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> "AsyncRequest":
+        """Prepare the save and return the request that performs it; the caller schedules it."""
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
+        """Every async strategy can be used synchronously."""
+        self.async_save(sharded_state_dict, checkpoint_dir).execute_sync()
+
+
+class LoadCommonStrategy(LoadStrategyBase):
+    """Loads the common state and ShardedObjects."""
+
+    @abstractmethod
+    def load_common(self, checkpoint_dir: Path) -> StateDict:
+        """Load the common state dict."""
+
+    @abstractmethod
+    def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
+        """Return ``sharded_objects_state_dict`` with every ShardedObject replaced by its value."""
+
+    def load_sharded_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
+        """Metadata of the stored ShardedObjects, keyed by their unique keys."""
+        raise IncompatibleStrategyError(f"{self} cannot list ShardedObjects")
+
+
+class LoadShardedStrategy(LoadStrategyBase):
+    """Loads sharded tensors (the sharded backend)."""
+
+    @abstractmethod
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
+        """Return ``sharded_state_dict`` with every ShardedTensor replaced by its loaded tensor."""
+
+    @abstractmethod
+    def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
+        """``{key: ShardedTensor}`` for every stored tensor, unsharded and without data."""
+
+    def load_sharded_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
+        """Metadata of stored ShardedTensors (and ShardedObjects, if this strategy handles them)."""
+        if self.can_handle_sharded_objects:
+            raise IncompatibleStrategyError(f"{self} handles ShardedObjects and must override load_sharded_metadata")
+        return self.load_tensors_metadata(checkpoint_dir)
+
+    def remove_sharded_tensors(self, checkpoint_dir: str, key_prefix: str) -> None:
+        """Delete every stored tensor whose key starts with ``key_prefix``."""
+        raise IncompatibleStrategyError(f"{self} cannot remove tensors from a checkpoint")
+
+
+Strategy = Union[SaveStrategyBase, LoadStrategyBase]
+StrategyFactory = Callable[[], Strategy]
+
+_ACTION_BASES: Dict[StrategyAction, Type[Any]] = {
+    StrategyAction.SAVE_SHARDED: SaveShardedStrategy,
+    StrategyAction.LOAD_SHARDED: LoadShardedStrategy,
+    StrategyAction.SAVE_COMMON: SaveCommonStrategy,
+    StrategyAction.LOAD_COMMON: LoadCommonStrategy,
+}
+
+
+@dataclass(frozen=True)
+class _Builtin:
+    target: str  # "module:attribute"
+    extra: Optional[str]  # pip extra that provides the dependency, if any
+
+
+def _key(action: StrategyAction, backend: str, version: int) -> StrategyKey:
+    return StrategyKey(action, backend, version)
+
+
+_BUILTINS: Dict[StrategyKey, _Builtin] = {
+    _key(StrategyAction.SAVE_COMMON, "torch", 1): _Builtin("dist_ckpt.strategies.common:TorchCommonSaveStrategy", None),
+    _key(StrategyAction.LOAD_COMMON, "torch", 1): _Builtin("dist_ckpt.strategies.common:TorchCommonLoadStrategy", None),
+    _key(StrategyAction.SAVE_SHARDED, "zarr", 1): _Builtin("dist_ckpt.strategies.zarr:ZarrSaveShardedStrategy", "zarr"),
+    _key(StrategyAction.LOAD_SHARDED, "zarr", 1): _Builtin("dist_ckpt.strategies.zarr:ZarrLoadShardedStrategy", "zarr"),
+}
+
+_registry: Dict[StrategyKey, Union[Strategy, StrategyFactory]] = {}
+
+
+def register_default_strategy(
+    action: StrategyAction,
+    backend: str,
+    version: int,
+    strategy: Union[Strategy, StrategyFactory],
+    override: bool = False,
+) -> None:
+    """Make ``strategy`` the default for ``(action, backend, version)``.
+
+    Args:
+        action: what the strategy does.
+        backend: on-disk format name (recorded in ``metadata.json``).
+        version: format version.
+        strategy: a strategy instance (returned as-is by every lookup) or a zero-argument
+            factory, such as the class itself (called on every lookup).
+        override: replace an existing registration instead of raising.
+
+    Example::
+
+        register_default_strategy(StrategyAction.LOAD_SHARDED, "mybackend", 1, MyLoadStrategy)
+    """
+    if not isinstance(action, StrategyAction):
+        raise UnknownStrategyError(f"action must be a StrategyAction, got {action!r}")
+    key = _key(action, backend, version)
+    if not override and (key in _registry or key in _BUILTINS):
+        raise UnknownStrategyError(f"a strategy is already registered for {key}; pass override=True to replace it")
+    if not isinstance(strategy, (SaveStrategyBase, LoadStrategyBase)) and not callable(strategy):
+        raise UnknownStrategyError(f"strategy for {key} must be a strategy instance or a factory, got {strategy!r}")
+    _registry[key] = strategy
+
+
+def unregister_strategy(action: StrategyAction, backend: str, version: int) -> None:
+    """Remove an application registration (built-ins and entry points stay available)."""
+    _registry.pop(_key(action, backend, version), None)
+
+
+def _entry_points() -> Dict[StrategyKey, importlib_metadata.EntryPoint]:
+    found: Dict[StrategyKey, importlib_metadata.EntryPoint] = {}
+    for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
+        action_name, _, rest = ep.name.partition(".")
+        backend, _, version = rest.rpartition(".")
+        try:
+            found[_key(StrategyAction(action_name), backend, int(version))] = ep
+        except ValueError:
+            logger.warning(
+                "ignoring entry point %r in group %r: its name must be <action>.<backend>.<version>",
+                ep.name,
+                ENTRY_POINT_GROUP,
+            )
+    return found
+
+
+def registered_strategies() -> List[StrategyKey]:
+    """Every key that :func:`get_default_strategy` can resolve, sorted."""
+    keys = set(_registry) | set(_BUILTINS) | set(_entry_points())
+    return sorted(keys, key=lambda k: (k.action.value, k.backend, k.version))
+
+
+def _instantiate(key: StrategyKey, entry: Union[Strategy, StrategyFactory]) -> Strategy:
+    if isinstance(entry, (SaveStrategyBase, LoadStrategyBase)):
+        return entry
+    strategy = entry()
+    if not isinstance(strategy, _ACTION_BASES[key.action]):
+        raise UnknownStrategyError(
+            f"the factory registered for {key} returned {type(strategy).__name__}, "
+            f"not a {_ACTION_BASES[key.action].__name__}"
+        )
+    return strategy
+
+
+def _load_builtin(key: StrategyKey, builtin: _Builtin) -> Any:
+    module_name, _, attr = builtin.target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        hint = f": pip install 'dist_ckpt[{builtin.extra}]'" if builtin.extra else ""
+        raise MissingDependencyError(
+            f"the {key.backend!r} backend needs a package that is not installed ({e}){hint}"
+        ) from e
+    return getattr(module, attr)
+
+
+def get_default_strategy(action: StrategyAction, backend: str, version: int) -> Strategy:
+    """The default strategy for ``(action, backend, version)``.
+
+    Raises:
+        UnknownStrategyError: nothing is registered for the key (the message lists what is).
+        MissingDependencyError: a built-in backend whose optional dependency is missing.
+    """
+    key = _key(action, backend, version)
+    if key in _registry:
+        return _instantiate(key, _registry[key])
+    if key in _BUILTINS:
+        return _instantiate(key, _load_builtin(key, _BUILTINS[key]))
+    entry_points = _entry_points()
+    if key in entry_points:
+        return _instantiate(key, entry_points[key].load())
+    same_backend = [str(k) for k in registered_strategies() if k.backend == backend and k.action == action]
+    listing = ", ".join(str(k) for k in registered_strategies())
+    detail = f" ({backend!r} is registered for: {', '.join(same_backend)})" if same_backend else ""
+    raise UnknownStrategyError(f"no strategy registered for {key}{detail}. Registered: {listing}")
+
+
+StrategySpec = Union[Strategy, Tuple[str, int], StrategyKey, None]
+
+
+def resolve_strategy(spec: StrategySpec, action: StrategyAction, default: Tuple[str, int]) -> Strategy:
+    """Turn what a caller passed (None, ``(backend, version)``, a key, a strategy) into a strategy."""
+    base = _ACTION_BASES[action]
+    if spec is None:
+        return get_default_strategy(action, *default)
+    if isinstance(spec, StrategyKey):
+        return get_default_strategy(spec.action, spec.backend, spec.version)
+    if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], str):
+        return get_default_strategy(action, spec[0], int(spec[1]))
+    if isinstance(spec, base):
+        return spec
+    raise UnknownStrategyError(
+        f"expected a {base.__name__}, a (backend, version) tuple or None for {action.value}, got {spec!r}"
+    )
