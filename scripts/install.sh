@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Install dist_ckpt with every optional backend and the test tools into the current Python.
+#
+# torch is installed first, and only if it is missing: an unpinned "torch" requirement on a
+# machine without torch pulls several GB of CUDA packages, and a user who already has torch
+# keeps theirs. Override the torch requirement (e.g. a CUDA build) with DIST_CKPT_TORCH_SPEC
+# and extra pip arguments for it with DIST_CKPT_TORCH_PIP_ARGS
+# (e.g. "--index-url https://download.pytorch.org/whl/cpu").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+TORCH_SPEC="${DIST_CKPT_TORCH_SPEC:-torch==2.13.0}"
+EXTRAS="${DIST_CKPT_EXTRAS:-all,test}"
+
+if "$PYTHON" -c "import torch" 2>/dev/null; then
+    echo "install: keeping the installed torch $("$PYTHON" -c 'import torch; print(torch.__version__)')"
+else
+    echo "install: torch is missing; installing $TORCH_SPEC"
+    # shellcheck disable=SC2086
+    "$PYTHON" -m pip install --disable-pip-version-check ${DIST_CKPT_TORCH_PIP_ARGS:-} "$TORCH_SPEC"
+fi
+"$PYTHON" -m pip install --disable-pip-version-check -e ".[$EXTRAS]"
