@@ -11,6 +11,7 @@ success flag after each step that could fail on some ranks only, and raises the 
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 from typing import Any, Callable, List, Optional, TypeVar
@@ -56,6 +57,23 @@ def group_ranks(group: Optional[ProcessGroup] = None) -> List[int]:
     if group is None:
         return list(range(dist.get_world_size()))
     return [int(r) for r in dist.get_process_group_ranks(group)]
+
+
+def init_gloo_process_group(rank: int, world_size: int, init_method: str, timeout_s: float = 120.0) -> None:
+    """Initialize a CPU (gloo) process group; for launchers, tests and the demo."""
+    dist.init_process_group(
+        backend="gloo",
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def destroy_process_group() -> None:
+    """Tear down the default process group, if any."""
+    if is_distributed():
+        dist.destroy_process_group()
 
 
 def barrier(group: Optional[ProcessGroup] = None) -> None:
@@ -135,15 +153,18 @@ def _any_rank_true(flag: bool, group: Optional[ProcessGroup]) -> bool:
     return bool(t.item())
 
 
-def _describe(error: BaseException, rank: int) -> dict[str, Any]:
-    info: dict[str, Any] = {"rank": rank, "type": type(error).__name__, "message": str(error)}
+_SYNCED = "_dist_ckpt_synced"
+
+
+def _describe(error: BaseException, rank: int, step: str) -> dict[str, Any]:
+    info: dict[str, Any] = {"rank": rank, "type": type(error).__name__, "message": str(error), "step": step}
     if isinstance(error, KeyMismatchError):
         info["missing_keys"] = list(error.missing_keys)
         info["unexpected_keys"] = list(error.unexpected_keys)
     return info
 
 
-def _rebuild(info: dict[str, Any], step: str, failed_ranks: List[int]) -> CheckpointingException:
+def _rebuild(info: dict[str, Any], failed_ranks: List[int]) -> CheckpointingException:
     rank = info["rank"]
     message = info["message"]
     if not message.startswith(f"[rank {rank}]"):
@@ -159,7 +180,7 @@ def _rebuild(info: dict[str, Any], step: str, failed_ranks: List[int]) -> Checkp
             return cls(message)
         except TypeError:  # a subclass with a different constructor
             pass
-    return RankFailedError(f"{message} [{info['type']} while {step}]")
+    return RankFailedError(f"{message} [{info['type']} while {info['step']}]")
 
 
 def raise_if_any_rank_failed(
@@ -171,7 +192,13 @@ def raise_if_any_rank_failed(
     Errors of the CheckpointingException family keep their type; others become
     :class:`RankFailedError`. The error of the lowest failing rank is reported. Without a process
     group the local error is re-raised unchanged.
+
+    Steps nest (a strategy's steps run inside ``save``'s). Every exchange has the same message
+    pattern, so a rank failing in an outer step pairs with ranks inside an inner step; an error
+    that has been exchanged is marked and is never exchanged again on its way out.
     """
+    if error is not None and getattr(error, _SYNCED, False):
+        raise error
     if get_world_size(group) == 1:
         if error is not None:
             raise error
@@ -179,10 +206,11 @@ def raise_if_any_rank_failed(
     if not _any_rank_true(error is not None, group):
         return
     rank = get_rank(group)
-    infos = all_gather_json(None if error is None else _describe(error, global_rank_of(group, rank)), group)
+    infos = all_gather_json(None if error is None else _describe(error, global_rank_of(group, rank), step), group)
     failures = [i for i in infos if i is not None]
     failed_ranks = [i["rank"] for i in failures]
-    exc = _rebuild(failures[0], step, failed_ranks)
+    exc = _rebuild(failures[0], failed_ranks)
+    setattr(exc, _SYNCED, True)
     if error is not None:
         raise exc from error
     raise exc

@@ -13,14 +13,13 @@ Example::
 
 from __future__ import annotations
 
-import datetime
 import multiprocessing as mp
 import os
 import socket
 import traceback
 from typing import Any, Callable, List, Sequence
 
-import torch.distributed as dist
+from ..distributed import destroy_process_group, init_gloo_process_group
 
 
 class RankError(RuntimeError):
@@ -36,13 +35,7 @@ def free_port() -> int:
 
 def init_process_group(rank: int, world_size: int, port: int, timeout_s: float = 120.0) -> None:
     """Initialize a gloo process group on 127.0.0.1:``port`` for this rank."""
-    dist.init_process_group(
-        backend="gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    init_gloo_process_group(rank, world_size, f"tcp://127.0.0.1:{port}", timeout_s)
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: Sequence[Any], queue: Any) -> None:
@@ -54,8 +47,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
     except BaseException:  # noqa: BLE001 -- report everything to the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_process_group()
 
 
 def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600.0) -> List[Any]:
