@@ -81,7 +81,7 @@ def _parse_config(path: Path) -> CheckpointingConfig:
         raise CorruptCheckpointError(f"{path} is not valid JSON ({e}); the checkpoint metadata is corrupt") from e
     if not isinstance(record, dict):
         raise CorruptCheckpointError(f"{path} must hold a JSON object, found {type(record).__name__}")
-    values = {}
+    values: Dict[str, Any] = {}
     for name, expected in _FIELD_TYPES.items():
         if name not in record:
             if name == "sharded_backend":
@@ -93,7 +93,12 @@ def _parse_config(path: Path) -> CheckpointingConfig:
                 f"{path}: field {name!r} must be {expected.__name__}, found {type(value).__name__} ({value!r})"
             )
         values[name] = value
-    return CheckpointingConfig(**values)
+    return CheckpointingConfig(
+        sharded_backend=str(values["sharded_backend"]),
+        sharded_backend_version=int(values.get("sharded_backend_version", 1)),
+        common_backend=str(values.get("common_backend", "torch")),
+        common_backend_version=int(values.get("common_backend_version", 1)),
+    )
 
 
 def maybe_load_config(checkpoint_dir: Union[str, Path]) -> Optional[CheckpointingConfig]:

@@ -24,7 +24,7 @@ class DTypeInfo:
 
     name: str  # stable name, used in metadata and as the zarr v3 data_type
     torch_dtype: torch.dtype
-    numpy_dtype: np.dtype  # type: ignore[type-arg]
+    numpy_dtype: np.dtype
     safetensors_name: str
     # integer torch dtype of the same width, used to view dtypes numpy cannot hold
     bits_dtype: Optional[torch.dtype] = None
@@ -109,7 +109,7 @@ def dtype_from_safetensors_name(name: str) -> torch.dtype:
         raise CheckpointingException(f"unknown safetensors dtype {name!r}") from None
 
 
-def tensor_to_numpy(tensor: torch.Tensor) -> np.ndarray:  # type: ignore[type-arg]
+def tensor_to_numpy(tensor: torch.Tensor) -> np.ndarray:
     """View a CPU tensor as a numpy array of the same bits, without copying.
 
     The tensor must live on the CPU; it may be non-contiguous (the view keeps its strides).
@@ -121,7 +121,7 @@ def tensor_to_numpy(tensor: torch.Tensor) -> np.ndarray:  # type: ignore[type-ar
     return tensor.view(info.bits_dtype).numpy().view(info.numpy_dtype)
 
 
-def numpy_to_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[type-arg]
+def numpy_to_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     """View a numpy array holding ``dtype``'s bits as a torch tensor, without copying."""
     info = dtype_info(dtype)
     if not array.flags.writeable:
@@ -132,6 +132,6 @@ def numpy_to_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:  # t
     return torch.from_numpy(array.view(bits_np)).view(dtype)
 
 
-def numpy_dtype_of(dtype: torch.dtype) -> np.dtype:  # type: ignore[type-arg]
+def numpy_dtype_of(dtype: torch.dtype) -> np.dtype:
     """numpy (or ml_dtypes) dtype with the same bits as ``dtype``."""
     return dtype_info(dtype).numpy_dtype

@@ -229,7 +229,7 @@ class ShardedTensor(ShardedBase):
         )
         return prepended + rest
 
-    def local_coordinates(self) -> Tuple[np.ndarray, ...]:  # type: ignore[type-arg]
+    def local_coordinates(self) -> Tuple[np.ndarray, ...]:
         """Coordinates (in the local tensor) of the elements held by a flattened shard."""
         if self.flattened_range is None:
             raise InvalidShardedTensorError(
@@ -238,7 +238,7 @@ class ShardedTensor(ShardedBase):
         flat = np.arange(self.flattened_range.start, self.flattened_range.stop)
         return tuple(np.unravel_index(flat, self.local_shape))
 
-    def global_coordinates(self) -> Tuple[np.ndarray, ...]:  # type: ignore[type-arg]
+    def global_coordinates(self) -> Tuple[np.ndarray, ...]:
         """Coordinates (in the global tensor) of the elements held by a flattened shard."""
         local = self.local_coordinates()
         n = len(local[0]) if local else 0
@@ -615,7 +615,7 @@ def apply_factories(sharded_state_dict: ShardedStateDict) -> None:
     dict_list_map_inplace(apply, sharded_state_dict)
 
 
-def apply_factory_merges(x1: StateDict, x2: ShardedStateDict, key: Tuple[Any, ...] = ()) -> StateDict:
+def apply_factory_merges(x1: Any, x2: Any, key: Tuple[Any, ...] = ()) -> Any:
     """Merge loaded sub-state-dicts back into tensors, as the factories in ``x2`` define.
 
     Args:

@@ -53,9 +53,12 @@ def encode_shard(shard: ShardedBase) -> List[Any]:
     raise TypeError(f"cannot encode {type(shard).__name__} as shard metadata")
 
 
+def _replica_from_json(replica_id: Any) -> Any:
+    return tuple(replica_id) if isinstance(replica_id, list) else replica_id
+
+
 def decode_shard(item: Sequence[Any]) -> ShardedBase:
     """Inverse of :func:`encode_shard` (returns objects with ``data=None``)."""
-    replica = lambda r: tuple(r) if isinstance(r, list) else r  # noqa: E731
     if item[0] == "T":
         _, key, dtype, local, glob, offset, fragm, replica_id, prepend, allow, rng = item
         return ShardedTensor(
@@ -66,14 +69,14 @@ def decode_shard(item: Sequence[Any]) -> ShardedBase:
             tuple(glob),
             tuple(offset),
             None if fragm is None else tuple(fragm),
-            replica(replica_id),
+            _replica_from_json(replica_id),
             prepend,
             bool(allow),
             None if rng is None else slice(rng[0], rng[1]),
         )
     if item[0] == "O":
         _, key, glob, offset, replica_id = item
-        return ShardedObject(key, None, tuple(glob), tuple(offset), replica(replica_id))
+        return ShardedObject(key, None, tuple(glob), tuple(offset), _replica_from_json(replica_id))
     raise CorruptCheckpointError(f"unknown shard metadata record {item!r}")
 
 

@@ -215,15 +215,17 @@ def find_sharding_problems(global_metadata: Sequence[Sequence[ShardedBase]]) -> 
             by_key[sh.key].append((rank, sh))
     problems: List[str] = []
     for key in sorted(by_key):
-        shards = by_key[key]
-        tensor_ranks = sorted({r for r, s in shards if isinstance(s, ShardedTensor)})
-        object_ranks = sorted({r for r, s in shards if isinstance(s, ShardedObject)})
-        if tensor_ranks and object_ranks:
-            problems.append(f"{key!r} is a ShardedTensor on ranks {tensor_ranks} and a ShardedObject on ranks {object_ranks}")
-        elif tensor_ranks:
-            problems += _tensor_problems(key, shards)  # type: ignore[arg-type]
-        elif object_ranks:
-            problems += _object_problems(key, shards)  # type: ignore[arg-type]
+        tensors = [(r, s) for r, s in by_key[key] if isinstance(s, ShardedTensor)]
+        objects = [(r, s) for r, s in by_key[key] if isinstance(s, ShardedObject)]
+        if tensors and objects:
+            problems.append(
+                f"{key!r} is a ShardedTensor on ranks {sorted({r for r, _ in tensors})} and a "
+                f"ShardedObject on ranks {sorted({r for r, _ in objects})}"
+            )
+        elif tensors:
+            problems += _tensor_problems(key, tensors)
+        elif objects:
+            problems += _object_problems(key, objects)
     return problems
 
 

@@ -27,11 +27,11 @@ _EXTENSION_FLOATS = (
 _registered = False
 
 
-def _make_float_dtype(name: str, np_dtype: np.dtype) -> type:  # type: ignore[type-arg]
+def _make_float_dtype(name: str, np_dtype: np.dtype) -> type:
     @dataclass(frozen=True, kw_only=True)
     class ExtensionFloat(BaseFloat):  # type: ignore[type-arg]
         dtype_cls = type(np_dtype)
-        _zarr_v3_name = name  # type: ignore[assignment]
+        _zarr_v3_name = name
         _zarr_v2_names: ClassVar[Tuple[str, ...]] = ()
 
         @property

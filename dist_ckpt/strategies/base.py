@@ -196,7 +196,7 @@ class LoadShardedStrategy(LoadStrategyBase):
 Strategy = Union[SaveStrategyBase, LoadStrategyBase]
 StrategyFactory = Callable[[], Strategy]
 
-_ACTION_BASES: Dict[StrategyAction, Type[Any]] = {
+_ACTION_BASES: Dict[StrategyAction, type] = {
     StrategyAction.SAVE_SHARDED: SaveShardedStrategy,
     StrategyAction.LOAD_SHARDED: LoadShardedStrategy,
     StrategyAction.SAVE_COMMON: SaveCommonStrategy,
@@ -285,7 +285,7 @@ def registered_strategies() -> List[StrategyKey]:
 def _instantiate(key: StrategyKey, entry: Union[Strategy, StrategyFactory]) -> Strategy:
     if isinstance(entry, (SaveStrategyBase, LoadStrategyBase)):
         return entry
-    strategy = entry()
+    strategy: Strategy = entry()
     if not isinstance(strategy, _ACTION_BASES[key.action]):
         raise UnknownStrategyError(
             f"the factory registered for {key} returned {type(strategy).__name__}, "
@@ -303,7 +303,8 @@ def _load_builtin(key: StrategyKey, builtin: _Builtin) -> Any:
         raise MissingDependencyError(
             f"the {key.backend!r} backend needs a package that is not installed ({e}){hint}"
         ) from e
-    return getattr(module, attr)
+    factory: StrategyFactory = getattr(module, attr)
+    return factory
 
 
 def get_default_strategy(action: StrategyAction, backend: str, version: int) -> Strategy:
@@ -320,7 +321,8 @@ def get_default_strategy(action: StrategyAction, backend: str, version: int) -> 
         return _instantiate(key, _load_builtin(key, _BUILTINS[key]))
     entry_points = _entry_points()
     if key in entry_points:
-        return _instantiate(key, entry_points[key].load())
+        loaded: StrategyFactory = entry_points[key].load()
+        return _instantiate(key, loaded)
     same_backend = [str(k) for k in registered_strategies() if k.backend == backend and k.action == action]
     listing = ", ".join(str(k) for k in registered_strategies())
     detail = f" ({backend!r} is registered for: {', '.join(same_backend)})" if same_backend else ""

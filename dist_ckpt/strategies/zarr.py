@@ -231,15 +231,17 @@ def _open_stored(root: Path, name: str) -> Optional[_StoredTensor]:
             raise CorruptCheckpointError(f"{path / 'zarr.json'} lacks the {ATTR!r} attributes")
         dtype = dtype_from_name(attrs["dtype"])
         key = attrs["key"]
-        if attrs.get("layout") == LAYOUT_FLATTENED:
+        if attrs.get("layout") == LAYOUT_FLATTENED and isinstance(node, zarr.Group):
             stored = _StoredTensor(key, path, dtype, tuple(attrs["global_shape"]), LAYOUT_FLATTENED)
             chunk_shape = tuple(attrs["chunk_shape"])
             for frag_name, frag in sorted(node.arrays()):
-                fattrs = dict(frag.attrs)[ATTR]
+                fattrs: Dict[str, Any] = dict(frag.attrs)[ATTR]  # type: ignore[assignment]
                 rng = (int(fattrs["flat_range"][0]), int(fattrs["flat_range"][1]))
                 pieces = shard_pieces(tuple(fattrs["global_offset"]), chunk_shape, 0, rng)
                 stored.fragments.append(_Fragment(frag, path / frag_name, pieces))
             return stored
+        if not isinstance(node, zarr.Array):
+            raise CorruptCheckpointError(f"{path / 'zarr.json'} describes a group where an array was expected")
         return _StoredTensor(key, path, dtype, tuple(node.shape), LAYOUT_CHUNKED, array=node)
     except CorruptCheckpointError:
         raise
@@ -261,7 +263,7 @@ def _chunk_coords(region: Box, chunk_shape: Sequence[int]) -> Iterator[Tuple[int
     return product(*ranges)
 
 
-def _read(array: Any, path: Path, region: Box, key: str) -> np.ndarray:  # type: ignore[type-arg]
+def _read(array: Any, path: Path, region: Box, key: str) -> np.ndarray:
     chunk_shape = array.metadata.chunk_grid.chunk_shape
     for coords in _chunk_coords(region, chunk_shape):
         chunk_file = path / array.metadata.encode_chunk_key(coords)
