@@ -26,10 +26,9 @@ import math
 import os
 import shutil
 import uuid
-from dataclasses import dataclass, field
 from itertools import product
 from pathlib import Path
-from typing import Any, ClassVar, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, Iterator, List, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -38,41 +37,55 @@ from zarr.codecs import BytesCodec
 
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..distributed import get_rank, run_collectively
-from ..dtypes import dtype_from_name, dtype_info, numpy_to_tensor, tensor_to_numpy
-from ..errors import CorruptCheckpointError, KeyMismatchError, LoadMismatchError, format_keys
-from ..geometry import Box, ShardPiece, piece_view, shard_pieces, sub_view
+from ..dtypes import dtype_info, numpy_to_tensor, tensor_to_numpy
+from ..errors import CorruptCheckpointError, KeyMismatchError, format_keys
+from ..geometry import Box, piece_view, sub_view
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
-from ..storage import decode_key, encode_key, fsync_dir, fsync_file
+from ..storage import fsync_dir, fsync_file
 from ._zarr_dtypes import register_extension_dtypes
 from .base import LoadShardedStrategy, SaveShardedStrategy
+from .zarr_layout import (
+    ATTR,
+    FRAGMENT_CHUNK_ELEMENTS,
+    LAYOUT_CHUNKED,
+    LAYOUT_FLATTENED,
+    ZARR_DIR,
+    ReadOp,
+    StoredTensorInfo,
+    check_request,
+    flatten_range,
+    fragment_name,
+    list_tensor_names,
+    load_zarr_based_sharded_metadata,
+    open_tensor_info,
+    pad_to_expected_shape,
+    plan_reads,
+    postprocess_numpy_array,
+    raise_mismatches,
+    tensor_dir,
+    tensor_dir_name,
+)
+
+__all__ = [
+    "ZarrLoadShardedStrategy",
+    "ZarrSaveShardedStrategy",
+    "flatten_range",
+    "load_zarr_based_sharded_metadata",
+    "pad_to_expected_shape",
+    "postprocess_numpy_array",
+    "register_default_zarr_strategies",
+]
 
 logger = logging.getLogger(__name__)
 
-ZARR_DIR = "zarr"
-ATTR = "dist_ckpt"
-LAYOUT_CHUNKED = "chunked"
-LAYOUT_FLATTENED = "flattened"
-#: fragments of flattened tensors are split into zarr chunks of at most this many elements, so a
-#: load that needs part of a fragment reads a bounded amount more than it needs
-FRAGMENT_CHUNK_ELEMENTS = 1 << 22
-_ARRAY_OPTIONS: Dict[str, Any] = {
-    "serializer": BytesCodec(),
-    "compressors": None,
-    "fill_value": 0,
-    # zarr skips chunks equal to the fill value by default; every chunk must exist on disk so
-    # that a missing chunk can be told apart from an all-zero one
-    "config": {"write_empty_chunks": True},
-}
+_ARRAY_OPTIONS: Dict[str, Any] = {"serializer": BytesCodec(), "compressors": None, "fill_value": 0}
+# zarr skips chunks equal to the fill value by default; every chunk must exist on disk so that a
+# missing chunk can be told apart from an all-zero one (zarr reads both as zeros)
+_WRITE_EMPTY: Any = {"write_empty_chunks": True}
 
 
 def _is_origin(sh: ShardedTensor) -> bool:
     return not any(sh.global_offset)
-
-
-def _fragment_name(sh: ShardedTensor) -> str:
-    assert sh.flattened_range is not None
-    chunk = ".".join(map(str, sh.local_chunk_offset_in_global()))
-    return f"{chunk}_{sh.flattened_range.start}"
 
 
 def _cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -128,7 +141,7 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
             written.append(root / "zarr.json")
         for sh in shards:
             info = dtype_info(sh.dtype)
-            path = root / encode_key(sh.key)
+            path = tensor_dir(root, sh.key)
             attrs = {"key": sh.key, "dtype": info.name}
             if sh.flattened_range is None:
                 if _is_origin(sh):
@@ -139,6 +152,7 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
                         dtype=info.numpy_dtype,
                         attributes={ATTR: dict(attrs, layout=LAYOUT_CHUNKED)},
                         overwrite=False,
+                        config=_WRITE_EMPTY,
                         **_ARRAY_OPTIONS,
                     )
                     written.append(path / "zarr.json")
@@ -155,7 +169,7 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
                 zarr.create_group(store=str(path), attributes={ATTR: group_attrs}, overwrite=False)
                 written.append(path / "zarr.json")
             if stop > start:
-                written += self._write_fragment(path / _fragment_name(sh), sh)
+                written += self._write_fragment(path / fragment_name(sh), sh)
         _fsync_tree(written, root)
 
     @staticmethod
@@ -164,14 +178,14 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
         start, stop = sh.flattened_range.start, sh.flattened_range.stop
         length = stop - start
         chunk = min(length, FRAGMENT_CHUNK_ELEMENTS)
-        info = dtype_info(sh.dtype)
         arr = zarr.create_array(
             store=str(path),
             shape=(length,),
             chunks=(chunk,),
-            dtype=info.numpy_dtype,
+            dtype=dtype_info(sh.dtype).numpy_dtype,
             attributes={ATTR: {"global_offset": list(sh.global_offset), "flat_range": [start, stop]}},
             overwrite=False,
+            config=_WRITE_EMPTY,
             **_ARRAY_OPTIONS,
         )
         arr[:] = tensor_to_numpy(_cpu_contiguous(sh.data))
@@ -185,68 +199,15 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
             if sh.flattened_range is not None or math.prod(sh.local_shape) == 0:
                 continue
             assert sh.data is not None, f"{sh.key!r} has no data to save"
-            path = root / encode_key(sh.key)
+            path = tensor_dir(root, sh.key)
             if sh.key not in arrays:
-                arrays[sh.key] = zarr.open_array(store=str(path), mode="r+", config=_ARRAY_OPTIONS["config"])
+                arrays[sh.key] = zarr.open_array(store=str(path), mode="r+").with_config(_WRITE_EMPTY)
             arr = arrays[sh.key]
             local = tensor_to_numpy(_cpu_contiguous(sh.data)).reshape(sh.full_local_shape)
             region = tuple(slice(o, o + s) for o, s in zip(sh.global_offset, sh.full_local_shape))
             arr[region] = local
             written.append(path / arr.metadata.encode_chunk_key(sh.local_chunk_offset_in_global()))
         _fsync_tree(written, root)
-
-
-@dataclass
-class _Fragment:
-    array: Any
-    path: Path
-    pieces: List[ShardPiece]
-
-
-@dataclass
-class _StoredTensor:
-    """One tensor of a zarr checkpoint, opened for reading."""
-
-    key: str
-    path: Path
-    dtype: torch.dtype
-    global_shape: Tuple[int, ...]
-    layout: str
-    array: Any = None  # chunked layout
-    fragments: List[_Fragment] = field(default_factory=list)  # flattened layout
-
-    @property
-    def bounds(self) -> Box:
-        return Box((0,) * len(self.global_shape), self.global_shape)
-
-
-def _open_stored(root: Path, name: str) -> Optional[_StoredTensor]:
-    path = root / name
-    if not (path / "zarr.json").is_file():
-        return None
-    try:
-        node = zarr.open(store=str(path), mode="r")
-        attrs = dict(node.attrs).get(ATTR)
-        if not isinstance(attrs, dict):
-            raise CorruptCheckpointError(f"{path / 'zarr.json'} lacks the {ATTR!r} attributes")
-        dtype = dtype_from_name(attrs["dtype"])
-        key = attrs["key"]
-        if attrs.get("layout") == LAYOUT_FLATTENED and isinstance(node, zarr.Group):
-            stored = _StoredTensor(key, path, dtype, tuple(attrs["global_shape"]), LAYOUT_FLATTENED)
-            chunk_shape = tuple(attrs["chunk_shape"])
-            for frag_name, frag in sorted(node.arrays()):
-                fattrs: Dict[str, Any] = dict(frag.attrs)[ATTR]  # type: ignore[assignment]
-                rng = (int(fattrs["flat_range"][0]), int(fattrs["flat_range"][1]))
-                pieces = shard_pieces(tuple(fattrs["global_offset"]), chunk_shape, 0, rng)
-                stored.fragments.append(_Fragment(frag, path / frag_name, pieces))
-            return stored
-        if not isinstance(node, zarr.Array):
-            raise CorruptCheckpointError(f"{path / 'zarr.json'} describes a group where an array was expected")
-        return _StoredTensor(key, path, dtype, tuple(node.shape), LAYOUT_CHUNKED, array=node)
-    except CorruptCheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 -- any parse failure means corrupt metadata
-        raise CorruptCheckpointError(f"cannot read zarr metadata of {str(path)!r}: {type(e).__name__}: {e}") from e
 
 
 def _destination(sh: ShardedTensor) -> torch.Tensor:
@@ -263,21 +224,41 @@ def _chunk_coords(region: Box, chunk_shape: Sequence[int]) -> Iterator[Tuple[int
     return product(*ranges)
 
 
-def _read(array: Any, path: Path, region: Box, key: str) -> np.ndarray:
-    chunk_shape = array.metadata.chunk_grid.chunk_shape
-    for coords in _chunk_coords(region, chunk_shape):
-        chunk_file = path / array.metadata.encode_chunk_key(coords)
-        if not chunk_file.is_file():
+class _ArrayReader:
+    """Reads regions of zarr arrays with zarr-python, refusing missing or short chunk files."""
+
+    def __init__(self) -> None:
+        self._arrays: Dict[Path, Any] = {}
+
+    def read(self, path: Path, region: Box, key: str) -> np.ndarray:
+        array: Any = self._arrays.get(path)
+        if array is None:
+            try:
+                array = self._arrays[path] = zarr.open_array(store=str(path), mode="r")
+            except Exception as e:  # noqa: BLE001 -- unreadable metadata means a damaged checkpoint
+                raise CorruptCheckpointError(f"[rank {get_rank()}] cannot open zarr array {str(path)!r} of tensor {key!r}: {e}") from e
+        chunk_shape = array.metadata.chunk_grid.chunk_shape
+        chunk_bytes = math.prod(chunk_shape) * array.dtype.itemsize
+        for coords in _chunk_coords(region, chunk_shape):
+            chunk_file = path / array.metadata.encode_chunk_key(coords)
+            try:
+                size = chunk_file.stat().st_size
+            except FileNotFoundError:
+                raise CorruptCheckpointError(
+                    f"[rank {get_rank()}] chunk file {str(chunk_file)!r} of tensor {key!r} is missing; the checkpoint is incomplete"
+                ) from None
+            if size != chunk_bytes:
+                raise CorruptCheckpointError(
+                    f"[rank {get_rank()}] chunk file {str(chunk_file)!r} of tensor {key!r} has {size} bytes, "
+                    f"expected {chunk_bytes}: it is truncated or damaged"
+                )
+        try:
+            return np.asarray(array[tuple(slice(o, o + s) for o, s in zip(region.offset, region.shape))])
+        except Exception as e:  # noqa: BLE001 -- a decode failure means a damaged chunk
             raise CorruptCheckpointError(
-                f"[rank {get_rank()}] chunk file {str(chunk_file)!r} of tensor {key!r} is missing; the checkpoint is incomplete"
-            )
-    try:
-        return np.asarray(array[tuple(slice(o, o + s) for o, s in zip(region.offset, region.shape))])
-    except Exception as e:  # noqa: BLE001 -- a decode failure means a damaged chunk
-        raise CorruptCheckpointError(
-            f"[rank {get_rank()}] cannot read tensor {key!r} from {str(path)!r} (region offset "
-            f"{region.offset}, shape {region.shape}): {type(e).__name__}: {e}"
-        ) from e
+                f"[rank {get_rank()}] cannot read tensor {key!r} from {str(path)!r} (region offset "
+                f"{region.offset}, shape {region.shape}): {type(e).__name__}: {e}"
+            ) from e
 
 
 class ZarrLoadShardedStrategy(LoadShardedStrategy):
@@ -296,128 +277,61 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
         root = Path(checkpoint_dir) / ZARR_DIR
         requested = [s for s in nested_values(sharded_state_dict) if isinstance(s, ShardedTensor)]
-        stored: Dict[str, _StoredTensor] = {}
+        stored: Dict[str, StoredTensorInfo] = {}
         absent = set()
         for sh in requested:
             if sh.key in stored or sh.key in absent:
                 continue
-            node = _open_stored(root, encode_key(sh.key))
-            if node is None:
+            info = open_tensor_info(root, tensor_dir_name(sh.key))
+            if info is None:
                 absent.add(sh.key)
             else:
-                stored[sh.key] = node
+                stored[sh.key] = info
         if absent:
             raise KeyMismatchError(
                 f"[rank {get_rank()}] tensors requested by load but absent from checkpoint "
                 f"{str(checkpoint_dir)!r}: {format_keys(absent)}",
                 unexpected_keys=absent,
             )
-        problems = [p for sh in requested for p in self._mismatches(sh, stored[sh.key])]
-        if problems:
-            raise LoadMismatchError(
-                f"[rank {get_rank()}] checkpoint {str(checkpoint_dir)!r} does not match the requested tensors: "
-                + "; ".join(problems[:10])
-                + (f"; ... and {len(problems) - 10} more" if len(problems) > 10 else "")
-            )
+        raise_mismatches([p for sh in requested for p in check_request(sh, stored[sh.key])], Path(checkpoint_dir), get_rank())
+        plans = {id(sh): plan_reads(sh, stored[sh.key]) for sh in requested}  # checks coverage before any read
+        reader = _ArrayReader()
 
         def load_one(x: Any) -> Any:
-            return self._load_tensor(x, stored[x.key]) if isinstance(x, ShardedTensor) else x
+            if not isinstance(x, ShardedTensor):
+                return x
+            dest = _destination(x)
+            holder = Box(x.global_offset, x.full_local_shape)
+            plan = plans[id(x)]
+            for piece, _ in plan.pad:
+                piece_view(dest, piece, x.prepend_axis_num, holder).zero_()
+            for op in plan.ops:
+                self._copy(reader, op, dest, x, holder)
+            return dest
 
         return dict_list_map_inplace(load_one, sharded_state_dict)  # type: ignore[no-any-return]
 
     @staticmethod
-    def _mismatches(sh: ShardedTensor, stored: _StoredTensor) -> List[str]:
-        out = []
-        if sh.dtype != stored.dtype:
-            out.append(f"{sh.key!r} is stored as {stored.dtype}, requested as {sh.dtype}")
-        if len(sh.global_shape) != len(stored.global_shape) or (
-            sh.global_shape != stored.global_shape and not sh.allow_shape_mismatch
-        ):
-            out.append(
-                f"{sh.key!r} has global shape {stored.global_shape} in the checkpoint, requested "
-                f"{sh.global_shape} (set allow_shape_mismatch=True to pad or crop)"
-            )
-        return out
-
-    def _load_tensor(self, sh: ShardedTensor, stored: _StoredTensor) -> torch.Tensor:
-        dest = _destination(sh)
-        holder = Box(sh.global_offset, sh.full_local_shape)
-        rng = None if sh.flattened_range is None else (sh.flattened_range.start, sh.flattened_range.stop)
-        expected = 0
-        filled = 0
-        for piece in shard_pieces(sh.global_offset, sh.local_shape, sh.prepend_axis_num, rng):
-            view = piece_view(dest, piece, sh.prepend_axis_num, holder)
-            region = piece.box.intersect(stored.bounds)
-            if region != piece.box:
-                view.zero_()  # allow_shape_mismatch: the part outside the stored tensor is padding
-            if region is None:
-                continue
-            expected += region.numel
-            if stored.layout == LAYOUT_CHUNKED:
-                data = _read(stored.array, stored.path, region, sh.key)
-                sub_view(view, piece.box, region).copy_(numpy_to_tensor(data, sh.dtype))
-                filled += region.numel
-            else:
-                filled += self._fill_from_fragments(view, piece.box, region, stored, sh.key)
-        if filled != expected:
-            raise CorruptCheckpointError(
-                f"[rank {get_rank()}] tensor {sh.key!r} in {str(stored.path)!r}: the stored fragments "
-                f"cover {filled} of the {expected} requested elements (fragments are missing or overlap)"
-            )
-        return dest
-
-    @staticmethod
-    def _fill_from_fragments(view: torch.Tensor, view_box: Box, region: Box, stored: _StoredTensor, key: str) -> int:
-        filled = 0
-        for frag in stored.fragments:
-            for fp in frag.pieces:
-                inter = region.intersect(fp.box)
-                if inter is None:
-                    continue
-                assert fp.flat_offset is not None
-                if not fp.box.shape:  # a 0-d tensor: one element
-                    rows_box, lo, hi = fp.box, fp.flat_offset, fp.flat_offset + 1
-                else:
-                    row = math.prod(fp.box.shape[1:])
-                    r0 = inter.offset[0] - fp.box.offset[0]
-                    nrows = inter.shape[0]
-                    lo = fp.flat_offset + r0 * row
-                    hi = lo + nrows * row
-                    rows_box = Box((inter.offset[0],) + fp.box.offset[1:], (nrows,) + fp.box.shape[1:])
-                data = _read(frag.array, frag.path, Box((lo,), (hi - lo,)), key)
-                src = numpy_to_tensor(data, stored.dtype).view(rows_box.shape)
-                sub_view(view, view_box, inter).copy_(sub_view(src, rows_box, inter))
-                filled += inter.numel
-        return filled
+    def _copy(reader: _ArrayReader, op: ReadOp, dest: torch.Tensor, sh: ShardedTensor, holder: Box) -> None:
+        data = numpy_to_tensor(reader.read(op.array_path, op.region, sh.key), sh.dtype).view(op.src_box.shape)
+        target = piece_view(dest, op.dst, sh.prepend_axis_num, holder)
+        sub_view(target, op.dst.box, op.inter).copy_(sub_view(data, op.src_box, op.inter))
 
     def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
-        root = Path(checkpoint_dir) / ZARR_DIR
-        out: ShardedStateDict = {}
-        if not root.is_dir():
-            raise CorruptCheckpointError(f"{str(root)!r} is missing: the zarr part of the checkpoint is gone")
-        for entry in sorted(os.listdir(root)):
-            if entry.startswith(".") or entry == "zarr.json":
-                continue
-            stored = _open_stored(root, entry)
-            if stored is None:
-                continue
-            meta = torch.empty(stored.global_shape, dtype=stored.dtype, device="meta")
-            out[stored.key] = ShardedTensor.from_rank_offsets(stored.key, meta)
-        return out
+        def shape_dtype(path: str) -> Tuple[Tuple[int, ...], np.dtype]:
+            array = zarr.open_array(store=path, mode="r")
+            return tuple(array.shape), np.dtype(array.dtype)
+
+        return load_zarr_based_sharded_metadata(Path(checkpoint_dir), shape_dtype)
 
     def remove_sharded_tensors(self, checkpoint_dir: str, key_prefix: str) -> None:
         """Delete tensors whose key starts with ``key_prefix``; each key goes whole or not at all."""
         root = Path(checkpoint_dir) / ZARR_DIR
-        for entry in sorted(os.listdir(root)):
-            if entry.startswith(".") or entry == "zarr.json":
-                continue
-            key = decode_key(entry)
-            if key is None:
-                stored = _open_stored(root, entry)
-                key = stored.key if stored is not None else None
-            if key is not None and key.startswith(key_prefix):
+        for name in list_tensor_names(root):
+            info = open_tensor_info(root, name)
+            if info is not None and info.key.startswith(key_prefix):
                 trash = root / f".removing-{uuid.uuid4().hex}"
-                os.replace(root / entry, trash)  # atomic: the key disappears in one step
+                os.replace(root / name, trash)  # atomic: the key disappears in one step
                 fsync_dir(root)
                 shutil.rmtree(trash)
 
