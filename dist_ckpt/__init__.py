@@ -26,6 +26,7 @@ from .errors import (
     RankFailedError,
     ShardingIntegrityError,
     StateDictStructureError,
+    StrategyRegistrationError,
     UnknownStrategyError,
     UnsafeObjectError,
 )
@@ -93,6 +94,7 @@ __all__ = [
     "StateDictStructureError",
     "StrategyAction",
     "StrategyKey",
+    "StrategyRegistrationError",
     "StrictHandling",
     "UnknownStrategyError",
     "UnsafeObjectError",

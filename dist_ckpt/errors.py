@@ -78,6 +78,10 @@ class UnknownStrategyError(CheckpointingException, ValueError):
     """No strategy is registered for the requested (action, backend, version)."""
 
 
+class StrategyRegistrationError(CheckpointingException, ValueError):
+    """A strategy registration is malformed or would silently replace another one."""
+
+
 class IncompatibleStrategyError(CheckpointingException, ValueError):
     """A strategy cannot handle the backend or format version recorded in a checkpoint."""
 

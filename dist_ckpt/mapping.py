@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import inspect
 import math
+import operator
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -56,10 +57,22 @@ class ShardedBase(ABC):
         """A copy with ``data=None``: the metadata exchanged between ranks."""
 
 
-def _as_int_tuple(value: Any, what: str, key: str) -> Tuple[int, ...]:
+def _as_int(value: Any, what: str, key: str) -> int:
+    """``value`` as an int; bools, floats and strings are rejected, not truncated."""
+    if isinstance(value, bool):
+        raise InvalidShardedTensorError(f"{what} of {key!r} must be an int, got {value!r}")
     try:
-        out = tuple(int(v) for v in value)
+        return operator.index(value)
     except TypeError:
+        raise InvalidShardedTensorError(f"{what} of {key!r} must be an int, got {value!r}") from None
+
+
+def _as_int_tuple(value: Any, what: str, key: str) -> Tuple[int, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise InvalidShardedTensorError(f"{what} of {key!r} must be a sequence of ints, got {value!r}")
+    try:
+        out = tuple(_as_int(v, what, key) for v in value)
+    except InvalidShardedTensorError:
         raise InvalidShardedTensorError(
             f"{what} of {key!r} must be a sequence of ints, got {value!r}"
         ) from None
@@ -378,17 +391,20 @@ class ShardedTensor(ShardedBase):
             )
         if not isinstance(data, torch.Tensor):
             raise InvalidShardedTensorError(f"data of {key!r} must be a torch.Tensor, got {type(data).__name__}")
+        prepend_axis_num = _as_int(prepend_axis_num, "prepend_axis_num", key)
+        if prepend_axis_num < 0:
+            raise InvalidShardedTensorError(f"prepend_axis_num of {key!r} must be >= 0, got {prepend_axis_num}")
         ndim = data.ndim + prepend_axis_num
         global_shape = [1] * prepend_axis_num + list(data.shape)
         global_offset = [0] * ndim
         fragmentations = [1] * ndim
         seen = set()
         for entry in rank_offsets:
-            if len(entry) != 3:
+            if not isinstance(entry, (tuple, list)) or len(entry) != 3:
                 raise InvalidShardedTensorError(
                     f"{key!r}: each rank offset must be (axis, axis_rank_offset, axis_fragm), got {entry!r}"
                 )
-            axis, rank_offset, fragm = (int(v) for v in entry)
+            axis, rank_offset, fragm = (_as_int(v, "rank offset entry", key) for v in entry)
             if not 0 <= axis < ndim:
                 raise InvalidShardedTensorError(f"{key!r}: axis {axis} out of range for {ndim} global axes")
             if axis in seen:
@@ -437,7 +453,7 @@ class ShardedTensor(ShardedBase):
             )
         if not isinstance(data, torch.Tensor) or data.ndim != 1:
             raise InvalidShardedTensorError(f"{key!r}: flattened data must be a 1-D tensor")
-        meta = torch.empty(tuple(non_flat_local_shape), dtype=data.dtype, device="meta")
+        meta = torch.empty(_as_int_tuple(non_flat_local_shape, "non_flat_local_shape", key), dtype=data.dtype, device="meta")
         template = cls.from_rank_offsets(key, meta, *args, **kwargs)
         return replace(template, data=data, flattened_range=flattened_range)
 
@@ -501,7 +517,10 @@ class ShardedObject(ShardedBase):
             raise InvalidShardedTensorError(f"{unique_key!r} is not a ShardedObject unique key")
 
         def ints(text: str) -> Tuple[int, ...]:
-            return tuple(int(v) for v in text.split(".")) if text else ()
+            try:
+                return tuple(int(v) for v in text.split(".")) if text else ()
+            except ValueError:
+                raise InvalidShardedTensorError(f"{unique_key!r} is not a ShardedObject unique key") from None
 
         return cls(key, None, ints(parts[1]), ints(parts[0]), replica_id)
 

@@ -34,7 +34,12 @@ from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, List, Optional, Tuple, Type, Union
 
-from ..errors import IncompatibleStrategyError, MissingDependencyError, UnknownStrategyError
+from ..errors import (
+    IncompatibleStrategyError,
+    MissingDependencyError,
+    StrategyRegistrationError,
+    UnknownStrategyError,
+)
 from ..mapping import ShardedStateDict, StateDict
 
 if TYPE_CHECKING:
@@ -246,12 +251,16 @@ def register_default_strategy(
         register_default_strategy(StrategyAction.LOAD_SHARDED, "mybackend", 1, MyLoadStrategy)
     """
     if not isinstance(action, StrategyAction):
-        raise UnknownStrategyError(f"action must be a StrategyAction, got {action!r}")
+        raise StrategyRegistrationError(f"action must be a StrategyAction, got {action!r}")
+    if not isinstance(backend, str) or not backend:
+        raise StrategyRegistrationError(f"backend must be a non-empty str, got {backend!r}")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise StrategyRegistrationError(f"version must be an int, got {version!r}")
     key = _key(action, backend, version)
     if not override and (key in _registry or key in _BUILTINS):
-        raise UnknownStrategyError(f"a strategy is already registered for {key}; pass override=True to replace it")
+        raise StrategyRegistrationError(f"a strategy is already registered for {key}; pass override=True to replace it")
     if not isinstance(strategy, (SaveStrategyBase, LoadStrategyBase)) and not callable(strategy):
-        raise UnknownStrategyError(f"strategy for {key} must be a strategy instance or a factory, got {strategy!r}")
+        raise StrategyRegistrationError(f"strategy for {key} must be a strategy instance or a factory, got {strategy!r}")
     _registry[key] = strategy
 
 
