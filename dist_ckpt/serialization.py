@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 from .core import METADATA_FILENAME, CheckpointingConfig, save_config
 from .dict_utils import dict_list_map_inplace, extract_matching_values, merge, nested_values
 from .distributed import broadcast_json, get_rank, get_world_size, run_collectively
-from .errors import CheckpointExistsError, InvalidShardedTensorError
+from .errors import CheckpointExistsError, IncompatibleStrategyError, InvalidShardedTensorError, StateDictStructureError
 from .mapping import (
     ShardedBase,
     ShardedObject,
@@ -37,6 +37,7 @@ from .mapping import (
     apply_factory_merges,
     is_main_replica,
 )
+from .state_assembly import assemble, loaded_values
 from .storage import validate_key
 from .strategies.async_utils import AsyncRequest
 from .strategies.base import (
@@ -215,7 +216,7 @@ def save(
         common = resolve_strategy(common_strategy, StrategyAction.SAVE_COMMON, DEFAULT_COMMON_BACKEND)
         assert isinstance(sharded, SaveShardedStrategy) and isinstance(common, SaveCommonStrategy)
         if async_sharded_save and not isinstance(sharded, AsyncSaveShardedStrategy):
-            raise InvalidShardedTensorError(
+            raise IncompatibleStrategyError(
                 f"async_sharded_save=True needs an AsyncSaveShardedStrategy, got {sharded}"
             )
         _check_same_on_all_ranks([str(checkpoint_dir), sharded.backend, sharded.version], "(checkpoint_dir, backend, version)")
@@ -277,15 +278,13 @@ def save(
 # --------------------------------------------------------------------------- load
 
 
-def _load_preprocess(sharded_state_dict: ShardedStateDict) -> Tuple[ShardedStateDict, StateDict, ShardedStateDict]:
-    """Copy the structure, build factories (keeping them for the merge), unwrap non-persistent."""
+def _load_preprocess(sharded_state_dict: ShardedStateDict) -> Tuple[ShardedStateDict, ShardedStateDict]:
+    """Copy the structure and build factories, keeping them for the merge after loading."""
     request, _ = extract_matching_values(sharded_state_dict, lambda x: True)
     factories, _ = extract_matching_values(request, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True)
     apply_factories(request)  # type: ignore[arg-type]
     dict_list_map_inplace(lambda f: f.without_data(), factories)
-    nonpersistent, request = extract_nonpersistent(request)  # type: ignore[arg-type]
-    dict_list_map_inplace(lambda o: o.unwrap(), nonpersistent)
-    return request, nonpersistent, factories  # type: ignore[return-value]
+    return request, factories  # type: ignore[return-value]
 
 
 def load_with_report(
@@ -301,12 +300,12 @@ def load_with_report(
     Steps:
 
     1. Read ``metadata.json`` and pick load strategies compatible with it.
-    2. Load the common state: the base of the result.
-    3. Build factories and put LocalNonPersistentObjects' local values in the result.
-    4. Match requested keys against the checkpoint (``strict``) and, if
+    2. Load the common state: the base of the result. Build factories.
+    3. Match requested keys against the checkpoint (``strict``) and, if
        ``validate_access_integrity``, check the requested sharding on rank 0.
-    5. Load ShardedObjects and ShardedTensors (in place where ``data`` is allocated).
-    6. Merge them into the result and apply factory merges.
+    4. Load ShardedObjects and ShardedTensors (in place where ``data`` is allocated).
+    5. Put loaded values and LocalNonPersistentObjects' local values where the request has
+       them (see :mod:`dist_ckpt.state_assembly`), then apply factory merges.
 
     A key requested but absent from the checkpoint raises (naming it) unless ``strict`` says
     to skip it; it is never silently left unloaded.
@@ -320,40 +319,42 @@ def load_with_report(
         lambda: verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy, common_strategy),
     )
 
-    # 2. and 3. common state, factories, non-persistent objects
-    def prepare() -> Tuple[StateDict, ShardedStateDict, ShardedStateDict, Optional[ShardedStateDict]]:
+    # 2. common state and factories
+    def prepare() -> Tuple[StateDict, ShardedStateDict, ShardedStateDict, ShardedStateDict, Optional[ShardedStateDict]]:
         common = common_strat.load_common(checkpoint_dir)
-        request, nonpersistent, factories = _load_preprocess(sharded_state_dict)
-        merge(common, nonpersistent)
-        request, _ = extract_sharded_base(request)
+        request, factories = _load_preprocess(sharded_state_dict)
+        sharded_part, _ = extract_sharded_base(request)
         ckpt_metadata = None
         if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
             ckpt_metadata = load_sharded_metadata(checkpoint_dir, sharded_strat, common_strat)
-        return common, request, factories, ckpt_metadata
+        return common, request, sharded_part, factories, ckpt_metadata
 
-    common_state, request, factories, ckpt_metadata = run_collectively("loading the common state", prepare)
+    common_state, request, sharded_part, factories, ckpt_metadata = run_collectively("loading the common state", prepare)
 
-    # 4. key matching and sharding validation
-    request, missing, unexpected = validate_integrity_and_strict_load(
-        request, strict, validate_access_integrity, ckpt_sharded_metadata=ckpt_metadata
+    # 3. key matching and sharding validation
+    sharded_part, missing, unexpected = validate_integrity_and_strict_load(
+        sharded_part, strict, validate_access_integrity, ckpt_sharded_metadata=ckpt_metadata
     )
 
-    # 5. sharded objects and tensors
-    def load_sharded() -> StateDict:
-        tensors = request
-        loaded: StateDict = {}
+    # 4. sharded objects and tensors
+    def load_sharded() -> Dict[int, Any]:
+        tensors = sharded_part
+        values: Dict[int, Any] = {}
         if not sharded_strat.can_handle_sharded_objects:
             validate_sharded_objects_handling(sharded_strat, common_strat)
-            objects, tensors = extract_matching_values(request, lambda v: isinstance(v, ShardedObject))  # type: ignore[assignment]
-            loaded = common_strat.load_sharded_objects(objects, checkpoint_dir)  # type: ignore[arg-type]
-        merge(loaded, sharded_strat.load(tensors, checkpoint_dir))
-        return loaded
+            objects, tensors = extract_matching_values(sharded_part, lambda v: isinstance(v, ShardedObject))  # type: ignore[assignment]
+            inputs = extract_matching_values(objects, lambda v: True)[0]
+            values.update(loaded_values(inputs, common_strat.load_sharded_objects(objects, checkpoint_dir)))  # type: ignore[arg-type]
+        inputs = extract_matching_values(tensors, lambda v: True)[0]
+        values.update(loaded_values(inputs, sharded_strat.load(tensors, checkpoint_dir)))
+        return values
 
-    loaded = run_collectively("loading sharded tensors", load_sharded)
+    values = run_collectively("loading sharded tensors", load_sharded)
 
-    # 6. merge
-    merge(common_state, loaded)
-    state = apply_factory_merges(common_state, factories)
+    # 5. reassemble
+    kept = {id(x) for x in nested_values(sharded_part) if isinstance(x, ShardedBase)}
+    state = assemble(common_state, request, values, kept)
+    state = apply_factory_merges(state, factories)
     return LoadResult(state, missing, unexpected)
 
 
