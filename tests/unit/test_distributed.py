@@ -1,0 +1,60 @@
+"""Unit tests of dist_ckpt.distributed without a process group (a world of one rank)."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from dist_ckpt.distributed import (
+    all_gather_json,
+    barrier,
+    broadcast_json,
+    gather_json,
+    get_rank,
+    get_world_size,
+    group_ranks,
+    is_distributed,
+    raise_if_any_rank_failed,
+    run_collectively,
+)
+from dist_ckpt.errors import LoadMismatchError
+
+
+@pytest.fixture(autouse=True)
+def no_process_group():
+    assert not (dist.is_available() and dist.is_initialized())
+
+
+def test_world_of_one():
+    assert is_distributed() is False
+    assert get_rank() == 0 and get_world_size() == 1
+    assert group_ranks() == [0]
+    barrier()
+
+
+def test_json_collectives():
+    obj = {"a": [1, 2.5, None, "x"], "b": {"c": True}}
+    assert all_gather_json(obj) == [obj]
+    assert gather_json(obj) == [obj]
+    assert broadcast_json(obj) == obj
+    gathered = all_gather_json(obj)[0]
+    gathered["a"].append(3)
+    assert obj["a"] == [1, 2.5, None, "x"]  # a copy, as if it came over the wire
+    with pytest.raises(TypeError):
+        all_gather_json({"not json": object()})
+
+
+def test_run_collectively():
+    assert run_collectively("step", lambda: 42) == 42
+    original = LoadMismatchError("'k' differs")
+    with pytest.raises(LoadMismatchError) as info:
+        run_collectively("step", lambda: (_ for _ in ()).throw(original))
+    assert info.value is original  # re-raised unchanged without a process group
+    with pytest.raises(OSError, match="disk"):
+        run_collectively("step", lambda: (_ for _ in ()).throw(OSError("disk")))
+
+
+def test_raise_if_any_rank_failed():
+    raise_if_any_rank_failed(None, "step")
+    with pytest.raises(KeyError):
+        raise_if_any_rank_failed(KeyError("x"), "step")

@@ -1,0 +1,55 @@
+"""Unit tests of dist_ckpt.errors: one exception family, each also its matching builtin."""
+
+from __future__ import annotations
+
+import pytest
+
+import dist_ckpt
+from dist_ckpt import errors
+from dist_ckpt.errors import CheckpointingException, KeyMismatchError, format_keys, with_rank
+
+BUILTIN_OF = {
+    "ShardingIntegrityError": ValueError,
+    "InvalidShardedTensorError": ValueError,
+    "StateDictStructureError": ValueError,
+    "KeyMismatchError": KeyError,
+    "LoadMismatchError": ValueError,
+    "NotACheckpointError": FileNotFoundError,
+    "CheckpointExistsError": FileExistsError,
+    "CorruptCheckpointError": ValueError,
+    "UnknownStrategyError": ValueError,
+    "IncompatibleStrategyError": ValueError,
+    "MissingDependencyError": ImportError,
+    "InvalidKeyError": ValueError,
+}
+
+
+@pytest.mark.parametrize("name, builtin", sorted(BUILTIN_OF.items()))
+def test_family(name, builtin):
+    cls = getattr(errors, name)
+    assert getattr(dist_ckpt, name) is cls
+    assert issubclass(cls, CheckpointingException) and issubclass(cls, builtin)
+
+
+@pytest.mark.parametrize("name", ["UnsafeObjectError", "RankFailedError"])
+def test_family_without_builtin(name):
+    assert issubclass(getattr(errors, name), CheckpointingException)
+
+
+def test_key_mismatch_error():
+    e = KeyMismatchError("keys 'b' differ", missing_keys={"z", "a"}, unexpected_keys=["y"])
+    assert str(e) == "keys 'b' differ"  # not the quoted KeyError form
+    assert e.missing_keys == ["a", "z"] and e.unexpected_keys == ["y"]
+    assert KeyMismatchError("m").missing_keys == []
+
+
+def test_format_keys():
+    assert format_keys(["b", "a"]) == "['a', 'b']"
+    assert format_keys([]) == "[]"
+    many = format_keys([f"k{i:02d}" for i in range(25)], limit=20)
+    assert "'k19'" in many and "'k20'" not in many and "(5 more)" in many
+
+
+def test_with_rank():
+    assert with_rank("msg", None) == "msg"
+    assert with_rank("msg", 3) == "[rank 3] msg"
