@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue as queue_module
 import socket
+import time
 import traceback
 from typing import Any, Callable, List, Sequence
 
@@ -50,6 +52,16 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
         destroy_process_group()
 
 
+def _dead_without_report(procs: Sequence[Any], results: dict[int, Any], failures: List[str]) -> List[str]:
+    """Ranks whose process exited without putting a result on the queue."""
+    reported = set(results) | {int(f.split()[1]) for f in failures if f.startswith("rank ")}
+    return [
+        f"rank {rank} exited with code {p.exitcode} without reporting a result (killed, or crashed at start-up)"
+        for rank, p in enumerate(procs)
+        if rank not in reported and p.exitcode is not None and p.exitcode != 0
+    ]
+
+
 def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600.0) -> List[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return their results.
 
@@ -67,18 +79,29 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: 
         p.start()
     results: dict[int, Any] = {}
     failures: List[str] = []
+    deadline = time.monotonic() + timeout_s
     try:
-        for _ in range(world_size):
-            rank, ok, value = queue.get(timeout=timeout_s)
+        while len(results) + len(failures) < world_size:
+            try:
+                rank, ok, value = queue.get(timeout=0.5)
+            except queue_module.Empty:
+                dead = _dead_without_report(procs, results, failures)
+                if dead:
+                    failures.extend(dead)
+                    break
+                if time.monotonic() > deadline:
+                    failures.append(f"timed out after {timeout_s}s waiting for ranks {sorted(set(range(world_size)) - set(results))}")
+                    break
+                continue
             if ok:
                 results[rank] = value
             else:
                 failures.append(f"rank {rank} failed:\n{value}")
-    except Exception as e:  # queue.Empty on timeout
-        failures.append(f"timed out after {timeout_s}s waiting for ranks ({type(e).__name__})")
     finally:
+        # after a failure the surviving ranks may be blocked in a collective: stop them now
+        grace = 0.0 if failures else 30.0
         for p in procs:
-            p.join(timeout=30)
+            p.join(timeout=grace)
             if p.is_alive():
                 p.kill()
                 p.join()
