@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 from .core import METADATA_FILENAME, CheckpointingConfig, save_config
 from .dict_utils import dict_list_map_inplace, extract_matching_values, merge, nested_values
 from .distributed import broadcast_json, get_rank, get_world_size, run_collectively
-from .errors import CheckpointExistsError, IncompatibleStrategyError, InvalidShardedTensorError, StateDictStructureError
+from .errors import CheckpointExistsError, IncompatibleStrategyError, InvalidShardedTensorError
 from .mapping import (
     ShardedBase,
     ShardedObject,
@@ -42,7 +42,6 @@ from .storage import validate_key
 from .strategies.async_utils import AsyncRequest
 from .strategies.base import (
     AsyncSaveShardedStrategy,
-    LoadCommonStrategy,
     LoadShardedStrategy,
     SaveCommonStrategy,
     SaveShardedStrategy,

@@ -21,7 +21,7 @@ import torch
 
 from .core import read_config
 from .dict_utils import extract_matching_values, nested_values
-from .distributed import ProcessGroup, broadcast_json, gather_json, get_rank, get_world_size, run_collectively
+from .distributed import ProcessGroup, broadcast_json, gather_json, get_rank, run_collectively
 from .errors import (
     CheckpointingException,
     IncompatibleStrategyError,

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from enum import Enum
 from importlib import metadata as importlib_metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, List, Optional, Tuple, Type, Union
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, List, Optional, Tuple, Union
 
 from ..errors import (
     IncompatibleStrategyError,

@@ -7,7 +7,6 @@ did not would hang in the next collective and time the test out).
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Dict
 

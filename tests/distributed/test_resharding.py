@@ -14,7 +14,6 @@ from typing import Dict, Tuple
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import dist_ckpt as dc
 from dist_ckpt.testing import spawn_ranks

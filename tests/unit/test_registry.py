@@ -23,7 +23,6 @@ from dist_ckpt.dict_utils import dict_list_map_inplace, nested_values
 from dist_ckpt.distributed import get_rank
 from dist_ckpt.errors import (
     CheckpointingException,
-    CorruptCheckpointError,
     IncompatibleStrategyError,
     MissingDependencyError,
     StrategyRegistrationError,
