@@ -123,6 +123,17 @@ def expected_data(sh: ShardedTensor, full: torch.Tensor) -> torch.Tensor:
     return region
 
 
+def random_bits_tensor(dtype: torch.dtype, shape: Sequence[int], seed: int = 0) -> torch.Tensor:
+    """A tensor of ``dtype`` with random bit patterns (NaN payloads and all), for bit-exact tests."""
+    gen = torch.Generator().manual_seed(seed)
+    n = math.prod(shape)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=gen).bool().reshape(tuple(shape))
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (n * itemsize,), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype).reshape(tuple(shape))
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The raw bytes of ``t`` (for bit-exact comparison of any dtype)."""
     flat = t.detach().cpu().contiguous().reshape(-1)

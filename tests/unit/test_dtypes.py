@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -19,23 +17,10 @@ from dist_ckpt.dtypes import (
     tensor_to_numpy,
 )
 from dist_ckpt.errors import CheckpointingException
+from dist_ckpt.testing.layouts import bits
+from dist_ckpt.testing.layouts import random_bits_tensor as random_tensor
 
 ALL = [getattr(torch, n) for n in SUPPORTED_DTYPE_NAMES]
-
-
-def random_tensor(dtype: torch.dtype, shape, seed: int = 0) -> torch.Tensor:
-    """A tensor of ``dtype`` with random bit patterns (NaN payloads and all)."""
-    gen = torch.Generator().manual_seed(seed)
-    n = math.prod(shape)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, (n,), generator=gen).bool().reshape(shape)
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (n * itemsize,), dtype=torch.uint8, generator=gen)
-    return raw.view(dtype).reshape(shape)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def test_table_is_consistent():

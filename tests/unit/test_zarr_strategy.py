@@ -7,7 +7,6 @@ One process may hold several ShardedTensors of the same key under different stat
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 
@@ -22,7 +21,13 @@ from dist_ckpt.errors import CorruptCheckpointError, KeyMismatchError, LoadMisma
 from dist_ckpt.mapping import ShardedTensor
 from dist_ckpt.storage import encode_key
 from dist_ckpt.strategies import zarr as zarr_strategy
-from dist_ckpt.strategies.zarr import ZARR_DIR, ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
+from dist_ckpt.strategies.zarr import (
+    ZARR_DIR,
+    ZarrLoadShardedStrategy,
+    ZarrSaveShardedStrategy,
+)
+from dist_ckpt.testing.layouts import bits
+from dist_ckpt.testing.layouts import random_bits_tensor as random_tensor
 
 
 def save(sd, path):
@@ -31,21 +36,6 @@ def save(sd, path):
 
 def load(sd, path):
     return ZarrLoadShardedStrategy().load(sd, Path(path))
-
-
-def random_tensor(dtype: torch.dtype, shape, seed: int = 0) -> torch.Tensor:
-    """A tensor of ``dtype`` with random bit patterns (NaN payloads included)."""
-    gen = torch.Generator().manual_seed(seed)
-    n = math.prod(shape)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, (n,), generator=gen).bool().reshape(shape)
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (n * itemsize,), dtype=torch.uint8, generator=gen)
-    return raw.view(dtype).reshape(shape)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def assert_bits_equal(a: torch.Tensor, b: torch.Tensor) -> None:
