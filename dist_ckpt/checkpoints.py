@@ -491,7 +491,8 @@ def maybe_delete_oldest_checkpoint(
     """
     if isinstance(max_checkpoints, bool) or not isinstance(max_checkpoints, int) or max_checkpoints < 1:
         raise CheckpointManagementError(
-            f"max_checkpoints must be an int >= 1 (the newest complete checkpoint is always kept), got {max_checkpoints!r}"
+            f"max_checkpoints must be an int >= 1 (the newest complete checkpoint is always kept), "
+            f"got {max_checkpoints!r}"
         )
     root = Path(model_dir)
     if not root.is_dir():
