@@ -74,6 +74,18 @@ class CorruptCheckpointError(CheckpointingException, ValueError):
     """A committed checkpoint has missing, truncated or unreadable files."""
 
 
+class CheckpointManagementError(CheckpointingException, ValueError):
+    """A request to :mod:`dist_ckpt.checkpoints` cannot be carried out as asked.
+
+    For example a checkpoint name that carries no step, ``max_checkpoints < 1``, metrics that
+    are not finite numbers, or symlinks asked for a checkpoint that has no HuggingFace weights.
+    """
+
+
+class SymlinkConflictError(CheckpointingException, FileExistsError):
+    """A symlink would replace a regular file (or a directory) that is not ours to replace."""
+
+
 class UnknownStrategyError(CheckpointingException, ValueError):
     """No strategy is registered for the requested (action, backend, version)."""
 
