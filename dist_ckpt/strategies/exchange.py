@@ -51,8 +51,11 @@ logger = logging.getLogger(__name__)
 
 #: a shard's identity: canonical JSON of everything that determines its loaded contents
 ShardId = str
-#: shards of one source are packed into broadcasts of at most this many bytes
-DEFAULT_BUCKET_BYTES = 64 << 20
+#: shards of one source are packed into broadcasts of at most this many bytes. Small: larger
+#: shards then travel alone, sent from and received into their own memory (no packing copy),
+#: which measured faster than large buckets (benchmarks/bench_parallel.py); smaller shards are
+#: still packed, so many tiny tensors do not cost one broadcast each
+DEFAULT_BUCKET_BYTES = 4 << 20
 _ALIGN = 64  # offsets in a bucket: any dtype can be viewed at them
 
 
