@@ -45,7 +45,13 @@ from dist_ckpt.testing.layouts import bitwise_equal, full_tensor
 
 BLOCK = 64 << 20
 SAVES = ("plain save", "fully-parallel save")
-LOADS = ("plain load", "two-stage load", "fully-parallel load", "plain load (tensorstore)", "two-stage load (tensorstore)")
+LOADS = (
+    "plain load",
+    "two-stage load",
+    "fully-parallel load",
+    "plain load (tensorstore)",
+    "two-stage load (tensorstore)",
+)
 
 
 def shapes(total_bytes: int, count: int) -> List[Tuple[str, Tuple[int, int], torch.dtype]]:
@@ -60,7 +66,9 @@ def shapes(total_bytes: int, count: int) -> List[Tuple[str, Tuple[int, int], tor
     return out
 
 
-def state(spec: Sequence[Tuple[str, Tuple[int, int], torch.dtype]], rank: int, empty: bool) -> Dict[str, dc.ShardedTensor]:
+def state(
+    spec: Sequence[Tuple[str, Tuple[int, int], torch.dtype]], rank: int, empty: bool
+) -> Dict[str, dc.ShardedTensor]:
     sd = {}
     for key, shape, dtype in spec:
         data = torch.zeros(shape, dtype=dtype) if empty else full_tensor(key, shape, dtype)
@@ -105,10 +113,14 @@ def run_rank(rank: int, world: int, directory: str, size_bytes: int, count: int,
     best: Dict[str, float] = {}
     loaders: Dict[str, Callable[[], object]] = {
         "plain load": lambda: _default(StrategyAction.LOAD_SHARDED),
-        "two-stage load": lambda: TwoStageDataParallelLoadShardedStrategy(None, base_strategy=_default(StrategyAction.LOAD_SHARDED)),  # type: ignore[arg-type]
+        "two-stage load": lambda: TwoStageDataParallelLoadShardedStrategy(
+            None, base_strategy=_default(StrategyAction.LOAD_SHARDED)
+        ),  # type: ignore[arg-type]
         "fully-parallel load": lambda: FullyParallelLoadStrategyWrapper(_default(StrategyAction.LOAD_SHARDED)),  # type: ignore[arg-type]
         "plain load (tensorstore)": TensorStoreLoadShardedStrategy,
-        "two-stage load (tensorstore)": lambda: TwoStageDataParallelLoadShardedStrategy(None, base_strategy=TensorStoreLoadShardedStrategy()),
+        "two-stage load (tensorstore)": lambda: TwoStageDataParallelLoadShardedStrategy(
+            None, base_strategy=TensorStoreLoadShardedStrategy()
+        ),
     }
     savers: Dict[str, Callable[[], object]] = {
         "plain save": lambda: _default(StrategyAction.SAVE_SHARDED),
@@ -132,7 +144,11 @@ def run_rank(rank: int, world: int, directory: str, size_bytes: int, count: int,
             strategy = loaders[name]()
             if name == "two-stage load":
                 two_stage = strategy  # type: ignore[assignment]
-            t = timed(rank, lambda: holder.update(out=dc.load(request, ckpt, sharded_strategy=strategy)), before=lambda: evict(ckpt))
+            t = timed(
+                rank,
+                lambda: holder.update(out=dc.load(request, ckpt, sharded_strategy=strategy)),
+                before=lambda: evict(ckpt),
+            )
             loaded = holder["out"]
             assert isinstance(loaded, dict)
             bad = [k for k in expected if not bitwise_equal(loaded[k], expected[k].data)]  # type: ignore[arg-type]
@@ -203,37 +219,63 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="dist_ckpt_bench_parallel_", dir=args.dir))
     try:
         raw = [measure_disk(work, size)]
-        results = {dp: spawn_ranks(run_rank, dp, str(work), size, args.tensors, args.repeats, timeout_s=3600)[0] for dp in args.dp}
+        results = {
+            dp: spawn_ranks(run_rank, dp, str(work), size, args.tensors, args.repeats, timeout_s=3600)[0]
+            for dp in args.dp
+        }
         raw.append(measure_disk(work, size))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     write_s, read_s = min(w for w, _ in raw), min(r for _, r in raw)
     gib = size / 2**30
     disk_w, disk_r = gib / write_s, gib / read_s
-    print(f"state: one replica of {args.size_mb} MiB in {args.tensors} tensors, held by every rank (pure DP); dir {args.dir}")
-    print(f"raw disk: write {disk_w:.2f} GiB/s, cold read {disk_r:.2f} GiB/s (best of {len(raw)}: {[f'{gib / w:.2f}/{gib / r:.2f}' for w, r in raw]})")
-    print("GiB/s = replica size / time; vs disk = that / raw bandwidth; speedup = plain time / this time (> 1: faster)\n")
+    print(
+        f"state: one replica of {args.size_mb} MiB in {args.tensors} tensors, held by every rank (pure DP); dir {args.dir}"
+    )
+    print(
+        f"raw disk: write {disk_w:.2f} GiB/s, cold read {disk_r:.2f} GiB/s (best of {len(raw)}: {[f'{gib / w:.2f}/{gib / r:.2f}' for w, r in raw]})"
+    )
+    print(
+        "GiB/s = replica size / time; vs disk = that / raw bandwidth; speedup = plain time / this time (> 1: faster)\n"
+    )
     rows = [("DP", "step", "seconds", "GiB/s", "vs disk", "speedup")]
     for dp, best in results.items():
         for name in SAVES + LOADS:
             plain = best["plain save" if "save" in name else "plain load"]
             bw = gib / best[name]
-            rows.append((str(dp), name, f"{best[name]:.3f}", f"{bw:.2f}", f"{bw / (disk_w if 'save' in name else disk_r):.2f}", f"{plain / best[name]:.2f}"))
+            rows.append(
+                (
+                    str(dp),
+                    name,
+                    f"{best[name]:.3f}",
+                    f"{bw:.2f}",
+                    f"{bw / (disk_w if 'save' in name else disk_r):.2f}",
+                    f"{plain / best[name]:.2f}",
+                )
+            )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) if i == 1 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
     print()
     dps = list(results)
-    for name, plain in (("two-stage load", "plain load"), ("fully-parallel load", "plain load"), ("fully-parallel save", "plain save")):
+    for name, plain in (
+        ("two-stage load", "plain load"),
+        ("fully-parallel load", "plain load"),
+        ("fully-parallel save", "plain save"),
+    ):
         speedups = [results[dp][plain] / results[dp][name] for dp in dps]
         slower = [f"DP={dp} ({s:.2f}x)" for dp, s in zip(dps, speedups) if s < 1]
-        print(f"{name}: speedup {', '.join(f'DP={d}: {s:.2f}x' for d, s in zip(dps, speedups))}; "
-              f"slower than {plain} at {', '.join(slower) if slower else 'no measured DP'}; {crossover(dps, speedups)}")
+        print(
+            f"{name}: speedup {', '.join(f'DP={d}: {s:.2f}x' for d, s in zip(dps, speedups))}; "
+            f"slower than {plain} at {', '.join(slower) if slower else 'no measured DP'}; {crossover(dps, speedups)}"
+        )
     for dp in dps:
         steps = {k.split(": ", 1)[1]: v for k, v in results[dp].items() if k.startswith("two-stage: ")}
-        print(f"two-stage at DP={dp}, slowest rank's last run: reading {steps.get('load_tensors_from_storage', 0):.3f}s, "
-              f"broadcasting {steps.get('broadcast_chunks', 0):.3f}s, metadata and planning "
-              f"{sum(v for k, v in steps.items() if k not in ('load_tensors_from_storage', 'broadcast_chunks')):.3f}s")
+        print(
+            f"two-stage at DP={dp}, slowest rank's last run: reading {steps.get('load_tensors_from_storage', 0):.3f}s, "
+            f"broadcasting {steps.get('broadcast_chunks', 0):.3f}s, metadata and planning "
+            f"{sum(v for k, v in steps.items() if k not in ('load_tensors_from_storage', 'broadcast_chunks')):.3f}s"
+        )
     return 0
 
 

@@ -210,7 +210,9 @@ def check_group_consistency(declared: Sequence[Any]) -> List[str]:
             problems.append(f"rank {r} passed group {list(members)}, which does not contain it")
         for m in members:
             if not 0 <= m < len(declared):
-                problems.append(f"rank {r} passed group {list(members)} with rank {m} outside the world of {len(declared)}")
+                problems.append(
+                    f"rank {r} passed group {list(members)} with rank {m} outside the world of {len(declared)}"
+                )
                 continue
             other = declared[m]
             if m != r and not isinstance(other, str) and list(other) != list(members):
@@ -311,7 +313,9 @@ def _pack(bucket: Bucket, tensors: Mapping[ShardId, torch.Tensor], device: torch
     return buf
 
 
-def _receive_buffer(bucket: Bucket, dests: Mapping[ShardId, torch.Tensor], device: torch.device) -> Tuple[torch.Tensor, bool]:
+def _receive_buffer(
+    bucket: Bucket, dests: Mapping[ShardId, torch.Tensor], device: torch.device
+) -> Tuple[torch.Tensor, bool]:
     """The buffer to receive ``bucket`` into, and whether it is the destination itself."""
     if len(bucket.shards) == 1 and bucket.shards[0] in dests:
         t = dests[bucket.shards[0]]
@@ -447,7 +451,11 @@ def load_with_exchange(
         return x
 
     logger.debug(
-        "rank %d: read %d of %d requested shards, %d broadcasts in the group", rank, len(mine), len(primaries), len(exchange_plan.buckets)
+        "rank %d: read %d of %d requested shards, %d broadcasts in the group",
+        rank,
+        len(mine),
+        len(primaries),
+        len(exchange_plan.buckets),
     )
     return dict_list_map_inplace(result_of, sharded_state_dict)  # type: ignore[no-any-return]
 
@@ -460,7 +468,11 @@ class ExchangeHooks:
         return gather_requests(primaries, group)
 
     def read(
-        self, mine: Mapping[ShardId, ShardedTensor], others: Sequence[ShardedBase], checkpoint_dir: Path, base: LoadShardedStrategy
+        self,
+        mine: Mapping[ShardId, ShardedTensor],
+        others: Sequence[ShardedBase],
+        checkpoint_dir: Path,
+        base: LoadShardedStrategy,
     ) -> Dict[ShardId, Any]:
         """Load the owned shards (and any non-tensor shards) with ``base`` in one call."""
         request: Dict[str, Any] = dict(mine)

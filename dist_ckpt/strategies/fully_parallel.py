@@ -182,7 +182,9 @@ class FullyParallelSaveStrategyWrapper(SaveShardedStrategy):
         if self.do_cache_distribution and _cache_valid(fingerprint, self._cached[0] if self._cached else None, group):
             assert self._cached is not None
             return self._cached[1]
-        gathered = [[(sid, int(size), bool(main)) for sid, size, main in items] for items in all_gather_json(mine, group)]
+        gathered = [
+            [(sid, int(size), bool(main)) for sid, size, main in items] for items in all_gather_json(mine, group)
+        ]
         writer = run_collectively("distributing the writing", lambda: distribute_main_replicas(gathered))
         if self.do_cache_distribution:
             self._cached = (fingerprint, writer)
@@ -251,7 +253,13 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
         run_collectively("checking the parallelization groups", lambda: agree_on_group(group, "parallelization groups"))
         hooks = _CachingHooks(self) if self.do_cache_distribution else None
         return load_with_exchange(
-            sharded_state_dict, Path(checkpoint_dir), self.base_strategy, group, balanced_owners, self.bucket_bytes, hooks
+            sharded_state_dict,
+            Path(checkpoint_dir),
+            self.base_strategy,
+            group,
+            balanced_owners,
+            self.bucket_bytes,
+            hooks,
         )
 
     def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:

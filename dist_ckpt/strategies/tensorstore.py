@@ -32,7 +32,14 @@ from typing import Any, ClassVar, Deque, Dict, List, Optional, Sequence, Tuple, 
 import numpy as np
 import torch
 
-from ..errors import CheckpointingException, CorruptCheckpointError, KeyMismatchError, LoadMismatchError, MissingDependencyError, format_keys
+from ..errors import (
+    CheckpointingException,
+    CorruptCheckpointError,
+    KeyMismatchError,
+    LoadMismatchError,
+    MissingDependencyError,
+    format_keys,
+)
 
 try:
     import tensorstore as ts
@@ -119,7 +126,9 @@ def open_ts_array(arr_path: Path, context: Optional["ts.Context"] = None) -> "ts
     try:
         return ts.open(spec, open=True, read=True, context=context or _context(None)).result()
     except Exception as e:  # noqa: BLE001 -- unreadable metadata means a damaged checkpoint
-        raise CorruptCheckpointError(f"[rank {get_rank()}] cannot open zarr array {str(arr_path)!r} with TensorStore: {e}") from e
+        raise CorruptCheckpointError(
+            f"[rank {get_rank()}] cannot open zarr array {str(arr_path)!r} with TensorStore: {e}"
+        ) from e
 
 
 def merge_global_slice_with_shape(
@@ -197,7 +206,11 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
         root = Path(checkpoint_dir) / ZARR_DIR
-        shards = [s for s in nested_values(sharded_state_dict) if isinstance(s, ShardedTensor) and is_main_replica(s.replica_id)]
+        shards = [
+            s
+            for s in nested_values(sharded_state_dict)
+            if isinstance(s, ShardedTensor) and is_main_replica(s.replica_id)
+        ]
         context = _context(self.concurrency)
         # 1. tensor nodes exist before any rank writes into them
         run_collectively("creating zarr arrays (tensorstore)", lambda: self._create_nodes(root, shards, context))
@@ -261,7 +274,9 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
         opened: Dict[Path, Any] = {}
         for _, path, _, _, _ in targets:
             if path not in opened:
-                opened[path] = ts.open(dict(_spec(path), store_data_equal_to_fill_value=True), open=True, write=True, context=context)
+                opened[path] = ts.open(
+                    dict(_spec(path), store_data_equal_to_fill_value=True), open=True, write=True, context=context
+                )
         pending: List[Tuple[Tuple[str, Path], Any]] = []
         open_failed = []
         for sh, path, region, data, _ in targets:
@@ -375,10 +390,15 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
         staging = torch.empty(shape, dtype=sh.dtype)
         return _Target(sh, staging, data if self.load_directly_on_device else staging, holder)
 
-    def _read_all(self, requested: List[ShardedTensor], plans: Dict[int, ReadPlan], targets: Dict[int, _Target]) -> None:
+    def _read_all(
+        self, requested: List[ShardedTensor], plans: Dict[int, ReadPlan], targets: Dict[int, _Target]
+    ) -> None:
         context = _context(self.concurrency)
         paths = {op.array_path for plan in plans.values() for op in plan.ops}
-        opening = {p: ts.open(dict(_spec(p), fill_missing_data_reads=False), open=True, read=True, context=context) for p in sorted(paths)}
+        opening = {
+            p: ts.open(dict(_spec(p), fill_missing_data_reads=False), open=True, read=True, context=context)
+            for p in sorted(paths)
+        }
         arrays: Dict[Path, Any] = {}
         for path, future in opening.items():
             try:
@@ -397,7 +417,9 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
                 t = targets[id(sh)]
                 for op in plans[id(sh)].ops:
                     view = sub_view(piece_view(t.dest, op.dst, sh.prepend_axis_num, t.holder), op.dst.box, op.inter)
-                    source = arrays[op.array_path][tuple(slice(o, o + s) for o, s in zip(op.region.offset, op.region.shape))]
+                    source = arrays[op.array_path][
+                        tuple(slice(o, o + s) for o, s in zip(op.region.offset, op.region.shape))
+                    ]
                     if op.src_box == op.inter and op.region.shape == op.inter.shape:
                         # a box of a chunked array: TensorStore copies straight into the destination
                         memory = ts.array(tensor_to_numpy(view), copy=False, write=True)

@@ -112,7 +112,11 @@ class _TimedHooks(ExchangeHooks):
         return self.strategy.exchange_loaded_metadata(primaries, group)
 
     def read(
-        self, mine: Mapping[ShardId, ShardedTensor], others: Sequence[ShardedBase], checkpoint_dir: Path, base: LoadShardedStrategy
+        self,
+        mine: Mapping[ShardId, ShardedTensor],
+        others: Sequence[ShardedBase],
+        checkpoint_dir: Path,
+        base: LoadShardedStrategy,
     ) -> Dict[ShardId, Any]:
         return self.strategy.load_tensors_from_storage(mine, others, checkpoint_dir, base)
 
@@ -180,7 +184,9 @@ class TwoStageDataParallelLoadShardedStrategy(LoadShardedStrategy):
         if self.base_strategy is not None:
             self.base_strategy.check_backend_compatibility(loaded_backend)
             return
-        if not any(k.action == StrategyAction.LOAD_SHARDED and k.backend == loaded_backend for k in registered_strategies()):
+        if not any(
+            k.action == StrategyAction.LOAD_SHARDED and k.backend == loaded_backend for k in registered_strategies()
+        ):
             raise IncompatibleStrategyError(f"{self}: no loader is registered for backend {loaded_backend!r} to wrap")
 
     def check_version_compatibility(self, loaded_version: int) -> None:
@@ -224,7 +230,9 @@ class TwoStageDataParallelLoadShardedStrategy(LoadShardedStrategy):
         self.dp_group_rank = get_rank(self.data_parallel_group)
 
     @timed()
-    def exchange_loaded_metadata(self, primaries: Mapping[ShardId, ShardedTensor], group: Optional[ProcessGroup]) -> GroupRequests:
+    def exchange_loaded_metadata(
+        self, primaries: Mapping[ShardId, ShardedTensor], group: Optional[ProcessGroup]
+    ) -> GroupRequests:
         """Step 1: every DP rank's requested chunks (ids and sizes)."""
         return ExchangeHooks().gather(primaries, group)
 
@@ -254,7 +262,11 @@ class TwoStageDataParallelLoadShardedStrategy(LoadShardedStrategy):
 
     @timed()
     def load_tensors_from_storage(
-        self, mine: Mapping[ShardId, ShardedTensor], others: Sequence[ShardedBase], checkpoint_dir: Path, base: LoadShardedStrategy
+        self,
+        mine: Mapping[ShardId, ShardedTensor],
+        others: Sequence[ShardedBase],
+        checkpoint_dir: Path,
+        base: LoadShardedStrategy,
     ) -> Dict[ShardId, Any]:
         """Step 3: read this rank's assigned chunks (and any non-tensor shards) in one call to
         the base strategy, so that it can read them concurrently."""
@@ -263,7 +275,9 @@ class TwoStageDataParallelLoadShardedStrategy(LoadShardedStrategy):
     def load_tensor_from_storage(self, checkpoint_dir: Path, ten_meta: _ShardedTensorMetadata) -> torch.Tensor:
         """Read one chunk from storage with the base strategy (a new tensor)."""
         sh = ten_meta.sharded_tensor_no_data.without_data()
-        out = self.load_tensors_from_storage({sharded_tensor_chunk_id(sh): sh}, [], Path(checkpoint_dir), self._base(Path(checkpoint_dir)))
+        out = self.load_tensors_from_storage(
+            {sharded_tensor_chunk_id(sh): sh}, [], Path(checkpoint_dir), self._base(Path(checkpoint_dir))
+        )
         tensor: torch.Tensor = next(iter(out.values()))
         return tensor
 
@@ -283,7 +297,13 @@ class TwoStageDataParallelLoadShardedStrategy(LoadShardedStrategy):
         base = self._base(checkpoint_dir)
         self.maybe_init_gloo_group()
         return load_with_exchange(
-            sharded_state_dict, checkpoint_dir, base, self.data_parallel_group, self._assign, self.bucket_bytes, _TimedHooks(self)
+            sharded_state_dict,
+            checkpoint_dir,
+            base,
+            self.data_parallel_group,
+            self._assign,
+            self.bucket_bytes,
+            _TimedHooks(self),
         )
 
     def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
@@ -302,7 +322,10 @@ class TwoStageDataParallelLoadShardedStrategy(LoadShardedStrategy):
             values = [per_rank.get(name, 0.0) for per_rank in gathered]
             summary[name] = {"min": min(values), "mean": sum(values) / len(values), "max": max(values)}
         if get_rank() == 0:
-            lines = [f"{name:>28}: min {s['min']:.3f}s  mean {s['mean']:.3f}s  max {s['max']:.3f}s" for name, s in summary.items()]
+            lines = [
+                f"{name:>28}: min {s['min']:.3f}s  mean {s['mean']:.3f}s  max {s['max']:.3f}s"
+                for name, s in summary.items()
+            ]
             logger.info("two-stage load times over %d ranks:\n%s", len(gathered), "\n".join(lines))
         return summary
 

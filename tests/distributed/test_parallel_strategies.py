@@ -3,7 +3,6 @@ much, and errors that must reach every rank (never a hang)."""
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
@@ -265,7 +264,7 @@ def test_rank_failing_mid_broadcast_raises_everywhere_and_keeps_ranks_in_step(si
     """Rank 1 fails on its first packed bucket (receiving, or sending); it must keep taking part
     in the broadcasts that follow (or the others would hang), and all ranks raise its error."""
     dc.save(replicated_state(), shared_tmp_path)
-    real, real_broadcast = getattr(exchange, side), exchange.broadcast_tensor
+    real_broadcast = exchange.broadcast_tensor
     events: List[str] = []
 
     def failing(*args: Any) -> Any:
