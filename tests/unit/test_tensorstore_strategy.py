@@ -421,6 +421,13 @@ def test_through_save_and_load(tmp_path):
                   sharded_strategy=TensorStoreLoadShardedStrategy())
     assert torch.equal(out["x"], full)
     assert torch.equal(dc.load_plain_tensors(tmp_path)["w"], full)
+    # with a cap of one concurrent file operation the result is the same
+    capped = TensorStoreLoadShardedStrategy(concurrency=1).load({"x": ShardedTensor.from_rank_offsets("w", torch.empty(6, 4))}, tmp_path)
+    assert torch.equal(capped["x"], full)
+    TensorStoreSaveShardedStrategy(concurrency=1).save(split_state("w", full, 1, 2), tmp_path / "capped")
+    assert torch.equal(ZarrLoadShardedStrategy().load({"x": ShardedTensor.from_rank_offsets("w", torch.empty(6, 4))}, tmp_path / "capped")["x"], full)
+    with pytest.raises(dc.CheckpointingException, match="'zarr', 1"):
+        TensorStoreSaveShardedStrategy("safetensors", 1)
 
 
 def test_registry_alternatives_and_megatron_registration(tmp_path):
