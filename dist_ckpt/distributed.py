@@ -14,7 +14,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-from typing import Any, Callable, List, Optional, TypeVar
+from typing import Any, Callable, List, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -74,6 +74,18 @@ def destroy_process_group() -> None:
     """Tear down the default process group, if any."""
     if is_distributed():
         dist.destroy_process_group()
+
+
+def group_backend(group: Optional[ProcessGroup] = None) -> str:
+    """Name of ``group``'s torch.distributed backend (``"gloo"``, ``"nccl"``); ``"none"`` without
+    a process group."""
+    return str(dist.get_backend(group)) if is_distributed() else "none"
+
+
+def new_group(ranks: Sequence[int], backend: Optional[str] = None) -> ProcessGroup:
+    """Create a process group of the global ``ranks`` (collective over the default group: every
+    rank must call it with the same arguments, in the same order)."""
+    return dist.new_group(ranks=list(ranks), backend=backend)
 
 
 def barrier(group: Optional[ProcessGroup] = None) -> None:
@@ -145,6 +157,26 @@ def broadcast_json(obj: Any, src: int = 0, group: Optional[ProcessGroup] = None)
     buf = payload.to(device) if get_rank(group) == src else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     dist.broadcast(buf, src=src_global, group=group)
     return _decode(buf, int(size.item()))
+
+
+def broadcast_tensor(tensor: torch.Tensor, src: int, group: Optional[ProcessGroup] = None, what: str = "a tensor") -> None:
+    """Broadcast ``tensor`` in place from group rank ``src`` to every rank of ``group``.
+
+    ``tensor`` must be contiguous, live on :func:`comm_device` and have the same shape and dtype
+    on every rank. Only call it once every rank knows the source succeeded (exchange a success
+    flag first): a broadcast cannot report a failure of its source. A failure of the transport
+    itself (a peer rank exited, a timeout) raises :class:`RankFailedError` naming ``what``,
+    the source and this rank; the other ranks see the same transport failure.
+    """
+    if get_world_size(group) == 1:
+        return
+    try:
+        dist.broadcast(tensor, src=global_rank_of(group, src), group=group)
+    except RuntimeError as e:
+        raise RankFailedError(
+            f"[rank {get_rank()}] broadcast of {what} from group rank {src} (global rank "
+            f"{global_rank_of(group, src)}) failed: {e}; a peer rank probably exited or timed out"
+        ) from e
 
 
 def _any_rank_true(flag: bool, group: Optional[ProcessGroup]) -> bool:

@@ -110,6 +110,11 @@ class InvalidKeyError(CheckpointingException, ValueError):
     """A key cannot be stored safely (for example it would escape the checkpoint directory)."""
 
 
+class ProcessGroupMismatchError(CheckpointingException, ValueError):
+    """Ranks passed process groups that do not agree (e.g. rank 0 says its data-parallel group
+    is ``[0, 1]`` but rank 1 says ``[1]``)."""
+
+
 class RankFailedError(CheckpointingException):
     """Raised on every rank when another rank failed a collective step in a non-library way.
 

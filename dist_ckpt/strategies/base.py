@@ -21,6 +21,10 @@ Where strategies come from (nothing registers at import time):
 3. the entry-point group ``dist_ckpt.strategies``: an entry point named
    ``<action>.<backend>.<version>`` (e.g. ``load_sharded.mybackend.1``) pointing at a strategy
    class or factory.
+
+A key has one default. Other built-in engines for the same on-disk format (TensorStore for
+``("zarr", 1)``) are *alternatives*, listed by :func:`alternative_strategies` and built by
+:func:`get_alternative_strategy`; they are never chosen implicitly.
 """
 
 from __future__ import annotations
@@ -226,6 +230,17 @@ _BUILTINS: Dict[StrategyKey, _Builtin] = {
     _key(StrategyAction.LOAD_SHARDED, "zarr", 1): _Builtin("dist_ckpt.strategies.zarr:ZarrLoadShardedStrategy", "zarr"),
 }
 
+#: further built-in implementations of a key (other engines for the same on-disk format),
+#: selectable by name; the default of each key stays in _BUILTINS
+_ALTERNATIVES: Dict[StrategyKey, Dict[str, _Builtin]] = {
+    _key(StrategyAction.SAVE_SHARDED, "zarr", 1): {
+        "tensorstore": _Builtin("dist_ckpt.strategies.tensorstore:TensorStoreSaveShardedStrategy", "tensorstore"),
+    },
+    _key(StrategyAction.LOAD_SHARDED, "zarr", 1): {
+        "tensorstore": _Builtin("dist_ckpt.strategies.tensorstore:TensorStoreLoadShardedStrategy", "tensorstore"),
+    },
+}
+
 _registry: Dict[StrategyKey, Union[Strategy, StrategyFactory]] = {}
 
 
@@ -336,6 +351,33 @@ def get_default_strategy(action: StrategyAction, backend: str, version: int) -> 
     listing = ", ".join(str(k) for k in registered_strategies())
     detail = f" ({backend!r} is registered for: {', '.join(same_backend)})" if same_backend else ""
     raise UnknownStrategyError(f"no strategy registered for {key}{detail}. Registered: {listing}")
+
+
+def alternative_strategies(action: StrategyAction, backend: str, version: int) -> List[str]:
+    """Names of the built-in alternatives to the default strategy of ``(action, backend, version)``:
+    other engines for the same on-disk format (e.g. ``"tensorstore"`` for ``("zarr", 1)``).
+
+    Listing imports nothing. Example::
+
+        alternative_strategies(StrategyAction.LOAD_SHARDED, "zarr", 1)   # ['tensorstore']
+    """
+    return sorted(_ALTERNATIVES.get(_key(action, backend, version), {}))
+
+
+def get_alternative_strategy(action: StrategyAction, backend: str, version: int, name: str) -> Strategy:
+    """A new instance of the built-in alternative ``name`` for ``(action, backend, version)``.
+
+    Raises:
+        UnknownStrategyError: no alternative of that name (the message lists the known ones).
+        MissingDependencyError: its optional dependency is missing (names the pip extra).
+    """
+    key = _key(action, backend, version)
+    alternatives = _ALTERNATIVES.get(key, {})
+    if name not in alternatives:
+        raise UnknownStrategyError(
+            f"no alternative strategy {name!r} for {key}; known alternatives: {sorted(alternatives) or 'none'}"
+        )
+    return _instantiate(key, _load_builtin(key, alternatives[name]))
 
 
 StrategySpec = Union[Strategy, Tuple[str, int], StrategyKey, None]

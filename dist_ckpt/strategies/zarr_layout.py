@@ -1,9 +1,11 @@
 """The on-disk layout of zarr-format checkpoints, shared by every engine that reads or writes it.
 
-Both the zarr-python backend (:mod:`.zarr`) and a TensorStore one use this module; it imports
-neither library. It knows where each tensor lives, parses the zarr v3 metadata (plain JSON), and
-turns a requested ShardedTensor into a list of :class:`ReadOp` -- which region of which array
-goes where -- checking coverage before any byte is read.
+Both the zarr-python engine (:mod:`.zarr`) and the TensorStore one (:mod:`.tensorstore`) use
+this module; it imports neither library. It knows where each tensor lives, parses the zarr v3
+metadata (plain JSON), and turns a requested ShardedTensor into a list of :class:`ReadOp` --
+which region of which array goes where -- checking coverage before any byte is read. For
+writing it gives the nodes' metadata and attributes as plain data, so that both engines write
+the same checkpoint, and names damaged chunk files after a failed read.
 
 Layout::
 
@@ -20,6 +22,7 @@ flattened layout also ``global_shape`` and ``chunk_shape``, and on each fragment
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -30,11 +33,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..dtypes import dtype_from_name, numpy_to_tensor
+from ..dtypes import dtype_from_name, dtype_info, numpy_to_tensor
 from ..errors import CorruptCheckpointError, LoadMismatchError
 from ..geometry import Box, ShardPiece, shard_pieces
 from ..mapping import ShardedStateDict, ShardedTensor
-from ..storage import encode_key
+from ..storage import encode_key, fsync_dir, fsync_file, write_bytes_atomic
 
 ZARR_DIR = "zarr"
 ATTR = "dist_ckpt"
@@ -341,3 +344,149 @@ def tensor_dir_name(key: str) -> str:
 def tensor_dir(root: Path, key: str) -> Path:
     """Directory of the tensor stored under ``key``."""
     return root / tensor_dir_name(key)
+
+
+# --------------------------------------------------------------------------- writing the layout
+# What any engine writes, as plain data: the zarr-python engine (zarr.py) builds the same nodes
+# with zarr-python's own API; an engine without group support (TensorStore) uses these helpers.
+
+
+def is_origin(sh: ShardedTensor) -> bool:
+    """Whether ``sh`` is the tensor's first chunk: its holder creates the tensor's node."""
+    return not any(sh.global_offset)
+
+
+def array_chunk_shape(sh: ShardedTensor) -> Shape:
+    """Zarr chunk shape of a tensor saved as a grid of shards: the shard shape (at least 1)."""
+    return tuple(max(1, c) for c in sh.full_local_shape)
+
+
+def fragment_chunk_elements(length: int) -> int:
+    """Zarr chunk length of a fragment array of ``length`` elements."""
+    return min(length, FRAGMENT_CHUNK_ELEMENTS)
+
+
+def chunked_attributes(sh: ShardedTensor) -> Dict[str, Any]:
+    """The ``dist_ckpt`` attributes of a tensor saved as a grid of shards."""
+    return {"key": sh.key, "dtype": dtype_info(sh.dtype).name, "layout": LAYOUT_CHUNKED}
+
+
+def flattened_attributes(sh: ShardedTensor) -> Dict[str, Any]:
+    """The ``dist_ckpt`` attributes of the group of a tensor saved as flattened ranges."""
+    return {
+        "key": sh.key,
+        "dtype": dtype_info(sh.dtype).name,
+        "layout": LAYOUT_FLATTENED,
+        "global_shape": list(sh.global_shape),
+        "chunk_shape": list(sh.full_local_shape),
+    }
+
+
+def fragment_attributes(sh: ShardedTensor) -> Dict[str, Any]:
+    """The ``dist_ckpt`` attributes of one fragment array (a flattened shard)."""
+    assert sh.flattened_range is not None
+    return {"global_offset": list(sh.global_offset), "flat_range": [sh.flattened_range.start, sh.flattened_range.stop]}
+
+
+def creates_flattened_group(sh: ShardedTensor) -> bool:
+    """Whether the holder of flattened shard ``sh`` creates the tensor's group: the shard that
+    starts the tensor's first chunk (or the whole first chunk when it is empty)."""
+    assert sh.flattened_range is not None
+    start, stop = sh.flattened_range.start, sh.flattened_range.stop
+    return is_origin(sh) and start == 0 and (stop > 0 or math.prod(sh.local_shape) == 0)
+
+
+def fill_value_json(dtype: torch.dtype) -> Any:
+    """The zarr v3 ``fill_value`` (zero) of ``dtype`` in its JSON form."""
+    if dtype == torch.bool:
+        return False
+    if dtype.is_complex:
+        return [0.0, 0.0]
+    if dtype.is_floating_point:
+        return 0.0
+    return 0
+
+
+def array_metadata(shape: Sequence[int], chunk_shape: Sequence[int], dtype: torch.dtype, attributes: Dict[str, Any]) -> Dict[str, Any]:
+    """zarr v3 metadata of an uncompressed little-endian array, as the zarr backend writes it."""
+    info = dtype_info(dtype)
+    bytes_codec: Dict[str, Any] = {"name": "bytes"}
+    if info.numpy_dtype.itemsize > 1:
+        bytes_codec["configuration"] = {"endian": "little"}
+    return {
+        "zarr_format": 3,
+        "node_type": "array",
+        "shape": list(shape),
+        "data_type": info.name,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk_shape)}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": fill_value_json(dtype),
+        "codecs": [bytes_codec],
+        "attributes": {ATTR: attributes},
+    }
+
+
+def write_group(path: Path, attributes: Dict[str, Any]) -> Path:
+    """Write a zarr v3 group node at ``path`` (atomically, fsynced); returns its ``zarr.json``."""
+    path.mkdir(parents=True, exist_ok=True)
+    doc = {"attributes": attributes, "zarr_format": 3, "node_type": "group"}
+    target = path / "zarr.json"
+    write_bytes_atomic(target, json.dumps(doc, indent=2).encode("utf-8"))
+    return target
+
+
+def chunk_key(coords: Sequence[int]) -> str:
+    """Path of a chunk under its array, for the default chunk key encoding (``c/i/j``; ``c``
+    for a 0-d array)."""
+    return "/".join(["c", *map(str, coords)])
+
+
+def chunk_coords(region: Box, chunk_shape: Sequence[int]) -> List[Shape]:
+    """Grid coordinates of every chunk that ``region`` overlaps."""
+    ranges = [range(o // c, (o + s - 1) // c + 1) for o, s, c in zip(region.offset, region.shape, chunk_shape)]
+    return [tuple(c) for c in itertools.product(*ranges)]
+
+
+def damaged_chunks(array_path: Path, region: Box) -> List[str]:
+    """Why the chunk files holding ``region`` of the array at ``array_path`` cannot be read: one
+    line per missing or wrongly sized file (empty if they all look intact).
+
+    Engines call this after a failed read, to name the damaged file instead of passing on a
+    library message.
+    """
+    doc = read_zarr_json(array_path)
+    if doc is None:
+        return [f"{str(array_path / 'zarr.json')!r} is missing"]
+    try:
+        chunk_shape = [int(c) for c in doc["chunk_grid"]["configuration"]["chunk_shape"]]
+        itemsize = dtype_info(dtype_from_name(str(doc["data_type"]))).numpy_dtype.itemsize
+    except (KeyError, TypeError, ValueError) as e:
+        return [f"{str(array_path / 'zarr.json')!r} is malformed: {e!r}"]
+    except Exception as e:  # noqa: BLE001 -- an unknown data_type is one more way to be damaged
+        return [f"{str(array_path / 'zarr.json')!r} is unreadable: {e}"]
+    expected = math.prod(chunk_shape) * itemsize
+    problems = []
+    for coords in chunk_coords(region, chunk_shape):
+        path = array_path / chunk_key(coords)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            problems.append(f"chunk file {str(path)!r} is missing")
+            continue
+        if size != expected:
+            problems.append(f"chunk file {str(path)!r} has {size} bytes, expected {expected} (truncated or damaged)")
+    return problems
+
+
+def fsync_written(paths: Sequence[Path], root: Path) -> None:
+    """fsync the files an engine wrote, then every directory from their parents up to ``root``,
+    so that a crash after a save returns cannot lose them."""
+    dirs = {root}
+    for p in paths:
+        fsync_file(p)
+        parent = p.parent
+        while parent != root and root in parent.parents:
+            dirs.add(parent)
+            parent = parent.parent
+    for d in sorted(dirs, key=lambda d: len(d.parts), reverse=True):
+        fsync_dir(d)

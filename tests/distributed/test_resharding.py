@@ -1,7 +1,10 @@
 """Backend conformance suite: save in one parallel layout, load in another, compare bit-exactly.
 
-Every registered sharded backend runs every test here, at 2 and at 4 ranks. Layouts may have
-more participants than ranks (see dist_ckpt.testing.layouts), so "TP=4" is also exercised at 2
+Every test runs for every (save strategy, load strategy) combination of
+helpers.strategy_combinations(): each registered sharded backend, each alternative engine of a
+format against the default one (zarr-python <-> TensorStore), and the two-stage and
+fully-parallel wrappers around the defaults; at 2 and at 4 ranks. Layouts may have more
+participants than ranks (see dist_ckpt.testing.layouts), so "TP=4" is also exercised at 2
 ranks; the 4-rank session runs them on four real processes.
 """
 
@@ -27,11 +30,12 @@ from dist_ckpt.testing.layouts import (
     tp_shards,
 )
 
-from .helpers import assert_on_all_ranks, backend_pairs, rank, world
+from .helpers import StrategyCombo, assert_on_all_ranks, combo_named, rank, strategy_combinations, world
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
-BACKENDS = backend_pairs()
+COMBOS = strategy_combinations()
+by_name = lambda c: c.name  # noqa: E731 -- test ids
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
 SHAPES = {"row": ((16, 12), 0), "col": ((12, 16), 1), "bias": ((16,), 0), "cube": ((8, 4, 8), 2)}
 
@@ -62,13 +66,13 @@ def _global_shape(sh: dc.ShardedTensor) -> Tuple[int, ...]:
     return sh.global_shape
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: f"{b[0]}-v{b[1]}")
+@pytest.mark.parametrize("combo", COMBOS, ids=by_name)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("src_tp,dst_tp", [(4, 2), (2, 4), (4, 1), (1, 4)])
-def test_tensor_parallel_resharding(backend, dtype, src_tp, dst_tp, shared_tmp_path: Path) -> None:
-    dc.save(model_state(src_tp, dtype), shared_tmp_path, sharded_strategy=backend)
+def test_tensor_parallel_resharding(combo: StrategyCombo, dtype, src_tp, dst_tp, shared_tmp_path: Path) -> None:
+    dc.save(model_state(src_tp, dtype), shared_tmp_path, sharded_strategy=combo.save())
     request = model_state(dst_tp, dtype, empty=True)
-    loaded = dc.load(request, shared_tmp_path)
+    loaded = dc.load(request, shared_tmp_path, sharded_strategy=combo.load())
     check_loaded(loaded, request)
 
 
@@ -91,14 +95,14 @@ def stacked_layers(pp: int, tp: int, empty: bool = False) -> Dict[str, dc.Sharde
     return sd
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: f"{b[0]}-v{b[1]}")
+@pytest.mark.parametrize("combo", COMBOS, ids=by_name)
 @pytest.mark.parametrize("src,dst", [((4, 1), (2, 2)), ((2, 2), (4, 1)), ((1, 4), (4, 2))], ids=str)
-def test_pipeline_stages_regrouped(backend, src, dst, shared_tmp_path: Path) -> None:
+def test_pipeline_stages_regrouped(combo: StrategyCombo, src, dst, shared_tmp_path: Path) -> None:
     """Layers stacked with prepend_axis_num=1 move between pipeline stages and TP splits."""
     saved = stacked_layers(*src)
-    dc.save(saved, shared_tmp_path, sharded_strategy=backend)
+    dc.save(saved, shared_tmp_path, sharded_strategy=combo.save())
     request = stacked_layers(*dst, empty=True)
-    loaded = dc.load(request, shared_tmp_path)
+    loaded = dc.load(request, shared_tmp_path, sharded_strategy=combo.load())
     full = full_tensor("layers.w", (8, 12, 8), torch.float32)
     bad = [k for k, sh in request.items() if not bitwise_equal(loaded[k], expected_data(sh, full))]
     assert_on_all_ranks(not bad, f"mismatched layers: {bad}")
@@ -116,82 +120,91 @@ def _files_bytes(root: Path, exclude=("zarr.json", "metadata.json", "common.pt")
     return total
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: f"{b[0]}-v{b[1]}")
-def test_only_main_replicas_are_written(backend, shared_tmp_path: Path) -> None:
-    """With DP replicas holding *different* (wrong) data, only the main replica reaches disk."""
+@pytest.mark.parametrize("combo", COMBOS, ids=by_name)
+def test_only_main_replicas_are_written(combo: StrategyCombo, shared_tmp_path: Path) -> None:
+    """With DP replicas holding *different* (wrong) data, only the main replica reaches disk.
+
+    A saver that may write any replica (fully parallel) gets identical replicas and must still
+    write each shard exactly once."""
     tp, dp = 2, 2
     full = full_tensor("w", (64, 32), torch.float32)
     sd = tp_shards("w", full, 0, tp, rank(), world(), dp=dp)
     for sh in sd.values():
-        if sh.replica_id != 0:
+        if sh.replica_id != 0 and not combo.any_replica_writes:
             sh.data.fill_(-1.0)  # a replica that was written would corrupt the result
-    dc.save(sd, shared_tmp_path, sharded_strategy=backend)
+    dc.save(sd, shared_tmp_path, sharded_strategy=combo.save())
     written = _files_bytes(shared_tmp_path)
     expected = numel_bytes(full.shape, full.dtype)
     assert_on_all_ranks(expected <= written < expected * 1.25, f"{written} bytes on disk for {expected} bytes of main replicas")
     request = tp_shards("w", full, 0, 1, rank(), world(), empty=True)
-    loaded = dc.load(request, shared_tmp_path)
+    loaded = dc.load(request, shared_tmp_path, sharded_strategy=combo.load())
     assert_on_all_ranks(all(bitwise_equal(loaded[k], full) for k in request), "replica data leaked into the checkpoint")
 
 
-def _load_flat_at(rank_: int, world_size: int, ckpt: str, dp: int) -> bool:
+def _load_flat_at(rank_: int, world_size: int, ckpt: str, dp: int, combo_name: str) -> bool:
     """Runs in a fresh job of ``world_size`` ranks: loads flattened and whole layouts."""
+    combo = combo_named(combo_name)
     full = full_tensor("opt.exp_avg", (24, 10), torch.float32)
     ok = True
     for request in (
         flat_shards("opt.exp_avg", full, 0, 1, dp, rank_, world_size, empty=True, reverse=True),
         tp_shards("opt.exp_avg", full, 0, 2, rank_, world_size, empty=True),
     ):
-        loaded = dc.load(request, ckpt)
+        loaded = dc.load(request, ckpt, sharded_strategy=combo.load())
         ok = ok and all(bitwise_equal(loaded[k], expected_data(sh, full)) for k, sh in request.items())
     return ok
 
 
-def _load_single_process(ckpt: str) -> bool:
+def _load_single_process(ckpt: str, combo_name: str) -> bool:
     """Runs in a fresh process with no process group at all."""
     import torch.distributed
 
     assert not torch.distributed.is_initialized()
     full = full_tensor("opt.exp_avg", (24, 10), torch.float32)
     plain = dc.load_plain_tensors(ckpt)
-    return bitwise_equal(plain["opt.exp_avg"], full)
+    request = {"w": dc.ShardedTensor.from_rank_offsets("opt.exp_avg", torch.zeros(24, 10))}
+    loaded = dc.load(request, ckpt, sharded_strategy=combo_named(combo_name).load())
+    return bitwise_equal(plain["opt.exp_avg"], full) and bitwise_equal(loaded["w"], full)
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: f"{b[0]}-v{b[1]}")
-def test_flattened_ranges_saved_at_4_loaded_at_2_and_1(backend, shared_tmp_path: Path) -> None:
+@pytest.mark.parametrize("combo", COMBOS, ids=by_name)
+def test_flattened_ranges_saved_at_4_loaded_at_2_and_1(combo: StrategyCombo, shared_tmp_path: Path) -> None:
     """Distributed-optimizer state (TP=2 x DP=2 flattened ranges) saved by 4 participants, loaded
     by a 2-rank job (DP=2, other cut points; and as whole TP shards) and by one process."""
     full = full_tensor("opt.exp_avg", (24, 10), torch.float32)
-    dc.save(flat_shards("opt.exp_avg", full, 0, 2, 2, rank(), world()), shared_tmp_path, sharded_strategy=backend)
+    dc.save(flat_shards("opt.exp_avg", full, 0, 2, 2, rank(), world()), shared_tmp_path, sharded_strategy=combo.save())
     ok, detail = True, ""
     if rank() == 0:
         try:
-            ok = all(spawn_ranks(_load_flat_at, 2, str(shared_tmp_path), 2, timeout_s=60))
+            ok = all(spawn_ranks(_load_flat_at, 2, str(shared_tmp_path), 2, combo.name, timeout_s=60))
             with multiprocessing.get_context("spawn").Pool(1) as pool:
-                ok = ok and pool.apply(_load_single_process, (str(shared_tmp_path),))
+                ok = ok and pool.apply(_load_single_process, (str(shared_tmp_path), combo.name))
         except Exception as e:  # noqa: BLE001 -- reported on every rank below
             ok, detail = False, repr(e)
     assert_on_all_ranks(ok, f"flattened load in another world size differs {detail}")
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: f"{b[0]}-v{b[1]}")
-def test_sharded_objects_and_common_state(backend, shared_tmp_path: Path) -> None:
+@pytest.mark.parametrize("combo", COMBOS, ids=by_name)
+def test_sharded_objects_and_common_state(combo: StrategyCombo, shared_tmp_path: Path) -> None:
     sd = {
         "rng": dc.ShardedObject("rng", {"rank": rank(), "state": torch.arange(rank() + 3)}, (world(),), (rank(),)),
         "shared_cfg": dc.ShardedObject("cfg", {"lr": 0.1}, (1,), (0,), replica_id=rank()),
         "step": 42,
         "nested": {"lists": [1, 2, {"x": torch.ones(2)}]},
         "local": dc.LocalNonPersistentObject(f"local-{rank()}"),
+        "w": tp_shards("w", full_tensor("w", (8,)), 0, 2, rank(), world()),
     }
-    dc.save(sd, shared_tmp_path, sharded_strategy=backend)
+    dc.save(sd, shared_tmp_path, sharded_strategy=combo.save())
     request = {
         "rng": dc.ShardedObject("rng", None, (world(),), (rank(),)),
         "shared_cfg": dc.ShardedObject("cfg", None, (1,), (0,), replica_id=rank()),
         "local": dc.LocalNonPersistentObject(f"restored-{rank()}"),
+        "w": tp_shards("w", full_tensor("w", (8,)), 0, 1, rank(), world(), empty=True),
     }
-    loaded = dc.load(request, shared_tmp_path)
+    loaded = dc.load(request, shared_tmp_path, sharded_strategy=combo.load())
     ok = (
-        loaded["rng"]["rank"] == rank()
+        all(bitwise_equal(t, full_tensor("w", (8,))) for t in loaded["w"].values())
+        and loaded["rng"]["rank"] == rank()
         and torch.equal(loaded["rng"]["state"], torch.arange(rank() + 3))
         and loaded["shared_cfg"] == {"lr": 0.1}
         and loaded["step"] == 42

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from dist_ckpt.distributed import (
     all_gather_json,
     barrier,
     broadcast_json,
+    broadcast_tensor,
     gather_json,
     get_rank,
     get_world_size,
+    group_backend,
     group_ranks,
     is_distributed,
     raise_if_any_rank_failed,
@@ -58,3 +61,10 @@ def test_raise_if_any_rank_failed():
     raise_if_any_rank_failed(None, "step")
     with pytest.raises(KeyError):
         raise_if_any_rank_failed(KeyError("x"), "step")
+
+
+def test_tensor_broadcast_and_backend_without_process_group():
+    t = torch.arange(4)
+    broadcast_tensor(t, 0, what="'w'")  # a world of one: nothing to send, tensor unchanged
+    assert torch.equal(t, torch.arange(4))
+    assert group_backend() == "none"
