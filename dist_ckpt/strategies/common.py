@@ -18,7 +18,6 @@ import io
 import json
 import logging
 import pickle
-import zipfile
 from pathlib import Path
 from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
@@ -148,8 +147,9 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
                     f"Loading it would run code from the checkpoint; if you trust it, pass {_OPT_IN}"
                 ) from e
             raise CorruptCheckpointError(f"{path} cannot be unpickled ({what}): {e}") from e
-        except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as e:
-            raise CorruptCheckpointError(f"{path} is truncated or corrupt ({what}): {e}") from e
+        except Exception as e:  # noqa: BLE001 -- torch.load fails in many ways on damaged bytes
+            # (RuntimeError, EOFError, BadZipFile, IndexError, KeyError, ... depending on where)
+            raise CorruptCheckpointError(f"{path} is truncated or corrupt ({what}): {type(e).__name__}: {e}") from e
 
     @staticmethod
     def _unsafe_globals(path: Path) -> List[str]:

@@ -6,6 +6,7 @@ import collections
 import json
 import logging
 import os
+import random
 from pathlib import Path
 
 import numpy as np
@@ -92,12 +93,17 @@ class TestCommonState:
             TorchCommonLoadStrategy().load_common(tmp_path)
         assert COMMON_STATE_FNAME in str(info.value)
 
-    @pytest.mark.parametrize("damage", ["truncate", "garbage", "empty"])
+    @pytest.mark.parametrize("damage", ["truncate", "garbage-2", "garbage-20", "garbage-77", "empty"])
     def test_corrupt_file(self, tmp_path, damage):
+        """Seeded garbage: seeds 2 and 20 make torch.load raise IndexError and KeyError."""
         TorchCommonSaveStrategy().save_common(SAFE_STATE, tmp_path)
         path = tmp_path / COMMON_STATE_FNAME
         data = path.read_bytes()
-        path.write_bytes({"truncate": data[: len(data) // 2], "garbage": os.urandom(256), "empty": b""}[damage])
+        if damage.startswith("garbage"):
+            data = random.Random(int(damage.split("-")[1])).randbytes(256)
+        else:
+            data = {"truncate": data[: len(data) // 2], "empty": b""}[damage]
+        path.write_bytes(data)
         with pytest.raises(CorruptCheckpointError) as info:
             TorchCommonLoadStrategy().load_common(tmp_path)
         assert str(path) in str(info.value)
