@@ -227,9 +227,12 @@ def raise_if_any_rank_failed(
 
     Steps nest (a strategy's steps run inside ``save``'s). Every exchange has the same message
     pattern, so a rank failing in an outer step pairs with ranks inside an inner step; an error
-    that has been exchanged is marked and is never exchanged again on its way out.
+    that has been exchanged is marked with the ranks it reached and is not exchanged again over
+    the same group on its way out. An enclosing step over a larger group exchanges it again, so
+    the ranks outside the inner group learn about it too.
     """
-    if error is not None and getattr(error, _SYNCED, False):
+    members = frozenset(group_ranks(group))
+    if error is not None and getattr(error, _SYNCED, None) == members:
         raise error
     if get_world_size(group) == 1:
         if error is not None:
@@ -242,7 +245,7 @@ def raise_if_any_rank_failed(
     failures = [i for i in infos if i is not None]
     failed_ranks = [i["rank"] for i in failures]
     exc = _rebuild(failures[0], failed_ranks)
-    setattr(exc, _SYNCED, True)
+    setattr(exc, _SYNCED, members)
     if error is not None:
         raise exc from error
     raise exc

@@ -162,3 +162,23 @@ def test_common_state_difference_is_logged(shared_tmp_path: Path, caplog: pytest
             preprocess_common_before_consistancy_check=lambda c: {k: v for k, v in c.items() if k != "rank_specific"},
         )
     assert_on_all_ranks("differs between ranks" not in caplog.text, caplog.text)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_error_exchanged_in_a_subgroup_still_reaches_the_world() -> None:
+    """Ranks {0, 1} exchange an error in their own group; the enclosing world-level step must
+    still raise it on ranks 2 and 3 instead of leaving them waiting."""
+    from dist_ckpt.distributed import new_group, run_collectively
+
+    pair = new_group([0, 1])
+
+    def inner() -> None:
+        if rank() == 0:
+            raise dc.CorruptCheckpointError("chunk missing on rank 0")
+
+    def outer() -> None:
+        if rank() in (0, 1):
+            run_collectively("inner step", inner, group=pair)
+
+    err = raises_on_all_ranks(dc.CorruptCheckpointError, lambda: run_collectively("outer step", outer), "chunk missing")
+    assert_on_all_ranks("[rank 0]" in str(err), str(err))
