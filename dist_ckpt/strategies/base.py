@@ -224,6 +224,12 @@ _BUILTINS: Dict[StrategyKey, _Builtin] = {
     _key(StrategyAction.LOAD_COMMON, "torch", 1): _Builtin("dist_ckpt.strategies.common:TorchCommonLoadStrategy", None),
     _key(StrategyAction.SAVE_SHARDED, "zarr", 1): _Builtin("dist_ckpt.strategies.zarr:ZarrSaveShardedStrategy", "zarr"),
     _key(StrategyAction.LOAD_SHARDED, "zarr", 1): _Builtin("dist_ckpt.strategies.zarr:ZarrLoadShardedStrategy", "zarr"),
+    _key(StrategyAction.SAVE_SHARDED, "safetensors", 1): _Builtin(
+        "dist_ckpt.strategies.safetensors:SafetensorsSaveShardedStrategy", None
+    ),
+    _key(StrategyAction.LOAD_SHARDED, "safetensors", 1): _Builtin(
+        "dist_ckpt.strategies.safetensors:SafetensorsLoadShardedStrategy", None
+    ),
 }
 
 _registry: Dict[StrategyKey, Union[Strategy, StrategyFactory]] = {}
