@@ -77,10 +77,14 @@ class SafetensorsSaveOptions:
         thread_count: writer threads per rank; each writes one file, so this is also the number
             of files per rank (fewer if the rank has fewer shards).
         staging_buffer_bytes: size of each writer's pinned host buffer for GPU tensors.
+        early_writeback: have the kernel write dirty pages to the disk while later ones are
+            still being written, and drop them from the page cache once clean (see
+            :class:`~.safetensors_format.SequentialWriter`); off, the save only fsyncs at the end.
     """
 
     thread_count: int = 2
     staging_buffer_bytes: int = 64 * 2**20
+    early_writeback: bool = True
 
     def __post_init__(self) -> None:
         for name in ("thread_count", "staging_buffer_bytes"):
@@ -175,7 +179,9 @@ class SafetensorsSaveShardedStrategy(SaveShardedStrategy):
         # file alone says which part of the global tensor it holds; reshape is a view here
         items = [(shard_name(sh), _stored_view(sh)) for sh in group]
         metadata = {"format": "pt", "dist_ckpt": "safetensors backend v1; see index.json for the layout"}
-        size, ranges = write_safetensors_file(path, items, metadata, staging=staging)
+        size, ranges = write_safetensors_file(
+            path, items, metadata, staging=staging, early_writeback=self.options.early_writeback
+        )
         logger.debug("wrote %s: %d shards, %d bytes", path, len(group), size)
         return size, ranges
 

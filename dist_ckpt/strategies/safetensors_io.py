@@ -17,17 +17,18 @@ turns them into read operations:
 
 Every byte read from a file goes through :func:`read_into`, the one place that reads, so tests
 can count what a load reads. :func:`execute` spreads the operations over a few threads
-(``os.preadv`` releases the GIL), each thread taking a contiguous, file-ordered part of the list.
+(``os.preadv`` releases the GIL), which take them from a queue while later ones are planned.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
+import queue
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -264,15 +265,9 @@ def plan_copy(
     run_bytes = run * itemsize
     if dest_bytes is None or _read_through(src_off, run, itemsize, options.small_run_bytes):
         return [BounceRead(fd, path, key, src_offset, src_box, inter, target)]
-    ops: List[ReadOp] = []
-    breaks = np.flatnonzero(src_off[1:] != src_off[:-1] + run) + 1
-    for group in np.split(np.arange(len(src_off)), breaks):
-        file_offset = src_offset + int(src_off[group[0]]) * itemsize
-        starts = (dst_base + dst_off[group]) * itemsize
-        merged = np.flatnonzero(starts[1:] != starts[:-1] + run_bytes) + 1
-        spans = [(int(s[0]), int(s[0]) + len(s) * run_bytes) for s in np.split(starts, merged)]
-        ops.extend(_direct_reads(fd, path, key, file_offset, spans, dest_bytes, options.max_read_bytes))
-    return ops
+    src_bytes = (src_offset + src_off * itemsize).tolist()
+    dst_bytes = ((dst_base + dst_off) * itemsize).tolist()
+    return list(_direct_reads(fd, path, key, src_bytes, dst_bytes, run_bytes, dest_bytes, options.max_read_bytes))
 
 
 def _read_through(src_off: np.ndarray, run: int, itemsize: int, small: int) -> bool:
@@ -285,94 +280,130 @@ def _read_through(src_off: np.ndarray, run: int, itemsize: int, small: int) -> b
 
 
 def _direct_reads(
-    fd: int, path: Path, key: str, file_offset: int, spans: List[Tuple[int, int]], dest: memoryview, max_bytes: int
+    fd: int,
+    path: Path,
+    key: str,
+    src_bytes: Sequence[int],
+    dst_bytes: Sequence[int],
+    run_bytes: int,
+    dest: memoryview,
+    max_bytes: int,
 ) -> Iterator[DirectRead]:
-    """Reads of consecutive file bytes into ``spans`` of ``dest``, each at most ``max_bytes``
-    (unless one span is larger) and ``_IOV_MAX`` buffers."""
-    buffers: List[memoryview] = []
-    size = 0
-    start = file_offset
-    for a, b in spans:
-        while b > a:
-            take = min(b - a, max_bytes - size)
-            buffers.append(dest[a : a + take])
+    """Group runs into reads: consecutive runs that are contiguous in the file share one
+    ``preadv`` (one buffer per stretch of the destination), up to ``max_bytes`` and
+    ``_IOV_MAX`` buffers per read; longer runs are split."""
+    spans: List[List[int]] = []  # [start, end) byte ranges of the destination, in file order
+    size = start = expect = 0
+
+    def flush() -> DirectRead:
+        return DirectRead(fd, path, key, start, tuple(dest[a:b] for a, b in spans), size)
+
+    for src, dst in zip(src_bytes, dst_bytes):
+        done = 0
+        while done < run_bytes:
+            if spans and (src + done != expect or size >= max_bytes or len(spans) >= _IOV_MAX):
+                yield flush()
+                spans, size = [], 0
+            if not spans:
+                start = src + done
+            take = min(run_bytes - done, max_bytes - size)
+            if spans and spans[-1][1] == dst + done:
+                spans[-1][1] += take
+            else:
+                spans.append([dst + done, dst + done + take])
             size += take
-            a += take
-            if size >= max_bytes or len(buffers) >= _IOV_MAX:
-                yield DirectRead(fd, path, key, start, tuple(buffers), size)
-                start += size
-                buffers, size = [], 0
-    if buffers:
-        yield DirectRead(fd, path, key, start, tuple(buffers), size)
+            done += take
+            expect = src + done
+    if spans:
+        yield flush()
 
 
 # --------------------------------------------------------------------------- execution
 
 
 class _Worker:
-    """Runs a list of reads; owns one bounce buffer, allocated on first use."""
+    """Runs reads; owns one bounce buffer, allocated on first use (pinned for GPU targets)."""
 
-    def __init__(self, options: ReadOptions, pinned: bool) -> None:
+    def __init__(self, options: ReadOptions) -> None:
         self.options = options
-        self.pinned = pinned
         self._buffer: Optional[torch.Tensor] = None
 
-    def buffer(self, nbytes: int) -> torch.Tensor:
-        if self._buffer is None or self._buffer.numel() < nbytes:
+    def buffer(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        if self._buffer is None or self._buffer.numel() < nbytes or (pinned and not self._buffer.is_pinned()):
             size = max(nbytes, min(self.options.bounce_buffer_bytes, 1 << 20))
-            self._buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
+            self._buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
         return self._buffer
 
-    def run(self, ops: Sequence[ReadOp]) -> None:
-        for op in ops:
-            try:
-                if isinstance(op, DirectRead):
-                    read_into(op.fd, op.buffers, op.offset)
-                else:
-                    self._bounce(op)
-            except EOFError as e:
-                raise CorruptCheckpointError(f"tensor {op.key!r}: safetensors file {str(op.path)!r} is truncated: {e}") from e
+    def run(self, op: ReadOp) -> None:
+        try:
+            if isinstance(op, DirectRead):
+                read_into(op.fd, op.buffers, op.offset)
+            else:
+                self._bounce(op)
+        except EOFError as e:
+            raise CorruptCheckpointError(f"tensor {op.key!r}: safetensors file {str(op.path)!r} is truncated: {e}") from e
 
     def _bounce(self, op: BounceRead) -> None:
         itemsize = op.target.element_size()
         limit = max(1, self.options.bounce_buffer_bytes // itemsize)
         strides = _strides(op.src_box.shape)
+        pinned = op.target.is_cuda and torch.cuda.is_available()
         for slab in _slabs(op.inter, op.src_box, limit):
             first, count = src_span(slab, op.src_box)
-            buf = self.buffer(count * itemsize)[: count * itemsize]
+            buf = self.buffer(count * itemsize, pinned)[: count * itemsize]
             read_into(op.fd, [buf.numpy().data], op.src_offset + first * itemsize)
             values = buf.view(op.target.dtype)
             stored = values.as_strided(slab.shape, tuple(strides), 0)
             op.target[slab.slices_within(op.inter)].copy_(stored)
 
 
-def _partition(ops: Sequence[ReadOp], parts: int) -> List[List[ReadOp]]:
-    """Split ``ops`` (in order) into at most ``parts`` consecutive lists of similar byte counts."""
-    total = sum(op.nbytes for op in ops)
-    out: List[List[ReadOp]] = [[]]
-    done = 0
-    for op in ops:
-        if out[-1] and len(out) < parts and done >= total * len(out) / parts:
-            out.append([])
-        out[-1].append(op)
-        done += op.nbytes
-    return out
+def execute(ops: Iterable[ReadOp], options: ReadOptions) -> int:
+    """Run ``ops`` on ``options.thread_count`` threads as they are produced; return the bytes copied.
 
-
-def execute(ops: Sequence[ReadOp], options: ReadOptions) -> int:
-    """Run ``ops`` on up to ``options.thread_count`` threads; return the bytes they copy.
-
-    Operations are sorted by file and offset and cut into consecutive parts, so each thread
-    reads its files front to back. The first failure is raised after every thread stopped.
+    ``ops`` may be a generator: the threads start reading the first operations while the caller
+    is still planning later ones, so planning overlaps I/O. Each thread takes the next operation
+    from a shared queue, which balances the load. After a failure no further operation starts;
+    the first failure is raised once every thread has stopped.
     """
-    ordered = sorted(ops, key=lambda op: (str(op.path), op.offset if isinstance(op, DirectRead) else op.src_offset))
-    pinned = torch.cuda.is_available() and any(isinstance(op, BounceRead) and op.target.is_cuda for op in ops)
-    parts = _partition(ordered, options.thread_count)
-    if len(parts) == 1:
-        _Worker(options, pinned).run(parts[0])
-    else:
-        with ThreadPoolExecutor(len(parts), thread_name_prefix="dist_ckpt_read") as pool:
-            futures = [pool.submit(_Worker(options, pinned).run, part) for part in parts]
-            for future in futures:
-                future.result()
-    return sum(op.nbytes for op in ops)
+    total = 0
+    if options.thread_count == 1:
+        worker = _Worker(options)
+        for op in ops:
+            worker.run(op)
+            total += op.nbytes
+        return total
+    pending: "queue.SimpleQueue[Optional[ReadOp]]" = queue.SimpleQueue()
+    errors: List[BaseException] = []
+    failed = threading.Event()
+
+    def work() -> None:
+        worker = _Worker(options)
+        while True:
+            op = pending.get()
+            if op is None:
+                return
+            if failed.is_set():
+                continue
+            try:
+                worker.run(op)
+            except BaseException as e:  # noqa: BLE001 -- re-raised by the calling thread
+                errors.append(e)
+                failed.set()
+
+    threads = [threading.Thread(target=work, name=f"dist_ckpt_read_{i}", daemon=True) for i in range(options.thread_count)]
+    for t in threads:
+        t.start()
+    try:
+        for op in ops:
+            if failed.is_set():
+                break
+            pending.put(op)
+            total += op.nbytes
+    finally:
+        for _ in threads:
+            pending.put(None)
+        for t in threads:
+            t.join()
+    if errors:
+        raise errors[0]
+    return total

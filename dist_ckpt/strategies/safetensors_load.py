@@ -340,16 +340,19 @@ def load_from_index(
                 by_file.setdefault(p.shard.file, []).append((sh.key, p.shard))
     # 3. open and validate every file the plan touches
     files = _OpenFiles(index, check or default_file_check(index))
-    try:
-        files.open_all(by_file)
-        ops: List[ReadOp] = []
+
+    def read_ops() -> Iterator[ReadOp]:
         for sh in requested:
             dest, planned, pad = plans[id(sh)]
             holder = Box(sh.global_offset, sh.full_local_shape)
-            for piece in pad:  # 4. zero-fill the parts the checkpoint does not have
+            for piece in pad:  # zero-fill the parts the checkpoint does not have, before reading
                 piece_view(dest, piece, sh.prepend_axis_num, holder).zero_()
-            ops.extend(_read_ops(sh, dest, holder, planned, files, index, options))
-        execute(ops, options)
+            yield from _read_ops(sh, dest, holder, planned, files, index, options)
+
+    try:
+        files.open_all(by_file)
+        # 4. read; the threads start on the first tensor while the next ones are planned
+        execute(read_ops(), options)
     finally:
         files.close()
 
