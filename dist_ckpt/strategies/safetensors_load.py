@@ -165,19 +165,21 @@ def _check_requests(requested: Sequence[ShardedTensor], index: TensorIndex) -> N
             f"{format_keys(absent)}",
             unexpected_keys=absent,
         )
-    problems = []
+    problems: List[str] = []
     for sh in requested:
         info = index.lookup(sh.key)
         assert info is not None
+        found = []
         if sh.dtype != info.dtype:
-            problems.append(f"{sh.key!r} is stored as {info.dtype}, requested as {sh.dtype}")
+            found.append(f"{sh.key!r} is stored as {info.dtype}, requested as {sh.dtype}")
         if len(sh.global_shape) != len(info.global_shape) or (
             sh.global_shape != info.global_shape and not sh.allow_shape_mismatch
         ):
-            problems.append(
+            found.append(
                 f"{sh.key!r} has global shape {info.global_shape} in the checkpoint, requested "
                 f"{sh.global_shape} (set allow_shape_mismatch=True to pad or crop)"
             )
+        problems.extend(p for p in found if p not in problems)  # one line per key, not per shard
     if problems:
         raise LoadMismatchError(
             f"[rank {rank}] checkpoint {index.description} does not match the requested tensors: "
