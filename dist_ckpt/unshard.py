@@ -88,7 +88,19 @@ def iter_unsharded(
     checkpoint_dir = Path(checkpoint_dir)
     strategy, metadata = unsharded_metadata(checkpoint_dir, sharded_strategy)
     selected = _select(metadata, keys, checkpoint_dir)
-    for key in selected:
+    return iter_with(strategy, metadata, selected, checkpoint_dir, device)
+
+
+def iter_with(
+    strategy: LoadShardedStrategy,
+    metadata: Dict[str, ShardedTensor],
+    keys: Iterable[str],
+    checkpoint_dir: Path,
+    device: Device = "cpu",
+) -> Iterator[Tuple[str, torch.Tensor]]:
+    """:func:`iter_unsharded` with the strategy and metadata already at hand (for callers that
+    iterate over several groups of keys, such as the HF export)."""
+    for key in keys:
         meta = metadata[key]
         dest = torch.empty(meta.global_shape, dtype=meta.dtype, device=device)
         loaded = strategy.load({key: ShardedTensor.from_rank_offsets(key, dest)}, checkpoint_dir)

@@ -230,6 +230,9 @@ _BUILTINS: Dict[StrategyKey, _Builtin] = {
     _key(StrategyAction.LOAD_SHARDED, "safetensors", 1): _Builtin(
         "dist_ckpt.strategies.safetensors:SafetensorsLoadShardedStrategy", None
     ),
+    # HuggingFace folders (read only): chosen for a folder with HF weights and no metadata.json
+    _key(StrategyAction.LOAD_SHARDED, "hf", 1): _Builtin("dist_ckpt.hf.strategy:HFLoadShardedStrategy", None),
+    _key(StrategyAction.LOAD_COMMON, "hf", 1): _Builtin("dist_ckpt.hf.strategy:HFCommonLoadStrategy", None),
 }
 
 _registry: Dict[StrategyKey, Union[Strategy, StrategyFactory]] = {}

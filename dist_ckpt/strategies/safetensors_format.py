@@ -22,7 +22,7 @@ import struct
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -33,6 +33,7 @@ from . import safetensors_io
 
 __all__ = [
     "HeaderEntry",
+    "SafetensorsFileWriter",
     "SafetensorsHeader",
     "SequentialWriter",
     "StagingBuffer",
@@ -309,6 +310,92 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return flat.numpy().data
 
 
+class SafetensorsFileWriter:
+    """Writes one safetensors file whose tensors are declared up front and supplied one by one.
+
+    The header needs every tensor's dtype and shape, not its data: with them declared, the
+    tensors can be produced one at a time (e.g. assembled from a sharded checkpoint) and each
+    freed once written, so writing a file needs memory for one tensor. Used as a context
+    manager: the file is complete, fsynced (and renamed into place if ``atomic``) on a clean
+    exit, and removed on an error.
+
+    Example::
+
+        layout = [("w", torch.float32, (2, 2)), ("b", torch.float32, (2,))]
+        with SafetensorsFileWriter("model.safetensors", layout, atomic=True) as writer:
+            writer.write(torch.ones(2, 2))
+            writer.write(torch.zeros(2))
+    """
+
+    def __init__(
+        self,
+        path: Union[str, Path],
+        layout: Sequence[Tuple[str, torch.dtype, Sequence[int]]],
+        metadata: Optional[Mapping[str, str]] = None,
+        *,
+        atomic: bool = False,
+        staging: Optional[StagingBuffer] = None,
+        early_writeback: bool = False,
+    ) -> None:
+        self.path = Path(path)
+        self.layout = [(name, dtype, tuple(int(s) for s in shape)) for name, dtype, shape in layout]
+        entries = [(name, *storage_layout(dtype, shape), math.prod(shape) * dtype.itemsize) for name, dtype, shape in self.layout]
+        self._prefix, self.ranges = encode_header(entries, metadata)
+        self.size = self.ranges[-1][1] if self.ranges else len(self._prefix)
+        self.atomic = atomic
+        self._staging = staging
+        self._early_writeback = early_writeback
+        self._target = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}") if atomic else self.path
+        self._fd: Optional[int] = None
+        self._writer: Optional[SequentialWriter] = None
+        self._next = 0
+
+    def __enter__(self) -> "SafetensorsFileWriter":
+        self._fd = os.open(self._target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self._writer = SequentialWriter(self._fd, self._early_writeback)
+        self._writer.write(memoryview(self._prefix))
+        return self
+
+    def write(self, tensor: torch.Tensor) -> None:
+        """Write the next declared tensor's data (same dtype and shape as declared)."""
+        if self._writer is None:
+            raise CheckpointingException(f"{self.path}: write() outside the writer's 'with' block")
+        if self._next >= len(self.layout):
+            raise CheckpointingException(f"{self.path}: every declared tensor is already written")
+        name, dtype, shape = self.layout[self._next]
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise CheckpointingException(
+                f"{self.path}: tensor {name!r} was declared as {dtype} {list(shape)}, got {tensor.dtype} {list(tensor.shape)}"
+            )
+        if tensor.device.type == "cpu":
+            self._writer.write(tensor_bytes(tensor))
+        else:
+            if self._staging is None:
+                self._staging = StagingBuffer(64 * 2**20)
+            self._staging.write_device_tensor(self._writer, tensor)
+        self._next += 1
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        assert self._fd is not None and self._writer is not None
+        try:
+            if exc_type is None:
+                if self._next != len(self.layout):
+                    missing = [name for name, _, _ in self.layout[self._next :]]
+                    raise CheckpointingException(f"{self.path}: tensors {missing} were declared but not written")
+                self._writer.finish()
+        except BaseException:
+            exc_type = True
+            raise
+        finally:
+            os.close(self._fd)
+            self._fd = None
+            if exc_type is not None:
+                self._target.unlink(missing_ok=True)
+            elif self.atomic:
+                os.replace(self._target, self.path)
+                fsync_dir(self.path.parent)
+
+
 def write_safetensors_file(
     path: Union[str, Path],
     tensors: Sequence[Tuple[str, torch.Tensor]],
@@ -322,7 +409,8 @@ def write_safetensors_file(
 
     The header is written first, then each tensor's bytes in order, each with as few large
     ``write`` calls as possible, straight from the tensor's memory (CPU) or through ``staging``
-    (other devices). The file is fsynced before returning; the caller fsyncs the directory.
+    (other devices). The file is fsynced before returning; without ``atomic`` the caller fsyncs
+    the directory.
 
     Args:
         path: the file to create.
@@ -340,30 +428,10 @@ def write_safetensors_file(
 
         size, ranges = write_safetensors_file("model.safetensors", [("w", torch.ones(2, 2))])
     """
-    path = Path(path)
-    layout = [(name, *storage_layout(t.dtype, t.shape), t.numel() * t.element_size()) for name, t in tensors]
-    prefix, ranges = encode_header(layout, metadata)
-    target = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}") if atomic else path
-    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        try:
-            writer = SequentialWriter(fd, early_writeback)
-            writer.write(memoryview(prefix))
-            for _, tensor in tensors:
-                if tensor.device.type == "cpu":
-                    writer.write(tensor_bytes(tensor))
-                else:
-                    (staging or StagingBuffer(64 * 2**20)).write_device_tensor(writer, tensor)
-            writer.finish()
-        finally:
-            os.close(fd)
-        if atomic:
-            os.replace(target, path)
-    except BaseException:
-        if atomic:
-            target.unlink(missing_ok=True)
-        raise
-    if atomic:
-        fsync_dir(path.parent)
-    size = ranges[-1][1] if ranges else len(prefix)
-    return size, ranges
+    layout = [(name, t.dtype, tuple(t.shape)) for name, t in tensors]
+    with SafetensorsFileWriter(
+        path, layout, metadata, atomic=atomic, staging=staging, early_writeback=early_writeback
+    ) as writer:
+        for _, tensor in tensors:
+            writer.write(tensor)
+    return writer.size, writer.ranges
