@@ -84,9 +84,9 @@ class HFFolder:
     @property
     def aliases(self) -> Dict[str, str]:
         """Tied names that are not stored -> the stored name they share it with."""
-        found = {name: group[0] for group in self.sharing for name in group[1:] if name not in self.weight_map}
-        found.update({a: s for a, s in self.extra_aliases.items() if a not in self.weight_map})
-        return found
+        found = {name: group[0] for group in self.sharing for name in group[1:]}
+        found.update(self.extra_aliases)
+        return {a: s for a, s in found.items() if a not in self.weight_map and s in self.weight_map}
 
     def names(self) -> List[str]:
         """Every tensor name the folder provides, tied names included, sorted."""
