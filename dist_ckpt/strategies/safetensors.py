@@ -236,6 +236,29 @@ class SafetensorsLoadShardedStrategy(LoadShardedStrategy):
     def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
         return tensors_metadata(read_index(Path(checkpoint_dir)))
 
+    def remove_sharded_tensors(self, checkpoint_dir: str, key_prefix: str) -> None:
+        """Delete every tensor whose key starts with ``key_prefix`` (one process calls it).
+
+        The index is rewritten atomically without those keys (each key goes whole or not at
+        all), then files that hold no remaining shard are deleted. The bytes of removed shards
+        in files that still hold other shards stay until the checkpoint is rewritten.
+        """
+        root = Path(checkpoint_dir) / SAFETENSORS_DIR
+        read_index(Path(checkpoint_dir))  # validates the whole index before changing it
+        doc = json.loads((root / INDEX_FILENAME).read_bytes())
+        removed = [key for key in doc["tensors"] if key.startswith(key_prefix)]
+        for key in removed:
+            del doc["tensors"][key]
+        used = {shard["file"] for entry in doc["tensors"].values() for shard in entry["shards"]}
+        orphans = [name for name in doc["files"] if name not in used]
+        for name in orphans:
+            del doc["files"][name]
+        write_bytes_atomic(root / INDEX_FILENAME, json.dumps(doc, separators=(",", ":")).encode("utf-8"))
+        for name in orphans:
+            (root / name).unlink(missing_ok=True)
+        fsync_dir(root)
+        logger.info("removed %d tensors with prefix %r from %s; deleted %d files", len(removed), key_prefix, root, len(orphans))
+
 
 def stored_bytes(checkpoint_dir: Path) -> int:
     """Bytes of tensor data in a safetensors-backend checkpoint (from its index)."""

@@ -599,3 +599,34 @@ def test_no_error_is_a_raw_library_error(saved):
         # without checksums, damaged data bytes load as they are: exactly one byte differs
         assert position >= header_len, f"damage in the header at byte {position} went unnoticed"
         assert int((bits(out) != bits(full)).sum()) == 1
+
+
+# --------------------------------------------------------------------------- the checkpoint directory
+
+
+def test_leftovers_of_an_interrupted_save_are_cleared(tmp_path):
+    """A crashed save leaves files under safetensors/ but no metadata.json; the next save owns
+    the directory, removes them, and writes its own (files are created with O_EXCL)."""
+    stale = tmp_path / SAFETENSORS_DIR / "rank00000_0.safetensors"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"half a file")
+    full = torch.randn(4, 4)
+    dc.save({"w": ShardedTensor.from_rank_offsets("w", full)}, tmp_path, sharded_strategy=("safetensors", 1))
+    assert torch.equal(dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 4))}, tmp_path)["w"], full)
+
+
+def test_remove_sharded_tensors(tmp_path):
+    sd = {"aw": ShardedTensor.from_rank_offsets("a.w", torch.ones(2)),
+          "ab": ShardedTensor.from_rank_offsets("a.b", torch.ones(300)),
+          "bw": ShardedTensor.from_rank_offsets("b.w", torch.full((2,), 5.0)),
+          "ax": ShardedTensor.from_rank_offsets("ax", torch.ones(1))}
+    dc.save(sd, tmp_path, sharded_strategy=SafetensorsSaveShardedStrategy(SafetensorsSaveOptions(thread_count=2)))
+    files_before = data_files(tmp_path)
+    assert len(files_before) == 2  # "a.b" alone in one file (largest first), the rest in the other
+    dc.remove_sharded_tensors(tmp_path, "a.")
+    assert set(dc.load_tensors_metadata(tmp_path)) == {"b.w", "ax"}
+    assert len(data_files(tmp_path)) == 1 and set(index_doc(tmp_path)["files"]) == {data_files(tmp_path)[0].name}
+    out = dc.load({"b": ShardedTensor.from_rank_offsets("b.w", torch.empty(2))}, tmp_path)
+    assert torch.equal(out["b"], torch.full((2,), 5.0))
+    with pytest.raises(KeyMismatchError, match="'a.w'"):
+        dc.load({"a": ShardedTensor.from_rank_offsets("a.w", torch.empty(2))}, tmp_path)
