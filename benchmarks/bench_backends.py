@@ -19,9 +19,12 @@ Then, once per system, a fresh job loads the checkpoint and reports ``ru_maxrss`
 rank before the request is allocated and after the load: the growth, compared with the bytes of
 the rank's state, is the memory the load needs beyond the state itself.
 
-The raw disk is measured before and after (write + fsync of one file as large as the state, then
-a cold sequential read); ratios use the better of the two, the table shows both. Times are the
-best of the repeats. No timing is asserted; the script exits 1 if a loaded value is wrong.
+The raw disk is measured before and after, two ways: one stream (write + fsync of one file as
+large as the state, then a cold sequential read) and four streams (four files written by four
+threads with early writeback, read back cold by four threads) -- the way a checkpoint writer that
+keeps the disk busy can use it. Ratios divide by the best raw figure of the run; the table shows
+all of them. Times are the best of the repeats. No timing is asserted; the script exits 1 if a
+loaded value is wrong.
 
 Usage::
 
@@ -60,6 +63,59 @@ from dist_ckpt.testing.gpt_state import (
 )
 
 DCP = "dcp"
+BLOCK = 64 * 2**20
+
+
+def measure_disk_parallel(directory: Path, nbytes: int, streams: int = 4) -> Tuple[float, float]:
+    """Like ``measure_disk``, with ``streams`` files written and read by as many threads, the
+    writes starting writeback early (the technique the safetensors backend uses): what the
+    storage gives to a writer that keeps it busy."""
+    import threading
+
+    from dist_ckpt.strategies.safetensors_format import SequentialWriter
+
+    paths = [directory / f"bench_raw_{os.getpid()}_{i}.bin" for i in range(streams)]
+    part = nbytes // streams
+    data = memoryview(os.urandom(BLOCK))
+
+    def write(path: Path) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            writer = SequentialWriter(fd, early_writeback=True)
+            remaining = part
+            while remaining > 0:
+                writer.write(data[: min(BLOCK, remaining)])
+                remaining -= min(BLOCK, remaining)
+            writer.finish()
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+    def read(path: Path) -> None:
+        buf = bytearray(BLOCK)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            while os.readv(fd, [buf]) > 0:
+                pass
+        finally:
+            os.close(fd)
+
+    def timed_threads(fn: Callable[[Path], None]) -> float:
+        threads = [threading.Thread(target=fn, args=(p,)) for p in paths]
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return time.perf_counter() - start
+
+    try:
+        write_s = timed_threads(write)
+        read_s = timed_threads(read)
+    finally:
+        for p in paths:
+            p.unlink(missing_ok=True)
+    return write_s, read_s
 
 
 @dataclass(frozen=True)
@@ -220,13 +276,21 @@ def _gib_s(nbytes: int, seconds: float) -> float:
     return nbytes / 2**30 / seconds
 
 
-def render(res: Results, nbytes: int, disk: Sequence[Tuple[float, float]], ranks: int) -> str:
-    write_s, read_s = min(d[0] for d in disk), min(d[1] for d in disk)
+def render(res: Results, nbytes: int, disk: Sequence[Tuple[float, float]], fast: Sequence[Tuple[float, float]],
+           ranks: int) -> str:
+    plain_w, plain_r = min(d[0] for d in disk), min(d[1] for d in disk)
+    fast_w, fast_r = min(d[0] for d in fast), min(d[1] for d in fast)
+    write_s, read_s = min(plain_w, fast_w), min(plain_r, fast_r)  # the disk limit: the best seen
     disk_w, disk_r = _gib_s(nbytes, write_s), _gib_s(nbytes, read_s)
     dcp = res.times.get(DCP, {})
     rows = [["operation", "best s", "GiB/s", "vs disk", "vs DCP", "all runs (s)"]]
-    rows.append(["disk write, sequential + fsync", f"{write_s:.3f}", f"{disk_w:.3f}", "1.00", "", ""])
-    rows.append(["disk read, sequential, cold", f"{read_s:.3f}", f"{disk_r:.3f}", "1.00", "", ""])
+    for label, seconds, limit in (
+        ("disk write, 1 stream + fsync", plain_w, write_s),
+        ("disk write, 4 streams, early writeback", fast_w, write_s),
+        ("disk read, 1 stream, cold", plain_r, read_s),
+        ("disk read, 4 streams, cold", fast_r, read_s),
+    ):
+        rows.append([label, f"{seconds:.3f}", f"{_gib_s(nbytes, seconds):.3f}", f"{limit / seconds:.2f}", "", ""])
     labels = {"save": f"save TP={ranks}", "load": f"load TP={ranks}, cold", "reshard": f"load TP={ranks // 2} DP=2, cold"}
     for system, ops in res.times.items():
         for op, runs in ops.items():
@@ -245,8 +309,11 @@ def render(res: Results, nbytes: int, disk: Sequence[Tuple[float, float]], ranks
                  f"({(peak - before) / state:.2f}x)" for r, (before, peak, state) in enumerate(per_rank)]
         lines.append(f"  {system}: " + "; ".join(parts))
     lines.append("")
-    lines.append("raw disk, before / after: write " + " / ".join(f"{_gib_s(nbytes, d[0]):.3f}" for d in disk)
-                 + " GiB/s, read " + " / ".join(f"{_gib_s(nbytes, d[1]):.3f}" for d in disk) + " GiB/s")
+    for name, runs in (("1 stream", disk), ("4 streams", fast)):
+        lines.append(f"raw disk ({name}), before / after: write "
+                     + " / ".join(f"{_gib_s(nbytes, d[0]):.3f}" for d in runs)
+                     + " GiB/s, read " + " / ".join(f"{_gib_s(nbytes, d[1]):.3f}" for d in runs) + " GiB/s")
+    lines.append("'vs disk' divides by the best raw figure of the run (write or read), whichever way it was measured")
     return "\n".join(lines)
 
 
@@ -266,6 +333,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     nbytes = state_bytes(cfg)
     args.dir.mkdir(parents=True, exist_ok=True)
     disk = [measure_disk(args.dir, nbytes)]
+    fast = [measure_disk_parallel(args.dir, nbytes)]
     res = Results()
     for _ in range(args.repeats):
         for system in systems:
@@ -278,9 +346,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             finally:
                 shutil.rmtree(ckpt, ignore_errors=True)
     disk.append(measure_disk(args.dir, nbytes))
+    fast.append(measure_disk_parallel(args.dir, nbytes))
     print(f"backends benchmark: {nbytes / 2**30:.2f} GiB state (hidden {cfg.hidden}, {cfg.layers} layers, vocab "
           f"{cfg.vocab}), {args.ranks} ranks, {args.repeats} runs each, under {args.dir}\n")
-    print(render(res, nbytes, disk, args.ranks))
+    print(render(res, nbytes, disk, fast, args.ranks))
     if res.bad:
         print(f"\nerror: {res.bad} loaded tensors differ from what was saved", file=sys.stderr)
         return 1
