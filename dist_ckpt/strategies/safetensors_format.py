@@ -251,10 +251,11 @@ class SequentialWriter:
     dirty pages to the disk after every ``chunk_bytes`` written, and to drop them from the page
     cache once they are clean: the disk works while later tensors are still being copied, the
     final fsync has little left to do, and a checkpoint (rarely read back soon) does not push
-    the training job's data out of the page cache.
+    the training job's data out of the page cache. (On the test VM, 2 ranks saving 1 GiB: 16 MiB
+    chunks 0.29-0.32 s, 64 MiB 0.32-0.47 s, 256 MiB 0.44-0.82 s; without it about 1.7 s.)
     """
 
-    def __init__(self, fd: int, early_writeback: bool = False, chunk_bytes: int = 64 * 2**20) -> None:
+    def __init__(self, fd: int, early_writeback: bool = False, chunk_bytes: int = 16 * 2**20) -> None:
         self.fd = fd
         self.early_writeback = early_writeback and hasattr(os, "posix_fadvise")
         self.chunk_bytes = chunk_bytes
