@@ -143,7 +143,7 @@ class HFFolder:
             shard = StoredShard(file, name, offset, entry.shape, None, (entry.begin, entry.end))
             tensors[name] = StoredTensor(name, entry.dtype, entry.shape, [shard])
         aliases = {a: s for a, s in self.aliases.items() if s in tensors}
-        return TensorIndex(self.directory, tensors, aliases, description=repr(str(self.directory)))
+        return TensorIndex(self.directory, tensors, aliases, description=repr(str(self.directory)), from_headers=True)
 
 
 def open_folder(directory: Union[str, Path]) -> HFFolder:

@@ -207,7 +207,7 @@ def load_into_dict(folder: HFFolder, names: Iterable[str], device: Device, optio
         info = index.tensors[stored]
         if stored not in request:
             request[stored] = ShardedTensor.from_rank_offsets(stored, torch.empty(info.global_shape, dtype=info.dtype, device=device))
-    loaded = load_from_index(request, index, options or ReadOptions(), check=lambda header, shards: None)
+    loaded = load_from_index(request, index, options or ReadOptions())
     return {name: loaded[aliases.get(name, name)] for name in wanted}
 
 
@@ -265,7 +265,7 @@ def load_into_module(
                     f"{name!r} is {tuple(dest.shape)} in the model and {info.global_shape} in {str(folder.directory)!r}"
                 )
             request[name] = ShardedTensor.from_rank_offsets(stored, dest)
-        load_from_index(request, index, options or ReadOptions(), check=lambda header, shards: None)
+        load_from_index(request, index, options or ReadOptions())
     groups = [g for g in folder.sharing if all(n in targets for n in g)]
     retie_parameters(module, groups)
     return missing, unexpected

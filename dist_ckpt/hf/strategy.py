@@ -65,8 +65,7 @@ class HFLoadShardedStrategy(LoadShardedStrategy):
                 unexpected_keys=absent,
             )
         index = folder.tensor_index(keys)
-        # the index was built from the headers themselves: nothing to cross-check
-        return load_from_index(sharded_state_dict, index, self.options, check=lambda header, shards: None)
+        return load_from_index(sharded_state_dict, index, self.options)
 
     def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
         return tensors_metadata(self._folder(Path(checkpoint_dir)).tensor_index())
