@@ -39,7 +39,13 @@ def unsharded_metadata(
     checkpoint_dir: Union[str, Path], sharded_strategy: StrategySpec = None
 ) -> Tuple[LoadShardedStrategy, Dict[str, ShardedTensor]]:
     """The checkpoint's load strategy and ``{key: ShardedTensor}`` (global shape and dtype, no
-    data) of every stored tensor, read from the metadata alone."""
+    data) of every stored tensor, read from the metadata alone.
+
+    Example::
+
+        strategy, meta = unsharded_metadata("ckpt/iter_1000")
+        sizes = {k: sh.global_shape for k, sh in meta.items()}
+    """
     strategy, _ = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy)
     metadata = strategy.load_tensors_metadata(Path(checkpoint_dir))
     return strategy, {k: v for k, v in metadata.items() if isinstance(v, ShardedTensor)}

@@ -37,13 +37,23 @@ INDEX_METADATA_KEY = "dist_ckpt.index_metadata"
 
 
 def has_hf_weights(directory: Union[str, Path]) -> bool:
-    """Whether ``directory`` holds ``model.safetensors`` or ``model.safetensors.index.json``."""
+    """Whether ``directory`` holds ``model.safetensors`` or ``model.safetensors.index.json``.
+
+    Example::
+
+        has_hf_weights("Llama-3-8B")   # True
+    """
     d = Path(directory)
     return (d / SAFE_WEIGHTS_INDEX_NAME).is_file() or (d / SAFE_WEIGHTS_NAME).is_file()
 
 
 def single_file_metadata(header_metadata: Dict[str, str], path: Path) -> Dict[str, Any]:
-    """The index metadata stored in a single file's header (``{}`` if it has none)."""
+    """The index metadata stored in a single file's header (``{}`` if it has none).
+
+    Example::
+
+        single_file_metadata(read_header_at(path).metadata, path).get("param_sharing_metadata")
+    """
     raw = header_metadata.get(INDEX_METADATA_KEY)
     if raw is None:
         return {}

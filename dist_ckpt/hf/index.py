@@ -84,7 +84,12 @@ def index_file_name(safetensors: bool = True) -> str:
 
 
 def shard_file_name(i: int, count: int) -> str:
-    """HuggingFace's name of shard ``i`` (0-based) of ``count``: ``model-00001-of-00003.safetensors``."""
+    """HuggingFace's name of shard ``i`` (0-based) of ``count``.
+
+    Example::
+
+        shard_file_name(0, 3)   # "model-00001-of-00003.safetensors"
+    """
     return f"model-{i + 1:05d}-of-{count:05d}.safetensors"
 
 

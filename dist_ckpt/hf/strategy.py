@@ -39,6 +39,11 @@ class HFLoadShardedStrategy(LoadShardedStrategy):
         options: read threads and buffer sizes.
         aliases: tied names absent from the files -> the stored name (for checkpoints that omit
             tied weights without recording the tie; recorded ties are used anyway).
+
+    Example::
+
+        strategy = HFLoadShardedStrategy(aliases={"lm_head.weight": "model.embed_tokens.weight"})
+        dc.load(sharded_state_dict, "Llama-3-8B", sharded_strategy=strategy)
     """
 
     supported_backends: ClassVar[Tuple[str, ...]] = (HF_BACKEND[0],)

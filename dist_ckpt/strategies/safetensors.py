@@ -126,6 +126,11 @@ class SafetensorsSaveShardedStrategy(SaveShardedStrategy):
         options: threads and buffer sizes.
         backend: format name recorded in ``metadata.json``.
         version: format version.
+
+    Example::
+
+        strategy = SafetensorsSaveShardedStrategy(SafetensorsSaveOptions(thread_count=4))
+        dc.save(sharded_state_dict, "ckpt/iter_10", sharded_strategy=strategy)
     """
 
     owned_paths: ClassVar[Tuple[str, ...]] = (SAFETENSORS_DIR,)
@@ -135,6 +140,9 @@ class SafetensorsSaveShardedStrategy(SaveShardedStrategy):
     ) -> None:
         super().__init__(backend, version)
         self.options = options or SafetensorsSaveOptions()
+        # one pinned buffer per writer thread, allocated at the first GPU tensor and kept for
+        # later saves with this strategy (pinning memory is slow)
+        self._staging = [StagingBuffer(self.options.staging_buffer_bytes) for _ in range(self.options.thread_count)]
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
         checkpoint_dir = Path(checkpoint_dir)
@@ -163,18 +171,19 @@ class SafetensorsSaveShardedStrategy(SaveShardedStrategy):
                 to_write.append(sh)
         files: Dict[str, int] = {}
         groups = assign_writers(to_write, self.options.thread_count) if to_write else []
-        jobs = [(root / file_name(rank, i), group) for i, group in enumerate(groups)]
+        jobs = [(root / file_name(rank, i), group, self._staging[i]) for i, group in enumerate(groups)]
         with ThreadPoolExecutor(max(1, len(jobs)), thread_name_prefix="dist_ckpt_write") as pool:
             results = list(pool.map(lambda job: self._write_one(*job), jobs))
-        for (path, group), (size, ranges) in zip(jobs, results):
+        for (path, group, _), (size, ranges) in zip(jobs, results):
             files[path.name] = size
             for sh, byte_range in zip(group, ranges):
                 tensors[sh.key]["shards"].append(encode_shard(sh, path.name, byte_range))
         fsync_dir(root)
         return rank_index(files, rank, tensors)
 
-    def _write_one(self, path: Path, group: List[ShardedTensor]) -> Tuple[int, List[Tuple[int, int]]]:
-        staging = StagingBuffer(self.options.staging_buffer_bytes)
+    def _write_one(
+        self, path: Path, group: List[ShardedTensor], staging: StagingBuffer
+    ) -> Tuple[int, List[Tuple[int, int]]]:
         # a whole shard is stored with the shape of its box (prepended axes included), so the
         # file alone says which part of the global tensor it holds; reshape is a view here
         items = [(shard_name(sh), _stored_view(sh)) for sh in group]

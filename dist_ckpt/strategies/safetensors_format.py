@@ -59,6 +59,11 @@ def storage_layout(dtype: torch.dtype, shape: Sequence[int]) -> Tuple[str, Shape
     Every dtype maps to its own safetensors name, except ``complex128``, which safetensors cannot
     name: it is stored as ``F64`` with a trailing axis of 2 (real, imaginary), its exact bytes, so
     the file stays readable by every safetensors reader.
+
+    Example::
+
+        storage_layout(torch.bfloat16, (4, 8))    # ("BF16", (4, 8))
+        storage_layout(torch.complex128, (3,))    # ("F64", (3, 2))
     """
     if dtype == torch.complex128:
         return "F64", tuple(shape) + (2,)
@@ -246,6 +251,12 @@ def read_header_at(path: Union[str, Path]) -> SafetensorsHeader:
 
 class SequentialWriter:
     """Appends to an open file with large ``write`` calls, optionally starting writeback early.
+
+    Example::
+
+        writer = SequentialWriter(fd, early_writeback=True)
+        writer.write(tensor_bytes(t))
+        writer.finish()   # fsync
 
     With ``early_writeback`` the kernel is asked (``posix_fadvise(DONTNEED)``) to start writing
     dirty pages to the disk after every ``chunk_bytes`` written, and to drop them from the page

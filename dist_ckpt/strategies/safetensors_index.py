@@ -64,12 +64,22 @@ RankIndex = Dict[str, Any]  # {"files": {...}, "tensors": {...}} of one rank
 
 
 def file_name(rank: int, writer: int) -> str:
-    """Name of the file that writer thread ``writer`` of ``rank`` writes."""
+    """Name of the file that writer thread ``writer`` of ``rank`` writes.
+
+    Example::
+
+        file_name(3, 1)   # "rank00003_1.safetensors"
+    """
     return f"rank{rank:05d}_{writer}.safetensors"
 
 
 def shard_name(sh: ShardedTensor) -> str:
-    """Name of a shard inside its safetensors file: key, chunk offset and flat start."""
+    """Name of a shard inside its safetensors file: key, chunk offset and flat start.
+
+    Example::
+
+        shard_name(ShardedTensor.from_rank_offsets("w", torch.empty(2, 4), (0, 1, 2)))   # "w@2.0"
+    """
     name = f"{sh.key}@{'.'.join(map(str, sh.global_offset))}"
     if sh.flattened_range is not None:
         name += f"+{sh.flattened_range.start}"
@@ -77,7 +87,12 @@ def shard_name(sh: ShardedTensor) -> str:
 
 
 def encode_shard(sh: ShardedTensor, file: str, byte_range: Tuple[int, int]) -> Dict[str, Any]:
-    """The index entry of one saved shard."""
+    """The index entry of one saved shard.
+
+    Example::
+
+        encode_shard(sh, "rank00000_0.safetensors", (128, 160))["byte_range"]   # [128, 160]
+    """
     rng = sh.flattened_range
     return {
         "file": file,
@@ -91,6 +106,10 @@ def encode_shard(sh: ShardedTensor, file: str, byte_range: Tuple[int, int]) -> D
 
 def merge_rank_indexes(per_rank: Sequence[RankIndex]) -> Dict[str, Any]:
     """The global index document from every rank's part (runs on rank 0).
+
+    Example::
+
+        doc = merge_rank_indexes(gather_json(local_part))   # on rank 0
 
     Raises:
         CheckpointingException: two ranks describe a key with different dtypes or global shapes,
@@ -197,6 +216,10 @@ def parse_index(doc: Any, path: Path) -> TensorIndex:
     Raises:
         CorruptCheckpointError: naming the index file and the key, for any malformed entry.
         IncompatibleStrategyError: for an index of a newer version.
+
+    Example::
+
+        index = parse_index(json.loads(raw), ckpt / "safetensors" / "index.json")
     """
     p = _Parser(path)
     doc = p.obj(doc, "the index")
@@ -219,7 +242,13 @@ def parse_index(doc: Any, path: Path) -> TensorIndex:
 
 
 def read_index(checkpoint_dir: Path) -> TensorIndex:
-    """Read and validate ``<checkpoint_dir>/safetensors/index.json``."""
+    """Read and validate ``<checkpoint_dir>/safetensors/index.json``.
+
+    Example::
+
+        index = read_index(Path("ckpt/iter_1000"))
+        index.tensors["decoder.w"].shards[0].file   # "rank00000_0.safetensors"
+    """
     path = Path(checkpoint_dir) / SAFETENSORS_DIR / INDEX_FILENAME
     try:
         raw = path.read_bytes()

@@ -114,7 +114,12 @@ def read_into(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
 
 
 def read_bytes(fd: int, nbytes: int, offset: int) -> bytes:
-    """``nbytes`` bytes of ``fd`` at ``offset`` (through :func:`read_into`)."""
+    """``nbytes`` bytes of ``fd`` at ``offset`` (through :func:`read_into`).
+
+    Example::
+
+        header_length = int.from_bytes(read_bytes(fd, 8, 0), "little")
+    """
     buf = bytearray(nbytes)
     read_into(fd, [memoryview(buf)], offset)
     return bytes(buf)
@@ -260,6 +265,14 @@ def plan_copy(
             directly (not a contiguous CPU tensor).
         target: view of the destination holding exactly ``inter`` (for bounce reads).
         options: thresholds.
+
+    Example::
+
+        # rows 2..3 of a (4, 8) float32 shard stored at byte 128, into a (2, 8) tensor
+        dest = torch.empty(2, 8)
+        ops = plan_copy(fd, path, "w", Box((0, 0), (4, 8)), 128, Box((2, 0), (2, 8)), Box((2, 0), (2, 8)), 0,
+                        byte_view(dest), dest, ReadOptions())
+        execute(ops, ReadOptions())
     """
     itemsize = target.element_size()
     src_off, dst_off, run = contiguous_runs(inter, src_box, dst_box)
@@ -365,6 +378,10 @@ def execute(ops: Iterable[ReadOp], options: ReadOptions) -> int:
     is still planning later ones, so planning overlaps I/O. Each thread takes the next operation
     from a shared queue, which balances the load. After a failure no further operation starts;
     the first failure is raised once every thread has stopped.
+
+    Example::
+
+        copied = execute(ops, ReadOptions(thread_count=4))
     """
     total = 0
     if options.thread_count == 1:

@@ -146,7 +146,13 @@ class TensorIndex:
 
 
 def tensors_metadata(index: TensorIndex) -> ShardedStateDict:
-    """``{key: ShardedTensor}`` (whole, unsharded, data on the meta device) for every tensor."""
+    """``{key: ShardedTensor}`` (whole, unsharded, data on the meta device) for every tensor.
+
+    Example::
+
+        meta = tensors_metadata(read_index(ckpt))
+        meta["decoder.w"].global_shape, meta["decoder.w"].dtype
+    """
     out: ShardedStateDict = {}
     for key in sorted(set(index.tensors) | set(index.aliases)):
         info = index.lookup(key)
