@@ -64,6 +64,7 @@ from .strategies.base import (
     register_default_strategy,
     registered_strategies,
 )
+from .unshard import iter_unsharded, unshard
 from .validation import StrictHandling, validate_sharding_integrity
 
 __version__ = "0.1.0"
@@ -106,6 +107,7 @@ __all__ = [
     "check_is_distributed_checkpoint",
     "get_default_strategy",
     "is_main_replica",
+    "iter_unsharded",
     "load",
     "load_common_state_dict",
     "load_plain_tensors",
@@ -118,5 +120,6 @@ __all__ = [
     "registered_strategies",
     "remove_sharded_tensors",
     "save",
+    "unshard",
     "validate_sharding_integrity",
 ]

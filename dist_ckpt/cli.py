@@ -11,6 +11,7 @@ or an OS error such as an unwritable directory), reported as one line on stderr 
 Example::
 
     $ dist-ckpt demo --ranks 2 --size 16
+    $ dist-ckpt export-hf ckpt/iter_1000 hf/iter_1000 --max-shard-size 5GB
 """
 
 from __future__ import annotations
@@ -200,9 +201,62 @@ def _run_demo(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# --------------------------------------------------------------------------- export-hf
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*")
+
+
+def _size(text: str) -> int:
+    """A byte count: ``5GB`` (10**9), ``512MiB`` (2**20), or plain bytes."""
+    match = _SIZE.fullmatch(text)
+    unit = match.group(2).upper() if match else ""
+    if not match or unit not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size such as 5GB, 500MiB or 1000000, got {text!r}")
+    value = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least one byte, got {text!r}")
+    return value
+
+
+def _add_export_hf_command(subparsers: SubParsers, common: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser(
+        "export-hf",
+        parents=[common],
+        help="write every tensor of a checkpoint into a HuggingFace safetensors folder",
+        description=(
+            "Assemble every tensor of the checkpoint SRC (any backend, saved by any number of "
+            "ranks) and write it to the HuggingFace folder DST: model.safetensors, or shard files "
+            "of at most --max-shard-size bytes plus model.safetensors.index.json. One tensor is in "
+            "memory at a time; no process group is needed. Keys are written as stored."
+        ),
+    )
+    p.add_argument("src", type=Path, metavar="SRC", help="a committed dist_ckpt checkpoint directory")
+    p.add_argument("dst", type=Path, metavar="DST", help="the folder to write (must not hold HF weights yet)")
+    p.add_argument("--max-shard-size", type=_size, default=2**31, metavar="SIZE",
+                   help="most bytes per file, e.g. 5GB or 2GiB (default: 2GiB)")
+    p.set_defaults(run=_run_export_hf, parser=p)
+
+
+def _run_export_hf(args: argparse.Namespace) -> int:
+    import time
+
+    from .hf.export import export  # keeps `dist-ckpt --help` fast
+
+    start = time.perf_counter()
+    result = export(args.src, args.dst, max_shard_size=args.max_shard_size)
+    seconds = time.perf_counter() - start
+    files = len(result.files)
+    print(f"dist-ckpt export-hf: {result.tensors} tensors, {_mib(result.total_bytes)}, from {args.src}")
+    print(f"  to {result.directory}: {files} file{'s' if files != 1 else ''}"
+          + (f" + {result.index}" if result.index else "") + f", in {seconds:.2f} s")
+    return EXIT_OK
+
+
 # --------------------------------------------------------------------------- parser and main
 
-_COMMANDS: Tuple[CommandAdder, ...] = (_add_demo_command,)
+_COMMANDS: Tuple[CommandAdder, ...] = (_add_demo_command, _add_export_hf_command)
 
 
 def _common_options(suppress_defaults: bool) -> argparse.ArgumentParser:

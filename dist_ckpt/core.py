@@ -31,7 +31,9 @@ __all__ = [
     "CheckpointingConfig",
     "CheckpointingException",
     "METADATA_FILENAME",
+    "HF_CONFIG",
     "check_is_distributed_checkpoint",
+    "detect_config",
     "maybe_load_config",
     "read_config",
     "save_config",
@@ -125,6 +127,25 @@ def read_config(checkpoint_dir: Union[str, Path]) -> CheckpointingConfig:
             f"(the save did not finish, or this is not a checkpoint directory)"
         )
     return config
+
+
+#: how a HuggingFace folder (safetensors weights and no metadata.json) is loaded: with the
+#: built-in read-only "hf" strategies (dist_ckpt.hf.strategy)
+HF_CONFIG = CheckpointingConfig("hf", 1, "hf", 1)
+_HF_WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors")
+
+
+def detect_config(checkpoint_dir: Union[str, Path]) -> CheckpointingConfig:
+    """The config to load ``checkpoint_dir`` with: its ``metadata.json``, or :data:`HF_CONFIG` for
+    a folder without one that holds HuggingFace weights (``model.safetensors`` or its index).
+
+    An HF folder is not a committed dist_ckpt checkpoint (:func:`check_is_distributed_checkpoint`
+    stays False); this only lets ``load`` read it.
+    """
+    directory = Path(checkpoint_dir)
+    if not (directory / METADATA_FILENAME).exists() and any((directory / f).is_file() for f in _HF_WEIGHT_FILES):
+        return HF_CONFIG
+    return read_config(directory)
 
 
 def check_is_distributed_checkpoint(checkpoint_dir: Union[str, Path]) -> bool:

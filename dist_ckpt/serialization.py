@@ -65,7 +65,7 @@ from .validation import (
 logger = logging.getLogger(__name__)
 
 #: (backend, version) used by ``save`` when no sharded strategy is given
-DEFAULT_SHARDED_BACKEND: Tuple[str, int] = ("zarr", 1)
+DEFAULT_SHARDED_BACKEND: Tuple[str, int] = ("safetensors", 1)
 DEFAULT_COMMON_BACKEND: Tuple[str, int] = ("torch", 1)
 
 __all__ = [

@@ -19,7 +19,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Un
 import numpy as np
 import torch
 
-from .core import read_config
+from .core import detect_config
 from .dict_utils import extract_matching_values, nested_values
 from .distributed import ProcessGroup, broadcast_json, gather_json, get_rank, run_collectively
 from .errors import (
@@ -419,10 +419,13 @@ def verify_checkpoint_and_load_strategy(
 ) -> Tuple[LoadShardedStrategy, LoadCommonStrategy]:
     """Read ``metadata.json`` and return load strategies compatible with it.
 
+    A folder holding HuggingFace weights and no ``metadata.json`` is read with the ``hf``
+    strategies (see :func:`dist_ckpt.core.detect_config`).
+
     Strategies the caller passes are checked for compatibility; missing ones come from the
     registry, keyed by the backend and version the checkpoint records.
     """
-    config = read_config(checkpoint_dir)
+    config = detect_config(checkpoint_dir)
     sharded = resolve_strategy(
         sharded_strategy, StrategyAction.LOAD_SHARDED, (config.sharded_backend, config.sharded_backend_version)
     )

@@ -228,6 +228,15 @@ _BUILTINS: Dict[StrategyKey, _Builtin] = {
     _key(StrategyAction.LOAD_COMMON, "torch", 1): _Builtin("dist_ckpt.strategies.common:TorchCommonLoadStrategy", None),
     _key(StrategyAction.SAVE_SHARDED, "zarr", 1): _Builtin("dist_ckpt.strategies.zarr:ZarrSaveShardedStrategy", "zarr"),
     _key(StrategyAction.LOAD_SHARDED, "zarr", 1): _Builtin("dist_ckpt.strategies.zarr:ZarrLoadShardedStrategy", "zarr"),
+    _key(StrategyAction.SAVE_SHARDED, "safetensors", 1): _Builtin(
+        "dist_ckpt.strategies.safetensors:SafetensorsSaveShardedStrategy", None
+    ),
+    _key(StrategyAction.LOAD_SHARDED, "safetensors", 1): _Builtin(
+        "dist_ckpt.strategies.safetensors:SafetensorsLoadShardedStrategy", None
+    ),
+    # HuggingFace folders (read only): chosen for a folder with HF weights and no metadata.json
+    _key(StrategyAction.LOAD_SHARDED, "hf", 1): _Builtin("dist_ckpt.hf.strategy:HFLoadShardedStrategy", None),
+    _key(StrategyAction.LOAD_COMMON, "hf", 1): _Builtin("dist_ckpt.hf.strategy:HFCommonLoadStrategy", None),
 }
 
 #: further built-in implementations of a key (other engines for the same on-disk format),

@@ -116,7 +116,7 @@ def test_each_chunk_read_once_per_data_parallel_group(engine, wrapper, tp, share
     group must cover them exactly once, balanced in bytes across the group."""
     if world() % tp:
         pytest.skip("world not divisible by tp")
-    dc.save(replicated_state(tp=tp), shared_tmp_path)
+    dc.save(replicated_state(tp=tp), shared_tmp_path, sharded_strategy=("zarr", 1))
     groups = dp_groups(tp)
     group = groups[rank() % tp] if tp > 1 else None
     counting = CountingLoader(LOADERS[engine]())
@@ -142,7 +142,7 @@ def test_each_chunk_read_once_per_data_parallel_group(engine, wrapper, tp, share
 
 def test_two_stage_mirrors_non_gloo_groups_with_gloo(shared_tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """cpu_transfer: a DP group of another backend (pretend NCCL) gets a gloo twin for the broadcasts."""
-    dc.save(replicated_state(), shared_tmp_path)
+    dc.save(replicated_state(), shared_tmp_path, sharded_strategy=("zarr", 1))
     monkeypatch.setattr(exchange, "group_backend", lambda group=None: "nccl")
     strategy = TwoStageDataParallelLoadShardedStrategy(None, cpu_transfer=True)
     loaded = dc.load(replicated_state(empty=True), shared_tmp_path, sharded_strategy=strategy)
@@ -217,7 +217,7 @@ def test_fully_parallel_save_caches_its_distribution(shared_tmp_path: Path) -> N
 
 @pytest.mark.parametrize("wrapper", WRAPPERS)
 def test_missing_chunk_raises_the_same_error_everywhere(wrapper, shared_tmp_path: Path) -> None:
-    dc.save(replicated_state(), shared_tmp_path)
+    dc.save(replicated_state(), shared_tmp_path, sharded_strategy=("zarr", 1))
     chunk = shared_tmp_path / "zarr" / "t7" / "c" / "0" / "0"
     dist.barrier()
     if rank() == 0:
@@ -230,7 +230,7 @@ def test_missing_chunk_raises_the_same_error_everywhere(wrapper, shared_tmp_path
 
 @pytest.mark.parametrize("wrapper", WRAPPERS)
 def test_read_failure_on_one_rank_raises_everywhere(wrapper, shared_tmp_path: Path) -> None:
-    dc.save(replicated_state(), shared_tmp_path)
+    dc.save(replicated_state(), shared_tmp_path, sharded_strategy=("zarr", 1))
     strategy = WRAPPERS[wrapper](CountingLoader(LOADERS["zarr"](), fail_on_rank=1), None)
     err = raises_on_all_ranks(dc.RankFailedError, lambda: dc.load(replicated_state(empty=True), shared_tmp_path, sharded_strategy=strategy))
     assert_on_all_ranks("[rank 1]" in str(err) and "injected" in str(err), str(err))
@@ -245,7 +245,7 @@ def _mismatched_group() -> Any:
 
 @pytest.mark.parametrize("kind", ["two_stage", "fully_parallel_load", "fully_parallel_save"])
 def test_mismatched_groups_raise_everywhere(kind, shared_tmp_path: Path) -> None:
-    dc.save(replicated_state(), shared_tmp_path / "ok")
+    dc.save(replicated_state(), shared_tmp_path / "ok", sharded_strategy=("zarr", 1))
     group = _mismatched_group()
     base = LOADERS["zarr"]()
     if kind == "fully_parallel_save":
@@ -263,7 +263,7 @@ def test_mismatched_groups_raise_everywhere(kind, shared_tmp_path: Path) -> None
 def test_rank_failing_mid_broadcast_raises_everywhere_and_keeps_ranks_in_step(side, shared_tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 1 fails on its first packed bucket (receiving, or sending); it must keep taking part
     in the broadcasts that follow (or the others would hang), and all ranks raise its error."""
-    dc.save(replicated_state(), shared_tmp_path)
+    dc.save(replicated_state(), shared_tmp_path, sharded_strategy=("zarr", 1))
     real_broadcast = exchange.broadcast_tensor
     events: List[str] = []
 

@@ -246,7 +246,7 @@ class TestWrappersInOneProcess:
     @pytest.fixture
     def ckpt(self, tmp_path):
         full = random_tensor(torch.bfloat16, (4, 6), seed=5)
-        dc.save(split_state("w", full, 0, 2), tmp_path / "c")
+        dc.save(split_state("w", full, 0, 2), tmp_path / "c", sharded_strategy=("zarr", 1))
         return tmp_path / "c", full
 
     @pytest.mark.parametrize("make", [
@@ -314,6 +314,6 @@ class TestWrappersInOneProcess:
         assert all(sd[k].replica_id == (0 if k.startswith("w") else 1) for k in sd)  # caller's objects untouched
         assert wrapper.owned_paths == ("zarr",) and wrapper.apply_saving_parallelization(sd).keys() == sd.keys()
         dc.save(sd, tmp_path / "fp", sharded_strategy=wrapper)
-        dc.save(sd, tmp_path / "plain")
+        dc.save(sd, tmp_path / "plain", sharded_strategy=("zarr", 1))
         files = lambda root: {str(p.relative_to(root)): p.read_bytes() for p in sorted((root / "zarr").rglob("*")) if p.is_file()}  # noqa: E731
         assert files(tmp_path / "fp") == files(tmp_path / "plain")

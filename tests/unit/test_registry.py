@@ -567,10 +567,15 @@ class TestMissingDependency:
         assert isinstance(info.value, ImportError) and isinstance(info.value, CheckpointingException)
         assert isinstance(info.value.__cause__, ImportError)
 
-    def test_save_with_default_backend(self, no_zarr, tmp_path):
+    def test_save_with_zarr_backend(self, no_zarr, tmp_path):
         with pytest.raises(MissingDependencyError, match=r"dist_ckpt\[zarr\]"):
-            dc.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}, tmp_path / "c")
+            dc.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}, tmp_path / "c", sharded_strategy=("zarr", 1))
         assert not (tmp_path / "c" / "metadata.json").exists()
+
+    def test_default_backend_needs_no_optional_dependency(self, no_zarr, tmp_path):
+        dc.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}, tmp_path / "c")
+        out = dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(2))}, tmp_path / "c")
+        assert torch.equal(out["w"], torch.ones(2))
 
     def test_common_backend_unaffected(self, no_zarr):
         assert type(get_default_strategy(A.SAVE_COMMON, "torch", 1)).__name__ == "TorchCommonSaveStrategy"

@@ -33,7 +33,9 @@ from dist_ckpt import (
     UnknownStrategyError,
     UnsafeObjectError,
 )
+from dist_ckpt.serialization import DEFAULT_SHARDED_BACKEND
 from dist_ckpt.strategies import zarr as zarr_strategy
+from dist_ckpt.strategies.base import StrategyAction, get_default_strategy
 from dist_ckpt.strategies.common import TorchCommonLoadStrategy
 
 
@@ -75,11 +77,11 @@ def ckpt(tmp_path):
 class TestRoundTrip:
     def test_metadata_json(self, ckpt):
         meta = json.loads((ckpt / "metadata.json").read_text())
-        assert (meta["sharded_backend"], meta["sharded_backend_version"]) == ("zarr", 1)
+        assert (meta["sharded_backend"], meta["sharded_backend_version"]) == DEFAULT_SHARDED_BACKEND
         assert (meta["common_backend"], meta["common_backend_version"]) == ("torch", 1)
         assert meta["dist_ckpt"]["world_size"] == 1
         assert dc.check_is_distributed_checkpoint(ckpt)
-        assert dc.maybe_load_config(ckpt) == dc.CheckpointingConfig("zarr", 1, "torch", 1)
+        assert dc.maybe_load_config(ckpt) == dc.CheckpointingConfig(*DEFAULT_SHARDED_BACKEND, "torch", 1)
 
     def test_resharded_load(self, ckpt):
         w = torch.arange(24, dtype=torch.float32).reshape(4, 6)
@@ -225,7 +227,7 @@ class TestDirectory:
         (path / "objects" / "o").mkdir(parents=True)
         (path / "notes.txt").write_text("user file")
         w = torch.randn(4, 6)
-        dc.save(simple_state(w), path)
+        dc.save(simple_state(w), path, sharded_strategy=("zarr", 1))  # the backend that owns zarr/
         assert not (path / "zarr" / "stale.key").exists()
         assert not (path / "objects").exists()
         assert (path / "notes.txt").read_text() == "user file"  # not ours: left alone
@@ -249,7 +251,7 @@ class TestDirectory:
         with pytest.raises(NotACheckpointError):
             dc.load({}, tmp_path / "c")
         w = torch.randn(4, 6)
-        dc.save(simple_state(w), tmp_path / "c")
+        dc.save(simple_state(w), tmp_path / "c", sharded_strategy=("zarr", 1))
         assert not (tmp_path / "c" / "zarr" / "partial").exists()
         out = dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 6))}, tmp_path / "c")
         assert torch.equal(out["w"], w)
@@ -302,7 +304,8 @@ class TestStrategies:
 
     @pytest.mark.parametrize("field, value, names", [
         ("sharded_backend", "mystery", ["load_sharded:mystery:v1", "load_sharded:zarr:v1"]),
-        ("sharded_backend_version", 9, ["load_sharded:zarr:v9", "load_sharded:zarr:v1"]),
+        ("sharded_backend_version", 9, [f"load_sharded:{DEFAULT_SHARDED_BACKEND[0]}:v9",
+                                        f"load_sharded:{DEFAULT_SHARDED_BACKEND[0]}:v1"]),
         ("common_backend_version", 4, ["load_common:torch:v4", "load_common:torch:v1"]),
     ])
     def test_unknown_backend_recorded_in_checkpoint(self, ckpt, field, value, names):
@@ -318,7 +321,7 @@ class TestStrategies:
         meta = json.loads((ckpt / "metadata.json").read_text())
         meta["sharded_backend_version"] = 9
         (ckpt / "metadata.json").write_text(json.dumps(meta))
-        loader = zarr_strategy.ZarrLoadShardedStrategy()
+        loader = get_default_strategy(StrategyAction.LOAD_SHARDED, *DEFAULT_SHARDED_BACKEND)
         with pytest.raises(dc.IncompatibleStrategyError, match="9") as info:
             dc.load({}, ckpt, sharded_strategy=loader)
         assert str(ckpt) in str(info.value)

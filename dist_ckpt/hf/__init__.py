@@ -1,0 +1,70 @@
+"""HuggingFace interoperability: HF-format checkpoints (safetensors), partial loads, export.
+
+* :mod:`.index` -- shard indexes and tied parameters: ``make_shard_index``, ``save_shard_index``,
+  ``load_shard_index``, ``index_file_name``, ``create_sharing_metadata``, ``retie_parameters``;
+* :mod:`.io` -- whole checkpoints from modules or dicts: ``save_checkpoint``,
+  ``load_checkpoint``, ``save_sharded_checkpoint``, ``load_sharded_checkpoint``;
+* :mod:`.partial` -- a process loads only what it owns: ``is_in_safetensors_format``,
+  ``load_sharded_state_dict``, ``load_state_dict_to_shards``, ``save_sharded_model``,
+  ``set_submodule``;
+* :mod:`.export` -- ``export(src, dst, max_shard_size)``: any dist_ckpt checkpoint to an HF folder;
+* :mod:`.strategy` -- the ``("hf", 1)`` load strategies with which ``dist_ckpt.load`` reads an HF
+  folder into a sharded state dict, each rank reading only its slices.
+
+Only safetensors is read and written; ``.bin`` (pickle) checkpoints are refused with an error
+that says why (loading one would run code from the file).
+
+Example::
+
+    from dist_ckpt import hf
+    hf.save_checkpoint("out/model", model, max_shard_size=2**30)
+    state = hf.load_checkpoint("out/model", None, keys={"lm_head.weight"})
+    hf.export("ckpt/iter_1000", "hf/iter_1000")
+"""
+
+from .export import ExportResult, export
+from .index import (
+    ShardIndex,
+    SharingMetadataT,
+    StateDictLike,
+    create_sharing_metadata,
+    index_file_name,
+    load_shard_index,
+    make_shard_index,
+    retie_parameters,
+    save_shard_index,
+)
+from .io import load_checkpoint, load_sharded_checkpoint, save_checkpoint, save_sharded_checkpoint
+from .partial import (
+    is_in_safetensors_format,
+    load_sharded_state_dict,
+    load_state_dict_to_shards,
+    save_sharded_model,
+    set_submodule,
+)
+from .strategy import HFCommonLoadStrategy, HFLoadShardedStrategy
+
+__all__ = [
+    "ExportResult",
+    "HFCommonLoadStrategy",
+    "HFLoadShardedStrategy",
+    "ShardIndex",
+    "SharingMetadataT",
+    "StateDictLike",
+    "create_sharing_metadata",
+    "export",
+    "index_file_name",
+    "is_in_safetensors_format",
+    "load_checkpoint",
+    "load_shard_index",
+    "load_sharded_checkpoint",
+    "load_sharded_state_dict",
+    "load_state_dict_to_shards",
+    "make_shard_index",
+    "retie_parameters",
+    "save_checkpoint",
+    "save_shard_index",
+    "save_sharded_checkpoint",
+    "save_sharded_model",
+    "set_submodule",
+]

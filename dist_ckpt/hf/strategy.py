@@ -1,0 +1,103 @@
+"""Load strategies that let ``dist_ckpt.load`` read HuggingFace folders like any checkpoint.
+
+A folder with ``model.safetensors`` or ``model.safetensors.index.json`` and no ``metadata.json``
+is read with the built-in backend ``("hf", 1)`` (see :func:`dist_ckpt.core.detect_config`):
+each rank asks for the slices its ShardedTensors describe -- any TP split, flattened ranges,
+prepended axes -- and reads only those bytes, in place, from the files that hold them. The
+common state of such a checkpoint is empty, and it holds no ShardedObjects.
+
+Example::
+
+    sd = {"embed": ShardedTensor.from_rank_offsets("model.embed_tokens.weight", local, (0, tp_rank, tp))}
+    dist_ckpt.load(sd, "Llama-3-8B")                       # reads this rank's rows only
+    dist_ckpt.load(sd, path, sharded_strategy=HFLoadShardedStrategy(aliases={"lm_head.weight": "model.embed_tokens.weight"}))
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar, Dict, Mapping, Optional, Tuple
+
+from ..dict_utils import dict_list_map_inplace, nested_values
+from ..distributed import get_rank
+from ..errors import KeyMismatchError, format_keys
+from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
+from ..strategies.base import LoadCommonStrategy, LoadShardedStrategy
+from ..strategies.safetensors_io import ReadOptions
+from ..strategies.safetensors_load import load_from_index, tensors_metadata
+from .folder import HFFolder, open_folder
+
+__all__ = ["HF_BACKEND", "HFCommonLoadStrategy", "HFLoadShardedStrategy"]
+
+HF_BACKEND = ("hf", 1)
+
+
+class HFLoadShardedStrategy(LoadShardedStrategy):
+    """Reads slices of the tensors of a HuggingFace folder into ShardedTensors.
+
+    Args:
+        options: read threads and buffer sizes.
+        aliases: tied names absent from the files -> the stored name (for checkpoints that omit
+            tied weights without recording the tie; recorded ties are used anyway).
+
+    Example::
+
+        strategy = HFLoadShardedStrategy(aliases={"lm_head.weight": "model.embed_tokens.weight"})
+        dc.load(sharded_state_dict, "Llama-3-8B", sharded_strategy=strategy)
+    """
+
+    supported_backends: ClassVar[Tuple[str, ...]] = (HF_BACKEND[0],)
+    supported_versions: ClassVar[Tuple[int, ...]] = (HF_BACKEND[1],)
+
+    def __init__(self, options: Optional[ReadOptions] = None, aliases: Optional[Mapping[str, str]] = None) -> None:
+        self.options = options or ReadOptions()
+        self.aliases: Dict[str, str] = dict(aliases or {})
+
+    def _folder(self, checkpoint_dir: Path) -> HFFolder:
+        folder = open_folder(checkpoint_dir)
+        folder.extra_aliases.update(self.aliases)
+        return folder
+
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
+        folder = self._folder(Path(checkpoint_dir))
+        keys = [sh.key for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedTensor)]
+        available = set(folder.names())
+        absent = sorted({k for k in keys if k not in available})
+        if absent:
+            raise KeyMismatchError(
+                f"[rank {get_rank()}] tensors requested by load but absent from HuggingFace checkpoint "
+                f"{str(checkpoint_dir)!r}: {format_keys(absent)}",
+                unexpected_keys=absent,
+            )
+        index = folder.tensor_index(keys)
+        return load_from_index(sharded_state_dict, index, self.options)
+
+    def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
+        return tensors_metadata(self._folder(Path(checkpoint_dir)).tensor_index())
+
+
+class HFCommonLoadStrategy(LoadCommonStrategy):
+    """The common part of a HuggingFace folder: an empty state, and no ShardedObjects."""
+
+    supported_backends: ClassVar[Tuple[str, ...]] = (HF_BACKEND[0],)
+    supported_versions: ClassVar[Tuple[int, ...]] = (HF_BACKEND[1],)
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def load_common(self, checkpoint_dir: Path) -> StateDict:
+        return {}
+
+    def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
+        requested = sorted({o.key for o in nested_values(sharded_objects_state_dict) if isinstance(o, ShardedObject)})
+        if requested:
+            raise KeyMismatchError(
+                f"[rank {get_rank()}] HuggingFace checkpoint {str(checkpoint_dir)!r} holds tensors only; "
+                f"ShardedObjects requested: {format_keys(requested)}",
+                unexpected_keys=requested,
+            )
+        return dict_list_map_inplace(lambda x: x, sharded_objects_state_dict)  # type: ignore[no-any-return]
+
+    def load_sharded_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
+        return {}

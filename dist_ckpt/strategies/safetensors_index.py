@@ -1,0 +1,273 @@
+"""The on-disk layout of ``safetensors``-backend checkpoints and its global index.
+
+Layout inside a checkpoint directory::
+
+    safetensors/index.json                      the global index (written last, by rank 0)
+    safetensors/rank<rank>_<i>.safetensors      rank's main-replica shards, one file per writer
+                                                thread (a valid safetensors file each)
+
+``index.json`` (version 1) says which file and byte range holds which shard of which key::
+
+    {
+      "format": "dist_ckpt.safetensors",
+      "version": 1,
+      "files": {"rank00000_0.safetensors": {"size": 1048704, "rank": 0}, ...},
+      "tensors": {
+        "decoder.w": {
+          "dtype": "bfloat16",                 # dist_ckpt.dtypes name
+          "global_shape": [1024, 512],
+          "shards": [
+            {"file": "rank00000_0.safetensors", "name": "decoder.w@0.0",
+             "global_offset": [0, 0], "chunk_shape": [512, 512],
+             "flat_range": null,               # or [start, stop] of the chunk's flattening
+             "byte_range": [128, 524416]}      # absolute offsets in the file
+          ]
+        }
+      }
+    }
+
+Every file, tensor and shard entry is a JSON object, so later versions can add fields (such as
+a checksum per byte range) without changing the existing ones; readers ignore unknown fields.
+No pickle anywhere: the index is plain JSON and the files are safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ..dtypes import dtype_from_name
+from ..errors import CheckpointingException, CorruptCheckpointError, IncompatibleStrategyError
+from ..mapping import ShardedTensor
+from .safetensors_load import StoredShard, StoredTensor, TensorIndex
+
+__all__ = [
+    "INDEX_FILENAME",
+    "INDEX_FORMAT",
+    "INDEX_VERSION",
+    "SAFETENSORS_DIR",
+    "encode_shard",
+    "file_name",
+    "merge_rank_indexes",
+    "parse_index",
+    "read_index",
+    "shard_name",
+]
+
+SAFETENSORS_DIR = "safetensors"
+INDEX_FILENAME = "index.json"
+INDEX_FORMAT = "dist_ckpt.safetensors"
+INDEX_VERSION = 1
+
+RankIndex = Dict[str, Any]  # {"files": {...}, "tensors": {...}} of one rank
+
+
+def file_name(rank: int, writer: int) -> str:
+    """Name of the file that writer thread ``writer`` of ``rank`` writes.
+
+    Example::
+
+        file_name(3, 1)   # "rank00003_1.safetensors"
+    """
+    return f"rank{rank:05d}_{writer}.safetensors"
+
+
+def shard_name(sh: ShardedTensor) -> str:
+    """Name of a shard inside its safetensors file: key, chunk offset and flat start.
+
+    Example::
+
+        shard_name(ShardedTensor.from_rank_offsets("w", torch.empty(2, 4), (0, 1, 2)))   # "w@2.0"
+    """
+    name = f"{sh.key}@{'.'.join(map(str, sh.global_offset))}"
+    if sh.flattened_range is not None:
+        name += f"+{sh.flattened_range.start}"
+    return name
+
+
+def encode_shard(sh: ShardedTensor, file: str, byte_range: Tuple[int, int]) -> Dict[str, Any]:
+    """The index entry of one saved shard.
+
+    Example::
+
+        encode_shard(sh, "rank00000_0.safetensors", (128, 160))["byte_range"]   # [128, 160]
+    """
+    rng = sh.flattened_range
+    return {
+        "file": file,
+        "name": shard_name(sh),
+        "global_offset": list(sh.global_offset),
+        "chunk_shape": list(sh.full_local_shape),
+        "flat_range": None if rng is None else [rng.start, rng.stop],
+        "byte_range": [byte_range[0], byte_range[1]],
+    }
+
+
+def merge_rank_indexes(per_rank: Sequence[RankIndex]) -> Dict[str, Any]:
+    """The global index document from every rank's part (runs on rank 0).
+
+    Example::
+
+        doc = merge_rank_indexes(gather_json(local_part))   # on rank 0
+
+    Raises:
+        CheckpointingException: two ranks describe a key with different dtypes or global shapes,
+            or write the same file.
+    """
+    files: Dict[str, Any] = {}
+    tensors: Dict[str, Any] = {}
+    for rank, part in enumerate(per_rank):
+        for name, entry in part["files"].items():
+            if name in files:
+                raise CheckpointingException(f"ranks {files[name]['rank']} and {rank} both wrote {name!r}")
+            files[name] = entry
+        for key, entry in part["tensors"].items():
+            merged = tensors.setdefault(key, {"dtype": entry["dtype"], "global_shape": entry["global_shape"], "shards": []})
+            if (merged["dtype"], merged["global_shape"]) != (entry["dtype"], entry["global_shape"]):
+                raise CheckpointingException(
+                    f"tensor {key!r}: rank {rank} saves it as {entry['dtype']} {entry['global_shape']}, another rank "
+                    f"as {merged['dtype']} {merged['global_shape']}; every rank must agree"
+                )
+            merged["shards"].extend(entry["shards"])
+    return {"format": INDEX_FORMAT, "version": INDEX_VERSION, "files": files, "tensors": dict(sorted(tensors.items()))}
+
+
+# --------------------------------------------------------------------------- reading
+
+
+class _Parser:
+    """Validates an index document field by field; every error names the index and the key."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def fail(self, problem: str, key: Optional[str] = None) -> CorruptCheckpointError:
+        where = f" (tensor {key!r})" if key is not None else ""
+        return CorruptCheckpointError(f"safetensors index {str(self.path)!r}{where}: {problem}")
+
+    def obj(self, value: Any, what: str, key: Optional[str] = None) -> Dict[str, Any]:
+        if not isinstance(value, dict):
+            raise self.fail(f"{what} must be a JSON object, found {value!r}", key)
+        return value
+
+    def ints(self, value: Any, what: str, key: str, length: Optional[int] = None) -> Tuple[int, ...]:
+        if (
+            not isinstance(value, list)
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+            or (length is not None and len(value) != length)
+        ):
+            size = "" if length is None else f" of length {length}"
+            raise self.fail(f"{what} must be a list{size} of non-negative ints, found {value!r}", key)
+        return tuple(value)
+
+    def shard(self, raw: Any, key: str, ndim: int, files: Dict[str, int]) -> StoredShard:
+        entry = self.obj(raw, "a shard entry", key)
+        file, name = entry.get("file"), entry.get("name")
+        if not isinstance(file, str) or file not in files:
+            raise self.fail(f"shard names file {file!r}, which the index does not list", key)
+        if not isinstance(name, str):
+            raise self.fail(f"shard 'name' must be a string, found {name!r}", key)
+        offset = self.ints(entry.get("global_offset"), "global_offset", key, ndim)
+        chunk = self.ints(entry.get("chunk_shape"), "chunk_shape", key, ndim)
+        flat = entry.get("flat_range")
+        rng = None if flat is None else self.ints(flat, "flat_range", key, 2)
+        if rng is not None and not rng[0] <= rng[1] <= _prod(chunk):
+            raise self.fail(f"flat_range {list(rng)} does not fit a chunk of shape {list(chunk)}", key)
+        byte_range = self.ints(entry.get("byte_range"), "byte_range", key, 2)
+        if not byte_range[0] <= byte_range[1] <= files[file]:
+            raise self.fail(f"byte_range {list(byte_range)} lies outside {file!r} ({files[file]} bytes)", key)
+        flat_range = None if rng is None else (rng[0], rng[1])
+        return StoredShard(file, name, offset, chunk, flat_range, (byte_range[0], byte_range[1]))
+
+    def tensor(self, key: str, raw: Any, files: Dict[str, int]) -> StoredTensor:
+        entry = self.obj(raw, "a tensor entry", key)
+        dtype_name = entry.get("dtype")
+        try:
+            dtype = dtype_from_name(dtype_name if isinstance(dtype_name, str) else repr(dtype_name))
+        except CheckpointingException as e:
+            raise self.fail(str(e), key) from None
+        shape = self.ints(entry.get("global_shape"), "global_shape", key)
+        shards = entry.get("shards")
+        if not isinstance(shards, list):
+            raise self.fail(f"'shards' must be a list, found {shards!r}", key)
+        stored = [self.shard(s, key, len(shape), files) for s in shards]
+        for s in stored:
+            if any(o + c > g for o, c, g in zip(s.global_offset, s.chunk_shape, shape)):
+                raise self.fail(f"shard at {list(s.global_offset)} of shape {list(s.chunk_shape)} exceeds {list(shape)}", key)
+            numel = _prod(s.stored_shape)
+            if s.byte_range[1] - s.byte_range[0] != numel * dtype.itemsize:
+                raise self.fail(
+                    f"shard {s.name!r} spans {s.byte_range[1] - s.byte_range[0]} bytes, expected {numel * dtype.itemsize}", key
+                )
+        return StoredTensor(key, dtype, shape, stored)
+
+
+def _prod(shape: Sequence[int]) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def parse_index(doc: Any, path: Path) -> TensorIndex:
+    """The :class:`TensorIndex` described by an index document; validates every field.
+
+    Raises:
+        CorruptCheckpointError: naming the index file and the key, for any malformed entry.
+        IncompatibleStrategyError: for an index of a newer version.
+
+    Example::
+
+        index = parse_index(json.loads(raw), ckpt / "safetensors" / "index.json")
+    """
+    p = _Parser(path)
+    doc = p.obj(doc, "the index")
+    if doc.get("format") != INDEX_FORMAT:
+        raise p.fail(f"'format' is {doc.get('format')!r}, expected {INDEX_FORMAT!r}")
+    version = doc.get("version")
+    if version != INDEX_VERSION:
+        raise IncompatibleStrategyError(
+            f"safetensors index {str(path)!r} has version {version!r}; this dist_ckpt reads version "
+            f"{INDEX_VERSION}: upgrade dist_ckpt"
+        )
+    files: Dict[str, int] = {}
+    for name, entry in p.obj(doc.get("files"), "'files'").items():
+        size = p.obj(entry, f"file entry {name!r}").get("size")
+        if "/" in name or name.startswith(".") or not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise p.fail(f"file entry {name!r} needs a plain file name and a non-negative 'size', found {entry!r}")
+        files[name] = size
+    tensors = {key: p.tensor(key, raw, files) for key, raw in p.obj(doc.get("tensors"), "'tensors'").items()}
+    return TensorIndex(path.parent, tensors, file_sizes=files, description=repr(str(path.parent.parent)))
+
+
+def read_index(checkpoint_dir: Path) -> TensorIndex:
+    """Read and validate ``<checkpoint_dir>/safetensors/index.json``.
+
+    Example::
+
+        index = read_index(Path("ckpt/iter_1000"))
+        index.tensors["decoder.w"].shards[0].file   # "rank00000_0.safetensors"
+    """
+    path = Path(checkpoint_dir) / SAFETENSORS_DIR / INDEX_FILENAME
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise CorruptCheckpointError(
+            f"{str(path)!r} is missing: the safetensors part of checkpoint {str(checkpoint_dir)!r} is incomplete"
+        ) from None
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CorruptCheckpointError(f"safetensors index {str(path)!r} is not valid JSON: {e}") from e
+    return parse_index(doc, path)
+
+
+def rank_index(files: Dict[str, int], rank: int, tensors: Dict[str, Dict[str, Any]]) -> RankIndex:
+    """One rank's part of the index, as sent to rank 0."""
+    return {"files": {name: {"size": size, "rank": rank} for name, size in files.items()}, "tensors": tensors}
+
+
+def tensor_entry(dtype_name: str, global_shape: Sequence[int], shards: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The index entry of one tensor (one rank's shards of it)."""
+    return {"dtype": dtype_name, "global_shape": list(global_shape), "shards": shards}

@@ -1,0 +1,406 @@
+"""Load ShardedTensors from safetensors files described by a :class:`TensorIndex`.
+
+Both the ``safetensors`` backend (whose index is its ``index.json``) and HuggingFace checkpoints
+(whose index is built from the files' headers) describe where each stored shard lives: file,
+byte range, and which box (or flattened range of a box) of the global tensor it holds. Given that
+description, :func:`load_from_index` loads any sharding of the tensors:
+
+1. check every requested key, dtype and global shape against the index (one error listing
+   every problem, before anything is opened);
+2. plan: intersect each requested piece with the stored pieces it overlaps (looked up on the
+   stored chunk grid, not by scanning every shard), check that the stored data covers it;
+3. open each file the plan touches once and validate its header (size, dtype, shape and byte
+   range of every stored shard in it) -- still before any tensor byte is read;
+4. zero the parts outside the stored tensor (``allow_shape_mismatch``), then read, in place
+   where the destination allows it (see :mod:`.safetensors_io`), on a few threads.
+
+No collective is called: the loader works in a single process without a process group.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from itertools import product
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+
+import torch
+
+from ..dict_utils import dict_list_map_inplace, nested_values
+from ..distributed import get_rank
+from ..errors import CorruptCheckpointError, KeyMismatchError, LoadMismatchError, format_keys
+from ..geometry import Box, ShardPiece, piece_view, shard_pieces, sub_view
+from ..mapping import ShardedStateDict, ShardedTensor, StateDict
+from .safetensors_format import SafetensorsHeader, read_header, storage_layout
+from .safetensors_io import ReadOp, ReadOptions, byte_view, execute, plan_copy
+
+__all__ = ["StoredShard", "StoredTensor", "TensorIndex", "load_from_index", "tensors_metadata"]
+
+Shape = Tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StoredShard:
+    """One stored shard: a box (or a flattened range of a box) of a global tensor in a file.
+
+    Attributes:
+        file: file name, relative to the index's directory.
+        name: tensor name inside the file.
+        global_offset: offset of the shard's box in the global tensor.
+        chunk_shape: shape of the shard's box (all global axes).
+        flat_range: ``(start, stop)`` of the box's row-major flattening held, or None for all.
+        byte_range: absolute ``(begin, end)`` byte offsets of the data in the file.
+    """
+
+    file: str
+    name: str
+    global_offset: Shape
+    chunk_shape: Shape
+    flat_range: Optional[Tuple[int, int]]
+    byte_range: Tuple[int, int]
+
+    @property
+    def stored_shape(self) -> Shape:
+        """Shape of the tensor as written in the file (before any dtype re-encoding)."""
+        if self.flat_range is not None:
+            return (self.flat_range[1] - self.flat_range[0],)
+        return self.chunk_shape
+
+    def pieces(self) -> List[ShardPiece]:
+        """The global boxes this shard holds; ``flat_offset`` is relative to its first element."""
+        return shard_pieces(self.global_offset, self.chunk_shape, 0, self.flat_range)
+
+
+@dataclass
+class StoredTensor:
+    """Everything stored about one global tensor."""
+
+    key: str
+    dtype: torch.dtype
+    global_shape: Shape
+    shards: List[StoredShard] = field(default_factory=list)
+    _grid: Optional[Dict[Shape, List[StoredShard]]] = field(default=None, repr=False)
+
+    @property
+    def bounds(self) -> Box:
+        return Box((0,) * len(self.global_shape), self.global_shape)
+
+    def overlapping(self, region: Box) -> Iterator[StoredShard]:
+        """Stored shards whose box overlaps ``region`` (via the chunk grid when it is regular)."""
+        if self._grid is None:
+            self._grid = _grid_of(self.shards)
+        if not self._grid:
+            yield from (s for s in self.shards if Box(s.global_offset, s.chunk_shape).intersect(region))
+            return
+        chunk = self.shards[0].chunk_shape
+        ranges = [range(o // c, (o + n - 1) // c + 1) for o, n, c in zip(region.offset, region.shape, chunk)]
+        for idx in product(*ranges):
+            yield from self._grid.get(tuple(idx), ())
+
+
+def _grid_of(shards: Sequence[StoredShard]) -> Dict[Shape, List[StoredShard]]:
+    """Shards by chunk index, or {} when the shards do not form a regular grid."""
+    if not shards:
+        return {}
+    chunk = shards[0].chunk_shape
+    grid: Dict[Shape, List[StoredShard]] = {}
+    for s in shards:
+        if s.chunk_shape != chunk or any(c == 0 or o % c for o, c in zip(s.global_offset, chunk)):
+            return {}
+        grid.setdefault(tuple(o // c for o, c in zip(s.global_offset, chunk)), []).append(s)
+    return grid
+
+
+#: checks an opened file against the index before any read; raises CorruptCheckpointError
+FileCheck = Callable[[SafetensorsHeader, Sequence[Tuple[str, StoredShard]]], None]
+
+
+@dataclass
+class TensorIndex:
+    """Where every stored tensor lives.
+
+    Attributes:
+        directory: the directory holding the files.
+        tensors: stored tensors by key.
+        aliases: keys served by another stored key (tied parameters stored once).
+        file_sizes: expected size of each file, when the index records it.
+        description: names the checkpoint in error messages.
+        from_headers: the index was built from the files' validated headers (HuggingFace
+            folders), so a load does not read and check them again.
+    """
+
+    directory: Path
+    tensors: Dict[str, StoredTensor]
+    aliases: Dict[str, str] = field(default_factory=dict)
+    file_sizes: Dict[str, int] = field(default_factory=dict)
+    description: str = ""
+    from_headers: bool = False
+
+    def lookup(self, key: str) -> Optional[StoredTensor]:
+        """The stored tensor for ``key`` (following an alias), or None."""
+        found = self.tensors.get(key)
+        if found is None and key in self.aliases:
+            found = self.tensors.get(self.aliases[key])
+        return found
+
+
+def tensors_metadata(index: TensorIndex) -> ShardedStateDict:
+    """``{key: ShardedTensor}`` (whole, unsharded, data on the meta device) for every tensor.
+
+    Example::
+
+        meta = tensors_metadata(read_index(ckpt))
+        meta["decoder.w"].global_shape, meta["decoder.w"].dtype
+    """
+    out: ShardedStateDict = {}
+    for key in sorted(set(index.tensors) | set(index.aliases)):
+        info = index.lookup(key)
+        if info is not None:
+            meta = torch.empty(info.global_shape, dtype=info.dtype, device="meta")
+            out[key] = ShardedTensor.from_rank_offsets(key, meta)
+    return out
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _check_requests(requested: Sequence[ShardedTensor], index: TensorIndex) -> None:
+    rank = get_rank()
+    absent = {sh.key for sh in requested if index.lookup(sh.key) is None}
+    if absent:
+        raise KeyMismatchError(
+            f"[rank {rank}] tensors requested by load but absent from checkpoint {index.description}: "
+            f"{format_keys(absent)}",
+            unexpected_keys=absent,
+        )
+    problems: List[str] = []
+    for sh in requested:
+        info = index.lookup(sh.key)
+        assert info is not None
+        found = []
+        if sh.dtype != info.dtype:
+            found.append(f"{sh.key!r} is stored as {info.dtype}, requested as {sh.dtype}")
+        if len(sh.global_shape) != len(info.global_shape) or (
+            sh.global_shape != info.global_shape and not sh.allow_shape_mismatch
+        ):
+            found.append(
+                f"{sh.key!r} has global shape {info.global_shape} in the checkpoint, requested "
+                f"{sh.global_shape} (set allow_shape_mismatch=True to pad or crop)"
+            )
+        problems.extend(p for p in found if p not in problems)  # one line per key, not per shard
+    if problems:
+        raise LoadMismatchError(
+            f"[rank {rank}] checkpoint {index.description} does not match the requested tensors: "
+            + "; ".join(problems[:10])
+            + (f"; ... and {len(problems) - 10} more" if len(problems) > 10 else "")
+        )
+
+
+def default_file_check(index: TensorIndex) -> FileCheck:
+    """The check of a file against what the index says is in it (dtype, shape, byte range, size)."""
+
+    def check(header: SafetensorsHeader, shards: Sequence[Tuple[str, StoredShard]]) -> None:
+        expected_size = index.file_sizes.get(header.path.name)
+        if expected_size is not None and expected_size != header.file_size:
+            raise CorruptCheckpointError(
+                f"[rank {get_rank()}] safetensors file {str(header.path)!r} has {header.file_size} bytes, the "
+                f"index of {index.description} says {expected_size} (truncated or replaced)"
+            )
+        for key, shard in shards:
+            entry = header.entries.get(shard.name)
+            info = index.lookup(key)
+            assert info is not None
+            st_name, shape = storage_layout(info.dtype, shard.stored_shape)
+            found = None if entry is None else (entry.dtype, entry.shape, (entry.begin, entry.end))
+            wanted_dtype = torch.float64 if info.dtype == torch.complex128 else info.dtype
+            if found != (wanted_dtype, shape, shard.byte_range):
+                raise CorruptCheckpointError(
+                    f"[rank {get_rank()}] tensor {key!r}: safetensors file {str(header.path)!r} "
+                    + (
+                        f"has no tensor named {shard.name!r}"
+                        if entry is None
+                        else f"stores {shard.name!r} as {entry.dtype} {list(entry.shape)} at bytes "
+                        f"{entry.begin}:{entry.end}, the index says {st_name} {list(shape)} at "
+                        f"{shard.byte_range[0]}:{shard.byte_range[1]}"
+                    )
+                )
+
+    return check
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def _destination(sh: ShardedTensor) -> torch.Tensor:
+    """``sh.data`` when it is real memory of the right shape (any device), else a new CPU tensor."""
+    shape = sh.local_shape if sh.flattened_range is None else (sh.flattened_range.stop - sh.flattened_range.start,)
+    data = sh.data
+    if data is not None and data.device.type != "meta" and tuple(data.shape) == tuple(shape):
+        return data
+    return torch.empty(shape, dtype=sh.dtype)
+
+
+@dataclass
+class _Planned:
+    """One requested piece's overlap with one stored piece."""
+
+    shard: StoredShard
+    key: str
+    src_box: Box
+    src_offset: int
+    inter: Box
+    dst_piece: ShardPiece
+
+
+class _OpenFiles:
+    """File descriptors of the files a load touches, each opened and validated once."""
+
+    def __init__(self, index: TensorIndex, check: FileCheck) -> None:
+        self.index = index
+        self.check = check
+        self.fds: Dict[str, int] = {}
+
+    def open_all(self, by_file: Dict[str, List[Tuple[str, StoredShard]]]) -> None:
+        for name in sorted(by_file):
+            path = self.index.directory / name
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                keys = sorted({k for k, _ in by_file[name]})
+                raise CorruptCheckpointError(
+                    f"[rank {get_rank()}] safetensors file {str(path)!r}, which holds tensors {format_keys(keys)} "
+                    f"of {self.index.description}, is missing"
+                ) from None
+            self.fds[name] = fd
+            if not self.index.from_headers:
+                self.check(read_header(fd, path), by_file[name])
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+def _plan_tensor(sh: ShardedTensor, info: StoredTensor, index: TensorIndex) -> Tuple[List[_Planned], List[ShardPiece]]:
+    rng = None if sh.flattened_range is None else (sh.flattened_range.start, sh.flattened_range.stop)
+    itemsize = sh.dtype.itemsize
+    planned: List[_Planned] = []
+    pad: List[ShardPiece] = []
+    expected = covered = 0
+    for piece in shard_pieces(sh.global_offset, sh.local_shape, sh.prepend_axis_num, rng):
+        region = piece.box.intersect(info.bounds)
+        if region != piece.box:
+            pad.append(piece)
+        if region is None:
+            continue
+        expected += region.numel
+        for shard in info.overlapping(region):
+            for sp in shard.pieces():
+                inter = region.intersect(sp.box)
+                if inter is None:
+                    continue
+                offset = shard.byte_range[0] + (sp.flat_offset or 0) * itemsize
+                planned.append(_Planned(shard, sh.key, sp.box, offset, inter, piece))
+                covered += inter.numel
+    if covered != expected:
+        raise CorruptCheckpointError(
+            f"[rank {get_rank()}] tensor {sh.key!r} in {index.description}: the stored shards cover {covered} of "
+            f"the {expected} requested elements (shards are missing from the index, or overlap)"
+        )
+    return planned, pad
+
+
+def load_from_index(
+    sharded_state_dict: ShardedStateDict,
+    index: TensorIndex,
+    options: ReadOptions,
+    check: Optional[FileCheck] = None,
+) -> StateDict:
+    """Replace every ShardedTensor of ``sharded_state_dict`` by its data, read from ``index``.
+
+    Tensors are filled in place when ``ShardedTensor.data`` is allocated with the right shape
+    (any device); otherwise new CPU tensors are returned. See the module docstring for the steps.
+
+    Args:
+        sharded_state_dict: the request; other leaves are returned unchanged.
+        index: where the stored tensors live.
+        options: read threads and buffer sizes.
+        check: validates each opened file against the index (default: :func:`default_file_check`).
+
+    Example::
+
+        index = TensorIndex(Path(ckpt), {"w": StoredTensor("w", torch.float32, (4,), [shard])})
+        loaded = load_from_index({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4))}, index, ReadOptions())
+    """
+    requested = [s for s in nested_values(sharded_state_dict) if isinstance(s, ShardedTensor)]
+    # 1. keys, dtypes, shapes
+    _check_requests(requested, index)
+    # 2. plan every overlap, checking coverage
+    plans: Dict[int, Tuple[torch.Tensor, List[_Planned], List[ShardPiece]]] = {}
+    by_file: Dict[str, List[Tuple[str, StoredShard]]] = {}
+    seen: Set[Tuple[str, str]] = set()
+    for sh in requested:
+        info = index.lookup(sh.key)
+        assert info is not None
+        planned, pad = _plan_tensor(sh, info, index)
+        plans[id(sh)] = (_destination(sh), planned, pad)
+        for p in planned:
+            if (p.shard.file, p.shard.name) not in seen:
+                seen.add((p.shard.file, p.shard.name))
+                by_file.setdefault(p.shard.file, []).append((sh.key, p.shard))
+    # 3. open and validate every file the plan touches
+    files = _OpenFiles(index, check or default_file_check(index))
+
+    def read_ops() -> Iterator[ReadOp]:
+        for sh in requested:
+            dest, planned, pad = plans[id(sh)]
+            holder = Box(sh.global_offset, sh.full_local_shape)
+            for piece in pad:  # zero-fill the parts the checkpoint does not have, before reading
+                piece_view(dest, piece, sh.prepend_axis_num, holder).zero_()
+            yield from _read_ops(sh, dest, holder, planned, files, index, options)
+
+    try:
+        files.open_all(by_file)
+        # 4. read; the threads start on the first tensor while the next ones are planned
+        execute(read_ops(), options)
+    finally:
+        files.close()
+
+    def result(x: Any) -> Any:
+        return plans[id(x)][0] if isinstance(x, ShardedTensor) else x
+
+    return dict_list_map_inplace(result, sharded_state_dict)  # type: ignore[no-any-return]
+
+
+def _read_ops(
+    sh: ShardedTensor,
+    dest: torch.Tensor,
+    holder: Box,
+    planned: Sequence[_Planned],
+    files: _OpenFiles,
+    index: TensorIndex,
+    options: ReadOptions,
+) -> List[ReadOp]:
+    dest_bytes = byte_view(dest)
+    ops: List[ReadOp] = []
+    for p in planned:
+        piece = p.dst_piece
+        dst_base = 0 if piece.flat_offset is None else piece.flat_offset
+        target = sub_view(piece_view(dest, piece, sh.prepend_axis_num, holder), piece.box, p.inter)
+        ops.extend(
+            plan_copy(
+                files.fds[p.shard.file],
+                index.directory / p.shard.file,
+                sh.key,
+                p.src_box,
+                p.src_offset,
+                p.inter,
+                piece.box,
+                dst_base,
+                dest_bytes,
+                target,
+                options,
+            )
+        )
+    return ops
