@@ -37,7 +37,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import math
+import functools
 import os
 import resource
 import shutil
@@ -212,8 +212,8 @@ def timing_job(rank: int, world: int, job: Job) -> Dict[str, float]:
     _warm_up(job.system, rank, job.directory + "_warmup")
     layout = Layout(world, 1)
     sd = build_sharded_state_dict(job.cfg, layout, rank, fill=True)
-    out = {"save": _timed(lambda: _save(job.system, sd, job.directory))}
-    del sd
+    out = {"save": _timed(functools.partial(_save, job.system, sd, job.directory))}
+    del sd  # free the saved state before the loads allocate theirs
     request = _request(job.cfg, layout, rank)
     _evict(rank, job.directory)
     out["load"] = _timed(lambda: _load(job.system, request, job.directory))

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 
 import dist_ckpt as dc

@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
@@ -19,7 +18,6 @@ from dist_ckpt.strategies.safetensors_format import (
     SequentialWriter,
     StagingBuffer,
     encode_header,
-    read_header,
     read_header_at,
     storage_layout,
     write_safetensors_file,
