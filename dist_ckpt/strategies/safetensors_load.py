@@ -29,10 +29,11 @@ import torch
 
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..distributed import get_rank
-from ..errors import CorruptCheckpointError, KeyMismatchError, LoadMismatchError, format_keys
+from ..errors import CorruptCheckpointError, format_keys
 from ..geometry import Box, ShardPiece, piece_view, shard_pieces, sub_view
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict
 from .safetensors_format import SafetensorsHeader, read_header, storage_layout
+from .request_checks import check_requested_tensors
 from .safetensors_io import ReadOp, ReadOptions, byte_view, execute, plan_copy
 
 __all__ = ["StoredShard", "StoredTensor", "TensorIndex", "load_from_index", "tensors_metadata"]
@@ -166,35 +167,11 @@ def tensors_metadata(index: TensorIndex) -> ShardedStateDict:
 
 
 def _check_requests(requested: Sequence[ShardedTensor], index: TensorIndex) -> None:
-    rank = get_rank()
-    absent = {sh.key for sh in requested if index.lookup(sh.key) is None}
-    if absent:
-        raise KeyMismatchError(
-            f"[rank {rank}] tensors requested by load but absent from checkpoint {index.description}: "
-            f"{format_keys(absent)}",
-            unexpected_keys=absent,
-        )
-    problems: List[str] = []
-    for sh in requested:
-        info = index.lookup(sh.key)
-        assert info is not None
-        found = []
-        if sh.dtype != info.dtype:
-            found.append(f"{sh.key!r} is stored as {info.dtype}, requested as {sh.dtype}")
-        if len(sh.global_shape) != len(info.global_shape) or (
-            sh.global_shape != info.global_shape and not sh.allow_shape_mismatch
-        ):
-            found.append(
-                f"{sh.key!r} has global shape {info.global_shape} in the checkpoint, requested "
-                f"{sh.global_shape} (set allow_shape_mismatch=True to pad or crop)"
-            )
-        problems.extend(p for p in found if p not in problems)  # one line per key, not per shard
-    if problems:
-        raise LoadMismatchError(
-            f"[rank {rank}] checkpoint {index.description} does not match the requested tensors: "
-            + "; ".join(problems[:10])
-            + (f"; ... and {len(problems) - 10} more" if len(problems) > 10 else "")
-        )
+    def lookup(key: str) -> Optional[Tuple[torch.dtype, Tuple[int, ...]]]:
+        info = index.lookup(key)
+        return None if info is None else (info.dtype, tuple(info.global_shape))
+
+    check_requested_tensors(requested, lookup, index.description)
 
 
 def default_file_check(index: TensorIndex) -> FileCheck:

@@ -35,10 +35,8 @@ import torch
 from ..errors import (
     CheckpointingException,
     CorruptCheckpointError,
-    KeyMismatchError,
     LoadMismatchError,
     MissingDependencyError,
-    format_keys,
 )
 
 try:
@@ -54,16 +52,19 @@ from ..distributed import get_rank, run_collectively
 from ..dtypes import numpy_to_tensor, tensor_to_numpy
 from ..geometry import Box, piece_view, sub_view
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
-from .base import LoadShardedStrategy, SaveShardedStrategy, StrategyAction, register_default_strategy
+from .base import (
+    LoadShardedStrategy,
+    SaveShardedStrategy,
+    StrategyAction,
+    register_default_strategy,
+)
 from .zarr_layout import (
     ATTR,
     ZARR_DIR,
     ReadOp,
     ReadPlan,
-    StoredTensorInfo,
     array_chunk_shape,
     array_metadata,
-    check_request,
     chunk_key,
     chunked_attributes,
     creates_flattened_group,
@@ -75,11 +76,8 @@ from .zarr_layout import (
     fsync_written,
     is_origin,
     load_zarr_based_sharded_metadata,
-    open_tensor_info,
-    plan_reads,
-    raise_mismatches,
+    plan_request,
     tensor_dir,
-    tensor_dir_name,
     write_group,
 )
 
@@ -359,7 +357,7 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
         checkpoint_dir = Path(checkpoint_dir)
         requested = [s for s in nested_values(sharded_state_dict) if isinstance(s, ShardedTensor)]
         # 1. metadata, dtype/shape checks and coverage, before any data is read
-        plans = _plan(requested, checkpoint_dir)
+        plans = plan_request(requested, checkpoint_dir)
         # 2. destinations: in place where possible; padding zero-filled first
         targets = {id(sh): self._target(sh) for sh in requested}
         for sh in requested:
@@ -457,27 +455,6 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
         return load_zarr_based_sharded_metadata(Path(checkpoint_dir), shape_dtype)
 
 
-def _plan(requested: List[ShardedTensor], checkpoint_dir: Path) -> Dict[int, ReadPlan]:
-    """Stored metadata of every requested key, checked, and the reads of each request."""
-    root = checkpoint_dir / ZARR_DIR
-    stored: Dict[str, StoredTensorInfo] = {}
-    absent = set()
-    for sh in requested:
-        if sh.key in stored or sh.key in absent:
-            continue
-        info = open_tensor_info(root, tensor_dir_name(sh.key))
-        if info is None:
-            absent.add(sh.key)
-        else:
-            stored[sh.key] = info
-    if absent:
-        raise KeyMismatchError(
-            f"[rank {get_rank()}] tensors requested by load but absent from checkpoint "
-            f"{str(checkpoint_dir)!r}: {format_keys(absent)}",
-            unexpected_keys=absent,
-        )
-    raise_mismatches([p for sh in requested for p in check_request(sh, stored[sh.key])], checkpoint_dir, get_rank())
-    return {id(sh): plan_reads(sh, stored[sh.key]) for sh in requested}
 
 
 def _read_error(sh: ShardedTensor, op: ReadOp, error: BaseException, more: int) -> CorruptCheckpointError:

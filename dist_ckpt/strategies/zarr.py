@@ -38,7 +38,7 @@ from zarr.codecs import BytesCodec
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..distributed import get_rank, run_collectively
 from ..dtypes import dtype_info, numpy_to_tensor, tensor_to_numpy
-from ..errors import CorruptCheckpointError, KeyMismatchError, format_keys
+from ..errors import CorruptCheckpointError
 from ..geometry import Box, piece_view, sub_view
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from ..storage import fsync_dir, fsync_file
@@ -51,19 +51,15 @@ from .zarr_layout import (
     LAYOUT_FLATTENED,
     ZARR_DIR,
     ReadOp,
-    StoredTensorInfo,
-    check_request,
     flatten_range,
     fragment_name,
     list_tensor_names,
     load_zarr_based_sharded_metadata,
     open_tensor_info,
     pad_to_expected_shape,
-    plan_reads,
+    plan_request,
     postprocess_numpy_array,
-    raise_mismatches,
     tensor_dir,
-    tensor_dir_name,
 )
 
 __all__ = [
@@ -275,26 +271,8 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         register_extension_dtypes()
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
-        root = Path(checkpoint_dir) / ZARR_DIR
         requested = [s for s in nested_values(sharded_state_dict) if isinstance(s, ShardedTensor)]
-        stored: Dict[str, StoredTensorInfo] = {}
-        absent = set()
-        for sh in requested:
-            if sh.key in stored or sh.key in absent:
-                continue
-            info = open_tensor_info(root, tensor_dir_name(sh.key))
-            if info is None:
-                absent.add(sh.key)
-            else:
-                stored[sh.key] = info
-        if absent:
-            raise KeyMismatchError(
-                f"[rank {get_rank()}] tensors requested by load but absent from checkpoint "
-                f"{str(checkpoint_dir)!r}: {format_keys(absent)}",
-                unexpected_keys=absent,
-            )
-        raise_mismatches([p for sh in requested for p in check_request(sh, stored[sh.key])], Path(checkpoint_dir), get_rank())
-        plans = {id(sh): plan_reads(sh, stored[sh.key]) for sh in requested}  # checks coverage before any read
+        plans = plan_request(requested, Path(checkpoint_dir))  # every check happens before any read
         reader = _ArrayReader()
 
         def load_one(x: Any) -> Any:

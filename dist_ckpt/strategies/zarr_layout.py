@@ -38,6 +38,7 @@ from ..errors import CorruptCheckpointError, LoadMismatchError
 from ..geometry import Box, ShardPiece, shard_pieces
 from ..mapping import ShardedStateDict, ShardedTensor
 from ..storage import encode_key, fsync_dir, fsync_file, write_bytes_atomic
+from .request_checks import check_requested_tensors
 
 ZARR_DIR = "zarr"
 ATTR = "dist_ckpt"
@@ -177,31 +178,6 @@ def tensors_metadata(root: Path) -> ShardedStateDict:
     return out
 
 
-def check_request(sh: ShardedTensor, info: StoredTensorInfo) -> List[str]:
-    """Why ``sh`` cannot be loaded from ``info`` (empty if it can)."""
-    problems = []
-    if sh.dtype != info.dtype:
-        problems.append(f"{sh.key!r} is stored as {info.dtype}, requested as {sh.dtype}")
-    if len(sh.global_shape) != len(info.global_shape) or (
-        sh.global_shape != info.global_shape and not sh.allow_shape_mismatch
-    ):
-        problems.append(
-            f"{sh.key!r} has global shape {info.global_shape} in the checkpoint, requested "
-            f"{sh.global_shape} (set allow_shape_mismatch=True to pad or crop)"
-        )
-    return problems
-
-
-def raise_mismatches(problems: Sequence[str], checkpoint_dir: Path, rank: int) -> None:
-    """Raise one :class:`LoadMismatchError` listing ``problems`` (if any)."""
-    if problems:
-        raise LoadMismatchError(
-            f"[rank {rank}] checkpoint {str(checkpoint_dir)!r} does not match the requested tensors: "
-            + "; ".join(problems[:10])
-            + (f"; ... and {len(problems) - 10} more" if len(problems) > 10 else "")
-        )
-
-
 @dataclass(frozen=True)
 class ReadOp:
     """Read ``region`` of the array at ``array_path``; view it as ``src_box`` (global
@@ -252,6 +228,26 @@ def plan_reads(sh: ShardedTensor, info: StoredTensorInfo) -> ReadPlan:
             f"{expected} requested elements (fragments are missing or overlap)"
         )
     return ReadPlan(ops, pad)
+
+
+def plan_request(requested: Sequence[ShardedTensor], checkpoint_dir: Path) -> Dict[int, ReadPlan]:
+    """The reads of every requested shard (by ``id``), after checking keys, dtypes and shapes.
+
+    Everything is checked before any tensor byte is read; see
+    :func:`~dist_ckpt.strategies.request_checks.check_requested_tensors`.
+    """
+    root = Path(checkpoint_dir) / ZARR_DIR
+    infos: Dict[str, Optional[StoredTensorInfo]] = {}
+    for sh in requested:
+        if sh.key not in infos:
+            infos[sh.key] = open_tensor_info(root, tensor_dir_name(sh.key))
+
+    def lookup(key: str) -> Optional[Tuple[torch.dtype, Tuple[int, ...]]]:
+        info = infos[key]
+        return None if info is None else (info.dtype, info.global_shape)
+
+    check_requested_tensors(requested, lookup, repr(str(checkpoint_dir)))
+    return {id(sh): plan_reads(sh, infos[sh.key]) for sh in requested}  # type: ignore[arg-type]
 
 
 def _fragment_op(frag: FragmentInfo, fp: ShardPiece, dst: ShardPiece, inter: Box) -> ReadOp:
