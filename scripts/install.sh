@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 TORCH_SPEC="${DIST_CKPT_TORCH_SPEC:-torch==2.13.0}"
-EXTRAS="${DIST_CKPT_EXTRAS:-all,test}"
+EXTRAS="${DIST_CKPT_EXTRAS:-all,test,docs}"
 
 if "$PYTHON" -c "import torch" 2>/dev/null; then
     echo "install: keeping the installed torch $("$PYTHON" -c 'import torch; print(torch.__version__)')"

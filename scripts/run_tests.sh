@@ -13,6 +13,9 @@ export OMP_NUM_THREADS=1
 # a hung multi-rank run fails instead of blocking CI forever
 export MPIEXEC_TIMEOUT="${MPIEXEC_TIMEOUT:-900}"
 
+echo "== documentation (mkdocs --strict: any warning fails)"
+NO_MKDOCS_2_WARNING=1 "$PYTHON" -m mkdocs build --strict --quiet -d "$(mktemp -d)/site"
+
 echo "== single-process tests"
 "$PYTHON" -m pytest tests/unit -q -p no:cacheprovider "$@"
 
