@@ -39,11 +39,11 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple, cast
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .distributed import get_rank
 from .errors import InvalidShardedTensorError
@@ -63,15 +63,22 @@ __all__ = [
 
 
 def is_dtensor(tensor: object) -> bool:
-    """True for a ``torch.distributed.tensor.DTensor`` (a sharded or replicated tensor)."""
-    return isinstance(tensor, DTensor)
+    """True for a ``torch.distributed.tensor.DTensor`` (a sharded or replicated tensor).
+
+    ``torch.distributed.tensor`` is not imported here (it takes half a second and is absent
+    from torch builds without distributed support): a DTensor can only exist once its module
+    has been imported by whoever created it.
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor_type = getattr(module, "DTensor", None)
+    return dtensor_type is not None and isinstance(tensor, dtensor_type)
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``tensor``: the local shard of a DTensor (sharing its memory, so
     in-place writes reach the DTensor), the tensor itself otherwise; detached either way."""
-    if isinstance(tensor, DTensor):
-        local: torch.Tensor = tensor.to_local()
+    if is_dtensor(tensor):
+        local: torch.Tensor = cast(Any, tensor).to_local()
         return local.detach()
     return tensor.detach()
 
@@ -132,6 +139,8 @@ def local_box(
         InvalidShardedTensorError: for a placement other than Shard/Replicate, or a rank that is
             not part of the mesh; the message names ``key``.
     """
+    from torch.distributed.tensor import Replicate, Shard
+
     shape = tuple(int(s) for s in global_shape)
     if coordinate is None:
         raise InvalidShardedTensorError(
@@ -215,9 +224,9 @@ def sharded_tensor_from_box(key: str, data: torch.Tensor, box: LocalBox) -> Shar
 def tensor_box(key: str, tensor: torch.Tensor) -> LocalBox:
     """The box this rank holds of ``tensor``: from the placements of a DTensor; the whole
     tensor with ``replica_id = rank`` for a plain tensor (a replica on every rank)."""
-    if isinstance(tensor, DTensor):
-        mesh = tensor.device_mesh
-        return local_box(key, tuple(tensor.shape), tensor.placements, tuple(mesh.shape), mesh.get_coordinate())
+    if is_dtensor(tensor):
+        mesh = cast(Any, tensor).device_mesh
+        return local_box(key, tuple(tensor.shape), cast(Any, tensor).placements, tuple(mesh.shape), mesh.get_coordinate())
     shape = tuple(tensor.shape)
     return LocalBox(shape, (0,) * len(shape), shape, (1,) * len(shape), get_rank())
 

@@ -96,11 +96,12 @@ def train(model: nn.Module, optim: torch.optim.Optimizer, steps: Iterable[int], 
 
 def shard_with_fsdp2(model: nn.Module) -> nn.Module:
     """``fully_shard`` every Linear and the root over a 1-D CPU mesh of all ranks."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    from ..distributed import get_world_size
+
+    mesh = init_device_mesh("cpu", (get_world_size(),))
     for layer in model.children():
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
