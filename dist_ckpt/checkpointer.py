@@ -397,6 +397,9 @@ def load_model_and_optim_state(
         LoadMismatchError: shapes or optimizer param groups that differ.
         ShardingIntegrityError: with ``validate``, elements that stayed unloaded.
 
+    Mismatches are found in step 2, before any tensor is touched. An error in step 3 leaves
+    the model partially loaded (NaN where ``validate`` filled it) and the optimizer unchanged.
+
     Example::
 
         load_model_and_optim_state("ckpt/step_100", model, optim)

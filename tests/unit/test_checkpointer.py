@@ -305,3 +305,31 @@ def test_save_overwrite(tmp_path: Path) -> None:
     train(model, optim, range(1, 2))
     save_model_and_optim_state(tmp_path / "c", model, optim, save_overwrite=True)
     assert bitwise_equal(unshard_model_state(tmp_path / "c")["0.weight"], model[0].weight.detach())
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(x))
+
+
+def test_tied_parameters_keep_one_optimizer_entry(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = _Tied()
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.arange(5)).sum().backward()
+    optim.step()
+    save_model_and_optim_state(tmp_path / "c", model, optim)
+    torch.manual_seed(1)
+    model2 = _Tied()
+    optim2 = torch.optim.Adam(model2.parameters(), lr=0.3)
+    load_model_and_optim_state(tmp_path / "c", model2, optim2)
+    assert set(unshard_model_state(tmp_path / "c")) == {"emb.weight", "head.weight"}
+    assert list(unshard_optim_state(tmp_path / "c")["state"]) == ["emb.weight"]  # the first name
+    assert model2.head.weight is model2.emb.weight and torch.equal(model2.emb.weight, model.emb.weight)
+    assert bitwise_equal(optim2.state[model2.emb.weight]["exp_avg"], optim.state[model.emb.weight]["exp_avg"])
