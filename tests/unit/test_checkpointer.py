@@ -25,7 +25,7 @@ from dist_ckpt.errors import (
     ShardingIntegrityError,
 )
 from dist_ckpt.mapping import ShardedStateDict, ShardedTensor, StateDict
-from dist_ckpt.strategies.zarr import ZarrLoadShardedStrategy
+from dist_ckpt.strategies.base import LoadShardedStrategy
 from dist_ckpt.testing.layouts import bitwise_equal
 from dist_ckpt.testing.training import (
     OPTIMIZERS,
@@ -36,6 +36,7 @@ from dist_ckpt.testing.training import (
     state_differences,
     train,
 )
+from dist_ckpt.validation import verify_checkpoint_and_load_strategy
 
 N, M = 3, 2
 
@@ -128,16 +129,26 @@ def test_stored_dtype_is_cast_to_the_live_one(saved) -> None:
 # --------------------------------------------------------------------------- validate
 
 
-class _SkippingLoader(ZarrLoadShardedStrategy):
-    """A backend that silently leaves one tensor unloaded (the hole validate must catch)."""
+class _SkippingLoader(LoadShardedStrategy):
+    """Wraps the checkpoint's own loader but silently leaves one tensor unloaded (the hole
+    validate must catch)."""
 
-    def __init__(self, skip: str) -> None:
-        super().__init__()
+    def __init__(self, checkpoint_dir: Path, skip: str) -> None:
+        self.base = verify_checkpoint_and_load_strategy(checkpoint_dir)[0]
         self.skip = skip
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        self.base.check_backend_compatibility(loaded_backend)
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        self.base.check_version_compatibility(loaded_version)
+
+    def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
+        return self.base.load_tensors_metadata(checkpoint_dir)
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
         kept = {k: v for k, v in sharded_state_dict.items() if v.key != self.skip}
-        loaded = super().load(kept, checkpoint_dir)
+        loaded = self.base.load(kept, checkpoint_dir)
         return {k: loaded[k] if k in loaded else v.data for k, v in sharded_state_dict.items()}
 
 
@@ -146,13 +157,13 @@ def test_validate_names_a_tensor_left_unloaded(saved) -> None:
     model2 = make_model(seed=1)
     optim2 = make_optimizer("adamw", model2)
     with pytest.raises(ShardingIntegrityError, match=r"'optim.state.3.weight.exp_avg' \(407 of 407"):
-        load_model_and_optim_state(ckpt, model2, optim2, load_strategy=_SkippingLoader("optim.state.3.weight.exp_avg"))
+        load_model_and_optim_state(ckpt, model2, optim2, load_strategy=_SkippingLoader(ckpt, "optim.state.3.weight.exp_avg"))
 
 
 def test_without_validate_the_hole_goes_unnoticed(saved) -> None:
     _, _, ckpt = saved
     model2 = make_model(seed=1)
-    load_model_and_optim_state(ckpt, model2, validate=False, load_strategy=_SkippingLoader("model.0.bias"))
+    load_model_and_optim_state(ckpt, model2, validate=False, load_strategy=_SkippingLoader(ckpt, "model.0.bias"))
     assert not torch.isnan(model2[0].bias).any()  # the old value stayed: nothing reported
 
 
@@ -247,13 +258,14 @@ def test_unshard_optim_state_is_keyed_by_fqn(saved) -> None:
 def test_unshard_model_does_not_read_the_optimizer(saved, monkeypatch: pytest.MonkeyPatch) -> None:
     _, _, ckpt = saved
     requested: list = []
-    original = ZarrLoadShardedStrategy.load
+    loader_class = type(verify_checkpoint_and_load_strategy(ckpt)[0])  # whatever backend is the default
+    original = loader_class.load
 
     def spy(self: Any, sd: ShardedStateDict, path: Path) -> StateDict:
         requested.extend(sd)
         return original(self, sd, path)
 
-    monkeypatch.setattr(ZarrLoadShardedStrategy, "load", spy)
+    monkeypatch.setattr(loader_class, "load", spy)
     unshard_model_state(ckpt)
     assert requested and all(k.startswith("model.") for k in requested)
 
