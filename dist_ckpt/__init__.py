@@ -11,6 +11,15 @@ Save a sharded state dict from N processes, load it back under another parallel 
 This module re-exports the public API; importing it imports no optional backend.
 """
 
+from .checkpointer import (
+    CheckpointMetadata,
+    Checkpointer,
+    TensorMetadata,
+    load_model_and_optim_state,
+    save_model_and_optim_state,
+    unshard_model_state,
+    unshard_optim_state,
+)
 from .core import CheckpointingConfig, check_is_distributed_checkpoint, maybe_load_config
 from .errors import (
     CheckpointExistsError,
@@ -71,6 +80,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointExistsError",
+    "CheckpointMetadata",
+    "Checkpointer",
     "CheckpointingConfig",
     "CheckpointingException",
     "CorruptCheckpointError",
@@ -99,6 +110,7 @@ __all__ = [
     "StrategyKey",
     "StrategyRegistrationError",
     "StrictHandling",
+    "TensorMetadata",
     "UnknownStrategyError",
     "UnsafeObjectError",
     "__version__",
@@ -110,6 +122,7 @@ __all__ = [
     "iter_unsharded",
     "load",
     "load_common_state_dict",
+    "load_model_and_optim_state",
     "load_plain_tensors",
     "load_sharded_metadata",
     "load_sharded_objects",
@@ -120,6 +133,9 @@ __all__ = [
     "registered_strategies",
     "remove_sharded_tensors",
     "save",
+    "save_model_and_optim_state",
     "unshard",
+    "unshard_model_state",
+    "unshard_optim_state",
     "validate_sharding_integrity",
 ]
