@@ -7,7 +7,9 @@ a small WSGI middleware that
 * records every request: method, path, ``Range`` header, status, bytes received and bytes sent
   (so a test can check that a rank downloaded only its slice, counted at the server), and
 * injects faults: the next N requests that match a :class:`FaultRule` get an HTTP error status
-  (500, 503 ``SlowDown``, ...) without reaching moto, so retries can be tested.
+  (500, 503 ``SlowDown``, ...) without reaching moto, so retries can be tested, or are delayed
+  before moto answers them, so concurrency can be seen, and
+* tracks the largest number of requests in flight at once.
 
 Both are driven over HTTP under the reserved path ``/_dist_ckpt/`` (no S3 bucket name can start
 with ``_``), so any process -- every rank of a multi-rank test -- can use the server, not only
@@ -44,7 +46,7 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
 from types import TracebackType
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Type
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Type
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +64,12 @@ _ERROR_CODES = {500: "InternalError", 502: "BadGateway", 503: "SlowDown", 429: "
 
 @dataclass(frozen=True)
 class FaultRule:
-    """Fail the next ``count`` requests that match, with ``status``, before they reach moto.
+    """Fail (or delay) the next ``count`` requests that match, before they reach moto.
 
     Attributes:
-        status: HTTP status of the injected error response (e.g. 500, 503).
+        status: HTTP status of the injected error response (e.g. 500, 503); None lets the
+            request through to moto after ``delay_s``.
+        delay_s: seconds to wait before answering (error or not).
         count: how many matching requests fail; the rule is spent after that.
         method: only requests with this HTTP method match (None: any method).
         path_contains: only requests whose path (``/bucket/key``) contains this string match.
@@ -74,7 +78,8 @@ class FaultRule:
         skip: let this many matching requests through before failing any.
     """
 
-    status: int = 503
+    status: Optional[int] = 503
+    delay_s: float = 0.0
     count: int = 1
     method: Optional[str] = None
     path_contains: str = ""
@@ -82,10 +87,10 @@ class FaultRule:
     skip: int = 0
 
     def __post_init__(self) -> None:
-        if not 400 <= self.status <= 599:
+        if self.status is not None and not 400 <= self.status <= 599:
             raise ValueError(f"FaultRule.status must be an HTTP error status (400-599), got {self.status}")
-        if self.count < 0 or self.skip < 0:
-            raise ValueError(f"FaultRule.count and .skip must be >= 0, got {self.count}, {self.skip}")
+        if self.count < 0 or self.skip < 0 or self.delay_s < 0:
+            raise ValueError(f"FaultRule.count, .skip and .delay_s must be >= 0, got {self.count}, {self.skip}, {self.delay_s}")
 
 
 @dataclass(frozen=True)
@@ -138,7 +143,8 @@ class RecordingMiddleware:
     Control API (JSON over HTTP, under ``/_dist_ckpt/``):
 
     * ``GET /_dist_ckpt/requests`` -- the recorded requests, oldest first;
-      ``DELETE`` clears them.
+      ``DELETE`` clears them and the in-flight maximum.
+    * ``GET /_dist_ckpt/stats`` -- ``{"max_in_flight": N}``: most S3 requests served at once.
     * ``PUT /_dist_ckpt/faults`` -- replace the fault rules with the JSON list of
       :class:`FaultRule` fields in the body; ``DELETE`` removes every rule.
     """
@@ -148,6 +154,8 @@ class RecordingMiddleware:
         self._lock = threading.Lock()
         self._records: List[RecordedRequest] = []
         self._rules: List[_Rule] = []
+        self._in_flight = 0
+        self._max_in_flight = 0
 
     def __call__(self, environ: Dict[str, Any], start_response: _StartResponse) -> Iterable[bytes]:
         path = str(environ.get("PATH_INFO", ""))
@@ -164,8 +172,17 @@ class RecordingMiddleware:
             bytes_received=received,
             user_agent=str(environ.get("HTTP_USER_AGENT", "")),
         )
-        status = self._injected_status(method, path, query)
+        rule = self._take_rule(method, path, query)
+        status = rule.status if rule is not None else None
+        self._enter()
+        try:
+            if rule is not None and rule.delay_s:
+                time.sleep(rule.delay_s)
+        except BaseException:
+            self._leave()
+            raise
         if status is not None:
+            self._leave()
             _drain(environ, received)  # keep the connection usable for the client's next request
             body = _error_body(status, path)
             start_response(f"{status} Injected", [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))])
@@ -177,22 +194,31 @@ class RecordingMiddleware:
             seen["status"] = int(status_line.split()[0])
             return start_response(status_line, headers, exc_info) if exc_info else start_response(status_line, headers)
 
-        result = self._app(environ, recording_start_response)
+        try:
+            result = self._app(environ, recording_start_response)
+        except BaseException:
+            self._leave()
+            raise
         return self._counted(result, seen, base)
 
-    def _counted(self, result: Iterable[bytes], seen: Dict[str, int], base: Dict[str, Any]) -> Iterator[bytes]:
-        sent = 0
+    def _counted(self, result: Iterable[bytes], seen: Dict[str, int], base: Dict[str, Any]) -> List[bytes]:
+        """moto's whole response, recorded before the first byte goes out.
+
+        moto builds responses in memory anyway; recording before sending means that a client
+        that got its response and then asks for the records always finds its request there.
+        """
         try:
-            for chunk in result:
-                sent += len(chunk)
-                yield chunk
+            chunks = [bytes(c) for c in result]
         finally:
             close = getattr(result, "close", None)
             if close is not None:
                 close()
-            self._record(RecordedRequest(status=seen["status"], bytes_sent=sent, injected=False, **base))
+            self._leave()
+        self._record(RecordedRequest(status=seen["status"], bytes_sent=sum(len(c) for c in chunks), injected=False, **base))
+        return chunks
 
-    def _injected_status(self, method: str, path: str, query: str) -> Optional[int]:
+    def _take_rule(self, method: str, path: str, query: str) -> Optional[FaultRule]:
+        """The first live rule matching the request (spending one of its uses), or None."""
         with self._lock:
             for rule in self._rules:
                 if rule.to_fail <= 0 or not rule.matches(method, path, query):
@@ -201,8 +227,17 @@ class RecordingMiddleware:
                     rule.to_skip -= 1
                     return None
                 rule.to_fail -= 1
-                return rule.rule.status
+                return rule.rule
         return None
+
+    def _enter(self) -> None:
+        with self._lock:
+            self._in_flight += 1
+            self._max_in_flight = max(self._max_in_flight, self._in_flight)
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
 
     def _record(self, record: RecordedRequest) -> None:
         with self._lock:
@@ -217,6 +252,9 @@ class RecordingMiddleware:
                 payload = [asdict(r) for r in self._records]
             elif what == "requests" and method == "DELETE":
                 self._records.clear()
+                self._max_in_flight = self._in_flight
+            elif what == "stats" and method == "GET":
+                payload = {"max_in_flight": self._max_in_flight}
             elif what == "faults" and method == "PUT":
                 body = environ["wsgi.input"].read(_content_length(environ))
                 self._rules = [_Rule(FaultRule(**fields)) for fields in json.loads(body or b"[]")]
@@ -430,12 +468,16 @@ class S3TestServer:
         """Every request recorded since the last :meth:`clear_requests`, oldest first."""
         return [RecordedRequest(**r) for r in json.loads(self._http("GET", CONTROL_PREFIX + "requests"))]
 
+    def max_in_flight(self) -> int:
+        """The most S3 requests the server was answering at once since :meth:`clear_requests`."""
+        return int(json.loads(self._http("GET", CONTROL_PREFIX + "stats"))["max_in_flight"])
+
     def clear_requests(self) -> None:
-        """Forget the recorded requests."""
+        """Forget the recorded requests (and the in-flight maximum)."""
         self._http("DELETE", CONTROL_PREFIX + "requests")
 
     def inject_faults(self, rules: Sequence[FaultRule]) -> None:
-        """Replace the fault rules (each fails its next ``count`` matching requests)."""
+        """Replace the fault rules (each fails or delays its next ``count`` matching requests)."""
         self._http("PUT", CONTROL_PREFIX + "faults", json.dumps([asdict(r) for r in rules]).encode())
 
     def clear_faults(self) -> None:
