@@ -275,6 +275,9 @@ class _Client:
     endpoint: str
     store: "S3Store"
     secrets: Set[str] = field(default_factory=set)
+    store_kwargs: Dict[str, Any] = field(default_factory=dict)  # to build more stores alike (no secrets)
+    region: str = "us-east-1"
+    custom_endpoint: Optional[str] = None
     bucket_seen: bool = False  # a request succeeded on the bucket, so it exists
 
     @classmethod
@@ -317,17 +320,14 @@ class _Client:
                 "base": options.backoff_base,
             },
         }
+        store_kwargs: Dict[str, Any] = dict(
+            config=config, client_options=client_options, retry_config=retry_config, credential_provider=provider
+        )
         try:
-            store = S3Store(
-                bucket,
-                config=config,  # type: ignore[arg-type]
-                client_options=client_options,  # type: ignore[arg-type]
-                retry_config=retry_config,  # type: ignore[arg-type]
-                credential_provider=provider,  # type: ignore[arg-type]
-            )
+            store = S3Store(bucket, **store_kwargs)
         except obstore.exceptions.BaseError as e:
             raise StorageConfigError(_redact(f"cannot configure the S3 client for bucket {bucket!r}: {e}", secrets)) from e
-        return cls(bucket, options, endpoint or f"AWS S3 ({config['region']})", store, secrets)
+        return cls(bucket, options, endpoint or f"AWS S3 ({config['region']})", store, secrets, store_kwargs, config["region"], endpoint)
 
 
 def _redact(text: str, secrets: Set[str]) -> str:
@@ -399,6 +399,55 @@ class S3Storage(Storage):
     def _path(self, key: str) -> str:
         validate_object_key(key)
         return f"{self.prefix}/{key}" if self.prefix else key
+
+    # -- handing the location to array libraries with their own S3 clients ---------------------
+
+    def obstore_store(self) -> "S3Store":
+        """An obstore ``S3Store`` rooted at this storage's prefix, configured like this storage.
+
+        For zarr-python 3 on S3: ``zarr.storage.ObjectStore(storage.obstore_store())`` reads and
+        writes arrays under this prefix with the same endpoint, credentials and retries.
+
+        Example::
+
+            import zarr
+            group = zarr.open_group(zarr.storage.ObjectStore(storage.obstore_store()), path="zarr")
+        """
+        from obstore.store import S3Store
+
+        return S3Store(self.bucket, prefix=self.prefix or None, **self._client.store_kwargs)
+
+    def tensorstore_kvstore(self, key: str = "") -> Dict[str, Any]:
+        """A TensorStore ``s3`` kvstore spec for the directory ``key`` under this storage.
+
+        Bucket, path, region and the endpoint (when one is configured: always pass it, or
+        TensorStore goes to AWS) plus retry and concurrency limits from the options.
+        Credentials are not in the spec: TensorStore reads the same AWS environment variables
+        and profiles itself.
+
+        Example::
+
+            spec = {"driver": "zarr3", "kvstore": storage.tensorstore_kvstore("zarr/layer.weight")}
+        """
+        path = self._path(key) if key else self.prefix
+        opts = self.options
+        spec: Dict[str, Any] = {
+            "driver": "s3",
+            "bucket": self.bucket,
+            "path": f"{path}/" if path else "",
+            "aws_region": self._client.region,
+            "context": {
+                "s3_request_retries": {
+                    "max_retries": opts.max_retries,  # also retries after the first attempt (measured)
+                    "initial_delay": f"{opts.initial_backoff_s}s",
+                    "max_delay": f"{opts.max_backoff_s}s",
+                },
+                "s3_request_concurrency": {"limit": opts.max_concurrency},
+            },
+        }
+        if self._client.custom_endpoint:
+            spec["endpoint"] = self._client.custom_endpoint
+        return spec
 
     # -- calling obstore ----------------------------------------------------------------------
 
