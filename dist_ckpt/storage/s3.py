@@ -4,8 +4,9 @@ Client library: `obstore <https://developmentseed.org/obstore>`_ (Python binding
 ``object_store`` crate of Apache Arrow), installed with the ``s3`` extra
 (``pip install "dist_ckpt[s3]"``). Chosen over s3fs/fsspec because
 
-* it is one self-contained, typed wheel (no aiobotocore, whose tight botocore pins fight the
-  boto3 a training environment already has; no fsspec event-loop thread);
+* it is one self-contained, typed wheel (s3fs brings aiobotocore, aiohttp and five more
+  packages, and aiobotocore pins botocore to a narrow range that must move in lockstep with the
+  boto3 a training environment already has; fsspec also runs its own event-loop thread);
 * its calls release the GIL and run on a Rust runtime, so ranged GETs from a few Python threads
   really run concurrently;
 * it has what a checkpoint needs built in and tested against AWS: create-if-absent puts
@@ -13,7 +14,7 @@ Client library: `obstore <https://developmentseed.org/obstore>`_ (Python binding
   exponential backoff and jitter (each multipart part is retried on its own, so a 503 on one
   part does not restart a multi-GB upload), ranged GETs, bulk deletes;
 * zarr-python 3 ships a store on top of it (``zarr.storage.ObjectStore``), so the Zarr backend
-  can use the same client on S3 (see "Phase B" below).
+  uses the same client on S3 (:meth:`S3Storage.obstore_store`).
 
 Configuration comes from the usual AWS environment variables, read when a storage is opened:
 endpoint ``AWS_ENDPOINT_URL_S3`` > ``AWS_ENDPOINT_URL`` > ``AWS_ENDPOINT`` (or
@@ -35,20 +36,10 @@ request). A storage used in a forked child of a process that already made S3 req
 :class:`StorageError` instead of hanging; start workers with ``spawn`` (as
 :mod:`dist_ckpt.testing.launch` does).
 
-Phase B (wiring into save / load), as researched for issue 7:
-
-* safetensors: each rank writes its ``rankNNNNN_T.safetensors`` with :meth:`S3Storage.open_writer`
-  (header, then tensor memoryviews; multipart above ``part_size``) or ``write_buffers``; the
-  index and ``metadata.json`` last, the latter with ``put_if_absent`` by rank 0 after a barrier.
-  Loads turn ``safetensors_io`` ``DirectRead``s into :class:`RangeRead` s (same scatter
-  semantics as ``preadv``) and call ``read_ranges``; ``BounceRead``s read the covering span into
-  the bounce buffer the same way.
-* zarr: zarr-python 3's ``zarr.storage.ObjectStore(obstore.store.S3Store(...))`` (and
-  ``FsspecStore`` with s3fs) read and write the same layout on S3; verified against the moto
-  server in ``tests/unit/test_storage_s3_backends.py``.
-* TensorStore: its ``"s3"`` kvstore driver (``{"driver": "s3", "bucket": ..., "path": ...,
-  "endpoint": ..., "aws_region": ...}``; credentials from the same AWS variables) reads and
-  writes zarr arrays on S3; verified against the moto server in the same test module.
+Array libraries with their own S3 clients get the location from here:
+:meth:`S3Storage.obstore_store` for zarr-python 3 (``zarr.storage.ObjectStore``) and
+:meth:`S3Storage.tensorstore_kvstore` for TensorStore's ``s3`` kvstore driver. How the save and
+load paths use all this (phase B of issue 7) is in ``docs/storage.md``.
 
 Example::
 
@@ -60,15 +51,9 @@ Example::
 from __future__ import annotations
 
 import logging
-import os
-import re
-import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, TypeVar
 
-from ..errors import MissingDependencyError
 from .base import (
     BufferLike,
     IOCounters,
@@ -82,16 +67,8 @@ from .base import (
     validate_object_key,
     validate_prefix,
 )
-from .errors import (
-    BucketNotFoundError,
-    ObjectExistsError,
-    ObjectNotFoundError,
-    RetriesExhaustedError,
-    StorageAuthError,
-    StorageConfigError,
-    StorageError,
-    TruncatedObjectError,
-)
+from .errors import ObjectNotFoundError, StorageError, TruncatedObjectError
+from .s3_client import S3Client, S3StorageOptions, check_process, import_obstore, parse_s3_url, translate_error
 
 if TYPE_CHECKING:  # pragma: no cover
     from obstore.store import S3Store
@@ -100,248 +77,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["S3Storage", "S3StorageOptions", "parse_s3_url"]
 
-_MIN_PART = 5 * 2**20  # S3's minimum part size (all parts but the last)
-_MAX_PART = 5 * 2**30  # S3's maximum part size
-_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 _DELETE_BATCH = 1000  # DeleteObjects takes at most 1000 keys
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class S3StorageOptions:
-    """How :class:`S3Storage` talks to the object store.
-
-    Attributes:
-        part_size: multipart part size in bytes (S3 allows 5 MiB .. 5 GiB); objects larger than
-            this are uploaded in parts, up to ``max_concurrency`` at a time.
-        max_concurrency: requests in flight for one ``read_ranges`` call or one upload.
-        read_chunk_size: a range larger than this is fetched as several concurrent GETs;
-            neighbouring ranges are merged up to this size.
-        coalesce_gap: merge ranges of one object separated by at most this many bytes (the
-            gap is downloaded and dropped; 0 merges only exactly adjacent ranges).
-        max_retries: retries of one request after a transient error (5xx, 429, connection
-            errors, read timeouts); a request is sent at most ``max_retries + 1`` times.
-        initial_backoff_s, max_backoff_s, backoff_base: exponential backoff with jitter
-            between retries (obstore / object_store's ``BackoffConfig``).
-        retry_timeout_s: no retry starts later than this after the first attempt.
-        connect_timeout_s: TCP/TLS connect timeout.
-        request_timeout_s: whole-request timeout (generous: a part of ``part_size`` must fit).
-        endpoint_url: overrides the endpoint from the environment (e.g. ``http://127.0.0.1:9000``).
-        region: overrides the region from the environment.
-        allow_http: allow a plain ``http://`` endpoint; None allows it exactly when the
-            endpoint URL starts with ``http://``.
-        user_agent: ``User-Agent`` of the requests (lets a test server tell ranks apart).
-    """
-
-    part_size: int = 64 * 2**20
-    max_concurrency: int = 16
-    read_chunk_size: int = 16 * 2**20
-    coalesce_gap: int = 0
-    max_retries: int = 5
-    initial_backoff_s: float = 0.1
-    max_backoff_s: float = 10.0
-    backoff_base: float = 2.0
-    retry_timeout_s: float = 120.0
-    connect_timeout_s: float = 10.0
-    request_timeout_s: float = 300.0
-    endpoint_url: Optional[str] = None
-    region: Optional[str] = None
-    allow_http: Optional[bool] = None
-    user_agent: Optional[str] = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.part_size, int) or not _MIN_PART <= self.part_size <= _MAX_PART:
-            raise StorageConfigError(f"S3StorageOptions.part_size must be an int between 5 MiB and 5 GiB (S3's part limits), got {self.part_size!r}")
-        for name in ("max_concurrency", "read_chunk_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise StorageConfigError(f"S3StorageOptions.{name} must be a positive int, got {value!r}")
-        for name in ("coalesce_gap", "max_retries"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise StorageConfigError(f"S3StorageOptions.{name} must be an int >= 0, got {value!r}")
-        for name in ("initial_backoff_s", "max_backoff_s", "retry_timeout_s", "connect_timeout_s", "request_timeout_s"):
-            if not float(getattr(self, name)) > 0:
-                raise StorageConfigError(f"S3StorageOptions.{name} must be > 0, got {getattr(self, name)!r}")
-        if not float(self.backoff_base) >= 1:
-            raise StorageConfigError(f"S3StorageOptions.backoff_base must be >= 1, got {self.backoff_base!r}")
-
-
-def parse_s3_url(url: str) -> Tuple[str, str]:
-    """Split ``s3://bucket/prefix`` into ``(bucket, prefix)``; the prefix has no outer slashes.
-
-    Example::
-
-        parse_s3_url("s3://my-bucket/runs/exp1/")   # ("my-bucket", "runs/exp1")
-    """
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme.lower() not in ("s3", "s3a"):
-        raise StorageConfigError(f"not an S3 URL: {url!r} (expected s3://bucket/prefix)")
-    bucket, _, prefix = rest.partition("/")
-    if not _BUCKET_RE.match(bucket) or ".." in bucket:
-        raise StorageConfigError(
-            f"S3 URL {url!r}: {bucket!r} is not a valid bucket name (3-63 characters: lowercase letters, digits, '.', '-')"
-        )
-    prefix = prefix.strip("/")
-    if prefix:
-        validate_object_key(prefix)
-    return bucket, prefix
-
-
-# -- obstore, loaded lazily ------------------------------------------------------------------
-
-_runtime_pid: Optional[int] = None  # the process whose obstore runtime made requests
-_pid_lock = threading.Lock()
-
-
-def _obstore() -> Any:
-    """The ``obstore`` module, or a :class:`MissingDependencyError` naming the extra."""
-    try:
-        import obstore
-    except ImportError as e:
-        raise MissingDependencyError(
-            "S3 storage (s3:// URLs) needs the obstore client library: pip install \"dist_ckpt[s3]\""
-        ) from e
-    return obstore
-
-
-def _check_process() -> None:
-    """Fail fast instead of hanging when obstore is used after ``fork``."""
-    global _runtime_pid
-    pid = os.getpid()
-    with _pid_lock:
-        if _runtime_pid is None:
-            _runtime_pid = pid
-        elif _runtime_pid != pid:
-            raise StorageError(
-                "S3 storage used in a forked child process: the S3 client (obstore) started its runtime in the parent "
-                f"(pid {_runtime_pid}) and that runtime does not survive fork(); start worker processes with the "
-                "'spawn' method (multiprocessing.get_context('spawn')) or torchrun/mpirun",
-                operation="fork",
-            )
-
-
-class _Boto3Credentials:
-    """obstore credential provider backed by boto3's chain (profiles, SSO, ``~/.aws`` files).
-
-    Remembers the secrets it hands out so that error messages can redact them.
-    """
-
-    def __init__(self, session: Any, secrets: Set[str]) -> None:
-        credentials = session.get_credentials()
-        if credentials is None:
-            raise StorageAuthError(
-                "no AWS credentials found: set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or configure a profile (AWS_PROFILE)",
-                operation="credentials",
-            )
-        self._credentials = credentials
-        self._secrets = secrets
-
-    def __call__(self) -> Dict[str, Any]:
-        frozen = self._credentials.get_frozen_credentials()
-        for value in (frozen.access_key, frozen.secret_key, frozen.token):
-            if value:
-                self._secrets.add(str(value))
-        return {
-            "access_key_id": frozen.access_key,
-            "secret_access_key": frozen.secret_key,
-            "token": frozen.token,
-            "expires_at": datetime.now(timezone.utc) + timedelta(minutes=15),
-        }
-
-
-def _first_env(*names: str) -> Optional[str]:
-    for name in names:
-        value = os.environ.get(name)
-        if value:
-            return value
-    return None
-
-
-def _has_aws_profile() -> bool:
-    if os.environ.get("AWS_PROFILE") or os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or os.environ.get("AWS_CONFIG_FILE"):
-        return True
-    home = os.path.expanduser("~/.aws")
-    return os.path.isfile(os.path.join(home, "credentials")) or os.path.isfile(os.path.join(home, "config"))
-
-
-@dataclass
-class _Client:
-    """One obstore ``S3Store`` for a bucket (no prefix), shared by a storage and its children."""
-
-    bucket: str
-    options: S3StorageOptions
-    endpoint: str
-    store: "S3Store"
-    secrets: Set[str] = field(default_factory=set)
-    store_kwargs: Dict[str, Any] = field(default_factory=dict)  # to build more stores alike (no secrets)
-    region: str = "us-east-1"
-    custom_endpoint: Optional[str] = None
-    bucket_seen: bool = False  # a request succeeded on the bucket, so it exists
-
-    @classmethod
-    def create(cls, bucket: str, options: S3StorageOptions) -> "_Client":
-        obstore = _obstore()
-        from obstore.store import S3Store
-
-        if _runtime_pid is not None and _runtime_pid != os.getpid():
-            _check_process()  # raises: creating a store in a forked child would hang later
-        secrets = {v for v in (os.environ.get(n) for n in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_TOKEN")) if v}
-        endpoint = options.endpoint_url or _first_env("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
-        region = options.region or _first_env("AWS_REGION", "AWS_DEFAULT_REGION")
-        provider: Optional[_Boto3Credentials] = None
-        if not os.environ.get("AWS_ACCESS_KEY_ID") and _has_aws_profile():
-            try:
-                import boto3
-            except ImportError:
-                boto3 = None
-            if boto3 is not None:
-                session = boto3.Session()
-                provider = _Boto3Credentials(session, secrets)
-                region = region or session.region_name
-        config: Dict[str, Any] = {"region": region or "us-east-1"}
-        if endpoint:
-            config["endpoint"] = endpoint
-        allow_http = options.allow_http if options.allow_http is not None else bool(endpoint and endpoint.lower().startswith("http://"))
-        client_options: Dict[str, Any] = {
-            "allow_http": allow_http,
-            "connect_timeout": timedelta(seconds=options.connect_timeout_s),
-            "timeout": timedelta(seconds=options.request_timeout_s),
-        }
-        if options.user_agent:
-            client_options["user_agent"] = options.user_agent
-        retry_config: Dict[str, Any] = {
-            "max_retries": options.max_retries,
-            "retry_timeout": timedelta(seconds=options.retry_timeout_s),
-            "backoff": {
-                "init_backoff": timedelta(seconds=options.initial_backoff_s),
-                "max_backoff": timedelta(seconds=options.max_backoff_s),
-                "base": options.backoff_base,
-            },
-        }
-        store_kwargs: Dict[str, Any] = dict(
-            config=config, client_options=client_options, retry_config=retry_config, credential_provider=provider
-        )
-        try:
-            store = S3Store(bucket, **store_kwargs)
-        except obstore.exceptions.BaseError as e:
-            raise StorageConfigError(_redact(f"cannot configure the S3 client for bucket {bucket!r}: {e}", secrets)) from e
-        return cls(bucket, options, endpoint or f"AWS S3 ({config['region']})", store, secrets, store_kwargs, config["region"], endpoint)
-
-
-def _redact(text: str, secrets: Set[str]) -> str:
-    for secret in sorted(secrets, key=len, reverse=True):
-        if len(secret) >= 4:
-            text = text.replace(secret, "***")
-    return text
-
-
-_STATUS_RE = re.compile(r"status code: (\d{3})")
-_CODE_RE = re.compile(r"<Code>([^<]{1,100})</Code>")
-_MESSAGE_RE = re.compile(r"<Message>([^<]{0,300})</Message>")
-_RETRIES_RE = re.compile(r"after (\d+) retries")
-_CONNECTION_HINTS = ("error sending request", "connection", "timed out", "timeout", "dns error", "broken pipe")
 
 
 class S3Storage(Storage):
@@ -372,14 +110,14 @@ class S3Storage(Storage):
         options: Optional[S3StorageOptions] = None,
         *,
         counters: Optional[IOCounters] = None,
-        _client: Optional[_Client] = None,
+        _client: Optional[S3Client] = None,
     ) -> None:
         super().__init__(counters)
         bucket, parsed = parse_s3_url(f"s3://{bucket}/{prefix}")
         self.bucket = bucket
         self.prefix = parsed
         self.options = options if options is not None else (_client.options if _client is not None else S3StorageOptions())
-        self._client = _client if _client is not None else _Client.create(bucket, self.options)
+        self._client = _client if _client is not None else S3Client.create(bucket, self.options)
 
     @classmethod
     def from_url(cls, url: str, options: Optional[S3StorageOptions] = None) -> "S3Storage":
@@ -453,73 +191,15 @@ class S3Storage(Storage):
 
     def _call(self, operation: str, key: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run one obstore call; translate its errors into the storage error family."""
-        _check_process()
-        obstore = _obstore()
+        check_process()
+        obstore = import_obstore()
         try:
             return fn(*args, **kwargs)
         except (obstore.exceptions.BaseError, OSError) as e:
             if isinstance(e, StorageError):
                 raise
-            raise self._translate(e, operation, key) from e
-
-    def _translate(self, error: BaseException, operation: str, key: str) -> "StorageError | TruncatedObjectError":
-        """A clear, redacted error for a failed request: what, where, which status, how to fix."""
-        obstore = _obstore()
-        text = _redact(str(error), self._client.secrets)
-        url = self.url_of(key) if key else self.url
-        status_match = _STATUS_RE.search(text)
-        status = int(status_match.group(1)) if status_match else None
-        code_match = _CODE_RE.search(text)
-        code = code_match.group(1) if code_match else ""
-        message_match = _MESSAGE_RE.search(text)
-        s3_message = message_match.group(1) if message_match else ""
-        detail = " ".join(p for p in (f"HTTP {status}" if status else "", code, f"({s3_message})" if s3_message else "") if p)
-        where = f"{operation} {url} (endpoint {self._client.endpoint})"
-        exc = obstore.exceptions
-        if isinstance(error, exc.AlreadyExistsError) or (status == 412 and operation == "put_if_absent"):
-            return ObjectExistsError(
-                f"{where}: an object already exists at this key and was left untouched "
-                "(another save committed here; use a new checkpoint location)",
-                url=url,
-                operation=operation,
-            )
-        if code == "NoSuchBucket":
-            return BucketNotFoundError(
-                f"{where}: bucket {self.bucket!r} does not exist [{detail}]; create it, or fix the URL / AWS_ENDPOINT_URL",
-                url=url,
-                operation=operation,
-            )
-        if isinstance(error, (exc.PermissionDeniedError, exc.UnauthenticatedError)) or status in (401, 403):
-            return StorageAuthError(
-                f"{where}: the server refused the credentials [{detail}]; check AWS_ACCESS_KEY_ID / "
-                "AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN (or AWS_PROFILE) and the bucket policy",
-                url=url,
-                operation=operation,
-            )
-        if isinstance(error, FileNotFoundError) or code == "NoSuchKey" or status == 404:
-            return ObjectNotFoundError(f"{where}: no such object [{detail or 'HTTP 404'}]", url=url, operation=operation)
-        if status == 416 or code == "InvalidRange":
-            return TruncatedObjectError(
-                f"{where}: the object is shorter than the requested range [{detail}] "
-                "(it was truncated, or the index describing it is wrong)"
-            )
-        lowered = text.lower()
-        transient = (status is not None and (status >= 500 or status == 429)) or (
-            status is None and any(h in lowered for h in _CONNECTION_HINTS)
-        )
-        if transient:
-            retries_match = _RETRIES_RE.search(text)
-            attempts = int(retries_match.group(1)) + 1 if retries_match else self.options.max_retries + 1
-            last = detail if status is not None else f"no response ({_first_line(text)})"
-            return RetriesExhaustedError(
-                f"{where} failed after {attempts} attempt(s) (max_retries={self.options.max_retries}); last: {last}. "
-                "The server kept failing with transient errors: retry later, or raise S3StorageOptions.max_retries",
-                url=url,
-                operation=operation,
-                attempts=attempts,
-                last_status=status,
-            )
-        return StorageError(f"{where} failed: {detail or _first_line(text)}", url=url, operation=operation)
+            url = self.url_of(key) if key else self.url
+            raise translate_error(e, operation=operation, url=url, bucket=self.bucket, client=self._client) from e
 
     # -- writing -----------------------------------------------------------------------------
 
@@ -527,7 +207,7 @@ class S3Storage(Storage):
         self.write_buffers(key, [data])
 
     def write_buffers(self, key: str, buffers: Sequence[BufferLike]) -> None:
-        obstore = _obstore()
+        obstore = import_obstore()
         path = self._path(key)
         views = [as_byte_view(b) for b in buffers]
         total = sum(len(v) for v in views)
@@ -546,7 +226,7 @@ class S3Storage(Storage):
         return _S3Writer(self, key)
 
     def put_if_absent(self, key: str, data: BufferLike) -> None:
-        obstore = _obstore()
+        obstore = import_obstore()
         view = as_byte_view(data)
         self._call("put_if_absent", key, obstore.put, self._client.store, self._path(key), view, mode="create", use_multipart=False)
         self._counters.add(bytes_written=len(view), objects_written=1)
@@ -554,7 +234,7 @@ class S3Storage(Storage):
     # -- reading -----------------------------------------------------------------------------
 
     def read(self, key: str) -> bytes:
-        obstore = _obstore()
+        obstore = import_obstore()
         path = self._path(key)
 
         def get() -> bytes:
@@ -585,7 +265,7 @@ class S3Storage(Storage):
 
     def _get_range(self, request: RangeRead) -> None:
         """One ranged GET, copied into the request's buffers (the one copy out of the client)."""
-        obstore = _obstore()
+        obstore = import_obstore()
         length = request.length
         data = self._call("GET", request.key, obstore.get_range, self._client.store, self._path(request.key), start=request.offset, length=length)
         view = memoryview(data)
@@ -604,7 +284,7 @@ class S3Storage(Storage):
     # -- metadata ----------------------------------------------------------------------------
 
     def _head(self, key: str) -> Dict[str, Any]:
-        obstore = _obstore()
+        obstore = import_obstore()
         self._counters.add(metadata_requests=1)
         try:
             return dict(self._call("HEAD", key, obstore.head, self._client.store, self._path(key)))
@@ -616,7 +296,7 @@ class S3Storage(Storage):
         """Raise :class:`BucketNotFoundError` if the bucket is missing (one LIST, once per client)."""
         if self._client.bucket_seen:
             return
-        obstore = _obstore()
+        obstore = import_obstore()
         self._counters.add(metadata_requests=1)
         self._call("LIST", key, obstore.list_with_delimiter, self._client.store, prefix=self._path(key))
         self._client.bucket_seen = True
@@ -632,7 +312,7 @@ class S3Storage(Storage):
         return True
 
     def list(self, prefix: str = "") -> List[ObjectInfo]:
-        obstore = _obstore()
+        obstore = import_obstore()
         validate_prefix(prefix)
         self._counters.add(metadata_requests=1)
         full = self._path(prefix) if prefix else self.prefix
@@ -648,7 +328,7 @@ class S3Storage(Storage):
         return sorted(self._call("LIST", prefix, collect), key=lambda o: o.key)
 
     def delete(self, key: str) -> None:
-        obstore = _obstore()
+        obstore = import_obstore()
         self._counters.add(metadata_requests=1)
         try:
             self._call("DELETE", key, obstore.delete, self._client.store, self._path(key))
@@ -656,7 +336,7 @@ class S3Storage(Storage):
             pass
 
     def delete_prefix(self, prefix: str) -> int:
-        obstore = _obstore()
+        obstore = import_obstore()
         keys = [o.key for o in self.list(prefix)]
         for start in range(0, len(keys), _DELETE_BATCH):
             batch = [self._path(k) for k in keys[start : start + _DELETE_BATCH]]
@@ -681,7 +361,7 @@ class _S3Writer(ObjectWriter):
     """
 
     def __init__(self, storage: S3Storage, key: str) -> None:
-        obstore = _obstore()
+        obstore = import_obstore()
         self._storage = storage
         self._key = key
         opts = storage.options
@@ -736,8 +416,3 @@ def _abort_file(file: Any) -> None:
         file.__exit__(RuntimeError, RuntimeError("dist_ckpt: upload aborted"), None)
     except Exception as e:  # noqa: BLE001 -- the caller is already handling the original failure
         logger.debug("aborting an S3 upload failed as well: %s", type(e).__name__)
-
-
-def _first_line(text: str) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    return line[:300]
