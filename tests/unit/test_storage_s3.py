@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import traceback
 from typing import Any, List
 
@@ -316,3 +317,36 @@ def test_a_forked_child_fails_fast_instead_of_hanging(s3_url: str, s3_env: Any) 
     assert status == 0, f"child ended with status {status} (a hang ends with SIGALRM)"
     assert outcome.startswith(b"StorageError: ") and b"spawn" in outcome, outcome
     assert storage.read("f") == b"1"  # the parent is unaffected
+
+
+_UPLOADER = """
+import sys
+from dist_ckpt.storage import open_storage
+from dist_ckpt.storage.s3 import S3StorageOptions
+storage = open_storage(sys.argv[1], S3StorageOptions(part_size=5 * 2**20, max_concurrency=1))
+with storage.open_writer("rank0.bin") as w:
+    for _ in range(8):
+        w.write(b"x" * (5 * 2**20))
+"""
+
+
+def test_an_upload_killed_midway_leaves_nothing_visible(s3_url: str, s3_env: Any) -> None:
+    # part 2 is held at the server long enough to kill the uploader while its upload is open
+    s3_env.inject_faults([FaultRule(status=None, delay_s=5.0, count=1, method="PUT", query_contains="partNumber=2")])
+    proc = subprocess.Popen([sys.executable, "-c", _UPLOADER, s3_url], env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and proc.poll() is None:
+            parts = [r for r in s3_env.requests() if r.method == "PUT" and "partNumber=1&" in r.query + "&" and r.status == 200]
+            if parts:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None and parts, "the uploader should be mid-upload (part 1 stored, part 2 held)"
+        proc.kill()
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    storage = _storage(s3_url)
+    assert storage.list() == [] and not storage.exists("rank0.bin")  # an open multipart upload is invisible
