@@ -23,7 +23,9 @@ credentials ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TO
 identity (``AWS_WEB_IDENTITY_TOKEN_FILE`` + ``AWS_ROLE_ARN``), ECS container credentials or the
 EC2 instance metadata service, all resolved by obstore. Without key variables but with a
 profile (``AWS_PROFILE`` or ``~/.aws/credentials`` / ``~/.aws/config``) and boto3 installed,
-boto3's credential chain supplies (and refreshes) the keys. Plain ``http://`` endpoints (a local
+boto3's credential chain supplies (and refreshes) the keys. With none of these and
+``AWS_EC2_METADATA_DISABLED=true``, opening fails with :class:`StorageAuthError` before any
+request (otherwise the instance metadata service is asked, as every AWS SDK does). Plain ``http://`` endpoints (a local
 MinIO or moto) are allowed only when the endpoint itself says ``http://``. Credentials are
 never written into a checkpoint, a log or an error message (messages are redacted).
 

@@ -190,6 +190,21 @@ def _first_env(*names: str) -> Optional[str]:
     return None
 
 
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes")
+
+
+def _has_credential_source() -> bool:
+    """Whether the environment names credentials other than the instance metadata service."""
+    return bool(
+        os.environ.get("AWS_ACCESS_KEY_ID")
+        or os.environ.get("AWS_WEB_IDENTITY_TOKEN_FILE")
+        or os.environ.get("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI")
+        or os.environ.get("AWS_CONTAINER_CREDENTIALS_FULL_URI")
+        or _env_true("AWS_SKIP_SIGNATURE")
+    )
+
+
 def _has_aws_profile() -> bool:
     if os.environ.get("AWS_PROFILE") or os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or os.environ.get("AWS_CONFIG_FILE"):
         return True
@@ -231,6 +246,15 @@ class S3Client:
                 session = boto3.Session()
                 provider = _Boto3Credentials(session, secrets)
                 region = region or session.region_name
+        if provider is None and not _has_credential_source() and _env_true("AWS_EC2_METADATA_DISABLED"):
+            # obstore would fall back to the instance metadata service; botocore's switch says no
+            raise StorageAuthError(
+                f"no AWS credentials for s3://{bucket}: set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and "
+                "AWS_SESSION_TOKEN), a profile (AWS_PROFILE), or web-identity / container credentials "
+                "(AWS_EC2_METADATA_DISABLED rules out the instance metadata service)",
+                url=f"s3://{bucket}",
+                operation="credentials",
+            )
         config: Dict[str, Any] = {"region": region or "us-east-1"}
         if endpoint:
             config["endpoint"] = endpoint

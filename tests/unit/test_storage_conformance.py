@@ -22,6 +22,7 @@ from dist_ckpt.storage import (
     RangeRead,
     Storage,
     TruncatedObjectError,
+    encode_key,
     open_storage,
 )
 from dist_ckpt.storage.local import LocalStorageOptions
@@ -195,6 +196,15 @@ class StorageConformance:
         assert storage.read("large/stream.bin") == data
 
     # -- keys, children, counters ------------------------------------------------------------
+
+    def test_encoded_and_unusual_keys_round_trip(self, storage: Storage) -> None:
+        keys = [encode_key("decoder.layers/0.weight"), encode_key("a b+c=d&e?f#g%"), "x~1234abcd", "sp ace/plus+sign", "unicodé/ключ"]
+        for key in keys:
+            storage.write(key, key.encode())
+        assert [o.key for o in storage.list()] == sorted(keys)
+        for key in keys:
+            assert storage.read(key) == key.encode()
+            assert storage.size(key) == len(key.encode())
 
     @pytest.mark.parametrize("key", ["../escape", "/abs", "a//b", "a/./b", "trailing/", "back\\slash", "", "ctl\x01"])
     def test_invalid_keys_are_refused_before_io(self, storage: Storage, key: str) -> None:

@@ -18,6 +18,7 @@ from typing import Any, List
 import numpy as np
 import pytest
 
+import dist_ckpt
 from dist_ckpt.errors import MissingDependencyError
 from dist_ckpt.storage import (
     BucketNotFoundError,
@@ -36,6 +37,12 @@ from dist_ckpt.testing.s3_server import FaultRule, RecordedRequest
 
 MiB = 2**20
 FAST = dict(initial_backoff_s=0.01, max_backoff_s=0.05)
+_SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(dist_ckpt.__file__)))
+
+
+def _child_env() -> dict:
+    """The current environment (with the test's AWS variables) for a child importing this dist_ckpt."""
+    return {**os.environ, "PYTHONPATH": _SOURCE_ROOT}
 
 
 def _storage(url: str, **overrides: Any) -> S3Storage:
@@ -204,6 +211,18 @@ def test_wrong_credentials_are_clear_and_never_leak(s3_url: str, s3_env: Any, mo
         s3_env.set_authentication(False)
 
 
+def test_no_credentials_fail_before_any_request(s3_url: str, s3_env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/config")  # no profile either
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/credentials")
+    monkeypatch.setenv("HOME", "/nonexistent")
+    monkeypatch.setattr("dist_ckpt.storage.s3_client._has_aws_profile", lambda: False)
+    with pytest.raises(StorageAuthError, match="no AWS credentials"):
+        _storage(s3_url)
+    assert s3_env.requests() == []  # neither the server nor a metadata service was asked
+
+
 def test_missing_bucket_is_named(s3_env: Any) -> None:
     storage = _storage("s3://no-such-bucket-dist-ckpt/prefix")
     for call in (lambda: storage.write("a", b"1"), lambda: storage.read("a"), lambda: storage.list(),
@@ -291,7 +310,7 @@ def test_importing_dist_ckpt_does_not_import_the_s3_client(tmp_path: Any) -> Non
         f"dist_ckpt.storage.open_storage({str(tmp_path)!r}).write('a', b'1')\n"
         "assert 'obstore' not in sys.modules and 'dist_ckpt.storage.s3' not in sys.modules, sorted(sys.modules)\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    subprocess.run([sys.executable, "-c", code], check=True, env=_child_env())
 
 
 def test_a_forked_child_fails_fast_instead_of_hanging(s3_url: str, s3_env: Any) -> None:
@@ -333,7 +352,7 @@ with storage.open_writer("rank0.bin") as w:
 def test_an_upload_killed_midway_leaves_nothing_visible(s3_url: str, s3_env: Any) -> None:
     # part 2 is held at the server long enough to kill the uploader while its upload is open
     s3_env.inject_faults([FaultRule(status=None, delay_s=5.0, count=1, method="PUT", query_contains="partNumber=2")])
-    proc = subprocess.Popen([sys.executable, "-c", _UPLOADER, s3_url], env={**os.environ, "PYTHONPATH": os.getcwd()})
+    proc = subprocess.Popen([sys.executable, "-c", _UPLOADER, s3_url], env=_child_env())
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and proc.poll() is None:
