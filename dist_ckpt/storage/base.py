@@ -114,7 +114,13 @@ def validate_object_key(key: str) -> str:
 
 
 def validate_prefix(prefix: str) -> str:
-    """Return ``prefix`` for :meth:`Storage.list` / :meth:`Storage.delete_prefix`: "" or a valid key."""
+    """Return ``prefix`` for :meth:`Storage.list` / :meth:`Storage.delete_prefix`: "" or a valid key.
+
+    Example::
+
+        validate_prefix("")             # everything under the root
+        validate_prefix("safetensors")  # everything under safetensors/
+    """
     return prefix if prefix == "" else validate_object_key(prefix)
 
 

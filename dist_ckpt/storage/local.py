@@ -209,7 +209,14 @@ class LocalStorage(Storage):
         return str(self.root)
 
     def local_path(self, key: str) -> Path:
-        """The file of object ``key`` (checked to stay under the root)."""
+        """The file of object ``key`` (checked to stay under the root).
+
+        For libraries that need a path (TensorStore's ``file`` driver, zarr's LocalStore).
+
+        Example::
+
+            LocalStorage("/ckpt").local_path("zarr/w/zarr.json")   # Path("/ckpt/zarr/w/zarr.json")
+        """
         validate_object_key(key)
         return safe_join(self.root, *key.split("/"))
 

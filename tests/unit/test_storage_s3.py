@@ -165,6 +165,19 @@ def test_adjacent_ranges_are_one_request_and_large_ranges_several(s3_url: str, s
     assert len(gets) == 4 and sum(r.bytes_sent for r in gets) == len(big)
 
 
+def test_coalesce_gap_trades_a_few_bytes_for_a_request(s3_url: str, s3_env: Any) -> None:
+    storage = _storage(s3_url, coalesce_gap=5)
+    data = os.urandom(100)
+    storage.write("g.bin", data)
+    s3_env.clear_requests()
+    storage.reset_stats()
+    a, b = bytearray(10), bytearray(10)
+    storage.read_ranges([RangeRead.into("g.bin", 0, a), RangeRead.into("g.bin", 15, b)])
+    assert bytes(a) == data[:10] and bytes(b) == data[15:25]
+    assert [(r.range, r.bytes_sent) for r in _gets(s3_env.requests())] == [("bytes=0-24", 25)]
+    assert storage.stats.bytes_read == 25  # counts what was downloaded, gap included
+
+
 def test_ranged_gets_run_concurrently_within_the_bound(s3_url: str, s3_env: Any) -> None:
     storage = _storage(s3_url, max_concurrency=3)
     data = os.urandom(64 * 1024)
