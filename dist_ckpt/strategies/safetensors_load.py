@@ -51,6 +51,8 @@ class StoredShard:
         chunk_shape: shape of the shard's box (all global axes).
         flat_range: ``(start, stop)`` of the box's row-major flattening held, or None for all.
         byte_range: absolute ``(begin, end)`` byte offsets of the data in the file.
+        crcs: crc32c of each block of ``byte_range`` (see ``TensorIndex.block_bytes``), or None
+            when the checkpoint recorded none.
     """
 
     file: str
@@ -59,6 +61,7 @@ class StoredShard:
     chunk_shape: Shape
     flat_range: Optional[Tuple[int, int]]
     byte_range: Tuple[int, int]
+    crcs: Optional[Tuple[int, ...]] = None
 
     @property
     def stored_shape(self) -> Shape:
@@ -128,6 +131,8 @@ class TensorIndex:
         description: names the checkpoint in error messages.
         from_headers: the index was built from the files' validated headers (HuggingFace
             folders), so a load does not read and check them again.
+        block_bytes: block size of the shards' checksums (None: no checksums recorded).
+        header_crcs: crc32c of each file's header bytes, when recorded.
     """
 
     directory: Path
@@ -136,6 +141,8 @@ class TensorIndex:
     file_sizes: Dict[str, int] = field(default_factory=dict)
     description: str = ""
     from_headers: bool = False
+    block_bytes: Optional[int] = None
+    header_crcs: Dict[str, int] = field(default_factory=dict)
 
     def lookup(self, key: str) -> Optional[StoredTensor]:
         """The stored tensor for ``key`` (following an alias), or None."""
