@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from ..checksums import crc32c
 from ..dtypes import dtype_from_safetensors_name, dtype_info
 from ..errors import CheckpointingException, CorruptCheckpointError
 from ..storage import fsync_dir
@@ -99,6 +100,7 @@ class SafetensorsHeader:
         file_size: size of the file in bytes (equal to the end of the data section).
         entries: tensors by name.
         metadata: the ``__metadata__`` map (empty if absent).
+        prefix_crc: crc32c of the bytes before the data section (length and JSON header).
     """
 
     path: Path
@@ -106,6 +108,7 @@ class SafetensorsHeader:
     file_size: int
     entries: Dict[str, HeaderEntry]
     metadata: Dict[str, str] = field(default_factory=dict)
+    prefix_crc: int = 0
 
 
 def encode_header(
@@ -195,7 +198,8 @@ def read_header(fd: int, path: Union[str, Path]) -> SafetensorsHeader:
     file_size = os.fstat(fd).st_size
     if file_size < _LEN.size:
         raise _corrupt(path, f"the file has {file_size} bytes, too few for a safetensors header (truncated?)")
-    (length,) = _LEN.unpack(safetensors_io.read_bytes(fd, _LEN.size, 0))
+    length_bytes = safetensors_io.read_bytes(fd, _LEN.size, 0)
+    (length,) = _LEN.unpack(length_bytes)
     if length > MAX_HEADER_BYTES or _LEN.size + length > file_size:
         raise _corrupt(
             path, f"the header claims {length} bytes but the file has {file_size} (truncated or not a safetensors file)"
@@ -230,7 +234,7 @@ def read_header(fd: int, path: Union[str, Path]) -> SafetensorsHeader:
             f"the header describes {data_start + position} bytes but the file has {file_size} "
             f"({'truncated' if file_size < data_start + position else 'trailing garbage'})",
         )
-    return SafetensorsHeader(path, data_start, file_size, entries, dict(metadata))
+    return SafetensorsHeader(path, data_start, file_size, entries, dict(metadata), crc32c(raw, crc32c(length_bytes)))
 
 
 def read_header_at(path: Union[str, Path]) -> SafetensorsHeader:
