@@ -159,11 +159,29 @@ def _list_fragments(path: Path, chunk_shape: Shape) -> List[FragmentInfo]:
     return fragments
 
 
+#: the checksum manifest of the zarr backend (see zarr_checksums), beside the root group
+CHECKSUMS_FILENAME = "checksums.json"
+
+
 def list_tensor_names(root: Path) -> List[str]:
     """Directory names of every stored tensor."""
     if not root.is_dir():
         raise CorruptCheckpointError(f"{str(root)!r} is missing: the zarr part of the checkpoint is gone")
-    return sorted(e for e in os.listdir(root) if not e.startswith(".") and e != "zarr.json")
+    return sorted(
+        e
+        for e in os.listdir(root)
+        if not e.startswith(".") and e != "zarr.json" and not (e == CHECKSUMS_FILENAME and (root / e).is_file())
+    )
+
+
+def find_tensor_info(root: Path, key: str) -> Optional[StoredTensorInfo]:
+    """The stored tensor ``key``, or None. A key that is now a reserved name (``checksums.json``)
+    is also looked up under the name checkpoints saved before the reservation gave it."""
+    info = open_tensor_info(root, tensor_dir_name(key))
+    legacy = encode_key(key)
+    if info is None and legacy != tensor_dir_name(key) and (root / legacy).is_dir():
+        info = open_tensor_info(root, legacy)
+    return info
 
 
 def tensors_metadata(root: Path) -> ShardedStateDict:
@@ -326,14 +344,15 @@ def postprocess_numpy_array(
 
 
 #: names a tensor directory must not take: the root group's metadata, and zarr's reserved prefix
-_RESERVED = ("zarr.json",)
+_RESERVED = ("zarr.json", CHECKSUMS_FILENAME)
 
 
 def tensor_dir_name(key: str) -> str:
     """Directory name (under ``zarr/``) of the tensor stored under ``key``.
 
     The encoded key, with its first character percent-encoded when the name would collide with
-    the root group's ``zarr.json`` or start with zarr's reserved ``__``.
+    the root group's ``zarr.json``, the checksum manifest ``checksums.json``, or start with
+    zarr's reserved ``__``.
     """
     name = encode_key(key)
     if name in _RESERVED or name.startswith("__"):
