@@ -13,8 +13,10 @@ This module re-exports the public API; importing it imports no optional backend.
 
 from .core import CheckpointingConfig, check_is_distributed_checkpoint, maybe_load_config
 from .errors import (
+    AsyncSaveError,
     CheckpointExistsError,
     CheckpointingException,
+    ChecksumMismatchError,
     CorruptCheckpointError,
     IncompatibleStrategyError,
     InvalidKeyError,
@@ -64,15 +66,21 @@ from .strategies.base import (
     register_default_strategy,
     registered_strategies,
 )
+from .strategies.async_utils import AsyncCallsQueue, AsyncRequest
 from .unshard import iter_unsharded, unshard
 from .validation import StrictHandling, validate_sharding_integrity
+from .verify import VerifyReport, verify_checkpoint
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncCallsQueue",
+    "AsyncRequest",
+    "AsyncSaveError",
     "CheckpointExistsError",
     "CheckpointingConfig",
     "CheckpointingException",
+    "ChecksumMismatchError",
     "CorruptCheckpointError",
     "IncompatibleStrategyError",
     "InvalidKeyError",
@@ -101,6 +109,7 @@ __all__ = [
     "StrictHandling",
     "UnknownStrategyError",
     "UnsafeObjectError",
+    "VerifyReport",
     "__version__",
     "apply_factories",
     "apply_factory_merges",
@@ -122,4 +131,5 @@ __all__ = [
     "save",
     "unshard",
     "validate_sharding_integrity",
+    "verify_checkpoint",
 ]

@@ -51,6 +51,7 @@ __all__ = [
     "block_spans",
     "check_file",
     "crc32c",
+    "file_problem",
     "crc_from_hex",
     "crc_to_hex",
     "decode_block_crcs",
@@ -316,6 +317,29 @@ def read_manifest(path: Union[str, Path]) -> Optional[Dict[str, FileDigest]]:
     return parse_manifest(doc, path)
 
 
+def file_problem(path: Path, expected: FileDigest, data: Optional[Bytes] = None) -> Optional[Tuple[str, bool]]:
+    """What is wrong with the file at ``path`` (or ``data``, its bytes already read) compared with
+    ``expected``: ``(problem, is_checksum_mismatch)``, or None if it matches.
+
+    Example::
+
+        file_problem(ckpt / "common.pt", manifest["common.pt"])   # None, or ("missing", False), ...
+    """
+    if data is None:
+        try:
+            found = file_digest(path)
+        except FileNotFoundError:
+            return "missing", False
+    else:
+        found = FileDigest(len(data), crc32c(data))
+    if found.size != expected.size:
+        return f"has {found.size} bytes, {expected.size} were recorded at save time (truncated or replaced)", False
+    if found.crc32c != expected.crc32c:
+        recorded = crc_to_hex(expected.crc32c)
+        return f"crc32c {crc_to_hex(found.crc32c)} differs from the {recorded} recorded at save time (corrupt)", True
+    return None
+
+
 def check_file(path: Path, expected: FileDigest, what: str, data: Optional[Bytes] = None) -> None:
     """Raise if the file at ``path`` (or ``data``, its already-read bytes) does not match ``expected``.
 
@@ -323,23 +347,11 @@ def check_file(path: Path, expected: FileDigest, what: str, data: Optional[Bytes
         CorruptCheckpointError: missing or of another size.
         ChecksumMismatchError: same size, other crc.
     """
-    if data is None:
-        try:
-            found = file_digest(path)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{str(path)!r} ({what}) is missing") from None
-    else:
-        found = FileDigest(len(data), crc32c(data))
-    if found.size != expected.size:
-        raise CorruptCheckpointError(
-            f"{str(path)!r} ({what}) has {found.size} bytes, its checksum manifest says {expected.size} "
-            f"(truncated or replaced)"
-        )
-    if found.crc32c != expected.crc32c:
-        raise ChecksumMismatchError(
-            f"{str(path)!r} ({what}): crc32c {crc_to_hex(found.crc32c)} does not match the "
-            f"{crc_to_hex(expected.crc32c)} recorded at save time (the file is corrupt)"
-        )
+    found = file_problem(path, expected, data)
+    if found is not None:
+        problem, mismatch = found
+        cls = ChecksumMismatchError if mismatch else CorruptCheckpointError
+        raise cls(f"{what}: {str(path)!r} {problem}")
 
 
 # --------------------------------------------------------------------------- verification results

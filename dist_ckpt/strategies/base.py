@@ -38,6 +38,7 @@ from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, List, Optional, Tuple, Union
 
+from ..checksums import IntegrityReport
 from ..errors import (
     IncompatibleStrategyError,
     MissingDependencyError,
@@ -127,6 +128,12 @@ class LoadStrategyBase(ABC):
                 f"but the checkpoint has version {loaded_version}; upgrade dist_ckpt or use a "
                 f"strategy that supports it"
             )
+
+    def verify_integrity(self, checkpoint_dir: Path) -> IntegrityReport:
+        """Check every file of this strategy's part of a checkpoint against what was recorded at
+        save time (local, one process; for ``dist-ckpt verify``). Never raises for damage: each
+        problem is a line of the report. The default checks nothing and says so."""
+        return IntegrityReport(notes=[f"{self} cannot verify its files; they were not checked"])
 
     def __str__(self) -> str:
         return self.__class__.__name__

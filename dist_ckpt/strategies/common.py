@@ -31,7 +31,16 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 import torch
 
-from ..checksums import FileDigest, IntegrityReport, check_file, file_digest, read_manifest, relative, write_manifest
+from ..checksums import (
+    FileDigest,
+    IntegrityReport,
+    check_file,
+    file_digest,
+    file_problem,
+    read_manifest,
+    relative,
+    write_manifest,
+)
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..distributed import gather_json, get_rank, run_collectively
 from ..errors import CheckpointingException, CorruptCheckpointError, KeyMismatchError, UnsafeObjectError, format_keys
@@ -314,12 +323,9 @@ def verify_common(checkpoint_dir: Path) -> IntegrityReport:
             path = base / name
             report.files_checked += 1
             report.bytes_checked += digest.size
-            try:
-                check_file(path, digest, f"listed in {manifest_name}")
-            except CheckpointingException as e:
-                message = str(e)
-                prefix = f"{str(path)!r} "
-                report.add(relative(path, checkpoint_dir), message[len(prefix) :] if message.startswith(prefix) else message)
+            found = file_problem(path, digest)
+            if found is not None:
+                report.add(relative(path, checkpoint_dir), found[0])
     return report
 
 

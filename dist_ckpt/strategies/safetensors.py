@@ -39,7 +39,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..checksums import DEFAULT_BLOCK_BYTES
+from ..checksums import DEFAULT_BLOCK_BYTES, IntegrityReport
 from ..dict_utils import nested_values
 from ..distributed import gather_json, get_rank, run_collectively
 from ..dtypes import dtype_to_name
@@ -63,6 +63,7 @@ from .safetensors_index import (
 )
 from .safetensors_io import ReadOptions
 from .safetensors_load import load_from_index, tensors_metadata
+from .safetensors_verify import verify_safetensors
 from .safetensors_write import PartResult, PlannedFile, SnapshotPart, WritePart, plan_file, write_parts, write_snapshot_parts
 from .snapshot import SnapshotPool
 
@@ -398,6 +399,10 @@ class SafetensorsLoadShardedStrategy(LoadShardedStrategy):
 
     def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
         return tensors_metadata(read_index(Path(checkpoint_dir)))
+
+    def verify_integrity(self, checkpoint_dir: Path) -> IntegrityReport:
+        """Every file the index lists, its header, and every checksum block of every shard."""
+        return verify_safetensors(Path(checkpoint_dir))
 
     def remove_sharded_tensors(self, checkpoint_dir: str, key_prefix: str) -> None:
         """Delete every tensor whose key starts with ``key_prefix`` (one process calls it).

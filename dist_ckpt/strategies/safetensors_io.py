@@ -213,12 +213,13 @@ def _slabs(box: Box, src: Box, limit: int) -> Iterator[Box]:
 class ReadCheck(Protocol):
     """Checks bytes right after they are read (e.g. their checksums), in whole blocks.
 
-    Attributes:
-        block_bytes: the granularity of the check. Reads that skip gaps shorter than this are
-            read whole through a bounce buffer instead (the check needs the gaps' bytes anyway).
+    Reads that skip gaps shorter than ``block_bytes`` are read whole through a bounce buffer
+    instead (the check needs the gaps' bytes anyway).
     """
 
-    block_bytes: int
+    @property
+    def block_bytes(self) -> int:
+        """Size of the blocks checked."""
 
     def widen(self, start: int, stop: int) -> Tuple[int, int]:
         """The byte range to read so that ``[start, stop)`` is checkable (whole blocks)."""

@@ -46,14 +46,14 @@ def verify_safetensors(checkpoint_dir: Path, read_bytes: int = 16 << 20) -> Inte
     if index.block_bytes is None:
         report.notes.append(f"{index_rel} records no checksums (index version 1): only sizes and headers were checked")
     by_file: Dict[str, List[Tuple[str, StoredShard]]] = {}
-    for key, tensor in index.tensors.items():
+    for tensor_key, tensor in index.tensors.items():
         for shard in tensor.shards:
-            by_file.setdefault(shard.file, []).append((key, shard))
+            by_file.setdefault(shard.file, []).append((tensor_key, shard))
     for name in sorted(index.file_sizes):
         rel = f"{SAFETENSORS_DIR}/{name}"
         shards = by_file.get(name, [])
         keys = sorted({k for k, _ in shards})
-        key = keys[0] if len(keys) == 1 else None
+        key: Optional[str] = keys[0] if len(keys) == 1 else None
         path = index.directory / name
         try:
             fd = os.open(path, os.O_RDONLY)

@@ -97,7 +97,7 @@ class SnapshotPool:
             return self._buffer
         # a fresh buffer; the previous one, if still in use, lives on with its save
         logger.debug("allocating a %d-byte shared-memory snapshot buffer", nbytes)
-        self._buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8).share_memory_()
+        self._buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8).share_memory_()  # type: ignore[no-untyped-call]
         return self._buffer
 
     def take(self, tensors: Sequence[torch.Tensor], in_use: Callable[[], bool]) -> Snapshot:

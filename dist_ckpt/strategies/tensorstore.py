@@ -55,13 +55,14 @@ except ImportError as _e:  # pragma: no cover -- exercised in a subprocess witho
         f"pip install 'dist_ckpt[tensorstore]'"
     ) from _e
 
+from ..checksums import IntegrityReport
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..distributed import get_rank, run_collectively
 from ..dtypes import numpy_to_tensor, tensor_to_numpy
 from ..geometry import Box, piece_view, sub_view
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from .base import LoadShardedStrategy, SaveShardedStrategy, StrategyAction, register_default_strategy
-from .zarr_checksums import check_files, chunk_files, commit_checksums, read_checksums
+from .zarr_checksums import verify_zarr, check_files, chunk_files, commit_checksums, read_checksums
 from .zarr_layout import (
     ATTR,
     ZARR_DIR,
@@ -472,6 +473,10 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
             return tuple(int(n) for n in array.shape), np.dtype(array.dtype.numpy_dtype)
 
         return load_zarr_based_sharded_metadata(Path(checkpoint_dir), shape_dtype)
+
+    def verify_integrity(self, checkpoint_dir: Path) -> IntegrityReport:
+        """Every file of ``zarr/`` against ``zarr/checksums.json`` (see :mod:`.zarr_checksums`)."""
+        return verify_zarr(Path(checkpoint_dir))
 
 
 def _plan(requested: List[ShardedTensor], checkpoint_dir: Path) -> Dict[int, ReadPlan]:

@@ -39,6 +39,7 @@ import torch
 import zarr
 from zarr.codecs import BytesCodec
 
+from ..checksums import IntegrityReport
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..distributed import get_rank, run_collectively
 from ..dtypes import dtype_info, numpy_to_tensor, tensor_to_numpy
@@ -48,7 +49,7 @@ from ..mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replic
 from ..storage import fsync_dir, fsync_file
 from ._zarr_dtypes import register_extension_dtypes
 from .base import LoadShardedStrategy, SaveShardedStrategy
-from .zarr_checksums import VerifyingStore, commit_checksums, drop_from_checksums, read_checksums
+from .zarr_checksums import verify_zarr, VerifyingStore, commit_checksums, drop_from_checksums, read_checksums
 from .zarr_layout import (
     ATTR,
     FRAGMENT_CHUNK_ELEMENTS,
@@ -345,6 +346,10 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
             return tuple(array.shape), np.dtype(array.dtype)
 
         return load_zarr_based_sharded_metadata(Path(checkpoint_dir), shape_dtype)
+
+    def verify_integrity(self, checkpoint_dir: Path) -> IntegrityReport:
+        """Every file of ``zarr/`` against ``zarr/checksums.json`` (see :mod:`.zarr_checksums`)."""
+        return verify_zarr(Path(checkpoint_dir))
 
     def remove_sharded_tensors(self, checkpoint_dir: str, key_prefix: str) -> None:
         """Delete tensors whose key starts with ``key_prefix``; each key goes whole or not at all."""

@@ -25,7 +25,16 @@ import logging
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from ..checksums import FileDigest, IntegrityReport, check_file, file_digest, read_manifest, relative, write_manifest
+from ..checksums import (
+    FileDigest,
+    IntegrityReport,
+    check_file,
+    file_digest,
+    file_problem,
+    read_manifest,
+    relative,
+    write_manifest,
+)
 from ..distributed import gather_json, get_rank, run_collectively
 from ..errors import CheckpointingException
 from ..geometry import Box
@@ -142,7 +151,7 @@ class VerifyingStore:
 def _store_class() -> Any:
     from zarr.storage import LocalStore
 
-    class _Store(LocalStore):  # type: ignore[misc]
+    class _Store(LocalStore):
         def __init__(self, path: Path, root: Path, manifest: Mapping[str, FileDigest]) -> None:
             super().__init__(str(path), read_only=True)
             self._prefix = relative(path, root)
@@ -183,21 +192,28 @@ def verify_zarr(checkpoint_dir: Path) -> IntegrityReport:
         _verify_structure(root, checkpoint_dir, report)
         return report
     report.files_checked += 1
+    present = {relative(p, root) for p in root.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)}
+    for name in sorted(present - set(manifest) - {CHECKSUMS_FILENAME}):
+        report.add(f"{ZARR_DIR}/{name}", f"not listed in {manifest_rel} (written after the save, or left by another one)", _key_of(root, name))
     for name, expected in sorted(manifest.items()):
-        rel = f"{ZARR_DIR}/{name}"
-        try:
-            check_file(root / name, expected, "listed in the checksum manifest")
-        except CheckpointingException as e:
-            report.add(rel, _short(str(e), root / name))
+        found = file_problem(root / name, expected)
+        if found is not None:
+            report.add(f"{ZARR_DIR}/{name}", found[0], _key_of(root, name))
         report.files_checked += 1
         report.bytes_checked += expected.size
     return report
 
 
-def _short(message: str, path: Path) -> str:
-    """The message without the path it starts with (the report line names the file already)."""
-    prefix = f"{str(path)!r} "
-    return message[len(prefix) :] if message.startswith(prefix) else message
+def _key_of(root: Path, name: str) -> Optional[str]:
+    """The key of the tensor whose directory holds the file ``name`` (None if unknown)."""
+    tensor_dir, sep, _ = name.partition("/")
+    if not sep:
+        return None
+    try:
+        info = open_tensor_info(root, tensor_dir)
+    except CheckpointingException:
+        return None
+    return None if info is None else info.key
 
 
 def _verify_structure(root: Path, checkpoint_dir: Path, report: IntegrityReport) -> None:
