@@ -431,7 +431,10 @@ class _Worker:
             first, count = src_span(slab, op.src_box)
             lo = op.src_offset + first * itemsize
             start, stop = (lo, lo + count * itemsize) if op.check is None else op.check.widen(lo, lo + count * itemsize)
-            whole = self.buffer(stop - start, pinned)[: stop - start]
+            # the values must start at a multiple of their size in the buffer, wherever the
+            # widened read starts
+            pad = -(lo - start) % itemsize
+            whole = self.buffer(pad + stop - start, pinned)[pad : pad + stop - start]
             read_into(op.fd, [whole.numpy().data], start)
             if op.check is not None:
                 op.check.after_read(start, [whole.numpy().data])
