@@ -244,14 +244,16 @@ def test_row_slices_read_at_most_one_extra_block_per_end(tmp_path, read_counter)
     for parts in (4, 5):
         for r in range(parts):
             rows = 640 // parts
-            request = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(rows, 100), (0, r, parts))}
+            def request():
+                return {"w": ShardedTensor.from_rank_offsets("w", torch.empty(rows, 100), (0, r, parts))}
+
             read_counter.update(bytes=0)
-            out = load(request, tmp_path)
+            out = load(request(), tmp_path)
             assert torch.equal(bits(out["w"]), bits(full[r * rows : (r + 1) * rows]))
             assert 0 <= read_counter["bytes"] - header - rows * 400 <= 2 * (BLOCK - 1)
             # a range read in several pieces (max_read_bytes): each piece widens at its ends
             read_counter.update(bytes=0)
-            load(request, tmp_path, max_read_bytes=10_000)
+            load(request(), tmp_path, max_read_bytes=10_000)
             pieces = -(-rows * 400 // 10_000)
             assert 0 <= read_counter["bytes"] - header - rows * 400 <= pieces * 2 * (BLOCK - 1)
 
