@@ -262,8 +262,8 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
             if not path.is_file():
                 stored = sorted(p.stem for p in path.parent.glob("shard_*.pt"))
                 raise CorruptCheckpointError(
-                    f"[rank {get_rank()}] shard {x.unique_key!r} of ShardedObject {x.key!r} is missing "
-                    f"from {str(path.parent)!r}; stored shards: {stored}"
+                    f"[rank {get_rank()}] shard {x.unique_key!r} of ShardedObject {x.key!r} is missing: no file "
+                    f"{str(path)!r}; stored shards: {stored}"
                 )
             expected = manifest.get(relative(path, checkpoint_dir / OBJECTS_DIR))
             return self._load(path, f"ShardedObject {x.unique_key!r}", f" (key {x.key!r})", expected)

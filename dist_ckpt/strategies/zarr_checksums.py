@@ -22,6 +22,7 @@ A checkpoint without the manifest (saved before checksums existed) loads without
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
@@ -36,6 +37,7 @@ from ..checksums import (
     write_manifest,
 )
 from ..distributed import gather_json, get_rank, run_collectively
+from ..dtypes import dtype_from_name, dtype_info
 from ..errors import CheckpointingException
 from ..geometry import Box
 from .zarr_layout import (
@@ -237,5 +239,36 @@ def _verify_structure(root: Path, checkpoint_dir: Path, report: IntegrityReport)
         for path, region in arrays:
             if region.numel == 0:
                 continue
-            for problem in damaged_chunks(path, region):
-                report.add(relative(path, checkpoint_dir), problem, info.key)
+            expected = _chunk_bytes(path)
+            if expected is None:
+                for problem in damaged_chunks(path, region):  # names the damaged metadata
+                    report.add(relative(path / "zarr.json", checkpoint_dir), problem, info.key)
+                continue
+            for chunk in chunk_files(path, region):
+                report.files_checked += 1
+                try:
+                    size = chunk.stat().st_size
+                except FileNotFoundError:
+                    report.add(relative(chunk, checkpoint_dir), "missing", info.key)
+                    continue
+                if size != expected:
+                    report.add(relative(chunk, checkpoint_dir), f"has {size} bytes, its array's chunks have {expected}", info.key)
+
+
+def _chunk_bytes(array_path: Path) -> Optional[int]:
+    """Size of every chunk file of an uncompressed array (None if its metadata is unusable)."""
+    doc = read_zarr_json(array_path)
+    try:
+        chunk_shape = [int(c) for c in _field(doc, "chunk_grid", "configuration", "chunk_shape")]
+        itemsize = dtype_info(dtype_from_name(str(_field(doc, "data_type")))).numpy_dtype.itemsize
+    except (CheckpointingException, TypeError, ValueError):
+        return None
+    return math.prod(chunk_shape) * itemsize
+
+
+def _field(doc: Any, *names: str) -> Any:
+    for name in names:
+        if not isinstance(doc, dict):
+            raise TypeError(f"no field {name!r}")
+        doc = doc.get(name)
+    return doc
