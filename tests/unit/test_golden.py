@@ -33,7 +33,25 @@ def golden(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
 
 
 def test_goldens_exist() -> None:
-    assert {"safetensors_index_v1", "zarr_v1"} <= set(ALL)
+    assert {"safetensors_index_v1", "safetensors_index_v2", "zarr_v1", "zarr_v1_checksums"} <= set(ALL)
+
+
+def test_goldens_verify_clean(golden: Path) -> None:
+    report = dc.verify_checkpoint(golden)
+    assert report.ok, report.problems
+    with_checksums = golden.name in ("safetensors_index_v2", "zarr_v1_checksums")
+    assert (not report.notes) == with_checksums, report.notes
+
+
+@pytest.mark.parametrize("name", ["zarr_v1", "zarr_v1_checksums"])
+def test_zarr_goldens_load_with_tensorstore(name: str, tmp_path: Path) -> None:
+    pytest.importorskip("tensorstore")
+    from dist_ckpt.strategies.tensorstore import TensorStoreLoadShardedStrategy
+
+    shutil.copytree(GOLDEN / name, tmp_path / name)
+    loaded = dc.load(full_request(), tmp_path / name, sharded_strategy=TensorStoreLoadShardedStrategy())
+    for key, expected in full_tensors().items():
+        assert torch.equal(bits(loaded[key]), bits(expected)), key
 
 
 def test_loads_whole_tensors_objects_and_common(golden: Path) -> None:
