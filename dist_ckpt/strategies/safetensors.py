@@ -65,7 +65,7 @@ from .safetensors_io import ReadOptions
 from .safetensors_load import load_from_index, tensors_metadata
 from .safetensors_verify import verify_safetensors
 from .safetensors_write import PartResult, PlannedFile, SnapshotPart, WritePart, plan_file, write_parts, write_snapshot_parts
-from .snapshot import SnapshotPool
+from .snapshot import SnapshotPool, snapshot_layout
 
 __all__ = [
     "SafetensorsLoadOptions",
@@ -256,26 +256,7 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     def _rank_index(self, shards: List[ShardedTensor], files: PlannedFiles, results: Sequence[PartResult]) -> RankIndex:
         """This rank's part of the index, from the plan and the written parts' checksums."""
-        checksums = self.options.checksum_block_bytes is not None
-        crcs: Dict[str, List[str]] = {}
-        header_crcs: Dict[str, str] = {}
-        for result in sorted(results, key=lambda r: (r.file, r.first)):
-            crcs.setdefault(result.file, []).extend(result.crcs)
-            if result.header_crc is not None:
-                header_crcs[result.file] = result.header_crc
-        tensors: Dict[str, Dict[str, Any]] = {}
-        for sh in shards:  # keys with no bytes on any rank (0-size tensors) are still listed
-            tensors.setdefault(sh.key, tensor_entry(dtype_to_name(sh.dtype), sh.global_shape, []))
-        for plan, group in files:
-            written = crcs.get(plan.name, [])
-            if len(written) != len(group):
-                raise CheckpointingException(
-                    f"[rank {get_rank()}] {plan.name}: {len(written)} of its {len(group)} tensors were written"
-                )
-            for sh, byte_range, crc in zip(group, plan.ranges, written):
-                tensors[sh.key]["shards"].append(encode_shard(sh, plan.name, byte_range, crc if checksums else None))
-        sizes = {plan.name: plan.size for plan, _ in files}
-        return rank_index(sizes, get_rank(), tensors, header_crcs if checksums else None)
+        return _IndexPart(shards, files).with_checksums(results, self.options.checksum_block_bytes is not None)
 
     def _commit_index(self, local: RankIndex, checkpoint_dir: Path) -> None:
         gathered = gather_json(local)
@@ -283,6 +264,23 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
         run_collectively("writing the safetensors index", lambda: _write_index(gathered, checkpoint_dir, block))
 
     # ----------------------------------------------------------------------- asynchronous
+
+    def reserve_snapshot(self, sharded_state_dict: ShardedStateDict) -> int:
+        """Allocate (and touch) the shared-memory snapshot buffer for asynchronous saves of
+        ``sharded_state_dict`` now, e.g. at start-up, so that page faults of fresh memory do not
+        add to the first checkpoint's blocking time. Local (not collective). Returns its size.
+
+        Example::
+
+            strategy = SafetensorsSaveShardedStrategy()
+            strategy.reserve_snapshot(model_sharded_state_dict)
+        """
+        shards = [sh for sh in _main_replicas(sharded_state_dict) if sh.data is not None]
+        files = self._plan(shards, smallest_last=self.options.snapshot_budget_bytes is not None)
+        starts = deferred_starts([[_nbytes(sh) for sh in group] for _, group in files], self.options.snapshot_budget_bytes)
+        nbytes = snapshot_layout([_nbytes(sh) for (_, group), k in zip(files, starts) for sh in group[k:]])[1]
+        self._snapshots.reserve(nbytes)
+        return nbytes
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> AsyncRequest:
         """Snapshot this rank's shards and return the request that writes them (not collective).
@@ -328,20 +326,52 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
             sum(_nbytes(sh) for (_, group), k in zip(files, starts) for sh in group[:k]),
         )
 
-        # 5. the request; its finalization needs the shards' metadata, not their data
-        shards_meta = [sh.without_data() for sh in shards]
-        by_id = {id(sh): meta for sh, meta in zip(shards, shards_meta)}
-        files_meta = [(plan, [by_id[id(sh)] for sh in group]) for plan, group in files]
+        # 5. the request; its finalization needs the index entries, not the shards' data
+        part = _IndexPart(shards, files)
+        checksums = block is not None
 
         def finalize() -> None:
             local = run_collectively(
                 "indexing the files written in the background",
-                lambda: self._rank_index(shards_meta, files_meta, list(head_results) + list(outcome.result or [])),
+                lambda: part.with_checksums(list(head_results) + list(outcome.result or []), checksums),
             )
             self._commit_index(local, checkpoint_dir)
 
         args = (str(root), parts, snapshot, block, self.options.early_writeback)
         return AsyncRequest(write_snapshot_parts, args, [finalize], outcome=outcome)
+
+
+class _IndexPart:
+    """This rank's index entries, built from the plan (no tensor data kept), completed with the
+    checksums once the files are written."""
+
+    def __init__(self, shards: List[ShardedTensor], files: PlannedFiles) -> None:
+        self.rank = get_rank()
+        self.tensors: Dict[str, Dict[str, Any]] = {}
+        for sh in shards:  # keys with no bytes on any rank (0-size tensors) are still listed
+            self.tensors.setdefault(sh.key, tensor_entry(dtype_to_name(sh.dtype), sh.global_shape, []))
+        self.files: List[Tuple[str, List[Tuple[str, Dict[str, Any]]]]] = []
+        self.sizes = {plan.name: plan.size for plan, _ in files}
+        for plan, group in files:
+            entries = [(sh.key, encode_shard(sh, plan.name, byte_range)) for sh, byte_range in zip(group, plan.ranges)]
+            self.files.append((plan.name, entries))
+
+    def with_checksums(self, results: Sequence[PartResult], checksums: bool) -> RankIndex:
+        """The index part, with each shard's block crcs (and each header's) from ``results``."""
+        crcs: Dict[str, List[str]] = {}
+        header_crcs: Dict[str, str] = {}
+        for result in sorted(results, key=lambda r: (r.file, r.first)):
+            crcs.setdefault(result.file, []).extend(result.crcs)
+            if result.header_crc is not None:
+                header_crcs[result.file] = result.header_crc
+        tensors = {key: dict(entry, shards=[]) for key, entry in self.tensors.items()}
+        for name, entries in self.files:
+            written = crcs.get(name, [])
+            if len(written) != len(entries):
+                raise CheckpointingException(f"[rank {self.rank}] {name}: {len(written)} of its {len(entries)} tensors were written")
+            for (key, shard), crc in zip(entries, written):
+                tensors[key]["shards"].append(dict(shard, crc32c=crc) if checksums else shard)
+        return rank_index(self.sizes, self.rank, tensors, header_crcs if checksums else None)
 
 
 def _main_replicas(sharded_state_dict: ShardedStateDict) -> List[ShardedTensor]:

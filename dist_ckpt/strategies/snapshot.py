@@ -73,6 +73,17 @@ class Snapshot:
         return self.buffer[offset : offset + n]
 
 
+def _shared_bytes(nbytes: int) -> torch.Tensor:
+    """A uint8 CPU tensor of ``nbytes`` in shared memory, allocated there directly
+    (``Tensor.share_memory_`` would allocate private memory first and copy it over)."""
+    new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
+    if new_shared is None:  # an older or newer torch without it: the public, slower way
+        shared: torch.Tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8).share_memory_()  # type: ignore[no-untyped-call]
+        return shared
+    storage = new_shared(max(nbytes, 1))
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
 def _copy_into(slot: torch.Tensor, tensor: torch.Tensor) -> None:
     """Copy ``tensor``'s values, row-major, into the uint8 ``slot`` of the same byte size."""
     if tensor.numel() == 0:
@@ -97,8 +108,22 @@ class SnapshotPool:
             return self._buffer
         # a fresh buffer; the previous one, if still in use, lives on with its save
         logger.debug("allocating a %d-byte shared-memory snapshot buffer", nbytes)
-        self._buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8).share_memory_()  # type: ignore[no-untyped-call]
+        self._buffer = _shared_bytes(nbytes)
         return self._buffer
+
+    def reserve(self, nbytes: int) -> None:
+        """Allocate the buffer for snapshots of up to ``nbytes`` now, and touch every page of it,
+        so that the first snapshot copies at the speed of the later ones (fresh memory costs a
+        page fault per page: on the test VM a first copy into 512 MiB took 0.3 s, a later one
+        0.05 s). Does nothing if the pool already has a large enough buffer.
+
+        Example::
+
+            pool.reserve(512 << 20)   # at start-up, before the first checkpoint
+        """
+        if self._buffer is not None and self._buffer.numel() >= nbytes:
+            return
+        self._acquire(nbytes).zero_()
 
     def take(self, tensors: Sequence[torch.Tensor], in_use: Callable[[], bool]) -> Snapshot:
         """Copy ``tensors`` into shared memory; ``in_use`` says whether the save that owns the

@@ -258,6 +258,20 @@ def test_snapshot_buffer_is_reused_across_saves(tmp_path, queue):
     assert pointers[0] == pointers[1] == pointers[2]
 
 
+def test_reserved_snapshot_buffer_serves_the_first_save(tmp_path, queue):
+    strategy = SafetensorsSaveShardedStrategy()
+    sd = _state(7)
+    nbytes = strategy.reserve_snapshot(sd)
+    assert nbytes >= sum(t.numel() * t.element_size() for t in _values(sd).values())
+    reserved = strategy._snapshots._buffer
+    assert reserved is not None and reserved.numel() == nbytes and reserved.is_shared()
+    request = dc.save(sd, tmp_path / "c", sharded_strategy=strategy, async_sharded_save=True)
+    assert request.async_fn_args[2].buffer.data_ptr() == reserved.data_ptr()
+    queue.schedule_async_request(request)
+    queue.maybe_finalize_async_calls(blocking=True)
+    _assert_loads(tmp_path / "c", _values(_state(7)), _state(7))
+
+
 def test_async_needs_an_async_capable_strategy(tmp_path):
     with pytest.raises(CheckpointingException, match="AsyncSaveShardedStrategy"):
         dc.save(_state(), tmp_path / "c", sharded_strategy=("zarr", 1), async_sharded_save=True)
