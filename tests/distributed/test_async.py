@@ -102,6 +102,38 @@ def test_ranks_finalize_only_when_every_writer_finished(shared_tmp_path: Path, q
     assert_on_all_ranks(dc.verify_checkpoint(shared_tmp_path / "c").ok)
 
 
+def test_fully_parallel_async_save_spreads_the_writing(shared_tmp_path: Path, queue) -> None:
+    from dist_ckpt.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    tp = world() // 2  # DP=2: every shard has a replica; the wrapper spreads who writes it
+    strategy = FullyParallelSaveStrategyWrapper(SafetensorsSaveShardedStrategy())
+    sd = _state(tp=tp)
+    queue.schedule_async_request(dc.save(sd, shared_tmp_path / "c", sharded_strategy=strategy, async_sharded_save=True))
+    for v in sd.values():
+        if isinstance(v, dc.ShardedTensor):
+            v.data.zero_()
+    queue.maybe_finalize_async_calls(blocking=True)
+    files = list((shared_tmp_path / "c" / "safetensors").glob("*.safetensors"))
+    writers = {f.name.split("_")[0] for f in files}
+    assert_on_all_ranks(len(writers) == world(), f"only {sorted(writers)} wrote files")  # every rank wrote
+    loaded = dc.load(_state(tp=world(), empty=True), shared_tmp_path / "c")
+    ok = True
+    for key, t in loaded.items():
+        if "@" in key:
+            name = key.split("@")[0]
+            shape, axis = SHAPES[name]
+            part = int(key.split("@tp")[1].split("dp")[0])
+            size = shape[axis] // world()
+            ok = ok and bitwise_equal(t, full_tensor(name, shape).narrow(axis, part * size, size))
+    assert_on_all_ranks(ok, "loaded values differ")
+    zarr_wrapper = FullyParallelSaveStrategyWrapper(dc.get_default_strategy(dc.StrategyAction.SAVE_SHARDED, "zarr", 1))
+    raises_on_all_ranks(
+        dc.IncompatibleStrategyError,
+        lambda: dc.save(_state(tp=tp), shared_tmp_path / "z", sharded_strategy=zarr_wrapper, async_sharded_save=True),
+        "cannot save asynchronously",
+    )
+
+
 def test_writer_failure_on_one_rank_surfaces_on_every_rank(shared_tmp_path: Path, queue) -> None:
     victim = world() - 1
     request = dc.save(_state(tp=world()), shared_tmp_path / "c", async_sharded_save=True)
