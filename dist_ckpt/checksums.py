@@ -109,6 +109,10 @@ def crc_to_hex(crc: int) -> str:
 def crc_from_hex(text: Any, where: str) -> int:
     """Parse an 8-hex-digit crc; ``where`` names the file and field for the error.
 
+    Example::
+
+        crc_from_hex("9a71bb4c", "index.json, file entry 'a' field 'header_crc32c'")   # 0x9A71BB4C
+
     Raises:
         CorruptCheckpointError: ``text`` is not 8 hex digits.
     """
@@ -121,7 +125,12 @@ def crc_from_hex(text: Any, where: str) -> int:
 
 
 def block_count(nbytes: int, block_bytes: int) -> int:
-    """Number of blocks of a byte range of ``nbytes`` (0 for an empty range)."""
+    """Number of blocks of a byte range of ``nbytes`` (0 for an empty range).
+
+    Example::
+
+        block_count(10, 4)   # 3
+    """
     return -(-nbytes // block_bytes)
 
 
@@ -188,6 +197,10 @@ def encode_block_crcs(crcs: Sequence[int]) -> str:
 def decode_block_crcs(text: Any, blocks: int, where: str) -> Tuple[int, ...]:
     """Inverse of :func:`encode_block_crcs`, checking there is one crc per block.
 
+    Example::
+
+        decode_block_crcs("00000001ffffffff", 2, "index.json (tensor 'w')")   # (1, 4294967295)
+
     Raises:
         CorruptCheckpointError: not a hex string of ``8 * blocks`` digits (``where`` names the
             file and the key).
@@ -239,7 +252,12 @@ def file_digest(path: Union[str, Path]) -> FileDigest:
 
 
 def manifest_document(files: Mapping[str, FileDigest]) -> Dict[str, Any]:
-    """The JSON document of a manifest listing ``files`` (relative paths, ``/``-separated)."""
+    """The JSON document of a manifest listing ``files`` (relative paths, ``/``-separated).
+
+    Example::
+
+        manifest_document({"common.pt": FileDigest(3, 0x12345678)})["files"]   # {"common.pt": {...}}
+    """
     return {
         "format": MANIFEST_FORMAT,
         "version": MANIFEST_VERSION,
@@ -261,6 +279,10 @@ def write_manifest(path: Union[str, Path], files: Mapping[str, FileDigest]) -> N
 
 def parse_manifest(doc: Any, path: Path) -> Dict[str, FileDigest]:
     """Validate a manifest document; every error names ``path`` and the offending entry.
+
+    Example::
+
+        files = parse_manifest(json.loads(raw), Path("ckpt/zarr/checksums.json"))
 
     Raises:
         CorruptCheckpointError: malformed document or entry.
@@ -343,6 +365,10 @@ def file_problem(path: Path, expected: FileDigest, data: Optional[Bytes] = None)
 def check_file(path: Path, expected: FileDigest, what: str, data: Optional[Bytes] = None) -> None:
     """Raise if the file at ``path`` (or ``data``, its already-read bytes) does not match ``expected``.
 
+    Example::
+
+        check_file(ckpt / "common.pt", manifest["common.pt"], "the common state", data=raw_bytes)
+
     Raises:
         CorruptCheckpointError: missing or of another size.
         ChecksumMismatchError: same size, other crc.
@@ -408,5 +434,10 @@ class IntegrityReport:
 
 
 def relative(path: Path, root: Path) -> str:
-    """``path`` relative to ``root``, ``/``-separated (for reports and manifests)."""
+    """``path`` relative to ``root``, ``/``-separated (for reports and manifests).
+
+    Example::
+
+        relative(Path("ckpt/zarr/w/c/0"), Path("ckpt/zarr"))   # "w/c/0"
+    """
     return Path(os.path.relpath(path, root)).as_posix()

@@ -118,6 +118,13 @@ class AsyncWorker:
 
     Args:
         rank: this process's rank, named in error messages.
+
+    Example::
+
+        worker = AsyncWorker(rank=0)
+        worker.submit(0, write_snapshot_parts, args, {}, outcome)
+        worker.wait(outcome)
+        worker.close()
     """
 
     def __init__(self, rank: int = 0) -> None:

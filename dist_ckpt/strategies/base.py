@@ -9,7 +9,11 @@ Call order (all methods are collective unless noted: every rank calls them toget
 
 * save: ``SaveCommonStrategy.save_common`` (acts on rank 0 only),
   ``SaveCommonStrategy.save_sharded_objects``, then ``SaveShardedStrategy.save``. Each returns
-  after this rank's files are durable; ``dist_ckpt.save`` then commits ``metadata.json``.
+  after this rank's files are durable; ``dist_ckpt.save`` then commits ``metadata.json``. An
+  asynchronous save calls ``AsyncSaveShardedStrategy.async_save`` instead (local: it snapshots
+  and returns an ``AsyncRequest``); the request's finalize functions, run on every rank once
+  every rank's background write finished, are collective and end with the commit.
+* verify (``dist-ckpt verify``, one process): ``LoadStrategyBase.verify_integrity``.
 * load: ``LoadStrategyBase.check_backend_compatibility`` / ``check_version_compatibility``
   (local), ``LoadCommonStrategy.load_common``, ``load_sharded_objects``, then
   ``LoadShardedStrategy.load``. The ``*_metadata`` methods are local and need no process group.

@@ -95,12 +95,22 @@ def commit_checksums(root: Path, written: Sequence[Path]) -> None:
 
 
 def read_checksums(checkpoint_dir: Path) -> Optional[Dict[str, FileDigest]]:
-    """The manifest of a zarr checkpoint, or None if it was saved without checksums."""
+    """The manifest of a zarr checkpoint, or None if it was saved without checksums.
+
+    Example::
+
+        manifest = read_checksums(Path("ckpt/iter_1000")) or {}
+    """
     return read_manifest(Path(checkpoint_dir) / ZARR_DIR / CHECKSUMS_FILENAME)
 
 
 def drop_from_checksums(root: Path, tensor_dir_name: str) -> None:
-    """Remove a deleted tensor's files from the manifest (if there is one); one process calls it."""
+    """Remove a deleted tensor's files from the manifest (if there is one); one process calls it.
+
+    Example::
+
+        drop_from_checksums(ckpt / "zarr", tensor_dir_name("old.w"))
+    """
     manifest = read_manifest(root / CHECKSUMS_FILENAME)
     if manifest is not None:
         kept = {name: d for name, d in manifest.items() if not name.startswith(f"{tensor_dir_name}/")}
@@ -108,7 +118,12 @@ def drop_from_checksums(root: Path, tensor_dir_name: str) -> None:
 
 
 def chunk_files(array_path: Path, region: Box) -> List[Path]:
-    """The chunk files of the array at ``array_path`` that hold ``region``."""
+    """The chunk files of the array at ``array_path`` that hold ``region``.
+
+    Example::
+
+        chunk_files(ckpt / "zarr" / "w", Box((0, 0), (4, 8)))   # [.../w/c/0/0, ...]
+    """
     doc = read_zarr_json(array_path)
     if doc is None:
         return []
@@ -121,6 +136,10 @@ def chunk_files(array_path: Path, region: Box) -> List[Path]:
 
 def check_files(root: Path, paths: Sequence[Path], manifest: Mapping[str, FileDigest], key: str) -> None:
     """Check each file under ``root`` that the manifest lists against it (read once each).
+
+    Example::
+
+        check_files(ckpt / "zarr", chunk_files(array_path, region), manifest, "w")
 
     Raises:
         CorruptCheckpointError: a missing or resized file; ChecksumMismatchError: other bytes.
