@@ -18,6 +18,7 @@ the data, synchronous and during the asynchronous writer's work). After each kil
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -25,7 +26,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -80,10 +81,17 @@ def _start(ckpt: Path, mode: str, side: Path) -> List[subprocess.Popen]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
     procs: List[subprocess.Popen] = []
     for rank in range(WORLD):
-        group = {"process_group": 0 if rank == 0 else procs[0].pid}  # one process group: rank 0 leads it
+        group = _join_group(0 if rank == 0 else procs[0].pid)  # one process group: rank 0 leads it
         cmd = [sys.executable, "-m", "tests.crash_saver", str(rank), str(WORLD), str(port), str(ckpt), mode, str(side)]
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **group))
     return procs
+
+
+def _join_group(pgid: int) -> Dict[str, Any]:
+    """Popen arguments that put the child in process group ``pgid`` (0: a new one it leads)."""
+    if sys.version_info >= (3, 11):
+        return {"process_group": pgid}
+    return {"preexec_fn": functools.partial(os.setpgid, 0, pgid)}
 
 
 def _run_to_completion(ckpt: Path, mode: str, side: Path) -> None:
