@@ -425,13 +425,6 @@ class IntegrityReport:
         """Record a problem."""
         self.problems.append(IntegrityProblem(path, problem, key))
 
-    def merge(self, other: "IntegrityReport") -> None:
-        """Add ``other``'s findings to this report."""
-        self.problems.extend(other.problems)
-        self.files_checked += other.files_checked
-        self.bytes_checked += other.bytes_checked
-        self.notes.extend(other.notes)
-
 
 def relative(path: Path, root: Path) -> str:
     """``path`` relative to ``root``, ``/``-separated (for reports and manifests).

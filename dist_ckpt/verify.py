@@ -120,7 +120,10 @@ def verify_checkpoint(checkpoint_dir: Union[str, Path]) -> VerifyReport:
             part = IntegrityReport()
             part.add(".", f"{name}: {e}")
         report.backends.append(name)
-        _merge(report, part)
+        report.problems.extend(part.problems)
+        report.files_checked += part.files_checked
+        report.bytes_checked += part.bytes_checked
+        report.notes.extend(part.notes)
     _note_leftovers(directory, report)
     logger.info("verified %s: %d problems, %d files", directory, len(report.problems), report.files_checked)
     return report
@@ -147,11 +150,6 @@ def _strategies(directory: Path, config: Optional[CheckpointingConfig], report: 
     return out
 
 
-def _merge(report: VerifyReport, part: IntegrityReport) -> None:
-    report.problems.extend(part.problems)
-    report.files_checked += part.files_checked
-    report.bytes_checked += part.bytes_checked
-    report.notes.extend(part.notes)
 
 
 def _note_leftovers(directory: Path, report: VerifyReport) -> None:
