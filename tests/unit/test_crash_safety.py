@@ -147,7 +147,7 @@ CASES: List[Tuple[str, str, Callable[[Dict[str, int]], Point]]] = [
     ("sync", "common.pt written", _phase(lambda s, side: s.has("common.pt"))),
     ("sync", "ShardedObjects written", _phase(lambda s, side: s.count("objects/o/") >= WORLD)),
     *[("sync", f"{int(f * 100)}% of the data written", _frac(f)) for f in (0.05, 0.2, 0.4, 0.6, 0.8, 0.95)],
-    ("sync", "every data byte written, no index", _phase(lambda s, side: s.has_temp(".index.json"))),
+    ("sync", "index.json being written (every rank's data durable)", _phase(lambda s, side: s.has_temp(".index.json"))),
     ("sync", "index.json written, no metadata.json", _phase(lambda s, side: s.has("safetensors/index.json"))),
     ("sync", "metadata.json being committed", _phase(lambda s, side: s.has_temp(".metadata.json"))),
     ("async", "snapshot taken, writer starting", _phase(lambda s, side: (side / "scheduled.1").exists())),
