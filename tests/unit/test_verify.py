@@ -111,3 +111,13 @@ def test_leftover_temporary_files_are_noted(tmp_path):
     (path / ".metadata.json.tmp-123-abc").write_bytes(b"{")
     report = verify_checkpoint(path)
     assert report.ok and any(".metadata.json.tmp-123-abc" in n for n in report.notes)
+
+
+@pytest.mark.parametrize("backend", [("safetensors", 1), ("zarr", 1)])
+def test_removing_tensors_keeps_the_checkpoint_verifiable(tmp_path, backend):
+    sd = {k: ShardedTensor.from_rank_offsets(k, torch.arange(12.0).reshape(3, 4) + i) for i, k in enumerate(["a.w", "a.b", "c"])}
+    dc.save(sd, tmp_path / "c", sharded_strategy=backend)
+    dc.remove_sharded_tensors(tmp_path / "c", "a.")
+    report = verify_checkpoint(tmp_path / "c")
+    assert report.ok, report.problems
+    assert list(dc.load_tensors_metadata(tmp_path / "c")) == ["c"]
