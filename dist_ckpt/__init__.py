@@ -22,8 +22,10 @@ from .checkpointer import (
 )
 from .core import CheckpointingConfig, check_is_distributed_checkpoint, maybe_load_config
 from .errors import (
+    AsyncSaveError,
     CheckpointExistsError,
     CheckpointingException,
+    ChecksumMismatchError,
     CorruptCheckpointError,
     IncompatibleStrategyError,
     InvalidKeyError,
@@ -73,17 +75,23 @@ from .strategies.base import (
     register_default_strategy,
     registered_strategies,
 )
+from .strategies.async_utils import AsyncCallsQueue, AsyncRequest
 from .unshard import iter_unsharded, unshard
 from .validation import StrictHandling, validate_sharding_integrity
+from .verify import VerifyReport, verify_checkpoint
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncCallsQueue",
+    "AsyncRequest",
+    "AsyncSaveError",
     "CheckpointExistsError",
     "CheckpointMetadata",
     "Checkpointer",
     "CheckpointingConfig",
     "CheckpointingException",
+    "ChecksumMismatchError",
     "CorruptCheckpointError",
     "IncompatibleStrategyError",
     "InvalidKeyError",
@@ -113,6 +121,7 @@ __all__ = [
     "TensorMetadata",
     "UnknownStrategyError",
     "UnsafeObjectError",
+    "VerifyReport",
     "__version__",
     "apply_factories",
     "apply_factory_merges",
@@ -138,4 +147,5 @@ __all__ = [
     "unshard_model_state",
     "unshard_optim_state",
     "validate_sharding_integrity",
+    "verify_checkpoint",
 ]

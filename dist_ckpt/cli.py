@@ -12,6 +12,7 @@ Example::
 
     $ dist-ckpt demo --ranks 2 --size 16
     $ dist-ckpt export-hf ckpt/iter_1000 hf/iter_1000 --max-shard-size 5GB
+    $ dist-ckpt verify ckpt/iter_1000 --json
 """
 
 from __future__ import annotations
@@ -254,9 +255,52 @@ def _run_export_hf(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# --------------------------------------------------------------------------- verify
+
+
+def _add_verify_command(subparsers: SubParsers, common: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser(
+        "verify",
+        parents=[common],
+        help="check every file of a checkpoint against the checksums recorded when it was saved",
+        description=(
+            "Read every file of the checkpoint DIR once and check it: the commit record "
+            "(metadata.json), each file's presence and size, safetensors headers, and the crc32c "
+            "recorded at save time for every block of every tensor, every zarr file, common.pt and "
+            "every ShardedObject file. Prints one line per problem ('FILE (key KEY): PROBLEM') and "
+            "exits 1 if there is any (a save that never committed is one), 0 if the checkpoint is healthy. "
+            "Needs no process group."
+        ),
+    )
+    p.add_argument("dir", type=Path, metavar="DIR", help="a checkpoint directory")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON document (exit status as above)")
+    p.set_defaults(run=_run_verify, parser=p)
+
+
+def _run_verify(args: argparse.Namespace) -> int:
+    import json
+
+    from .verify import verify_checkpoint  # keeps `dist-ckpt --help` fast
+
+    report = verify_checkpoint(args.dir)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+        return EXIT_OK if report.ok else EXIT_FAILURE
+    for problem in report.problems:
+        print(problem)
+    for note in report.notes:
+        print(f"note: {note}")
+    summary = f"{report.files_checked} files, {_mib(report.bytes_checked)} checked"
+    if not report.ok:
+        n = len(report.problems)
+        raise CommandFailed(f"{args.dir}: {n} problem{'s' if n != 1 else ''} ({summary})")
+    print(f"OK: {args.dir} ({', '.join(report.backends)}): {summary}")
+    return EXIT_OK
+
+
 # --------------------------------------------------------------------------- parser and main
 
-_COMMANDS: Tuple[CommandAdder, ...] = (_add_demo_command, _add_export_hf_command)
+_COMMANDS: Tuple[CommandAdder, ...] = (_add_demo_command, _add_export_hf_command, _add_verify_command)
 
 
 def _common_options(suppress_defaults: bool) -> argparse.ArgumentParser:

@@ -185,6 +185,19 @@ def _any_rank_true(flag: bool, group: Optional[ProcessGroup]) -> bool:
     return bool(t.item())
 
 
+def all_ranks_true(flag: bool, group: Optional[ProcessGroup] = None) -> bool:
+    """Collective: whether ``flag`` is True on every rank of ``group`` (one small all-reduce).
+
+    Example::
+
+        if all_ranks_true(my_write_finished):   # every rank agrees on the answer
+            finalize()
+    """
+    if get_world_size(group) == 1:
+        return flag
+    return not _any_rank_true(not flag, group)
+
+
 _SYNCED = "_dist_ckpt_synced"
 
 

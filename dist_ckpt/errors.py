@@ -74,6 +74,16 @@ class CorruptCheckpointError(CheckpointingException, ValueError):
     """A committed checkpoint has missing, truncated or unreadable files."""
 
 
+class ChecksumMismatchError(CorruptCheckpointError):
+    """Stored bytes do not match the crc32c recorded for them at save time (bit rot, a torn or
+    overwritten file). The message names the file, the byte range, the key and both checksums."""
+
+
+class AsyncSaveError(CheckpointingException):
+    """The background part of an asynchronous save failed (the writer raised, or its process
+    died); raised on every rank when the save is finalized, naming the rank and the cause."""
+
+
 class CheckpointManagementError(CheckpointingException, ValueError):
     """A request to :mod:`dist_ckpt.checkpoints` cannot be carried out as asked.
 

@@ -9,7 +9,11 @@ Call order (all methods are collective unless noted: every rank calls them toget
 
 * save: ``SaveCommonStrategy.save_common`` (acts on rank 0 only),
   ``SaveCommonStrategy.save_sharded_objects``, then ``SaveShardedStrategy.save``. Each returns
-  after this rank's files are durable; ``dist_ckpt.save`` then commits ``metadata.json``.
+  after this rank's files are durable; ``dist_ckpt.save`` then commits ``metadata.json``. An
+  asynchronous save calls ``AsyncSaveShardedStrategy.async_save`` instead (local: it snapshots
+  and returns an ``AsyncRequest``); the request's finalize functions, run on every rank once
+  every rank's background write finished, are collective and end with the commit.
+* verify (``dist-ckpt verify``, one process): ``LoadStrategyBase.verify_integrity``.
 * load: ``LoadStrategyBase.check_backend_compatibility`` / ``check_version_compatibility``
   (local), ``LoadCommonStrategy.load_common``, ``load_sharded_objects``, then
   ``LoadShardedStrategy.load``. The ``*_metadata`` methods are local and need no process group.
@@ -38,6 +42,7 @@ from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, List, Optional, Tuple, Union
 
+from ..checksums import IntegrityReport
 from ..errors import (
     IncompatibleStrategyError,
     MissingDependencyError,
@@ -127,6 +132,12 @@ class LoadStrategyBase(ABC):
                 f"but the checkpoint has version {loaded_version}; upgrade dist_ckpt or use a "
                 f"strategy that supports it"
             )
+
+    def verify_integrity(self, checkpoint_dir: Path) -> IntegrityReport:
+        """Check every file of this strategy's part of a checkpoint against what was recorded at
+        save time (local, one process; for ``dist-ckpt verify``). Never raises for damage: each
+        problem is a line of the report. The default checks nothing and says so."""
+        return IntegrityReport(notes=[f"{self} cannot verify its files; they were not checked"])
 
     def __str__(self) -> str:
         return self.__class__.__name__

@@ -35,7 +35,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 from ..dict_utils import dict_list_map_outplace, nested_values
 from ..distributed import ProcessGroup, all_gather_json, get_rank, run_collectively
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
-from .base import LoadShardedStrategy, SaveShardedStrategy
+from ..errors import IncompatibleStrategyError
+from .async_utils import AsyncRequest
+from .base import AsyncSaveShardedStrategy, LoadShardedStrategy, SaveShardedStrategy
 from .exchange import (
     DEFAULT_BUCKET_BYTES,
     ExchangeHooks,
@@ -95,7 +97,7 @@ def _cache_valid(fingerprint: str, cached: Optional[str], group: Optional[Proces
     return all(all_gather_json(cached is not None and fingerprint == cached, group))
 
 
-class FullyParallelSaveStrategyWrapper(SaveShardedStrategy):
+class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
     """Saves with ``strategy`` after spreading the writing of replicated shards over replicas.
 
     Steps of :meth:`save` (collective):
@@ -139,6 +141,19 @@ class FullyParallelSaveStrategyWrapper(SaveShardedStrategy):
         to_save = self.apply_saving_parallelization(sharded_state_dict)
         # 4. the wrapped strategy writes the new main replicas
         self.base_strategy.save(to_save, checkpoint_dir)
+
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> AsyncRequest:
+        """Steps 1-3 (collective), then the wrapped strategy's asynchronous save of the new main
+        replicas (Megatron-Core's wrapper is async-capable too).
+
+        Raises:
+            IncompatibleStrategyError: the wrapped strategy cannot save asynchronously.
+        """
+        if not isinstance(self.base_strategy, AsyncSaveShardedStrategy):
+            raise IncompatibleStrategyError(
+                f"{self} cannot save asynchronously: {self.base_strategy} is not an AsyncSaveShardedStrategy"
+            )
+        return self.base_strategy.async_save(self.apply_saving_parallelization(sharded_state_dict), checkpoint_dir)
 
     def apply_saving_parallelization(self, sharded_state_dict: ShardedStateDict) -> ShardedStateDict:
         """Steps 1-3 (collective): a copy of ``sharded_state_dict`` whose main replicas are the

@@ -2,8 +2,14 @@
 
 Each rank writes its main-replica shards into a constant number of files -- one per writer
 thread -- each a valid safetensors file that ``safetensors.safe_open`` reads. Rank 0 then writes
-``safetensors/index.json``, which says which file and byte range holds which shard of which key
-(see :mod:`.safetensors_index`); ``dist_ckpt.save`` commits ``metadata.json`` after it.
+``safetensors/index.json``, which says which file and byte range holds which shard of which key,
+with a crc32c per block of every shard (see :mod:`.safetensors_index`); ``dist_ckpt.save``
+commits ``metadata.json`` after it. Loads verify the blocks they read.
+
+Saves are synchronous (:meth:`SafetensorsSaveShardedStrategy.save`: straight from the tensors'
+memory) or asynchronous (:meth:`~SafetensorsSaveShardedStrategy.async_save`: snapshot into shared
+memory, write in a background process, gather the index at finalization; see
+:mod:`.async_utils`).
 
 Why it is fast:
 
@@ -27,26 +33,28 @@ from __future__ import annotations
 import json
 import logging
 import math
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Dict, List, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..checksums import DEFAULT_BLOCK_BYTES, IntegrityReport
 from ..dict_utils import nested_values
 from ..distributed import gather_json, get_rank, run_collectively
 from ..dtypes import dtype_to_name
 from ..errors import CheckpointingException, InvalidShardedTensorError
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from ..storage import fsync_dir, write_bytes_atomic
-from .base import LoadShardedStrategy, SaveShardedStrategy
-from .safetensors_format import StagingBuffer, write_safetensors_file
+from .async_utils import AsyncOutcome, AsyncRequest
+from .base import AsyncSaveShardedStrategy, LoadShardedStrategy
+from .safetensors_format import StagingBuffer
 from .safetensors_index import (
     INDEX_FILENAME,
     SAFETENSORS_DIR,
     encode_shard,
     file_name,
+    RankIndex,
     merge_rank_indexes,
     rank_index,
     read_index,
@@ -55,9 +63,13 @@ from .safetensors_index import (
 )
 from .safetensors_io import ReadOptions
 from .safetensors_load import load_from_index, tensors_metadata
+from .safetensors_verify import verify_safetensors
+from .safetensors_write import PartResult, PlannedFile, SnapshotPart, WritePart, plan_file, write_parts, write_snapshot_parts
+from .snapshot import SnapshotPool, snapshot_layout
 
 __all__ = [
     "SafetensorsLoadOptions",
+    "deferred_starts",
     "SafetensorsLoadShardedStrategy",
     "SafetensorsSaveOptions",
     "SafetensorsSaveShardedStrategy",
@@ -80,17 +92,29 @@ class SafetensorsSaveOptions:
         early_writeback: have the kernel write dirty pages to the disk while later ones are
             still being written, and drop them from the page cache once clean (see
             :class:`~.safetensors_format.SequentialWriter`); off, the save only fsyncs at the end.
+        checksum_block_bytes: record a crc32c per block of this many bytes of every shard
+            (index version 2); None records none (index version 1, readable by older dist_ckpt).
+        snapshot_budget_bytes: most bytes an asynchronous save copies into its snapshot. When a
+            rank's shards are larger, the save streams: the shards that do not fit are written
+            before :meth:`~SafetensorsSaveShardedStrategy.async_save` returns, straight from the
+            tensors' memory (so the call blocks longer), and only the rest is written in the
+            background. None: no bound, everything is snapshotted.
     """
 
     thread_count: int = 2
     staging_buffer_bytes: int = 64 * 2**20
     early_writeback: bool = True
+    checksum_block_bytes: Optional[int] = DEFAULT_BLOCK_BYTES
+    snapshot_budget_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
-        for name in ("thread_count", "staging_buffer_bytes"):
+        for name in ("thread_count", "staging_buffer_bytes", "checksum_block_bytes", "snapshot_budget_bytes"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise CheckpointingException(f"SafetensorsSaveOptions.{name} must be a positive int, got {value!r}")
+            if value is None and name in ("checksum_block_bytes", "snapshot_budget_bytes"):
+                continue
+            smallest = 0 if name == "snapshot_budget_bytes" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < smallest:
+                raise CheckpointingException(f"SafetensorsSaveOptions.{name} must be an int >= {smallest}, got {value!r}")
 
 
 def _nbytes(sh: ShardedTensor) -> int:
@@ -113,17 +137,56 @@ def assign_writers(shards: List[ShardedTensor], writers: int) -> List[List[Shard
     return [[sh for _, sh in sorted(b, key=lambda p: p[0])] for b in bins if b]
 
 
-class SafetensorsSaveShardedStrategy(SaveShardedStrategy):
+def deferred_starts(sizes: Sequence[Sequence[int]], budget: Optional[int]) -> List[int]:
+    """For each file (the byte sizes of its tensors, in file order), the index of the first
+    tensor an asynchronous save snapshots; the tensors before it are written right away.
+
+    The snapshot holds a suffix of each file, as many bytes as ``budget`` allows (all of every
+    file without a budget): files take turns adding their last not-yet-chosen tensor while it
+    fits.
+
+    Example::
+
+        deferred_starts([[8, 4], [6, 2]], budget=7)   # [1, 1]: the 4 and the 2 are snapshotted
+        deferred_starts([[8, 4], [6, 2]], budget=None) # [0, 0]
+    """
+    if budget is None:
+        return [0] * len(sizes)
+    starts = [len(s) for s in sizes]
+    used = 0
+    grew = True
+    while grew:
+        grew = False
+        for f, file_sizes in enumerate(sizes):
+            k = starts[f]
+            if k > 0 and used + file_sizes[k - 1] <= budget:
+                starts[f] = k - 1
+                used += file_sizes[k - 1]
+                grew = True
+    return starts
+
+
+_FILE_METADATA = {"format": "pt", "dist_ckpt": "safetensors backend v1; see index.json for the layout"}
+PlannedFiles = List[Tuple[PlannedFile, List[ShardedTensor]]]
+
+
+class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
     """Writes each rank's main-replica shards into ``thread_count`` safetensors files.
 
-    Collective steps, each ending with an error exchange so a failure on one rank raises on all:
+    Synchronous :meth:`save`, collective steps, each ending with an error exchange so that a
+    failure on one rank raises on all:
 
-    1. every rank writes and fsyncs its files (in parallel threads);
+    1. every rank writes and fsyncs its files (in parallel threads), computing the checksums
+       as the bytes pass;
     2. the ranks' index parts are gathered to rank 0 (one small JSON document each);
     3. rank 0 writes ``safetensors/index.json`` atomically and durably.
 
+    Asynchronous :meth:`async_save` (not collective) snapshots the shards and returns an
+    :class:`~.async_utils.AsyncRequest` whose background function writes the files (step 1) in
+    another process and whose finalization runs steps 2 and 3.
+
     Args:
-        options: threads and buffer sizes.
+        options: threads, buffer sizes, checksums, snapshot budget.
         backend: format name recorded in ``metadata.json``.
         version: format version.
 
@@ -131,6 +194,10 @@ class SafetensorsSaveShardedStrategy(SaveShardedStrategy):
 
         strategy = SafetensorsSaveShardedStrategy(SafetensorsSaveOptions(thread_count=4))
         dc.save(sharded_state_dict, "ckpt/iter_10", sharded_strategy=strategy)
+        request = dc.save(sd, "ckpt/iter_20", sharded_strategy=strategy, async_sharded_save=True)
+
+    Reuse one strategy object for every save: it keeps its pinned staging buffers and its
+    shared-memory snapshot buffer, which are slow to allocate.
     """
 
     owned_paths: ClassVar[Tuple[str, ...]] = (SAFETENSORS_DIR,)
@@ -143,68 +210,186 @@ class SafetensorsSaveShardedStrategy(SaveShardedStrategy):
         # one pinned buffer per writer thread, allocated at the first GPU tensor and kept for
         # later saves with this strategy (pinning memory is slow)
         self._staging = [StagingBuffer(self.options.staging_buffer_bytes) for _ in range(self.options.thread_count)]
+        self._snapshots = SnapshotPool()
+
+    # ----------------------------------------------------------------------- synchronous
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
         checkpoint_dir = Path(checkpoint_dir)
         root = checkpoint_dir / SAFETENSORS_DIR
-        shards = [
-            s for s in nested_values(sharded_state_dict) if isinstance(s, ShardedTensor) and is_main_replica(s.replica_id)
-        ]
-        # 1. write this rank's files
+        shards = _main_replicas(sharded_state_dict)
+        # 1. write this rank's files, straight from the tensors' memory
         local = run_collectively("writing safetensors files", lambda: self._write_files(root, shards))
-        # 2. gather the index parts to rank 0
-        gathered = gather_json(local)
-        # 3. rank 0 commits the index (before dist_ckpt.save writes metadata.json)
-        run_collectively("writing the safetensors index", lambda: _write_index(gathered, checkpoint_dir))
+        # 2. and 3. gather the index parts, rank 0 commits the index
+        self._commit_index(local, checkpoint_dir)
 
-    def _write_files(self, root: Path, shards: List[ShardedTensor]) -> Dict[str, Any]:
-        rank = get_rank()
+    def _write_files(self, root: Path, shards: List[ShardedTensor]) -> RankIndex:
         root.mkdir(parents=True, exist_ok=True)
-        tensors: Dict[str, Dict[str, Any]] = {}
-        for sh in shards:  # keys with no bytes on any rank (0-size tensors) are still listed
-            tensors.setdefault(sh.key, tensor_entry(dtype_to_name(sh.dtype), sh.global_shape, []))
+        files = self._plan(shards, smallest_last=False)
+        parts = [WritePart(plan, 0, tuple(_stored_view(sh) for sh in group)) for plan, group in files]
+        results = write_parts(
+            root,
+            parts,
+            block_bytes=self.options.checksum_block_bytes,
+            early_writeback=self.options.early_writeback,
+            staging=self._staging,
+        )
+        fsync_dir(root)
+        return self._rank_index(shards, files, results)
+
+    def _plan(self, shards: List[ShardedTensor], smallest_last: bool) -> PlannedFiles:
+        """Which shards go into which file, in which order, at which byte ranges."""
+        rank = get_rank()
         to_write = []
         for sh in shards:
             if sh.data is None:
                 raise InvalidShardedTensorError(f"[rank {rank}] main replica of {sh.key!r} has no data to save")
             if sh.data.numel():
                 to_write.append(sh)
-        files: Dict[str, int] = {}
         groups = assign_writers(to_write, self.options.thread_count) if to_write else []
-        jobs = [(root / file_name(rank, i), group, self._staging[i]) for i, group in enumerate(groups)]
-        with ThreadPoolExecutor(max(1, len(jobs)), thread_name_prefix="dist_ckpt_write") as pool:
-            results = list(pool.map(lambda job: self._write_one(*job), jobs))
-        for (path, group, _), (size, ranges) in zip(jobs, results):
-            files[path.name] = size
-            for sh, byte_range in zip(group, ranges):
-                tensors[sh.key]["shards"].append(encode_shard(sh, path.name, byte_range))
-        fsync_dir(root)
-        return rank_index(files, rank, tensors)
+        if smallest_last:  # more of each file fits a snapshot budget (which takes file ends)
+            groups = [sorted(g, key=lambda sh: -_nbytes(sh)) for g in groups]
+        layout = [
+            [(shard_name(sh), sh.dtype, tuple(_stored_view(sh).shape)) for sh in group] for group in groups
+        ]
+        return [(plan_file(file_name(rank, i), items, _FILE_METADATA), group) for i, (items, group) in enumerate(zip(layout, groups))]
 
-    def _write_one(
-        self, path: Path, group: List[ShardedTensor], staging: StagingBuffer
-    ) -> Tuple[int, List[Tuple[int, int]]]:
-        # a whole shard is stored with the shape of its box (prepended axes included), so the
-        # file alone says which part of the global tensor it holds; reshape is a view here
-        items = [(shard_name(sh), _stored_view(sh)) for sh in group]
-        metadata = {"format": "pt", "dist_ckpt": "safetensors backend v1; see index.json for the layout"}
-        size, ranges = write_safetensors_file(
-            path, items, metadata, staging=staging, early_writeback=self.options.early_writeback
+    def _rank_index(self, shards: List[ShardedTensor], files: PlannedFiles, results: Sequence[PartResult]) -> RankIndex:
+        """This rank's part of the index, from the plan and the written parts' checksums."""
+        return _IndexPart(shards, files).with_checksums(results, self.options.checksum_block_bytes is not None)
+
+    def _commit_index(self, local: RankIndex, checkpoint_dir: Path) -> None:
+        gathered = gather_json(local)
+        block = self.options.checksum_block_bytes
+        run_collectively("writing the safetensors index", lambda: _write_index(gathered, checkpoint_dir, block))
+
+    # ----------------------------------------------------------------------- asynchronous
+
+    def reserve_snapshot(self, sharded_state_dict: ShardedStateDict) -> int:
+        """Allocate (and touch) the shared-memory snapshot buffer for asynchronous saves of
+        ``sharded_state_dict`` now, e.g. at start-up, so that page faults of fresh memory do not
+        add to the first checkpoint's blocking time. Local (not collective). Returns its size.
+
+        Example::
+
+            strategy = SafetensorsSaveShardedStrategy()
+            strategy.reserve_snapshot(model_sharded_state_dict)
+        """
+        shards = [sh for sh in _main_replicas(sharded_state_dict) if sh.data is not None]
+        files = self._plan(shards, smallest_last=self.options.snapshot_budget_bytes is not None)
+        starts = deferred_starts([[_nbytes(sh) for sh in group] for _, group in files], self.options.snapshot_budget_bytes)
+        nbytes = snapshot_layout([_nbytes(sh) for (_, group), k in zip(files, starts) for sh in group[k:]])[1]
+        self._snapshots.reserve(nbytes)
+        return nbytes
+
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> AsyncRequest:
+        """Snapshot this rank's shards and return the request that writes them (not collective).
+
+        Steps:
+
+        1. Plan every file: which shards, in which order, at which byte ranges.
+        2. Choose what the snapshot holds: every shard, or with ``snapshot_budget_bytes`` the
+           ends of the files that fit (:func:`deferred_starts`).
+        3. Write what the snapshot does not hold, now, straight from the tensors.
+        4. Copy the rest into shared memory (:class:`~.snapshot.SnapshotPool`).
+        5. Return the request: in the background, :func:`~.safetensors_write.write_snapshot_parts`
+           writes and fsyncs the files; at finalization (collective) the index parts are
+           gathered and rank 0 writes ``index.json``.
+
+        The caller may change every tensor once this returns.
+        """
+        checkpoint_dir = Path(checkpoint_dir)
+        root = checkpoint_dir / SAFETENSORS_DIR
+        shards = _main_replicas(sharded_state_dict)
+        root.mkdir(parents=True, exist_ok=True)
+        budget = self.options.snapshot_budget_bytes
+        block = self.options.checksum_block_bytes
+        # 1. plan
+        files = self._plan(shards, smallest_last=budget is not None)
+        views = [[_stored_view(sh) for sh in group] for _, group in files]
+        # 2. what the snapshot holds
+        starts = deferred_starts([[_nbytes(sh) for sh in group] for _, group in files], budget)
+        # 3. the rest, written now
+        heads = [WritePart(plan, 0, tuple(v[:k]), fsync=False) for (plan, _), v, k in zip(files, views, starts) if k > 0]
+        head_results = write_parts(root, heads, block_bytes=block, early_writeback=self.options.early_writeback, staging=self._staging)
+        # 4. snapshot
+        outcome = AsyncOutcome()
+        deferred = [t for v, k in zip(views, starts) for t in v[k:]]
+        snapshot = self._snapshots.take(deferred, in_use=lambda: not outcome.done)
+        parts, slot = [], 0
+        for (plan, group), k in zip(files, starts):
+            parts.append(SnapshotPart(plan, k, tuple(range(slot, slot + len(group) - k))))
+            slot += len(group) - k
+        logger.debug(
+            "async save: %d bytes snapshotted, %d written before returning",
+            snapshot.nbytes,
+            sum(_nbytes(sh) for (_, group), k in zip(files, starts) for sh in group[:k]),
         )
-        logger.debug("wrote %s: %d shards, %d bytes", path, len(group), size)
-        return size, ranges
+
+        # 5. the request; its finalization needs the index entries, not the shards' data
+        part = _IndexPart(shards, files)
+        checksums = block is not None
+
+        def finalize() -> None:
+            local = run_collectively(
+                "indexing the files written in the background",
+                lambda: part.with_checksums(list(head_results) + list(outcome.result or []), checksums),
+            )
+            self._commit_index(local, checkpoint_dir)
+
+        args = (str(root), parts, snapshot, block, self.options.early_writeback)
+        return AsyncRequest(write_snapshot_parts, args, [finalize], outcome=outcome)
+
+
+class _IndexPart:
+    """This rank's index entries, built from the plan (no tensor data kept), completed with the
+    checksums once the files are written."""
+
+    def __init__(self, shards: List[ShardedTensor], files: PlannedFiles) -> None:
+        self.rank = get_rank()
+        self.tensors: Dict[str, Dict[str, Any]] = {}
+        for sh in shards:  # keys with no bytes on any rank (0-size tensors) are still listed
+            self.tensors.setdefault(sh.key, tensor_entry(dtype_to_name(sh.dtype), sh.global_shape, []))
+        self.files: List[Tuple[str, List[Tuple[str, Dict[str, Any]]]]] = []
+        self.sizes = {plan.name: plan.size for plan, _ in files}
+        for plan, group in files:
+            entries = [(sh.key, encode_shard(sh, plan.name, byte_range)) for sh, byte_range in zip(group, plan.ranges)]
+            self.files.append((plan.name, entries))
+
+    def with_checksums(self, results: Sequence[PartResult], checksums: bool) -> RankIndex:
+        """The index part, with each shard's block crcs (and each header's) from ``results``."""
+        crcs: Dict[str, List[str]] = {}
+        header_crcs: Dict[str, str] = {}
+        for result in sorted(results, key=lambda r: (r.file, r.first)):
+            crcs.setdefault(result.file, []).extend(result.crcs)
+            if result.header_crc is not None:
+                header_crcs[result.file] = result.header_crc
+        tensors = {key: dict(entry, shards=[]) for key, entry in self.tensors.items()}
+        for name, entries in self.files:
+            written = crcs.get(name, [])
+            if len(written) != len(entries):
+                raise CheckpointingException(f"[rank {self.rank}] {name}: {len(written)} of its {len(entries)} tensors were written")
+            for (key, shard), crc in zip(entries, written):
+                tensors[key]["shards"].append(dict(shard, crc32c=crc) if checksums else shard)
+        return rank_index(self.sizes, self.rank, tensors, header_crcs if checksums else None)
+
+
+def _main_replicas(sharded_state_dict: ShardedStateDict) -> List[ShardedTensor]:
+    return [s for s in nested_values(sharded_state_dict) if isinstance(s, ShardedTensor) and is_main_replica(s.replica_id)]
 
 
 def _stored_view(sh: ShardedTensor) -> torch.Tensor:
+    """The shard as stored: a whole shard with the shape of its box (prepended axes included),
+    so the file alone says which part of the global tensor it holds; reshape is a view here."""
     assert sh.data is not None
     return sh.data if sh.flattened_range is not None else sh.data.reshape(sh.full_local_shape)
 
 
-def _write_index(gathered: Optional[List[Any]], checkpoint_dir: Path) -> None:
+def _write_index(gathered: Optional[List[Any]], checkpoint_dir: Path, block_bytes: Optional[int]) -> None:
     if get_rank() != 0:
         return
     assert gathered is not None
-    doc = merge_rank_indexes(gathered)
+    doc = merge_rank_indexes(gathered, block_bytes)
     root = checkpoint_dir / SAFETENSORS_DIR
     root.mkdir(parents=True, exist_ok=True)  # a save without any tensor bytes still gets an index
     write_bytes_atomic(root / INDEX_FILENAME, json.dumps(doc, separators=(",", ":")).encode("utf-8"))
@@ -244,6 +429,10 @@ class SafetensorsLoadShardedStrategy(LoadShardedStrategy):
 
     def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
         return tensors_metadata(read_index(Path(checkpoint_dir)))
+
+    def verify_integrity(self, checkpoint_dir: Path) -> IntegrityReport:
+        """Every file the index lists, its header, and every checksum block of every shard."""
+        return verify_safetensors(Path(checkpoint_dir))
 
     def remove_sharded_tensors(self, checkpoint_dir: str, key_prefix: str) -> None:
         """Delete every tensor whose key starts with ``key_prefix`` (one process calls it).

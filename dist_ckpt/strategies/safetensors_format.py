@@ -22,10 +22,11 @@ import struct
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
+from ..checksums import crc32c
 from ..dtypes import dtype_from_safetensors_name, dtype_info
 from ..errors import CheckpointingException, CorruptCheckpointError
 from ..storage import fsync_dir
@@ -99,6 +100,7 @@ class SafetensorsHeader:
         file_size: size of the file in bytes (equal to the end of the data section).
         entries: tensors by name.
         metadata: the ``__metadata__`` map (empty if absent).
+        prefix_crc: crc32c of the bytes before the data section (length and JSON header).
     """
 
     path: Path
@@ -106,6 +108,7 @@ class SafetensorsHeader:
     file_size: int
     entries: Dict[str, HeaderEntry]
     metadata: Dict[str, str] = field(default_factory=dict)
+    prefix_crc: int = 0
 
 
 def encode_header(
@@ -195,7 +198,8 @@ def read_header(fd: int, path: Union[str, Path]) -> SafetensorsHeader:
     file_size = os.fstat(fd).st_size
     if file_size < _LEN.size:
         raise _corrupt(path, f"the file has {file_size} bytes, too few for a safetensors header (truncated?)")
-    (length,) = _LEN.unpack(safetensors_io.read_bytes(fd, _LEN.size, 0))
+    length_bytes = safetensors_io.read_bytes(fd, _LEN.size, 0)
+    (length,) = _LEN.unpack(length_bytes)
     if length > MAX_HEADER_BYTES or _LEN.size + length > file_size:
         raise _corrupt(
             path, f"the header claims {length} bytes but the file has {file_size} (truncated or not a safetensors file)"
@@ -230,7 +234,7 @@ def read_header(fd: int, path: Union[str, Path]) -> SafetensorsHeader:
             f"the header describes {data_start + position} bytes but the file has {file_size} "
             f"({'truncated' if file_size < data_start + position else 'trailing garbage'})",
         )
-    return SafetensorsHeader(path, data_start, file_size, entries, dict(metadata))
+    return SafetensorsHeader(path, data_start, file_size, entries, dict(metadata), crc32c(raw, crc32c(length_bytes)))
 
 
 def read_header_at(path: Union[str, Path]) -> SafetensorsHeader:
@@ -266,12 +270,14 @@ class SequentialWriter:
     chunks 0.29-0.32 s, 64 MiB 0.32-0.47 s, 256 MiB 0.44-0.82 s; without it about 1.7 s.)
     """
 
-    def __init__(self, fd: int, early_writeback: bool = False, chunk_bytes: int = 16 * 2**20) -> None:
+    def __init__(self, fd: int, early_writeback: bool = False, chunk_bytes: int = 16 * 2**20, start: int = 0) -> None:
         self.fd = fd
         self.early_writeback = early_writeback and hasattr(os, "posix_fadvise")
         self.chunk_bytes = chunk_bytes
-        self.position = 0
-        self._advised = 0
+        # the file offset ``fd`` is positioned at: a file may be written in parts, each part by
+        # its own writer (see safetensors_write)
+        self.position = start
+        self._advised = start
 
     def write(self, data: memoryview) -> None:
         """Write all of ``data`` at the end of what was written so far."""
@@ -304,8 +310,11 @@ class StagingBuffer:
         self.nbytes = nbytes
         self._buffer: Optional[torch.Tensor] = None
 
-    def write_device_tensor(self, writer: SequentialWriter, tensor: torch.Tensor) -> None:
-        """Write ``tensor`` (on any non-CPU device) through the pinned buffer."""
+    def write_device_tensor(
+        self, writer: SequentialWriter, tensor: torch.Tensor, observe: Optional[Callable[[memoryview], None]] = None
+    ) -> None:
+        """Write ``tensor`` (on any non-CPU device) through the pinned buffer; ``observe`` (e.g. a
+        checksum) sees every piece of host bytes after it is written."""
         if self._buffer is None:
             self._buffer = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
@@ -314,6 +323,8 @@ class StagingBuffer:
             host = self._buffer[: piece.numel()]
             host.copy_(piece)  # synchronous: the buffer is reused right after
             writer.write(host.numpy().data)
+            if observe is not None:
+                observe(host.numpy().data)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:

@@ -26,9 +26,25 @@ Layout inside a checkpoint directory::
       }
     }
 
-Every file, tensor and shard entry is a JSON object, so later versions can add fields (such as
-a checksum per byte range) without changing the existing ones; readers ignore unknown fields.
-No pickle anywhere: the index is plain JSON and the files are safetensors.
+Version 2 adds crc32c checksums (see :mod:`dist_ckpt.checksums`); everything else is unchanged::
+
+    {
+      "format": "dist_ckpt.safetensors",
+      "version": 2,
+      "checksum": {"algorithm": "crc32c", "block_bytes": 1048576},
+      "files": {"rank00000_0.safetensors": {"size": 1048704, "rank": 0,
+                                            "header_crc32c": "1a2b3c4d"}, ...},   # the header bytes
+      "tensors": {"decoder.w": {..., "shards": [{..., "crc32c": "0f1e2d3c..."}]}}
+    }
+
+A shard's ``crc32c`` holds 8 hex digits per block of its ``byte_range``: block ``i`` covers bytes
+``begin + i * block_bytes`` up to the next block or the range's end, so a partial read verifies
+only the blocks it touches. Version 1 indexes (no checksums) are still read; a save without
+checksums (``SafetensorsSaveOptions(checksum_block_bytes=None)``) still writes version 1.
+
+Every file, tensor and shard entry is a JSON object, so later versions can add fields without
+changing the existing ones; readers ignore unknown fields. No pickle anywhere: the index is
+plain JSON and the files are safetensors.
 """
 
 from __future__ import annotations
@@ -37,12 +53,14 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ..checksums import ALGORITHM, block_count, crc_from_hex, decode_block_crcs
 from ..dtypes import dtype_from_name
 from ..errors import CheckpointingException, CorruptCheckpointError, IncompatibleStrategyError
 from ..mapping import ShardedTensor
 from .safetensors_load import StoredShard, StoredTensor, TensorIndex
 
 __all__ = [
+    "READABLE_VERSIONS",
     "INDEX_FILENAME",
     "INDEX_FORMAT",
     "INDEX_VERSION",
@@ -58,7 +76,9 @@ __all__ = [
 SAFETENSORS_DIR = "safetensors"
 INDEX_FILENAME = "index.json"
 INDEX_FORMAT = "dist_ckpt.safetensors"
-INDEX_VERSION = 1
+#: the version written with checksums; a save without them writes version 1
+INDEX_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 RankIndex = Dict[str, Any]  # {"files": {...}, "tensors": {...}} of one rank
 
@@ -86,15 +106,15 @@ def shard_name(sh: ShardedTensor) -> str:
     return name
 
 
-def encode_shard(sh: ShardedTensor, file: str, byte_range: Tuple[int, int]) -> Dict[str, Any]:
-    """The index entry of one saved shard.
+def encode_shard(sh: ShardedTensor, file: str, byte_range: Tuple[int, int], crcs: Optional[str] = None) -> Dict[str, Any]:
+    """The index entry of one saved shard; ``crcs`` its encoded block checksums (version 2).
 
     Example::
 
         encode_shard(sh, "rank00000_0.safetensors", (128, 160))["byte_range"]   # [128, 160]
     """
     rng = sh.flattened_range
-    return {
+    entry: Dict[str, Any] = {
         "file": file,
         "name": shard_name(sh),
         "global_offset": list(sh.global_offset),
@@ -102,14 +122,18 @@ def encode_shard(sh: ShardedTensor, file: str, byte_range: Tuple[int, int]) -> D
         "flat_range": None if rng is None else [rng.start, rng.stop],
         "byte_range": [byte_range[0], byte_range[1]],
     }
+    if crcs is not None:
+        entry[ALGORITHM] = crcs
+    return entry
 
 
-def merge_rank_indexes(per_rank: Sequence[RankIndex]) -> Dict[str, Any]:
-    """The global index document from every rank's part (runs on rank 0).
+def merge_rank_indexes(per_rank: Sequence[RankIndex], block_bytes: Optional[int] = None) -> Dict[str, Any]:
+    """The global index document from every rank's part (runs on rank 0): version 2 with
+    checksums of ``block_bytes`` blocks, version 1 without (``block_bytes=None``).
 
     Example::
 
-        doc = merge_rank_indexes(gather_json(local_part))   # on rank 0
+        doc = merge_rank_indexes(gather_json(local_part), block_bytes=1 << 20)   # on rank 0
 
     Raises:
         CheckpointingException: two ranks describe a key with different dtypes or global shapes,
@@ -130,7 +154,11 @@ def merge_rank_indexes(per_rank: Sequence[RankIndex]) -> Dict[str, Any]:
                     f"as {merged['dtype']} {merged['global_shape']}; every rank must agree"
                 )
             merged["shards"].extend(entry["shards"])
-    return {"format": INDEX_FORMAT, "version": INDEX_VERSION, "files": files, "tensors": dict(sorted(tensors.items()))}
+    doc: Dict[str, Any] = {"format": INDEX_FORMAT, "version": 1}
+    if block_bytes is not None:
+        doc.update(version=INDEX_VERSION, checksum={"algorithm": ALGORITHM, "block_bytes": block_bytes})
+    doc.update(files=files, tensors=dict(sorted(tensors.items())))
+    return doc
 
 
 # --------------------------------------------------------------------------- reading
@@ -139,8 +167,9 @@ def merge_rank_indexes(per_rank: Sequence[RankIndex]) -> Dict[str, Any]:
 class _Parser:
     """Validates an index document field by field; every error names the index and the key."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, block_bytes: Optional[int] = None) -> None:
         self.path = path
+        self.block_bytes = block_bytes  # checksums are required per shard when set (version 2)
 
     def fail(self, problem: str, key: Optional[str] = None) -> CorruptCheckpointError:
         where = f" (tensor {key!r})" if key is not None else ""
@@ -178,7 +207,12 @@ class _Parser:
         if not byte_range[0] <= byte_range[1] <= files[file]:
             raise self.fail(f"byte_range {list(byte_range)} lies outside {file!r} ({files[file]} bytes)", key)
         flat_range = None if rng is None else (rng[0], rng[1])
-        return StoredShard(file, name, offset, chunk, flat_range, (byte_range[0], byte_range[1]))
+        crcs = None
+        if self.block_bytes is not None:
+            blocks = block_count(byte_range[1] - byte_range[0], self.block_bytes)
+            where = f"safetensors index {str(self.path)!r} (tensor {key!r}, shard {name!r})"
+            crcs = decode_block_crcs(entry.get(ALGORITHM), blocks, where)
+        return StoredShard(file, name, offset, chunk, flat_range, (byte_range[0], byte_range[1]), crcs)
 
     def tensor(self, key: str, raw: Any, files: Dict[str, int]) -> StoredTensor:
         entry = self.obj(raw, "a tensor entry", key)
@@ -226,19 +260,42 @@ def parse_index(doc: Any, path: Path) -> TensorIndex:
     if doc.get("format") != INDEX_FORMAT:
         raise p.fail(f"'format' is {doc.get('format')!r}, expected {INDEX_FORMAT!r}")
     version = doc.get("version")
-    if version != INDEX_VERSION:
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
         raise IncompatibleStrategyError(
-            f"safetensors index {str(path)!r} has version {version!r}; this dist_ckpt reads version "
-            f"{INDEX_VERSION}: upgrade dist_ckpt"
+            f"safetensors index {str(path)!r} has version {version!r}; this dist_ckpt reads versions "
+            f"{list(READABLE_VERSIONS)}: upgrade dist_ckpt"
         )
+    if version >= 2:
+        p.block_bytes = _checksum_spec(p, doc.get("checksum"))
     files: Dict[str, int] = {}
+    header_crcs: Dict[str, int] = {}
     for name, entry in p.obj(doc.get("files"), "'files'").items():
         size = p.obj(entry, f"file entry {name!r}").get("size")
         if "/" in name or name.startswith(".") or not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise p.fail(f"file entry {name!r} needs a plain file name and a non-negative 'size', found {entry!r}")
         files[name] = size
+        if p.block_bytes is not None:
+            field = f"header_{ALGORITHM}"
+            header_crcs[name] = crc_from_hex(entry.get(field), f"safetensors index {str(path)!r}, file entry {name!r} field {field!r}")
     tensors = {key: p.tensor(key, raw, files) for key, raw in p.obj(doc.get("tensors"), "'tensors'").items()}
-    return TensorIndex(path.parent, tensors, file_sizes=files, description=repr(str(path.parent.parent)))
+    return TensorIndex(
+        path.parent,
+        tensors,
+        file_sizes=files,
+        description=repr(str(path.parent.parent)),
+        block_bytes=p.block_bytes,
+        header_crcs=header_crcs,
+    )
+
+
+def _checksum_spec(p: _Parser, raw: Any) -> int:
+    spec = p.obj(raw, "'checksum'")
+    if spec.get("algorithm") != ALGORITHM:
+        raise p.fail(f"'checksum' field 'algorithm' is {spec.get('algorithm')!r}, expected {ALGORITHM!r}")
+    block = spec.get("block_bytes")
+    if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+        raise p.fail(f"'checksum' field 'block_bytes' must be a positive int, found {block!r}")
+    return block
 
 
 def read_index(checkpoint_dir: Path) -> TensorIndex:
@@ -263,9 +320,15 @@ def read_index(checkpoint_dir: Path) -> TensorIndex:
     return parse_index(doc, path)
 
 
-def rank_index(files: Dict[str, int], rank: int, tensors: Dict[str, Dict[str, Any]]) -> RankIndex:
-    """One rank's part of the index, as sent to rank 0."""
-    return {"files": {name: {"size": size, "rank": rank} for name, size in files.items()}, "tensors": tensors}
+def rank_index(
+    files: Dict[str, int], rank: int, tensors: Dict[str, Dict[str, Any]], header_crcs: Optional[Dict[str, str]] = None
+) -> RankIndex:
+    """One rank's part of the index, as sent to rank 0 (``header_crcs``: hex crc of each file's
+    header, with checksums)."""
+    entries: Dict[str, Dict[str, Any]] = {name: {"size": size, "rank": rank} for name, size in files.items()}
+    for name, crc in (header_crcs or {}).items():
+        entries[name][f"header_{ALGORITHM}"] = crc
+    return {"files": entries, "tensors": tensors}
 
 
 def tensor_entry(dtype_name: str, global_shape: Sequence[int], shards: List[Dict[str, Any]]) -> Dict[str, Any]:

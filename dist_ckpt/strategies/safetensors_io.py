@@ -15,6 +15,11 @@ turns them into read operations:
   for non-contiguous destinations, and for destinations on other devices (the buffer is
   pinned then).
 
+A read may carry a :class:`ReadCheck` (see :mod:`.safetensors_blocks`): the read is then widened
+to whole checksum blocks -- the extra bytes before and after a direct read land in scratch
+buffers of the same ``preadv`` -- and the check sees every byte right after the read completes
+(in the destination for direct reads, in the bounce buffer otherwise).
+
 Every byte read from a file goes through :func:`read_into`, the one place that reads, so tests
 can count what a load reads. :func:`execute` spreads the operations over a few threads
 (``os.preadv`` releases the GIL), which take them from a queue while later ones are planned.
@@ -28,7 +33,7 @@ import queue
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -39,6 +44,7 @@ from ..geometry import Box
 __all__ = [
     "BounceRead",
     "DirectRead",
+    "ReadCheck",
     "ReadOp",
     "ReadOptions",
     "contiguous_runs",
@@ -64,12 +70,16 @@ class ReadOptions:
         small_run_bytes: runs shorter than this are read through a bounce buffer, together with
             the gaps between them, instead of one system call each.
         max_read_bytes: larger in-place reads are split, so that threads share big tensors.
+        verify_checksums: check the crc32c of every checksum block a load reads, when the
+            checkpoint recorded them (reading the rest of a block a load needs only part of);
+            False skips the check.
     """
 
     thread_count: int = 4
     bounce_buffer_bytes: int = 16 * 2**20
     small_run_bytes: int = 4096
     max_read_bytes: int = 64 * 2**20
+    verify_checksums: bool = True
 
     def __post_init__(self) -> None:
         for name in ("thread_count", "bounce_buffer_bytes", "max_read_bytes"):
@@ -200,6 +210,25 @@ def _slabs(box: Box, src: Box, limit: int) -> Iterator[Box]:
 # --------------------------------------------------------------------------- read operations
 
 
+class ReadCheck(Protocol):
+    """Checks bytes right after they are read (e.g. their checksums), in whole blocks.
+
+    Reads that skip gaps shorter than ``block_bytes`` are read whole through a bounce buffer
+    instead (the check needs the gaps' bytes anyway).
+    """
+
+    @property
+    def block_bytes(self) -> int:
+        """Size of the blocks checked."""
+
+    def widen(self, start: int, stop: int) -> Tuple[int, int]:
+        """The byte range to read so that ``[start, stop)`` is checkable (whole blocks)."""
+
+    def after_read(self, offset: int, buffers: Sequence[memoryview]) -> None:
+        """``buffers`` (in order) hold the file's bytes from ``offset`` on, a range returned by
+        :meth:`widen`; raise if they are bad."""
+
+
 @dataclass(frozen=True)
 class DirectRead:
     """Read ``nbytes`` at ``offset`` of ``fd`` into ``buffers`` (views of the destination)."""
@@ -210,6 +239,7 @@ class DirectRead:
     offset: int
     buffers: Tuple[memoryview, ...]
     nbytes: int
+    check: Optional[ReadCheck] = None
 
 
 @dataclass(frozen=True)
@@ -224,6 +254,7 @@ class BounceRead:
     src_box: Box
     inter: Box
     target: torch.Tensor
+    check: Optional[ReadCheck] = None
 
     @property
     def nbytes(self) -> int:
@@ -252,6 +283,7 @@ def plan_copy(
     dest_bytes: Optional[memoryview],
     target: torch.Tensor,
     options: ReadOptions,
+    check: Optional[ReadCheck] = None,
 ) -> List[ReadOp]:
     """The reads that copy ``inter`` from a stored box into a destination box.
 
@@ -265,6 +297,7 @@ def plan_copy(
             directly (not a contiguous CPU tensor).
         target: view of the destination holding exactly ``inter`` (for bounce reads).
         options: thresholds.
+        check: sees the bytes of every read (see :class:`ReadCheck`).
 
     Example::
 
@@ -277,11 +310,26 @@ def plan_copy(
     itemsize = target.element_size()
     src_off, dst_off, run = contiguous_runs(inter, src_box, dst_box)
     run_bytes = run * itemsize
-    if dest_bytes is None or _read_through(src_off, run, itemsize, options.small_run_bytes):
-        return [BounceRead(fd, path, key, src_offset, src_box, inter, target)]
+    if (
+        dest_bytes is None
+        or _read_through(src_off, run, itemsize, options.small_run_bytes)
+        or (check is not None and _gaps_inside_blocks(src_off, run, itemsize, check.block_bytes))
+    ):
+        return [BounceRead(fd, path, key, src_offset, src_box, inter, target, check)]
     src_bytes = (src_offset + src_off * itemsize).tolist()
     dst_bytes = ((dst_base + dst_off) * itemsize).tolist()
-    return list(_direct_reads(fd, path, key, src_bytes, dst_bytes, run_bytes, dest_bytes, options.max_read_bytes))
+    reads = _direct_reads(fd, path, key, src_bytes, dst_bytes, run_bytes, dest_bytes, options.max_read_bytes, check)
+    return list(reads)
+
+
+def _gaps_inside_blocks(src_off: np.ndarray, run: int, itemsize: int, block_bytes: int) -> bool:
+    """Whether the runs are separated by gaps shorter than a checksum block: every block the
+    runs touch must then be read whole to be checked, so one read through the span (a bounce
+    read) reads each byte once instead of the runs and then the blocks again."""
+    if len(src_off) < 2:
+        return False
+    largest_gap = (int(np.max(np.diff(src_off))) - run) * itemsize
+    return 0 < largest_gap < block_bytes
 
 
 def _read_through(src_off: np.ndarray, run: int, itemsize: int, small: int) -> bool:
@@ -302,6 +350,7 @@ def _direct_reads(
     run_bytes: int,
     dest: memoryview,
     max_bytes: int,
+    check: Optional[ReadCheck] = None,
 ) -> Iterator[DirectRead]:
     """Group runs into reads: consecutive runs that are contiguous in the file share one
     ``preadv`` (one buffer per stretch of the destination), up to ``max_bytes`` and
@@ -310,7 +359,7 @@ def _direct_reads(
     size = start = expect = 0
 
     def flush() -> DirectRead:
-        return DirectRead(fd, path, key, start, tuple(dest[a:b] for a, b in spans), size)
+        return DirectRead(fd, path, key, start, tuple(dest[a:b] for a, b in spans), size, check)
 
     for src, dst in zip(src_bytes, dst_bytes):
         done = 0
@@ -341,6 +390,7 @@ class _Worker:
     def __init__(self, options: ReadOptions) -> None:
         self.options = options
         self._buffer: Optional[torch.Tensor] = None
+        self._edges = bytearray()  # the extra bytes of widened direct reads
 
     def buffer(self, nbytes: int, pinned: bool) -> torch.Tensor:
         if self._buffer is None or self._buffer.numel() < nbytes or (pinned and not self._buffer.is_pinned()):
@@ -351,11 +401,26 @@ class _Worker:
     def run(self, op: ReadOp) -> None:
         try:
             if isinstance(op, DirectRead):
-                read_into(op.fd, op.buffers, op.offset)
+                if op.check is None:
+                    read_into(op.fd, op.buffers, op.offset)
+                else:
+                    self._checked_direct(op, op.check)
             else:
                 self._bounce(op)
         except EOFError as e:
             raise CorruptCheckpointError(f"tensor {op.key!r}: safetensors file {str(op.path)!r} is truncated: {e}") from e
+
+    def _checked_direct(self, op: DirectRead, check: ReadCheck) -> None:
+        """A direct read widened to whole blocks: the extra bytes before and after go to scratch
+        buffers in the same ``preadv``, then every byte is checked."""
+        start, stop = check.widen(op.offset, op.offset + op.nbytes)
+        head, tail = op.offset - start, stop - op.offset - op.nbytes
+        if len(self._edges) < head + tail:
+            self._edges = bytearray(head + tail)
+        edges = memoryview(self._edges)
+        buffers = (edges[:head], *op.buffers, edges[head : head + tail])
+        read_into(op.fd, buffers, start)
+        check.after_read(start, buffers)
 
     def _bounce(self, op: BounceRead) -> None:
         itemsize = op.target.element_size()
@@ -364,10 +429,18 @@ class _Worker:
         pinned = op.target.is_cuda and torch.cuda.is_available()
         for slab in _slabs(op.inter, op.src_box, limit):
             first, count = src_span(slab, op.src_box)
-            buf = self.buffer(count * itemsize, pinned)[: count * itemsize]
-            read_into(op.fd, [buf.numpy().data], op.src_offset + first * itemsize)
+            lo = op.src_offset + first * itemsize
+            start, stop = (lo, lo + count * itemsize) if op.check is None else op.check.widen(lo, lo + count * itemsize)
+            # the values must start at a multiple of their size in the buffer, wherever the
+            # widened read starts
+            pad = -(lo - start) % itemsize
+            whole = self.buffer(pad + stop - start, pinned)[pad : pad + stop - start]
+            read_into(op.fd, [whole.numpy().data], start)
+            if op.check is not None:
+                op.check.after_read(start, [whole.numpy().data])
+            buf = whole[lo - start : lo - start + count * itemsize]
             values = buf.view(op.target.dtype)
-            stored = values.as_strided(slab.shape, tuple(strides), 0)
+            stored = values.as_strided(slab.shape, tuple(strides), values.storage_offset())
             op.target[slab.slices_within(op.inter)].copy_(stored)
 
 

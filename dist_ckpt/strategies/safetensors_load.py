@@ -12,7 +12,10 @@ description, :func:`load_from_index` loads any sharding of the tensors:
 3. open each file the plan touches once and validate its header (size, dtype, shape and byte
    range of every stored shard in it) -- still before any tensor byte is read;
 4. zero the parts outside the stored tensor (``allow_shape_mismatch``), then read, in place
-   where the destination allows it (see :mod:`.safetensors_io`), on a few threads.
+   where the destination allows it (see :mod:`.safetensors_io`), on a few threads;
+5. when the index records checksums (and ``ReadOptions.verify_checksums``), check the crc32c of
+   each file's header when it is opened and of every block as the reads complete (reads are
+   widened to whole blocks; see :mod:`.safetensors_blocks`).
 
 No collective is called: the loader works in a single process without a process group.
 """
@@ -27,13 +30,15 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set,
 
 import torch
 
+from ..checksums import crc_to_hex
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..distributed import get_rank
-from ..errors import CorruptCheckpointError, format_keys
+from ..errors import ChecksumMismatchError, CorruptCheckpointError, format_keys
 from ..geometry import Box, ShardPiece, piece_view, shard_pieces, sub_view
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict
-from .safetensors_format import SafetensorsHeader, read_header, storage_layout
 from .request_checks import check_requested_tensors
+from .safetensors_blocks import ShardCheck
+from .safetensors_format import SafetensorsHeader, read_header, storage_layout
 from .safetensors_io import ReadOp, ReadOptions, byte_view, execute, plan_copy
 
 __all__ = ["StoredShard", "StoredTensor", "TensorIndex", "load_from_index", "tensors_metadata"]
@@ -52,6 +57,8 @@ class StoredShard:
         chunk_shape: shape of the shard's box (all global axes).
         flat_range: ``(start, stop)`` of the box's row-major flattening held, or None for all.
         byte_range: absolute ``(begin, end)`` byte offsets of the data in the file.
+        crcs: crc32c of each block of ``byte_range`` (see ``TensorIndex.block_bytes``), or None
+            when the checkpoint recorded none.
     """
 
     file: str
@@ -60,6 +67,7 @@ class StoredShard:
     chunk_shape: Shape
     flat_range: Optional[Tuple[int, int]]
     byte_range: Tuple[int, int]
+    crcs: Optional[Tuple[int, ...]] = None
 
     @property
     def stored_shape(self) -> Shape:
@@ -129,6 +137,8 @@ class TensorIndex:
         description: names the checkpoint in error messages.
         from_headers: the index was built from the files' validated headers (HuggingFace
             folders), so a load does not read and check them again.
+        block_bytes: block size of the shards' checksums (None: no checksums recorded).
+        header_crcs: crc32c of each file's header bytes, when recorded.
     """
 
     directory: Path
@@ -137,6 +147,8 @@ class TensorIndex:
     file_sizes: Dict[str, int] = field(default_factory=dict)
     description: str = ""
     from_headers: bool = False
+    block_bytes: Optional[int] = None
+    header_crcs: Dict[str, int] = field(default_factory=dict)
 
     def lookup(self, key: str) -> Optional[StoredTensor]:
         """The stored tensor for ``key`` (following an alias), or None."""
@@ -233,9 +245,10 @@ class _Planned:
 class _OpenFiles:
     """File descriptors of the files a load touches, each opened and validated once."""
 
-    def __init__(self, index: TensorIndex, check: FileCheck) -> None:
+    def __init__(self, index: TensorIndex, check: FileCheck, verify_header_crcs: bool) -> None:
         self.index = index
         self.check = check
+        self.verify_header_crcs = verify_header_crcs
         self.fds: Dict[str, int] = {}
 
     def open_all(self, by_file: Dict[str, List[Tuple[str, StoredShard]]]) -> None:
@@ -251,7 +264,15 @@ class _OpenFiles:
                 ) from None
             self.fds[name] = fd
             if not self.index.from_headers:
-                self.check(read_header(fd, path), by_file[name])
+                header = read_header(fd, path)
+                expected = self.index.header_crcs.get(name)
+                if self.verify_header_crcs and expected is not None and header.prefix_crc != expected:
+                    raise ChecksumMismatchError(
+                        f"[rank {get_rank()}] the header of safetensors file {str(path)!r} (tensors "
+                        f"{format_keys(sorted({k for k, _ in by_file[name]}))}) has crc32c {crc_to_hex(header.prefix_crc)}, "
+                        f"the index of {self.index.description} recorded {crc_to_hex(expected)}: the file is corrupt"
+                    )
+                self.check(header, by_file[name])
 
     def close(self) -> None:
         for fd in self.fds.values():
@@ -327,7 +348,8 @@ def load_from_index(
                 seen.add((p.shard.file, p.shard.name))
                 by_file.setdefault(p.shard.file, []).append((sh.key, p.shard))
     # 3. open and validate every file the plan touches
-    files = _OpenFiles(index, check or default_file_check(index))
+    verify = options.verify_checksums and index.block_bytes is not None
+    files = _OpenFiles(index, check or default_file_check(index), verify)
 
     def read_ops() -> Iterator[ReadOp]:
         for sh in requested:
@@ -335,11 +357,11 @@ def load_from_index(
             holder = Box(sh.global_offset, sh.full_local_shape)
             for piece in pad:  # zero-fill the parts the checkpoint does not have, before reading
                 piece_view(dest, piece, sh.prepend_axis_num, holder).zero_()
-            yield from _read_ops(sh, dest, holder, planned, files, index, options)
+            yield from _read_ops(sh, dest, holder, planned, files, index, options, verify)
 
     try:
         files.open_all(by_file)
-        # 4. read; the threads start on the first tensor while the next ones are planned
+        # 4. and 5. read and check; the threads start on the first tensor while the next ones are planned
         execute(read_ops(), options)
     finally:
         files.close()
@@ -358,17 +380,23 @@ def _read_ops(
     files: _OpenFiles,
     index: TensorIndex,
     options: ReadOptions,
+    verify: bool,
 ) -> List[ReadOp]:
     dest_bytes = byte_view(dest)
     ops: List[ReadOp] = []
     for p in planned:
+        fd, path = files.fds[p.shard.file], index.directory / p.shard.file
+        shard_check = None
+        if verify and p.shard.crcs is not None and index.block_bytes is not None:
+            begin, end = p.shard.byte_range
+            shard_check = ShardCheck(path, sh.key, p.shard.name, begin, end, index.block_bytes, p.shard.crcs)
         piece = p.dst_piece
         dst_base = 0 if piece.flat_offset is None else piece.flat_offset
         target = sub_view(piece_view(dest, piece, sh.prepend_axis_num, holder), piece.box, p.inter)
         ops.extend(
             plan_copy(
-                files.fds[p.shard.file],
-                index.directory / p.shard.file,
+                fd,
+                path,
                 sh.key,
                 p.src_box,
                 p.src_offset,
@@ -378,6 +406,7 @@ def _read_ops(
                 dest_bytes,
                 target,
                 options,
+                shard_check,
             )
         )
     return ops

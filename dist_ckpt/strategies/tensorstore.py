@@ -13,6 +13,12 @@ Missing data is never read as zeros: arrays are opened with ``fill_missing_data_
 (a missing chunk fails the read), and a failed read is reported as a
 :class:`~dist_ckpt.errors.CorruptCheckpointError` naming the key and the damaged chunk file.
 
+Checksums: saves end with ``zarr/checksums.json``, like the zarr-python engine's. TensorStore
+decodes chunks in its own threads without showing their bytes, so the loader checks every chunk
+file a load touches by reading it once before TensorStore does (a second pass over those bytes,
+the second one from the page cache); ``verify_checksums=False`` skips it (see
+:mod:`.zarr_checksums`).
+
 Selecting it (the zarr-python engine stays the registered default)::
 
     from dist_ckpt.strategies.tensorstore import TensorStoreLoadShardedStrategy
@@ -47,6 +53,7 @@ except ImportError as _e:  # pragma: no cover -- exercised in a subprocess witho
         f"pip install 'dist_ckpt[tensorstore]'"
     ) from _e
 
+from ..checksums import IntegrityReport
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..distributed import get_rank, run_collectively
 from ..dtypes import numpy_to_tensor, tensor_to_numpy
@@ -57,6 +64,13 @@ from .base import (
     SaveShardedStrategy,
     StrategyAction,
     register_default_strategy,
+)
+from .zarr_checksums import (
+    check_files,
+    chunk_files,
+    commit_checksums,
+    read_checksums,
+    verify_zarr,
 )
 from .zarr_layout import (
     ATTR,
@@ -211,12 +225,14 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
         ]
         context = _context(self.concurrency)
         # 1. tensor nodes exist before any rank writes into them
-        run_collectively("creating zarr arrays (tensorstore)", lambda: self._create_nodes(root, shards, context))
+        created = run_collectively("creating zarr arrays (tensorstore)", lambda: self._create_nodes(root, shards, context))
         # 2. every chunk, concurrently, then durable
-        run_collectively("writing zarr chunks (tensorstore)", lambda: self._write_chunks(root, shards, context))
+        chunks = run_collectively("writing zarr chunks (tensorstore)", lambda: self._write_chunks(root, shards, context))
+        # 3. rank 0 records the checksum of every file written
+        commit_checksums(root, created + chunks)
 
     @staticmethod
-    def _create_nodes(root: Path, shards: List[ShardedTensor], context: "ts.Context") -> None:
+    def _create_nodes(root: Path, shards: List[ShardedTensor], context: "ts.Context") -> List[Path]:
         root.mkdir(parents=True, exist_ok=True)
         written: List[Path] = []
         if get_rank() == 0:
@@ -245,9 +261,10 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
             ) from error
         written += [path / "zarr.json" for (_, path), _ in pending]
         fsync_written(written, root)
+        return written
 
     @staticmethod
-    def _write_chunks(root: Path, shards: List[ShardedTensor], context: "ts.Context") -> None:
+    def _write_chunks(root: Path, shards: List[ShardedTensor], context: "ts.Context") -> List[Path]:
         targets: List[Tuple[ShardedTensor, Path, Tuple[slice, ...], np.ndarray, List[Path]]] = []
         for sh in shards:
             if sh.data is None:
@@ -291,7 +308,9 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
                 f"[rank {get_rank()}] writing tensor {key!r} to {str(path)!r} failed: {error}"
                 + (f" ({len(failed) - 1} more writes failed)" if len(failed) > 1 else "")
             ) from error
-        fsync_written([f for *_, files in targets for f in files], root)
+        written = [f for *_, files in targets for f in files]
+        fsync_written(written, root)
+        return written
 
 
 def _create_array(path: Path, metadata: Dict[str, Any], context: "ts.Context") -> Any:
@@ -337,6 +356,8 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
         concurrency: cap on concurrent file operations (TensorStore's default: one per core).
         max_staged_bytes: cap on the bytes of fragment reads (flattened tensors) held in
             staging buffers at once; whole-chunk reads need no staging.
+        verify_checksums: check every chunk file a load touches against ``zarr/checksums.json``
+            (when the checkpoint has one) before reading it.
     """
 
     supported_backends: ClassVar[Tuple[str, ...]] = ("zarr",)
@@ -348,16 +369,20 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
         *,
         concurrency: Optional[int] = None,
         max_staged_bytes: int = DEFAULT_MAX_STAGED_BYTES,
+        verify_checksums: bool = True,
     ) -> None:
         self.load_directly_on_device = load_directly_on_device
         self.concurrency = concurrency
         self.max_staged_bytes = max_staged_bytes
+        self.verify_checksums = verify_checksums
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
         checkpoint_dir = Path(checkpoint_dir)
         requested = [s for s in nested_values(sharded_state_dict) if isinstance(s, ShardedTensor)]
         # 1. metadata, dtype/shape checks and coverage, before any data is read
         plans = plan_request(requested, checkpoint_dir)
+        if self.verify_checksums:
+            _check_touched_files(requested, plans, checkpoint_dir)
         # 2. destinations: in place where possible; padding zero-filled first
         targets = {id(sh): self._target(sh) for sh in requested}
         for sh in requested:
@@ -454,7 +479,26 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
 
         return load_zarr_based_sharded_metadata(Path(checkpoint_dir), shape_dtype)
 
+    def verify_integrity(self, checkpoint_dir: Path) -> IntegrityReport:
+        """Every file of ``zarr/`` against ``zarr/checksums.json`` (see :mod:`.zarr_checksums`)."""
+        return verify_zarr(Path(checkpoint_dir))
 
+
+
+
+def _check_touched_files(requested: List[ShardedTensor], plans: Dict[int, ReadPlan], checkpoint_dir: Path) -> None:
+    """Check every file the plans read (array metadata and chunks) against the manifest."""
+    manifest = read_checksums(checkpoint_dir)
+    if manifest is None or not requested:
+        return
+    root = checkpoint_dir / ZARR_DIR
+    seen = set()
+    for sh in requested:
+        for op in plans[id(sh)].ops:
+            files = [op.array_path / "zarr.json", *chunk_files(op.array_path, op.region)]
+            fresh = [f for f in files if f not in seen]
+            seen.update(fresh)
+            check_files(root, fresh, manifest, sh.key)
 
 
 def _read_error(sh: ShardedTensor, op: ReadOp, error: BaseException, more: int) -> CorruptCheckpointError:

@@ -17,6 +17,10 @@ the dtype name, and for fragments their global offset and flat range.
 Loads read only the chunks that overlap the requested shard. zarr-python returns the fill value
 for a missing chunk; the loader checks that every chunk it reads exists, so a deleted chunk is
 reported instead of silently read as zeros.
+
+Checksums: the save ends with ``zarr/checksums.json``, a crc32c of every file under ``zarr/``
+(see :mod:`.zarr_checksums`); the loader checks every file it reads against it, from the bytes
+zarr-python reads (no extra I/O).
 """
 
 from __future__ import annotations
@@ -28,22 +32,30 @@ import shutil
 import uuid
 from itertools import product
 from pathlib import Path
-from typing import Any, ClassVar, Dict, Iterator, List, Sequence, Tuple
+from typing import Any, ClassVar, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 import zarr
 from zarr.codecs import BytesCodec
 
+from ..checksums import IntegrityReport
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..distributed import get_rank, run_collectively
 from ..dtypes import dtype_info, numpy_to_tensor, tensor_to_numpy
-from ..errors import CorruptCheckpointError
+from ..errors import CheckpointingException, CorruptCheckpointError
 from ..geometry import Box, piece_view, sub_view
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from ..storage import fsync_dir, fsync_file
 from ._zarr_dtypes import register_extension_dtypes
 from .base import LoadShardedStrategy, SaveShardedStrategy
+from .zarr_checksums import (
+    VerifyingStore,
+    commit_checksums,
+    drop_from_checksums,
+    read_checksums,
+    verify_zarr,
+)
 from .zarr_layout import (
     ATTR,
     FRAGMENT_CHUNK_ELEMENTS,
@@ -108,9 +120,10 @@ def _fsync_tree(paths: Sequence[Path], stop_at: Path) -> None:
 class ZarrSaveShardedStrategy(SaveShardedStrategy):
     """Writes each main-replica shard as one zarr chunk (or one fragment array if flattened).
 
-    Two collective steps: (1) the rank holding the first chunk of each tensor creates its array
+    Three collective steps: (1) the rank holding the first chunk of each tensor creates its array
     (or group) and flattened fragments are written; (2) every rank writes its chunks into the
-    arrays. Each step ends with an error exchange, so a failure on one rank raises everywhere.
+    arrays; (3) the ranks digest the files they wrote and rank 0 writes ``zarr/checksums.json``.
+    Each step ends with an error exchange, so a failure on one rank raises everywhere.
     """
 
     owned_paths: ClassVar[Tuple[str, ...]] = (ZARR_DIR,)
@@ -126,10 +139,11 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
             for s in nested_values(sharded_state_dict)
             if isinstance(s, ShardedTensor) and is_main_replica(s.replica_id)
         ]
-        run_collectively("creating zarr arrays", lambda: self._create_nodes(root, shards))
-        run_collectively("writing zarr chunks", lambda: self._write_chunks(root, shards))
+        created = run_collectively("creating zarr arrays", lambda: self._create_nodes(root, shards))
+        chunks = run_collectively("writing zarr chunks", lambda: self._write_chunks(root, shards))
+        commit_checksums(root, created + chunks)
 
-    def _create_nodes(self, root: Path, shards: List[ShardedTensor]) -> None:
+    def _create_nodes(self, root: Path, shards: List[ShardedTensor]) -> List[Path]:
         root.mkdir(parents=True, exist_ok=True)
         written: List[Path] = []
         if get_rank() == 0:
@@ -167,6 +181,7 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
             if stop > start:
                 written += self._write_fragment(path / fragment_name(sh), sh)
         _fsync_tree(written, root)
+        return written
 
     @staticmethod
     def _write_fragment(path: Path, sh: ShardedTensor) -> List[Path]:
@@ -188,7 +203,7 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
         chunk_files = [path / arr.metadata.encode_chunk_key((i,)) for i in range(math.ceil(length / chunk))]
         return [path / "zarr.json"] + chunk_files
 
-    def _write_chunks(self, root: Path, shards: List[ShardedTensor]) -> None:
+    def _write_chunks(self, root: Path, shards: List[ShardedTensor]) -> List[Path]:
         arrays: Dict[str, Any] = {}
         written: List[Path] = []
         for sh in shards:
@@ -204,6 +219,7 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
             arr[region] = local
             written.append(path / arr.metadata.encode_chunk_key(sh.local_chunk_offset_in_global()))
         _fsync_tree(written, root)
+        return written
 
 
 def _destination(sh: ShardedTensor) -> torch.Tensor:
@@ -221,16 +237,21 @@ def _chunk_coords(region: Box, chunk_shape: Sequence[int]) -> Iterator[Tuple[int
 
 
 class _ArrayReader:
-    """Reads regions of zarr arrays with zarr-python, refusing missing or short chunk files."""
+    """Reads regions of zarr arrays with zarr-python, refusing missing or short chunk files and,
+    with ``stores``, files whose checksum differs from the manifest."""
 
-    def __init__(self) -> None:
+    def __init__(self, stores: Optional[VerifyingStore] = None) -> None:
         self._arrays: Dict[Path, Any] = {}
+        self._stores = stores
 
     def read(self, path: Path, region: Box, key: str) -> np.ndarray:
         array: Any = self._arrays.get(path)
         if array is None:
+            store = self._stores.open(path) if self._stores is not None else str(path)
             try:
-                array = self._arrays[path] = zarr.open_array(store=str(path), mode="r")
+                array = self._arrays[path] = zarr.open_array(store=store, mode="r")
+            except CheckpointingException:
+                raise
             except Exception as e:  # noqa: BLE001 -- unreadable metadata means a damaged checkpoint
                 raise CorruptCheckpointError(f"[rank {get_rank()}] cannot open zarr array {str(path)!r} of tensor {key!r}: {e}") from e
         chunk_shape = array.metadata.chunk_grid.chunk_shape
@@ -250,6 +271,8 @@ class _ArrayReader:
                 )
         try:
             return np.asarray(array[tuple(slice(o, o + s) for o, s in zip(region.offset, region.shape))])
+        except CheckpointingException:
+            raise  # e.g. a checksum mismatch, which names the file
         except Exception as e:  # noqa: BLE001 -- a decode failure means a damaged chunk
             raise CorruptCheckpointError(
                 f"[rank {get_rank()}] cannot read tensor {key!r} from {str(path)!r} (region offset "
@@ -262,18 +285,25 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
 
     Tensors are loaded in place into ``ShardedTensor.data`` when it is allocated with the right
     shape (any device); otherwise new CPU tensors are returned.
+
+    Args:
+        verify_checksums: check every file read against ``zarr/checksums.json`` (when the
+            checkpoint has one).
     """
 
     supported_backends: ClassVar[Tuple[str, ...]] = ("zarr",)
     supported_versions: ClassVar[Tuple[int, ...]] = (1,)
 
-    def __init__(self) -> None:
+    def __init__(self, verify_checksums: bool = True) -> None:
         register_extension_dtypes()
+        self.verify_checksums = verify_checksums
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
         requested = [s for s in nested_values(sharded_state_dict) if isinstance(s, ShardedTensor)]
         plans = plan_request(requested, Path(checkpoint_dir))  # every check happens before any read
-        reader = _ArrayReader()
+        root = Path(checkpoint_dir) / ZARR_DIR
+        manifest = read_checksums(Path(checkpoint_dir)) if self.verify_checksums and requested else None
+        reader = _ArrayReader(VerifyingStore(root, manifest) if manifest is not None else None)
 
         def load_one(x: Any) -> Any:
             if not isinstance(x, ShardedTensor):
@@ -302,6 +332,10 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
 
         return load_zarr_based_sharded_metadata(Path(checkpoint_dir), shape_dtype)
 
+    def verify_integrity(self, checkpoint_dir: Path) -> IntegrityReport:
+        """Every file of ``zarr/`` against ``zarr/checksums.json`` (see :mod:`.zarr_checksums`)."""
+        return verify_zarr(Path(checkpoint_dir))
+
     def remove_sharded_tensors(self, checkpoint_dir: str, key_prefix: str) -> None:
         """Delete tensors whose key starts with ``key_prefix``; each key goes whole or not at all."""
         root = Path(checkpoint_dir) / ZARR_DIR
@@ -311,6 +345,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
                 trash = root / f".removing-{uuid.uuid4().hex}"
                 os.replace(root / name, trash)  # atomic: the key disappears in one step
                 fsync_dir(root)
+                drop_from_checksums(root, name)
                 shutil.rmtree(trash)
 
 

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ..dtypes import dtype_from_name, dtype_info, numpy_to_tensor
-from ..errors import CorruptCheckpointError, LoadMismatchError
+from ..errors import CheckpointingException, CorruptCheckpointError, LoadMismatchError
 from ..geometry import Box, ShardPiece, shard_pieces
 from ..mapping import ShardedStateDict, ShardedTensor
 from ..storage import encode_key, fsync_dir, fsync_file, write_bytes_atomic
@@ -109,7 +109,7 @@ def _attrs(doc: Dict[str, Any], path: Path) -> Dict[str, Any]:
 
 
 def _ints(value: Any, what: str, path: Path) -> Shape:
-    if not isinstance(value, list) or not all(isinstance(v, int) and v >= 0 for v in value):
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
         raise CorruptCheckpointError(f"{path / 'zarr.json'}: {what} must be a list of non-negative ints, found {value!r}")
     return tuple(value)
 
@@ -122,24 +122,46 @@ def open_tensor_info(root: Path, name: str) -> Optional[StoredTensorInfo]:
         return None
     try:
         attrs = _attrs(doc, path)
-        key, dtype = attrs["key"], dtype_from_name(attrs["dtype"])
-        if not isinstance(key, str):
-            raise CorruptCheckpointError(f"{path / 'zarr.json'}: 'key' must be a string")
+        key, dtype_name = attrs["key"], attrs["dtype"]
+        if not isinstance(key, str) or not isinstance(dtype_name, str):
+            raise CorruptCheckpointError(f"{path / 'zarr.json'}: 'key' and 'dtype' must be strings, found {key!r}, {dtype_name!r}")
+        dtype = dtype_from_name(dtype_name)
         if attrs.get("layout") == LAYOUT_FLATTENED:
             info = StoredTensorInfo(
                 key, path, dtype, _ints(attrs["global_shape"], "global_shape", path), LAYOUT_FLATTENED,
                 _ints(attrs["chunk_shape"], "chunk_shape", path),
             )
+            _same_rank(info.global_shape, info.chunk_shape, path)
             info.fragments = _list_fragments(path, info.chunk_shape)
             return info
         if doc.get("node_type") != "array":
             raise CorruptCheckpointError(f"{path / 'zarr.json'} describes a {doc.get('node_type')!r}, expected an array")
-        grid = doc.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape")
-        return StoredTensorInfo(
+        grid = _get(doc, "chunk_grid", "configuration", "chunk_shape")
+        info = StoredTensorInfo(
             key, path, dtype, _ints(doc.get("shape"), "shape", path), LAYOUT_CHUNKED, _ints(grid, "chunk_shape", path)
         )
+        _same_rank(info.global_shape, info.chunk_shape, path)
+        return info
     except KeyError as e:
         raise CorruptCheckpointError(f"{path / 'zarr.json'} lacks the field {e}") from e
+    except (TypeError, ValueError, AttributeError) as e:  # fields of unexpected types or values
+        raise CorruptCheckpointError(f"{path / 'zarr.json'} is malformed: {type(e).__name__}: {e}") from e
+
+
+def _get(doc: Any, *fields: str) -> Any:
+    """``doc[f0][f1]...``, or None where a level is missing or not an object."""
+    for name in fields:
+        if not isinstance(doc, dict):
+            return None
+        doc = doc.get(name)
+    return doc
+
+
+def _same_rank(shape: Shape, chunk_shape: Shape, path: Path) -> None:
+    if len(shape) != len(chunk_shape) or any(c == 0 and n > 0 for n, c in zip(shape, chunk_shape)):
+        raise CorruptCheckpointError(
+            f"{path / 'zarr.json'}: chunk shape {list(chunk_shape)} does not fit an array of shape {list(shape)}"
+        )
 
 
 def _list_fragments(path: Path, chunk_shape: Shape) -> List[FragmentInfo]:
@@ -153,18 +175,42 @@ def _list_fragments(path: Path, chunk_shape: Shape) -> List[FragmentInfo]:
         attrs = _attrs(doc, path / entry)
         rng = _ints(attrs.get("flat_range"), "flat_range", path / entry)
         offset = _ints(attrs.get("global_offset"), "global_offset", path / entry)
-        if len(rng) != 2 or rng[0] > rng[1]:
-            raise CorruptCheckpointError(f"{path / entry / 'zarr.json'}: invalid flat_range {rng}")
-        pieces = shard_pieces(offset, chunk_shape, 0, (rng[0], rng[1]))
+        if len(rng) != 2 or rng[0] > rng[1] or len(offset) != len(chunk_shape):
+            raise CorruptCheckpointError(
+                f"{path / entry / 'zarr.json'}: invalid flat_range {list(rng)} or global_offset {list(offset)} "
+                f"for chunks of shape {list(chunk_shape)}"
+            )
+        try:
+            pieces = shard_pieces(offset, chunk_shape, 0, (rng[0], rng[1]))
+        except (ValueError, CheckpointingException) as e:
+            raise CorruptCheckpointError(f"{path / entry / 'zarr.json'}: {e}") from e
         fragments.append(FragmentInfo(path / entry, offset, (rng[0], rng[1]), pieces))
     return fragments
+
+
+#: the checksum manifest of the zarr backend (see zarr_checksums), beside the root group
+CHECKSUMS_FILENAME = "checksums.json"
 
 
 def list_tensor_names(root: Path) -> List[str]:
     """Directory names of every stored tensor."""
     if not root.is_dir():
         raise CorruptCheckpointError(f"{str(root)!r} is missing: the zarr part of the checkpoint is gone")
-    return sorted(e for e in os.listdir(root) if not e.startswith(".") and e != "zarr.json")
+    return sorted(
+        e
+        for e in os.listdir(root)
+        if not e.startswith(".") and e != "zarr.json" and not (e == CHECKSUMS_FILENAME and (root / e).is_file())
+    )
+
+
+def find_tensor_info(root: Path, key: str) -> Optional[StoredTensorInfo]:
+    """The stored tensor ``key``, or None. A key that is now a reserved name (``checksums.json``)
+    is also looked up under the name checkpoints saved before the reservation gave it."""
+    info = open_tensor_info(root, tensor_dir_name(key))
+    legacy = encode_key(key)
+    if info is None and legacy != tensor_dir_name(key) and (root / legacy).is_dir():
+        info = open_tensor_info(root, legacy)
+    return info
 
 
 def tensors_metadata(root: Path) -> ShardedStateDict:
@@ -240,7 +286,7 @@ def plan_request(requested: Sequence[ShardedTensor], checkpoint_dir: Path) -> Di
     infos: Dict[str, Optional[StoredTensorInfo]] = {}
     for sh in requested:
         if sh.key not in infos:
-            infos[sh.key] = open_tensor_info(root, tensor_dir_name(sh.key))
+            infos[sh.key] = find_tensor_info(root, sh.key)
 
     def lookup(key: str) -> Optional[Tuple[torch.dtype, Tuple[int, ...]]]:
         info = infos[key]
@@ -322,14 +368,15 @@ def postprocess_numpy_array(
 
 
 #: names a tensor directory must not take: the root group's metadata, and zarr's reserved prefix
-_RESERVED = ("zarr.json",)
+_RESERVED = ("zarr.json", CHECKSUMS_FILENAME)
 
 
 def tensor_dir_name(key: str) -> str:
     """Directory name (under ``zarr/``) of the tensor stored under ``key``.
 
     The encoded key, with its first character percent-encoded when the name would collide with
-    the root group's ``zarr.json`` or start with zarr's reserved ``__``.
+    the root group's ``zarr.json``, the checksum manifest ``checksums.json``, or start with
+    zarr's reserved ``__``.
     """
     name = encode_key(key)
     if name in _RESERVED or name.startswith("__"):

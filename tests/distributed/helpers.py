@@ -130,3 +130,11 @@ def strategy_combinations() -> List[StrategyCombo]:
 def combo_named(name: str) -> StrategyCombo:
     """The combination called ``name`` (for spawned jobs, which rebuild it from its name)."""
     return next(c for c in strategy_combinations() if c.name == name)
+
+
+def slow_write(delay_s: float, fn: Callable[..., object], *args: object) -> object:
+    """An async_fn that waits ``delay_s`` before running ``fn`` (runs in the writer process)."""
+    import time
+
+    time.sleep(delay_s)
+    return fn(*args)

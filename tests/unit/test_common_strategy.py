@@ -66,7 +66,7 @@ class TestFindUnsafe:
 class TestCommonState:
     def test_round_trip(self, tmp_path):
         TorchCommonSaveStrategy().save_common(SAFE_STATE, tmp_path)
-        assert sorted(os.listdir(tmp_path)) == [COMMON_STATE_FNAME]
+        assert sorted(os.listdir(tmp_path)) == ["common.checksums.json", COMMON_STATE_FNAME]
         loaded = TorchCommonLoadStrategy().load_common(tmp_path)
         assert loaded.keys() == SAFE_STATE.keys()
         assert torch.equal(loaded["t"], SAFE_STATE["t"])
@@ -119,7 +119,7 @@ class TestCommonState:
         assert s.can_handle_sharded_objects and TorchCommonLoadStrategy().can_handle_sharded_objects
         assert TorchCommonLoadStrategy.supported_backends == ("torch",)
         assert TorchCommonLoadStrategy.supported_versions == (1,)
-        assert set(s.owned_paths) == {COMMON_STATE_FNAME, UNSAFE_KEYS_FNAME, OBJECTS_DIR}
+        assert set(s.owned_paths) == {COMMON_STATE_FNAME, UNSAFE_KEYS_FNAME, "common.checksums.json", OBJECTS_DIR}
 
 
 class TestShardedObjects:

@@ -20,6 +20,7 @@ import dist_ckpt as dc
 from dist_ckpt.dtypes import SUPPORTED_DTYPE_NAMES
 from dist_ckpt.errors import (
     CheckpointingException,
+    ChecksumMismatchError,
     CorruptCheckpointError,
     IncompatibleStrategyError,
     KeyMismatchError,
@@ -417,13 +418,15 @@ def test_load_reads_only_overlapping_bytes(tmp_path, read_counter):
     full = random_tensor(torch.float32, (64, 256), seed=9)
     save(split_state("w", full, 0, 4), tmp_path, thread_count=1)
     read_counter.update(bytes=0, calls=0)
-    out = load({"q": ShardedTensor.from_rank_offsets("w", torch.empty(16, 256), (0, 2, 4))}, tmp_path)
+    # (without checksum verification, which reads whole blocks: see test_checksums.py)
+    out = load({"q": ShardedTensor.from_rank_offsets("w", torch.empty(16, 256), (0, 2, 4))}, tmp_path,
+               verify_checksums=False)
     assert_bits_equal(out["q"], full[32:48])
     assert read_counter["bytes"] == 16 * 256 * 4 + _header_bytes(tmp_path)
     # a column slice of row shards: only the columns are read (runs of 512 bytes >= small_run_bytes)
     read_counter.update(bytes=0, calls=0)
     out = load({"c": ShardedTensor.from_rank_offsets("w", torch.empty(64, 128), (1, 1, 2))}, tmp_path,
-               small_run_bytes=512)
+               small_run_bytes=512, verify_checksums=False)
     assert_bits_equal(out["c"], full[:, 128:])
     assert read_counter["bytes"] == 64 * 128 * 4 + _header_bytes(tmp_path)
 
@@ -434,12 +437,14 @@ def test_short_runs_are_read_through_but_wide_gaps_are_not(tmp_path, read_counte
     header = _header_bytes(tmp_path)
     # columns 0..7 of each row: 32-byte runs, 992-byte gaps -> one read through the span
     read_counter.update(bytes=0, calls=0)
-    out = load({"c": ShardedTensor.from_rank_offsets("w", torch.empty(64, 8), (1, 0, 32))}, tmp_path)
+    out = load({"c": ShardedTensor.from_rank_offsets("w", torch.empty(64, 8), (1, 0, 32))}, tmp_path,
+               verify_checksums=False)
     assert_bits_equal(out["c"], full[:, :8])
     assert read_counter["bytes"] - header == (63 * 256 + 8) * 4
     # with gaps wider than small_run_bytes, only the runs are read, one call each
     read_counter.update(bytes=0, calls=0)
-    load({"c": ShardedTensor.from_rank_offsets("w", torch.empty(64, 8), (1, 0, 32))}, tmp_path, small_run_bytes=256)
+    load({"c": ShardedTensor.from_rank_offsets("w", torch.empty(64, 8), (1, 0, 32))}, tmp_path, small_run_bytes=256,
+         verify_checksums=False)
     assert read_counter["bytes"] - header == 64 * 8 * 4
 
 
@@ -490,8 +495,13 @@ def test_header_disagrees_with_index(saved):
     path, _ = saved
     (data,) = data_files(path)
     data.write_bytes(data.read_bytes().replace(b'"F32"', b'"I32"', 1))
-    with pytest.raises(CorruptCheckpointError) as info:
+    # the header's checksum catches it first ...
+    with pytest.raises(ChecksumMismatchError) as info:
         load(_request(), path)
+    assert "'layer.w'" in str(info.value) and str(data) in str(info.value) and "header" in str(info.value)
+    # ... and without checksums, the comparison of the header with the index
+    with pytest.raises(CorruptCheckpointError) as info:
+        load(_request(), path, verify_checksums=False)
     assert "'layer.w'" in str(info.value) and str(data) in str(info.value) and "the index says F32" in str(info.value)
 
 
@@ -565,7 +575,7 @@ def test_unknown_fields_are_ignored(saved):
     doc = index_doc(path)
     doc["future"] = 1
     for shard in doc["tensors"]["layer.w"]["shards"]:
-        shard["crc32c"] = 1234
+        shard["future_checksum"] = 1234  # ("crc32c" is a field of version 2)
     (path / SAFETENSORS_DIR / INDEX_FILENAME).write_text(json.dumps(doc))
     assert torch.equal(load(_request(), path)["x"], full)
 
@@ -580,7 +590,9 @@ def test_absent_key_and_metadata(saved):
 
 
 def test_no_error_is_a_raw_library_error(saved):
-    """Random damage anywhere in a file gives a CheckpointingException or correct data."""
+    """Random damage anywhere in a file gives a CheckpointingException: with checksums every
+    flipped byte is reported; without them, damage in the header is, and damaged data loads as
+    it is (exactly one byte differs)."""
     path, full = saved
     (data,) = data_files(path)
     original = data.read_bytes()
@@ -591,12 +603,13 @@ def test_no_error_is_a_raw_library_error(saved):
         damaged = bytearray(original)
         damaged[position] ^= 0xFF
         data.write_bytes(bytes(damaged))
+        with pytest.raises(CheckpointingException):
+            load(_request(), path)
         try:
-            out = load(_request(), path)["x"]
+            out = load(_request(), path, verify_checksums=False)["x"]
         except CheckpointingException:
             assert position < header_len, f"damage in the data section at byte {position} was reported"
             continue
-        # without checksums, damaged data bytes load as they are: exactly one byte differs
         assert position >= header_len, f"damage in the header at byte {position} went unnoticed"
         assert int((bits(out) != bits(full)).sum()) == 1
 

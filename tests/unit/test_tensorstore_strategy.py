@@ -238,6 +238,12 @@ def test_both_engines_write_the_same_checkpoint(tmp_path, small_fragments):
             if p.is_file():
                 rel = str(p.relative_to(root))
                 out[rel] = _normalized_metadata(p) if p.name == "zarr.json" else p.read_bytes()
+        # the manifests list the same files, and the same crcs for every chunk file (the engines
+        # format zarr.json differently, so those files' crcs differ)
+        manifest = json.loads(out.pop("zarr/checksums.json"))
+        out["zarr/checksums.json"] = {
+            name: entry if not name.endswith("zarr.json") else None for name, entry in manifest["files"].items()
+        }
         return out
 
     zarr_tree, ts_tree = tree(tmp_path / "zarr"), tree(tmp_path / "ts")

@@ -1,0 +1,168 @@
+"""Asynchronous saves across ranks: every rank snapshots, writes in its own background process,
+and the ranks agree on when to finalize; a failure of one rank's writer surfaces on every rank.
+
+One queue (one writer process per rank) serves the whole module, so the writers' start-up is
+paid once; a test that kills a writer lets the queue start a new one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+from pathlib import Path
+from typing import Dict
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dist_ckpt as dc
+from dist_ckpt.errors import AsyncSaveError, NotACheckpointError
+from dist_ckpt.mapping import ShardedObject
+from dist_ckpt.strategies.async_utils import AsyncCallsQueue
+from dist_ckpt.strategies.safetensors import SafetensorsSaveOptions, SafetensorsSaveShardedStrategy
+from dist_ckpt.testing.layouts import bitwise_equal, full_tensor, tp_shards
+
+from .helpers import assert_on_all_ranks, raises_on_all_ranks, rank, slow_write, world
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+SHAPES = {"row": ((8 * 4, 16), 0), "col": ((16, 8 * 4), 1)}
+
+
+def _state(tp: int, empty: bool = False) -> Dict[str, object]:
+    sd: Dict[str, object] = {}
+    for name, (shape, axis) in SHAPES.items():
+        sd.update(tp_shards(name, full_tensor(name, shape), axis, tp, rank(), world(), empty=empty))
+    sd["obj"] = ShardedObject("rank_obj", {"rank": rank()}, (world(),), (rank(),))
+    sd["step"] = 5
+    return sd
+
+
+@pytest.fixture(scope="module")
+def queue():
+    q = AsyncCallsQueue()
+    yield q
+    q.close()
+
+
+def _finalize_non_blocking(queue: AsyncCallsQueue) -> list:
+    """Poll like a training loop: every rank calls equally often until the call is finalized."""
+    finished: list = []
+    calls = 0
+    while not finished:
+        finished = queue.maybe_finalize_async_calls(blocking=False)
+        calls += 1
+    counts = [torch.tensor([calls]) for _ in range(world())]
+    dist.all_gather(counts, torch.tensor([calls]))
+    assert len({int(c) for c in counts}) == 1  # the ranks agreed at every poll
+    return finished
+
+
+@pytest.mark.parametrize("budget", [None, 1024])
+def test_async_save_holds_the_values_of_the_call(shared_tmp_path: Path, queue, budget) -> None:
+    strategy = SafetensorsSaveShardedStrategy(SafetensorsSaveOptions(snapshot_budget_bytes=budget))
+    sd = _state(tp=world())
+    request = dc.save(sd, shared_tmp_path / "c", sharded_strategy=strategy, async_sharded_save=True)
+    idx = queue.schedule_async_request(request)
+    for v in sd.values():  # training goes on
+        if isinstance(v, dc.ShardedTensor):
+            v.data.mul_(-1).add_(1)
+    assert _finalize_non_blocking(queue) == [idx]
+    # load in another layout (TP halved, DP=2) and compare with the values at the call
+    loaded = dc.load(_state(tp=world() // 2, empty=True), shared_tmp_path / "c")
+    ok = True
+    for key, t in loaded.items():
+        if "@" in key:
+            name = key.split("@")[0]
+            shape, axis = SHAPES[name]
+            part = int(key.split("@tp")[1].split("dp")[0])
+            size = shape[axis] // (world() // 2)
+            ok = ok and bitwise_equal(t, full_tensor(name, shape).narrow(axis, part * size, size))
+    assert_on_all_ranks(ok, "loaded values differ from those at the time of the async save")
+    report = dc.verify_checkpoint(shared_tmp_path / "c")
+    assert_on_all_ranks(report.ok, str(report.problems))
+
+
+def test_ranks_finalize_only_when_every_writer_finished(shared_tmp_path: Path, queue) -> None:
+    """Rank 1's writer is slow: rank 0's polls see its own write done, but nobody finalizes
+    (nor commits) until rank 1's is done too."""
+    request = dc.save(_state(tp=world()), shared_tmp_path / "c", async_sharded_save=True)
+    delay = 1.5 if rank() == 1 else 0.0
+    queue.schedule_async_request(dataclasses.replace(request, async_fn=slow_write, async_fn_args=(delay, request.async_fn, *request.async_fn_args)))
+    early_polls = 0
+    finished: list = []
+    while not finished:
+        finished = queue.maybe_finalize_async_calls(blocking=False)
+        if not finished and request.outcome.done:
+            early_polls += 1
+            assert not (shared_tmp_path / "c" / "metadata.json").exists()
+    assert_on_all_ranks(rank() != 0 or early_polls > 0, "rank 0 never saw its write done before rank 1's")
+    assert_on_all_ranks(dc.verify_checkpoint(shared_tmp_path / "c").ok)
+
+
+def test_fully_parallel_async_save_spreads_the_writing(shared_tmp_path: Path, queue) -> None:
+    from dist_ckpt.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    tp = world() // 2  # DP=2: every shard has a replica; the wrapper spreads who writes it
+    strategy = FullyParallelSaveStrategyWrapper(SafetensorsSaveShardedStrategy())
+    sd = _state(tp=tp)
+    queue.schedule_async_request(dc.save(sd, shared_tmp_path / "c", sharded_strategy=strategy, async_sharded_save=True))
+    for v in sd.values():
+        if isinstance(v, dc.ShardedTensor):
+            v.data.zero_()
+    queue.maybe_finalize_async_calls(blocking=True)
+    files = list((shared_tmp_path / "c" / "safetensors").glob("*.safetensors"))
+    writers = {f.name.split("_")[0] for f in files}
+    assert_on_all_ranks(len(writers) == world(), f"only {sorted(writers)} wrote files")  # every rank wrote
+    loaded = dc.load(_state(tp=world(), empty=True), shared_tmp_path / "c")
+    ok = True
+    for key, t in loaded.items():
+        if "@" in key:
+            name = key.split("@")[0]
+            shape, axis = SHAPES[name]
+            part = int(key.split("@tp")[1].split("dp")[0])
+            size = shape[axis] // world()
+            ok = ok and bitwise_equal(t, full_tensor(name, shape).narrow(axis, part * size, size))
+    assert_on_all_ranks(ok, "loaded values differ")
+    zarr_wrapper = FullyParallelSaveStrategyWrapper(dc.get_default_strategy(dc.StrategyAction.SAVE_SHARDED, "zarr", 1))
+    raises_on_all_ranks(
+        dc.IncompatibleStrategyError,
+        lambda: dc.save(_state(tp=tp), shared_tmp_path / "z", sharded_strategy=zarr_wrapper, async_sharded_save=True),
+        "cannot save asynchronously",
+    )
+
+
+def test_writer_failure_on_one_rank_surfaces_on_every_rank(shared_tmp_path: Path, queue) -> None:
+    victim = world() - 1
+    request = dc.save(_state(tp=world()), shared_tmp_path / "c", async_sharded_save=True)
+    if rank() == victim:  # where this rank's writer must create its first file
+        (shared_tmp_path / "c" / "safetensors" / f"rank{victim:05d}_0.safetensors").mkdir()
+    queue.schedule_async_request(request)
+    err = raises_on_all_ranks(AsyncSaveError, lambda: queue.maybe_finalize_async_calls(blocking=True), f"[rank {victim}]")
+    assert_on_all_ranks("FileExistsError" in str(err), str(err))
+    assert_on_all_ranks(not (shared_tmp_path / "c" / "metadata.json").exists(), "a failed save was committed")
+    raises_on_all_ranks(NotACheckpointError, lambda: dc.load(_state(tp=world(), empty=True), shared_tmp_path / "c"))
+    assert_on_all_ranks(queue.get_num_unfinalized_calls() == 0)
+
+
+def test_killed_writer_on_one_rank_surfaces_on_every_rank(shared_tmp_path: Path, queue) -> None:
+    request = dc.save(_state(tp=world()), shared_tmp_path / "c", async_sharded_save=True)
+    queue.schedule_async_request(request)
+    if rank() == 0:
+        os.kill(queue._worker.pid, signal.SIGKILL)
+    raises_on_all_ranks(AsyncSaveError, lambda: queue.maybe_finalize_async_calls(blocking=True), "[rank 0]")
+    assert_on_all_ranks(not (shared_tmp_path / "c" / "metadata.json").exists(), "a failed save was committed")
+    # the next save gets a new writer on rank 0 and succeeds
+    queue.schedule_async_request(dc.save(_state(tp=world()), shared_tmp_path / "d", async_sharded_save=True))
+    queue.maybe_finalize_async_calls(blocking=True)
+    assert_on_all_ranks(dc.verify_checkpoint(shared_tmp_path / "d").ok)
+
+
+def test_execute_sync_raises_everywhere_when_one_rank_fails(shared_tmp_path: Path) -> None:
+    request = dc.save(_state(tp=world()), shared_tmp_path / "c", async_sharded_save=True)
+    if rank() == 1:
+        (shared_tmp_path / "c" / "safetensors" / "rank00001_0.safetensors").mkdir()
+    raises_on_all_ranks(dc.CheckpointingException, request.execute_sync, "[rank 1]")
+    assert_on_all_ranks(not (shared_tmp_path / "c" / "metadata.json").exists())
