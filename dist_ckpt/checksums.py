@@ -261,7 +261,8 @@ def bytes_digest(data: Bytes) -> FileDigest:
 
         bytes_digest(b"hello")   # FileDigest(size=5, crc32c=0x9a71bb4c)
     """
-    return FileDigest(memoryview(data).nbytes, crc32c(data))
+    size = data.nbytes if isinstance(data, (memoryview, np.ndarray)) else len(data)
+    return FileDigest(int(size), crc32c(data))
 
 
 def manifest_document(files: Mapping[str, FileDigest]) -> Dict[str, Any]:

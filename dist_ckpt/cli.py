@@ -13,6 +13,7 @@ Example::
     $ dist-ckpt demo --ranks 2 --size 16
     $ dist-ckpt export-hf ckpt/iter_1000 hf/iter_1000 --max-shard-size 5GB
     $ dist-ckpt verify ckpt/iter_1000 --json
+    $ dist-ckpt verify s3://bucket/run1/iter_1000
 """
 
 from __future__ import annotations
@@ -233,8 +234,8 @@ def _add_export_hf_command(subparsers: SubParsers, common: argparse.ArgumentPars
             "memory at a time; no process group is needed. Keys are written as stored."
         ),
     )
-    p.add_argument("src", type=Path, metavar="SRC", help="a committed dist_ckpt checkpoint directory")
-    p.add_argument("dst", type=Path, metavar="DST", help="the folder to write (must not hold HF weights yet)")
+    p.add_argument("src", metavar="SRC", help="a committed dist_ckpt checkpoint: a directory or s3://bucket/prefix")
+    p.add_argument("dst", metavar="DST", help="the local folder to write (must not hold HF weights yet)")
     p.add_argument("--max-shard-size", type=_size, default=2**31, metavar="SIZE",
                    help="most bytes per file, e.g. 5GB or 2GiB (default: 2GiB)")
     p.set_defaults(run=_run_export_hf, parser=p)
@@ -269,10 +270,11 @@ def _add_verify_command(subparsers: SubParsers, common: argparse.ArgumentParser)
             "recorded at save time for every block of every tensor, every zarr file, common.pt and "
             "every ShardedObject file. Prints one line per problem ('FILE (key KEY): PROBLEM') and "
             "exits 1 if there is any (a save that never committed is one), 0 if the checkpoint is healthy. "
-            "Needs no process group."
+            "Works on s3:// URLs too (every object is read once). Needs no process group."
         ),
     )
-    p.add_argument("dir", type=Path, metavar="DIR", help="a checkpoint directory")
+    p.add_argument("dir", metavar="DIR", help="a checkpoint directory, or s3://bucket/prefix (credentials and endpoint "
+                   "from the AWS environment variables)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON document (exit status as above)")
     p.set_defaults(run=_run_verify, parser=p)
 

@@ -13,7 +13,6 @@ import math
 import pickle
 from collections import defaultdict
 from enum import Enum
-from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np

@@ -24,6 +24,7 @@ import os
 from pathlib import Path
 from typing import Optional, Union
 
+from ..errors import IncompatibleStrategyError
 from .base import Storage, open_storage
 from .errors import StorageConfigError
 from .local import LocalStorage
@@ -35,6 +36,7 @@ __all__ = [
     "is_remote",
     "location_str",
     "remote_storage",
+    "require_local",
     "resolve_location",
     "storage_of",
 ]
@@ -108,6 +110,20 @@ def storage_of(location: CheckpointLocation) -> Storage:
 def location_str(location: CheckpointLocation) -> str:
     """``location`` for messages: the directory path or the ``s3://`` URL (never credentials)."""
     return str(location) if isinstance(location, Path) else location.url
+
+
+def require_local(location: CheckpointLocation, what: str) -> Path:
+    """The directory of a local location; for an object store, an error naming ``what`` and the URL.
+
+    Example::
+
+        directory = require_local(checkpoint_dir, "the HuggingFace folder reader")
+    """
+    if isinstance(location, Path):
+        return location
+    raise IncompatibleStrategyError(
+        f"{what} works on local directories only, not on object storage ({location.url}); use a local path"
+    )
 
 
 def child_location(location: CheckpointLocation, name: str) -> CheckpointLocation:
