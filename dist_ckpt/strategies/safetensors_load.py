@@ -206,7 +206,8 @@ def default_file_check(index: TensorIndex) -> FileCheck:
         expected_size = index.file_sizes.get(PurePosixPath(str(header.path)).name)
         if expected_size is not None and expected_size != header.file_size:
             raise CorruptCheckpointError(
-                f"[rank {get_rank()}] safetensors file {str(header.path)!r} has {header.file_size} bytes, the "
+                f"[rank {get_rank()}] safetensors file {str(header.path)!r} (tensors "
+                f"{format_keys(sorted({k for k, _ in shards}))}) has {header.file_size} bytes, the "
                 f"index of {index.description} says {expected_size} (truncated or replaced)"
             )
         for key, shard in shards:
@@ -285,22 +286,24 @@ class _OpenFiles:
 
     def _open_checked(self, name: str, shards: List[Tuple[str, StoredShard]]) -> None:
         path = self.index.file_location(name)
+        keys = format_keys(sorted({k for k, _ in shards}))
         try:
             fd = self._open(name)
             self.fds[name] = fd
             header = None if self.index.from_headers else read_header(fd, path)
         except FileNotFoundError:
-            keys = sorted({k for k, _ in shards})
             raise CorruptCheckpointError(
-                f"[rank {get_rank()}] safetensors file {str(path)!r}, which holds tensors {format_keys(keys)} "
+                f"[rank {get_rank()}] safetensors file {str(path)!r}, which holds tensors {keys} "
                 f"of {self.index.description}, is missing"
             ) from None
+        except CorruptCheckpointError as exc:  # the header names the file, not what it holds
+            raise type(exc)(f"[rank {get_rank()}] tensors {keys}: {exc}") from None
         if header is not None:
             expected = self.index.header_crcs.get(name)
             if self.verify_header_crcs and expected is not None and header.prefix_crc != expected:
                 raise ChecksumMismatchError(
                     f"[rank {get_rank()}] the header of safetensors file {str(path)!r} (tensors "
-                    f"{format_keys(sorted({k for k, _ in shards}))}) has crc32c {crc_to_hex(header.prefix_crc)}, "
+                    f"{keys}) has crc32c {crc_to_hex(header.prefix_crc)}, "
                     f"the index of {self.index.description} recorded {crc_to_hex(expected)}: the file is corrupt"
                 )
             self.check(header, shards)

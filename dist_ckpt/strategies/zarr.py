@@ -248,7 +248,7 @@ class _ArrayReader:
     def read(self, path: Path, region: Box, key: str) -> np.ndarray:
         array: Any = self._arrays.get(path)
         if array is None:
-            store = self._stores.open(path) if self._stores is not None else str(path)
+            store = self._stores.open(path, key) if self._stores is not None else str(path)
             try:
                 array = self._arrays[path] = zarr.open_array(store=store, mode="r")
             except CheckpointingException:

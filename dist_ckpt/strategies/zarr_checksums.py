@@ -162,27 +162,30 @@ class VerifyingStore:
         self.manifest = manifest
         self._cls: Any = None
 
-    def open(self, array_path: Path) -> Any:
-        """A read-only ``LocalStore`` subclass rooted at ``array_path``."""
+    def open(self, array_path: Path, key: str) -> Any:
+        """A read-only ``LocalStore`` subclass rooted at ``array_path``, the array of tensor ``key``
+        (named in its errors)."""
         if self._cls is None:
             self._cls = _store_class()
-        return self._cls(array_path, self.root, self.manifest)
+        return self._cls(array_path, self.root, self.manifest, key)
 
 
 def _store_class() -> Any:
     from zarr.storage import LocalStore
 
     class _Store(LocalStore):
-        def __init__(self, path: Path, root: Path, manifest: Mapping[str, FileDigest]) -> None:
+        def __init__(self, path: Path, root: Path, manifest: Mapping[str, FileDigest], key: str) -> None:
             super().__init__(str(path), read_only=True)
             self._prefix = relative(path, root)
             self._manifest = manifest
+            self._key = key
 
         async def get(self, key: str, prototype: Any = None, byte_range: Any = None) -> Any:
             buf = await super().get(key, prototype, byte_range)
             expected = self._manifest.get(f"{self._prefix}/{key}")
             if buf is not None and byte_range is None and expected is not None:
-                check_file(Path(str(self.root)) / key, expected, f"[rank {get_rank()}] zarr file", buf.as_numpy_array())
+                what = f"[rank {get_rank()}] tensor {self._key!r}: zarr file"
+                check_file(Path(str(self.root)) / key, expected, what, buf.as_numpy_array())
             return buf
 
     return _Store

@@ -115,6 +115,11 @@ def _metadata_files(path: Path) -> List[Path]:
 # --------------------------------------------------------------------------- data files
 
 
+def _assert_names_a_key(message: str) -> None:
+    """Damage to a data file must be reported with the tensor it belongs to, quoted."""
+    assert any(f"'{key}'" in message for key in _full()), f"no tensor key named in: {message}"
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_pristine_checkpoints_load_and_verify(pristine, fmt):
     assert _load_ok(pristine[fmt], fmt)
@@ -134,6 +139,7 @@ def test_flipped_byte_in_every_data_file(copy, fmt):
         with pytest.raises(ChecksumMismatchError) as info:
             _load_ok(path, fmt)
         assert f.name in str(info.value) or str(f.relative_to(path / "zarr").parent) in str(info.value)
+        _assert_names_a_key(str(info.value))
         report = dc.verify_checkpoint(path)
         assert [p.path for p in report.problems] == [str(f.relative_to(path))]
         f.write_bytes(original)
@@ -152,6 +158,7 @@ def test_truncated_and_deleted_data_files(copy, fmt, damage):
         with pytest.raises(CheckpointingException) as info:
             _load_ok(path, fmt)
         assert f.name in str(info.value)
+        _assert_names_a_key(str(info.value))
         problems = dc.verify_checkpoint(path).problems
         assert [p.path for p in problems] == [str(f.relative_to(path))]
         assert ("missing" if damage == "delete" else "bytes") in problems[0].problem
