@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,6 +33,7 @@ import pytest
 import torch
 
 import dist_ckpt as dc
+from dist_ckpt.checkpoints import find_latest_checkpoint
 from dist_ckpt.errors import NotACheckpointError
 from dist_ckpt.testing import free_port
 from tests.crash_saver import full_tensors, state
@@ -167,7 +169,10 @@ def test_at_least_twenty_kill_points():
 @pytest.mark.parametrize("mode, point_name, make_point", CASES, ids=[f"{m}: {n}" for m, n, _ in CASES])
 def test_kill_at(mode, point_name, make_point, sizes, tmp_path):
     point = make_point(sizes)
-    ckpt, side = tmp_path / "partial", tmp_path / "side"
+    # the run directory of a training job: the previous checkpoint, then the one being saved
+    run, side = tmp_path / "run", tmp_path / "side"
+    shutil.copytree(_previous(sizes), run / "iter_0000001")
+    ckpt = run / "iter_0000002"
     procs = _start(ckpt, mode, side)
     deadline = time.monotonic() + 60
     seen: Optional[Snapshot] = None
@@ -200,8 +205,9 @@ def test_kill_at(mode, point_name, make_point, sizes, tmp_path):
         dc.load({"w": dc.ShardedTensor.from_rank_offsets("w", torch.empty(256 * WORLD, 2048))}, ckpt)
     report = dc.verify_checkpoint(ckpt)
     assert not report.ok and report.problems[0].path == "metadata.json"
-    # the previous checkpoint is intact
-    previous = _previous(sizes)
+    # the previous checkpoint is intact, and still the latest complete one of the run
+    previous = run / "iter_0000001"
+    assert find_latest_checkpoint(run) == str(previous)
     full = full_tensors(WORLD)
     loaded = dc.load({k: dc.ShardedTensor.from_rank_offsets(k, torch.empty_like(v)) for k, v in full.items()}, previous)
     assert all(torch.equal(loaded[k], full[k]) for k in full)
