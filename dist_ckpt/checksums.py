@@ -26,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import json
+import logging
 import os
 import struct
 from dataclasses import dataclass, field
@@ -75,6 +76,12 @@ MANIFEST_FORMAT = "dist_ckpt.checksums"
 MANIFEST_VERSION = 1
 _READ_CHUNK = 8 << 20
 _BE32 = struct.Struct(">I")
+
+if google_crc32c.implementation != "c":  # pragma: no cover -- depends on the installed wheel
+    logging.getLogger(__name__).warning(
+        "google-crc32c is using its pure-Python fallback (no C extension for this platform): "
+        "checksumming saves and loads will be far slower; reinstall google-crc32c from a wheel"
+    )
 
 Bytes = Union[bytes, bytearray, memoryview, np.ndarray]
 
