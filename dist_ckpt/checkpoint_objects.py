@@ -35,14 +35,16 @@ from .storage.errors import ObjectNotFoundError, StorageError
 
 logger = logging.getLogger(__name__)
 
-# (file name, is_index, safetensors), in the order they decide the format (as in checkpoints.py)
-HF_FILES = (
+#: HuggingFace weight files ``(file name, is_index, safetensors)``, in the order they decide a
+#: directory's format (shared with :mod:`dist_ckpt.checkpoints`)
+HF_FILES: Tuple[Tuple[str, bool, bool], ...] = (
     ("model.safetensors.index.json", True, True),
     ("model.safetensors", False, True),
     ("pytorch_model.bin.index.json", True, False),
     ("pytorch_model.bin", False, False),
 )
-_MAX_SAFETENSORS_HEADER = 100_000_000
+#: the largest safetensors header the safetensors library accepts
+MAX_SAFETENSORS_HEADER = 100_000_000
 _ZIP_EOCD = b"PK\x05\x06"  # end of central directory record
 _ZIP_TAIL = 22 + 65535  # the record plus the longest comment
 
@@ -70,7 +72,7 @@ def safetensors_whole(storage: Storage, key: str) -> bool:
         if size < 8:
             return False
         (header_len,) = struct.unpack("<Q", _read_range(storage, key, 0, 8))
-        if header_len > min(size - 8, _MAX_SAFETENSORS_HEADER):
+        if header_len > min(size - 8, MAX_SAFETENSORS_HEADER):
             return False
         header = json.loads(_read_range(storage, key, 8, header_len))
     except ObjectNotFoundError:
@@ -130,7 +132,7 @@ def _weights_whole(storage: Storage, key: str) -> bool:
 
 @dataclass(frozen=True)
 class Found:
-    """What :func:`inspect` found under a checkpoint prefix (the caller makes a CheckpointMeta of it)."""
+    """What :func:`inspect_checkpoint` found under a checkpoint prefix (the caller makes a CheckpointMeta of it)."""
 
     file_name: str
     is_index: bool
@@ -140,7 +142,7 @@ class Found:
     config: Optional[CheckpointingConfig] = None
 
 
-def inspect(storage: Storage, common_name: str) -> Optional[Found]:
+def inspect_checkpoint(storage: Storage, common_name: str) -> Optional[Found]:
     """Format and completeness of the checkpoint under ``storage`` (None: no checkpoint there).
 
     Raises:

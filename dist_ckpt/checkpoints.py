@@ -119,23 +119,17 @@ _NAME_RES = tuple(re.compile(p) for p in CHECKPOINT_NAME_PATTERNS)
 #: Evaluation metrics file inside a checkpoint directory (the reference's name).
 METRICS_FILENAME = "eval_metrics.json"
 
-# HuggingFace file names, in the order get_checkpoint_metadata looks for them
+# HuggingFace file names; the order get_checkpoint_metadata looks for them in is _HF_FILES
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 SAFE_WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
 WEIGHTS_NAME = "pytorch_model.bin"
-_HF_FILES: Tuple[Tuple[str, bool, bool], ...] = (  # (file name, is_index, safetensors)
-    (SAFE_WEIGHTS_INDEX_NAME, True, True),
-    (SAFE_WEIGHTS_NAME, False, True),
-    (WEIGHTS_INDEX_NAME, True, False),
-    (WEIGHTS_NAME, False, False),
-)
+_HF_FILES = objects.HF_FILES  # (file name, is_index, safetensors)
 # symlinks that create_pretrained_symlinks may have made (and so may replace or remove)
 _HF_LINK_RE = re.compile(
     r"model(-[0-9]+-of-[0-9]+)?\.safetensors(\.index\.json)?|pytorch_model(-[0-9]+-of-[0-9]+)?\.bin(\.index\.json)?"
 )
 _TRASH_PREFIX = ".dist_ckpt-trash-"
-_MAX_SAFETENSORS_HEADER = 100_000_000  # the limit the safetensors library enforces
 
 
 class CheckpointFormat(str, Enum):
@@ -271,7 +265,7 @@ def _safetensors_whole(file: Path) -> bool:
             if len(prefix) < 8:
                 return False
             header_len = int.from_bytes(prefix, "little")
-            if header_len > min(size - 8, _MAX_SAFETENSORS_HEADER):
+            if header_len > min(size - 8, objects.MAX_SAFETENSORS_HEADER):
                 return False
             header = json.loads(f.read(header_len))
     except (OSError, ValueError):
@@ -383,7 +377,7 @@ def get_checkpoint_metadata(path: PathLike) -> Optional[CheckpointMeta]:
 
 
 def _object_meta(store: Storage) -> Optional[CheckpointMeta]:
-    found = objects.inspect(store, COMMON_STATE_FNAME)
+    found = objects.inspect_checkpoint(store, COMMON_STATE_FNAME)
     if found is None:
         return None
     step = parse_checkpoint_step(store.url.rstrip("/").rsplit("/", 1)[-1])
