@@ -117,3 +117,16 @@ def test_zarr_python_digests_what_it_uploads_without_downloading_it(s3_url: str,
     chunk_gets = [r for r in s3_env.requests() if r.method == "GET" and "/zarr/" in r.path and "/c/" in r.path]
     assert chunk_gets == []
     assert verify_checkpoint(s3_url).ok  # and the digests are those of the stored bytes
+
+
+@pytest.mark.parametrize("saver", list(SAVERS))
+def test_unshard_reads_every_tensor_whole_from_s3(s3_url: str, s3_env: Any, saver: str) -> None:
+    from dist_ckpt.unshard import iter_unsharded
+
+    state = _state()
+    dist_ckpt.save(_sharded(state), s3_url, sharded_strategy=SAVERS[saver]())
+    whole = dict(iter_unsharded(s3_url))
+    assert set(whole) == set(state) | {"flat"}
+    for k, t in state.items():
+        assert torch.equal(whole[k], t), k
+    assert torch.equal(whole["flat"], torch.arange(8, dtype=torch.float32).reshape(2, 4))
