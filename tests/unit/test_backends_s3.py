@@ -7,6 +7,7 @@ engines write one layout, so each reads what the other wrote.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict
 
 import pytest
@@ -69,6 +70,9 @@ def test_zarr_engines_round_trip_on_s3(s3_url: str, s3_env: Any, saver: str, loa
     meta = LOADERS[loader]().load_tensors_metadata(open_storage(s3_url))
     assert set(meta) == set(state) | {"flat"} and meta["w"].global_shape == (6, 10)
     assert verify_checkpoint(s3_url).ok
+    secret = os.environ["AWS_SECRET_ACCESS_KEY"].encode()
+    storage = open_storage(s3_url)
+    assert not [key for key in keys if secret in storage.read(key)]  # credentials never land in a checkpoint
 
 
 @pytest.mark.parametrize("loader", list(LOADERS))
