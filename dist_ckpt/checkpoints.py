@@ -47,6 +47,12 @@ complete: (1) it is atomically renamed to a hidden trash name (``.dist_ckpt-tras
 no pattern recognises, (2) ``model_dir`` is fsynced so the rename is durable before any file
 goes, (3) its commit markers are removed, (4) the rest is removed. Trash left by a crash is
 removed by the next :func:`maybe_delete_oldest_checkpoint`.
+
+**Object stores.** ``model_dir`` and checkpoint paths may be ``s3://bucket/run`` URLs or an
+object-store :class:`~dist_ckpt.storage.base.Storage`: the same rules apply through the storage
+(:mod:`dist_ckpt.checkpoint_objects` says how deletion stays crash-safe without renames);
+returned paths are then URLs. Object stores have no symlinks, so
+:func:`create_pretrained_symlinks` refuses them.
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
+from . import checkpoint_objects as objects
 from .core import METADATA_FILENAME, CheckpointingConfig, maybe_load_config
 from .errors import (
     CheckpointingException,
@@ -73,7 +80,9 @@ from .errors import (
     NotACheckpointError,
     SymlinkConflictError,
 )
-from .storage import fsync_dir, write_bytes_atomic
+from .storage import Storage, fsync_dir, write_bytes_atomic
+from .storage.errors import ObjectNotFoundError
+from .storage.location import remote_storage, require_local, resolve_location
 from .strategies.common import COMMON_STATE_FNAME
 
 logger = logging.getLogger(__name__)
@@ -94,7 +103,7 @@ __all__ = [
     "validate_checkpoint",
 ]
 
-PathLike = Union[str, "os.PathLike[str]"]
+PathLike = Union[str, "os.PathLike[str]", Storage]
 
 #: Regular expressions (matched against the whole directory name) whose group is the step.
 CHECKPOINT_NAME_PATTERNS: Tuple[str, ...] = (
@@ -110,23 +119,17 @@ _NAME_RES = tuple(re.compile(p) for p in CHECKPOINT_NAME_PATTERNS)
 #: Evaluation metrics file inside a checkpoint directory (the reference's name).
 METRICS_FILENAME = "eval_metrics.json"
 
-# HuggingFace file names, in the order get_checkpoint_metadata looks for them
+# HuggingFace file names; the order get_checkpoint_metadata looks for them in is _HF_FILES
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 SAFE_WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
 WEIGHTS_NAME = "pytorch_model.bin"
-_HF_FILES: Tuple[Tuple[str, bool, bool], ...] = (  # (file name, is_index, safetensors)
-    (SAFE_WEIGHTS_INDEX_NAME, True, True),
-    (SAFE_WEIGHTS_NAME, False, True),
-    (WEIGHTS_INDEX_NAME, True, False),
-    (WEIGHTS_NAME, False, False),
-)
+_HF_FILES = objects.HF_FILES  # (file name, is_index, safetensors)
 # symlinks that create_pretrained_symlinks may have made (and so may replace or remove)
 _HF_LINK_RE = re.compile(
     r"model(-[0-9]+-of-[0-9]+)?\.safetensors(\.index\.json)?|pytorch_model(-[0-9]+-of-[0-9]+)?\.bin(\.index\.json)?"
 )
 _TRASH_PREFIX = ".dist_ckpt-trash-"
-_MAX_SAFETENSORS_HEADER = 100_000_000  # the limit the safetensors library enforces
 
 
 class CheckpointFormat(str, Enum):
@@ -171,6 +174,16 @@ class _Entry(NamedTuple):
 
 
 # --------------------------------------------------------------------------- names
+
+
+def _object_store(location: PathLike) -> Optional[Storage]:
+    """The object store of an ``s3://`` URL or storage, or None for a local path."""
+    return remote_storage(resolve_location(location))
+
+
+def _local(location: PathLike) -> Union[str, "os.PathLike[str]"]:
+    """``location`` for the local code paths: as given, or a LocalStorage's directory."""
+    return require_local(resolve_location(location), "this function") if isinstance(location, Storage) else location
 
 
 def parse_checkpoint_step(name: str) -> Optional[int]:
@@ -221,7 +234,10 @@ def next_checkpoint_path(model_dir: PathLike, checkpoint_id: Union[int, str]) ->
             f"checkpoint name {checkpoint_id!r} carries no step: use a step or a name matching one of "
             f"{', '.join(CHECKPOINT_NAME_PATTERNS)} (other names are not managed checkpoints)"
         )
-    return os.path.join(os.fspath(model_dir), name)
+    store = _object_store(model_dir)
+    if store is not None:
+        return store.url_of(name)
+    return os.path.join(os.fspath(_local(model_dir)), name)
 
 
 def _scan(model_dir: Path) -> List[_Entry]:
@@ -249,7 +265,7 @@ def _safetensors_whole(file: Path) -> bool:
             if len(prefix) < 8:
                 return False
             header_len = int.from_bytes(prefix, "little")
-            if header_len > min(size - 8, _MAX_SAFETENSORS_HEADER):
+            if header_len > min(size - 8, objects.MAX_SAFETENSORS_HEADER):
                 return False
             header = json.loads(f.read(header_len))
     except (OSError, ValueError):
@@ -331,13 +347,17 @@ def get_checkpoint_metadata(path: PathLike) -> Optional[CheckpointMeta]:
         meta = get_checkpoint_metadata("runs/gpt/checkpoint-1000")
         if meta is not None and meta.complete and meta.format == "hf":
             print(meta.file_name, meta.is_index, meta.safetensors)
+        get_checkpoint_metadata("s3://bucket/runs/gpt/checkpoint-1000")   # the same on S3
 
     Returns:
         A :class:`CheckpointMeta` (``complete=False`` for a corrupt ``metadata.json`` or an HF
         folder with missing or truncated weights), or None for a missing directory or one that
         is no checkpoint.
     """
-    directory = Path(path)
+    store = _object_store(path)
+    if store is not None:
+        return _object_meta(store)
+    directory = Path(_local(path))
     if not directory.is_dir():
         return None
     step = parse_checkpoint_step(Path(os.path.abspath(directory)).name)
@@ -354,6 +374,19 @@ def get_checkpoint_metadata(path: PathLike) -> Optional[CheckpointMeta]:
     if (directory / COMMON_STATE_FNAME).exists():
         return None  # a dist_ckpt save that has not committed: no checkpoint yet
     return _hf_meta(directory, step)
+
+
+def _object_meta(store: Storage) -> Optional[CheckpointMeta]:
+    found = objects.inspect_checkpoint(store, COMMON_STATE_FNAME)
+    if found is None:
+        return None
+    step = parse_checkpoint_step(store.url.rstrip("/").rsplit("/", 1)[-1])
+    fmt = CheckpointFormat.HF if found.hf else CheckpointFormat.DIST_CKPT
+    config = found.config
+    return CheckpointMeta(
+        found.file_name, found.is_index, found.safetensors, fmt, found.complete, step,
+        config.sharded_backend if config else None, config.sharded_backend_version if config else None, config,
+    )
 
 
 def validate_checkpoint(checkpoint_path: PathLike) -> bool:
@@ -380,9 +413,17 @@ def find_latest_checkpoint(model_dir: PathLike) -> Optional[str]:
         if latest is not None:
             state = dist_ckpt.load(sharded_state_dict, latest)
     """
-    root = Path(model_dir)
+    store = _object_store(model_dir)
+    if store is not None:
+        for step, name in reversed(objects.checkpoint_names(store, parse_checkpoint_step)):
+            if validate_checkpoint(store.child(name)):
+                logger.debug("latest complete checkpoint in %s: %s (step %d)", store.url, name, step)
+                return store.url_of(name)
+            logger.info("skipping %s: not a complete checkpoint (no valid commit marker)", store.url_of(name))
+        return None
+    root = Path(_local(model_dir))
     for entry in reversed(_scan(root)):
-        path = os.path.join(os.fspath(model_dir), entry.name)
+        path = os.path.join(os.fspath(_local(model_dir)), entry.name)
         if validate_checkpoint(path):
             logger.debug("latest complete checkpoint in %s: %s (step %d)", root, entry.name, entry.step)
             return path
@@ -427,7 +468,7 @@ def _protected_names(root: Path, entries: Sequence[_Entry], paths: Iterable[Path
     by_real = {os.path.realpath(root / e.name): e.name for e in entries}
     names = set()
     for p in paths:
-        text = os.fspath(p)
+        text = p.url if isinstance(p, Storage) else os.fspath(p)
         candidate = root / text if os.sep not in text and "/" not in text else Path(text)
         name = by_real.get(os.path.realpath(candidate))
         if name is None:
@@ -494,7 +535,16 @@ def maybe_delete_oldest_checkpoint(
             f"max_checkpoints must be an int >= 1 (the newest complete checkpoint is always kept), "
             f"got {max_checkpoints!r}"
         )
-    root = Path(model_dir)
+    if isinstance(preserved_checkpoints, (str, os.PathLike, Storage)):
+        preserved_checkpoints = [preserved_checkpoints]  # a single path, not a sequence of characters
+    wanted: List[PathLike] = list(preserved_checkpoints or [])
+    if best_checkpoint is not None:
+        wanted.append(best_checkpoint)
+    store = _object_store(model_dir)
+    if store is not None:
+        _rotate_objects(store, max_checkpoints, wanted, delete_partial)
+        return
+    root = Path(_local(model_dir))
     if not root.is_dir():
         logger.debug("no checkpoint directory %s; nothing to delete", root)
         return
@@ -505,12 +555,6 @@ def maybe_delete_oldest_checkpoint(
         logger.debug("no complete checkpoint in %s; deleting nothing", root)
         return
     newest = complete[-1]
-
-    if isinstance(preserved_checkpoints, (str, os.PathLike)):
-        preserved_checkpoints = [preserved_checkpoints]  # a single path, not a sequence of characters
-    wanted: List[PathLike] = list(preserved_checkpoints or [])
-    if best_checkpoint is not None:
-        wanted.append(best_checkpoint)
     kept = _protected_names(root, entries, wanted) | _linked_names(root, entries) | {newest.name}
 
     excess = len(complete) - max_checkpoints
@@ -522,6 +566,27 @@ def maybe_delete_oldest_checkpoint(
         state = "complete" if entry in complete else "partial (leftover of a crashed save)"
         logger.info("deleting %s checkpoint %s (step %d); kept: %s", state, root / entry.name, entry.step, sorted(kept))
         _delete_checkpoint_dir(root, entry.name)
+
+
+def _rotate_objects(store: Storage, max_checkpoints: int, wanted: Sequence[PathLike], delete_partial: bool) -> None:
+    """maybe_delete_oldest_checkpoint on an object store (no symlinks, no trash: markers go first)."""
+    entries = objects.checkpoint_names(store, parse_checkpoint_step)
+    complete = [(step, name) for step, name in entries if validate_checkpoint(store.child(name))]
+    if not complete:
+        logger.debug("no complete checkpoint in %s; deleting nothing", store.url)
+        return
+    newest_step, newest = complete[-1]
+    kept = objects.protected_names(store, [n for _, n in entries], [w.url if isinstance(w, Storage) else os.fspath(w) for w in wanted])
+    kept.add(newest)
+    excess = len(complete) - max_checkpoints
+    doomed = [e for e in complete if e[1] not in kept][: max(excess, 0)]
+    if delete_partial:
+        complete_names = {n for _, n in complete}
+        doomed += [e for e in entries if e[1] not in complete_names and e[1] not in kept and e[0] < newest_step]
+    for step, name in doomed:
+        state = "complete" if (step, name) in complete else "partial (leftover of a crashed save)"
+        logger.info("deleting %s checkpoint %s (step %d); kept: %s", state, store.url_of(name), step, sorted(kept))
+        objects.delete_checkpoint(store, name)
 
 
 # --------------------------------------------------------------------------- metrics
@@ -561,11 +626,18 @@ def save_checkpoint_metrics(checkpoint_path: PathLike, metrics: Dict[str, float]
         NotACheckpointError: ``checkpoint_path`` is not a directory.
         CheckpointManagementError: a name is not a string, or a value is not a finite number.
     """
-    directory = Path(checkpoint_path)
-    clean = _checked_metrics(metrics, lambda msg: CheckpointManagementError(f"metrics for {directory}: {msg}"))
+    store = _object_store(checkpoint_path)
+    where = store.url if store is not None else str(checkpoint_path)
+    clean = _checked_metrics(metrics, lambda msg: CheckpointManagementError(f"metrics for {where}: {msg}"))
+    data = json.dumps(clean, indent=2, sort_keys=True, allow_nan=False).encode("utf-8")
+    if store is not None:
+        if not objects.prefix_exists(store):
+            raise NotACheckpointError(f"cannot save metrics: no checkpoint at {store.url!r} (no object under it)")
+        store.write(METRICS_FILENAME, data)  # an object appears whole or not at all
+        return
+    directory = Path(_local(checkpoint_path))
     if not directory.is_dir():
         raise NotACheckpointError(f"cannot save metrics: checkpoint directory {str(directory)!r} does not exist")
-    data = json.dumps(clean, indent=2, sort_keys=True, allow_nan=False).encode("utf-8")
     write_bytes_atomic(directory / METRICS_FILENAME, data)
     logger.debug("saved metrics to %s", directory / METRICS_FILENAME)
 
@@ -580,11 +652,20 @@ def load_checkpoint_metrics(checkpoint_path: PathLike) -> Optional[Dict[str, flo
     Raises:
         CorruptCheckpointError: the metrics file is not valid JSON or not a dict of finite numbers.
     """
-    file = Path(checkpoint_path) / METRICS_FILENAME
-    if not file.is_file():
-        return None
+    store = _object_store(checkpoint_path)
+    if store is not None:
+        file: Union[str, Path] = store.url_of(METRICS_FILENAME)
+        try:
+            data = store.read(METRICS_FILENAME)
+        except ObjectNotFoundError:
+            return None
+    else:
+        file = Path(_local(checkpoint_path)) / METRICS_FILENAME
+        if not file.is_file():
+            return None
+        data = file.read_bytes()
     try:
-        raw = json.loads(file.read_bytes().decode("utf-8"), parse_constant=_reject_constant)
+        raw = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
     except ValueError as e:  # includes JSONDecodeError and UnicodeDecodeError
         raise CorruptCheckpointError(f"metrics file {file} is not valid JSON ({e}); delete or rewrite it") from e
     return _checked_metrics(raw, lambda msg: CorruptCheckpointError(f"metrics file {file} is corrupt: {msg}"))
@@ -641,12 +722,18 @@ def create_pretrained_symlinks(model_dir: PathLike, force_overwrite: bool = Fals
 
     Raises:
         NotACheckpointError: ``model_dir`` holds no complete checkpoint.
-        CheckpointManagementError: the latest complete checkpoint is not in HF format (a
+        CheckpointManagementError: ``model_dir`` is on an object store (no symlinks there), or the latest complete checkpoint is not in HF format (a
             dist_ckpt checkpoint has no weight files ``from_pretrained`` can read).
         SymlinkConflictError: a regular file (without ``force_overwrite``) or a directory is in
             the way of a link.
     """
-    root = Path(model_dir)
+    store = _object_store(model_dir)
+    if store is not None:
+        raise CheckpointManagementError(
+            f"cannot link pretrained weights in {store.url}: object stores have no symlinks; load the latest "
+            f"checkpoint from its URL (find_latest_checkpoint) or download its HF files into a local directory"
+        )
+    root = Path(_local(model_dir))
     latest = find_latest_checkpoint(root)
     if latest is None:
         raise NotACheckpointError(f"no complete checkpoint in {str(root)!r}; nothing to link")

@@ -38,6 +38,7 @@ import numpy as np
 
 from .errors import ChecksumMismatchError, CorruptCheckpointError, IncompatibleStrategyError
 from .storage import write_bytes_atomic
+from .storage.object_path import Node, ObjectPath
 
 __all__ = [
     "ALGORITHM",
@@ -241,13 +242,15 @@ class FileDigest:
         return {"size": self.size, ALGORITHM: crc_to_hex(self.crc32c)}
 
 
-def file_digest(path: Union[str, Path]) -> FileDigest:
-    """Read ``path`` once and return its size and crc32c.
+def file_digest(path: Union[str, Path, ObjectPath]) -> FileDigest:
+    """Read ``path`` once and return its size and crc32c (an object-store key is downloaded).
 
     Example::
 
         file_digest(ckpt / "common.pt").crc32c
     """
+    if isinstance(path, ObjectPath):
+        return bytes_digest(path.read_bytes())
     crc = size = 0
     buf = bytearray(_READ_CHUNK)
     view = memoryview(buf)
@@ -287,13 +290,16 @@ def manifest_document(files: Mapping[str, FileDigest]) -> Dict[str, Any]:
     }
 
 
-def write_manifest(path: Union[str, Path], files: Mapping[str, FileDigest]) -> None:
+def write_manifest(path: Union[str, Path, ObjectPath], files: Mapping[str, FileDigest]) -> None:
     """Write a manifest atomically and durably.
 
     Example::
 
         write_manifest(ckpt / "common.checksums.json", {"common.pt": file_digest(ckpt / "common.pt")})
     """
+    if isinstance(path, ObjectPath):
+        path.write_bytes(manifest_bytes(files))
+        return
     write_bytes_atomic(path, manifest_bytes(files))
 
 
@@ -346,7 +352,7 @@ def parse_manifest(doc: Any, path: Union[str, Path]) -> Dict[str, FileDigest]:
     return files
 
 
-def read_manifest(path: Union[str, Path]) -> Optional[Dict[str, FileDigest]]:
+def read_manifest(path: Union[str, Path, ObjectPath]) -> Optional[Dict[str, FileDigest]]:
     """The manifest at ``path``, or None if there is none (a checkpoint saved without checksums).
 
     Raises:
@@ -357,12 +363,12 @@ def read_manifest(path: Union[str, Path]) -> Optional[Dict[str, FileDigest]]:
 
         digests = read_manifest(ckpt / "zarr" / "checksums.json") or {}
     """
-    path = Path(path)
+    node = path if isinstance(path, ObjectPath) else Path(path)
     try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
+        raw = node.read_bytes()
+    except FileNotFoundError:  # ObjectNotFoundError is one
         return None
-    return parse_manifest_bytes(raw, str(path))
+    return parse_manifest_bytes(raw, str(node))
 
 
 def parse_manifest_bytes(raw: bytes, where: str) -> Dict[str, FileDigest]:
@@ -379,7 +385,7 @@ def parse_manifest_bytes(raw: bytes, where: str) -> Dict[str, FileDigest]:
     return parse_manifest(doc, where)
 
 
-def file_problem(path: Union[str, Path], expected: FileDigest, data: Optional[Bytes] = None) -> Optional[Tuple[str, bool]]:
+def file_problem(path: Union[str, Path, ObjectPath], expected: FileDigest, data: Optional[Bytes] = None) -> Optional[Tuple[str, bool]]:
     """What is wrong with the file at ``path`` (or ``data``, its bytes already read) compared with
     ``expected``: ``(problem, is_checksum_mismatch)``, or None if it matches.
 
@@ -402,7 +408,7 @@ def file_problem(path: Union[str, Path], expected: FileDigest, data: Optional[By
     return None
 
 
-def check_file(path: Union[str, Path], expected: FileDigest, what: str, data: Optional[Bytes] = None) -> None:
+def check_file(path: Union[str, Path, ObjectPath], expected: FileDigest, what: str, data: Optional[Bytes] = None) -> None:
     """Raise if the file at ``path`` (or ``data``, its already-read bytes) does not match ``expected``.
 
     Example::
@@ -466,11 +472,15 @@ class IntegrityReport:
         self.problems.append(IntegrityProblem(path, problem, key))
 
 
-def relative(path: Path, root: Path) -> str:
+def relative(path: Node, root: Node) -> str:
     """``path`` relative to ``root``, ``/``-separated (for reports and manifests).
 
     Example::
 
         relative(Path("ckpt/zarr/w/c/0"), Path("ckpt/zarr"))   # "w/c/0"
     """
+    if isinstance(path, ObjectPath) or isinstance(root, ObjectPath):
+        if not (isinstance(path, ObjectPath) and isinstance(root, ObjectPath)):
+            raise ValueError(f"{path} and {root} are not on the same storage")
+        return path.relative_to(root)
     return Path(os.path.relpath(path, root)).as_posix()

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import errors
+from .storage import errors as storage_errors
 from .errors import CheckpointingException, KeyMismatchError, RankFailedError
 
 logger = logging.getLogger(__name__)
@@ -217,7 +218,8 @@ def _rebuild(info: dict[str, Any], failed_ranks: List[int]) -> CheckpointingExce
     others = [r for r in failed_ranks if r != rank]
     if others:
         message += f" (ranks {others} failed too)"
-    cls = getattr(errors, info["type"], None)
+    # the family lives in errors.py, and the storage layer's members in storage/errors.py
+    cls = getattr(errors, info["type"], None) or getattr(storage_errors, info["type"], None)
     if isinstance(cls, type) and issubclass(cls, CheckpointingException):
         if cls is KeyMismatchError:
             return KeyMismatchError(message, info.get("missing_keys", ()), info.get("unexpected_keys", ()))

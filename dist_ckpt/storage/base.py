@@ -18,6 +18,7 @@ operation              what it guarantees
 ``read_ranges``        many byte ranges, concurrently, straight into the caller's buffers
 ``size`` / ``exists``  object metadata
 ``list``               every object under a prefix (recursive), sorted by key
+``list_dirs``          the "directories" directly under a prefix (one level)
 ``delete`` /           remove one object (missing is fine) / everything under a prefix
 ``delete_prefix``
 =====================  =====================================================================
@@ -503,6 +504,20 @@ class Storage(abc.ABC):
 
             files = [o.key for o in storage.list("safetensors")]
         """
+
+    def list_dirs(self, prefix: str = "") -> List[str]:
+        """Names of the "directories" directly under ``prefix`` ("" for the root), sorted: the
+        next key component of every object deeper down (S3's common prefixes). Lets a run's
+        checkpoints be found without listing every object of every checkpoint.
+
+        This default lists every object; implementations list one level.
+
+        Example::
+
+            open_storage("s3://bucket/run1").list_dirs()   # ["iter_0000100", "iter_0000200"]
+        """
+        start = len(prefix) + 1 if prefix else 0
+        return sorted({o.key[start:].split("/", 1)[0] for o in self.list(prefix) if "/" in o.key[start:]})
 
     @abc.abstractmethod
     def delete(self, key: str) -> None:

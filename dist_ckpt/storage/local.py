@@ -368,6 +368,16 @@ class LocalStorage(Storage):
                     found.append(ObjectInfo(key, os.stat(os.path.join(dirpath, name)).st_size))
         return sorted(found, key=lambda o: o.key)
 
+    def list_dirs(self, prefix: str = "") -> List[str]:
+        validate_prefix(prefix)
+        self._counters.add(metadata_requests=1)
+        base = self.local_path(prefix) if prefix else self.root
+        try:
+            with os.scandir(base) as it:
+                return sorted(e.name for e in it if e.is_dir(follow_symlinks=False) and not _is_temp_name(e.name))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
     def delete(self, key: str) -> None:
         self._counters.add(metadata_requests=1)
         with contextlib.suppress(FileNotFoundError):

@@ -336,6 +336,15 @@ class S3Storage(Storage):
 
         return sorted(self._call("LIST", prefix, collect), key=lambda o: o.key)
 
+    def list_dirs(self, prefix: str = "") -> List[str]:
+        obstore = import_obstore()
+        validate_prefix(prefix)
+        self._counters.add(metadata_requests=1)
+        full = self._path(prefix) if prefix else self.prefix
+        listing = self._call("LIST", prefix, obstore.list_with_delimiter, self._client.store, prefix=full or None)
+        strip = len(full) + 1 if full else 0
+        return sorted(str(p)[strip:] for p in listing["common_prefixes"])
+
     def delete(self, key: str) -> None:
         obstore = import_obstore()
         self._counters.add(metadata_requests=1)

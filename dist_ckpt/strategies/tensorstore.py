@@ -19,6 +19,15 @@ file a load touches by reading it once before TensorStore does (a second pass ov
 the second one from the page cache); ``verify_checksums=False`` skips it (see
 :mod:`.zarr_checksums`).
 
+Object stores: an ``s3://`` checkpoint is written and read by TensorStore's own ``s3`` kvstore
+driver, configured from the checkpoint's ``S3Storage``
+(:meth:`~dist_ckpt.storage.s3.S3Storage.tensorstore_kvstore`: bucket, path, region, endpoint,
+retries; credentials from the same AWS environment). Chunks are PUT whole
+(``store_data_equal_to_fill_value=True``: an all-zero chunk is written, never deleted), nothing
+is fsynced, and -- since TensorStore never shows the bytes -- both the save's digests and the
+load's checksum verification download each chunk object once more (pass
+``verify_checksums=False`` to load without the second download).
+
 Selecting it (the zarr-python engine stays the registered default)::
 
     from dist_ckpt.strategies.tensorstore import TensorStoreLoadShardedStrategy
@@ -59,7 +68,8 @@ from ..distributed import get_rank, run_collectively
 from ..dtypes import numpy_to_tensor, tensor_to_numpy
 from ..geometry import Box, piece_view, sub_view
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
-from ..storage.location import CheckpointLocation, require_local
+from ..storage.location import CheckpointLocation
+from ..storage.object_path import Node, ObjectPath
 from .base import (
     LoadShardedStrategy,
     SaveShardedStrategy,
@@ -80,6 +90,7 @@ from .zarr_layout import (
     ReadPlan,
     array_chunk_shape,
     array_metadata,
+    checkpoint_node,
     chunk_key,
     chunked_attributes,
     creates_flattened_group,
@@ -91,6 +102,7 @@ from .zarr_layout import (
     fsync_written,
     is_origin,
     load_zarr_based_sharded_metadata,
+    make_dirs,
     plan_request,
     tensor_dir,
     write_group,
@@ -120,11 +132,16 @@ def _context(concurrency: Optional[int]) -> "ts.Context":
     return ts.Context(spec)
 
 
-def _spec(arr_path: Path) -> Dict[str, Any]:
+_ENGINE = "the TensorStore engine"
+
+
+def _spec(arr_path: Node) -> Dict[str, Any]:
+    if isinstance(arr_path, ObjectPath):  # checkpoint_node made sure it is an S3Storage
+        return {"driver": "zarr3", "kvstore": arr_path.storage.tensorstore_kvstore(arr_path.key)}  # type: ignore[attr-defined]
     return {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(arr_path)}}
 
 
-def open_ts_array(arr_path: Path, context: Optional["ts.Context"] = None) -> "ts.TensorStore":
+def open_ts_array(arr_path: Node, context: Optional["ts.Context"] = None) -> "ts.TensorStore":
     """Open the zarr v3 array at ``arr_path`` for reading with TensorStore.
 
     Missing chunks make reads fail (``fill_missing_data_reads=False``) instead of returning the
@@ -208,6 +225,7 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
     """
 
     owned_paths: ClassVar[Tuple[str, ...]] = (ZARR_DIR,)
+    object_storage: ClassVar[bool] = True
 
     def __init__(self, backend: str = "zarr", version: int = 1, *, concurrency: Optional[int] = None) -> None:
         if (backend, version) != ("zarr", 1):
@@ -217,8 +235,12 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
         super().__init__(backend, version)
         self.concurrency = concurrency
 
+    def check_location(self, checkpoint_dir: CheckpointLocation) -> None:
+        """Local directories and S3 (TensorStore's s3 driver); other object stores are refused."""
+        checkpoint_node(checkpoint_dir, _ENGINE)
+
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> None:
-        root = require_local(checkpoint_dir, "the TensorStore engine") / ZARR_DIR
+        root = checkpoint_node(checkpoint_dir, _ENGINE) / ZARR_DIR
         shards = [
             s
             for s in nested_values(sharded_state_dict)
@@ -233,12 +255,12 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
         commit_checksums(root, created + chunks)
 
     @staticmethod
-    def _create_nodes(root: Path, shards: List[ShardedTensor], context: "ts.Context") -> List[Path]:
-        root.mkdir(parents=True, exist_ok=True)
-        written: List[Path] = []
+    def _create_nodes(root: Node, shards: List[ShardedTensor], context: "ts.Context") -> List[Node]:
+        make_dirs(root)
+        written: List[Node] = []
         if get_rank() == 0:
             written.append(write_group(root, {}))
-        pending: List[Tuple[Tuple[str, Path], Any]] = []
+        pending: List[Tuple[Tuple[str, Node], Any]] = []
         for sh in shards:
             path = tensor_dir(root, sh.key)
             if sh.flattened_range is None:
@@ -265,8 +287,8 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
         return written
 
     @staticmethod
-    def _write_chunks(root: Path, shards: List[ShardedTensor], context: "ts.Context") -> List[Path]:
-        targets: List[Tuple[ShardedTensor, Path, Tuple[slice, ...], np.ndarray, List[Path]]] = []
+    def _write_chunks(root: Node, shards: List[ShardedTensor], context: "ts.Context") -> List[Node]:
+        targets: List[Tuple[ShardedTensor, Node, Tuple[slice, ...], np.ndarray, List[Node]]] = []
         for sh in shards:
             if sh.data is None:
                 raise CheckpointingException(f"[rank {get_rank()}] main replica of {sh.key!r} has no data to save")
@@ -287,13 +309,13 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
             files = [path / chunk_key((i,)) for i in range(math.ceil(length / chunk))]
             targets.append((sh, path, (slice(0, length),), data, files))
         # open every array concurrently, then issue every write before waiting for any
-        opened: Dict[Path, Any] = {}
+        opened: Dict[Node, Any] = {}
         for _, path, _, _, _ in targets:
             if path not in opened:
                 opened[path] = ts.open(
                     dict(_spec(path), store_data_equal_to_fill_value=True), open=True, write=True, context=context
                 )
-        pending: List[Tuple[Tuple[str, Path], Any]] = []
+        pending: List[Tuple[Tuple[str, Node], Any]] = []
         open_failed = []
         for sh, path, region, data, _ in targets:
             try:
@@ -314,7 +336,7 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
         return written
 
 
-def _create_array(path: Path, metadata: Dict[str, Any], context: "ts.Context") -> Any:
+def _create_array(path: Node, metadata: Dict[str, Any], context: "ts.Context") -> Any:
     # store_data_equal_to_fill_value: an all-zero chunk must still exist on disk, so that a
     # missing chunk can be told apart from a zero one
     spec = dict(_spec(path), metadata=metadata, store_data_equal_to_fill_value=True)
@@ -377,8 +399,12 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
         self.max_staged_bytes = max_staged_bytes
         self.verify_checksums = verify_checksums
 
+    def check_location(self, checkpoint_dir: CheckpointLocation) -> None:
+        """Local directories and S3 (TensorStore's s3 driver); other object stores are refused."""
+        checkpoint_node(checkpoint_dir, _ENGINE)
+
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> StateDict:
-        local = require_local(checkpoint_dir, "the TensorStore engine")
+        local = checkpoint_node(checkpoint_dir, _ENGINE)
         requested = [s for s in nested_values(sharded_state_dict) if isinstance(s, ShardedTensor)]
         # 1. metadata, dtype/shape checks and coverage, before any data is read
         plans = plan_request(requested, local)
@@ -421,9 +447,9 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
         paths = {op.array_path for plan in plans.values() for op in plan.ops}
         opening = {
             p: ts.open(dict(_spec(p), fill_missing_data_reads=False), open=True, read=True, context=context)
-            for p in sorted(paths)
+            for p in sorted(paths, key=str)
         }
-        arrays: Dict[Path, Any] = {}
+        arrays: Dict[Node, Any] = {}
         for path, future in opening.items():
             try:
                 arrays[path] = future.result()
@@ -474,20 +500,20 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
     def load_tensors_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
         context = _context(self.concurrency)
 
-        def shape_dtype(path: str) -> Tuple[Tuple[int, ...], np.dtype]:
-            array = open_ts_array(Path(path), context)
+        def shape_dtype(path: Union[str, ObjectPath]) -> Tuple[Tuple[int, ...], np.dtype]:
+            array = open_ts_array(path if isinstance(path, ObjectPath) else Path(path), context)
             return tuple(int(n) for n in array.shape), np.dtype(array.dtype.numpy_dtype)
 
-        return load_zarr_based_sharded_metadata(require_local(checkpoint_dir, "the TensorStore engine"), shape_dtype)
+        return load_zarr_based_sharded_metadata(checkpoint_node(checkpoint_dir, _ENGINE), shape_dtype)
 
     def verify_integrity(self, checkpoint_dir: CheckpointLocation) -> IntegrityReport:
         """Every file of ``zarr/`` against ``zarr/checksums.json`` (see :mod:`.zarr_checksums`)."""
-        return verify_zarr(require_local(checkpoint_dir, "the TensorStore engine"))
+        return verify_zarr(checkpoint_node(checkpoint_dir, _ENGINE))
 
 
 
 
-def _check_touched_files(requested: List[ShardedTensor], plans: Dict[int, ReadPlan], checkpoint_dir: Path) -> None:
+def _check_touched_files(requested: List[ShardedTensor], plans: Dict[int, ReadPlan], checkpoint_dir: Node) -> None:
     """Check every file the plans read (array metadata and chunks) against the manifest."""
     manifest = read_checksums(checkpoint_dir)
     if manifest is None or not requested:

@@ -21,6 +21,12 @@ reported instead of silently read as zeros.
 Checksums: the save ends with ``zarr/checksums.json``, a crc32c of every file under ``zarr/``
 (see :mod:`.zarr_checksums`); the loader checks every file it reads against it, from the bytes
 zarr-python reads (no extra I/O).
+
+Object stores: an ``s3://`` checkpoint is written and read by zarr-python itself, through
+``zarr.storage.ObjectStore`` over the obstore client of the checkpoint's ``S3Storage`` (same
+endpoint, credentials, retries): each chunk is one object, PUT once by one rank. Nothing is
+fsynced there (an object is durable when its PUT returns), and the save digests each object from
+the bytes zarr-python hands the store (:class:`_Stores`), not by downloading it again.
 """
 
 from __future__ import annotations
@@ -32,22 +38,23 @@ import shutil
 import uuid
 from itertools import product
 from pathlib import Path
-from typing import Any, ClassVar, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 import zarr
 from zarr.codecs import BytesCodec
 
-from ..checksums import IntegrityReport
+from ..checksums import FileDigest, IntegrityReport, bytes_digest
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..distributed import get_rank, run_collectively
 from ..dtypes import dtype_info, numpy_to_tensor, tensor_to_numpy
 from ..errors import CheckpointingException, CorruptCheckpointError
 from ..geometry import Box, piece_view, sub_view
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
-from ..storage.location import CheckpointLocation, require_local
+from ..storage.location import CheckpointLocation
 from ..storage import fsync_dir, fsync_file
+from ..storage.object_path import Node, ObjectPath
 from ._zarr_dtypes import register_extension_dtypes
 from .base import LoadShardedStrategy, SaveShardedStrategy
 from .zarr_checksums import (
@@ -64,10 +71,12 @@ from .zarr_layout import (
     LAYOUT_FLATTENED,
     ZARR_DIR,
     ReadOp,
+    checkpoint_node,
     flatten_range,
     fragment_name,
     list_tensor_names,
     load_zarr_based_sharded_metadata,
+    make_dirs,
     open_tensor_info,
     pad_to_expected_shape,
     plan_request,
@@ -104,10 +113,16 @@ def _cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-def _fsync_tree(paths: Sequence[Path], stop_at: Path) -> None:
-    """fsync files, then every directory from their parents up to ``stop_at``."""
+_ENGINE = "the zarr backend (zarr-python)"
+
+
+def _fsync_tree(paths: Sequence[Node], stop_at: Node) -> None:
+    """fsync files, then every directory from their parents up to ``stop_at`` (local only)."""
+    if not isinstance(stop_at, Path):
+        return  # an object is durable once its PUT has returned
     dirs = set()
     for p in paths:
+        assert isinstance(p, Path)
         fsync_file(p)
         parent = p.parent
         while parent != stop_at and stop_at in parent.parents:
@@ -116,6 +131,43 @@ def _fsync_tree(paths: Sequence[Path], stop_at: Path) -> None:
     dirs.add(stop_at)
     for d in sorted(dirs, key=lambda d: len(d.parts), reverse=True):
         fsync_dir(d)
+
+
+class _Stores:
+    """Where zarr-python finds a node: a local path, or a path under one ``ObjectStore`` per
+    S3 storage (one client, its connection pool shared by every array of the checkpoint).
+
+    A writable object store records the digest of every object it PUTs (``digests``, by node),
+    from the very bytes it sends, so that the checksum manifest needs no download."""
+
+    def __init__(self, read_only: bool) -> None:
+        self.read_only = read_only
+        self.digests: Dict[Node, FileDigest] = {}
+        self._object_stores: Dict[str, Any] = {}
+
+    def at(self, node: Node) -> Tuple[Any, str]:
+        """``(store, path)`` of ``node`` for ``zarr.open_array(store=..., path=...)``."""
+        if isinstance(node, Path):
+            return str(node), ""
+        url = node.storage.url
+        if url not in self._object_stores:
+            obstore_store = node.storage.obstore_store()  # type: ignore[attr-defined]
+            if self.read_only:
+                self._object_stores[url] = zarr.storage.ObjectStore(obstore_store, read_only=True)
+            else:
+                self._object_stores[url] = _recording_store(obstore_store, ObjectPath(node.storage), self.digests)
+        return self._object_stores[url], node.key
+
+
+def _recording_store(obstore_store: Any, root: ObjectPath, digests: Dict[Node, FileDigest]) -> Any:
+    """A writable ``zarr.storage.ObjectStore`` that records the digest of each object it PUTs."""
+
+    class _Recording(zarr.storage.ObjectStore):  # type: ignore[type-arg]
+        async def set(self, key: str, value: Any) -> None:
+            await super().set(key, value)
+            digests[root / key] = bytes_digest(value.as_numpy_array())
+
+    return _Recording(obstore_store, read_only=False)
 
 
 class ZarrSaveShardedStrategy(SaveShardedStrategy):
@@ -128,27 +180,34 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
     """
 
     owned_paths: ClassVar[Tuple[str, ...]] = (ZARR_DIR,)
+    object_storage: ClassVar[bool] = True
 
     def __init__(self, backend: str = "zarr", version: int = 1) -> None:
         super().__init__(backend, version)
         register_extension_dtypes()
 
+    def check_location(self, checkpoint_dir: CheckpointLocation) -> None:
+        """Local directories and S3 (through zarr-python's ObjectStore); other object stores are refused."""
+        checkpoint_node(checkpoint_dir, _ENGINE)
+
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> None:
-        root = require_local(checkpoint_dir, "the zarr backend") / ZARR_DIR
+        root = checkpoint_node(checkpoint_dir, _ENGINE) / ZARR_DIR
         shards = [
             s
             for s in nested_values(sharded_state_dict)
             if isinstance(s, ShardedTensor) and is_main_replica(s.replica_id)
         ]
-        created = run_collectively("creating zarr arrays", lambda: self._create_nodes(root, shards))
-        chunks = run_collectively("writing zarr chunks", lambda: self._write_chunks(root, shards))
-        commit_checksums(root, created + chunks)
+        stores = _Stores(read_only=False)
+        created = run_collectively("creating zarr arrays", lambda: self._create_nodes(root, shards, stores))
+        chunks = run_collectively("writing zarr chunks", lambda: self._write_chunks(root, shards, stores))
+        commit_checksums(root, created + chunks, stores.digests)
 
-    def _create_nodes(self, root: Path, shards: List[ShardedTensor]) -> List[Path]:
-        root.mkdir(parents=True, exist_ok=True)
-        written: List[Path] = []
+    def _create_nodes(self, root: Node, shards: List[ShardedTensor], stores: _Stores) -> List[Node]:
+        make_dirs(root)
+        written: List[Node] = []
         if get_rank() == 0:
-            zarr.create_group(store=str(root), overwrite=False)
+            store, at = stores.at(root)
+            zarr.create_group(store=store, path=at or None, overwrite=False)
             written.append(root / "zarr.json")
         for sh in shards:
             info = dtype_info(sh.dtype)
@@ -156,8 +215,10 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
             attrs = {"key": sh.key, "dtype": info.name}
             if sh.flattened_range is None:
                 if _is_origin(sh):
+                    store, name = stores.at(path)
                     zarr.create_array(
-                        store=str(path),
+                        store=store,
+                        name=name or None,
                         shape=sh.global_shape,
                         chunks=tuple(max(1, c) for c in sh.full_local_shape),
                         dtype=info.numpy_dtype,
@@ -177,21 +238,24 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
                     global_shape=list(sh.global_shape),
                     chunk_shape=list(sh.full_local_shape),
                 )
-                zarr.create_group(store=str(path), attributes={ATTR: group_attrs}, overwrite=False)
+                store, name = stores.at(path)
+                zarr.create_group(store=store, path=name or None, attributes={ATTR: group_attrs}, overwrite=False)
                 written.append(path / "zarr.json")
             if stop > start:
-                written += self._write_fragment(path / fragment_name(sh), sh)
+                written += self._write_fragment(path / fragment_name(sh), sh, stores)
         _fsync_tree(written, root)
         return written
 
     @staticmethod
-    def _write_fragment(path: Path, sh: ShardedTensor) -> List[Path]:
+    def _write_fragment(path: Node, sh: ShardedTensor, stores: _Stores) -> List[Node]:
         assert sh.flattened_range is not None and sh.data is not None
         start, stop = sh.flattened_range.start, sh.flattened_range.stop
         length = stop - start
         chunk = min(length, FRAGMENT_CHUNK_ELEMENTS)
+        store, name = stores.at(path)
         arr = zarr.create_array(
-            store=str(path),
+            store=store,
+            name=name or None,
             shape=(length,),
             chunks=(chunk,),
             dtype=dtype_info(sh.dtype).numpy_dtype,
@@ -204,16 +268,17 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
         chunk_files = [path / arr.metadata.encode_chunk_key((i,)) for i in range(math.ceil(length / chunk))]
         return [path / "zarr.json"] + chunk_files
 
-    def _write_chunks(self, root: Path, shards: List[ShardedTensor]) -> List[Path]:
+    def _write_chunks(self, root: Node, shards: List[ShardedTensor], stores: _Stores) -> List[Node]:
         arrays: Dict[str, Any] = {}
-        written: List[Path] = []
+        written: List[Node] = []
         for sh in shards:
             if sh.flattened_range is not None or math.prod(sh.local_shape) == 0:
                 continue
             assert sh.data is not None, f"{sh.key!r} has no data to save"
             path = tensor_dir(root, sh.key)
             if sh.key not in arrays:
-                arrays[sh.key] = zarr.open_array(store=str(path), mode="r+").with_config(_WRITE_EMPTY)
+                store, name = stores.at(path)
+                arrays[sh.key] = zarr.open_array(store=store, path=name, mode="r+").with_config(_WRITE_EMPTY)
             arr = arrays[sh.key]
             local = tensor_to_numpy(_cpu_contiguous(sh.data)).reshape(sh.full_local_shape)
             region = tuple(slice(o, o + s) for o, s in zip(sh.global_offset, sh.full_local_shape))
@@ -241,16 +306,29 @@ class _ArrayReader:
     """Reads regions of zarr arrays with zarr-python, refusing missing or short chunk files and,
     with ``stores``, files whose checksum differs from the manifest."""
 
-    def __init__(self, stores: Optional[VerifyingStore] = None) -> None:
-        self._arrays: Dict[Path, Any] = {}
+    def __init__(self, root: Node, stores: Optional[VerifyingStore] = None) -> None:
+        self._arrays: Dict[Node, Any] = {}
         self._stores = stores
+        self._plain = _Stores(read_only=True)
+        self._verifying: Any = None
+        if isinstance(root, ObjectPath) and stores is not None:  # one verifying store at zarr/
+            self._verifying = stores.open_objects(root.storage.child(root.key).obstore_store(), str(root))  # type: ignore[attr-defined]
+        self._root = root
 
-    def read(self, path: Path, region: Box, key: str) -> np.ndarray:
+    def _store_of(self, path: Node) -> Tuple[Any, str]:
+        if isinstance(path, Path):
+            return (self._stores.open(path) if self._stores is not None else str(path)), ""
+        if self._verifying is not None:
+            assert isinstance(self._root, ObjectPath)
+            return self._verifying, path.relative_to(self._root)
+        return self._plain.at(path)
+
+    def read(self, path: Node, region: Box, key: str) -> np.ndarray:
         array: Any = self._arrays.get(path)
         if array is None:
-            store = self._stores.open(path, key) if self._stores is not None else str(path)
+            store, name = self._store_of(path)
             try:
-                array = self._arrays[path] = zarr.open_array(store=store, mode="r")
+                array = self._arrays[path] = zarr.open_array(store=store, path=name, mode="r")
             except CheckpointingException:
                 raise
             except Exception as e:  # noqa: BLE001 -- unreadable metadata means a damaged checkpoint
@@ -272,8 +350,10 @@ class _ArrayReader:
                 )
         try:
             return np.asarray(array[tuple(slice(o, o + s) for o, s in zip(region.offset, region.shape))])
-        except CheckpointingException:
-            raise  # e.g. a checksum mismatch, which names the file
+        except CheckpointingException as e:  # e.g. a checksum mismatch, which names the file
+            if repr(key) in str(e):
+                raise
+            raise type(e)(f"[rank {get_rank()}] tensor {key!r}: {e}") from None
         except Exception as e:  # noqa: BLE001 -- a decode failure means a damaged chunk
             raise CorruptCheckpointError(
                 f"[rank {get_rank()}] cannot read tensor {key!r} from {str(path)!r} (region offset "
@@ -294,17 +374,23 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
 
     supported_backends: ClassVar[Tuple[str, ...]] = ("zarr",)
     supported_versions: ClassVar[Tuple[int, ...]] = (1,)
+    object_storage: ClassVar[bool] = True
 
     def __init__(self, verify_checksums: bool = True) -> None:
         register_extension_dtypes()
         self.verify_checksums = verify_checksums
 
+    def check_location(self, checkpoint_dir: CheckpointLocation) -> None:
+        """Local directories and S3 (through zarr-python's ObjectStore); other object stores are refused."""
+        checkpoint_node(checkpoint_dir, _ENGINE)
+
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> StateDict:
+        node = checkpoint_node(checkpoint_dir, _ENGINE)
         requested = [s for s in nested_values(sharded_state_dict) if isinstance(s, ShardedTensor)]
-        plans = plan_request(requested, require_local(checkpoint_dir, "the zarr backend"))  # every check happens before any read
-        root = require_local(checkpoint_dir, "the zarr backend") / ZARR_DIR
-        manifest = read_checksums(require_local(checkpoint_dir, "the zarr backend")) if self.verify_checksums and requested else None
-        reader = _ArrayReader(VerifyingStore(root, manifest) if manifest is not None else None)
+        plans = plan_request(requested, node)  # every check happens before any read
+        root = node / ZARR_DIR
+        manifest = read_checksums(node) if self.verify_checksums and requested else None
+        reader = _ArrayReader(root, VerifyingStore(root, manifest) if manifest is not None else None)
 
         def load_one(x: Any) -> Any:
             if not isinstance(x, ShardedTensor):
@@ -327,19 +413,28 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         sub_view(target, op.dst.box, op.inter).copy_(sub_view(data, op.src_box, op.inter))
 
     def load_tensors_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
-        def shape_dtype(path: str) -> Tuple[Tuple[int, ...], np.dtype]:
-            array = zarr.open_array(store=path, mode="r")
+        stores = _Stores(read_only=True)
+
+        def shape_dtype(path: Union[str, ObjectPath]) -> Tuple[Tuple[int, ...], np.dtype]:
+            store, name = stores.at(path) if isinstance(path, ObjectPath) else (path, "")
+            array = zarr.open_array(store=store, path=name, mode="r")
             return tuple(array.shape), np.dtype(array.dtype)
 
-        return load_zarr_based_sharded_metadata(require_local(checkpoint_dir, "the zarr backend"), shape_dtype)
+        return load_zarr_based_sharded_metadata(checkpoint_node(checkpoint_dir, _ENGINE), shape_dtype)
 
     def verify_integrity(self, checkpoint_dir: CheckpointLocation) -> IntegrityReport:
         """Every file of ``zarr/`` against ``zarr/checksums.json`` (see :mod:`.zarr_checksums`)."""
-        return verify_zarr(require_local(checkpoint_dir, "the zarr backend"))
+        return verify_zarr(checkpoint_node(checkpoint_dir, _ENGINE))
 
     def remove_sharded_tensors(self, checkpoint_dir: CheckpointLocation, key_prefix: str) -> None:
-        """Delete tensors whose key starts with ``key_prefix``; each key goes whole or not at all."""
-        root = require_local(checkpoint_dir, "the zarr backend") / ZARR_DIR
+        """Delete tensors whose key starts with ``key_prefix``; each key goes whole or not at all
+        (on an object store, which cannot rename: its ``zarr.json`` goes first, and from then on
+        the key is absent)."""
+        node = checkpoint_node(checkpoint_dir, _ENGINE)
+        if isinstance(node, ObjectPath):
+            remove_tensor_objects(node / ZARR_DIR, key_prefix)
+            return
+        root = node / ZARR_DIR
         for name in list_tensor_names(root):
             info = open_tensor_info(root, name)
             if info is not None and info.key.startswith(key_prefix):
@@ -348,6 +443,18 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
                 fsync_dir(root)
                 drop_from_checksums(root, name)
                 shutil.rmtree(trash)
+
+
+def remove_tensor_objects(root: ObjectPath, key_prefix: str) -> None:
+    """:meth:`ZarrLoadShardedStrategy.remove_sharded_tensors` on an object store (either engine's
+    checkpoints: the layout is the same)."""
+    zarr_dir = root.storage.child(root.key)
+    for name in list_tensor_names(root):
+        info = open_tensor_info(root, name)
+        if info is not None and info.key.startswith(key_prefix):
+            zarr_dir.delete(f"{name}/zarr.json")  # the key is gone from here on
+            drop_from_checksums(root, name)
+            zarr_dir.delete_prefix(name)
 
 
 def register_default_zarr_strategies() -> None:

@@ -40,6 +40,7 @@ from ..distributed import gather_json, get_rank, run_collectively
 from ..dtypes import dtype_from_name, dtype_info
 from ..errors import CheckpointingException
 from ..geometry import Box
+from ..storage.object_path import Node, ObjectPath, node_files
 from .zarr_layout import (
     CHECKSUMS_FILENAME,
     LAYOUT_CHUNKED,
@@ -67,9 +68,10 @@ logger = logging.getLogger(__name__)
 
 
 
-def commit_checksums(root: Path, written: Sequence[Path]) -> None:
+def commit_checksums(root: Node, written: Sequence[Node], known: Optional[Mapping[Node, FileDigest]] = None) -> None:
     """Collective: digest the files this rank wrote under ``root`` (``zarr/``); rank 0 writes the
-    manifest of every rank's files.
+    manifest of every rank's files. Files in ``known`` (digested as they were written) are not
+    read again.
 
     Example::
 
@@ -77,7 +79,7 @@ def commit_checksums(root: Path, written: Sequence[Path]) -> None:
     """
     local = run_collectively(
         "digesting zarr files",
-        lambda: {relative(p, root): file_digest(p).to_json() for p in sorted(set(written))},
+        lambda: {relative(p, root): _digest(p, known).to_json() for p in sorted(set(written), key=str)},
     )
     gathered = gather_json(local)
 
@@ -94,17 +96,22 @@ def commit_checksums(root: Path, written: Sequence[Path]) -> None:
     run_collectively("writing zarr/checksums.json", write)
 
 
-def read_checksums(checkpoint_dir: Path) -> Optional[Dict[str, FileDigest]]:
+def _digest(path: Node, known: Optional[Mapping[Node, FileDigest]]) -> FileDigest:
+    found = known.get(path) if known else None
+    return found if found is not None else file_digest(path)
+
+
+def read_checksums(checkpoint_dir: Node) -> Optional[Dict[str, FileDigest]]:
     """The manifest of a zarr checkpoint, or None if it was saved without checksums.
 
     Example::
 
         manifest = read_checksums(Path("ckpt/iter_1000")) or {}
     """
-    return read_manifest(Path(checkpoint_dir) / ZARR_DIR / CHECKSUMS_FILENAME)
+    return read_manifest(checkpoint_dir / ZARR_DIR / CHECKSUMS_FILENAME)
 
 
-def drop_from_checksums(root: Path, tensor_dir_name: str) -> None:
+def drop_from_checksums(root: Node, tensor_dir_name: str) -> None:
     """Remove a deleted tensor's files from the manifest (if there is one); one process calls it.
 
     Example::
@@ -117,7 +124,7 @@ def drop_from_checksums(root: Path, tensor_dir_name: str) -> None:
         write_manifest(root / CHECKSUMS_FILENAME, kept)
 
 
-def chunk_files(array_path: Path, region: Box) -> List[Path]:
+def chunk_files(array_path: Node, region: Box) -> List[Node]:
     """The chunk files of the array at ``array_path`` that hold ``region``.
 
     Example::
@@ -134,7 +141,7 @@ def chunk_files(array_path: Path, region: Box) -> List[Path]:
     return [array_path / chunk_key(coords) for coords in chunk_coords(region, chunk_shape)]
 
 
-def check_files(root: Path, paths: Sequence[Path], manifest: Mapping[str, FileDigest], key: str) -> None:
+def check_files(root: Node, paths: Sequence[Node], manifest: Mapping[str, FileDigest], key: str) -> None:
     """Check each file under ``root`` that the manifest lists against it (read once each).
 
     Example::
@@ -157,41 +164,57 @@ class VerifyingStore:
     by the zarr engine that calls :meth:`open`.
     """
 
-    def __init__(self, root: Path, manifest: Mapping[str, FileDigest]) -> None:
+    def __init__(self, root: Node, manifest: Mapping[str, FileDigest]) -> None:
         self.root = root
         self.manifest = manifest
         self._cls: Any = None
 
-    def open(self, array_path: Path, key: str) -> Any:
-        """A read-only ``LocalStore`` subclass rooted at ``array_path``, the array of tensor ``key``
-        (named in its errors)."""
+    def open(self, array_path: Path) -> Any:
+        """A read-only ``LocalStore`` subclass rooted at ``array_path`` (under a local root)."""
+        assert isinstance(self.root, Path), "open_objects serves object stores"
         if self._cls is None:
             self._cls = _store_class()
-        return self._cls(array_path, self.root, self.manifest, key)
+        return self._cls(array_path, self.root, self.manifest)
+
+    def open_objects(self, obstore_store: Any, url: str) -> Any:
+        """A read-only ``zarr.storage.ObjectStore`` subclass over ``obstore_store``, which must be
+        rooted at ``zarr/`` (an S3 checkpoint's ``self.root``; ``url`` names it in errors):
+        arrays are opened by their path under it, and every key is one the manifest lists."""
+        from zarr.storage import ObjectStore
+
+        manifest = self.manifest
+
+        class _Objects(ObjectStore):  # type: ignore[type-arg]
+            async def get(self, key: str, prototype: Any = None, byte_range: Any = None) -> Any:
+                buf = await super().get(key, prototype, byte_range)
+                expected = manifest.get(key)
+                if buf is not None and byte_range is None and expected is not None:
+                    check_file(f"{url}/{key}", expected, f"[rank {get_rank()}] zarr object", buf.as_numpy_array())
+                return buf
+
+        return _Objects(obstore_store, read_only=True)
 
 
 def _store_class() -> Any:
     from zarr.storage import LocalStore
 
     class _Store(LocalStore):
-        def __init__(self, path: Path, root: Path, manifest: Mapping[str, FileDigest], key: str) -> None:
+        def __init__(self, path: Path, root: Path, manifest: Mapping[str, FileDigest]) -> None:
             super().__init__(str(path), read_only=True)
             self._prefix = relative(path, root)
             self._manifest = manifest
-            self._key = key
 
         async def get(self, key: str, prototype: Any = None, byte_range: Any = None) -> Any:
             buf = await super().get(key, prototype, byte_range)
             expected = self._manifest.get(f"{self._prefix}/{key}")
             if buf is not None and byte_range is None and expected is not None:
-                what = f"[rank {get_rank()}] tensor {self._key!r}: zarr file"
-                check_file(Path(str(self.root)) / key, expected, what, buf.as_numpy_array())
+                check_file(Path(str(self.root)) / key, expected, f"[rank {get_rank()}] zarr file", buf.as_numpy_array())
             return buf
 
     return _Store
 
 
-def verify_zarr(checkpoint_dir: Path) -> IntegrityReport:
+def verify_zarr(checkpoint_dir: Node) -> IntegrityReport:
     """Check every file of a zarr-format checkpoint; never raises for a damaged one.
 
     With a manifest: every listed file must exist with its size and crc. Without (older
@@ -202,7 +225,7 @@ def verify_zarr(checkpoint_dir: Path) -> IntegrityReport:
 
         for problem in verify_zarr(Path("ckpt/iter_1000")).problems: print(problem)
     """
-    checkpoint_dir = Path(checkpoint_dir)
+    checkpoint_dir = checkpoint_dir if isinstance(checkpoint_dir, ObjectPath) else Path(checkpoint_dir)
     root = checkpoint_dir / ZARR_DIR
     report = IntegrityReport()
     manifest_rel = f"{ZARR_DIR}/{CHECKSUMS_FILENAME}"
@@ -216,7 +239,7 @@ def verify_zarr(checkpoint_dir: Path) -> IntegrityReport:
         _verify_structure(root, checkpoint_dir, report)
         return report
     report.files_checked += 1
-    present = {relative(p, root) for p in root.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)}
+    present = {name for name in (relative(p, root) for p in node_files(root)) if not any(part.startswith(".") for part in name.split("/"))}
     for name in sorted(present - set(manifest) - {CHECKSUMS_FILENAME}):
         report.add(f"{ZARR_DIR}/{name}", f"not listed in {manifest_rel} (written after the save, or left by another one)", _key_of(root, name))
     for name, expected in sorted(manifest.items()):
@@ -228,7 +251,7 @@ def verify_zarr(checkpoint_dir: Path) -> IntegrityReport:
     return report
 
 
-def _key_of(root: Path, name: str) -> Optional[str]:
+def _key_of(root: Node, name: str) -> Optional[str]:
     """The key of the tensor whose directory holds the file ``name`` (None if unknown)."""
     tensor_dir, sep, _ = name.partition("/")
     if not sep:
@@ -240,7 +263,7 @@ def _key_of(root: Path, name: str) -> Optional[str]:
     return None if info is None else info.key
 
 
-def _verify_structure(root: Path, checkpoint_dir: Path, report: IntegrityReport) -> None:
+def _verify_structure(root: Node, checkpoint_dir: Node, report: IntegrityReport) -> None:
     try:
         names = list_tensor_names(root)
     except CheckpointingException as e:
@@ -277,7 +300,7 @@ def _verify_structure(root: Path, checkpoint_dir: Path, report: IntegrityReport)
                     report.add(relative(chunk, checkpoint_dir), f"has {size} bytes, its array's chunks have {expected}", info.key)
 
 
-def _chunk_bytes(array_path: Path) -> Optional[int]:
+def _chunk_bytes(array_path: Node) -> Optional[int]:
     """Size of every chunk file of an uncompressed array (None if its metadata is unusable)."""
     doc = read_zarr_json(array_path)
     try:

@@ -18,6 +18,12 @@ Layout::
 Attributes under ``"dist_ckpt"``: ``key``, ``dtype`` and ``layout`` on each tensor; for the
 flattened layout also ``global_shape`` and ``chunk_shape``, and on each fragment its
 ``global_offset`` and ``flat_range``.
+
+Locations: every function here takes a :data:`~dist_ckpt.storage.object_path.Node` -- a local
+:class:`~pathlib.Path` or an :class:`~dist_ckpt.storage.object_path.ObjectPath` under an S3
+storage -- so one layout serves local directories and ``s3://`` checkpoints
+(:func:`checkpoint_node`). On object stores nothing is fsynced (an object is durable when its
+PUT returns) and no directory is created.
 """
 
 from __future__ import annotations
@@ -25,19 +31,20 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
 from ..dtypes import dtype_from_name, dtype_info, numpy_to_tensor
-from ..errors import CheckpointingException, CorruptCheckpointError, LoadMismatchError
+from ..errors import CheckpointingException, CorruptCheckpointError, IncompatibleStrategyError, LoadMismatchError
 from ..geometry import Box, ShardPiece, shard_pieces
 from ..mapping import ShardedStateDict, ShardedTensor
 from ..storage import encode_key, fsync_dir, fsync_file, write_bytes_atomic
+from ..storage.location import CheckpointLocation
+from ..storage.object_path import Node, ObjectPath, subdirs
 from .request_checks import check_requested_tensors
 
 ZARR_DIR = "zarr"
@@ -51,6 +58,36 @@ FRAGMENT_CHUNK_ELEMENTS = 1 << 22
 Shape = Tuple[int, ...]
 
 
+def checkpoint_node(location: CheckpointLocation, engine: str) -> Node:
+    """The checkpoint directory as a :data:`Node`: the local directory, or the root of an S3
+    storage (the zarr engines reach S3 through their own clients: zarr-python through obstore,
+    TensorStore through its ``s3`` driver, so the storage must be an ``S3Storage``).
+
+    Raises:
+        IncompatibleStrategyError: an object store other than S3.
+
+    Example::
+
+        root = checkpoint_node(resolve_location("s3://bucket/ckpt"), "the zarr backend") / ZARR_DIR
+    """
+    if isinstance(location, Path):
+        return location
+    from ..storage.s3 import S3Storage
+
+    if not isinstance(location, S3Storage):
+        raise IncompatibleStrategyError(
+            f"{engine} reaches object stores through its own S3 client and cannot use {location!r} "
+            f"({location.url}); use an s3:// location or a local path"
+        )
+    return ObjectPath(location)
+
+
+def make_dirs(node: Node) -> None:
+    """Create a local directory (and its parents); nothing to do on an object store."""
+    if isinstance(node, Path):
+        node.mkdir(parents=True, exist_ok=True)
+
+
 def fragment_name(sh: ShardedTensor) -> str:
     """Directory name of a flattened shard's fragment array: ``<chunk index>_<flat start>``."""
     assert sh.flattened_range is not None
@@ -58,7 +95,7 @@ def fragment_name(sh: ShardedTensor) -> str:
     return f"{chunk}_{sh.flattened_range.start}"
 
 
-def read_zarr_json(node_dir: Path) -> Optional[Dict[str, Any]]:
+def read_zarr_json(node_dir: Node) -> Optional[Dict[str, Any]]:
     """The parsed ``zarr.json`` of a node, or None if the node does not exist."""
     path = node_dir / "zarr.json"
     try:
@@ -78,7 +115,7 @@ def read_zarr_json(node_dir: Path) -> Optional[Dict[str, Any]]:
 class FragmentInfo:
     """One 1-D fragment array of a tensor saved as flattened ranges."""
 
-    path: Path
+    path: Node
     global_offset: Shape
     flat_range: Tuple[int, int]
     pieces: List[ShardPiece]
@@ -89,7 +126,7 @@ class StoredTensorInfo:
     """What the metadata says about one stored tensor (no data read)."""
 
     key: str
-    path: Path
+    path: Node
     dtype: torch.dtype
     global_shape: Shape
     layout: str
@@ -101,20 +138,20 @@ class StoredTensorInfo:
         return Box((0,) * len(self.global_shape), self.global_shape)
 
 
-def _attrs(doc: Dict[str, Any], path: Path) -> Dict[str, Any]:
+def _attrs(doc: Dict[str, Any], path: Node) -> Dict[str, Any]:
     attrs = doc.get("attributes", {}).get(ATTR) if isinstance(doc.get("attributes"), dict) else None
     if not isinstance(attrs, dict):
         raise CorruptCheckpointError(f"{path / 'zarr.json'} lacks the {ATTR!r} attributes")
     return attrs
 
 
-def _ints(value: Any, what: str, path: Path) -> Shape:
+def _ints(value: Any, what: str, path: Node) -> Shape:
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
         raise CorruptCheckpointError(f"{path / 'zarr.json'}: {what} must be a list of non-negative ints, found {value!r}")
     return tuple(value)
 
 
-def open_tensor_info(root: Path, name: str) -> Optional[StoredTensorInfo]:
+def open_tensor_info(root: Node, name: str) -> Optional[StoredTensorInfo]:
     """Parse the metadata of the tensor stored under ``root/name`` (None if absent)."""
     path = root / name
     doc = read_zarr_json(path)
@@ -157,16 +194,16 @@ def _get(doc: Any, *fields: str) -> Any:
     return doc
 
 
-def _same_rank(shape: Shape, chunk_shape: Shape, path: Path) -> None:
+def _same_rank(shape: Shape, chunk_shape: Shape, path: Node) -> None:
     if len(shape) != len(chunk_shape) or any(c == 0 and n > 0 for n, c in zip(shape, chunk_shape)):
         raise CorruptCheckpointError(
             f"{path / 'zarr.json'}: chunk shape {list(chunk_shape)} does not fit an array of shape {list(shape)}"
         )
 
 
-def _list_fragments(path: Path, chunk_shape: Shape) -> List[FragmentInfo]:
+def _list_fragments(path: Node, chunk_shape: Shape) -> List[FragmentInfo]:
     fragments = []
-    for entry in sorted(os.listdir(path)):
+    for entry in sorted(subdirs(path)):
         if entry.startswith(".") or entry == "zarr.json":
             continue
         doc = read_zarr_json(path / entry)
@@ -192,18 +229,18 @@ def _list_fragments(path: Path, chunk_shape: Shape) -> List[FragmentInfo]:
 CHECKSUMS_FILENAME = "checksums.json"
 
 
-def list_tensor_names(root: Path) -> List[str]:
-    """Directory names of every stored tensor."""
+def list_tensor_names(root: Node) -> List[str]:
+    """Directory names of every stored tensor (on an object store: every prefix under ``zarr/``)."""
     if not root.is_dir():
         raise CorruptCheckpointError(f"{str(root)!r} is missing: the zarr part of the checkpoint is gone")
     return sorted(
         e
-        for e in os.listdir(root)
+        for e in subdirs(root)
         if not e.startswith(".") and e != "zarr.json" and not (e == CHECKSUMS_FILENAME and (root / e).is_file())
     )
 
 
-def find_tensor_info(root: Path, key: str) -> Optional[StoredTensorInfo]:
+def find_tensor_info(root: Node, key: str) -> Optional[StoredTensorInfo]:
     """The stored tensor ``key``, or None. A key that is now a reserved name (``checksums.json``)
     is also looked up under the name checkpoints saved before the reservation gave it."""
     info = open_tensor_info(root, tensor_dir_name(key))
@@ -213,7 +250,7 @@ def find_tensor_info(root: Path, key: str) -> Optional[StoredTensorInfo]:
     return info
 
 
-def tensors_metadata(root: Path) -> ShardedStateDict:
+def tensors_metadata(root: Node) -> ShardedStateDict:
     """``{key: ShardedTensor}`` (whole, unsharded, data on the meta device) for every tensor."""
     out: ShardedStateDict = {}
     for name in list_tensor_names(root):
@@ -229,7 +266,7 @@ class ReadOp:
     """Read ``region`` of the array at ``array_path``; view it as ``src_box`` (global
     coordinates); copy its ``inter`` part into destination piece ``dst``."""
 
-    array_path: Path
+    array_path: Node
     region: Box
     src_box: Box
     dst: ShardPiece
@@ -276,13 +313,13 @@ def plan_reads(sh: ShardedTensor, info: StoredTensorInfo) -> ReadPlan:
     return ReadPlan(ops, pad)
 
 
-def plan_request(requested: Sequence[ShardedTensor], checkpoint_dir: Path) -> Dict[int, ReadPlan]:
+def plan_request(requested: Sequence[ShardedTensor], checkpoint_dir: Node) -> Dict[int, ReadPlan]:
     """The reads of every requested shard (by ``id``), after checking keys, dtypes and shapes.
 
     Everything is checked before any tensor byte is read; see
     :func:`~dist_ckpt.strategies.request_checks.check_requested_tensors`.
     """
-    root = Path(checkpoint_dir) / ZARR_DIR
+    root = checkpoint_dir / ZARR_DIR
     infos: Dict[str, Optional[StoredTensorInfo]] = {}
     for sh in requested:
         if sh.key not in infos:
@@ -309,22 +346,23 @@ def _fragment_op(frag: FragmentInfo, fp: ShardPiece, dst: ShardPiece, inter: Box
 
 
 def load_zarr_based_sharded_metadata(
-    checkpoint_dir: Path, get_shape_dtype_fn: Callable[[str], Tuple[Tuple[int, ...], np.dtype]]
+    checkpoint_dir: Union[Node, str], get_shape_dtype_fn: Callable[[Any], Tuple[Tuple[int, ...], np.dtype]]
 ) -> ShardedStateDict:
     """``{key: ShardedTensor}`` for every stored tensor, shapes read with ``get_shape_dtype_fn``.
 
     Args:
-        checkpoint_dir: checkpoint root directory.
-        get_shape_dtype_fn: returns ``(shape, numpy dtype)`` of the zarr array at a path; lets
-            each engine (zarr-python, TensorStore) open arrays its own way.
+        checkpoint_dir: checkpoint root directory (or an :class:`ObjectPath` of an S3 checkpoint).
+        get_shape_dtype_fn: returns ``(shape, numpy dtype)`` of the zarr array at a path (a
+            ``str`` for a local array, the :class:`ObjectPath` for one on S3); lets each engine
+            (zarr-python, TensorStore) open arrays its own way.
     """
-    root = Path(checkpoint_dir) / ZARR_DIR
+    root = (checkpoint_dir if isinstance(checkpoint_dir, ObjectPath) else Path(checkpoint_dir)) / ZARR_DIR
     out = tensors_metadata(root)
     for name in list_tensor_names(root):
         info = open_tensor_info(root, name)
         if info is None or info.layout != LAYOUT_CHUNKED:
             continue
-        shape, np_dtype = get_shape_dtype_fn(str(info.path))
+        shape, np_dtype = get_shape_dtype_fn(str(info.path) if isinstance(info.path, Path) else info.path)
         if tuple(shape) != info.global_shape or np.dtype(np_dtype).itemsize != info.dtype.itemsize:
             raise CorruptCheckpointError(
                 f"{info.path}: the array is {tuple(shape)} {np_dtype}, its attributes say {info.global_shape} {info.dtype}"
@@ -384,7 +422,7 @@ def tensor_dir_name(key: str) -> str:
     return name
 
 
-def tensor_dir(root: Path, key: str) -> Path:
+def tensor_dir(root: Node, key: str) -> Node:
     """Directory of the tensor stored under ``key``."""
     return root / tensor_dir_name(key)
 
@@ -469,12 +507,16 @@ def array_metadata(shape: Sequence[int], chunk_shape: Sequence[int], dtype: torc
     }
 
 
-def write_group(path: Path, attributes: Dict[str, Any]) -> Path:
+def write_group(path: Node, attributes: Dict[str, Any]) -> Node:
     """Write a zarr v3 group node at ``path`` (atomically, fsynced); returns its ``zarr.json``."""
+    doc = json.dumps({"attributes": attributes, "zarr_format": 3, "node_type": "group"}, indent=2).encode("utf-8")
+    if isinstance(path, ObjectPath):
+        target_object = path / "zarr.json"
+        target_object.write_bytes(doc)
+        return target_object
     path.mkdir(parents=True, exist_ok=True)
-    doc = {"attributes": attributes, "zarr_format": 3, "node_type": "group"}
     target = path / "zarr.json"
-    write_bytes_atomic(target, json.dumps(doc, indent=2).encode("utf-8"))
+    write_bytes_atomic(target, doc)
     return target
 
 
@@ -490,7 +532,7 @@ def chunk_coords(region: Box, chunk_shape: Sequence[int]) -> List[Shape]:
     return [tuple(c) for c in itertools.product(*ranges)]
 
 
-def damaged_chunks(array_path: Path, region: Box) -> List[str]:
+def damaged_chunks(array_path: Node, region: Box) -> List[str]:
     """Why the chunk files holding ``region`` of the array at ``array_path`` cannot be read: one
     line per missing or wrongly sized file (empty if they all look intact).
 
@@ -521,11 +563,14 @@ def damaged_chunks(array_path: Path, region: Box) -> List[str]:
     return problems
 
 
-def fsync_written(paths: Sequence[Path], root: Path) -> None:
+def fsync_written(paths: Sequence[Node], root: Node) -> None:
     """fsync the files an engine wrote, then every directory from their parents up to ``root``,
-    so that a crash after a save returns cannot lose them."""
+    so that a crash after a save returns cannot lose them (nothing to do on an object store)."""
+    if not isinstance(root, Path):
+        return
     dirs = {root}
     for p in paths:
+        assert isinstance(p, Path)
         fsync_file(p)
         parent = p.parent
         while parent != root and root in parent.parents:

@@ -68,3 +68,16 @@ def test_tensor_broadcast_and_backend_without_process_group():
     broadcast_tensor(t, 0, what="'w'")  # a world of one: nothing to send, tensor unchanged
     assert torch.equal(t, torch.arange(4))
     assert group_backend() == "none"
+
+
+def test_storage_errors_keep_their_type_on_every_rank() -> None:
+    """What another rank receives: the storage layer's errors are rebuilt with their own type
+    (callers catch BucketNotFoundError or StorageAuthError, not a generic RankFailedError)."""
+    from dist_ckpt.distributed import _describe, _rebuild
+    from dist_ckpt.errors import RankFailedError
+    from dist_ckpt.storage import BucketNotFoundError, RetriesExhaustedError, StorageAuthError
+
+    for error in (BucketNotFoundError("bucket 'b' does not exist"), StorageAuthError("refused"), RetriesExhaustedError("gave up", attempts=3)):
+        rebuilt = _rebuild(_describe(error, 1, "saving"), [1, 0])
+        assert type(rebuilt) is type(error) and "[rank 1]" in str(rebuilt) and "ranks [0] failed too" in str(rebuilt)
+    assert type(_rebuild(_describe(OSError("disk"), 0, "saving"), [0])) is RankFailedError

@@ -131,6 +131,15 @@ class StorageConformance:
         assert [o.key for o in storage.list("a/b")] == ["a/b/y"]
         assert storage.list("missing") == []
 
+    def test_list_dirs_is_one_level(self, storage: Storage) -> None:
+        for key in ("run/iter_2/metadata.json", "run/iter_2/safetensors/r0", "run/iter_10/common.pt", "run/note.txt", "runx/a/b"):
+            storage.write(key, b"1")
+        assert storage.list_dirs("run") == ["iter_10", "iter_2"]  # no files, no deeper levels
+        assert storage.list_dirs() == ["run", "runx"]
+        assert storage.list_dirs("run/iter_2") == ["safetensors"]
+        assert storage.list_dirs("missing") == []
+        assert storage.child("run").list_dirs() == ["iter_10", "iter_2"]
+
     def test_delete_and_delete_prefix(self, storage: Storage) -> None:
         for key in ("keep/one", "gone/one", "gone/sub/two", "gonex"):
             storage.write(key, b"1")
