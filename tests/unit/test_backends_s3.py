@@ -93,8 +93,9 @@ def test_a_changed_chunk_object_fails_its_checksum(s3_url: str, s3_env: Any) -> 
     data[5] ^= 0xFF
     storage.write("zarr/w/c/0/0", bytes(data))
     for loader in LOADERS.values():
-        with pytest.raises(CheckpointingException, match="zarr/w/c/0/0"):
+        with pytest.raises(CheckpointingException, match="zarr/w/c/0/0") as info:
             dist_ckpt.load(_sharded(state, like=True), s3_url, sharded_strategy=loader())
+        assert "tensor 'w'" in str(info.value)
 
 
 def test_removing_tensors_on_s3(s3_url: str, s3_env: Any) -> None:
