@@ -56,8 +56,10 @@ from .mapping import (
     apply_factory_merges,
     is_main_replica,
 )
+from .report import CheckpointReport, ProgressEvent
 from .serialization import (
     LoadResult,
+    SaveResult,
     load,
     load_common_state_dict,
     load_plain_tensors,
@@ -67,6 +69,7 @@ from .serialization import (
     load_with_report,
     remove_sharded_tensors,
     save,
+    save_with_report,
 )
 from .strategies.base import (
     StrategyAction,
@@ -88,6 +91,7 @@ __all__ = [
     "AsyncSaveError",
     "CheckpointExistsError",
     "CheckpointMetadata",
+    "CheckpointReport",
     "Checkpointer",
     "CheckpointingConfig",
     "CheckpointingException",
@@ -105,7 +109,9 @@ __all__ = [
     "MissingDependencyError",
     "NotACheckpointError",
     "ProcessGroupMismatchError",
+    "ProgressEvent",
     "RankFailedError",
+    "SaveResult",
     "ShardedBase",
     "ShardedObject",
     "ShardedStateDict",
@@ -143,6 +149,7 @@ __all__ = [
     "remove_sharded_tensors",
     "save",
     "save_model_and_optim_state",
+    "save_with_report",
     "unshard",
     "unshard_model_state",
     "unshard_optim_state",
