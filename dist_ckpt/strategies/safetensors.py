@@ -47,7 +47,7 @@ from ..errors import CheckpointingException, InvalidShardedTensorError
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from ..storage import fsync_dir, write_bytes_atomic
 from .async_utils import AsyncOutcome, AsyncRequest
-from .base import AsyncSaveShardedStrategy, LoadShardedStrategy
+from .base import AsyncSaveShardedStrategy, LoadShardedStrategy, TensorLayout, TensorStreamWriter
 from .safetensors_format import StagingBuffer
 from .safetensors_index import (
     INDEX_FILENAME,
@@ -64,6 +64,7 @@ from .safetensors_index import (
 from .safetensors_io import ReadOptions
 from .safetensors_load import load_from_index, tensors_metadata
 from .safetensors_verify import verify_safetensors
+from .stored_shards import StoredShardInfo, describe_tensor_index
 from .safetensors_write import PartResult, PlannedFile, SnapshotPart, WritePart, plan_file, write_parts, write_snapshot_parts
 from .snapshot import SnapshotPool, snapshot_layout
 
@@ -201,6 +202,7 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
     """
 
     owned_paths: ClassVar[Tuple[str, ...]] = (SAFETENSORS_DIR,)
+    can_stream: ClassVar[bool] = True
 
     def __init__(
         self, options: Optional[SafetensorsSaveOptions] = None, backend: str = "safetensors", version: int = 1
@@ -262,6 +264,12 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
         gathered = gather_json(local)
         block = self.options.checksum_block_bytes
         run_collectively("writing the safetensors index", lambda: _write_index(gathered, checkpoint_dir, block))
+
+    def begin_stream(self, checkpoint_dir: Path, layout: Sequence[TensorLayout]) -> TensorStreamWriter:
+        """Write whole tensors one at a time (one process; see :mod:`.safetensors_stream`)."""
+        from .safetensors_stream import SafetensorsStreamWriter
+
+        return SafetensorsStreamWriter(Path(checkpoint_dir), layout, self.options)
 
     # ----------------------------------------------------------------------- asynchronous
 
@@ -433,6 +441,10 @@ class SafetensorsLoadShardedStrategy(LoadShardedStrategy):
     def verify_integrity(self, checkpoint_dir: Path) -> IntegrityReport:
         """Every file the index lists, its header, and every checksum block of every shard."""
         return verify_safetensors(Path(checkpoint_dir))
+
+    def describe_stored_shards(self, checkpoint_dir: Path) -> Optional[Dict[str, List[StoredShardInfo]]]:
+        """Every shard the index lists: box or flattened range, file, byte count."""
+        return describe_tensor_index(read_index(Path(checkpoint_dir)), f"{SAFETENSORS_DIR}/")
 
     def remove_sharded_tensors(self, checkpoint_dir: str, key_prefix: str) -> None:
         """Delete every tensor whose key starts with ``key_prefix`` (one process calls it).
