@@ -20,6 +20,7 @@ from .checkpointer import (
     unshard_model_state,
     unshard_optim_state,
 )
+from .convert import ConvertResult, convert
 from .core import CheckpointingConfig, check_is_distributed_checkpoint, maybe_load_config
 from .errors import (
     AsyncSaveError,
@@ -56,6 +57,7 @@ from .mapping import (
     apply_factory_merges,
     is_main_replica,
 )
+from .inspection import CheckpointInfo, TensorInfo, inspect_checkpoint
 from .report import CheckpointReport, ProgressEvent
 from .serialization import (
     LoadResult,
@@ -90,12 +92,14 @@ __all__ = [
     "AsyncRequest",
     "AsyncSaveError",
     "CheckpointExistsError",
+    "CheckpointInfo",
     "CheckpointMetadata",
     "CheckpointReport",
     "Checkpointer",
     "CheckpointingConfig",
     "CheckpointingException",
     "ChecksumMismatchError",
+    "ConvertResult",
     "CorruptCheckpointError",
     "IncompatibleStrategyError",
     "InvalidKeyError",
@@ -124,6 +128,7 @@ __all__ = [
     "StrategyKey",
     "StrategyRegistrationError",
     "StrictHandling",
+    "TensorInfo",
     "TensorMetadata",
     "UnknownStrategyError",
     "UnsafeObjectError",
@@ -132,7 +137,9 @@ __all__ = [
     "apply_factories",
     "apply_factory_merges",
     "check_is_distributed_checkpoint",
+    "convert",
     "get_default_strategy",
+    "inspect_checkpoint",
     "is_main_replica",
     "iter_unsharded",
     "load",

@@ -49,6 +49,7 @@ __all__ = [
     "IntegrityReport",
     "block_count",
     "block_spans",
+    "bytes_digest",
     "check_file",
     "crc32c",
     "file_problem",
@@ -57,8 +58,10 @@ __all__ = [
     "decode_block_crcs",
     "encode_block_crcs",
     "file_digest",
+    "manifest_bytes",
     "manifest_document",
     "parse_manifest",
+    "parse_manifest_bytes",
     "read_manifest",
     "relative",
     "write_manifest",
@@ -251,6 +254,17 @@ def file_digest(path: Union[str, Path]) -> FileDigest:
     return FileDigest(size, crc)
 
 
+def bytes_digest(data: Bytes) -> FileDigest:
+    """Size and crc32c of bytes already in memory (what was just written, or just read).
+
+    Example::
+
+        bytes_digest(b"hello")   # FileDigest(size=5, crc32c=0x9a71bb4c)
+    """
+    size = data.nbytes if isinstance(data, (memoryview, np.ndarray)) else len(data)
+    return FileDigest(int(size), crc32c(data))
+
+
 def manifest_document(files: Mapping[str, FileDigest]) -> Dict[str, Any]:
     """The JSON document of a manifest listing ``files`` (relative paths, ``/``-separated).
 
@@ -273,11 +287,20 @@ def write_manifest(path: Union[str, Path], files: Mapping[str, FileDigest]) -> N
 
         write_manifest(ckpt / "common.checksums.json", {"common.pt": file_digest(ckpt / "common.pt")})
     """
-    data = json.dumps(manifest_document(files), indent=1, sort_keys=True).encode("utf-8")
-    write_bytes_atomic(path, data)
+    write_bytes_atomic(path, manifest_bytes(files))
 
 
-def parse_manifest(doc: Any, path: Path) -> Dict[str, FileDigest]:
+def manifest_bytes(files: Mapping[str, FileDigest]) -> bytes:
+    """The serialized manifest of ``files`` (what :func:`write_manifest` writes).
+
+    Example::
+
+        storage.write("common.checksums.json", manifest_bytes({"common.pt": bytes_digest(data)}))
+    """
+    return json.dumps(manifest_document(files), indent=1, sort_keys=True).encode("utf-8")
+
+
+def parse_manifest(doc: Any, path: Union[str, Path]) -> Dict[str, FileDigest]:
     """Validate a manifest document; every error names ``path`` and the offending entry.
 
     Example::
@@ -332,14 +355,24 @@ def read_manifest(path: Union[str, Path]) -> Optional[Dict[str, FileDigest]]:
         raw = path.read_bytes()
     except FileNotFoundError:
         return None
+    return parse_manifest_bytes(raw, str(path))
+
+
+def parse_manifest_bytes(raw: bytes, where: str) -> Dict[str, FileDigest]:
+    """:func:`parse_manifest` of a serialized manifest; ``where`` names it (path or URL) in errors.
+
+    Example::
+
+        files = parse_manifest_bytes(storage.read("zarr/checksums.json"), storage.url_of("zarr/checksums.json"))
+    """
     try:
         doc = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
-        raise CorruptCheckpointError(f"checksum manifest {str(path)!r} is not valid JSON: {e}") from e
-    return parse_manifest(doc, path)
+        raise CorruptCheckpointError(f"checksum manifest {where!r} is not valid JSON: {e}") from e
+    return parse_manifest(doc, where)
 
 
-def file_problem(path: Path, expected: FileDigest, data: Optional[Bytes] = None) -> Optional[Tuple[str, bool]]:
+def file_problem(path: Union[str, Path], expected: FileDigest, data: Optional[Bytes] = None) -> Optional[Tuple[str, bool]]:
     """What is wrong with the file at ``path`` (or ``data``, its bytes already read) compared with
     ``expected``: ``(problem, is_checksum_mismatch)``, or None if it matches.
 
@@ -362,7 +395,7 @@ def file_problem(path: Path, expected: FileDigest, data: Optional[Bytes] = None)
     return None
 
 
-def check_file(path: Path, expected: FileDigest, what: str, data: Optional[Bytes] = None) -> None:
+def check_file(path: Union[str, Path], expected: FileDigest, what: str, data: Optional[Bytes] = None) -> None:
     """Raise if the file at ``path`` (or ``data``, its already-read bytes) does not match ``expected``.
 
     Example::

@@ -45,13 +45,22 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from .checksums import file_digest, relative, write_manifest
+from .checksums import FileDigest, bytes_digest, manifest_bytes
 from .core import CheckpointingConfig, detect_config, save_config
 from .distributed import get_world_size
 from .errors import CheckpointExistsError, CheckpointingException, IncompatibleStrategyError
 from .mapping import ShardedObject, ShardedTensor
 from .monitor import StepMonitor
 from .report import CheckpointReport, Operation, ProgressCallback
+from .storage.location import (
+    CheckpointLocation,
+    LocationLike,
+    location_str,
+    remote_storage,
+    require_local,
+    resolve_location,
+    storage_of,
+)
 from .strategies.base import (
     LoadCommonStrategy,
     LoadShardedStrategy,
@@ -62,6 +71,7 @@ from .strategies.base import (
     registered_strategies,
 )
 from .unshard import iter_with, unsharded_metadata
+from .strategies.common import OBJECTS_CHECKSUMS_FNAME, OBJECTS_DIR, TorchCommonSaveStrategy
 from .validation import verify_checkpoint_and_load_strategy
 from .watchdog import DEFAULT_WATCHDOG_TIMEOUT_S
 
@@ -148,9 +158,23 @@ def resolve_target(to: Union[str, Tuple[str, int]]) -> Union[str, SaveShardedStr
     return strategy
 
 
-def _check_destination(src: Path, dst: Path) -> None:
-    if dst.resolve() == src.resolve() or src.resolve() in dst.resolve().parents:
-        raise CheckpointExistsError(f"the destination {str(dst)!r} is (inside) the source {str(src)!r}; choose another")
+def _check_destination(src: CheckpointLocation, dst: CheckpointLocation) -> None:
+    if isinstance(src, Path) and isinstance(dst, Path):
+        inside = dst.resolve() == src.resolve() or src.resolve() in dst.resolve().parents
+    else:
+        inside = (location_str(dst) + "/").startswith(location_str(src) + "/")
+    if inside:
+        raise CheckpointExistsError(
+            f"the destination {location_str(dst)!r} is (inside) the source {location_str(src)!r}; choose another"
+        )
+    remote = remote_storage(dst)
+    if remote is not None:
+        if remote.list():
+            raise CheckpointExistsError(
+                f"the destination {remote.url!r} already holds objects; delete them or choose another prefix"
+            )
+        return
+    assert isinstance(dst, Path)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise CheckpointExistsError(
             f"the destination {str(dst)!r} exists and is not an empty directory; delete it or choose another"
@@ -158,8 +182,8 @@ def _check_destination(src: Path, dst: Path) -> None:
 
 
 def convert(
-    src: Union[str, Path],
-    dst: Union[str, Path],
+    src: LocationLike,
+    dst: LocationLike,
     to: Union[str, Tuple[str, int], SaveShardedStrategy],
     *,
     max_shard_size: int = 2**31,
@@ -170,8 +194,11 @@ def convert(
     """Write the checkpoint ``src`` again, in backend ``to``, as ``dst`` (see the module docstring).
 
     Args:
-        src: a committed dist_ckpt checkpoint of any backend, or a HuggingFace folder.
-        dst: the new checkpoint (a directory that does not exist or is empty).
+        src: a committed dist_ckpt checkpoint of any backend, or a HuggingFace folder: a
+            directory, an ``s3://bucket/prefix`` URL or a storage.
+        dst: the new checkpoint: a directory that does not exist or is empty, or an empty
+            object-store prefix when the target backend writes to object stores
+            (``safetensors``; a HuggingFace folder and ``zarr`` are written to local directories).
         to: ``"safetensors"``, ``"zarr"``, ``"NAME:VERSION"``, ``"hf"``, or a save strategy
             object with ``can_stream`` (to choose its options).
         max_shard_size: most bytes per file of a HuggingFace target.
@@ -184,8 +211,8 @@ def convert(
 
     Raises:
         CheckpointExistsError: ``dst`` is not empty, or is the source.
-        IncompatibleStrategyError: the target cannot stream, or a process group of several
-            ranks is initialized (run it from one process).
+        IncompatibleStrategyError: the target cannot stream, cannot write to ``dst`` (an object
+            store), or a process group of several ranks is initialized (run it from one process).
         CheckpointingException: the source is not a checkpoint, or is damaged.
 
     Example::
@@ -198,26 +225,44 @@ def convert(
             f"convert runs in one process, but a process group of {get_world_size()} ranks is initialized; "
             f"run it from a separate process (e.g. the dist-ckpt command)"
         )
-    src, dst = Path(src), Path(dst)
+    source, destination = resolve_location(src), resolve_location(dst)
     target = to if isinstance(to, SaveShardedStrategy) else resolve_target(to)
-    if isinstance(target, SaveShardedStrategy) and not target.can_stream:
-        raise IncompatibleStrategyError(f"cannot convert with {target}: it cannot write tensor by tensor")
+    if isinstance(target, SaveShardedStrategy):
+        if not target.can_stream:
+            raise IncompatibleStrategyError(f"cannot convert with {target}: it cannot write tensor by tensor")
+        target.check_location(destination)
+        TorchCommonSaveStrategy().check_location(destination)
+    elif remote_storage(destination) is not None:
+        raise IncompatibleStrategyError(
+            f"a HuggingFace folder is written to a local directory, not to {location_str(destination)}; "
+            "convert to a local folder, then upload it"
+        )
     phases = ["opening the source", _COPY]
     if target != HF_TARGET:
         phases += ["copying the common state", "copying ShardedObjects", "committing metadata.json"]
-    monitor = StepMonitor(Operation.CONVERT, dst, phases, progress, watchdog_timeout_s)
-    created = not dst.exists()
+    _check_destination(source, destination)  # before anything that could clean it up on failure
+    monitor = StepMonitor(Operation.CONVERT, destination, phases, progress, watchdog_timeout_s)
+    created = remote_storage(destination) is None and not Path(location_str(destination)).exists()
     try:
         with monitor:
-            result = _convert_steps(monitor, src, dst, target, max_shard_size, common_strategy)
+            result = _convert_steps(monitor, source, destination, target, max_shard_size, common_strategy)
     except BaseException:
-        _remove_written(dst, created)
+        _remove_written(destination, created)
         raise
     return replace(result, report=monitor.finish(result.report.nbytes))
 
 
-def _remove_written(dst: Path, created: bool) -> None:
-    """Leave the destination as it was: absent, or empty."""
+def _remove_written(dst: CheckpointLocation, created: bool) -> None:
+    """Leave the destination as it was: absent, or empty (an object-store prefix: no objects;
+    :func:`_check_destination` refused a prefix that held any)."""
+    remote = remote_storage(dst)
+    if remote is not None:
+        try:
+            remote.delete_prefix("")
+        except OSError as e:  # the original error matters more; say what is left behind
+            logger.warning("could not remove the partial conversion at %s: %s", remote.url, e)
+        return
+    assert isinstance(dst, Path)
     if not dst.exists():
         return
     if created:
@@ -229,17 +274,16 @@ def _remove_written(dst: Path, created: bool) -> None:
 
 def _convert_steps(
     monitor: StepMonitor,
-    src: Path,
-    dst: Path,
+    src: CheckpointLocation,
+    dst: CheckpointLocation,
     target: Union[str, SaveShardedStrategy],
     max_shard_size: int,
     common_strategy: StrategySpec,
 ) -> ConvertResult:
-    # 1. and 2. the source's strategies and tensors; the destination
+    # 1. the source's strategies and tensors (2., the destination, was checked by the caller)
     def open_source() -> Tuple[LoadShardedStrategy, LoadCommonStrategy, Dict[str, ShardedTensor]]:
         sharded, common = verify_checkpoint_and_load_strategy(src, common_strategy=common_strategy)
         _, metadata = unsharded_metadata(src, sharded)
-        _check_destination(src, dst)
         return sharded, common, metadata
 
     sharded, common, metadata = monitor.run("opening the source", open_source)
@@ -258,18 +302,20 @@ def _convert_steps(
     if target == HF_TARGET:
         from .hf.export import export
 
-        monitor.run(_COPY, lambda: export(src, dst, max_shard_size=max_shard_size, on_tensor=tensor_done))
+        folder = require_local(dst, "a HuggingFace folder")
+        monitor.run(_COPY, lambda: export(src, folder, max_shard_size=max_shard_size, on_tensor=tensor_done))
         dropped = _dropped_by_hf(sharded, common, src)
         for note in dropped:
             logger.warning("converting %s to a HuggingFace folder drops %s", src, note)
         report = monitor.report
         report.nbytes = total
-        return ConvertResult(str(src), str(dst), source_backend, HF_TARGET, len(keys), 0, 0, tuple(dropped), report)
+        return ConvertResult(location_str(src), location_str(dst), source_backend, HF_TARGET, len(keys), 0, 0, tuple(dropped), report)
 
     assert isinstance(target, SaveShardedStrategy)
 
     def copy_tensors() -> None:
-        dst.mkdir(parents=True, exist_ok=True)
+        if isinstance(dst, Path):
+            dst.mkdir(parents=True, exist_ok=True)
         writer = target.begin_stream(dst, [(k, metadata[k].dtype, tuple(metadata[k].global_shape)) for k in keys])
         for key, tensor in iter_with(sharded, metadata, keys, src):
             writer.add(key, tensor)
@@ -287,12 +333,10 @@ def _convert_steps(
     report = monitor.report
     report.nbytes = total
     target_backend = f"{target.backend}:{target.version}"
-    return ConvertResult(str(src), str(dst), source_backend, target_backend, len(keys), objects, common_keys, (), report)
+    return ConvertResult(location_str(src), location_str(dst), source_backend, target_backend, len(keys), objects, common_keys, (), report)
 
 
-def _copy_common(common: LoadCommonStrategy, src: Path, dst: Path) -> int:
-    from .strategies.common import TorchCommonSaveStrategy
-
+def _copy_common(common: LoadCommonStrategy, src: CheckpointLocation, dst: CheckpointLocation) -> int:
     state = common.load_common(src)
     TorchCommonSaveStrategy().save_common(state, dst)
     return len(state)
@@ -302,16 +346,16 @@ def _object_loader(sharded: LoadShardedStrategy, common: LoadCommonStrategy) -> 
     return sharded if sharded.can_handle_sharded_objects else common
 
 
-def _stored_objects(sharded: LoadShardedStrategy, common: LoadCommonStrategy, src: Path) -> List[ShardedObject]:
+def _stored_objects(sharded: LoadShardedStrategy, common: LoadCommonStrategy, src: CheckpointLocation) -> List[ShardedObject]:
     found = _object_loader(sharded, common).load_sharded_metadata(src)
     return [v for _, v in sorted(found.items()) if isinstance(v, ShardedObject)]
 
 
-def _copy_objects(sharded: LoadShardedStrategy, common: LoadCommonStrategy, src: Path, dst: Path) -> int:
+def _copy_objects(
+    sharded: LoadShardedStrategy, common: LoadCommonStrategy, src: CheckpointLocation, dst: CheckpointLocation
+) -> int:
     """Each ShardedObject read and written on its own, then the manifest of ``objects/`` (the
-    one a save writes), so only one object is in memory at a time."""
-    from .strategies.common import OBJECTS_CHECKSUMS_FNAME, OBJECTS_DIR, TorchCommonSaveStrategy
-
+    one a save writes, from the files read back), so only one object is in memory at a time."""
     loader = _object_loader(sharded, common)
     saver = TorchCommonSaveStrategy(checksums=False)  # one manifest of every file, written below
     objects = _stored_objects(sharded, common, src)
@@ -320,14 +364,14 @@ def _copy_objects(sharded: LoadShardedStrategy, common: LoadCommonStrategy, src:
         loaded = loader.load(request, src) if isinstance(loader, LoadShardedStrategy) else loader.load_sharded_objects(request, src)
         saver.save_sharded_objects({obj.unique_key: replace(obj, data=loaded[obj.unique_key], replica_id=0)}, dst)
         del loaded
-    root = dst / OBJECTS_DIR
-    files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else []
-    if files:
-        write_manifest(root / OBJECTS_CHECKSUMS_FNAME, {relative(p, root): file_digest(p) for p in files})
+    if objects:
+        storage = storage_of(dst).child(OBJECTS_DIR)
+        digests: Dict[str, FileDigest] = {info.key: bytes_digest(storage.read(info.key)) for info in storage.list()}
+        storage.write(OBJECTS_CHECKSUMS_FNAME, manifest_bytes(digests))
     return len(objects)
 
 
-def _dropped_by_hf(sharded: LoadShardedStrategy, common: LoadCommonStrategy, src: Path) -> List[str]:
+def _dropped_by_hf(sharded: LoadShardedStrategy, common: LoadCommonStrategy, src: CheckpointLocation) -> List[str]:
     dropped = []
     try:
         state = common.load_common(src)

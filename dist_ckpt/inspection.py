@@ -25,8 +25,7 @@ import json
 import logging
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -35,6 +34,7 @@ from .dtypes import dtype_to_name
 from .errors import CheckpointingException, UnsafeObjectError
 from .mapping import ShardedTensor
 from .monitor import count_files
+from .storage.location import CheckpointLocation, LocationLike, location_str, resolve_location, storage_of
 from .strategies.base import LoadCommonStrategy, LoadShardedStrategy
 from .strategies.stored_shards import StoredShardInfo
 from .validation import verify_checkpoint_and_load_strategy
@@ -177,9 +177,10 @@ class CheckpointInfo:
         }
 
 
-def inspect_checkpoint(checkpoint_dir: Union[str, Path]) -> CheckpointInfo:
-    """Describe the checkpoint (or HuggingFace folder) at ``checkpoint_dir`` without reading
-    tensor data (see the module docstring for what is read).
+def inspect_checkpoint(checkpoint_dir: LocationLike) -> CheckpointInfo:
+    """Describe the checkpoint (or HuggingFace folder) at ``checkpoint_dir`` -- a directory, an
+    ``s3://bucket/prefix`` URL or a storage -- without reading tensor data (see the module
+    docstring for what is read).
 
     Raises:
         NotACheckpointError: the directory does not exist, or holds neither a committed
@@ -191,7 +192,7 @@ def inspect_checkpoint(checkpoint_dir: Union[str, Path]) -> CheckpointInfo:
         info = inspect_checkpoint("ckpt/iter_1000")
         print(info.sharded_backend, len(info.tensors), info.nbytes)
     """
-    directory = Path(checkpoint_dir)
+    directory = resolve_location(checkpoint_dir)
     sharded, common = verify_checkpoint_and_load_strategy(directory)
     config, recorded = _read_record(directory)
     notes: List[str] = []
@@ -207,7 +208,7 @@ def inspect_checkpoint(checkpoint_dir: Union[str, Path]) -> CheckpointInfo:
         tensors.append(TensorInfo(key, dtype_to_name(meta.dtype), shape, math.prod(shape) * meta.dtype.itemsize, pieces))
     files, file_bytes = count_files(directory)
     return CheckpointInfo(
-        path=str(directory),
+        path=location_str(directory),
         kind="huggingface" if config == HF_CONFIG else "dist_ckpt",
         sharded_backend=f"{config.sharded_backend}:{config.sharded_backend_version}",
         common_backend=f"{config.common_backend}:{config.common_backend_version}",
@@ -222,7 +223,7 @@ def inspect_checkpoint(checkpoint_dir: Union[str, Path]) -> CheckpointInfo:
     )
 
 
-def _read_record(directory: Path) -> Tuple[CheckpointingConfig, Dict[str, Any]]:
+def _read_record(directory: CheckpointLocation) -> Tuple[CheckpointingConfig, Dict[str, Any]]:
     """The config (HF_CONFIG for a HuggingFace folder) and the ``"dist_ckpt"`` entry of
     ``metadata.json`` (who wrote it), which ``core`` does not parse."""
     from .core import detect_config
@@ -231,9 +232,9 @@ def _read_record(directory: Path) -> Tuple[CheckpointingConfig, Dict[str, Any]]:
     if config == HF_CONFIG:
         return config, {}
     try:
-        record = json.loads((directory / METADATA_FILENAME).read_bytes())
+        record = json.loads(storage_of(directory).read(METADATA_FILENAME))
         writer = record.get("dist_ckpt") if isinstance(record, dict) else None
-    except (OSError, ValueError):
+    except (OSError, ValueError):  # storage errors are OSErrors
         writer = None
     if not isinstance(writer, dict):
         return config, {}
@@ -245,7 +246,7 @@ def _read_record(directory: Path) -> Tuple[CheckpointingConfig, Dict[str, Any]]:
     return config, out
 
 
-def _stored_shards(strategy: LoadShardedStrategy, directory: Path, notes: List[str]) -> Optional[Dict[str, List[StoredShardInfo]]]:
+def _stored_shards(strategy: LoadShardedStrategy, directory: CheckpointLocation, notes: List[str]) -> Optional[Dict[str, List[StoredShardInfo]]]:
     layout = strategy.describe_stored_shards(directory)
     if layout is None:
         notes.append(f"{strategy} does not describe how its tensors are stored: only shapes and dtypes are shown")
@@ -278,7 +279,7 @@ def _flatten(value: Any, prefix: str, out: Dict[str, str]) -> None:
         out[prefix or "<root>"] = describe_value(value)
 
 
-def _common_keys(strategy: LoadCommonStrategy, directory: Path, notes: List[str]) -> Dict[str, str]:
+def _common_keys(strategy: LoadCommonStrategy, directory: CheckpointLocation, notes: List[str]) -> Dict[str, str]:
     try:
         state = strategy.load_common(directory)
     except UnsafeObjectError as e:
@@ -289,7 +290,7 @@ def _common_keys(strategy: LoadCommonStrategy, directory: Path, notes: List[str]
     return {} if out == {"<root>": "dict = {}"} else out
 
 
-def _sharded_objects(sharded: LoadShardedStrategy, common: LoadCommonStrategy, directory: Path, notes: List[str]) -> Tuple[str, ...]:
+def _sharded_objects(sharded: LoadShardedStrategy, common: LoadCommonStrategy, directory: CheckpointLocation, notes: List[str]) -> Tuple[str, ...]:
     holder = sharded if sharded.can_handle_sharded_objects else common
     try:
         found = holder.load_sharded_metadata(directory)

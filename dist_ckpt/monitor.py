@@ -36,6 +36,7 @@ from .dict_utils import nested_values
 from .distributed import all_gather_json, get_rank, get_world_size, run_collectively
 from .mapping import ShardedStateDict, ShardedTensor, is_main_replica
 from .report import CheckpointReport, Operation, PhaseTiming, ProgressCallback, ProgressEvent
+from .storage.base import Storage, open_storage
 from .watchdog import Watchdog
 
 __all__ = ["StepMonitor", "count_files", "main_replica_bytes", "requested_bytes"]
@@ -76,7 +77,7 @@ def requested_bytes(sharded_state_dict: ShardedStateDict) -> int:
     return total
 
 
-def count_files(checkpoint_dir: Union[str, Path]) -> Tuple[Optional[int], Optional[int]]:
+def count_files(checkpoint_dir: Union[str, Path, Storage]) -> Tuple[Optional[int], Optional[int]]:
     """``(files, bytes)`` of the checkpoint at ``checkpoint_dir`` as its storage lists them, or
     ``(None, None)`` if it cannot be listed (a report is no reason to fail a save).
 
@@ -84,8 +85,6 @@ def count_files(checkpoint_dir: Union[str, Path]) -> Tuple[Optional[int], Option
 
         files, nbytes = count_files("ckpt/iter_10")
     """
-    from .storage import open_storage  # the storage package is only needed here
-
     try:
         objects = open_storage(checkpoint_dir).list()
     except Exception as e:  # noqa: BLE001 -- any listing failure only leaves the count unknown
@@ -99,7 +98,7 @@ class StepMonitor:
 
     Args:
         operation: what the steps do.
-        checkpoint_dir: the checkpoint.
+        checkpoint_dir: the checkpoint: a path, or an object-store storage.
         phases: the names of the steps that will run, in order (for the progress events'
             ``index`` / ``total``; a step not listed is numbered after them).
         progress: called with a :class:`~dist_ckpt.report.ProgressEvent` when a step starts and
@@ -110,14 +109,16 @@ class StepMonitor:
     def __init__(
         self,
         operation: Operation,
-        checkpoint_dir: Union[str, Path],
+        checkpoint_dir: Union[str, Path, Storage],
         phases: Sequence[str],
         progress: Optional[ProgressCallback] = None,
         watchdog_timeout_s: Optional[float] = None,
     ) -> None:
         if watchdog_timeout_s is not None:
             Watchdog(watchdog_timeout_s)  # validates the timeout before anything runs
-        self.report = CheckpointReport(operation, str(checkpoint_dir), get_rank(), get_world_size())
+        self.location = checkpoint_dir
+        name = checkpoint_dir.url if isinstance(checkpoint_dir, Storage) else str(checkpoint_dir)
+        self.report = CheckpointReport(operation, name, get_rank(), get_world_size())
         self.phases: List[str] = list(phases)
         self.progress = progress
         self.watchdog_timeout_s = watchdog_timeout_s
@@ -192,7 +193,7 @@ class StepMonitor:
         report.seconds = self.elapsed()
         files: Tuple[Optional[int], Optional[int]] = (None, None)
         if count_checkpoint_files and report.rank == 0:
-            files = count_files(report.checkpoint_dir)
+            files = count_files(self.location)
         gathered = all_gather_json([report.nbytes, report.seconds, files[0], files[1]])
         report.total_nbytes = sum(int(g[0]) for g in gathered)
         report.max_seconds = max(float(g[1]) for g in gathered)

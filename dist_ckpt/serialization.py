@@ -41,7 +41,8 @@ from .mapping import (
 )
 from .report import CheckpointReport, Operation, ProgressCallback
 from .state_assembly import assemble, loaded_values
-from .storage import validate_key
+from .storage import Storage, validate_key
+from .storage.location import CheckpointLocation, LocationLike, location_str, resolve_location
 from .strategies.async_utils import AsyncRequest
 from .strategies.base import (
     AsyncSaveShardedStrategy,
@@ -138,7 +139,7 @@ def get_default_save_common_strategy(backend: str = DEFAULT_COMMON_BACKEND[0], v
     return strategy
 
 
-def get_default_load_sharded_strategy(checkpoint_dir: Union[str, Path]) -> LoadShardedStrategy:
+def get_default_load_sharded_strategy(checkpoint_dir: LocationLike) -> LoadShardedStrategy:
     """The registered load strategy for the backend recorded in ``checkpoint_dir``."""
     return verify_checkpoint_and_load_strategy(checkpoint_dir)[0]
 
@@ -146,9 +147,21 @@ def get_default_load_sharded_strategy(checkpoint_dir: Union[str, Path]) -> LoadS
 # --------------------------------------------------------------------------- save
 
 
-def _prepare_directory(checkpoint_dir: Path, strategies: List[Any]) -> None:
-    """On rank 0: create the directory, refuse a committed one, clear an interrupted save."""
+def _owned_names(strategies: List[Any]) -> Set[str]:
+    return {name for s in strategies for name in getattr(s, "owned_paths", ())}
+
+
+def _prepare_directory(checkpoint_dir: CheckpointLocation, strategies: List[Any]) -> None:
+    """On rank 0: create the directory, refuse a committed one, clear an interrupted save.
+
+    On an object store there is no directory to create: a prefix holding ``metadata.json`` is
+    refused, and objects under the strategies' owned names (``safetensors/``, ``common.pt``,
+    ``objects/``, ...) left by a save that never committed are deleted.
+    """
     if get_rank() != 0:
+        return
+    if not isinstance(checkpoint_dir, Path):
+        _prepare_prefix(checkpoint_dir, strategies)
         return
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     if (checkpoint_dir / METADATA_FILENAME).exists():
@@ -156,7 +169,7 @@ def _prepare_directory(checkpoint_dir: Path, strategies: List[Any]) -> None:
             f"{str(checkpoint_dir)!r} already holds a committed checkpoint ({METADATA_FILENAME}); "
             f"save to a new directory or delete it first"
         )
-    owned = {name for s in strategies for name in getattr(s, "owned_paths", ())}
+    owned = _owned_names(strategies)
     leftovers = sorted(name for name in owned if (checkpoint_dir / name).exists())
     if leftovers:
         logger.warning(
@@ -168,6 +181,29 @@ def _prepare_directory(checkpoint_dir: Path, strategies: List[Any]) -> None:
         for name in leftovers:
             path = checkpoint_dir / name
             shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def _prepare_prefix(storage: Storage, strategies: List[Any]) -> None:
+    """:func:`_prepare_directory` on an object store (rank 0)."""
+    if storage.exists(METADATA_FILENAME):
+        raise CheckpointExistsError(
+            f"{storage.url!r} already holds a committed checkpoint ({METADATA_FILENAME}); "
+            f"save to a new location or delete it first"
+        )
+    owned = _owned_names(strategies)
+    leftovers = sorted({o.key for o in storage.list() if o.key.split("/", 1)[0] in owned})
+    if leftovers:
+        logger.warning(
+            "%s holds %d objects under %s from an interrupted save (no %s); deleting them before saving",
+            storage.url,
+            len(leftovers),
+            sorted({k.split("/", 1)[0] for k in leftovers}),
+            METADATA_FILENAME,
+        )
+        for name in sorted({k.split("/", 1)[0] for k in leftovers}):
+            if name in leftovers:
+                storage.delete(name)
+            storage.delete_prefix(name)
 
 
 def _check_same_on_all_ranks(value: List[Any], what: str) -> None:
@@ -193,7 +229,7 @@ def _check_save_inputs(sharded_part: ShardedStateDict) -> List[ShardedBase]:
 
 def save(
     sharded_state_dict: ShardedStateDict,
-    checkpoint_dir: Union[str, Path],
+    checkpoint_dir: LocationLike,
     sharded_strategy: StrategySpec = None,
     common_strategy: StrategySpec = None,
     validate_access_integrity: bool = True,
@@ -223,7 +259,8 @@ def save(
 
     Args:
         sharded_state_dict: the state to save; modified in place by factories.
-        checkpoint_dir: target directory (created if missing; must not hold a checkpoint).
+        checkpoint_dir: target directory (created if missing; must not hold a checkpoint), an
+            ``s3://bucket/prefix`` URL or an opened :class:`~dist_ckpt.storage.Storage`.
         sharded_strategy: a SaveShardedStrategy, a ``(backend, version)`` tuple, or None for
             the default backend.
         common_strategy: a SaveCommonStrategy, a ``(backend, version)`` tuple, or None.
@@ -255,7 +292,7 @@ def save(
 
 def save_with_report(
     sharded_state_dict: ShardedStateDict,
-    checkpoint_dir: Union[str, Path],
+    checkpoint_dir: LocationLike,
     sharded_strategy: StrategySpec = None,
     common_strategy: StrategySpec = None,
     validate_access_integrity: bool = True,
@@ -279,12 +316,13 @@ def save_with_report(
     phases += ["saving the common state"]
     phases += ["preparing the async save", "finalizing the sharded tensors"] if async_sharded_save else ["saving sharded tensors"]
     phases += ["committing metadata.json"]
-    monitor = StepMonitor(Operation.SAVE, checkpoint_dir, phases, progress, watchdog_timeout_s)
+    location = run_collectively("opening the checkpoint location", lambda: resolve_location(checkpoint_dir))
+    monitor = StepMonitor(Operation.SAVE, location, phases, progress, watchdog_timeout_s)
     with monitor:
         request, nbytes = _save_steps(
             monitor,
             sharded_state_dict,
-            Path(checkpoint_dir),
+            location,
             sharded_strategy,
             common_strategy,
             validate_access_integrity,
@@ -300,7 +338,7 @@ def save_with_report(
 def _save_steps(
     monitor: StepMonitor,
     sharded_state_dict: ShardedStateDict,
-    checkpoint_dir: Path,
+    location: CheckpointLocation,
     sharded_strategy: StrategySpec,
     common_strategy: StrategySpec,
     validate_access_integrity: bool,
@@ -319,8 +357,10 @@ def _save_steps(
             raise IncompatibleStrategyError(
                 f"async_sharded_save=True needs an AsyncSaveShardedStrategy, got {sharded}"
             )
-        _check_same_on_all_ranks([str(checkpoint_dir), sharded.backend, sharded.version], "(checkpoint_dir, backend, version)")
-        _prepare_directory(checkpoint_dir, [sharded, common])
+        sharded.check_location(location)
+        common.check_location(location)
+        _check_same_on_all_ranks([location_str(location), sharded.backend, sharded.version], "(checkpoint_dir, backend, version)")
+        _prepare_directory(location, [sharded, common])
         return sharded, common
 
     sharded_strat, common_strat = monitor.run("preparing the save", resolve)
@@ -348,12 +388,12 @@ def _save_steps(
 
     # 4. common state and ShardedObjects
     def save_common() -> ShardedStateDict:
-        common_strat.save_common(common_state_dict, checkpoint_dir)
+        common_strat.save_common(common_state_dict, location)
         if sharded_strat.can_handle_sharded_objects:
             return sharded_part
         validate_sharded_objects_handling(sharded_strat, common_strat)
         objects, tensors = extract_matching_values(sharded_part, lambda v: isinstance(v, ShardedObject))
-        common_strat.save_sharded_objects(objects, checkpoint_dir)  # type: ignore[arg-type]
+        common_strat.save_sharded_objects(objects, location)  # type: ignore[arg-type]
         return tensors  # type: ignore[return-value]
 
     to_save = monitor.run("saving the common state", save_common)
@@ -365,13 +405,13 @@ def _save_steps(
         )
         monitor.run(
             "committing metadata.json",
-            lambda: save_config(config, checkpoint_dir, get_world_size()) if get_rank() == 0 else None,
+            lambda: save_config(config, location, get_world_size()) if get_rank() == 0 else None,
         )
 
     # 5. sharded tensors
     if async_sharded_save:
         assert isinstance(sharded_strat, AsyncSaveShardedStrategy)
-        request = monitor.run("preparing the async save", lambda: sharded_strat.async_save(to_save, checkpoint_dir))
+        request = monitor.run("preparing the async save", lambda: sharded_strat.async_save(to_save, location))
         returned = time.perf_counter()
         strategy_finalization = list(request.finalize_fns)
         request.finalize_fns.clear()
@@ -384,7 +424,7 @@ def _save_steps(
 
         request.add_finalize_fn(finalize)
         return request, nbytes
-    monitor.run("saving sharded tensors", lambda: sharded_strat.save(to_save, checkpoint_dir))
+    monitor.run("saving sharded tensors", lambda: sharded_strat.save(to_save, location))
     commit()
     return None, nbytes
 
@@ -403,7 +443,7 @@ def _load_preprocess(sharded_state_dict: ShardedStateDict) -> Tuple[ShardedState
 
 def load_with_report(
     sharded_state_dict: ShardedStateDict,
-    checkpoint_dir: Union[str, Path],
+    checkpoint_dir: LocationLike,
     sharded_strategy: StrategySpec = None,
     common_strategy: StrategySpec = None,
     validate_access_integrity: bool = True,
@@ -437,10 +477,11 @@ def load_with_report(
     """
     phases = ["opening the checkpoint", "loading the common state", "matching the requested keys",
               "loading sharded tensors", "assembling the state"]
-    monitor = StepMonitor(Operation.LOAD, checkpoint_dir, phases, progress, watchdog_timeout_s)
+    location = run_collectively("opening the checkpoint location", lambda: resolve_location(checkpoint_dir))
+    monitor = StepMonitor(Operation.LOAD, location, phases, progress, watchdog_timeout_s)
     with monitor:
         state, missing, unexpected, nbytes = _load_steps(
-            monitor, sharded_state_dict, Path(checkpoint_dir), sharded_strategy, common_strategy,
+            monitor, sharded_state_dict, location, sharded_strategy, common_strategy,
             validate_access_integrity, parse_strict_flag(strict),
         )
     return LoadResult(state, missing, unexpected, monitor.finish(nbytes))
@@ -449,7 +490,7 @@ def load_with_report(
 def _load_steps(
     monitor: StepMonitor,
     sharded_state_dict: ShardedStateDict,
-    checkpoint_dir: Path,
+    location: CheckpointLocation,
     sharded_strategy: StrategySpec,
     common_strategy: StrategySpec,
     validate_access_integrity: bool,
@@ -460,17 +501,17 @@ def _load_steps(
     # 1. strategies
     sharded_strat, common_strat = monitor.run(
         "opening the checkpoint",
-        lambda: verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy, common_strategy),
+        lambda: verify_checkpoint_and_load_strategy(location, sharded_strategy, common_strategy),
     )
 
     # 2. common state and factories
     def prepare() -> Tuple[StateDict, ShardedStateDict, ShardedStateDict, ShardedStateDict, Optional[ShardedStateDict]]:
-        common = common_strat.load_common(checkpoint_dir)
+        common = common_strat.load_common(location)
         request, factories = _load_preprocess(sharded_state_dict)
         sharded_part, _ = extract_sharded_base(request)
         ckpt_metadata = None
         if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
-            ckpt_metadata = load_sharded_metadata(checkpoint_dir, sharded_strat, common_strat)
+            ckpt_metadata = load_sharded_metadata(location, sharded_strat, common_strat)
         return common, request, sharded_part, factories, ckpt_metadata
 
     common_state, request, sharded_part, factories, ckpt_metadata = monitor.run("loading the common state", prepare)
@@ -491,9 +532,9 @@ def _load_steps(
             validate_sharded_objects_handling(sharded_strat, common_strat)
             objects, tensors = extract_matching_values(sharded_part, lambda v: isinstance(v, ShardedObject))  # type: ignore[assignment]
             inputs = extract_matching_values(objects, lambda v: True)[0]
-            values.update(loaded_values(inputs, common_strat.load_sharded_objects(objects, checkpoint_dir)))  # type: ignore[arg-type]
+            values.update(loaded_values(inputs, common_strat.load_sharded_objects(objects, location)))  # type: ignore[arg-type]
         inputs = extract_matching_values(tensors, lambda v: True)[0]
-        values.update(loaded_values(inputs, sharded_strat.load(tensors, checkpoint_dir)))
+        values.update(loaded_values(inputs, sharded_strat.load(tensors, location)))
         return values
 
     values = monitor.run("loading sharded tensors", load_sharded)
@@ -510,7 +551,7 @@ def _load_steps(
 
 def load(
     sharded_state_dict: ShardedStateDict,
-    checkpoint_dir: Union[str, Path],
+    checkpoint_dir: LocationLike,
     sharded_strategy: StrategySpec = None,
     common_strategy: StrategySpec = None,
     validate_access_integrity: bool = True,
@@ -529,7 +570,7 @@ def load(
     Args:
         sharded_state_dict: what to load: ShardedTensors describe this rank's part of each
             tensor (their ``data``, if allocated, is filled in place); other leaves are ignored.
-        checkpoint_dir: a committed checkpoint directory.
+        checkpoint_dir: a committed checkpoint directory, ``s3://bucket/prefix`` URL or storage.
         sharded_strategy: a LoadShardedStrategy or ``(backend, version)``; by default the one
             registered for the checkpoint's backend.
         common_strategy: a LoadCommonStrategy or ``(backend, version)``.
@@ -548,51 +589,57 @@ def load(
     return result.state_dict
 
 
-def load_common_state_dict(checkpoint_dir: Union[str, Path], common_strategy: StrategySpec = None) -> StateDict:
+def load_common_state_dict(checkpoint_dir: LocationLike, common_strategy: StrategySpec = None) -> StateDict:
     """The common (non-sharded) state of a checkpoint; needs no process group."""
-    _, common = verify_checkpoint_and_load_strategy(checkpoint_dir, common_strategy=common_strategy)
-    return common.load_common(Path(checkpoint_dir))
+    location = resolve_location(checkpoint_dir)
+    _, common = verify_checkpoint_and_load_strategy(location, common_strategy=common_strategy)
+    return common.load_common(location)
 
 
-def load_tensors_metadata(checkpoint_dir: Union[str, Path], sharded_strategy: StrategySpec = None) -> ShardedStateDict:
+def load_tensors_metadata(checkpoint_dir: LocationLike, sharded_strategy: StrategySpec = None) -> ShardedStateDict:
     """``{key: ShardedTensor}`` with each stored tensor's global shape and dtype (no data).
 
     The ShardedTensors describe whole, unsharded tensors, so the result can be passed to
     :func:`load` to read full tensors. Needs no process group.
     """
-    sharded, _ = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy)
-    return sharded.load_tensors_metadata(Path(checkpoint_dir))
+    location = resolve_location(checkpoint_dir)
+    sharded, _ = verify_checkpoint_and_load_strategy(location, sharded_strategy)
+    return sharded.load_tensors_metadata(location)
 
 
 def load_sharded_metadata(
-    checkpoint_dir: Union[str, Path], sharded_strategy: StrategySpec = None, common_strategy: StrategySpec = None
+    checkpoint_dir: LocationLike, sharded_strategy: StrategySpec = None, common_strategy: StrategySpec = None
 ) -> ShardedStateDict:
     """Metadata of every stored ShardedTensor (by key) and ShardedObject (by unique key)."""
-    sharded, common = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy, common_strategy)
-    metadata = sharded.load_sharded_metadata(Path(checkpoint_dir))
+    location = resolve_location(checkpoint_dir)
+    sharded, common = verify_checkpoint_and_load_strategy(location, sharded_strategy, common_strategy)
+    metadata = sharded.load_sharded_metadata(location)
     if not sharded.can_handle_sharded_objects:
         validate_sharded_objects_handling(sharded, common)
-        merge(metadata, common.load_sharded_metadata(Path(checkpoint_dir)))
+        merge(metadata, common.load_sharded_metadata(location))
     return metadata
 
 
-def load_plain_tensors(checkpoint_dir: Union[str, Path]) -> StateDict:
+def load_plain_tensors(checkpoint_dir: LocationLike) -> StateDict:
     """Every stored tensor, whole, keyed by its checkpoint key (the common state is not included).
 
     Collective when a process group is initialized (every rank loads the full tensors).
     """
-    sharded, _ = run_collectively("opening the checkpoint", lambda: verify_checkpoint_and_load_strategy(checkpoint_dir))
-    metadata = run_collectively("reading tensor metadata", lambda: sharded.load_tensors_metadata(Path(checkpoint_dir)))
-    return run_collectively("loading tensors", lambda: sharded.load(metadata, Path(checkpoint_dir)))
+    location = run_collectively("opening the checkpoint location", lambda: resolve_location(checkpoint_dir))
+    sharded, _ = run_collectively("opening the checkpoint", lambda: verify_checkpoint_and_load_strategy(location))
+    metadata = run_collectively("reading tensor metadata", lambda: sharded.load_tensors_metadata(location))
+    return run_collectively("loading tensors", lambda: sharded.load(metadata, location))
 
 
-def load_sharded_objects(sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> StateDict:
+def load_sharded_objects(sharded_state_dict: ShardedStateDict, checkpoint_dir: LocationLike) -> StateDict:
     """Replace every ShardedObject in ``sharded_state_dict`` by its stored value (in place)."""
-    _, common = verify_checkpoint_and_load_strategy(checkpoint_dir)
-    return common.load_sharded_objects(sharded_state_dict, Path(checkpoint_dir))
+    location = resolve_location(checkpoint_dir)
+    _, common = verify_checkpoint_and_load_strategy(location)
+    return common.load_sharded_objects(sharded_state_dict, location)
 
 
-def remove_sharded_tensors(checkpoint_dir: Union[str, Path], key_prefix: str) -> None:
+def remove_sharded_tensors(checkpoint_dir: LocationLike, key_prefix: str) -> None:
     """Delete every stored tensor whose key starts with ``key_prefix`` (one process calls it)."""
-    sharded, _ = verify_checkpoint_and_load_strategy(checkpoint_dir)
-    sharded.remove_sharded_tensors(str(checkpoint_dir), key_prefix)
+    location = resolve_location(checkpoint_dir)
+    sharded, _ = verify_checkpoint_and_load_strategy(location)
+    sharded.remove_sharded_tensors(location, key_prefix)

@@ -4,8 +4,9 @@ A checkpoint saved by N ranks holds each tensor in pieces. :func:`iter_unsharded
 whole tensors one at a time -- each is read, assembled and handed over before the next one is
 allocated -- so a consumer that writes them elsewhere (an export, a conversion) needs memory for
 one tensor, not for the state. :func:`unshard` collects them into a dict. Both work for every
-registered backend (they use its load strategy, asking for each tensor whole) and for
-HuggingFace folders (``model.safetensors`` or an index), which ``dist_ckpt.load`` also reads.
+registered backend (they use its load strategy, asking for each tensor whole), for checkpoints
+on object stores (``s3://bucket/prefix``) and for HuggingFace folders (``model.safetensors`` or an
+index), which ``dist_ckpt.load`` also reads.
 
 Example::
 
@@ -18,13 +19,13 @@ Example::
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 
 from .errors import KeyMismatchError, format_keys
 from .mapping import ShardedTensor
+from .storage.location import CheckpointLocation, LocationLike, location_str, resolve_location
 from .strategies.base import LoadShardedStrategy, StrategySpec
 from .validation import verify_checkpoint_and_load_strategy
 
@@ -36,7 +37,7 @@ Device = Union[str, torch.device]
 
 
 def unsharded_metadata(
-    checkpoint_dir: Union[str, Path], sharded_strategy: StrategySpec = None
+    checkpoint_dir: LocationLike, sharded_strategy: StrategySpec = None
 ) -> Tuple[LoadShardedStrategy, Dict[str, ShardedTensor]]:
     """The checkpoint's load strategy and ``{key: ShardedTensor}`` (global shape and dtype, no
     data) of every stored tensor, read from the metadata alone.
@@ -46,19 +47,20 @@ def unsharded_metadata(
         strategy, meta = unsharded_metadata("ckpt/iter_1000")
         sizes = {k: sh.global_shape for k, sh in meta.items()}
     """
-    strategy, _ = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy)
-    metadata = strategy.load_tensors_metadata(Path(checkpoint_dir))
+    location = resolve_location(checkpoint_dir)
+    strategy, _ = verify_checkpoint_and_load_strategy(location, sharded_strategy)
+    metadata = strategy.load_tensors_metadata(location)
     return strategy, {k: v for k, v in metadata.items() if isinstance(v, ShardedTensor)}
 
 
-def _select(metadata: Dict[str, ShardedTensor], keys: Optional[Iterable[str]], checkpoint_dir: Path) -> List[str]:
+def _select(metadata: Dict[str, ShardedTensor], keys: Optional[Iterable[str]], checkpoint_dir: CheckpointLocation) -> List[str]:
     if keys is None:
         return sorted(metadata)
     wanted = list(dict.fromkeys(keys))
     absent = [k for k in wanted if k not in metadata]
     if absent:
         raise KeyMismatchError(
-            f"keys {format_keys(absent)} are not stored in checkpoint {str(checkpoint_dir)!r} "
+            f"keys {format_keys(absent)} are not stored in checkpoint {location_str(checkpoint_dir)!r} "
             f"(it holds {len(metadata)} tensors, e.g. {format_keys(list(metadata)[:5])})",
             unexpected_keys=absent,
         )
@@ -66,7 +68,7 @@ def _select(metadata: Dict[str, ShardedTensor], keys: Optional[Iterable[str]], c
 
 
 def iter_unsharded(
-    checkpoint_dir: Union[str, Path],
+    checkpoint_dir: LocationLike,
     keys: Optional[Iterable[str]] = None,
     device: Device = "cpu",
     sharded_strategy: StrategySpec = None,
@@ -78,7 +80,8 @@ def iter_unsharded(
     ``device`` and have the strategy fill it in place.
 
     Args:
-        checkpoint_dir: a committed dist_ckpt checkpoint, or a HuggingFace folder.
+        checkpoint_dir: a committed dist_ckpt checkpoint (a directory, an ``s3://`` URL or a
+            storage), or a HuggingFace folder.
         keys: the keys to yield, in this order (default: every stored tensor, sorted by key).
         device: where the tensors are allocated.
         sharded_strategy: a load strategy or ``(backend, version)`` instead of the registered one.
@@ -91,17 +94,17 @@ def iter_unsharded(
         for key, tensor in iter_unsharded("ckpt/iter_1000", device="cuda"):
             print(key, tuple(tensor.shape))
     """
-    checkpoint_dir = Path(checkpoint_dir)
-    strategy, metadata = unsharded_metadata(checkpoint_dir, sharded_strategy)
-    selected = _select(metadata, keys, checkpoint_dir)
-    return iter_with(strategy, metadata, selected, checkpoint_dir, device)
+    location = resolve_location(checkpoint_dir)
+    strategy, metadata = unsharded_metadata(location, sharded_strategy)
+    selected = _select(metadata, keys, location)
+    return iter_with(strategy, metadata, selected, location, device)
 
 
 def iter_with(
     strategy: LoadShardedStrategy,
     metadata: Dict[str, ShardedTensor],
     keys: Iterable[str],
-    checkpoint_dir: Path,
+    checkpoint_dir: CheckpointLocation,
     device: Device = "cpu",
 ) -> Iterator[Tuple[str, torch.Tensor]]:
     """:func:`iter_unsharded` with the strategy and metadata already at hand (for callers that
@@ -117,7 +120,7 @@ def iter_with(
 
 
 def unshard(
-    checkpoint_dir: Union[str, Path],
+    checkpoint_dir: LocationLike,
     keys: Optional[Iterable[str]] = None,
     device: Device = "cpu",
     sharded_strategy: StrategySpec = None,

@@ -13,7 +13,6 @@ import math
 import pickle
 from collections import defaultdict
 from enum import Enum
-from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
@@ -31,6 +30,7 @@ from .errors import (
 )
 from .mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor, is_main_replica
 from .shard_metadata import all_gather_metadata, gather_metadata
+from .storage.location import LocationLike, location_str, resolve_location
 from .strategies.base import (
     LoadCommonStrategy,
     LoadShardedStrategy,
@@ -413,7 +413,7 @@ def validate_sharded_objects_handling(sharded_strategy: Any, common_strategy: An
 
 
 def verify_checkpoint_and_load_strategy(
-    checkpoint_dir: Union[str, Path],
+    checkpoint_dir: LocationLike,
     sharded_strategy: StrategySpec = None,
     common_strategy: StrategySpec = None,
 ) -> Tuple[LoadShardedStrategy, LoadCommonStrategy]:
@@ -423,9 +423,11 @@ def verify_checkpoint_and_load_strategy(
     strategies (see :func:`dist_ckpt.core.detect_config`).
 
     Strategies the caller passes are checked for compatibility; missing ones come from the
-    registry, keyed by the backend and version the checkpoint records.
+    registry, keyed by the backend and version the checkpoint records. On an object store
+    (``s3://``), each must also be able to read from one (``check_location``).
     """
-    config = detect_config(checkpoint_dir)
+    location = resolve_location(checkpoint_dir)
+    config = detect_config(location)
     sharded = resolve_strategy(
         sharded_strategy, StrategyAction.LOAD_SHARDED, (config.sharded_backend, config.sharded_backend_version)
     )
@@ -441,7 +443,8 @@ def verify_checkpoint_and_load_strategy(
             strategy.check_backend_compatibility(backend)
             strategy.check_version_compatibility(version)
         except IncompatibleStrategyError as e:
-            raise IncompatibleStrategyError(f"checkpoint {str(checkpoint_dir)!r}: {e}") from e
+            raise IncompatibleStrategyError(f"checkpoint {location_str(location)!r}: {e}") from e
+        strategy.check_location(location)
     return sharded, common
 
 

@@ -1,6 +1,7 @@
 """Check a whole checkpoint directory: which files are missing, damaged or uncommitted.
 
-:func:`verify_checkpoint` is what ``dist-ckpt verify DIR`` runs. One process, no process group:
+:func:`verify_checkpoint` is what ``dist-ckpt verify DIR`` runs, on a local directory or an
+``s3://bucket/prefix`` (reading every object once). One process, no process group:
 
 1. read ``metadata.json``: missing means the save never committed (a partial checkpoint that
    ``load`` refuses); unreadable means the commit record is damaged;
@@ -27,11 +28,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple
 
 from .checksums import IntegrityProblem, IntegrityReport
 from .core import METADATA_FILENAME, CheckpointingConfig, maybe_load_config
 from .errors import CheckpointingException
+from .storage.errors import StorageError
+from .storage.location import CheckpointLocation, LocationLike, location_str, resolve_location
 from .strategies.base import LoadStrategyBase, StrategyAction, get_default_strategy
 
 __all__ = ["VerifyReport", "verify_checkpoint"]
@@ -47,7 +50,7 @@ class VerifyReport:
     """The outcome of :func:`verify_checkpoint`.
 
     Attributes:
-        checkpoint_dir: the directory checked.
+        checkpoint_dir: the directory (or ``s3://`` URL) checked.
         committed: whether it holds a valid ``metadata.json``.
         backends: the ``backend:version`` of each part checked.
         problems: every problem found; empty means healthy.
@@ -83,23 +86,30 @@ class VerifyReport:
         }
 
 
-def verify_checkpoint(checkpoint_dir: Union[str, Path]) -> VerifyReport:
+def verify_checkpoint(checkpoint_dir: LocationLike) -> VerifyReport:
     """Check every file of the checkpoint at ``checkpoint_dir`` (see the module docstring).
 
     Example::
 
         report = verify_checkpoint("ckpt/iter_1000")
         assert report.ok, "\\n".join(map(str, report.problems))
+
+    Raises:
+        StorageError: an object store refused the requests (wrong credentials, a missing
+            bucket, retries exhausted) -- a problem of access, not of the checkpoint.
+        StorageConfigError: a malformed location (an unknown scheme, an invalid bucket name).
     """
-    directory = Path(checkpoint_dir)
-    report = VerifyReport(str(directory))
-    if not directory.is_dir():
+    directory = resolve_location(checkpoint_dir)
+    report = VerifyReport(location_str(directory))
+    if isinstance(directory, Path) and not directory.is_dir():
         report.problems.append(IntegrityProblem(".", "the checkpoint directory does not exist"))
         return report
     # 1. the commit record
     config: Optional[CheckpointingConfig] = None
     try:
         config = maybe_load_config(directory)
+    except StorageError:
+        raise  # refused credentials, a missing bucket: not a property of the checkpoint
     except CheckpointingException as e:
         report.problems.append(IntegrityProblem(METADATA_FILENAME, f"unreadable: {e}"))
     if config is None and not report.problems:
@@ -129,14 +139,15 @@ def verify_checkpoint(checkpoint_dir: Union[str, Path]) -> VerifyReport:
     return report
 
 
-def _strategies(directory: Path, config: Optional[CheckpointingConfig], report: VerifyReport) -> List[Tuple[str, LoadStrategyBase]]:
+def _strategies(directory: CheckpointLocation, config: Optional[CheckpointingConfig], report: VerifyReport) -> List[Tuple[str, LoadStrategyBase]]:
     if config is not None:
         wanted = [
             (StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version),
             (StrategyAction.LOAD_COMMON, config.common_backend, config.common_backend_version),
         ]
     else:  # uncommitted: check the files that are there
-        wanted = [(StrategyAction.LOAD_SHARDED, b, v) for d, b, v in _BACKEND_DIRS if (directory / d).is_dir()]
+        present = _top_level_names(directory)
+        wanted = [(StrategyAction.LOAD_SHARDED, b, v) for d, b, v in _BACKEND_DIRS if d in present]
         wanted.append((StrategyAction.LOAD_COMMON, "torch", 1))
     out: List[Tuple[str, LoadStrategyBase]] = []
     for action, backend, version in wanted:
@@ -146,14 +157,29 @@ def _strategies(directory: Path, config: Optional[CheckpointingConfig], report: 
             report.problems.append(IntegrityProblem(METADATA_FILENAME, f"cannot check the {backend!r} part: {e}"))
             continue
         assert isinstance(strategy, LoadStrategyBase)
+        try:
+            strategy.check_location(directory)
+        except CheckpointingException as e:
+            report.problems.append(IntegrityProblem(".", f"cannot check the {backend!r} part: {e}"))
+            continue
         out.append((f"{backend}:{version}", strategy))
     return out
 
 
+def _top_level_names(directory: CheckpointLocation) -> List[str]:
+    """Names of the entries directly in the checkpoint (directories, or first key components)."""
+    if isinstance(directory, Path):
+        return [p.name for p in directory.iterdir() if p.is_dir()]
+    return sorted({o.key.split("/", 1)[0] for o in directory.list() if "/" in o.key})
 
 
-def _note_leftovers(directory: Path, report: VerifyReport) -> None:
-    """Temporary files of interrupted atomic writes are harmless; say they can go."""
+
+
+def _note_leftovers(directory: CheckpointLocation, report: VerifyReport) -> None:
+    """Temporary files of interrupted atomic writes are harmless; say they can go (an object
+    store has none: an interrupted upload never becomes an object)."""
+    if not isinstance(directory, Path):
+        return
     leftovers = sorted(str(p.relative_to(directory)) for p in directory.rglob(".*.tmp-*"))
     if leftovers:
         shown = ", ".join(leftovers[:5]) + (f" and {len(leftovers) - 5} more" if len(leftovers) > 5 else "")

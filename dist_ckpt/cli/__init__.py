@@ -6,9 +6,12 @@ and ``parser``; adding a command means writing one such module and listing its f
 :data:`COMMANDS`. This package is the only part of dist_ckpt that prints, and the only one that
 imports tqdm (progress bars, :mod:`.progress`).
 
-Exit status: 0 success; 1 failure (a checkpointing error, a failed rank, a failed verification
-or an OS error such as an unwritable directory), reported as one line on stderr (``--debug`` adds
-the traceback); 2 usage error. Commands with ``--json`` print one JSON document on stdout.
+Exit status: 0 success; 1 failure (a checkpointing error such as a corrupt checkpoint, a failed
+rank, a failed verification, or an OS error such as an unwritable directory); 2 usage error,
+including a bad location: a path that does not exist or holds no checkpoint, a destination that
+is not empty, a malformed URL. Failures are one line on stderr (``--debug`` adds the
+traceback). Commands with ``--json`` print one JSON document on stdout. Locations may be
+``s3://bucket/prefix`` URLs wherever the backend supports object stores.
 
 Example::
 
@@ -29,7 +32,8 @@ import traceback
 from typing import Optional, Sequence, Tuple
 
 from .. import __version__
-from ..errors import CheckpointingException
+from ..errors import CheckpointExistsError, CheckpointingException, NotACheckpointError
+from ..storage.errors import BucketNotFoundError, StorageConfigError
 from ..testing import RankError
 from .bench_command import add_bench_command
 from .common import (
@@ -40,7 +44,6 @@ from .common import (
     CommandFailed,
     format_table,
     one_line,
-    size_arg,
 )
 from .convert_command import add_convert_command
 from .demo_command import add_demo_command
@@ -60,7 +63,9 @@ COMMANDS: Tuple[CommandAdder, ...] = (
     add_demo_command,
 )
 
-_size = size_arg  # the name older tests and scripts use
+
+#: errors that mean the command was pointed at the wrong place: exit status 2, like a usage error
+_BAD_LOCATION = (NotACheckpointError, CheckpointExistsError, BucketNotFoundError, StorageConfigError)
 
 
 def _common_options(suppress_defaults: bool) -> argparse.ArgumentParser:
@@ -83,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
         "one parallel layout, load under another. These commands work on checkpoint directories "
         "from one process, without any process group.",
         epilog="Run 'dist-ckpt COMMAND --help' for the options of a command. Exit status: 0 success, "
-        "1 failure (checkpointing error or failed verification, one line on stderr), 2 usage error.",
+        "1 failure (a corrupt checkpoint, a failed verification, an I/O error; one line on stderr), "
+        "2 usage error or bad location (no checkpoint there, destination not empty, malformed URL).",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands", required=True)
@@ -113,6 +119,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.debug:
             print("\n".join(e.details), file=sys.stderr)
         return EXIT_FAILURE
+    except _BAD_LOCATION as e:
+        if args.debug:
+            traceback.print_exc()
+        print(f"{prefix} {one_line(e)}", file=sys.stderr)
+        return EXIT_USAGE
     except (CheckpointingException, RankError, OSError) as e:
         if args.debug:
             traceback.print_exc()

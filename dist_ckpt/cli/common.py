@@ -27,6 +27,7 @@ __all__ = [
     "backend_arg",
     "even_ranks_arg",
     "format_table",
+    "human_bytes",
     "mib",
     "one_line",
     "positive_float_arg",
@@ -77,8 +78,19 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: S
 
 
 def mib(nbytes: int) -> str:
-    """``nbytes`` in MiB, for tables: ``"1,024.0 MiB"``."""
+    """``nbytes`` in MiB, for tables of one scale (the demo's): ``"1,024.0 MiB"``."""
     return f"{nbytes / 2**20:,.1f} MiB"
+
+
+def human_bytes(nbytes: int) -> str:
+    """``nbytes`` in the largest binary unit that keeps it >= 1: ``"212 B"``, ``"1.5 KiB"``,
+    ``"3.25 GiB"`` (for sizes that span several scales, such as a checkpoint's tensors)."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.3g} {unit}" if value < 100 else f"{value:.0f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
 
 
 def print_json(doc: Any) -> None:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Tuple, Union
 
-from .common import EXIT_OK, SubParsers, add_progress_option, backend_arg, mib, print_json, progress_enabled, size_arg
+from .common import EXIT_OK, SubParsers, add_progress_option, backend_arg, human_bytes, print_json, progress_enabled, size_arg
 
 __all__ = ["add_convert_command"]
 
@@ -33,8 +32,10 @@ def add_convert_command(subparsers: SubParsers, common: argparse.ArgumentParser)
             "failed one removes what it wrote."
         ),
     )
-    p.add_argument("src", type=Path, metavar="SRC", help="a committed checkpoint or a HuggingFace folder")
-    p.add_argument("dst", type=Path, metavar="DST", help="the new checkpoint (must not exist, or be empty)")
+    p.add_argument("src", metavar="SRC", help="a committed checkpoint or a HuggingFace folder: a directory or "
+                   "s3://bucket/prefix")
+    p.add_argument("dst", metavar="DST", help="the new checkpoint: a directory that does not exist or is empty, or an "
+                   "empty s3://bucket/prefix (--to safetensors only)")
     p.add_argument("--to", type=_target, required=True, metavar="BACKEND",
                    help="target backend: safetensors, zarr, NAME:VERSION, or hf")
     p.add_argument("--max-shard-size", type=size_arg, default=2**31, metavar="SIZE",
@@ -65,8 +66,8 @@ def run_convert_command(args: argparse.Namespace) -> int:
     report = result.report
     carried = (f"; common state ({result.common_keys} keys) and {result.sharded_objects} ShardedObjects copied"
                if result.target_backend != "hf" else "")
-    files = "" if report.files is None else f": {report.files} files, {mib(report.file_bytes or 0)}"
-    print(f"dist-ckpt convert: {result.tensors} tensors, {mib(report.total_nbytes)}, "
+    files = "" if report.files is None else f": {report.files} files, {human_bytes(report.file_bytes or 0)}"
+    print(f"dist-ckpt convert: {result.tensors} tensors, {human_bytes(report.total_nbytes)}, "
           f"{result.source_backend} -> {result.target_backend}")
     print(f"  from {result.source}")
     print(f"  to   {result.destination}{files}{carried}")

@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from pathlib import Path
 
-from .common import EXIT_OK, SubParsers, add_progress_option, mib, print_json, progress_enabled, size_arg
+from .common import EXIT_OK, SubParsers, add_progress_option, human_bytes, print_json, progress_enabled, size_arg
 
 __all__ = ["add_export_hf_command"]
 
@@ -25,8 +24,8 @@ def add_export_hf_command(subparsers: SubParsers, common: argparse.ArgumentParse
             "memory at a time; no process group is needed. Keys are written as stored."
         ),
     )
-    p.add_argument("src", type=Path, metavar="SRC", help="a committed dist_ckpt checkpoint directory")
-    p.add_argument("dst", type=Path, metavar="DST", help="the folder to write (must not hold HF weights yet)")
+    p.add_argument("src", metavar="SRC", help="a committed dist_ckpt checkpoint: a directory or s3://bucket/prefix")
+    p.add_argument("dst", metavar="DST", help="the local folder to write (must not hold HF weights yet)")
     p.add_argument("--max-shard-size", type=size_arg, default=2**31, metavar="SIZE",
                    help="most bytes per file, e.g. 5GB or 2GiB (default: 2GiB)")
     p.add_argument("--json", action="store_true", help="print what was written as one JSON document")
@@ -64,7 +63,7 @@ def run_export_hf_command(args: argparse.Namespace) -> int:
                     "index": result.index, "tensors": result.tensors, "nbytes": result.total_bytes, "seconds": seconds})
         return EXIT_OK
     files = len(result.files)
-    print(f"dist-ckpt export-hf: {result.tensors} tensors, {mib(result.total_bytes)}, from {args.src}")
+    print(f"dist-ckpt export-hf: {result.tensors} tensors, {human_bytes(result.total_bytes)}, from {args.src}")
     print(f"  to {result.directory}: {files} file{'s' if files != 1 else ''}"
           + (f" + {result.index}" if result.index else "") + f", in {seconds:.2f} s")
     return EXIT_OK

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
-from pathlib import Path
 from typing import List
 
-from .common import EXIT_OK, SubParsers, format_table, mib, print_json
+from .common import EXIT_OK, SubParsers, format_table, human_bytes, print_json
 
 __all__ = ["add_inspect_command"]
 
@@ -26,7 +25,8 @@ def add_inspect_command(subparsers: SubParsers, common: argparse.ArgumentParser)
             "of the common state and the ShardedObjects."
         ),
     )
-    p.add_argument("dir", type=Path, metavar="DIR", help="a committed checkpoint or a HuggingFace folder")
+    p.add_argument("dir", metavar="DIR", help="a committed checkpoint or a HuggingFace folder: a directory, or "
+                   "s3://bucket/prefix (credentials and endpoint from the AWS environment variables)")
     p.add_argument("--keys", metavar="PATTERN", default=None,
                    help="only tensors whose key matches this shell pattern, e.g. 'decoder.layers.0.*'")
     p.add_argument("--shards", action="store_true",
@@ -54,12 +54,12 @@ def run_inspect_command(args: argparse.Namespace) -> int:
     saved_by = f"{info.world_size} rank{'s' if info.world_size != 1 else ''}" if info.world_size else "unknown ranks"
     writer = f", dist_ckpt {info.library_version}" if info.library_version else ""
     shards = "" if info.num_shards is None else f" in {info.num_shards} stored shards"
-    files = "unknown" if info.files is None else f"{info.files}, {mib(info.file_bytes or 0)} on disk"
+    files = "unknown" if info.files is None else f"{info.files}, {human_bytes(info.file_bytes or 0)} on disk"
     lines: List[str] = [
         f"{info.path}: {'HuggingFace folder' if info.kind == 'huggingface' else 'dist_ckpt checkpoint'}",
         f"  backend   {info.sharded_backend} (common state: {info.common_backend})",
         f"  saved by  {saved_by}{writer}" if info.kind != "huggingface" else "  saved by  (not recorded)",
-        f"  tensors   {len(info.tensors)}{' matching ' + repr(args.keys) if args.keys else ''}, {mib(info.nbytes)}{shards}",
+        f"  tensors   {len(info.tensors)}{' matching ' + repr(args.keys) if args.keys else ''}, {human_bytes(info.nbytes)}{shards}",
         f"  files     {files}",
     ]
     print("\n".join(lines))
@@ -67,7 +67,7 @@ def run_inspect_command(args: argparse.Namespace) -> int:
         rows = []
         for t in info.tensors:
             n_files = "?" if t.files is None else str(len(t.files))
-            rows.append([t.key, _shape(t.global_shape), t.dtype, mib(t.nbytes), str(t.num_shards or "?"), t.layout, n_files])
+            rows.append([t.key, _shape(t.global_shape), t.dtype, human_bytes(t.nbytes), str(t.num_shards or "?"), t.layout, n_files])
             if args.shards and t.shards:
                 for s in t.shards:
                     where = _shape(s.global_offset) + (f" flat {s.flat_range[0]}:{s.flat_range[1]}" if s.flat_range else "")

@@ -4,7 +4,9 @@ Every stored tensor is assembled whole from its shards (by the checkpoint's own 
 see :mod:`dist_ckpt.unshard`) and written into ``model.safetensors`` -- or into shard files of
 at most ``max_shard_size`` bytes plus ``model.safetensors.index.json`` -- then freed before the
 next one is read: memory for one tensor suffices, whatever the size of the state. Runs in one
-process without a process group; the CLI runs it as ``dist-ckpt export-hf SRC DST``.
+process without a process group; the CLI runs it as ``dist-ckpt export-hf SRC DST``. The source
+may be on an object store (``s3://bucket/prefix``: each tensor's bytes are fetched with ranged
+GETs); the destination is a local folder.
 
 Keys are written as they are stored (Megatron-style names stay Megatron-style; renaming to a
 particular transformers architecture is a model-specific step). Stacked layers (prepended
@@ -22,6 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 
 from ..errors import CheckpointExistsError
+from ..storage.location import LocationLike, require_local, resolve_location
 from ..strategies.safetensors_format import SafetensorsFileWriter
 from ..unshard import iter_with, unsharded_metadata
 from .folder import has_hf_weights
@@ -52,7 +55,7 @@ class ExportResult:
 
 
 def export(
-    src: Union[str, Path],
+    src: LocationLike,
     dst: Union[str, Path],
     max_shard_size: int = 2**31,
     metadata: Optional[Dict[str, Any]] = None,
@@ -69,8 +72,9 @@ def export(
     several files), so an interrupted export never looks complete.
 
     Args:
-        src: a committed dist_ckpt checkpoint of any backend (or an HF folder).
-        dst: the folder to create (it may exist but must not hold HF weights).
+        src: a committed dist_ckpt checkpoint of any backend (a directory, an ``s3://`` URL or a
+            storage), or an HF folder.
+        dst: the local folder to create (it may exist but must not hold HF weights).
         max_shard_size: most bytes per file (a larger tensor gets a file of its own).
         metadata: extra JSON-serializable entries of the index metadata.
         device: where tensors are assembled (``"cuda"`` to use GPU memory instead of host).
@@ -78,15 +82,18 @@ def export(
 
     Raises:
         CheckpointExistsError: ``dst`` already holds HuggingFace weights.
+        IncompatibleStrategyError: ``dst`` is an object-store URL (export to a local folder,
+            then upload it).
 
     Example::
 
         result = export("ckpt/iter_1000", "hf/iter_1000", max_shard_size=5 * 10**9)
         # then: safetensors.torch.load_file("hf/iter_1000/model-00001-of-00003.safetensors")
     """
-    src, out = Path(src), Path(dst)
+    out = require_local(resolve_location(dst), "export-hf's destination")
+    source = resolve_location(src)
     # 1. metadata, destination
-    strategy, tensors = unsharded_metadata(src)
+    strategy, tensors = unsharded_metadata(source)
     if has_hf_weights(out):
         raise CheckpointExistsError(f"{str(out)!r} already holds HuggingFace weights; export to a new folder")
     out.mkdir(parents=True, exist_ok=True)
@@ -104,7 +111,7 @@ def export(
     for file, keys in zip(names, shards):
         layout = [(k, tensors[k].dtype, tensors[k].global_shape) for k in keys]
         with SafetensorsFileWriter(out / file, layout, {"format": "pt"}, atomic=True) as writer:
-            for key, tensor in iter_with(strategy, tensors, keys, src, device):
+            for key, tensor in iter_with(strategy, tensors, keys, source, device):
                 writer.write(tensor)
                 nbytes = tensor.numel() * tensor.element_size()
                 del tensor  # free it before the next one is assembled

@@ -15,13 +15,13 @@ Example::
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import ClassVar, Dict, List, Mapping, Optional, Tuple
 
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..distributed import get_rank
 from ..errors import KeyMismatchError, format_keys
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
+from ..storage.location import CheckpointLocation, require_local
 from ..strategies.base import LoadCommonStrategy, LoadShardedStrategy
 from ..strategies.safetensors_io import ReadOptions
 from ..strategies.safetensors_load import load_from_index, tensors_metadata
@@ -54,13 +54,13 @@ class HFLoadShardedStrategy(LoadShardedStrategy):
         self.options = options or ReadOptions()
         self.aliases: Dict[str, str] = dict(aliases or {})
 
-    def _folder(self, checkpoint_dir: Path) -> HFFolder:
-        folder = open_folder(checkpoint_dir)
+    def _folder(self, checkpoint_dir: CheckpointLocation) -> HFFolder:
+        folder = open_folder(require_local(checkpoint_dir, "reading a HuggingFace folder"))
         folder.extra_aliases.update(self.aliases)
         return folder
 
-    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
-        folder = self._folder(Path(checkpoint_dir))
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> StateDict:
+        folder = self._folder(checkpoint_dir)
         keys = [sh.key for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedTensor)]
         available = set(folder.names())
         absent = sorted({k for k in keys if k not in available})
@@ -73,12 +73,12 @@ class HFLoadShardedStrategy(LoadShardedStrategy):
         index = folder.tensor_index(keys)
         return load_from_index(sharded_state_dict, index, self.options)
 
-    def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
-        return tensors_metadata(self._folder(Path(checkpoint_dir)).tensor_index())
+    def load_tensors_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
+        return tensors_metadata(self._folder(checkpoint_dir).tensor_index())
 
-    def describe_stored_shards(self, checkpoint_dir: Path) -> Optional[Dict[str, List[StoredShardInfo]]]:
+    def describe_stored_shards(self, checkpoint_dir: CheckpointLocation) -> Optional[Dict[str, List[StoredShardInfo]]]:
         """Each tensor is one whole piece in the file the index (or ``model.safetensors``) names."""
-        return describe_tensor_index(self._folder(Path(checkpoint_dir)).tensor_index())
+        return describe_tensor_index(self._folder(checkpoint_dir).tensor_index())
 
 
 class HFCommonLoadStrategy(LoadCommonStrategy):
@@ -91,10 +91,10 @@ class HFCommonLoadStrategy(LoadCommonStrategy):
     def can_handle_sharded_objects(self) -> bool:
         return True
 
-    def load_common(self, checkpoint_dir: Path) -> StateDict:
+    def load_common(self, checkpoint_dir: CheckpointLocation) -> StateDict:
         return {}
 
-    def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
+    def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> StateDict:
         requested = sorted({o.key for o in nested_values(sharded_objects_state_dict) if isinstance(o, ShardedObject)})
         if requested:
             raise KeyMismatchError(
@@ -104,5 +104,5 @@ class HFCommonLoadStrategy(LoadCommonStrategy):
             )
         return dict_list_map_inplace(lambda x: x, sharded_objects_state_dict)  # type: ignore[no-any-return]
 
-    def load_sharded_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
+    def load_sharded_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
         return {}

@@ -17,7 +17,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Dict, Iterator, List, Optional, Sequence, Union
+from typing import IO, Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from .base import (
     BufferLike,
@@ -207,6 +207,10 @@ class LocalStorage(Storage):
     @property
     def url(self) -> str:
         return str(self.root)
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        """Pickle as root and options (the copy counts its own I/O)."""
+        return (LocalStorage, (self.root, self.options))
 
     def local_path(self, key: str) -> Path:
         """The file of object ``key`` (checked to stay under the root).

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 from .base import (
     BufferLike,
@@ -135,6 +135,13 @@ class S3Storage(Storage):
     @property
     def url(self) -> str:
         return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        """Pickle as location and options only -- never the client or credentials: the process
+        that unpickles it opens its own client from its own environment (how the spawned worker
+        of an asynchronous save gets one; obstore's client cannot cross processes). The copy
+        counts its own I/O."""
+        return (S3Storage, (self.bucket, self.prefix, self.options))
 
     def _path(self, key: str) -> str:
         validate_object_key(key)

@@ -56,6 +56,7 @@ from ..errors import (
     UnknownStrategyError,
 )
 from ..mapping import ShardedStateDict, StateDict
+from ..storage.location import CheckpointLocation
 from .stored_shards import StoredShardInfo
 
 if TYPE_CHECKING:
@@ -93,10 +94,19 @@ class SaveStrategyBase(ABC):
     #: top-level entries of a checkpoint directory this strategy writes; save() refuses a
     #: directory that already holds any of them (the leftovers of an interrupted save)
     owned_paths: ClassVar[Tuple[str, ...]] = ()
+    #: whether the strategy can write to an object store: it then accepts a
+    #: :class:`~dist_ckpt.storage.Storage` as ``checkpoint_dir`` (see :func:`check_location`)
+    object_storage: ClassVar[bool] = False
 
     def __init__(self, backend: str, version: int) -> None:
         self.backend = backend
         self.version = version
+
+    def check_location(self, checkpoint_dir: CheckpointLocation) -> None:
+        """Raise :class:`IncompatibleStrategyError` if this strategy cannot write to ``checkpoint_dir``
+        (by default: an object store unless ``object_storage``). Called on every rank before a save
+        writes anything."""
+        _check_location(self, self.object_storage, checkpoint_dir, "write to")
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -117,11 +127,18 @@ class LoadStrategyBase(ABC):
 
     supported_backends: ClassVar[Tuple[str, ...]] = ()
     supported_versions: ClassVar[Tuple[int, ...]] = ()
+    #: whether the strategy can read from an object store (``checkpoint_dir`` a Storage)
+    object_storage: ClassVar[bool] = False
 
     @property
     def can_handle_sharded_objects(self) -> bool:
         """Whether :meth:`LoadShardedStrategy.load` also loads ShardedObjects."""
         return False
+
+    def check_location(self, checkpoint_dir: CheckpointLocation) -> None:
+        """Raise :class:`IncompatibleStrategyError` if this strategy cannot read ``checkpoint_dir``
+        (by default: an object store unless ``object_storage``). Called before a load reads anything."""
+        _check_location(self, self.object_storage, checkpoint_dir, "read from")
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         """Raise :class:`IncompatibleStrategyError` if this strategy cannot read ``loaded_backend``."""
@@ -140,7 +157,7 @@ class LoadStrategyBase(ABC):
                 f"strategy that supports it"
             )
 
-    def verify_integrity(self, checkpoint_dir: Path) -> IntegrityReport:
+    def verify_integrity(self, checkpoint_dir: CheckpointLocation) -> IntegrityReport:
         """Check every file of this strategy's part of a checkpoint against what was recorded at
         save time (local, one process; for ``dist-ckpt verify``). Never raises for damage: each
         problem is a line of the report. The default checks nothing and says so."""
@@ -150,14 +167,23 @@ class LoadStrategyBase(ABC):
         return self.__class__.__name__
 
 
+def _check_location(strategy: object, supported: bool, checkpoint_dir: CheckpointLocation, verb: str) -> None:
+    if isinstance(checkpoint_dir, Path) or supported:
+        return
+    raise IncompatibleStrategyError(
+        f"{strategy} cannot {verb} object storage ({checkpoint_dir.url}): it works on local directories only. "
+        "Use a backend that supports object stores (the default safetensors backend, or zarr), or a local path"
+    )
+
+
 class SaveCommonStrategy(SaveStrategyBase):
     """Saves the common (non-sharded) state and, usually, ShardedObjects."""
 
     @abstractmethod
-    def save_common(self, common_state_dict: StateDict, checkpoint_dir: Path) -> None:
+    def save_common(self, common_state_dict: StateDict, checkpoint_dir: CheckpointLocation) -> None:
         """Save the common state; only rank 0's call writes anything."""
 
-    def save_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
+    def save_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> None:
         """Save this rank's main-replica ShardedObjects."""
         raise IncompatibleStrategyError(f"{self} cannot save ShardedObjects; use a common strategy that can")
 
@@ -220,10 +246,10 @@ class SaveShardedStrategy(SaveStrategyBase):
     can_stream: ClassVar[bool] = False
 
     @abstractmethod
-    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> None:
         """Save this rank's main-replica shards; return once they are durable on every rank."""
 
-    def begin_stream(self, checkpoint_dir: Path, layout: Sequence[TensorLayout]) -> TensorStreamWriter:
+    def begin_stream(self, checkpoint_dir: CheckpointLocation, layout: Sequence[TensorLayout]) -> TensorStreamWriter:
         """A writer of the whole tensors of ``layout``, one at a time, into ``checkpoint_dir``
         (one process; see :class:`TensorStreamWriter`). Optional: available when
         :attr:`can_stream` is True; the default raises :class:`IncompatibleStrategyError`."""
@@ -237,10 +263,10 @@ class AsyncSaveShardedStrategy(SaveShardedStrategy):
     """A sharded save strategy that can write in the background."""
 
     @abstractmethod
-    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> "AsyncRequest":
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> "AsyncRequest":
         """Prepare the save and return the request that performs it; the caller schedules it."""
 
-    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> None:
         """Every async strategy can be used synchronously."""
         self.async_save(sharded_state_dict, checkpoint_dir).execute_sync()
 
@@ -249,14 +275,14 @@ class LoadCommonStrategy(LoadStrategyBase):
     """Loads the common state and ShardedObjects."""
 
     @abstractmethod
-    def load_common(self, checkpoint_dir: Path) -> StateDict:
+    def load_common(self, checkpoint_dir: CheckpointLocation) -> StateDict:
         """Load the common state dict."""
 
     @abstractmethod
-    def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
+    def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> StateDict:
         """Return ``sharded_objects_state_dict`` with every ShardedObject replaced by its value."""
 
-    def load_sharded_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
+    def load_sharded_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
         """Metadata of the stored ShardedObjects, keyed by their unique keys."""
         raise IncompatibleStrategyError(f"{self} cannot list ShardedObjects")
 
@@ -265,24 +291,24 @@ class LoadShardedStrategy(LoadStrategyBase):
     """Loads sharded tensors (the sharded backend)."""
 
     @abstractmethod
-    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> StateDict:
         """Return ``sharded_state_dict`` with every ShardedTensor replaced by its loaded tensor."""
 
     @abstractmethod
-    def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
+    def load_tensors_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
         """``{key: ShardedTensor}`` for every stored tensor, unsharded and without data."""
 
-    def load_sharded_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
+    def load_sharded_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
         """Metadata of stored ShardedTensors (and ShardedObjects, if this strategy handles them)."""
         if self.can_handle_sharded_objects:
             raise IncompatibleStrategyError(f"{self} handles ShardedObjects and must override load_sharded_metadata")
         return self.load_tensors_metadata(checkpoint_dir)
 
-    def remove_sharded_tensors(self, checkpoint_dir: str, key_prefix: str) -> None:
+    def remove_sharded_tensors(self, checkpoint_dir: CheckpointLocation, key_prefix: str) -> None:
         """Delete every stored tensor whose key starts with ``key_prefix``."""
         raise IncompatibleStrategyError(f"{self} cannot remove tensors from a checkpoint")
 
-    def describe_stored_shards(self, checkpoint_dir: Path) -> Optional[Dict[str, List[StoredShardInfo]]]:
+    def describe_stored_shards(self, checkpoint_dir: CheckpointLocation) -> Optional[Dict[str, List[StoredShardInfo]]]:
         """How each stored tensor is laid out: its pieces (box or flattened range), their files
         and sizes, read from the metadata alone (local, one process; for ``dist-ckpt inspect``).
 

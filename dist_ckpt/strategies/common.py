@@ -17,6 +17,10 @@ and the opt-in, ``TorchCommonLoadStrategy(allow_pickle=True)``, for checkpoints 
 The two checksum manifests (see :mod:`dist_ckpt.checksums`; the second is gathered from every
 rank to rank 0) let a load check each file's bytes before unpickling them, and let
 ``dist-ckpt verify`` check them all. Checkpoints saved before they existed load unverified.
+
+Every file goes through a :class:`~dist_ckpt.storage.Storage` (a ``LocalStorage`` of the
+directory: temporary file, fsync, rename; or an object store), so this strategy works on local
+disks and on S3 alike; the files are small and each is written and read whole.
 """
 
 from __future__ import annotations
@@ -34,18 +38,18 @@ import torch
 from ..checksums import (
     FileDigest,
     IntegrityReport,
+    bytes_digest,
     check_file,
-    file_digest,
     file_problem,
-    read_manifest,
-    relative,
-    write_manifest,
+    manifest_bytes,
+    parse_manifest_bytes,
 )
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..distributed import gather_json, get_rank, run_collectively
 from ..errors import CheckpointingException, CorruptCheckpointError, KeyMismatchError, UnsafeObjectError, format_keys
 from ..mapping import ShardedObject, ShardedStateDict, StateDict, is_main_replica
-from ..storage import atomic_write, decode_key, encode_key, is_shortened, write_bytes_atomic
+from ..storage import ObjectNotFoundError, Storage, decode_key, encode_key, is_shortened
+from ..storage.location import CheckpointLocation, location_str, storage_of
 from .base import LoadCommonStrategy, SaveCommonStrategy
 
 logger = logging.getLogger(__name__)
@@ -90,20 +94,37 @@ def find_unsafe_values(state: Any, prefix: Tuple[Any, ...] = ()) -> Dict[str, st
     return found
 
 
-def _object_path(checkpoint_dir: Path, sh_obj: ShardedObject) -> Path:
+def _object_key(sh_obj: ShardedObject) -> str:
+    """The object (file) of a ShardedObject, relative to the checkpoint: ``objects/<key>/<shard>.pt``."""
     shard_name = sh_obj.unique_key.rpartition("/")[2]
-    return checkpoint_dir / OBJECTS_DIR / encode_key(sh_obj.key) / f"{shard_name}.pt"
+    return f"{OBJECTS_DIR}/{encode_key(sh_obj.key)}/{shard_name}.pt"
+
+
+def _torch_bytes(value: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def _read_manifest(storage: Storage, key: str) -> Optional[Dict[str, FileDigest]]:
+    """The manifest at ``key``, or None when the checkpoint has none."""
+    try:
+        raw = storage.read(key)
+    except ObjectNotFoundError:
+        return None
+    return parse_manifest_bytes(raw, storage.url_of(key))
 
 
 class TorchCommonSaveStrategy(SaveCommonStrategy):
     """Saves the common state (rank 0) and ShardedObjects with ``torch.save``, atomically, and
-    the checksum manifests of both.
+    the checksum manifests of both; on local disks and object stores.
 
     Args:
         checksums: write the manifests (``common.checksums.json``, ``objects/checksums.json``).
     """
 
     owned_paths: ClassVar[Tuple[str, ...]] = (COMMON_STATE_FNAME, UNSAFE_KEYS_FNAME, COMMON_CHECKSUMS_FNAME, OBJECTS_DIR)
+    object_storage: ClassVar[bool] = True
 
     def __init__(self, backend: str = "torch", version: int = 1, checksums: bool = True) -> None:
         super().__init__(backend, version)
@@ -113,10 +134,11 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
     def can_handle_sharded_objects(self) -> bool:
         return True
 
-    def save_common(self, common_state_dict: StateDict, checkpoint_dir: Path) -> None:
+    def save_common(self, common_state_dict: StateDict, checkpoint_dir: CheckpointLocation) -> None:
         if get_rank() != 0:
             return
-        checkpoint_dir = Path(checkpoint_dir)
+        storage = storage_of(checkpoint_dir)
+        written: Dict[str, FileDigest] = {}
         unsafe = find_unsafe_values(common_state_dict)
         if unsafe:
             logger.warning(
@@ -126,33 +148,36 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
                 ", ".join(sorted(set(unsafe.values()))),
                 _OPT_IN,
             )
-            write_bytes_atomic(checkpoint_dir / UNSAFE_KEYS_FNAME, json.dumps(unsafe, indent=1).encode())
-        with atomic_write(checkpoint_dir / COMMON_STATE_FNAME) as f:
-            torch.save(common_state_dict, f)
+            data = json.dumps(unsafe, indent=1).encode()
+            storage.write(UNSAFE_KEYS_FNAME, data)
+            written[UNSAFE_KEYS_FNAME] = bytes_digest(data)
+        data = _torch_bytes(common_state_dict)
+        storage.write(COMMON_STATE_FNAME, data)
+        written[COMMON_STATE_FNAME] = bytes_digest(data)
         if self.checksums:
-            written = [COMMON_STATE_FNAME] + ([UNSAFE_KEYS_FNAME] if unsafe else [])
-            write_manifest(checkpoint_dir / COMMON_CHECKSUMS_FNAME, {n: file_digest(checkpoint_dir / n) for n in written})
+            storage.write(COMMON_CHECKSUMS_FNAME, manifest_bytes(written))
 
-    def save_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
+    def save_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> None:
         """Save this rank's main-replica ShardedObjects; then (collective) rank 0 writes the
         manifest of every rank's object files."""
-        root = Path(checkpoint_dir) / OBJECTS_DIR
+        storage = storage_of(checkpoint_dir)
+        prefix = f"{OBJECTS_DIR}/"
 
         def write() -> Dict[str, Any]:
             written: Dict[str, Any] = {}
             for sh_obj in nested_values(sharded_objects_state_dict):
                 if not isinstance(sh_obj, ShardedObject) or not is_main_replica(sh_obj.replica_id):
                     continue
-                path = _object_path(Path(checkpoint_dir), sh_obj)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                files = [path]
-                if is_shortened(path.parent.name):
-                    write_bytes_atomic(path.parent / KEY_FNAME, sh_obj.key.encode("utf-8"))
-                    files.append(path.parent / KEY_FNAME)
-                with atomic_write(path) as f:
-                    torch.save(sh_obj.data, f)
-                if self.checksums:
-                    written.update({relative(p, root): file_digest(p).to_json() for p in files})
+                key = _object_key(sh_obj)
+                files: Dict[str, bytes] = {}
+                directory = key.rpartition("/")[0]
+                if is_shortened(directory.rpartition("/")[2]):
+                    files[f"{directory}/{KEY_FNAME}"] = sh_obj.key.encode("utf-8")
+                files[key] = _torch_bytes(sh_obj.data)
+                for name, data in files.items():
+                    storage.write(name, data)
+                    if self.checksums:
+                        written[name[len(prefix):]] = bytes_digest(data).to_json()
             return written
 
         local = run_collectively("saving ShardedObjects", write)
@@ -166,7 +191,7 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
             assert gathered is not None
             files = {n: FileDigest(e["size"], int(e["crc32c"], 16)) for part in gathered for n, e in part.items()}
             if files:
-                write_manifest(root / OBJECTS_CHECKSUMS_FNAME, files)
+                storage.write(f"{OBJECTS_DIR}/{OBJECTS_CHECKSUMS_FNAME}", manifest_bytes(files))
 
         run_collectively("writing objects/checksums.json", write_manifest_on_rank0)
 
@@ -183,6 +208,7 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
 
     supported_backends: ClassVar[Tuple[str, ...]] = ("torch",)
     supported_versions: ClassVar[Tuple[int, ...]] = (1,)
+    object_storage: ClassVar[bool] = True
 
     def __init__(self, allow_pickle: bool = False, verify_checksums: bool = True) -> None:
         self.allow_pickle = allow_pickle
@@ -192,155 +218,172 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
     def can_handle_sharded_objects(self) -> bool:
         return True
 
-    def _manifest(self, path: Path) -> Dict[str, FileDigest]:
-        """The manifest at ``path`` if checksums are to be verified and it exists, else {}."""
-        return (read_manifest(path) or {}) if self.verify_checksums else {}
+    def _manifest(self, storage: Storage, key: str) -> Dict[str, FileDigest]:
+        """The manifest at ``key`` if checksums are to be verified and it exists, else {}."""
+        return (_read_manifest(storage, key) or {}) if self.verify_checksums else {}
 
-    def _load(self, path: Path, what: str, keys_hint: str, expected: Optional[FileDigest] = None) -> Any:
+    def _load(self, storage: Storage, key: str, what: str, keys_hint: str, expected: Optional[FileDigest] = None) -> Any:
+        where = storage.url_of(key)
         try:
-            source: Any = path
-            if expected is not None:
-                data = path.read_bytes()
-                check_file(path, expected, what, data)
-                source = io.BytesIO(data)
-            return torch.load(source, map_location="cpu", weights_only=not self.allow_pickle)
-        except FileNotFoundError as e:
-            raise CorruptCheckpointError(f"{path} is missing ({what})") from e
+            data = storage.read(key)
+        except ObjectNotFoundError as e:
+            raise CorruptCheckpointError(f"{where} is missing ({what})") from e
+        if expected is not None:
+            check_file(where, expected, what, data)
+        try:
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=not self.allow_pickle)
         except pickle.UnpicklingError as e:
-            unsafe = self._unsafe_globals(path)
+            unsafe = self._unsafe_globals(data)
             if unsafe:
                 raise UnsafeObjectError(
-                    f"{what} in {path} needs full pickle to load ({', '.join(unsafe)}){keys_hint}. "
+                    f"{what} in {where} needs full pickle to load ({', '.join(unsafe)}){keys_hint}. "
                     f"Loading it would run code from the checkpoint; if you trust it, pass {_OPT_IN}"
                 ) from e
-            raise CorruptCheckpointError(f"{path} cannot be unpickled ({what}): {e}") from e
+            raise CorruptCheckpointError(f"{where} cannot be unpickled ({what}): {e}") from e
         except Exception as e:  # noqa: BLE001 -- torch.load fails in many ways on damaged bytes
             # (RuntimeError, EOFError, BadZipFile, IndexError, KeyError, ... depending on where)
-            raise CorruptCheckpointError(f"{path} is truncated or corrupt ({what}): {type(e).__name__}: {e}") from e
+            raise CorruptCheckpointError(f"{where} is truncated or corrupt ({what}): {type(e).__name__}: {e}") from e
 
     @staticmethod
-    def _unsafe_globals(path: Path) -> List[str]:
+    def _unsafe_globals(data: bytes) -> List[str]:
         try:
-            return list(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+            return list(torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data)))
         except Exception:  # noqa: BLE001 -- a corrupt file is reported by the caller
             return []
 
-    def load_common(self, checkpoint_dir: Path) -> StateDict:
-        checkpoint_dir = Path(checkpoint_dir)
+    def load_common(self, checkpoint_dir: CheckpointLocation) -> StateDict:
+        storage = storage_of(checkpoint_dir)
         hint = ""
-        unsafe_file = checkpoint_dir / UNSAFE_KEYS_FNAME
-        if unsafe_file.is_file():
-            try:
-                hint = f" at keys {format_keys(json.loads(unsafe_file.read_text()))}"
-            except (ValueError, OSError):
-                hint = ""
-        expected = self._manifest(checkpoint_dir / COMMON_CHECKSUMS_FNAME).get(COMMON_STATE_FNAME)
-        state = self._load(checkpoint_dir / COMMON_STATE_FNAME, "the common state", hint, expected)
+        try:
+            hint = f" at keys {format_keys(json.loads(storage.read(UNSAFE_KEYS_FNAME)))}"
+        except ObjectNotFoundError:
+            hint = ""
+        except (ValueError, OSError):
+            hint = ""
+        expected = self._manifest(storage, COMMON_CHECKSUMS_FNAME).get(COMMON_STATE_FNAME)
+        state = self._load(storage, COMMON_STATE_FNAME, "the common state", hint, expected)
         if not isinstance(state, dict):
-            raise CorruptCheckpointError(
-                f"{checkpoint_dir / COMMON_STATE_FNAME} holds a {type(state).__name__}, expected a dict"
-            )
+            raise CorruptCheckpointError(f"{storage.url_of(COMMON_STATE_FNAME)} holds a {type(state).__name__}, expected a dict")
         return state
 
-    def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
-        checkpoint_dir = Path(checkpoint_dir)
+    def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> StateDict:
+        storage = storage_of(checkpoint_dir)
         requested = [o for o in nested_values(sharded_objects_state_dict) if isinstance(o, ShardedObject)]
-        absent = sorted({o.key for o in requested if not (checkpoint_dir / OBJECTS_DIR / encode_key(o.key)).is_dir()})
+        stored = {o.key for o in storage.list(OBJECTS_DIR)} if requested else set()
+        manifest = self._manifest(storage, f"{OBJECTS_DIR}/{OBJECTS_CHECKSUMS_FNAME}") if requested else {}
+        # a key was saved if any of its files is stored or listed in the manifest (or, on a
+        # disk, its directory exists): then a missing shard is damage, not a key mismatch
+        saved = {k.rpartition("/")[0] for k in stored} | {f"{OBJECTS_DIR}/{n.rpartition('/')[0]}" for n in manifest}
+
+        def was_saved(directory: str) -> bool:
+            return directory in saved or (isinstance(checkpoint_dir, Path) and (checkpoint_dir / directory).is_dir())
+
+        absent = sorted({o.key for o in requested if not was_saved(f"{OBJECTS_DIR}/{encode_key(o.key)}")})
         if absent:
             raise KeyMismatchError(
                 f"[rank {get_rank()}] ShardedObjects requested by load but absent from checkpoint "
-                f"{str(checkpoint_dir)!r}: {format_keys(absent)}",
+                f"{location_str(checkpoint_dir)!r}: {format_keys(absent)}",
                 unexpected_keys=absent,
             )
-
-        manifest = self._manifest(checkpoint_dir / OBJECTS_DIR / OBJECTS_CHECKSUMS_FNAME) if requested else {}
 
         def load_one(x: Any) -> Any:
             if not isinstance(x, ShardedObject):
                 return x
-            path = _object_path(checkpoint_dir, x)
-            if not path.is_file():
-                stored = sorted(p.stem for p in path.parent.glob("shard_*.pt"))
+            key = _object_key(x)
+            if key not in stored:
+                directory = key.rpartition("/")[0]
+                shards = sorted(k[len(directory) + 1 : -3] for k in stored if k.startswith(f"{directory}/shard_") and k.endswith(".pt"))
                 raise CorruptCheckpointError(
                     f"[rank {get_rank()}] shard {x.unique_key!r} of ShardedObject {x.key!r} is missing: no file "
-                    f"{str(path)!r}; stored shards: {stored}"
+                    f"{storage.url_of(key)!r}; stored shards: {shards}"
                 )
-            expected = manifest.get(relative(path, checkpoint_dir / OBJECTS_DIR))
-            return self._load(path, f"ShardedObject {x.unique_key!r}", f" (key {x.key!r})", expected)
+            expected = manifest.get(key[len(OBJECTS_DIR) + 1 :])
+            return self._load(storage, key, f"ShardedObject {x.unique_key!r}", f" (key {x.key!r})", expected)
 
         return dict_list_map_inplace(load_one, sharded_objects_state_dict)  # type: ignore[no-any-return]
 
-    def load_sharded_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
-        root = Path(checkpoint_dir) / OBJECTS_DIR
+    def load_sharded_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
+        storage = storage_of(checkpoint_dir)
         found: ShardedStateDict = {}
-        if not root.is_dir():
-            return found
-        for key_dir in sorted(p for p in root.iterdir() if p.is_dir()):
-            key = decode_key(key_dir.name)
+        by_dir: Dict[str, List[str]] = {}
+        for info in storage.list(OBJECTS_DIR):
+            parts = info.key.split("/")
+            if len(parts) == 3:
+                by_dir.setdefault(parts[1], []).append(parts[2])
+        for dir_name in sorted(by_dir):
+            key = decode_key(dir_name)
             if key is None:
-                key = (key_dir / KEY_FNAME).read_text(encoding="utf-8")
-            for shard in sorted(key_dir.glob("shard_*.pt")):
-                sh_obj = ShardedObject.empty_from_unique_key(f"{key}/{shard.stem}")
-                found[sh_obj.unique_key] = sh_obj
+                key = storage.read(f"{OBJECTS_DIR}/{dir_name}/{KEY_FNAME}").decode("utf-8")
+            for name in sorted(by_dir[dir_name]):
+                if name.startswith("shard_") and name.endswith(".pt"):
+                    sh_obj = ShardedObject.empty_from_unique_key(f"{key}/{name[:-3]}")
+                    found[sh_obj.unique_key] = sh_obj
         return found
 
-    def verify_integrity(self, checkpoint_dir: Path) -> IntegrityReport:
+    def verify_integrity(self, checkpoint_dir: CheckpointLocation) -> IntegrityReport:
         """Check ``common.pt`` and every ShardedObject file against the manifests; without
         manifests (older checkpoints), check that each file is a readable zip archive whose
         members have their CRC-32 (torch.save writes zip archives)."""
-        return verify_common(Path(checkpoint_dir))
+        return verify_common(checkpoint_dir)
 
 
-def verify_common(checkpoint_dir: Path) -> IntegrityReport:
+def verify_common(checkpoint_dir: CheckpointLocation) -> IntegrityReport:
     """The integrity report of the common part of a checkpoint (never raises for damage).
 
     Example::
 
         for problem in verify_common(Path("ckpt/iter_1000")).problems: print(problem)
     """
+    storage = storage_of(checkpoint_dir)
     report = IntegrityReport()
+    object_files = sorted(o.key for o in storage.list(OBJECTS_DIR) if o.key.endswith(".pt"))
     for manifest_name, base, expected_files in (
-        (COMMON_CHECKSUMS_FNAME, checkpoint_dir, [checkpoint_dir / COMMON_STATE_FNAME]),
-        (f"{OBJECTS_DIR}/{OBJECTS_CHECKSUMS_FNAME}", checkpoint_dir / OBJECTS_DIR, sorted((checkpoint_dir / OBJECTS_DIR).rglob("*.pt"))),
+        (COMMON_CHECKSUMS_FNAME, "", [COMMON_STATE_FNAME]),
+        (f"{OBJECTS_DIR}/{OBJECTS_CHECKSUMS_FNAME}", f"{OBJECTS_DIR}/", object_files),
     ):
         try:
-            manifest = read_manifest(checkpoint_dir / manifest_name)
+            manifest = _read_manifest(storage, manifest_name)
         except CheckpointingException as e:
             report.add(manifest_name, str(e))
             continue
         if manifest is None:
             if expected_files:
                 report.notes.append(f"{manifest_name} is absent (saved without checksums): files were checked as zip archives")
-            for path in expected_files:
-                _check_zip(path, checkpoint_dir, report)
+            for key in expected_files:
+                _check_zip(storage, key, report)
             continue
         report.files_checked += 1
-        listed = {base / name for name in manifest}
-        for path in expected_files:
-            if path not in listed:
-                report.add(relative(path, checkpoint_dir), f"not listed in {manifest_name} (written after the save?)")
+        listed = {base + name for name in manifest}
+        for key in expected_files:
+            if key not in listed:
+                report.add(key, f"not listed in {manifest_name} (written after the save?)")
         for name, digest in sorted(manifest.items()):
-            path = base / name
+            key = base + name
             report.files_checked += 1
             report.bytes_checked += digest.size
-            found = file_problem(path, digest)
+            try:
+                data = storage.read(key)
+            except ObjectNotFoundError:
+                report.add(key, "missing")
+                continue
+            found = file_problem(storage.url_of(key), digest, data)
             if found is not None:
-                report.add(relative(path, checkpoint_dir), found[0])
+                report.add(key, found[0])
     return report
 
 
-def _check_zip(path: Path, checkpoint_dir: Path, report: IntegrityReport) -> None:
-    rel = relative(path, checkpoint_dir)
+def _check_zip(storage: Storage, key: str, report: IntegrityReport) -> None:
     report.files_checked += 1
     try:
-        with zipfile.ZipFile(path) as archive:
+        data = storage.read(key)
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
             bad = archive.testzip()
-        report.bytes_checked += path.stat().st_size
-    except FileNotFoundError:
-        report.add(rel, "missing")
+        report.bytes_checked += len(data)
+    except ObjectNotFoundError:
+        report.add(key, "missing")
         return
     except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
-        report.add(rel, f"not a readable torch.save archive: {e}")
+        report.add(key, f"not a readable torch.save archive: {e}")
         return
     if bad is not None:
-        report.add(rel, f"member {bad!r} fails its CRC-32 check (the file is corrupt)")
+        report.add(key, f"member {bad!r} fails its CRC-32 check (the file is corrupt)")

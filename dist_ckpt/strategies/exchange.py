@@ -24,7 +24,6 @@ import logging
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -44,6 +43,7 @@ from ..distributed import (
 )
 from ..errors import CheckpointingException, ProcessGroupMismatchError
 from ..mapping import ShardedBase, ShardedStateDict, ShardedTensor, StateDict
+from ..storage.location import CheckpointLocation
 from ..shard_metadata import dtype_from_token, dtype_token
 from .base import LoadShardedStrategy
 
@@ -372,7 +372,7 @@ def exchange_shards(
 
 def load_with_exchange(
     sharded_state_dict: ShardedStateDict,
-    checkpoint_dir: Path,
+    checkpoint_dir: CheckpointLocation,
     base: LoadShardedStrategy,
     group: Optional[ProcessGroup],
     assign: Assign = balanced_owners,
@@ -471,7 +471,7 @@ class ExchangeHooks:
         self,
         mine: Mapping[ShardId, ShardedTensor],
         others: Sequence[ShardedBase],
-        checkpoint_dir: Path,
+        checkpoint_dir: CheckpointLocation,
         base: LoadShardedStrategy,
     ) -> Dict[ShardId, Any]:
         """Load the owned shards (and any non-tensor shards) with ``base`` in one call."""

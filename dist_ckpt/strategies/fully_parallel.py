@@ -29,12 +29,12 @@ import json
 import logging
 from collections import defaultdict
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from ..dict_utils import dict_list_map_outplace, nested_values
 from ..distributed import ProcessGroup, all_gather_json, get_rank, run_collectively
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
+from ..storage.location import CheckpointLocation
 from ..errors import IncompatibleStrategyError
 from .async_utils import AsyncRequest
 from .base import AsyncSaveShardedStrategy, LoadShardedStrategy, SaveShardedStrategy
@@ -137,12 +137,16 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
     def can_handle_sharded_objects(self) -> bool:
         return self.base_strategy.can_handle_sharded_objects
 
-    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
+    def check_location(self, checkpoint_dir: CheckpointLocation) -> None:
+        """The wrapped strategy decides."""
+        self.base_strategy.check_location(checkpoint_dir)
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> None:
         to_save = self.apply_saving_parallelization(sharded_state_dict)
         # 4. the wrapped strategy writes the new main replicas
         self.base_strategy.save(to_save, checkpoint_dir)
 
-    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> AsyncRequest:
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> AsyncRequest:
         """Steps 1-3 (collective), then the wrapped strategy's asynchronous save of the new main
         replicas (Megatron-Core's wrapper is async-capable too).
 
@@ -257,19 +261,23 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
     def can_handle_sharded_objects(self) -> bool:
         return self.base_strategy.can_handle_sharded_objects
 
+    def check_location(self, checkpoint_dir: CheckpointLocation) -> None:
+        """The wrapped strategy decides."""
+        self.base_strategy.check_location(checkpoint_dir)
+
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         self.base_strategy.check_backend_compatibility(loaded_backend)
 
     def check_version_compatibility(self, loaded_version: int) -> None:
         self.base_strategy.check_version_compatibility(loaded_version)
 
-    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> StateDict:
         group = self.parallelization_group
         run_collectively("checking the parallelization groups", lambda: agree_on_group(group, "parallelization groups"))
         hooks = _CachingHooks(self) if self.do_cache_distribution else None
         return load_with_exchange(
             sharded_state_dict,
-            Path(checkpoint_dir),
+            checkpoint_dir,
             self.base_strategy,
             group,
             balanced_owners,
@@ -277,10 +285,10 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
             hooks,
         )
 
-    def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
+    def load_tensors_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
         return self.base_strategy.load_tensors_metadata(checkpoint_dir)
 
-    def load_sharded_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
+    def load_sharded_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
         return self.base_strategy.load_sharded_metadata(checkpoint_dir)
 
     def __str__(self) -> str:

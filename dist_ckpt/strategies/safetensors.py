@@ -11,6 +11,14 @@ memory) or asynchronous (:meth:`~SafetensorsSaveShardedStrategy.async_save`: sna
 memory, write in a background process, gather the index at finalization; see
 :mod:`.async_utils`).
 
+On an object store (``s3://``; ``checkpoint_dir`` is then a :class:`~dist_ckpt.storage.Storage`)
+the layout is the same: each writer thread uploads its file as one object (multipart above the
+storage's part size, parts in parallel) straight from the tensors' memory, rank 0 writes the
+index object, and loads fetch only the byte ranges they need with concurrent ranged GETs into the
+destination tensors, verifying the blocks they read. An object cannot be written by two
+processes, so an asynchronous save with ``snapshot_budget_bytes`` snapshots whole files (those
+that fit) and uploads the others before returning.
+
 Why it is fast:
 
 * a save writes each main-replica byte once, from the tensor's own memory (no serialized copy),
@@ -45,7 +53,8 @@ from ..distributed import gather_json, get_rank, run_collectively
 from ..dtypes import dtype_to_name
 from ..errors import CheckpointingException, InvalidShardedTensorError
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
-from ..storage import fsync_dir, write_bytes_atomic
+from ..storage import Storage, fsync_dir, write_bytes_atomic
+from ..storage.location import CheckpointLocation, resolve_location
 from .async_utils import AsyncOutcome, AsyncRequest
 from .base import AsyncSaveShardedStrategy, LoadShardedStrategy, TensorLayout, TensorStreamWriter
 from .safetensors_format import StagingBuffer
@@ -64,8 +73,18 @@ from .safetensors_index import (
 from .safetensors_io import ReadOptions
 from .safetensors_load import load_from_index, tensors_metadata
 from .safetensors_verify import verify_safetensors
+from .safetensors_write import (
+    PartResult,
+    PlannedFile,
+    SnapshotPart,
+    WritePart,
+    plan_file,
+    write_objects,
+    write_parts,
+    write_snapshot_objects,
+    write_snapshot_parts,
+)
 from .stored_shards import StoredShardInfo, describe_tensor_index
-from .safetensors_write import PartResult, PlannedFile, SnapshotPart, WritePart, plan_file, write_parts, write_snapshot_parts
 from .snapshot import SnapshotPool, snapshot_layout
 
 __all__ = [
@@ -99,7 +118,8 @@ class SafetensorsSaveOptions:
             rank's shards are larger, the save streams: the shards that do not fit are written
             before :meth:`~SafetensorsSaveShardedStrategy.async_save` returns, straight from the
             tensors' memory (so the call blocks longer), and only the rest is written in the
-            background. None: no bound, everything is snapshotted.
+            background. On an object store the choice is by whole files (an object is written
+            by one process). None: no bound, everything is snapshotted.
     """
 
     thread_count: int = 2
@@ -167,6 +187,26 @@ def deferred_starts(sizes: Sequence[Sequence[int]], budget: Optional[int]) -> Li
     return starts
 
 
+def whole_file_starts(sizes: Sequence[Sequence[int]], budget: Optional[int]) -> List[int]:
+    """:func:`deferred_starts` for object stores, where a file is uploaded by one process: each
+    file is snapshotted whole (0) or written before the call returns (its length). Smaller files
+    are taken first while they fit the budget.
+
+    Example::
+
+        whole_file_starts([[8, 4], [6, 2]], budget=9)    # [2, 0]: the second file (8 bytes) fits
+    """
+    if budget is None:
+        return [0] * len(sizes)
+    starts = [len(s) for s in sizes]
+    used = 0
+    for f in sorted(range(len(sizes)), key=lambda f: sum(sizes[f])):
+        if used + sum(sizes[f]) <= budget:
+            starts[f] = 0
+            used += sum(sizes[f])
+    return starts
+
+
 _FILE_METADATA = {"format": "pt", "dist_ckpt": "safetensors backend v1; see index.json for the layout"}
 PlannedFiles = List[Tuple[PlannedFile, List[ShardedTensor]]]
 
@@ -178,7 +218,7 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
     failure on one rank raises on all:
 
     1. every rank writes and fsyncs its files (in parallel threads), computing the checksums
-       as the bytes pass;
+       as the bytes pass (on an object store: uploads each file as one object);
     2. the ranks' index parts are gathered to rank 0 (one small JSON document each);
     3. rank 0 writes ``safetensors/index.json`` atomically and durably.
 
@@ -202,6 +242,7 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
     """
 
     owned_paths: ClassVar[Tuple[str, ...]] = (SAFETENSORS_DIR,)
+    object_storage: ClassVar[bool] = True
     can_stream: ClassVar[bool] = True
 
     def __init__(
@@ -216,19 +257,23 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     # ----------------------------------------------------------------------- synchronous
 
-    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
-        checkpoint_dir = Path(checkpoint_dir)
-        root = checkpoint_dir / SAFETENSORS_DIR
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> None:
         shards = _main_replicas(sharded_state_dict)
         # 1. write this rank's files, straight from the tensors' memory
-        local = run_collectively("writing safetensors files", lambda: self._write_files(root, shards))
+        local = run_collectively("writing safetensors files", lambda: self._write_files(checkpoint_dir, shards))
         # 2. and 3. gather the index parts, rank 0 commits the index
         self._commit_index(local, checkpoint_dir)
 
-    def _write_files(self, root: Path, shards: List[ShardedTensor]) -> RankIndex:
-        root.mkdir(parents=True, exist_ok=True)
+    def _write_files(self, checkpoint_dir: CheckpointLocation, shards: List[ShardedTensor]) -> RankIndex:
         files = self._plan(shards, smallest_last=False)
         parts = [WritePart(plan, 0, tuple(_stored_view(sh) for sh in group)) for plan, group in files]
+        if not isinstance(checkpoint_dir, Path):
+            uploaded = write_objects(
+                checkpoint_dir.child(SAFETENSORS_DIR), parts, block_bytes=self.options.checksum_block_bytes, staging=self._staging
+            )
+            return self._rank_index(shards, files, uploaded)
+        root = checkpoint_dir / SAFETENSORS_DIR
+        root.mkdir(parents=True, exist_ok=True)
         results = write_parts(
             root,
             parts,
@@ -260,23 +305,26 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
         """This rank's part of the index, from the plan and the written parts' checksums."""
         return _IndexPart(shards, files).with_checksums(results, self.options.checksum_block_bytes is not None)
 
-    def _commit_index(self, local: RankIndex, checkpoint_dir: Path) -> None:
+    def _commit_index(self, local: RankIndex, checkpoint_dir: CheckpointLocation) -> None:
         gathered = gather_json(local)
         block = self.options.checksum_block_bytes
         run_collectively("writing the safetensors index", lambda: _write_index(gathered, checkpoint_dir, block))
 
-    def begin_stream(self, checkpoint_dir: Path, layout: Sequence[TensorLayout]) -> TensorStreamWriter:
+    def begin_stream(self, checkpoint_dir: CheckpointLocation, layout: Sequence[TensorLayout]) -> TensorStreamWriter:
         """Write whole tensors one at a time (one process; see :mod:`.safetensors_stream`)."""
         from .safetensors_stream import SafetensorsStreamWriter
 
-        return SafetensorsStreamWriter(Path(checkpoint_dir), layout, self.options)
+        return SafetensorsStreamWriter(_location(checkpoint_dir), layout, self.options)
 
     # ----------------------------------------------------------------------- asynchronous
 
-    def reserve_snapshot(self, sharded_state_dict: ShardedStateDict) -> int:
+    def reserve_snapshot(self, sharded_state_dict: ShardedStateDict, object_store: bool = False) -> int:
         """Allocate (and touch) the shared-memory snapshot buffer for asynchronous saves of
         ``sharded_state_dict`` now, e.g. at start-up, so that page faults of fresh memory do not
         add to the first checkpoint's blocking time. Local (not collective). Returns its size.
+
+        With a ``snapshot_budget_bytes``, pass ``object_store=True`` for saves to an object store
+        (which snapshot whole files).
 
         Example::
 
@@ -285,48 +333,61 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
         """
         shards = [sh for sh in _main_replicas(sharded_state_dict) if sh.data is not None]
         files = self._plan(shards, smallest_last=self.options.snapshot_budget_bytes is not None)
-        starts = deferred_starts([[_nbytes(sh) for sh in group] for _, group in files], self.options.snapshot_budget_bytes)
+        choose = whole_file_starts if object_store else deferred_starts
+        starts = choose([[_nbytes(sh) for sh in group] for _, group in files], self.options.snapshot_budget_bytes)
         nbytes = snapshot_layout([_nbytes(sh) for (_, group), k in zip(files, starts) for sh in group[k:]])[1]
         self._snapshots.reserve(nbytes)
         return nbytes
 
-    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> AsyncRequest:
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> AsyncRequest:
         """Snapshot this rank's shards and return the request that writes them (not collective).
 
         Steps:
 
         1. Plan every file: which shards, in which order, at which byte ranges.
         2. Choose what the snapshot holds: every shard, or with ``snapshot_budget_bytes`` the
-           ends of the files that fit (:func:`deferred_starts`).
+           ends of the files that fit (:func:`deferred_starts`; on an object store, the whole
+           files that fit: :func:`whole_file_starts`).
         3. Write what the snapshot does not hold, now, straight from the tensors.
         4. Copy the rest into shared memory (:class:`~.snapshot.SnapshotPool`).
         5. Return the request: in the background, :func:`~.safetensors_write.write_snapshot_parts`
-           writes and fsyncs the files; at finalization (collective) the index parts are
-           gathered and rank 0 writes ``index.json``.
+           writes and fsyncs the files (:func:`~.safetensors_write.write_snapshot_objects`
+           uploads them, with the worker's own client); at finalization (collective) the index
+           parts are gathered and rank 0 writes ``index.json``.
 
         The caller may change every tensor once this returns.
         """
-        checkpoint_dir = Path(checkpoint_dir)
-        root = checkpoint_dir / SAFETENSORS_DIR
+        remote = remote_root = None
+        if isinstance(checkpoint_dir, Path):
+            root = checkpoint_dir / SAFETENSORS_DIR
+            root.mkdir(parents=True, exist_ok=True)
+        else:
+            remote = checkpoint_dir
+            remote_root = remote.child(SAFETENSORS_DIR)
         shards = _main_replicas(sharded_state_dict)
-        root.mkdir(parents=True, exist_ok=True)
         budget = self.options.snapshot_budget_bytes
         block = self.options.checksum_block_bytes
         # 1. plan
-        files = self._plan(shards, smallest_last=budget is not None)
+        files = self._plan(shards, smallest_last=budget is not None and remote is None)
         views = [[_stored_view(sh) for sh in group] for _, group in files]
         # 2. what the snapshot holds
-        starts = deferred_starts([[_nbytes(sh) for sh in group] for _, group in files], budget)
+        choose = deferred_starts if remote is None else whole_file_starts
+        starts = choose([[_nbytes(sh) for sh in group] for _, group in files], budget)
         # 3. the rest, written now
-        heads = [WritePart(plan, 0, tuple(v[:k]), fsync=False) for (plan, _), v, k in zip(files, views, starts) if k > 0]
-        head_results = write_parts(root, heads, block_bytes=block, early_writeback=self.options.early_writeback, staging=self._staging)
+        if remote_root is None:
+            heads = [WritePart(plan, 0, tuple(v[:k]), fsync=False) for (plan, _), v, k in zip(files, views, starts) if k > 0]
+            head_results = write_parts(root, heads, block_bytes=block, early_writeback=self.options.early_writeback, staging=self._staging)
+        else:
+            heads = [WritePart(plan, 0, tuple(v)) for (plan, _), v, k in zip(files, views, starts) if k > 0]
+            head_results = write_objects(remote_root, heads, block_bytes=block, staging=self._staging)
         # 4. snapshot
         outcome = AsyncOutcome()
         deferred = [t for v, k in zip(views, starts) for t in v[k:]]
         snapshot = self._snapshots.take(deferred, in_use=lambda: not outcome.done)
         parts, slot = [], 0
         for (plan, group), k in zip(files, starts):
-            parts.append(SnapshotPart(plan, k, tuple(range(slot, slot + len(group) - k))))
+            if k < len(group) or remote_root is None:
+                parts.append(SnapshotPart(plan, k, tuple(range(slot, slot + len(group) - k))))
             slot += len(group) - k
         logger.debug(
             "async save: %d bytes snapshotted, %d written before returning",
@@ -345,6 +406,8 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
             )
             self._commit_index(local, checkpoint_dir)
 
+        if remote_root is not None:
+            return AsyncRequest(write_snapshot_objects, (remote_root, parts, snapshot, block), [finalize], outcome=outcome)
         args = (str(root), parts, snapshot, block, self.options.early_writeback)
         return AsyncRequest(write_snapshot_parts, args, [finalize], outcome=outcome)
 
@@ -393,15 +456,19 @@ def _stored_view(sh: ShardedTensor) -> torch.Tensor:
     return sh.data if sh.flattened_range is not None else sh.data.reshape(sh.full_local_shape)
 
 
-def _write_index(gathered: Optional[List[Any]], checkpoint_dir: Path, block_bytes: Optional[int]) -> None:
+def _write_index(gathered: Optional[List[Any]], checkpoint_dir: CheckpointLocation, block_bytes: Optional[int]) -> None:
     if get_rank() != 0:
         return
     assert gathered is not None
     doc = merge_rank_indexes(gathered, block_bytes)
-    root = checkpoint_dir / SAFETENSORS_DIR
-    root.mkdir(parents=True, exist_ok=True)  # a save without any tensor bytes still gets an index
-    write_bytes_atomic(root / INDEX_FILENAME, json.dumps(doc, separators=(",", ":")).encode("utf-8"))
-    fsync_dir(checkpoint_dir)
+    data = json.dumps(doc, separators=(",", ":")).encode("utf-8")
+    if isinstance(checkpoint_dir, Path):
+        root = checkpoint_dir / SAFETENSORS_DIR
+        root.mkdir(parents=True, exist_ok=True)  # a save without any tensor bytes still gets an index
+        write_bytes_atomic(root / INDEX_FILENAME, data)
+        fsync_dir(checkpoint_dir)
+    else:
+        checkpoint_dir.write(f"{SAFETENSORS_DIR}/{INDEX_FILENAME}", data)
     logger.debug(
         "safetensors index: %d tensors, %d files, %d bytes of data",
         len(doc["tensors"]),
@@ -428,41 +495,40 @@ class SafetensorsLoadShardedStrategy(LoadShardedStrategy):
 
     supported_backends: ClassVar[Tuple[str, ...]] = ("safetensors",)
     supported_versions: ClassVar[Tuple[int, ...]] = (1,)
+    object_storage: ClassVar[bool] = True
 
     def __init__(self, options: Optional[ReadOptions] = None) -> None:
         self.options = options or ReadOptions()
 
-    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
-        return load_from_index(sharded_state_dict, read_index(Path(checkpoint_dir)), self.options)
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> StateDict:
+        return load_from_index(sharded_state_dict, read_index(_location(checkpoint_dir)), self.options)
 
-    def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
-        return tensors_metadata(read_index(Path(checkpoint_dir)))
+    def load_tensors_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
+        return tensors_metadata(read_index(_location(checkpoint_dir)))
 
-    def verify_integrity(self, checkpoint_dir: Path) -> IntegrityReport:
+    def verify_integrity(self, checkpoint_dir: CheckpointLocation) -> IntegrityReport:
         """Every file the index lists, its header, and every checksum block of every shard."""
-        return verify_safetensors(Path(checkpoint_dir))
+        return verify_safetensors(_location(checkpoint_dir))
 
-    def describe_stored_shards(self, checkpoint_dir: Path) -> Optional[Dict[str, List[StoredShardInfo]]]:
+    def describe_stored_shards(self, checkpoint_dir: CheckpointLocation) -> Optional[Dict[str, List[StoredShardInfo]]]:
         """Every shard the index lists: box or flattened range, file, byte count."""
-        return describe_tensor_index(read_index(Path(checkpoint_dir)), f"{SAFETENSORS_DIR}/")
+        return describe_tensor_index(read_index(_location(checkpoint_dir)), f"{SAFETENSORS_DIR}/")
 
-    def remove_sharded_tensors(self, checkpoint_dir: str, key_prefix: str) -> None:
+    def remove_sharded_tensors(self, checkpoint_dir: CheckpointLocation, key_prefix: str) -> None:
         """Delete every tensor whose key starts with ``key_prefix`` (one process calls it).
 
         The index is rewritten atomically without those keys (each key goes whole or not at
         all), then files that hold no remaining shard are deleted. The bytes of removed shards
         in files that still hold other shards stay until the checkpoint is rewritten.
         """
-        root = Path(checkpoint_dir) / SAFETENSORS_DIR
-        read_index(Path(checkpoint_dir))  # validates the whole index before changing it
+        location = _location(checkpoint_dir)
+        read_index(location)  # validates the whole index before changing it
+        if not isinstance(location, Path):
+            _remove_from_objects(location.child(SAFETENSORS_DIR), key_prefix)
+            return
+        root = location / SAFETENSORS_DIR
         doc = json.loads((root / INDEX_FILENAME).read_bytes())
-        removed = [key for key in doc["tensors"] if key.startswith(key_prefix)]
-        for key in removed:
-            del doc["tensors"][key]
-        used = {shard["file"] for entry in doc["tensors"].values() for shard in entry["shards"]}
-        orphans = [name for name in doc["files"] if name not in used]
-        for name in orphans:
-            del doc["files"][name]
+        removed, orphans = _without_keys(doc, key_prefix)
         write_bytes_atomic(root / INDEX_FILENAME, json.dumps(doc, separators=(",", ":")).encode("utf-8"))
         for name in orphans:
             (root / name).unlink(missing_ok=True)
@@ -470,7 +536,36 @@ class SafetensorsLoadShardedStrategy(LoadShardedStrategy):
         logger.info("removed %d tensors with prefix %r from %s; deleted %d files", len(removed), key_prefix, root, len(orphans))
 
 
-def stored_bytes(checkpoint_dir: Path) -> int:
+def _without_keys(doc: Dict[str, Any], key_prefix: str) -> Tuple[List[str], List[str]]:
+    """Drop the tensors whose key starts with ``key_prefix`` (and the files left without a
+    shard) from an index document; return (removed keys, orphaned files)."""
+    removed = [key for key in doc["tensors"] if key.startswith(key_prefix)]
+    for key in removed:
+        del doc["tensors"][key]
+    used = {shard["file"] for entry in doc["tensors"].values() for shard in entry["shards"]}
+    orphans = [name for name in doc["files"] if name not in used]
+    for name in orphans:
+        del doc["files"][name]
+    return removed, orphans
+
+
+def _remove_from_objects(root: Storage, key_prefix: str) -> None:
+    """:meth:`SafetensorsLoadShardedStrategy.remove_sharded_tensors` on an object store: the index
+    object is replaced whole (a PUT is atomic), then the orphaned file objects are deleted."""
+    doc = json.loads(root.read(INDEX_FILENAME))
+    removed, orphans = _without_keys(doc, key_prefix)
+    root.write(INDEX_FILENAME, json.dumps(doc, separators=(",", ":")).encode("utf-8"))
+    for name in orphans:
+        root.delete(name)
+    logger.info("removed %d tensors with prefix %r from %s; deleted %d objects", len(removed), key_prefix, root.url, len(orphans))
+
+
+def _location(checkpoint_dir: Any) -> CheckpointLocation:
+    """A strategy argument as a location (callers outside dist_ckpt may pass a str path)."""
+    return resolve_location(checkpoint_dir)
+
+
+def stored_bytes(checkpoint_dir: CheckpointLocation) -> int:
     """Bytes of tensor data in a safetensors-backend checkpoint (from its index)."""
-    index = read_index(Path(checkpoint_dir))
+    index = read_index(_location(checkpoint_dir))
     return sum(math.prod(s.stored_shape) * t.dtype.itemsize for t in index.tensors.values() for s in t.shards)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence, Tuple
+from typing import Sequence, Tuple, Union
 
 import numpy as np
 
@@ -32,7 +32,7 @@ class ShardCheck:
     """Checks the blocks of one stored shard in the bytes of reads from it.
 
     Attributes:
-        path: the file (for messages).
+        path: the file or object (for messages).
         key: the tensor's key (for messages).
         name: the shard's name in the file (for messages).
         begin: start of the shard's byte range in the file.
@@ -47,7 +47,7 @@ class ShardCheck:
         check.after_read(128, [buffer])    # raises ChecksumMismatchError on a mismatch
     """
 
-    path: Path
+    path: Union[str, Path]
     key: str
     name: str
     begin: int

@@ -22,7 +22,7 @@ import struct
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 
@@ -95,7 +95,7 @@ class SafetensorsHeader:
     """A parsed, validated safetensors header.
 
     Attributes:
-        path: the file.
+        path: the file (a path, or an object's URL).
         data_start: absolute offset of the data section.
         file_size: size of the file in bytes (equal to the end of the data section).
         entries: tensors by name.
@@ -103,7 +103,7 @@ class SafetensorsHeader:
         prefix_crc: crc32c of the bytes before the data section (length and JSON header).
     """
 
-    path: Path
+    path: Union[str, Path]
     data_start: int
     file_size: int
     entries: Dict[str, HeaderEntry]
@@ -146,12 +146,12 @@ def encode_header(
 # --------------------------------------------------------------------------- reading headers
 
 
-def _corrupt(path: Path, problem: str, name: Optional[str] = None) -> CorruptCheckpointError:
+def _corrupt(path: Union[str, Path], problem: str, name: Optional[str] = None) -> CorruptCheckpointError:
     where = f"tensor {name!r} in " if name is not None else ""
     return CorruptCheckpointError(f"{where}safetensors file {str(path)!r}: {problem}")
 
 
-def _entry(path: Path, name: str, raw: object) -> Tuple[str, torch.dtype, Shape, int, int]:
+def _entry(path: Union[str, Path], name: str, raw: object) -> Tuple[str, torch.dtype, Shape, int, int]:
     if not isinstance(raw, dict):
         raise _corrupt(path, f"header entry must be an object, found {raw!r}", name)
     st_dtype, shape, offsets = raw.get("dtype"), raw.get("shape"), raw.get("data_offsets")
@@ -178,8 +178,9 @@ def _entry(path: Path, name: str, raw: object) -> Tuple[str, torch.dtype, Shape,
     return st_dtype, dtype, tuple(shape), offsets[0], offsets[1]
 
 
-def read_header(fd: int, path: Union[str, Path]) -> SafetensorsHeader:
-    """Read and validate the header of the safetensors file open as ``fd``.
+def read_header(fd: "safetensors_io.ReadSource", path: Union[str, Path]) -> SafetensorsHeader:
+    """Read and validate the header of the safetensors file open as ``fd`` (a descriptor, or an
+    :class:`~.safetensors_io.ObjectSource`: then two ranged reads and one size request).
 
     Checks the length prefix, the JSON, every entry (dtype, shape, byte count), that the tensors
     tile the data section without gaps or overlaps, and that the file is exactly as long as the
@@ -194,8 +195,7 @@ def read_header(fd: int, path: Union[str, Path]) -> SafetensorsHeader:
         header = read_header(fd, "model.safetensors")
         entry = header.entries["lm_head.weight"]   # absolute byte range entry.begin:entry.end
     """
-    path = Path(path)
-    file_size = os.fstat(fd).st_size
+    file_size = safetensors_io.source_size(fd)
     if file_size < _LEN.size:
         raise _corrupt(path, f"the file has {file_size} bytes, too few for a safetensors header (truncated?)")
     length_bytes = safetensors_io.read_bytes(fd, _LEN.size, 0)
@@ -298,6 +298,13 @@ class SequentialWriter:
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
+class ByteSink(Protocol):
+    """Anything bytes can be appended to (a :class:`SequentialWriter`, a storage ``ObjectWriter``)."""
+
+    def write(self, data: memoryview) -> Any:
+        """Append all of ``data``."""
+
+
 class StagingBuffer:
     """A reusable pinned host buffer through which non-CPU tensors are written.
 
@@ -311,10 +318,12 @@ class StagingBuffer:
         self._buffer: Optional[torch.Tensor] = None
 
     def write_device_tensor(
-        self, writer: SequentialWriter, tensor: torch.Tensor, observe: Optional[Callable[[memoryview], None]] = None
+        self, writer: "ByteSink", tensor: torch.Tensor, observe: Optional[Callable[[memoryview], None]] = None
     ) -> None:
         """Write ``tensor`` (on any non-CPU device) through the pinned buffer; ``observe`` (e.g. a
-        checksum) sees every piece of host bytes after it is written."""
+        checksum) sees every piece of host bytes after it is written. ``writer`` is a
+        :class:`SequentialWriter` or a storage's ``ObjectWriter`` (which copies what it is given,
+        so the buffer can be reused right away)."""
         if self._buffer is None:
             self._buffer = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)

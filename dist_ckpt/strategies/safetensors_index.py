@@ -51,12 +51,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..checksums import ALGORITHM, block_count, crc_from_hex, decode_block_crcs
 from ..dtypes import dtype_from_name
 from ..errors import CheckpointingException, CorruptCheckpointError, IncompatibleStrategyError
 from ..mapping import ShardedTensor
+from ..storage import ObjectNotFoundError, Storage
+from ..storage.location import CheckpointLocation
 from .safetensors_load import StoredShard, StoredTensor, TensorIndex
 
 __all__ = [
@@ -167,7 +169,7 @@ def merge_rank_indexes(per_rank: Sequence[RankIndex], block_bytes: Optional[int]
 class _Parser:
     """Validates an index document field by field; every error names the index and the key."""
 
-    def __init__(self, path: Path, block_bytes: Optional[int] = None) -> None:
+    def __init__(self, path: Union[str, Path], block_bytes: Optional[int] = None) -> None:
         self.path = path
         self.block_bytes = block_bytes  # checksums are required per shard when set (version 2)
 
@@ -244,8 +246,11 @@ def _prod(shape: Sequence[int]) -> int:
     return out
 
 
-def parse_index(doc: Any, path: Path) -> TensorIndex:
+def parse_index(doc: Any, path: Path, storage: Optional[Storage] = None) -> TensorIndex:
     """The :class:`TensorIndex` described by an index document; validates every field.
+
+    ``path`` is the index file; with ``storage`` (an object store rooted at the files'
+    directory) the files are its objects and messages name them by URL.
 
     Raises:
         CorruptCheckpointError: naming the index file and the key, for any malformed entry.
@@ -255,14 +260,14 @@ def parse_index(doc: Any, path: Path) -> TensorIndex:
 
         index = parse_index(json.loads(raw), ckpt / "safetensors" / "index.json")
     """
-    p = _Parser(path)
+    p = _Parser(storage.url_of(INDEX_FILENAME) if storage is not None else path)
     doc = p.obj(doc, "the index")
     if doc.get("format") != INDEX_FORMAT:
         raise p.fail(f"'format' is {doc.get('format')!r}, expected {INDEX_FORMAT!r}")
     version = doc.get("version")
     if version not in READABLE_VERSIONS or isinstance(version, bool):
         raise IncompatibleStrategyError(
-            f"safetensors index {str(path)!r} has version {version!r}; this dist_ckpt reads versions "
+            f"safetensors index {str(p.path)!r} has version {version!r}; this dist_ckpt reads versions "
             f"{list(READABLE_VERSIONS)}: upgrade dist_ckpt"
         )
     if version >= 2:
@@ -276,15 +281,17 @@ def parse_index(doc: Any, path: Path) -> TensorIndex:
         files[name] = size
         if p.block_bytes is not None:
             field = f"header_{ALGORITHM}"
-            header_crcs[name] = crc_from_hex(entry.get(field), f"safetensors index {str(path)!r}, file entry {name!r} field {field!r}")
+            header_crcs[name] = crc_from_hex(entry.get(field), f"safetensors index {str(p.path)!r}, file entry {name!r} field {field!r}")
     tensors = {key: p.tensor(key, raw, files) for key, raw in p.obj(doc.get("tensors"), "'tensors'").items()}
+    description = repr(storage.url.rsplit("/", 1)[0]) if storage is not None else repr(str(path.parent.parent))
     return TensorIndex(
         path.parent,
         tensors,
         file_sizes=files,
-        description=repr(str(path.parent.parent)),
+        description=description,
         block_bytes=p.block_bytes,
         header_crcs=header_crcs,
+        storage=storage,
     )
 
 
@@ -298,14 +305,28 @@ def _checksum_spec(p: _Parser, raw: Any) -> int:
     return block
 
 
-def read_index(checkpoint_dir: Path) -> TensorIndex:
-    """Read and validate ``<checkpoint_dir>/safetensors/index.json``.
+def read_index(checkpoint_dir: CheckpointLocation) -> TensorIndex:
+    """Read and validate ``<checkpoint_dir>/safetensors/index.json`` (a directory or an object store).
 
     Example::
 
         index = read_index(Path("ckpt/iter_1000"))
         index.tensors["decoder.w"].shards[0].file   # "rank00000_0.safetensors"
     """
+    if not isinstance(checkpoint_dir, Path):
+        storage = checkpoint_dir.child(SAFETENSORS_DIR)
+        try:
+            raw = storage.read(INDEX_FILENAME)
+        except ObjectNotFoundError:
+            raise CorruptCheckpointError(
+                f"{storage.url_of(INDEX_FILENAME)!r} is missing: the safetensors part of checkpoint "
+                f"{checkpoint_dir.url!r} is incomplete"
+            ) from None
+        try:
+            remote_doc = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise CorruptCheckpointError(f"safetensors index {storage.url_of(INDEX_FILENAME)!r} is not valid JSON: {e}") from e
+        return parse_index(remote_doc, Path(SAFETENSORS_DIR) / INDEX_FILENAME, storage)
     path = Path(checkpoint_dir) / SAFETENSORS_DIR / INDEX_FILENAME
     try:
         raw = path.read_bytes()

@@ -20,8 +20,11 @@ to whole checksum blocks -- the extra bytes before and after a direct read land 
 buffers of the same ``preadv`` -- and the check sees every byte right after the read completes
 (in the destination for direct reads, in the bounce buffer otherwise).
 
-Every byte read from a file goes through :func:`read_into`, the one place that reads, so tests
-can count what a load reads. :func:`execute` spreads the operations over a few threads
+A file is a :data:`ReadSource`: an open file descriptor (local disks: ``os.preadv``) or an
+:class:`ObjectSource` (an object in an object store: each read is one ranged GET, issued with
+:meth:`~dist_ckpt.storage.Storage.read_ranges`, which fills the same destination buffers as
+``preadv`` would). Every byte read from a file goes through :func:`read_into`, the one place that
+reads, so tests can count what a load reads. :func:`execute` spreads the operations over a few threads
 (``os.preadv`` releases the GIL), which take them from a queue while later ones are planned.
 """
 
@@ -31,7 +34,7 @@ import math
 import os
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple, Union
 
@@ -40,18 +43,22 @@ import torch
 
 from ..errors import CheckpointingException, CorruptCheckpointError
 from ..geometry import Box
+from ..storage import RangeRead, Storage, TruncatedObjectError
 
 __all__ = [
     "BounceRead",
     "DirectRead",
+    "ObjectSource",
     "ReadCheck",
     "ReadOp",
     "ReadOptions",
+    "ReadSource",
     "contiguous_runs",
     "execute",
     "plan_copy",
     "read_bytes",
     "read_into",
+    "source_size",
 ]
 
 _IOV_MAX = max(16, min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024))
@@ -73,6 +80,12 @@ class ReadOptions:
         verify_checksums: check the crc32c of every checksum block a load reads, when the
             checkpoint recorded them (reading the rest of a block a load needs only part of);
             False skips the check.
+        object_store_threads: threads issuing reads when the files are objects in an object
+            store (each read is a ranged GET: latency, not the disk, is the limit, so more
+            requests are kept in flight than on a disk).
+        object_store_small_run_bytes: ``small_run_bytes`` for object stores: a request costs
+            about as much as downloading a few hundred KiB, so short runs separated by short
+            gaps are fetched as one range (the gaps are downloaded and dropped).
     """
 
     thread_count: int = 4
@@ -80,30 +93,87 @@ class ReadOptions:
     small_run_bytes: int = 4096
     max_read_bytes: int = 64 * 2**20
     verify_checksums: bool = True
+    object_store_threads: int = 16
+    object_store_small_run_bytes: int = 256 * 2**10
 
     def __post_init__(self) -> None:
-        for name in ("thread_count", "bounce_buffer_bytes", "max_read_bytes"):
+        for name in ("thread_count", "bounce_buffer_bytes", "max_read_bytes", "object_store_threads"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise CheckpointingException(f"ReadOptions.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.small_run_bytes, int) or self.small_run_bytes < 0:
-            raise CheckpointingException(f"ReadOptions.small_run_bytes must be an int >= 0, got {self.small_run_bytes!r}")
+        for name in ("small_run_bytes", "object_store_small_run_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise CheckpointingException(f"ReadOptions.{name} must be an int >= 0, got {value!r}")
+
+    def for_object_store(self) -> "ReadOptions":
+        """These options with the object-store thread count and run threshold in effect.
+
+        Example::
+
+            ReadOptions().for_object_store().thread_count   # 16
+        """
+        return replace(self, thread_count=self.object_store_threads, small_run_bytes=self.object_store_small_run_bytes)
+
+
+@dataclass(frozen=True)
+class ObjectSource:
+    """An object of a storage, read like a file: the object-store counterpart of a descriptor.
+
+    Attributes:
+        storage: the storage holding the object.
+        key: the object's key in it.
+    """
+
+    storage: Storage
+    key: str
+
+    def __str__(self) -> str:
+        return self.storage.url_of(self.key)
+
+
+ReadSource = Union[int, ObjectSource]
+"""What reads read from: an open file descriptor, or an object of a storage."""
+
+
+def source_size(source: ReadSource) -> int:
+    """The size in bytes of a file or object.
+
+    Example::
+
+        source_size(os.open("model.safetensors", os.O_RDONLY))
+    """
+    if isinstance(source, ObjectSource):
+        return source.storage.size(source.key)
+    return os.fstat(source).st_size
 
 
 # --------------------------------------------------------------------------- the reader
 
 
-def read_into(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+def read_into(fd: ReadSource, buffers: Sequence[memoryview], offset: int) -> int:
     """Fill ``buffers`` (in order) from the file ``fd`` starting at byte ``offset``.
 
-    The single function through which dist_ckpt reads safetensors files. Returns the number of
-    bytes read (their total size); raises :class:`EOFError` if the file ends first.
+    The single function through which dist_ckpt reads safetensors files: ``os.preadv`` on a
+    descriptor, one ranged read (:meth:`Storage.read_ranges`, split into concurrent GETs when
+    large) straight into ``buffers`` on an :class:`ObjectSource`. Returns the number of bytes
+    read (their total size); raises :class:`EOFError` if the file ends first.
 
     Example::
 
         buf = bytearray(8)
         read_into(fd, [memoryview(buf)], 0)   # the 8-byte header length
     """
+    if isinstance(fd, ObjectSource):
+        pending = [b for b in buffers if len(b)]
+        if not pending:
+            return 0
+        read = RangeRead.into(fd.key, offset, *pending)
+        try:
+            fd.storage.read_ranges([read])
+        except TruncatedObjectError as e:
+            raise EOFError(str(e)) from e
+        return read.length
     total = 0
     pending = [b for b in buffers if len(b)]
     while pending:
@@ -123,7 +193,7 @@ def read_into(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
     return total
 
 
-def read_bytes(fd: int, nbytes: int, offset: int) -> bytes:
+def read_bytes(fd: ReadSource, nbytes: int, offset: int) -> bytes:
     """``nbytes`` bytes of ``fd`` at ``offset`` (through :func:`read_into`).
 
     Example::
@@ -233,8 +303,8 @@ class ReadCheck(Protocol):
 class DirectRead:
     """Read ``nbytes`` at ``offset`` of ``fd`` into ``buffers`` (views of the destination)."""
 
-    fd: int
-    path: Path
+    fd: ReadSource
+    path: Union[str, Path]
     key: str
     offset: int
     buffers: Tuple[memoryview, ...]
@@ -247,8 +317,8 @@ class BounceRead:
     """Copy ``inter`` from the row-major ``src_box`` stored at ``src_offset`` of ``fd`` into
     ``target`` (a view of the destination holding exactly ``inter``), via a bounce buffer."""
 
-    fd: int
-    path: Path
+    fd: ReadSource
+    path: Union[str, Path]
     key: str
     src_offset: int
     src_box: Box
@@ -272,8 +342,8 @@ def byte_view(tensor: torch.Tensor) -> Optional[memoryview]:
 
 
 def plan_copy(
-    fd: int,
-    path: Path,
+    fd: ReadSource,
+    path: Union[str, Path],
     key: str,
     src_box: Box,
     src_offset: int,
@@ -342,8 +412,8 @@ def _read_through(src_off: np.ndarray, run: int, itemsize: int, small: int) -> b
 
 
 def _direct_reads(
-    fd: int,
-    path: Path,
+    fd: ReadSource,
+    path: Union[str, Path],
     key: str,
     src_bytes: Sequence[int],
     dst_bytes: Sequence[int],

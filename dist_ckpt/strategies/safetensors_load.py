@@ -17,16 +17,21 @@ description, :func:`load_from_index` loads any sharding of the tensors:
    each file's header when it is opened and of every block as the reads complete (reads are
    widened to whole blocks; see :mod:`.safetensors_blocks`).
 
+The files are local (``TensorIndex.directory``: opened once, read with ``os.preadv``) or objects of
+an object store (``TensorIndex.storage``: each read is a ranged GET straight into the same
+destination buffers, on ``ReadOptions.object_store_threads`` threads).
+
 No collective is called: the loader works in a single process without a process group.
 """
 
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import product
-from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from pathlib import Path, PurePosixPath
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -36,10 +41,11 @@ from ..distributed import get_rank
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, format_keys
 from ..geometry import Box, ShardPiece, piece_view, shard_pieces, sub_view
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict
+from ..storage import Storage
 from .request_checks import check_requested_tensors
 from .safetensors_blocks import ShardCheck
 from .safetensors_format import SafetensorsHeader, read_header, storage_layout
-from .safetensors_io import ReadOp, ReadOptions, byte_view, execute, plan_copy
+from .safetensors_io import ObjectSource, ReadOp, ReadOptions, ReadSource, byte_view, execute, plan_copy, source_size
 
 __all__ = ["StoredShard", "StoredTensor", "TensorIndex", "load_from_index", "tensors_metadata"]
 
@@ -139,6 +145,8 @@ class TensorIndex:
             folders), so a load does not read and check them again.
         block_bytes: block size of the shards' checksums (None: no checksums recorded).
         header_crcs: crc32c of each file's header bytes, when recorded.
+        storage: when set, the files are objects of this storage (an object store rooted at
+            the files' directory) instead of files in ``directory``.
     """
 
     directory: Path
@@ -149,6 +157,11 @@ class TensorIndex:
     from_headers: bool = False
     block_bytes: Optional[int] = None
     header_crcs: Dict[str, int] = field(default_factory=dict)
+    storage: Optional[Storage] = None
+
+    def file_location(self, name: str) -> Union[str, Path]:
+        """Where file ``name`` is, for messages: its path, or its object's URL."""
+        return self.storage.url_of(name) if self.storage is not None else self.directory / name
 
     def lookup(self, key: str) -> Optional[StoredTensor]:
         """The stored tensor for ``key`` (following an alias), or None."""
@@ -190,7 +203,7 @@ def default_file_check(index: TensorIndex) -> FileCheck:
     """The check of a file against what the index says is in it (dtype, shape, byte range, size)."""
 
     def check(header: SafetensorsHeader, shards: Sequence[Tuple[str, StoredShard]]) -> None:
-        expected_size = index.file_sizes.get(header.path.name)
+        expected_size = index.file_sizes.get(PurePosixPath(str(header.path)).name)
         if expected_size is not None and expected_size != header.file_size:
             raise CorruptCheckpointError(
                 f"[rank {get_rank()}] safetensors file {str(header.path)!r} has {header.file_size} bytes, the "
@@ -243,40 +256,59 @@ class _Planned:
 
 
 class _OpenFiles:
-    """File descriptors of the files a load touches, each opened and validated once."""
+    """File descriptors (or objects) of the files a load touches, each opened and validated once."""
 
     def __init__(self, index: TensorIndex, check: FileCheck, verify_header_crcs: bool) -> None:
         self.index = index
         self.check = check
         self.verify_header_crcs = verify_header_crcs
-        self.fds: Dict[str, int] = {}
+        self.fds: Dict[str, ReadSource] = {}
+
+    def _open(self, name: str) -> ReadSource:
+        if self.index.storage is not None:
+            source = ObjectSource(self.index.storage, name)
+            if self.index.from_headers:  # no header read below to find a missing object
+                source_size(source)
+            return source
+        return os.open(self.index.directory / name, os.O_RDONLY)
 
     def open_all(self, by_file: Dict[str, List[Tuple[str, StoredShard]]]) -> None:
-        for name in sorted(by_file):
-            path = self.index.directory / name
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                keys = sorted({k for k, _ in by_file[name]})
-                raise CorruptCheckpointError(
-                    f"[rank {get_rank()}] safetensors file {str(path)!r}, which holds tensors {format_keys(keys)} "
-                    f"of {self.index.description}, is missing"
-                ) from None
+        names = sorted(by_file)
+        if self.index.storage is None or len(names) <= 1:
+            for name in names:
+                self._open_checked(name, by_file[name])
+            return
+        # objects: each header costs a few round trips, so fetch them concurrently
+        with ThreadPoolExecutor(min(len(names), 16), thread_name_prefix="dist_ckpt_headers") as pool:
+            for future in [pool.submit(self._open_checked, name, by_file[name]) for name in names]:
+                future.result()
+
+    def _open_checked(self, name: str, shards: List[Tuple[str, StoredShard]]) -> None:
+        path = self.index.file_location(name)
+        try:
+            fd = self._open(name)
             self.fds[name] = fd
-            if not self.index.from_headers:
-                header = read_header(fd, path)
-                expected = self.index.header_crcs.get(name)
-                if self.verify_header_crcs and expected is not None and header.prefix_crc != expected:
-                    raise ChecksumMismatchError(
-                        f"[rank {get_rank()}] the header of safetensors file {str(path)!r} (tensors "
-                        f"{format_keys(sorted({k for k, _ in by_file[name]}))}) has crc32c {crc_to_hex(header.prefix_crc)}, "
-                        f"the index of {self.index.description} recorded {crc_to_hex(expected)}: the file is corrupt"
-                    )
-                self.check(header, by_file[name])
+            header = None if self.index.from_headers else read_header(fd, path)
+        except FileNotFoundError:
+            keys = sorted({k for k, _ in shards})
+            raise CorruptCheckpointError(
+                f"[rank {get_rank()}] safetensors file {str(path)!r}, which holds tensors {format_keys(keys)} "
+                f"of {self.index.description}, is missing"
+            ) from None
+        if header is not None:
+            expected = self.index.header_crcs.get(name)
+            if self.verify_header_crcs and expected is not None and header.prefix_crc != expected:
+                raise ChecksumMismatchError(
+                    f"[rank {get_rank()}] the header of safetensors file {str(path)!r} (tensors "
+                    f"{format_keys(sorted({k for k, _ in shards}))}) has crc32c {crc_to_hex(header.prefix_crc)}, "
+                    f"the index of {self.index.description} recorded {crc_to_hex(expected)}: the file is corrupt"
+                )
+            self.check(header, shards)
 
     def close(self) -> None:
         for fd in self.fds.values():
-            os.close(fd)
+            if isinstance(fd, int):
+                os.close(fd)
         self.fds.clear()
 
 
@@ -349,6 +381,8 @@ def load_from_index(
                 by_file.setdefault(p.shard.file, []).append((sh.key, p.shard))
     # 3. open and validate every file the plan touches
     verify = options.verify_checksums and index.block_bytes is not None
+    if index.storage is not None:
+        options = options.for_object_store()
     files = _OpenFiles(index, check or default_file_check(index), verify)
 
     def read_ops() -> Iterator[ReadOp]:
@@ -385,7 +419,7 @@ def _read_ops(
     dest_bytes = byte_view(dest)
     ops: List[ReadOp] = []
     for p in planned:
-        fd, path = files.fds[p.shard.file], index.directory / p.shard.file
+        fd, path = files.fds[p.shard.file], index.file_location(p.shard.file)
         shard_check = None
         if verify and p.shard.crcs is not None and index.block_bytes is not None:
             begin, end = p.shard.byte_range

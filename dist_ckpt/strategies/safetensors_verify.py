@@ -10,21 +10,22 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
 from ..checksums import IntegrityReport, crc32c, crc_to_hex
 from ..errors import CheckpointingException
+from ..storage.location import CheckpointLocation
 from .safetensors_format import read_header
 from .safetensors_index import INDEX_FILENAME, SAFETENSORS_DIR, read_index
-from .safetensors_io import read_into
+from .safetensors_io import ObjectSource, ReadSource, read_into
 from .safetensors_load import StoredShard, default_file_check
 
 __all__ = ["verify_safetensors"]
 
 
-def verify_safetensors(checkpoint_dir: Path, read_bytes: int = 16 << 20) -> IntegrityReport:
+def verify_safetensors(checkpoint_dir: CheckpointLocation, read_bytes: int = 16 << 20) -> IntegrityReport:
     """Check every file and every checksum block of a safetensors-backend checkpoint.
 
     Never raises for a damaged checkpoint: every problem found becomes one line of the report
@@ -38,7 +39,7 @@ def verify_safetensors(checkpoint_dir: Path, read_bytes: int = 16 << 20) -> Inte
     report = IntegrityReport()
     index_rel = f"{SAFETENSORS_DIR}/{INDEX_FILENAME}"
     try:
-        index = read_index(Path(checkpoint_dir))
+        index = read_index(checkpoint_dir)
     except CheckpointingException as e:
         report.add(index_rel, str(e))
         return report
@@ -54,16 +55,21 @@ def verify_safetensors(checkpoint_dir: Path, read_bytes: int = 16 << 20) -> Inte
         shards = by_file.get(name, [])
         keys = sorted({k for k, _ in shards})
         key: Optional[str] = keys[0] if len(keys) == 1 else None
-        path = index.directory / name
+        path = index.file_location(name)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd: ReadSource = ObjectSource(index.storage, name) if index.storage is not None else os.open(path, os.O_RDONLY)
+            header = read_header(fd, path) if index.storage is not None else None
         except FileNotFoundError:
             report.add(rel, f"missing (holds tensors {keys})" if keys else "missing", key)
+            continue
+        except CheckpointingException as e:
+            report.files_checked += 1
+            report.add(rel, str(e), key)
             continue
         try:
             report.files_checked += 1
             try:
-                header = read_header(fd, path)
+                header = header or read_header(fd, path)
                 default_file_check(index)(header, shards)
             except CheckpointingException as e:
                 report.add(rel, str(e), key)
@@ -74,12 +80,13 @@ def verify_safetensors(checkpoint_dir: Path, read_bytes: int = 16 << 20) -> Inte
             for k, shard in shards:
                 _verify_shard(fd, path, rel, k, shard, index.block_bytes, report, read_bytes)
         finally:
-            os.close(fd)
+            if isinstance(fd, int):
+                os.close(fd)
     return report
 
 
 def _verify_shard(
-    fd: int, path: Path, rel: str, key: str, shard: StoredShard, block_bytes: Optional[int], report: IntegrityReport, read_bytes: int
+    fd: ReadSource, path: Union[str, Path], rel: str, key: str, shard: StoredShard, block_bytes: Optional[int], report: IntegrityReport, read_bytes: int
 ) -> None:
     if shard.crcs is None or block_bytes is None:
         return

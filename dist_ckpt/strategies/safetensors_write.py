@@ -14,6 +14,12 @@ The synchronous and the asynchronous save of the ``safetensors`` backend share t
 * :func:`write_snapshot_parts` is the function a background worker runs: :func:`write_parts` with
   tensors that are views of a shared-memory :class:`~.snapshot.Snapshot`.
 
+On an object store a file is one object, written whole by one process: :func:`write_objects`
+uploads each planned file from its tensors' memory (a multipart upload, parts in parallel, when
+it is larger than the storage's part size), one file per thread, with the same checksums;
+:func:`write_snapshot_objects` is its background-worker counterpart (the worker opens its own
+client: a pickled storage carries its location and options, not its connection).
+
 Every data byte goes through :class:`~.safetensors_format.SequentialWriter`, so tests can slow
 down or count writes in one place.
 """
@@ -26,17 +32,28 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from ..checksums import BlockChecksums, crc32c, crc_to_hex, encode_block_crcs
 from ..errors import CheckpointingException
-from ..storage import fsync_dir
+from ..storage import ObjectWriter, Storage, fsync_dir
 from .safetensors_format import SequentialWriter, StagingBuffer, encode_header, storage_layout, tensor_bytes
 from .snapshot import Snapshot
 
-__all__ = ["PartResult", "PlannedFile", "WritePart", "plan_file", "write_part", "write_parts", "write_snapshot_parts"]
+__all__ = [
+    "PartResult",
+    "PlannedFile",
+    "WritePart",
+    "plan_file",
+    "write_object",
+    "write_objects",
+    "write_part",
+    "write_parts",
+    "write_snapshot_objects",
+    "write_snapshot_parts",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -240,3 +257,106 @@ def write_snapshot_parts(
     """
     write = [WritePart(p.plan, p.first, tuple(snapshot.view(i) for i in p.slots), fsync=True) for p in parts]
     return write_parts(Path(directory), write, block_bytes=block_bytes, early_writeback=early_writeback)
+
+
+# --------------------------------------------------------------------------- object stores
+
+
+def _run_threads(count: int, fn: "Callable[[int], PartResult]") -> List[PartResult]:
+    if count <= 1:
+        return [fn(i) for i in range(count)]
+    with ThreadPoolExecutor(count, thread_name_prefix="dist_ckpt_upload") as pool:
+        return list(pool.map(fn, range(count)))
+
+
+def write_object(storage: Storage, part: WritePart, *, block_bytes: Optional[int], staging: Optional[StagingBuffer] = None) -> PartResult:
+    """Upload a whole planned file as object ``part.plan.name`` of ``storage``.
+
+    CPU tensors are sent from their own memory (``Storage.write_buffers``: one PUT, or a
+    multipart upload with concurrent parts above the storage's part size), after one pass that
+    computes their block checksums; tensors on other devices go through ``staging`` and a
+    streaming upload. The object appears whole when the upload completes, or not at all.
+
+    Example::
+
+        result = write_object(storage, WritePart(plan, 0, tensors), block_bytes=1 << 20)
+    """
+    plan = part.plan
+    if part.first != 0 or len(part.tensors) != len(plan.names):
+        raise CheckpointingException(
+            f"{storage.url_of(plan.name)}: an object is written whole, got tensors {part.first}.."
+            f"{part.first + len(part.tensors)} of {len(plan.names)}"
+        )
+    for tensor, name, (begin, end) in zip(part.tensors, plan.names, plan.ranges):
+        if tensor.numel() * tensor.element_size() != end - begin:
+            raise CheckpointingException(
+                f"{storage.url_of(plan.name)}: tensor {name!r} has {tensor.numel() * tensor.element_size()} bytes, planned {end - begin}"
+            )
+    header_crc = crc_to_hex(crc32c(plan.prefix)) if block_bytes else None
+    if all(t.device.type == "cpu" for t in part.tensors):
+        views = [tensor_bytes(t) for t in part.tensors]
+        crcs = [_block_crcs(v, block_bytes) for v in views]
+        storage.write_buffers(plan.name, [memoryview(plan.prefix), *views])
+        return PartResult(plan.name, 0, tuple(crcs), header_crc)
+    with storage.open_writer(plan.name) as writer:
+        writer.write(plan.prefix)
+        crcs = [_stream_tensor(writer, t, block_bytes, staging) for t in part.tensors]
+    return PartResult(plan.name, 0, tuple(crcs), header_crc)
+
+
+def _block_crcs(data: memoryview, block_bytes: Optional[int]) -> str:
+    if not block_bytes:
+        return ""
+    blocks = BlockChecksums(block_bytes)
+    for s in range(0, len(data), _PIECE_BYTES):
+        blocks.update(data[s : s + _PIECE_BYTES])
+    return encode_block_crcs(blocks.finish())
+
+
+def _stream_tensor(writer: ObjectWriter, tensor: torch.Tensor, block_bytes: Optional[int], staging: Optional[StagingBuffer]) -> str:
+    blocks = BlockChecksums(block_bytes) if block_bytes else None
+    if tensor.device.type == "cpu":
+        data = tensor_bytes(tensor)
+        for s in range(0, len(data), _PIECE_BYTES):
+            writer.write(data[s : s + _PIECE_BYTES])
+            if blocks is not None:
+                blocks.update(data[s : s + _PIECE_BYTES])
+    else:
+        (staging or StagingBuffer(64 << 20)).write_device_tensor(writer, tensor, blocks.update if blocks else None)
+    return encode_block_crcs(blocks.finish()) if blocks is not None else ""
+
+
+def write_objects(
+    storage: Storage,
+    parts: Sequence[WritePart],
+    *,
+    block_bytes: Optional[int],
+    staging: Optional[Sequence[StagingBuffer]] = None,
+) -> List[PartResult]:
+    """Upload whole planned files (``parts``), one thread each; results in the order of ``parts``.
+
+    Example::
+
+        results = write_objects(storage.child("safetensors"), [WritePart(plan, 0, tensors)], block_bytes=1 << 20)
+    """
+    buffers = list(staging) if staging else [None] * len(parts)
+
+    def one(i: int) -> PartResult:
+        return write_object(storage, parts[i], block_bytes=block_bytes, staging=buffers[i % max(1, len(buffers))])
+
+    results = _run_threads(len(parts), one)
+    logger.debug("uploaded %d objects to %s", len(parts), storage.url)
+    return results
+
+
+def write_snapshot_objects(storage: Storage, parts: Sequence[SnapshotPart], snapshot: Snapshot, block_bytes: Optional[int]) -> List[PartResult]:
+    """Upload whole files from ``snapshot``: the background half of an asynchronous save to an
+    object store. Runs in the async worker process, which opens its own client when it unpickles
+    ``storage``; it calls no collective.
+
+    Example::
+
+        request = AsyncRequest(write_snapshot_objects, (storage.child("safetensors"), parts, snapshot, 1 << 20))
+    """
+    write = [WritePart(p.plan, p.first, tuple(snapshot.view(i) for i in p.slots)) for p in parts]
+    return write_objects(storage, write, block_bytes=block_bytes)

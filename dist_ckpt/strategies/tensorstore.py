@@ -60,6 +60,7 @@ from ..distributed import get_rank, run_collectively
 from ..dtypes import numpy_to_tensor, tensor_to_numpy
 from ..geometry import Box, piece_view, sub_view
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
+from ..storage.location import CheckpointLocation, require_local
 from .base import (
     LoadShardedStrategy,
     SaveShardedStrategy,
@@ -217,8 +218,8 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
         super().__init__(backend, version)
         self.concurrency = concurrency
 
-    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
-        root = Path(checkpoint_dir) / ZARR_DIR
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> None:
+        root = require_local(checkpoint_dir, "the TensorStore engine") / ZARR_DIR
         shards = [
             s
             for s in nested_values(sharded_state_dict)
@@ -377,13 +378,13 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
         self.max_staged_bytes = max_staged_bytes
         self.verify_checksums = verify_checksums
 
-    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
-        checkpoint_dir = Path(checkpoint_dir)
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> StateDict:
+        local = require_local(checkpoint_dir, "the TensorStore engine")
         requested = [s for s in nested_values(sharded_state_dict) if isinstance(s, ShardedTensor)]
         # 1. metadata, dtype/shape checks and coverage, before any data is read
-        plans = plan_request(requested, checkpoint_dir)
+        plans = plan_request(requested, local)
         if self.verify_checksums:
-            _check_touched_files(requested, plans, checkpoint_dir)
+            _check_touched_files(requested, plans, local)
         # 2. destinations: in place where possible; padding zero-filled first
         targets = {id(sh): self._target(sh) for sh in requested}
         for sh in requested:
@@ -471,22 +472,22 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
             failed.append(((sh, op), e))
         return op.region.numel * sh.dtype.itemsize
 
-    def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
+    def load_tensors_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
         context = _context(self.concurrency)
 
         def shape_dtype(path: str) -> Tuple[Tuple[int, ...], np.dtype]:
             array = open_ts_array(Path(path), context)
             return tuple(int(n) for n in array.shape), np.dtype(array.dtype.numpy_dtype)
 
-        return load_zarr_based_sharded_metadata(Path(checkpoint_dir), shape_dtype)
+        return load_zarr_based_sharded_metadata(require_local(checkpoint_dir, "the TensorStore engine"), shape_dtype)
 
-    def verify_integrity(self, checkpoint_dir: Path) -> IntegrityReport:
+    def verify_integrity(self, checkpoint_dir: CheckpointLocation) -> IntegrityReport:
         """Every file of ``zarr/`` against ``zarr/checksums.json`` (see :mod:`.zarr_checksums`)."""
-        return verify_zarr(Path(checkpoint_dir))
+        return verify_zarr(require_local(checkpoint_dir, "the TensorStore engine"))
 
-    def describe_stored_shards(self, checkpoint_dir: Path) -> Optional[Dict[str, List[StoredShardInfo]]]:
+    def describe_stored_shards(self, checkpoint_dir: CheckpointLocation) -> Optional[Dict[str, List[StoredShardInfo]]]:
         """Every chunk (a saved shard) or fragment (a saved flattened range), from the metadata."""
-        return describe_zarr(Path(checkpoint_dir))
+        return describe_zarr(require_local(checkpoint_dir, "the TensorStore engine"))
 
 
 

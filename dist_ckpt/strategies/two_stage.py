@@ -25,7 +25,6 @@ import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, TypeVar
 
 import torch
@@ -34,6 +33,7 @@ from ..core import read_config
 from ..distributed import ProcessGroup, all_gather_json, get_rank, new_group
 from ..errors import IncompatibleStrategyError
 from ..mapping import ShardedBase, ShardedStateDict, ShardedTensor, StateDict
+from ..storage.location import CheckpointLocation
 from .base import LoadShardedStrategy, StrategyAction, get_default_strategy, registered_strategies
 from .exchange import (
     DEFAULT_BUCKET_BYTES,
@@ -115,7 +115,7 @@ class _TimedHooks(ExchangeHooks):
         self,
         mine: Mapping[ShardId, ShardedTensor],
         others: Sequence[ShardedBase],
-        checkpoint_dir: Path,
+        checkpoint_dir: CheckpointLocation,
         base: LoadShardedStrategy,
     ) -> Dict[ShardId, Any]:
         return self.strategy.load_tensors_from_storage(mine, others, checkpoint_dir, base)
@@ -194,7 +194,12 @@ class TwoStageDataParallelLoadShardedStrategy(LoadShardedStrategy):
             self.base_strategy.check_version_compatibility(loaded_version)
         # otherwise the registered loader of the checkpoint's (backend, version) is used
 
-    def _base(self, checkpoint_dir: Path) -> LoadShardedStrategy:
+    def check_location(self, checkpoint_dir: CheckpointLocation) -> None:
+        """The wrapped loader decides (the registered one is checked when it is chosen)."""
+        if self.base_strategy is not None:
+            self.base_strategy.check_location(checkpoint_dir)
+
+    def _base(self, checkpoint_dir: CheckpointLocation) -> LoadShardedStrategy:
         if self.base_strategy is not None:
             return self.base_strategy
         config = read_config(checkpoint_dir)
@@ -208,6 +213,7 @@ class TwoStageDataParallelLoadShardedStrategy(LoadShardedStrategy):
             )
         base.check_backend_compatibility(config.sharded_backend)
         base.check_version_compatibility(config.sharded_backend_version)
+        base.check_location(checkpoint_dir)
         return base
 
     # ----------------------------------------------------------------- the steps
@@ -265,18 +271,18 @@ class TwoStageDataParallelLoadShardedStrategy(LoadShardedStrategy):
         self,
         mine: Mapping[ShardId, ShardedTensor],
         others: Sequence[ShardedBase],
-        checkpoint_dir: Path,
+        checkpoint_dir: CheckpointLocation,
         base: LoadShardedStrategy,
     ) -> Dict[ShardId, Any]:
         """Step 3: read this rank's assigned chunks (and any non-tensor shards) in one call to
         the base strategy, so that it can read them concurrently."""
         return ExchangeHooks().read(mine, others, checkpoint_dir, base)
 
-    def load_tensor_from_storage(self, checkpoint_dir: Path, ten_meta: _ShardedTensorMetadata) -> torch.Tensor:
+    def load_tensor_from_storage(self, checkpoint_dir: CheckpointLocation, ten_meta: _ShardedTensorMetadata) -> torch.Tensor:
         """Read one chunk from storage with the base strategy (a new tensor)."""
         sh = ten_meta.sharded_tensor_no_data.without_data()
         out = self.load_tensors_from_storage(
-            {sharded_tensor_chunk_id(sh): sh}, [], Path(checkpoint_dir), self._base(Path(checkpoint_dir))
+            {sharded_tensor_chunk_id(sh): sh}, [], checkpoint_dir, self._base(checkpoint_dir)
         )
         tensor: torch.Tensor = next(iter(out.values()))
         return tensor
@@ -292,8 +298,7 @@ class TwoStageDataParallelLoadShardedStrategy(LoadShardedStrategy):
         """Step 4: the broadcasts within the DP group (errors are returned, then exchanged)."""
         return ExchangeHooks().exchange(buckets, tensors, dests, group)
 
-    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
-        checkpoint_dir = Path(checkpoint_dir)
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> StateDict:
         base = self._base(checkpoint_dir)
         self.maybe_init_gloo_group()
         return load_with_exchange(
@@ -306,11 +311,11 @@ class TwoStageDataParallelLoadShardedStrategy(LoadShardedStrategy):
             _TimedHooks(self),
         )
 
-    def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
-        return self._base(Path(checkpoint_dir)).load_tensors_metadata(Path(checkpoint_dir))
+    def load_tensors_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
+        return self._base(checkpoint_dir).load_tensors_metadata(checkpoint_dir)
 
-    def load_sharded_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
-        return self._base(Path(checkpoint_dir)).load_sharded_metadata(Path(checkpoint_dir))
+    def load_sharded_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
+        return self._base(checkpoint_dir).load_sharded_metadata(checkpoint_dir)
 
     def summarize_load_times(self) -> Dict[str, Dict[str, float]]:
         """Collective over the default group: min, mean and max over ranks of the total time

@@ -46,6 +46,7 @@ from ..dtypes import dtype_info, numpy_to_tensor, tensor_to_numpy
 from ..errors import CheckpointingException, CorruptCheckpointError
 from ..geometry import Box, piece_view, sub_view
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
+from ..storage.location import CheckpointLocation, require_local
 from ..storage import fsync_dir, fsync_file
 from ._zarr_dtypes import register_extension_dtypes
 from .stored_shards import StoredShardInfo, describe_zarr
@@ -134,8 +135,8 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
         super().__init__(backend, version)
         register_extension_dtypes()
 
-    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
-        root = Path(checkpoint_dir) / ZARR_DIR
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> None:
+        root = require_local(checkpoint_dir, "the zarr backend") / ZARR_DIR
         shards = [
             s
             for s in nested_values(sharded_state_dict)
@@ -145,10 +146,10 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
         chunks = run_collectively("writing zarr chunks", lambda: self._write_chunks(root, shards))
         commit_checksums(root, created + chunks)
 
-    def begin_stream(self, checkpoint_dir: Path, layout: Sequence[TensorLayout]) -> TensorStreamWriter:
+    def begin_stream(self, checkpoint_dir: CheckpointLocation, layout: Sequence[TensorLayout]) -> TensorStreamWriter:
         """Write whole tensors one at a time, each one chunk (one process): the checkpoint a
         one-rank save of whole tensors writes, ``zarr/checksums.json`` included."""
-        return _ZarrStreamWriter(self, Path(checkpoint_dir) / ZARR_DIR, layout)
+        return _ZarrStreamWriter(self, require_local(checkpoint_dir, "the zarr backend") / ZARR_DIR, layout)
 
     def _create_nodes(self, root: Path, shards: List[ShardedTensor], create_root: bool = True) -> List[Path]:
         root.mkdir(parents=True, exist_ok=True)
@@ -332,11 +333,11 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         register_extension_dtypes()
         self.verify_checksums = verify_checksums
 
-    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> StateDict:
         requested = [s for s in nested_values(sharded_state_dict) if isinstance(s, ShardedTensor)]
-        plans = plan_request(requested, Path(checkpoint_dir))  # every check happens before any read
-        root = Path(checkpoint_dir) / ZARR_DIR
-        manifest = read_checksums(Path(checkpoint_dir)) if self.verify_checksums and requested else None
+        plans = plan_request(requested, require_local(checkpoint_dir, "the zarr backend"))  # every check happens before any read
+        root = require_local(checkpoint_dir, "the zarr backend") / ZARR_DIR
+        manifest = read_checksums(require_local(checkpoint_dir, "the zarr backend")) if self.verify_checksums and requested else None
         reader = _ArrayReader(VerifyingStore(root, manifest) if manifest is not None else None)
 
         def load_one(x: Any) -> Any:
@@ -359,24 +360,24 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         target = piece_view(dest, op.dst, sh.prepend_axis_num, holder)
         sub_view(target, op.dst.box, op.inter).copy_(sub_view(data, op.src_box, op.inter))
 
-    def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
+    def load_tensors_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
         def shape_dtype(path: str) -> Tuple[Tuple[int, ...], np.dtype]:
             array = zarr.open_array(store=path, mode="r")
             return tuple(array.shape), np.dtype(array.dtype)
 
-        return load_zarr_based_sharded_metadata(Path(checkpoint_dir), shape_dtype)
+        return load_zarr_based_sharded_metadata(require_local(checkpoint_dir, "the zarr backend"), shape_dtype)
 
-    def verify_integrity(self, checkpoint_dir: Path) -> IntegrityReport:
+    def verify_integrity(self, checkpoint_dir: CheckpointLocation) -> IntegrityReport:
         """Every file of ``zarr/`` against ``zarr/checksums.json`` (see :mod:`.zarr_checksums`)."""
-        return verify_zarr(Path(checkpoint_dir))
+        return verify_zarr(require_local(checkpoint_dir, "the zarr backend"))
 
-    def describe_stored_shards(self, checkpoint_dir: Path) -> Optional[Dict[str, List[StoredShardInfo]]]:
+    def describe_stored_shards(self, checkpoint_dir: CheckpointLocation) -> Optional[Dict[str, List[StoredShardInfo]]]:
         """Every chunk (a saved shard) or fragment (a saved flattened range), from the metadata."""
-        return describe_zarr(Path(checkpoint_dir))
+        return describe_zarr(require_local(checkpoint_dir, "the zarr backend"))
 
-    def remove_sharded_tensors(self, checkpoint_dir: str, key_prefix: str) -> None:
+    def remove_sharded_tensors(self, checkpoint_dir: CheckpointLocation, key_prefix: str) -> None:
         """Delete tensors whose key starts with ``key_prefix``; each key goes whole or not at all."""
-        root = Path(checkpoint_dir) / ZARR_DIR
+        root = require_local(checkpoint_dir, "the zarr backend") / ZARR_DIR
         for name in list_tensor_names(root):
             info = open_tensor_info(root, name)
             if info is not None and info.key.startswith(key_prefix):

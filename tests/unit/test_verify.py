@@ -74,8 +74,8 @@ def test_json_output(tmp_path, capsys):
 
 
 def test_not_a_directory(tmp_path, capsys):
-    assert main(["verify", str(tmp_path / "nope")]) == 1
-    assert "does not exist" in capsys.readouterr().out
+    assert main(["verify", str(tmp_path / "nope")]) == 2  # a bad path is a usage error
+    assert "does not exist" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", ["safetensors_index_v1", "zarr_v1"])
