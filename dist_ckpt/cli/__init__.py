@@ -40,6 +40,7 @@ from .common import (
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
+    BadPathError,
     CommandAdder,
     CommandFailed,
     format_table,
@@ -65,7 +66,7 @@ COMMANDS: Tuple[CommandAdder, ...] = (
 
 
 #: errors that mean the command was pointed at the wrong place: exit status 2, like a usage error
-_BAD_LOCATION = (NotACheckpointError, CheckpointExistsError, BucketNotFoundError, StorageConfigError)
+_BAD_LOCATION = (BadPathError, NotACheckpointError, CheckpointExistsError, BucketNotFoundError, StorageConfigError)
 
 
 def _common_options(suppress_defaults: bool) -> argparse.ArgumentParser:
@@ -76,6 +77,8 @@ def _common_options(suppress_defaults: bool) -> argparse.ArgumentParser:
                         help="show tracebacks and debug logging on failure")
     common.add_argument("-v", "--verbose", action="store_true", default=default,
                         help="log what the library does (INFO), e.g. each save's and load's report")
+    common.add_argument("-q", "--quiet", action="store_true", default=default,
+                        help="no progress bars (they are only drawn when stderr is a terminal anyway)")
     return common
 
 

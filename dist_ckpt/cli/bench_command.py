@@ -9,6 +9,7 @@ from pathlib import Path
 from ..serialization import DEFAULT_SHARDED_BACKEND
 from .common import (
     EXIT_OK,
+    BadPathError,
     CommandFailed,
     SubParsers,
     add_progress_option,
@@ -55,6 +56,11 @@ def add_bench_command(subparsers: SubParsers, common: argparse.ArgumentParser) -
 def run_bench_command(args: argparse.Namespace) -> int:
     """Run the benchmark and print its table (or JSON)."""
     from ..bench import BenchOptions, render_table, run_bench  # keeps `dist-ckpt --help` fast
+
+    try:
+        args.dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise BadPathError(f"--dir {str(args.dir)!r} cannot be used: {e.strerror or e}") from e
 
     bar = None
     if progress_enabled(args):

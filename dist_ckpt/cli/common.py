@@ -21,6 +21,7 @@ __all__ = [
     "EXIT_FAILURE",
     "EXIT_OK",
     "EXIT_USAGE",
+    "BadPathError",
     "CommandAdder",
     "CommandFailed",
     "SubParsers",
@@ -43,6 +44,10 @@ SubParsers = Any  # argparse._SubParsersAction, private in typeshed
 CommandAdder = Callable[[SubParsers, argparse.ArgumentParser], None]
 
 _RANK_FAILED = re.compile(r"rank \d+ failed:")
+
+
+class BadPathError(Exception):
+    """A command was given a path it cannot use (e.g. ``--dir`` under a file); exit status 2."""
 
 
 class CommandFailed(Exception):
@@ -189,11 +194,13 @@ def size_arg(text: str) -> int:
 def add_progress_option(parser: argparse.ArgumentParser) -> None:
     """``--progress`` / ``--no-progress``: progress bars on stderr (default: when it is a terminal)."""
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                        help="show progress bars on stderr (default: only when stderr is a terminal)")
+                        help="force progress bars on stderr on or off (default: on when stderr is a terminal, "
+                        "unless --quiet or --json)")
 
 
 def progress_enabled(args: argparse.Namespace) -> bool:
-    """Whether to draw progress bars: ``--progress``, else stderr is a terminal and not ``--json``."""
+    """Whether to draw progress bars: as ``--progress`` / ``--no-progress`` say, else when stderr
+    is a terminal and neither ``--quiet`` nor ``--json`` is given."""
     if args.progress is not None:
         return bool(args.progress)
-    return sys.stderr.isatty() and not getattr(args, "json", False)
+    return sys.stderr.isatty() and not getattr(args, "quiet", False) and not getattr(args, "json", False)
