@@ -296,6 +296,7 @@ def _convert_steps(
 
     def tensor_done(key: str, nbytes: int) -> None:
         done[0] += nbytes
+        monitor.heartbeat()  # the watchdog reports a tensor that takes too long, not a long conversion
         monitor.notify(_COPY, done=False, item=key, bytes_done=done[0], bytes_total=total)
 
     # 3. tensors

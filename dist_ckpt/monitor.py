@@ -157,6 +157,11 @@ class StepMonitor:
                           self.elapsed(), item, bytes_done, bytes_total)
         )
 
+    def heartbeat(self) -> None:
+        """The current step made progress: restart its watchdog clock (see :meth:`Watchdog.touch`)."""
+        if self._watchdog is not None:
+            self._watchdog.touch()
+
     def run(self, phase: str, fn: Callable[[], T]) -> T:
         """Run ``fn`` as the collective step ``phase`` (see
         :func:`~dist_ckpt.distributed.run_collectively`), timed and reported."""

@@ -111,6 +111,13 @@ class Watchdog:
                 else:  # a nested step: the outer one resumes with its own clock
                     self._step, self._started, self._reported = previous
 
+    def touch(self) -> None:
+        """Restart the clock of the current step: it is making progress (e.g. a conversion
+        finished a tensor), so only a step without progress for ``timeout_s`` is reported."""
+        with self._lock:
+            if self._step is not None:
+                self._started, self._reported = time.monotonic(), 0
+
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
             with self._lock:

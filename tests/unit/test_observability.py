@@ -239,3 +239,32 @@ def test_format_bytes(nbytes: int, text: str) -> None:
     from dist_ckpt.report import format_bytes
 
     assert format_bytes(nbytes) == text
+
+
+def test_watchdog_touch_restarts_the_clock_of_a_step_that_makes_progress(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a fake clock: the watchdog thread sees only the times this test sets
+    import dist_ckpt.watchdog as watchdog_module
+
+    now = [0.0]
+    monkeypatch.setattr(watchdog_module.time, "monotonic", lambda: now[0])
+    polled = threading.Event()
+
+    class Counting(Watchdog):
+        def _warn(self, step: str, elapsed: float) -> None:
+            super()._warn(step, elapsed)
+            polled.set()
+
+    with caplog.at_level(logging.WARNING, logger=WATCHDOG_LOGGER):
+        with Counting(timeout_s=10, what="the conversion", poll_s=0.001) as dog:
+            with dog.step("copying tensors"):
+                for _ in range(5):  # 9 s of progress at a time: never 10 s without it
+                    now[0] += 9
+                    dog.touch()
+                time.sleep(0.05)  # let the thread poll the (frozen) clock many times
+                assert dog.warnings == 0
+                now[0] += 11  # no progress for 11 s
+                assert polled.wait(timeout=60)  # a hang guard, not a timing check
+    warnings = [r.getMessage() for r in caplog.records if r.name == WATCHDOG_LOGGER]
+    assert len(warnings) == 1 and "'copying tensors' of the conversion for 11 s" in warnings[0]
