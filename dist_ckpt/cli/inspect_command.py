@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
-from typing import List
+from dataclasses import replace
+from typing import List, Sequence
 
 from .common import EXIT_OK, SubParsers, format_table, human_bytes, print_json
 
@@ -35,14 +36,12 @@ def add_inspect_command(subparsers: SubParsers, common: argparse.ArgumentParser)
     p.set_defaults(run=run_inspect_command, parser=p)
 
 
-def _shape(shape: tuple) -> str:  # type: ignore[type-arg]
+def _shape(shape: Sequence[int]) -> str:
     return f"[{', '.join(map(str, shape))}]"
 
 
 def run_inspect_command(args: argparse.Namespace) -> int:
     """Inspect and print a summary, a table of tensors, the common keys and ShardedObjects."""
-    from dataclasses import replace
-
     from ..inspection import inspect_checkpoint  # keeps `dist-ckpt --help` fast
 
     info = inspect_checkpoint(args.dir)
