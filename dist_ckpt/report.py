@@ -52,11 +52,12 @@ class Operation(enum.Enum):
     SAVE = "save"
     LOAD = "load"
     CONVERT = "convert"
+    VERIFY = "verify"
 
 
 @dataclass(frozen=True)
 class ProgressEvent:
-    """One step of progress of a save, load or conversion.
+    """One step of progress of a save, load, conversion or verification.
 
     Attributes:
         operation: save, load or convert.

@@ -65,6 +65,8 @@ class ProgressBars:
         if self._phases is None:
             self._phases = tqdm(total=event.total, desc=self.description or event.operation.value, unit="step",
                                 leave=True, dynamic_ncols=True)
+        elif self._phases.total != event.total:  # an operation that learns how many phases it has
+            self._phases.total = event.total
         if event.done:
             self._phases.update(1)
         self._phases.set_postfix_str(event.phase, refresh=True)

@@ -5,7 +5,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .common import EXIT_FAILURE, EXIT_OK, CommandFailed, SubParsers, human_bytes, print_json
+from .common import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    CommandFailed,
+    SubParsers,
+    add_progress_option,
+    human_bytes,
+    print_json,
+    progress_enabled,
+)
 
 __all__ = ["add_verify_command"]
 
@@ -29,6 +38,7 @@ def add_verify_command(subparsers: SubParsers, common: argparse.ArgumentParser) 
     p.add_argument("dir", metavar="DIR", help="a checkpoint directory, or s3://bucket/prefix (credentials and endpoint "
                    "from the AWS environment variables)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON document (exit status as above)")
+    add_progress_option(p)
     p.set_defaults(run=run_verify_command, parser=p)
 
 
@@ -37,11 +47,13 @@ def run_verify_command(args: argparse.Namespace) -> int:
     from ..errors import NotACheckpointError
     from ..storage.location import resolve_location
     from ..verify import verify_checkpoint  # keeps `dist-ckpt --help` fast
+    from .progress import ProgressBars
 
     location = resolve_location(args.dir)
     if isinstance(location, Path) and not location.is_dir():  # a bad path, not a damaged checkpoint
         raise NotACheckpointError(f"checkpoint directory {args.dir!r} does not exist (or is not a directory)")
-    report = verify_checkpoint(location)
+    with ProgressBars(progress_enabled(args), "verifying") as bars:
+        report = verify_checkpoint(location, progress=bars)
     if args.json:
         print_json(report.to_json())
         return EXIT_OK if report.ok else EXIT_FAILURE

@@ -271,3 +271,9 @@ def test_bench_bad_directory_exits_2(tmp_path):
     blocker.write_text("")
     line = one_line_error(dist_ckpt("bench", "--dir", str(blocker / "sub"), "--size", "1", cwd=tmp_path), 2, "bench")
     assert "cannot be used" in line
+
+
+def test_verify_progress_bar_in_process(sample, capsys):
+    assert main(["verify", str(sample), "--progress"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("OK:") and "verifying" in captured.err and "3/3" in captured.err
