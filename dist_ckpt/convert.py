@@ -3,7 +3,9 @@
 :func:`convert` is what ``dist-ckpt convert SRC DST --to BACKEND`` runs: any dist_ckpt backend
 (or a HuggingFace folder) to any backend whose save strategy can stream
 (:attr:`~dist_ckpt.strategies.base.SaveShardedStrategy.can_stream`: ``safetensors``, ``zarr``), or
-to a HuggingFace folder (``"hf"``). One process, no process group.
+to a HuggingFace folder (``"hf"``). One process, no process group. Source and destination may
+be ``s3://`` URLs where the backends support object stores (the source of any backend that reads
+from them; a ``safetensors`` destination, written one object per tensor).
 
 Memory stays bounded by the largest tensor, whatever the size of the checkpoint: the source
 side assembles each tensor whole from its stored shards
