@@ -50,7 +50,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from bench_save_load import measure_disk
+from dist_ckpt.bench import measure_disk
 from dist_ckpt.distributed import barrier
 from dist_ckpt.mapping import ShardedTensor, is_main_replica
 from dist_ckpt.serialization import load, save

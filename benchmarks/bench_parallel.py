@@ -35,6 +35,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 import dist_ckpt as dc
+from dist_ckpt.bench import measure_disk
 from dist_ckpt.distributed import barrier
 from dist_ckpt.strategies.base import StrategyAction, get_default_strategy
 from dist_ckpt.strategies.fully_parallel import FullyParallelLoadStrategyWrapper, FullyParallelSaveStrategyWrapper
@@ -43,7 +44,6 @@ from dist_ckpt.strategies.two_stage import TwoStageDataParallelLoadShardedStrate
 from dist_ckpt.testing import spawn_ranks
 from dist_ckpt.testing.layouts import bitwise_equal, full_tensor
 
-BLOCK = 64 << 20
 SAVES = ("plain save", "fully-parallel save")
 LOADS = (
     "plain load",
@@ -159,36 +159,6 @@ def run_rank(rank: int, world: int, directory: str, size_bytes: int, count: int,
         best[f"two-stage: {step}"] = times["max"]
     barrier()
     return best
-
-
-def measure_disk(directory: Path, nbytes: int) -> Tuple[float, float]:
-    """Seconds to write ``nbytes`` sequentially + fsync, and to read them back cold."""
-    path = directory / f"raw_{os.getpid()}.bin"
-    block = memoryview(os.urandom(BLOCK))
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            start = time.perf_counter()
-            left = nbytes
-            while left > 0:
-                left -= os.write(fd, block[: min(BLOCK, left)])
-            os.fsync(fd)
-            write_s = time.perf_counter() - start
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-        fd = os.open(path, os.O_RDONLY)
-        buf = bytearray(BLOCK)
-        try:
-            start = time.perf_counter()
-            while os.readv(fd, [buf]) > 0:
-                pass
-            read_s = time.perf_counter() - start
-        finally:
-            os.close(fd)
-    finally:
-        path.unlink(missing_ok=True)
-    return write_s, read_s
 
 
 def crossover(dps: Sequence[int], speedups: Sequence[float]) -> str:

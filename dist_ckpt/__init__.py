@@ -20,6 +20,7 @@ from .checkpointer import (
     unshard_model_state,
     unshard_optim_state,
 )
+from .convert import ConvertResult, convert
 from .core import CheckpointingConfig, check_is_distributed_checkpoint, maybe_load_config
 from .errors import (
     AsyncSaveError,
@@ -56,8 +57,11 @@ from .mapping import (
     apply_factory_merges,
     is_main_replica,
 )
+from .inspection import CheckpointInfo, TensorInfo, inspect_checkpoint
+from .report import CheckpointReport, ProgressEvent
 from .serialization import (
     LoadResult,
+    SaveResult,
     load,
     load_common_state_dict,
     load_plain_tensors,
@@ -67,6 +71,7 @@ from .serialization import (
     load_with_report,
     remove_sharded_tensors,
     save,
+    save_with_report,
 )
 from .strategies.base import (
     StrategyAction,
@@ -87,11 +92,14 @@ __all__ = [
     "AsyncRequest",
     "AsyncSaveError",
     "CheckpointExistsError",
+    "CheckpointInfo",
     "CheckpointMetadata",
+    "CheckpointReport",
     "Checkpointer",
     "CheckpointingConfig",
     "CheckpointingException",
     "ChecksumMismatchError",
+    "ConvertResult",
     "CorruptCheckpointError",
     "IncompatibleStrategyError",
     "InvalidKeyError",
@@ -105,7 +113,9 @@ __all__ = [
     "MissingDependencyError",
     "NotACheckpointError",
     "ProcessGroupMismatchError",
+    "ProgressEvent",
     "RankFailedError",
+    "SaveResult",
     "ShardedBase",
     "ShardedObject",
     "ShardedStateDict",
@@ -118,6 +128,7 @@ __all__ = [
     "StrategyKey",
     "StrategyRegistrationError",
     "StrictHandling",
+    "TensorInfo",
     "TensorMetadata",
     "UnknownStrategyError",
     "UnsafeObjectError",
@@ -126,7 +137,9 @@ __all__ = [
     "apply_factories",
     "apply_factory_merges",
     "check_is_distributed_checkpoint",
+    "convert",
     "get_default_strategy",
+    "inspect_checkpoint",
     "is_main_replica",
     "iter_unsharded",
     "load",
@@ -143,6 +156,7 @@ __all__ = [
     "remove_sharded_tensors",
     "save",
     "save_model_and_optim_state",
+    "save_with_report",
     "unshard",
     "unshard_model_state",
     "unshard_optim_state",

@@ -48,6 +48,8 @@ from .model_state import (
     plan_optim_load,
     unsharded_optim_state,
 )
+from .report import ProgressCallback
+from .watchdog import DEFAULT_WATCHDOG_TIMEOUT_S
 from .serialization import load_common_state_dict, load_tensors_metadata, load_with_report, save
 from .strategies.base import StrategySpec
 from .validation import verify_checkpoint_and_load_strategy
@@ -103,6 +105,10 @@ class Checkpointer:
         save_strategy: sharded save strategy for :meth:`save` (None: dist_ckpt's default).
         load_strategy: sharded load strategy (None: the one registered for the checkpoint's
             backend). With ``no_dist=True`` it must not communicate (built-in backends don't).
+        progress: called with a :class:`~dist_ckpt.report.ProgressEvent` as each step of a save
+            or load starts and ends (see :func:`dist_ckpt.save`).
+        watchdog_timeout_s: log a WARNING naming the rank and step when a step of a save or load
+            lasts longer than this; None disables the watchdog (see :mod:`dist_ckpt.watchdog`).
 
     Example::
 
@@ -114,9 +120,18 @@ class Checkpointer:
 
     METADATA_FILENAME: ClassVar[str] = METADATA_FILENAME
 
-    def __init__(self, save_strategy: StrategySpec = None, load_strategy: StrategySpec = None) -> None:
+    def __init__(
+        self,
+        save_strategy: StrategySpec = None,
+        load_strategy: StrategySpec = None,
+        *,
+        progress: Optional[ProgressCallback] = None,
+        watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
+    ) -> None:
         self.save_strategy = save_strategy
         self.load_strategy = load_strategy
+        self.progress = progress
+        self.watchdog_timeout_s = watchdog_timeout_s
 
     # ------------------------------------------------------------------ save
 
@@ -154,7 +169,8 @@ class Checkpointer:
         if save_overwrite:
             run_collectively("removing the checkpoint to overwrite", lambda: _remove_committed(path))
         # 2. save
-        save(sharded_state_dict, path, sharded_strategy=self.save_strategy)
+        save(sharded_state_dict, path, sharded_strategy=self.save_strategy, progress=self.progress,
+             watchdog_timeout_s=self.watchdog_timeout_s)
 
     # ------------------------------------------------------------------ load
 
@@ -235,7 +251,8 @@ class Checkpointer:
             strategy, _ = verify_checkpoint_and_load_strategy(path, self.load_strategy)
             loaded: StateDict = strategy.load(request, path)
         else:
-            loaded = load_with_report(request, path, sharded_strategy=self.load_strategy).state_dict
+            loaded = load_with_report(request, path, sharded_strategy=self.load_strategy, progress=self.progress,
+                                      watchdog_timeout_s=self.watchdog_timeout_s).state_dict
 
         # 3. copy back, 4. check coverage
         def finish() -> None:

@@ -14,7 +14,8 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-from typing import Any, Callable, List, Optional, Sequence, TypeVar
+import threading
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -266,17 +267,56 @@ def raise_if_any_rank_failed(
     raise exc
 
 
+# The steps each thread is in, outermost first, for diagnostics only: the watchdog
+# (dist_ckpt.watchdog), running on its own thread, reads them to say where a stuck rank is.
+_active_steps: Dict[int, List[str]] = {}
+_active_steps_lock = threading.Lock()
+
+
+def active_steps(thread_id: Optional[int] = None) -> Tuple[str, ...]:
+    """The :func:`run_collectively` steps that thread ``thread_id`` (default: the calling thread)
+    is in right now, outermost first.
+
+    Example::
+
+        active_steps()   # ('saving sharded tensors', 'writing safetensors files') inside a save
+    """
+    with _active_steps_lock:
+        return tuple(_active_steps.get(threading.get_ident() if thread_id is None else thread_id, ()))
+
+
+def _enter_step(step: str) -> None:
+    with _active_steps_lock:
+        _active_steps.setdefault(threading.get_ident(), []).append(step)
+
+
+def _leave_step() -> None:
+    thread = threading.get_ident()
+    with _active_steps_lock:
+        steps = _active_steps.get(thread)
+        if steps:
+            steps.pop()
+        if not steps:
+            _active_steps.pop(thread, None)
+
+
 def run_collectively(step: str, fn: Callable[[], T], group: Optional[ProcessGroup] = None) -> T:
     """Run ``fn`` on every rank; if it raises on any rank, raise on every rank.
+
+    While it runs, ``step`` is listed by :func:`active_steps` (for the watchdog's messages).
 
     Example::
 
         run_collectively("writing common.pt", lambda: strategy.save_common(common, ckpt_dir))
     """
+    _enter_step(step)
     try:
-        result = fn()
-    except Exception as e:  # noqa: BLE001 -- every failure must reach the other ranks
-        raise_if_any_rank_failed(e, step, group)
-        raise  # unreachable: the call above always raises when given an error
-    raise_if_any_rank_failed(None, step, group)
-    return result
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 -- every failure must reach the other ranks
+            raise_if_any_rank_failed(e, step, group)
+            raise  # unreachable: the call above always raises when given an error
+        raise_if_any_rank_failed(None, step, group)
+        return result
+    finally:
+        _leave_step()

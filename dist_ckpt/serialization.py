@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
@@ -26,6 +27,7 @@ from .core import METADATA_FILENAME, CheckpointingConfig, save_config
 from .dict_utils import dict_list_map_inplace, extract_matching_values, merge, nested_values
 from .distributed import broadcast_json, get_rank, get_world_size, run_collectively
 from .errors import CheckpointExistsError, IncompatibleStrategyError, InvalidShardedTensorError
+from .monitor import StepMonitor, main_replica_bytes, requested_bytes
 from .mapping import (
     ShardedBase,
     ShardedObject,
@@ -37,6 +39,7 @@ from .mapping import (
     apply_factory_merges,
     is_main_replica,
 )
+from .report import CheckpointReport, Operation, ProgressCallback
 from .state_assembly import assemble, loaded_values
 from .storage import Storage, validate_key
 from .storage.location import CheckpointLocation, LocationLike, location_str, resolve_location
@@ -62,6 +65,7 @@ from .validation import (
     validate_sharding_integrity,
     verify_checkpoint_and_load_strategy,
 )
+from .watchdog import DEFAULT_WATCHDOG_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +75,7 @@ DEFAULT_COMMON_BACKEND: Tuple[str, int] = ("torch", 1)
 
 __all__ = [
     "LoadResult",
+    "SaveResult",
     "get_default_load_sharded_strategy",
     "get_default_save_common_strategy",
     "get_default_save_sharded_strategy",
@@ -83,6 +88,7 @@ __all__ = [
     "load_with_report",
     "remove_sharded_tensors",
     "save",
+    "save_with_report",
     "validate_sharding_integrity",
 ]
 
@@ -95,11 +101,28 @@ class LoadResult:
         state_dict: the loaded state dict.
         missing_keys: keys in the checkpoint that no rank requested (found by ``*_ALL`` modes).
         unexpected_keys: keys this rank requested that the checkpoint lacks (skipped).
+        report: seconds per phase, bytes read, files, throughput (see :mod:`dist_ckpt.report`).
     """
 
     state_dict: StateDict
     missing_keys: Set[str]
     unexpected_keys: Set[str]
+    report: CheckpointReport
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What :func:`save_with_report` returns, whether the save is synchronous or not.
+
+    Attributes:
+        report: seconds per phase, bytes written, files, throughput (see
+            :mod:`dist_ckpt.report`). For an asynchronous save it is completed -- its last
+            phases added, ``complete`` set -- when the request is finalized.
+        async_request: the request to schedule for an asynchronous save, else None.
+    """
+
+    report: CheckpointReport
+    async_request: Optional[AsyncRequest]
 
 
 def get_default_save_sharded_strategy(backend: str = DEFAULT_SHARDED_BACKEND[0], version: int = DEFAULT_SHARDED_BACKEND[1]) -> SaveShardedStrategy:
@@ -212,8 +235,14 @@ def save(
     validate_access_integrity: bool = True,
     async_sharded_save: bool = False,
     preprocess_common_before_consistancy_check: Optional[Callable[[StateDict], StateDict]] = None,
+    *,
+    progress: Optional[ProgressCallback] = None,
+    watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
 ) -> Optional[AsyncRequest]:
     """Save a sharded state dict (collective).
+
+    Megatron-Core compatible; :func:`save_with_report` does the same and also returns the
+    save's report (which ``save`` logs at INFO on rank 0).
 
     Steps:
 
@@ -240,11 +269,84 @@ def save(
             them (needs an AsyncSaveShardedStrategy).
         preprocess_common_before_consistancy_check: applied to the common state before the
             cross-rank consistency check only (e.g. to drop entries expected to differ).
+        progress: called with a :class:`~dist_ckpt.report.ProgressEvent` as each step starts
+            and ends (keyword only).
+        watchdog_timeout_s: log a WARNING naming the rank and step when a step lasts longer
+            than this (see :mod:`dist_ckpt.watchdog`); None disables the watchdog (keyword only).
 
     Returns:
         None, or the AsyncRequest when ``async_sharded_save`` is set.
     """
+    return save_with_report(
+        sharded_state_dict,
+        checkpoint_dir,
+        sharded_strategy,
+        common_strategy,
+        validate_access_integrity,
+        async_sharded_save,
+        preprocess_common_before_consistancy_check,
+        progress=progress,
+        watchdog_timeout_s=watchdog_timeout_s,
+    ).async_request
+
+
+def save_with_report(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: LocationLike,
+    sharded_strategy: StrategySpec = None,
+    common_strategy: StrategySpec = None,
+    validate_access_integrity: bool = True,
+    async_sharded_save: bool = False,
+    preprocess_common_before_consistancy_check: Optional[Callable[[StateDict], StateDict]] = None,
+    *,
+    progress: Optional[ProgressCallback] = None,
+    watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
+) -> SaveResult:
+    """Save like :func:`save` and return a :class:`SaveResult`: the report and, for an
+    asynchronous save, the request (collective; same arguments and steps as :func:`save`).
+
+    Example::
+
+        result = save_with_report(sd, "ckpt/iter_10", progress=lambda e: print(e.phase, e.done))
+        print(result.report.summary())
+        print(result.report.phase_seconds("saving sharded tensors"), result.report.gb_per_s)
+    """
+    phases = ["preparing the save", "checking the state to save"]
+    phases += ["validating the sharding"] if validate_access_integrity else []
+    phases += ["saving the common state"]
+    phases += ["preparing the async save", "finalizing the sharded tensors"] if async_sharded_save else ["saving sharded tensors"]
+    phases += ["committing metadata.json"]
     location = run_collectively("opening the checkpoint location", lambda: resolve_location(checkpoint_dir))
+    monitor = StepMonitor(Operation.SAVE, location, phases, progress, watchdog_timeout_s)
+    with monitor:
+        request, nbytes = _save_steps(
+            monitor,
+            sharded_state_dict,
+            location,
+            sharded_strategy,
+            common_strategy,
+            validate_access_integrity,
+            async_sharded_save,
+            preprocess_common_before_consistancy_check,
+        )
+    if request is None:
+        return SaveResult(monitor.finish(nbytes), None)
+    request.add_finalize_fn(lambda: monitor.finish(nbytes))  # completes the report after the commit
+    return SaveResult(monitor.report, request)
+
+
+def _save_steps(
+    monitor: StepMonitor,
+    sharded_state_dict: ShardedStateDict,
+    location: CheckpointLocation,
+    sharded_strategy: StrategySpec,
+    common_strategy: StrategySpec,
+    validate_access_integrity: bool,
+    async_sharded_save: bool,
+    preprocess_common_before_consistancy_check: Optional[Callable[[StateDict], StateDict]],
+) -> Tuple[Optional[AsyncRequest], int]:
+    """The numbered steps of :func:`save`; returns the async request (or None) and the bytes
+    of this rank's main replicas."""
 
     # 1. strategies and directory
     def resolve() -> Tuple[SaveShardedStrategy, SaveCommonStrategy]:
@@ -261,7 +363,7 @@ def save(
         _prepare_directory(location, [sharded, common])
         return sharded, common
 
-    sharded_strat, common_strat = run_collectively("preparing the save", resolve)
+    sharded_strat, common_strat = monitor.run("preparing the save", resolve)
 
     # 2. split the state
     def split() -> Tuple[ShardedStateDict, StateDict, List[ShardedBase]]:
@@ -270,15 +372,19 @@ def save(
         sharded_part, common_part = extract_sharded_base(persistent)
         return sharded_part, common_part, _check_save_inputs(sharded_part)
 
-    sharded_part, common_state_dict, local_metadata = run_collectively("checking the state to save", split)
+    sharded_part, common_state_dict, local_metadata = monitor.run("checking the state to save", split)
+    nbytes = main_replica_bytes(sharded_part)
 
     # 3. validation
-    if validate_access_integrity:
+    def validate() -> None:
         gather_and_validate_sharding(local_metadata)
         to_compare = common_state_dict
         if preprocess_common_before_consistancy_check is not None:
             to_compare = preprocess_common_before_consistancy_check(common_state_dict)
         validate_common_state_dict(to_compare)
+
+    if validate_access_integrity:
+        monitor.run("validating the sharding", validate)
 
     # 4. common state and ShardedObjects
     def save_common() -> ShardedStateDict:
@@ -290,14 +396,14 @@ def save(
         common_strat.save_sharded_objects(objects, location)  # type: ignore[arg-type]
         return tensors  # type: ignore[return-value]
 
-    to_save = run_collectively("saving the common state", save_common)
+    to_save = monitor.run("saving the common state", save_common)
 
     # 6. commit (run after step 5, directly or as the async request's finalization)
     def commit() -> None:
         config = CheckpointingConfig(
             sharded_strat.backend, sharded_strat.version, common_strat.backend, common_strat.version
         )
-        run_collectively(
+        monitor.run(
             "committing metadata.json",
             lambda: save_config(config, location, get_world_size()) if get_rank() == 0 else None,
         )
@@ -305,12 +411,22 @@ def save(
     # 5. sharded tensors
     if async_sharded_save:
         assert isinstance(sharded_strat, AsyncSaveShardedStrategy)
-        request = run_collectively("preparing the async save", lambda: sharded_strat.async_save(to_save, location))
-        request.add_finalize_fn(commit)
-        return request
-    run_collectively("saving sharded tensors", lambda: sharded_strat.save(to_save, location))
+        request = monitor.run("preparing the async save", lambda: sharded_strat.async_save(to_save, location))
+        returned = time.perf_counter()
+        strategy_finalization = list(request.finalize_fns)
+        request.finalize_fns.clear()
+
+        def finalize() -> None:  # later, collectively: timed, and watched by the watchdog again
+            monitor.add_phase("writing in the background (until finalized)", time.perf_counter() - returned)
+            with monitor:
+                monitor.run("finalizing the sharded tensors", lambda: [fn() for fn in strategy_finalization])
+                commit()
+
+        request.add_finalize_fn(finalize)
+        return request, nbytes
+    monitor.run("saving sharded tensors", lambda: sharded_strat.save(to_save, location))
     commit()
-    return None
+    return None, nbytes
 
 
 # --------------------------------------------------------------------------- load
@@ -332,8 +448,12 @@ def load_with_report(
     common_strategy: StrategySpec = None,
     validate_access_integrity: bool = True,
     strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
+    *,
+    progress: Optional[ProgressCallback] = None,
+    watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
 ) -> LoadResult:
-    """Load like :func:`load`, always returning a :class:`LoadResult` (collective).
+    """Load like :func:`load`, always returning a :class:`LoadResult` (collective), with the
+    load's report (seconds per phase, bytes, files, throughput; also logged at INFO on rank 0).
 
     Steps:
 
@@ -346,13 +466,40 @@ def load_with_report(
        them (see :mod:`dist_ckpt.state_assembly`), then apply factory merges.
 
     A key requested but absent from the checkpoint raises (naming it) unless ``strict`` says
-    to skip it; it is never silently left unloaded.
-    """
-    strict = parse_strict_flag(strict)
-    location = run_collectively("opening the checkpoint location", lambda: resolve_location(checkpoint_dir))
+    to skip it; it is never silently left unloaded. ``progress`` and ``watchdog_timeout_s`` are
+    as in :func:`save`.
 
+    Example::
+
+        result = load_with_report(sd, "ckpt/iter_10")
+        model_state, report = result.state_dict, result.report
+        print(report.summary())
+    """
+    phases = ["opening the checkpoint", "loading the common state", "matching the requested keys",
+              "loading sharded tensors", "assembling the state"]
+    location = run_collectively("opening the checkpoint location", lambda: resolve_location(checkpoint_dir))
+    monitor = StepMonitor(Operation.LOAD, location, phases, progress, watchdog_timeout_s)
+    with monitor:
+        state, missing, unexpected, nbytes = _load_steps(
+            monitor, sharded_state_dict, location, sharded_strategy, common_strategy,
+            validate_access_integrity, parse_strict_flag(strict),
+        )
+    return LoadResult(state, missing, unexpected, monitor.finish(nbytes))
+
+
+def _load_steps(
+    monitor: StepMonitor,
+    sharded_state_dict: ShardedStateDict,
+    location: CheckpointLocation,
+    sharded_strategy: StrategySpec,
+    common_strategy: StrategySpec,
+    validate_access_integrity: bool,
+    strict: StrictHandling,
+) -> Tuple[StateDict, Set[str], Set[str], int]:
+    """The numbered steps of :func:`load_with_report`; returns the state, the missing and
+    unexpected keys, and the tensor bytes this rank requested."""
     # 1. strategies
-    sharded_strat, common_strat = run_collectively(
+    sharded_strat, common_strat = monitor.run(
         "opening the checkpoint",
         lambda: verify_checkpoint_and_load_strategy(location, sharded_strategy, common_strategy),
     )
@@ -367,11 +514,14 @@ def load_with_report(
             ckpt_metadata = load_sharded_metadata(location, sharded_strat, common_strat)
         return common, request, sharded_part, factories, ckpt_metadata
 
-    common_state, request, sharded_part, factories, ckpt_metadata = run_collectively("loading the common state", prepare)
+    common_state, request, sharded_part, factories, ckpt_metadata = monitor.run("loading the common state", prepare)
 
     # 3. key matching and sharding validation
-    sharded_part, missing, unexpected = validate_integrity_and_strict_load(
-        sharded_part, strict, validate_access_integrity, ckpt_sharded_metadata=ckpt_metadata
+    sharded_part, missing, unexpected = monitor.run(
+        "matching the requested keys",
+        lambda: validate_integrity_and_strict_load(
+            sharded_part, strict, validate_access_integrity, ckpt_sharded_metadata=ckpt_metadata
+        ),
     )
 
     # 4. sharded objects and tensors
@@ -387,13 +537,16 @@ def load_with_report(
         values.update(loaded_values(inputs, sharded_strat.load(tensors, location)))
         return values
 
-    values = run_collectively("loading sharded tensors", load_sharded)
+    values = monitor.run("loading sharded tensors", load_sharded)
 
     # 5. reassemble
-    kept = {id(x) for x in nested_values(sharded_part) if isinstance(x, ShardedBase)}
-    state = assemble(common_state, request, values, kept)
-    state = apply_factory_merges(state, factories)
-    return LoadResult(state, missing, unexpected)
+    def reassemble() -> StateDict:
+        kept = {id(x) for x in nested_values(sharded_part) if isinstance(x, ShardedBase)}
+        state: StateDict = apply_factory_merges(assemble(common_state, request, values, kept), factories)
+        return state
+
+    state = monitor.run("assembling the state", reassemble)
+    return state, missing, unexpected, requested_bytes(sharded_part)
 
 
 def load(
@@ -403,6 +556,9 @@ def load(
     common_strategy: StrategySpec = None,
     validate_access_integrity: bool = True,
     strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
+    *,
+    progress: Optional[ProgressCallback] = None,
+    watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
 ) -> Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]:
     """Load a checkpoint into the layout described by ``sharded_state_dict`` (collective).
 
@@ -420,9 +576,13 @@ def load(
         common_strategy: a LoadCommonStrategy or ``(backend, version)``.
         validate_access_integrity: check that the requested main replicas form a valid sharding.
         strict: how to handle key mismatches (:class:`StrictHandling` or its value).
+        progress: called with a :class:`~dist_ckpt.report.ProgressEvent` as each step starts
+            and ends (keyword only).
+        watchdog_timeout_s: as in :func:`save` (keyword only).
     """
     result = load_with_report(
-        sharded_state_dict, checkpoint_dir, sharded_strategy, common_strategy, validate_access_integrity, strict
+        sharded_state_dict, checkpoint_dir, sharded_strategy, common_strategy, validate_access_integrity, strict,
+        progress=progress, watchdog_timeout_s=watchdog_timeout_s,
     )
     if StrictHandling.requires_returning_mismatch_keys(parse_strict_flag(strict)):
         return result.state_dict, result.missing_keys, result.unexpected_keys

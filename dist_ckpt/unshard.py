@@ -112,9 +112,11 @@ def iter_with(
     for key in keys:
         meta = metadata[key]
         dest = torch.empty(meta.global_shape, dtype=meta.dtype, device=device)
-        loaded = strategy.load({key: ShardedTensor.from_rank_offsets(key, dest)}, checkpoint_dir)
+        tensor = strategy.load({key: ShardedTensor.from_rank_offsets(key, dest)}, checkpoint_dir)[key]
+        del dest  # the generator keeps no reference of its own while the consumer holds the tensor...
         logger.debug("unsharded %r %s %s", key, tuple(meta.global_shape), meta.dtype)
-        yield key, loaded[key]
+        yield key, tensor
+        del tensor  # ...nor once it asks for the next one: one tensor is alive at a time
 
 
 def unshard(

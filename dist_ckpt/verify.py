@@ -26,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -33,6 +34,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from .checksums import IntegrityProblem, IntegrityReport
 from .core import METADATA_FILENAME, CheckpointingConfig, maybe_load_config
 from .errors import CheckpointingException
+from .report import Operation, ProgressCallback, ProgressEvent
 from .storage.errors import StorageError
 from .storage.location import CheckpointLocation, LocationLike, location_str, resolve_location
 from .strategies.base import LoadStrategyBase, StrategyAction, get_default_strategy
@@ -86,8 +88,11 @@ class VerifyReport:
         }
 
 
-def verify_checkpoint(checkpoint_dir: LocationLike) -> VerifyReport:
+def verify_checkpoint(checkpoint_dir: LocationLike, progress: Optional[ProgressCallback] = None) -> VerifyReport:
     """Check every file of the checkpoint at ``checkpoint_dir`` (see the module docstring).
+
+    ``progress`` is called with a :class:`~dist_ckpt.report.ProgressEvent` as the check of each
+    part (the commit record, then each backend's files) starts and ends.
 
     Example::
 
@@ -104,6 +109,14 @@ def verify_checkpoint(checkpoint_dir: LocationLike) -> VerifyReport:
     if isinstance(directory, Path) and not directory.is_dir():
         report.problems.append(IntegrityProblem(".", "the checkpoint directory does not exist"))
         return report
+    started = time.perf_counter()
+
+    def notify(phase: str, index: int, total: int, done: bool) -> None:
+        if progress is not None:
+            progress(ProgressEvent(Operation.VERIFY, report.checkpoint_dir, phase, index, total, done,
+                                   time.perf_counter() - started))
+
+    notify(f"checking {METADATA_FILENAME}", 1, 1, False)  # the parts to check are known after it
     # 1. the commit record
     config: Optional[CheckpointingConfig] = None
     try:
@@ -122,8 +135,10 @@ def verify_checkpoint(checkpoint_dir: LocationLike) -> VerifyReport:
     report.committed = config is not None
     # 2. the strategies
     strategies = _strategies(directory, config, report)
+    notify(f"checking {METADATA_FILENAME}", 1, 1 + len(strategies), True)
     # 3. every part's files
-    for name, strategy in strategies:
+    for i, (name, strategy) in enumerate(strategies, start=2):
+        notify(f"checking the {name} files", i, 1 + len(strategies), False)
         try:
             part = strategy.verify_integrity(directory)
         except CheckpointingException as e:  # a strategy that could not even start
@@ -134,6 +149,7 @@ def verify_checkpoint(checkpoint_dir: LocationLike) -> VerifyReport:
         report.files_checked += part.files_checked
         report.bytes_checked += part.bytes_checked
         report.notes.extend(part.notes)
+        notify(f"checking the {name} files", i, 1 + len(strategies), True)
     _note_leftovers(directory, report)
     logger.info("verified %s: %d problems, %d files", directory, len(report.problems), report.files_checked)
     return report

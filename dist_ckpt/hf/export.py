@@ -19,7 +19,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -60,6 +60,8 @@ def export(
     max_shard_size: int = 2**31,
     metadata: Optional[Dict[str, Any]] = None,
     device: Union[str, torch.device] = "cpu",
+    *,
+    on_tensor: Optional[Callable[[str, int], None]] = None,
 ) -> ExportResult:
     """Write every tensor of checkpoint ``src`` into the HuggingFace folder ``dst``.
 
@@ -76,6 +78,7 @@ def export(
         max_shard_size: most bytes per file (a larger tensor gets a file of its own).
         metadata: extra JSON-serializable entries of the index metadata.
         device: where tensors are assembled (``"cuda"`` to use GPU memory instead of host).
+        on_tensor: called with ``(key, bytes)`` after each tensor is written (for progress).
 
     Raises:
         CheckpointExistsError: ``dst`` already holds HuggingFace weights.
@@ -108,9 +111,12 @@ def export(
     for file, keys in zip(names, shards):
         layout = [(k, tensors[k].dtype, tensors[k].global_shape) for k in keys]
         with SafetensorsFileWriter(out / file, layout, {"format": "pt"}, atomic=True) as writer:
-            for _, tensor in iter_with(strategy, tensors, keys, source, device):
+            for key, tensor in iter_with(strategy, tensors, keys, source, device):
                 writer.write(tensor)
+                nbytes = tensor.numel() * tensor.element_size()
                 del tensor  # free it before the next one is assembled
+                if on_tensor is not None:
+                    on_tensor(key, nbytes)
         logger.info("wrote %s: %d tensors, %d bytes", out / file, len(keys), writer.size)
     # 4. the index, last
     total = sum(n for _, n in sizes)

@@ -15,7 +15,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import ClassVar, Dict, Mapping, Optional, Tuple
+from typing import ClassVar, Dict, List, Mapping, Optional, Tuple
 
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..distributed import get_rank
@@ -25,6 +25,7 @@ from ..storage.location import CheckpointLocation, require_local
 from ..strategies.base import LoadCommonStrategy, LoadShardedStrategy
 from ..strategies.safetensors_io import ReadOptions
 from ..strategies.safetensors_load import load_from_index, tensors_metadata
+from ..strategies.stored_shards import StoredShardInfo, describe_tensor_index
 from .folder import HFFolder, open_folder
 
 __all__ = ["HF_BACKEND", "HFCommonLoadStrategy", "HFLoadShardedStrategy"]
@@ -74,6 +75,10 @@ class HFLoadShardedStrategy(LoadShardedStrategy):
 
     def load_tensors_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
         return tensors_metadata(self._folder(checkpoint_dir).tensor_index())
+
+    def describe_stored_shards(self, checkpoint_dir: CheckpointLocation) -> Optional[Dict[str, List[StoredShardInfo]]]:
+        """Each tensor is one whole piece in the file the index (or ``model.safetensors``) names."""
+        return describe_tensor_index(self._folder(checkpoint_dir).tensor_index())
 
 
 class HFCommonLoadStrategy(LoadCommonStrategy):

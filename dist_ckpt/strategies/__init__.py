@@ -14,12 +14,15 @@ from .base import (
     SaveStrategyBase,
     StrategyAction,
     StrategyKey,
+    TensorLayout,
+    TensorStreamWriter,
     alternative_strategies,
     get_alternative_strategy,
     get_default_strategy,
     register_default_strategy,
     registered_strategies,
 )
+from .stored_shards import StoredShardInfo
 
 __all__ = [
     "AsyncSaveShardedStrategy",
@@ -30,7 +33,10 @@ __all__ = [
     "SaveShardedStrategy",
     "SaveStrategyBase",
     "StrategyAction",
+    "StoredShardInfo",
     "StrategyKey",
+    "TensorLayout",
+    "TensorStreamWriter",
     "alternative_strategies",
     "get_alternative_strategy",
     "get_default_strategy",

@@ -14,6 +14,10 @@ Call order (all methods are collective unless noted: every rank calls them toget
   and returns an ``AsyncRequest``); the request's finalize functions, run on every rank once
   every rank's background write finished, are collective and end with the commit.
 * verify (``dist-ckpt verify``, one process): ``LoadStrategyBase.verify_integrity``.
+* streaming save (``dist-ckpt convert``, one process, no collective): a strategy whose
+  ``can_stream`` is True returns a :class:`TensorStreamWriter` from ``begin_stream``; the
+  caller ``add`` s whole tensors one at a time, calls ``finish``, then commits ``metadata.json``.
+* describe (``dist-ckpt inspect``, one process): ``LoadShardedStrategy.describe_stored_shards``.
 * load: ``LoadStrategyBase.check_backend_compatibility`` / ``check_version_compatibility``
   (local), ``LoadCommonStrategy.load_common``, ``load_sharded_objects``, then
   ``LoadShardedStrategy.load``. The ``*_metadata`` methods are local and need no process group.
@@ -40,7 +44,9 @@ from dataclasses import dataclass
 from enum import Enum
 from importlib import metadata as importlib_metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
 
 from ..checksums import IntegrityReport
 from ..errors import (
@@ -51,6 +57,7 @@ from ..errors import (
 )
 from ..mapping import ShardedStateDict, StateDict
 from ..storage.location import CheckpointLocation
+from .stored_shards import StoredShardInfo
 
 if TYPE_CHECKING:
     from .async_utils import AsyncRequest
@@ -181,12 +188,75 @@ class SaveCommonStrategy(SaveStrategyBase):
         raise IncompatibleStrategyError(f"{self} cannot save ShardedObjects; use a common strategy that can")
 
 
+#: ``(key, dtype, global shape)`` of a tensor a :class:`TensorStreamWriter` will be given
+TensorLayout = Tuple[str, torch.dtype, Tuple[int, ...]]
+
+
+class TensorStreamWriter(ABC):
+    """Writes whole tensors, one at a time, as the sharded part of a new checkpoint.
+
+    For conversions (``dist-ckpt convert``): memory for one tensor suffices, whatever the size
+    of the checkpoint. One process writes; no collective is called.
+
+    Call order: ``SaveShardedStrategy.begin_stream(checkpoint_dir, layout)`` returns the writer;
+    then :meth:`add` once per entry of the layout, in the layout's order; then :meth:`finish`,
+    which makes every file durable and writes the backend's own index or manifest. The caller
+    commits ``metadata.json`` after it, as ``dist_ckpt.save`` does. A writer that is not
+    finished leaves no committed checkpoint.
+
+    Example::
+
+        writer = strategy.begin_stream(Path("out"), [("w", torch.float32, (4, 4))])
+        writer.add("w", torch.zeros(4, 4))
+        writer.finish()
+    """
+
+    @abstractmethod
+    def add(self, key: str, tensor: torch.Tensor) -> None:
+        """Write the whole tensor ``key``: the next entry of the layout, with its dtype and shape."""
+
+    @abstractmethod
+    def finish(self) -> None:
+        """Make everything written durable and write the index; call once, after the last ``add``."""
+
+
+def check_stream_entry(layout: Sequence[TensorLayout], position: int, key: str, tensor: torch.Tensor) -> None:
+    """Raise unless ``(key, tensor)`` is entry ``position`` of ``layout`` (for stream writers).
+
+    Example::
+
+        check_stream_entry([("w", torch.float32, (2,))], 0, "w", torch.zeros(2))   # passes
+    """
+    from ..errors import CheckpointingException
+
+    if position >= len(layout):
+        raise CheckpointingException(f"tensor {key!r} added after the {len(layout)} tensors of the stream's layout")
+    expected_key, dtype, shape = layout[position]
+    if key != expected_key or tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
+        raise CheckpointingException(
+            f"stream entry {position}: expected tensor {expected_key!r} {dtype} {tuple(shape)}, "
+            f"got {key!r} {tensor.dtype} {tuple(tensor.shape)}; add the tensors of the layout, in its order"
+        )
+
+
 class SaveShardedStrategy(SaveStrategyBase):
     """Saves sharded tensors (the sharded backend)."""
+
+    #: whether :meth:`begin_stream` is available (saving whole tensors one at a time)
+    can_stream: ClassVar[bool] = False
 
     @abstractmethod
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> None:
         """Save this rank's main-replica shards; return once they are durable on every rank."""
+
+    def begin_stream(self, checkpoint_dir: CheckpointLocation, layout: Sequence[TensorLayout]) -> TensorStreamWriter:
+        """A writer of the whole tensors of ``layout``, one at a time, into ``checkpoint_dir``
+        (one process; see :class:`TensorStreamWriter`). Optional: available when
+        :attr:`can_stream` is True; the default raises :class:`IncompatibleStrategyError`."""
+        raise IncompatibleStrategyError(
+            f"{self} cannot save tensor by tensor (can_stream is False); convert to a backend that can, "
+            f"e.g. safetensors or zarr"
+        )
 
 
 class AsyncSaveShardedStrategy(SaveShardedStrategy):
@@ -237,6 +307,20 @@ class LoadShardedStrategy(LoadStrategyBase):
     def remove_sharded_tensors(self, checkpoint_dir: CheckpointLocation, key_prefix: str) -> None:
         """Delete every stored tensor whose key starts with ``key_prefix``."""
         raise IncompatibleStrategyError(f"{self} cannot remove tensors from a checkpoint")
+
+    def describe_stored_shards(self, checkpoint_dir: CheckpointLocation) -> Optional[Dict[str, List[StoredShardInfo]]]:
+        """How each stored tensor is laid out: its pieces (box or flattened range), their files
+        and sizes, read from the metadata alone (local, one process; for ``dist-ckpt inspect``).
+
+        Optional: the default returns None, meaning the backend does not describe its layout
+        (inspect then shows shapes and dtypes only).
+
+        Example::
+
+            shards = strategy.describe_stored_shards(Path("ckpt/iter_1000"))
+            len(shards["decoder.w"])   # number of stored pieces of that tensor
+        """
+        return None
 
 
 Strategy = Union[SaveStrategyBase, LoadStrategyBase]

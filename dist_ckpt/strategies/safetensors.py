@@ -56,7 +56,7 @@ from ..mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replic
 from ..storage import Storage, fsync_dir, write_bytes_atomic
 from ..storage.location import CheckpointLocation, resolve_location
 from .async_utils import AsyncOutcome, AsyncRequest
-from .base import AsyncSaveShardedStrategy, LoadShardedStrategy
+from .base import AsyncSaveShardedStrategy, LoadShardedStrategy, TensorLayout, TensorStreamWriter
 from .safetensors_format import StagingBuffer
 from .safetensors_index import (
     INDEX_FILENAME,
@@ -84,6 +84,7 @@ from .safetensors_write import (
     write_snapshot_objects,
     write_snapshot_parts,
 )
+from .stored_shards import StoredShardInfo, describe_tensor_index
 from .snapshot import SnapshotPool, snapshot_layout
 
 __all__ = [
@@ -242,6 +243,7 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     owned_paths: ClassVar[Tuple[str, ...]] = (SAFETENSORS_DIR,)
     object_storage: ClassVar[bool] = True
+    can_stream: ClassVar[bool] = True
 
     def __init__(
         self, options: Optional[SafetensorsSaveOptions] = None, backend: str = "safetensors", version: int = 1
@@ -307,6 +309,12 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
         gathered = gather_json(local)
         block = self.options.checksum_block_bytes
         run_collectively("writing the safetensors index", lambda: _write_index(gathered, checkpoint_dir, block))
+
+    def begin_stream(self, checkpoint_dir: CheckpointLocation, layout: Sequence[TensorLayout]) -> TensorStreamWriter:
+        """Write whole tensors one at a time (one process; see :mod:`.safetensors_stream`)."""
+        from .safetensors_stream import SafetensorsStreamWriter
+
+        return SafetensorsStreamWriter(_location(checkpoint_dir), layout, self.options)
 
     # ----------------------------------------------------------------------- asynchronous
 
@@ -501,6 +509,10 @@ class SafetensorsLoadShardedStrategy(LoadShardedStrategy):
     def verify_integrity(self, checkpoint_dir: CheckpointLocation) -> IntegrityReport:
         """Every file the index lists, its header, and every checksum block of every shard."""
         return verify_safetensors(_location(checkpoint_dir))
+
+    def describe_stored_shards(self, checkpoint_dir: CheckpointLocation) -> Optional[Dict[str, List[StoredShardInfo]]]:
+        """Every shard the index lists: box or flattened range, file, byte count."""
+        return describe_tensor_index(read_index(_location(checkpoint_dir)), f"{SAFETENSORS_DIR}/")
 
     def remove_sharded_tensors(self, checkpoint_dir: CheckpointLocation, key_prefix: str) -> None:
         """Delete every tensor whose key starts with ``key_prefix`` (one process calls it).

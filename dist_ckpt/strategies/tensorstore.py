@@ -63,6 +63,7 @@ except ImportError as _e:  # pragma: no cover -- exercised in a subprocess witho
     ) from _e
 
 from ..checksums import IntegrityReport
+from .stored_shards import StoredShardInfo, describe_zarr
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..distributed import get_rank, run_collectively
 from ..dtypes import numpy_to_tensor, tensor_to_numpy
@@ -509,6 +510,10 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
     def verify_integrity(self, checkpoint_dir: CheckpointLocation) -> IntegrityReport:
         """Every file of ``zarr/`` against ``zarr/checksums.json`` (see :mod:`.zarr_checksums`)."""
         return verify_zarr(checkpoint_node(checkpoint_dir, _ENGINE))
+
+    def describe_stored_shards(self, checkpoint_dir: CheckpointLocation) -> Optional[Dict[str, List[StoredShardInfo]]]:
+        """Every chunk (a saved shard) or fragment (a saved flattened range), from the metadata."""
+        return describe_zarr(checkpoint_node(checkpoint_dir, _ENGINE))
 
 
 

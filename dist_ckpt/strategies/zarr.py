@@ -52,11 +52,12 @@ from ..dtypes import dtype_info, numpy_to_tensor, tensor_to_numpy
 from ..errors import CheckpointingException, CorruptCheckpointError
 from ..geometry import Box, piece_view, sub_view
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
-from ..storage.location import CheckpointLocation
+from ..storage.location import CheckpointLocation, require_local
 from ..storage import fsync_dir, fsync_file
 from ..storage.object_path import Node, ObjectPath
 from ._zarr_dtypes import register_extension_dtypes
-from .base import LoadShardedStrategy, SaveShardedStrategy
+from .stored_shards import StoredShardInfo, describe_zarr
+from .base import LoadShardedStrategy, SaveShardedStrategy, TensorLayout, TensorStreamWriter, check_stream_entry
 from .zarr_checksums import (
     VerifyingStore,
     commit_checksums,
@@ -181,6 +182,7 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
 
     owned_paths: ClassVar[Tuple[str, ...]] = (ZARR_DIR,)
     object_storage: ClassVar[bool] = True
+    can_stream: ClassVar[bool] = True
 
     def __init__(self, backend: str = "zarr", version: int = 1) -> None:
         super().__init__(backend, version)
@@ -202,10 +204,15 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
         chunks = run_collectively("writing zarr chunks", lambda: self._write_chunks(root, shards, stores))
         commit_checksums(root, created + chunks, stores.digests)
 
-    def _create_nodes(self, root: Node, shards: List[ShardedTensor], stores: _Stores) -> List[Node]:
+    def begin_stream(self, checkpoint_dir: CheckpointLocation, layout: Sequence[TensorLayout]) -> TensorStreamWriter:
+        """Write whole tensors one at a time, each one chunk (one process): the checkpoint a
+        one-rank save of whole tensors writes, ``zarr/checksums.json`` included."""
+        return _ZarrStreamWriter(self, require_local(checkpoint_dir, "streaming into the zarr backend") / ZARR_DIR, layout)
+
+    def _create_nodes(self, root: Node, shards: List[ShardedTensor], stores: _Stores, create_root: bool = True) -> List[Node]:
         make_dirs(root)
         written: List[Node] = []
-        if get_rank() == 0:
+        if get_rank() == 0 and create_root:
             store, at = stores.at(root)
             zarr.create_group(store=store, path=at or None, overwrite=False)
             written.append(root / "zarr.json")
@@ -286,6 +293,34 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
             written.append(path / arr.metadata.encode_chunk_key(sh.local_chunk_offset_in_global()))
         _fsync_tree(written, root)
         return written
+
+
+class _ZarrStreamWriter(TensorStreamWriter):
+    """Creates the root group, then each tensor's array and its one chunk as it is added; the
+    checksum manifest at :meth:`finish` (see :meth:`ZarrSaveShardedStrategy.begin_stream`)."""
+
+    def __init__(self, strategy: ZarrSaveShardedStrategy, root: Path, layout: Sequence[TensorLayout]) -> None:
+        self.strategy, self.root, self.layout = strategy, root, list(layout)
+        root.mkdir(parents=True, exist_ok=False)
+        zarr.create_group(store=str(root), overwrite=False)
+        self.written: List[Node] = [root / "zarr.json"]
+        self._stores = _Stores(read_only=False)
+        self._added = 0
+
+    def add(self, key: str, tensor: torch.Tensor) -> None:
+        check_stream_entry(self.layout, self._added, key, tensor)
+        self._added += 1
+        sh = [ShardedTensor.from_rank_offsets(key, tensor.detach())]
+        self.written += self.strategy._create_nodes(self.root, sh, self._stores, create_root=False)
+        self.written += self.strategy._write_chunks(self.root, sh, self._stores)
+
+    def finish(self) -> None:
+        if self._added != len(self.layout):
+            raise CheckpointingException(
+                f"the stream into {self.root} finished after {self._added} of its {len(self.layout)} tensors"
+            )
+        _fsync_tree([self.root / "zarr.json"], self.root)
+        commit_checksums(self.root, self.written, self._stores.digests)
 
 
 def _destination(sh: ShardedTensor) -> torch.Tensor:
@@ -425,6 +460,10 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
     def verify_integrity(self, checkpoint_dir: CheckpointLocation) -> IntegrityReport:
         """Every file of ``zarr/`` against ``zarr/checksums.json`` (see :mod:`.zarr_checksums`)."""
         return verify_zarr(checkpoint_node(checkpoint_dir, _ENGINE))
+
+    def describe_stored_shards(self, checkpoint_dir: CheckpointLocation) -> Optional[Dict[str, List[StoredShardInfo]]]:
+        """Every chunk (a saved shard) or fragment (a saved flattened range), from the metadata."""
+        return describe_zarr(checkpoint_node(checkpoint_dir, _ENGINE))
 
     def remove_sharded_tensors(self, checkpoint_dir: CheckpointLocation, key_prefix: str) -> None:
         """Delete tensors whose key starts with ``key_prefix``; each key goes whole or not at all

@@ -135,3 +135,16 @@ def test_unshard_reads_every_tensor_whole_from_s3(s3_url: str, s3_env: Any, save
     for k, t in state.items():
         assert torch.equal(whole[k], t), k
     assert torch.equal(whole["flat"], torch.arange(8, dtype=torch.float32).reshape(2, 4))
+
+
+@pytest.mark.parametrize("saver", list(SAVERS))
+def test_inspect_describes_zarr_checkpoints_on_s3(s3_url: str, s3_env: Any, saver: str) -> None:
+    from dist_ckpt.inspection import inspect_checkpoint
+
+    state = _state()
+    dist_ckpt.save(_sharded(state), s3_url, sharded_strategy=SAVERS[saver]())
+    info = inspect_checkpoint(s3_url)
+    tensors = {t.key: t for t in info.tensors}
+    assert info.sharded_backend == "zarr:1" and set(tensors) == set(state) | {"flat"}
+    assert tensors["w"].global_shape == (6, 10) and [s.file for s in tensors["w"].shards] == ["zarr/w/c/0/0"]
+    assert [s.flat_range for s in tensors["flat"].shards] == [(0, 8)]

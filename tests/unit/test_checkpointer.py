@@ -345,3 +345,18 @@ def test_tied_parameters_keep_one_optimizer_entry(tmp_path: Path) -> None:
     assert list(unshard_optim_state(tmp_path / "c")["state"]) == ["emb.weight"]  # the first name
     assert model2.head.weight is model2.emb.weight and torch.equal(model2.emb.weight, model.emb.weight)
     assert bitwise_equal(optim2.state[model2.emb.weight]["exp_avg"], optim.state[model.emb.weight]["exp_avg"])
+
+
+def test_checkpointer_progress_and_watchdog_options_reach_save_and_load(tmp_path: Path) -> None:
+    from dist_ckpt.report import Operation, ProgressEvent
+
+    events: list[ProgressEvent] = []
+    ckpt = Checkpointer(progress=events.append, watchdog_timeout_s=None)
+    w = torch.arange(6.0)
+    ckpt.save(tmp_path / "c", {"w": w})
+    target = torch.zeros(6)
+    ckpt.load(tmp_path / "c", {"w": target})
+    assert torch.equal(target, w)
+    operations = [e.operation for e in events if e.done]
+    assert Operation.SAVE in operations and Operation.LOAD in operations
+    assert [e.phase for e in events if e.operation == Operation.SAVE and e.done][-1] == "committing metadata.json"

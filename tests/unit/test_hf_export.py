@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 import dist_ckpt as dc
 from dist_ckpt import cli
+from dist_ckpt.cli.common import size_arg
 from dist_ckpt.errors import CheckpointExistsError
 from dist_ckpt.hf import export, load_checkpoint, load_shard_index
 from dist_ckpt.mapping import ShardedTensor
@@ -108,7 +109,7 @@ def test_cli_export_hf(tmp_path, capsys):
 
 
 def test_cli_export_hf_errors(tmp_path, capsys):
-    assert cli.main(["export-hf", str(tmp_path / "absent"), str(tmp_path / "hf")]) == 1
+    assert cli.main(["export-hf", str(tmp_path / "absent"), str(tmp_path / "hf")]) == 2  # a bad path
     assert "does not exist" in capsys.readouterr().err
     with pytest.raises(SystemExit) as info:
         cli.main(["export-hf", str(tmp_path), str(tmp_path / "hf"), "--max-shard-size", "lots"])
@@ -118,10 +119,10 @@ def test_cli_export_hf_errors(tmp_path, capsys):
 @pytest.mark.parametrize("text,value", [("5GB", 5 * 10**9), ("2GiB", 2**31), ("1000", 1000), ("1.5 MB", 1_500_000),
                                         ("512kib", 512 * 1024)])
 def test_size_argument(text, value):
-    assert cli._size(text) == value
+    assert size_arg(text) == value
 
 
 @pytest.mark.parametrize("text", ["", "GB", "5XB", "0", "-1MB"])
 def test_bad_size_argument(text):
     with pytest.raises(argparse.ArgumentTypeError):
-        cli._size(text)
+        size_arg(text)

@@ -607,12 +607,28 @@ def test_import_does_not_pull_optional_backends():
     code = (
         "import sys, dist_ckpt\n"
         "import dist_ckpt.strategies, dist_ckpt.serialization\n"
-        "print(sorted(m for m in ('zarr', 'tensorstore', 'dist_ckpt.strategies.zarr') if m in sys.modules))\n"
+        "import dist_ckpt.convert, dist_ckpt.inspection, dist_ckpt.bench, dist_ckpt.report, dist_ckpt.watchdog\n"
+        "heavy = ('zarr', 'tensorstore', 'obstore', 'dist_ckpt.strategies.zarr', 'dist_ckpt.cli')\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             env={**os.environ, "PYTHONWARNINGS": "error::DeprecationWarning:dist_ckpt"})
     assert result.stdout.strip() == "[]"
     assert result.stderr == ""
+
+
+def test_no_module_imports_tqdm_at_import_time():
+    # torch itself imports tqdm when it is installed (torch.hub), so block it: any dist_ckpt
+    # module importing tqdm at import time -- the CLI included -- then fails with ImportError
+    code = (
+        "import sys\n"
+        "sys.modules['tqdm'] = None\n"
+        "import dist_ckpt, dist_ckpt.convert, dist_ckpt.inspection, dist_ckpt.bench, dist_ckpt.cli\n"
+        "from dist_ckpt.cli import main\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 
 def test_public_api():

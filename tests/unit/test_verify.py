@@ -74,8 +74,8 @@ def test_json_output(tmp_path, capsys):
 
 
 def test_not_a_directory(tmp_path, capsys):
-    assert main(["verify", str(tmp_path / "nope")]) == 1
-    assert "does not exist" in capsys.readouterr().out
+    assert main(["verify", str(tmp_path / "nope")]) == 2  # a bad path is a usage error
+    assert "does not exist" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", ["safetensors_index_v1", "zarr_v1"])
@@ -121,3 +121,17 @@ def test_removing_tensors_keeps_the_checkpoint_verifiable(tmp_path, backend):
     report = verify_checkpoint(tmp_path / "c")
     assert report.ok, report.problems
     assert list(dc.load_tensors_metadata(tmp_path / "c")) == ["c"]
+
+
+def test_progress_events_for_each_part(tmp_path):
+    from dist_ckpt.report import Operation
+
+    events = []
+    report = verify_checkpoint(_save(tmp_path / "d"), progress=events.append)
+    assert report.ok
+    assert [(e.phase, e.done) for e in events] == [
+        ("checking metadata.json", False), ("checking metadata.json", True),
+        ("checking the safetensors:1 files", False), ("checking the safetensors:1 files", True),
+        ("checking the torch:1 files", False), ("checking the torch:1 files", True),
+    ]
+    assert all(e.operation == Operation.VERIFY for e in events) and events[-1].index == events[-1].total == 3

@@ -1,0 +1,89 @@
+"""``dist-ckpt inspect``: what a checkpoint holds and how each tensor is stored."""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+from dataclasses import replace
+from typing import List, Sequence
+
+from .common import EXIT_OK, SubParsers, format_table, human_bytes, print_json
+
+__all__ = ["add_inspect_command"]
+
+
+def add_inspect_command(subparsers: SubParsers, common: argparse.ArgumentParser) -> None:
+    """Declare ``dist-ckpt inspect``."""
+    p = subparsers.add_parser(
+        "inspect",
+        parents=[common],
+        help="list the tensors, common state and files of a checkpoint and how each tensor is stored",
+        description=(
+            "Describe the checkpoint DIR (any dist_ckpt backend, or a HuggingFace folder) from its "
+            "metadata alone, without reading tensor data or needing a process group: backend and "
+            "version, the ranks that saved it, every tensor's global shape, dtype and size, how it "
+            "is stored (number of stored shards, chunk shape or flattened ranges, files), the keys "
+            "of the common state and the ShardedObjects."
+        ),
+    )
+    p.add_argument("dir", metavar="DIR", help="a committed checkpoint or a HuggingFace folder: a directory, or "
+                   "s3://bucket/prefix (credentials and endpoint from the AWS environment variables)")
+    p.add_argument("--keys", metavar="PATTERN", default=None,
+                   help="only tensors whose key matches this shell pattern, e.g. 'decoder.layers.0.*'")
+    p.add_argument("--shards", action="store_true",
+                   help="also list every stored shard: offset, shape or flattened range, file, bytes")
+    p.add_argument("--json", action="store_true", help="print everything as one JSON document")
+    p.set_defaults(run=run_inspect_command, parser=p)
+
+
+def _shape(shape: Sequence[int]) -> str:
+    return f"[{', '.join(map(str, shape))}]"
+
+
+def run_inspect_command(args: argparse.Namespace) -> int:
+    """Inspect and print a summary, a table of tensors, the common keys and ShardedObjects."""
+    from ..inspection import inspect_checkpoint  # keeps `dist-ckpt --help` fast
+
+    info = inspect_checkpoint(args.dir)
+    if args.keys is not None:
+        info = replace(info, tensors=tuple(t for t in info.tensors if fnmatch.fnmatchcase(t.key, args.keys)))
+    if args.json:
+        print_json(info.to_json(with_shards=args.shards))
+        return EXIT_OK
+    saved_by = f"{info.world_size} rank{'s' if info.world_size != 1 else ''}" if info.world_size else "unknown ranks"
+    writer = f", dist_ckpt {info.library_version}" if info.library_version else ""
+    shards = "" if info.num_shards is None else f" in {info.num_shards} stored shards"
+    files = "unknown" if info.files is None else f"{info.files}, {human_bytes(info.file_bytes or 0)} on disk"
+    lines: List[str] = [
+        f"{info.path}: {'HuggingFace folder' if info.kind == 'huggingface' else 'dist_ckpt checkpoint'}",
+        f"  backend   {info.sharded_backend} (common state: {info.common_backend})",
+        f"  saved by  {saved_by}{writer}" if info.kind != "huggingface" else "  saved by  (not recorded)",
+        f"  tensors   {len(info.tensors)}{' matching ' + repr(args.keys) if args.keys else ''}, {human_bytes(info.nbytes)}{shards}",
+        f"  files     {files}",
+    ]
+    print("\n".join(lines))
+    if info.tensors:
+        rows = []
+        for t in info.tensors:
+            n_files = "?" if t.files is None else str(len(t.files))
+            rows.append([t.key, _shape(t.global_shape), t.dtype, human_bytes(t.nbytes), str(t.num_shards or "?"), t.layout, n_files])
+            if args.shards and t.shards:
+                for s in t.shards:
+                    where = _shape(s.global_offset) + (f" flat {s.flat_range[0]}:{s.flat_range[1]}" if s.flat_range else "")
+                    rows.append([f"  @ {where}", _shape(s.shape), "", f"{s.nbytes:,} B", "", s.file, ""])
+        print()
+        print(format_table(["key", "shape", "dtype", "size", "shards", "layout", "files"], rows,
+                           [False, False, False, True, True, False, True]))
+    if info.common_keys:
+        print()
+        print(f"common state ({len(info.common_keys)} keys):")
+        for key, value in info.common_keys.items():
+            print(f"  {key}: {value}")
+    if info.sharded_objects:
+        print()
+        print(f"ShardedObjects ({len(info.sharded_objects)}):")
+        for key in info.sharded_objects:
+            print(f"  {key}")
+    for note in info.notes:
+        print(f"note: {note}")
+    return EXIT_OK

@@ -1,0 +1,81 @@
+"""Progress bars for long commands: library progress events drawn with tqdm, on stderr.
+
+The library reports progress through callbacks (:class:`~dist_ckpt.report.ProgressEvent`) and
+never draws anything; this module -- imported by the CLI only, so that importing dist_ckpt never
+imports tqdm -- turns the events into bars:
+
+* a phase that counts bytes (a conversion's tensors) gets a bar in bytes, with the key of the
+  tensor just written;
+* other phases advance one bar of the operation's phases.
+
+Example::
+
+    with ProgressBars(enabled=True) as bars:
+        convert(src, dst, to="zarr", progress=bars)
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any, Dict, Optional, Type
+
+from ..report import ProgressEvent
+
+__all__ = ["ProgressBars"]
+
+
+class ProgressBars:
+    """A progress callback that draws tqdm bars (does nothing when ``enabled`` is False).
+
+    Args:
+        enabled: draw bars at all.
+        description: label of the bar of phases.
+    """
+
+    def __init__(self, enabled: bool, description: str = "") -> None:
+        self.enabled = enabled
+        self.description = description
+        self._phases: Any = None
+        self._bytes: Dict[str, Any] = {}
+
+    def __enter__(self) -> "ProgressBars":
+        return self
+
+    def __exit__(
+        self, exc_type: Optional[Type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
+    ) -> None:
+        self.close()
+
+    def __call__(self, event: ProgressEvent) -> None:
+        if not self.enabled:
+            return
+        from tqdm import tqdm
+
+        if event.bytes_total:
+            bar = self._bytes.get(event.phase)
+            if bar is None:
+                bar = self._bytes[event.phase] = tqdm(
+                    total=event.bytes_total, desc=event.phase, unit="B", unit_scale=True, unit_divisor=1024,
+                    leave=True, dynamic_ncols=True,
+                )
+            bar.update(event.bytes_done - bar.n)
+            if event.item is not None:
+                bar.set_postfix_str(event.item, refresh=False)
+            return
+        if self._phases is None:
+            self._phases = tqdm(total=event.total, desc=self.description or event.operation.value, unit="step",
+                                leave=True, dynamic_ncols=True)
+        elif self._phases.total != event.total:  # an operation that learns how many phases it has
+            self._phases.total = event.total
+        if event.done:
+            self._phases.update(1)
+        self._phases.set_postfix_str(event.phase, refresh=True)
+
+    def close(self) -> None:
+        """Close every bar (each stays on screen in its final state)."""
+        for bar in self._bytes.values():
+            bar.close()
+        self._bytes.clear()
+        if self._phases is not None:
+            self._phases.close()
+            self._phases = None

@@ -1,0 +1,69 @@
+"""``dist-ckpt verify``: check every file of a checkpoint against its recorded checksums."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .common import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    CommandFailed,
+    SubParsers,
+    add_progress_option,
+    human_bytes,
+    print_json,
+    progress_enabled,
+)
+
+__all__ = ["add_verify_command"]
+
+
+def add_verify_command(subparsers: SubParsers, common: argparse.ArgumentParser) -> None:
+    """Declare ``dist-ckpt verify``."""
+    p = subparsers.add_parser(
+        "verify",
+        parents=[common],
+        help="check every file of a checkpoint against the checksums recorded when it was saved",
+        description=(
+            "Read every file of the checkpoint DIR once and check it: the commit record "
+            "(metadata.json), each file's presence and size, safetensors headers, and the crc32c "
+            "recorded at save time for every block of every tensor, every zarr file, common.pt and "
+            "every ShardedObject file. Prints one line per problem ('FILE (key KEY): PROBLEM') and "
+            "exits 1 if there is any (a save that never committed is one), 0 if the checkpoint is healthy, "
+            "2 if DIR does not exist. "
+            "Works on s3:// URLs too (every object is read once). Needs no process group."
+        ),
+    )
+    p.add_argument("dir", metavar="DIR", help="a checkpoint directory, or s3://bucket/prefix (credentials and endpoint "
+                   "from the AWS environment variables)")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON document (exit status as above)")
+    add_progress_option(p)
+    p.set_defaults(run=run_verify_command, parser=p)
+
+
+def run_verify_command(args: argparse.Namespace) -> int:
+    """Verify and print one line per problem (or the JSON report)."""
+    from ..errors import NotACheckpointError
+    from ..storage.location import resolve_location
+    from ..verify import verify_checkpoint  # keeps `dist-ckpt --help` fast
+    from .progress import ProgressBars
+
+    location = resolve_location(args.dir)
+    if isinstance(location, Path) and not location.is_dir():  # a bad path, not a damaged checkpoint
+        raise NotACheckpointError(f"checkpoint directory {args.dir!r} does not exist (or is not a directory)")
+    with ProgressBars(progress_enabled(args), "verifying") as bars:
+        report = verify_checkpoint(location, progress=bars)
+    if args.json:
+        print_json(report.to_json())
+        return EXIT_OK if report.ok else EXIT_FAILURE
+    for problem in report.problems:
+        print(problem)
+    for note in report.notes:
+        print(f"note: {note}")
+    summary = f"{report.files_checked} files, {human_bytes(report.bytes_checked)} checked"
+    if not report.ok:
+        n = len(report.problems)
+        raise CommandFailed(f"{args.dir}: {n} problem{'s' if n != 1 else ''} ({summary})")
+    print(f"OK: {args.dir} ({', '.join(report.backends)}): {summary}")
+    return EXIT_OK
