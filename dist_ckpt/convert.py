@@ -40,6 +40,7 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import shutil
@@ -50,7 +51,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 from .checksums import FileDigest, bytes_digest, manifest_bytes
 from .core import CheckpointingConfig, detect_config, save_config
 from .distributed import get_world_size
-from .errors import CheckpointExistsError, CheckpointingException, IncompatibleStrategyError
+from .errors import CheckpointExistsError, CheckpointingException, CorruptCheckpointError, IncompatibleStrategyError
 from .mapping import ShardedObject, ShardedTensor
 from .monitor import StepMonitor
 from .report import CheckpointReport, Operation, ProgressCallback
@@ -351,7 +352,27 @@ def _object_loader(sharded: LoadShardedStrategy, common: LoadCommonStrategy) -> 
 
 def _stored_objects(sharded: LoadShardedStrategy, common: LoadCommonStrategy, src: CheckpointLocation) -> List[ShardedObject]:
     found = _object_loader(sharded, common).load_sharded_metadata(src)
-    return [v for _, v in sorted(found.items()) if isinstance(v, ShardedObject)]
+    objects = [v for _, v in sorted(found.items()) if isinstance(v, ShardedObject)]
+    _check_objects_complete(objects, src)
+    return objects
+
+
+def _check_objects_complete(objects: List[ShardedObject], src: CheckpointLocation) -> None:
+    """Each ShardedObject key must have every shard of its global shape: the shards are found
+    by listing files, so a deleted file would otherwise vanish from the converted checkpoint."""
+    by_key: Dict[str, List[ShardedObject]] = {}
+    for obj in objects:
+        by_key.setdefault(obj.key, []).append(obj)
+    for key, shards in sorted(by_key.items()):
+        shape = tuple(shards[0].global_shape)
+        present = {tuple(o.global_offset) for o in shards}
+        missing = sorted(set(itertools.product(*(range(n) for n in shape))) - present)
+        if missing:
+            shown = ", ".join(map(str, missing[:5])) + (f", ... ({len(missing) - 5} more)" if len(missing) > 5 else "")
+            raise CorruptCheckpointError(
+                f"{location_str(src)}: ShardedObject {key!r} (global shape {shape}) has no stored shard at "
+                f"offsets {shown}: its files are missing"
+            )
 
 
 def _copy_objects(

@@ -38,8 +38,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
+from ..checksums import read_manifest
 from ..dtypes import dtype_from_name, dtype_info, numpy_to_tensor
-from ..errors import CheckpointingException, CorruptCheckpointError, IncompatibleStrategyError, LoadMismatchError
+from ..errors import CheckpointingException, CorruptCheckpointError, IncompatibleStrategyError, LoadMismatchError, format_keys
 from ..geometry import Box, ShardPiece, shard_pieces
 from ..mapping import ShardedStateDict, ShardedTensor
 from ..storage import encode_key, fsync_dir, fsync_file, write_bytes_atomic
@@ -240,6 +241,24 @@ def list_tensor_names(root: Node) -> List[str]:
     )
 
 
+def check_tensor_dirs_present(root: Node) -> None:
+    """Refuse a checkpoint whose checksum manifest lists tensor directories that are gone.
+
+    The tensors of a zarr checkpoint are found by listing ``zarr/``; without this check a
+    deleted tensor directory would make the tensor silently absent from whatever lists them
+    (``unshard``, ``convert``, ``inspect``). Checkpoints saved without a manifest are not checked.
+    """
+    manifest = read_manifest(root / CHECKSUMS_FILENAME)
+    if manifest is None:
+        return
+    missing = sorted({name.split("/", 1)[0] for name in manifest if "/" in name} - set(list_tensor_names(root)))
+    if missing:
+        raise CorruptCheckpointError(
+            f"{str(root)!r}: the tensor directories {format_keys(missing)} listed in {CHECKSUMS_FILENAME} are "
+            "missing: the checkpoint is damaged ('dist-ckpt verify' lists every missing file)"
+        )
+
+
 def find_tensor_info(root: Node, key: str) -> Optional[StoredTensorInfo]:
     """The stored tensor ``key``, or None. A key that is now a reserved name (``checksums.json``)
     is also looked up under the name checkpoints saved before the reservation gave it."""
@@ -357,6 +376,7 @@ def load_zarr_based_sharded_metadata(
             (zarr-python, TensorStore) open arrays its own way.
     """
     root = (checkpoint_dir if isinstance(checkpoint_dir, ObjectPath) else Path(checkpoint_dir)) / ZARR_DIR
+    check_tensor_dirs_present(root)
     out = tensors_metadata(root)
     for name in list_tensor_names(root):
         info = open_tensor_info(root, name)

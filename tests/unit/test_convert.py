@@ -177,6 +177,29 @@ def test_a_damaged_source_fails_with_the_file_named(tmp_path):
     assert not (tmp_path / "dst").exists()
 
 
+def test_a_zarr_source_missing_a_tensor_is_refused_not_converted_without_it(tmp_path):
+    import shutil
+
+    save_sample(tmp_path / "src", ("zarr", 1))
+    shutil.rmtree(tmp_path / "src" / "zarr" / "layers")
+    for to in ("safetensors", "hf"):
+        with pytest.raises(dc.CorruptCheckpointError, match="'layers'.*checksums.json"):
+            convert(tmp_path / "src", tmp_path / to, to=to)
+        assert not (tmp_path / to).exists()
+    with pytest.raises(dc.CorruptCheckpointError, match="'layers'"):
+        dc.unshard(str(tmp_path / "src"))
+
+
+@pytest.mark.parametrize("src_backend", BACKENDS, ids=lambda b: b[0])
+def test_a_source_missing_a_sharded_object_file_is_refused(tmp_path, src_backend):
+    save_sample(tmp_path / "src", src_backend)
+    missing = next((tmp_path / "src" / "objects" / "rng_state").glob("shard_1_*"))
+    missing.unlink()
+    with pytest.raises(dc.CorruptCheckpointError, match=r"'rng_state'.*\(1,\)"):
+        convert(tmp_path / "src", tmp_path / "dst", to="safetensors")
+    assert not (tmp_path / "dst").exists()
+
+
 def test_convert_to_and_from_an_object_store(tmp_path, s3_url):
     fulls = save_sample(tmp_path / "src", ("zarr", 1))
     up = convert(tmp_path / "src", s3_url, to="safetensors")
