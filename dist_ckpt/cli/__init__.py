@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import traceback
 from typing import Optional, Sequence, Tuple
@@ -92,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
         "from one process, without any process group.",
         epilog="Run 'dist-ckpt COMMAND --help' for the options of a command. Exit status: 0 success, "
         "1 failure (a corrupt checkpoint, a failed verification, an I/O error; one line on stderr), "
-        "2 usage error or bad location (no checkpoint there, destination not empty, malformed URL).",
+        "2 usage error or bad location (no checkpoint there, destination not empty, malformed URL), "
+        "141 stdout's reader went away (| head).",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands", required=True)
@@ -106,6 +108,18 @@ def _configure_logging(debug: bool, verbose: bool) -> None:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
 
 
+#: what a shell reports for a process killed by SIGPIPE (128 + 13): the output was cut short
+EXIT_BROKEN_PIPE = 141
+
+
+def _detach_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush does not fail a second time."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # not a real file: nothing will be flushed to it
+        pass
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run ``dist-ckpt`` with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
     parser = build_parser()
@@ -117,6 +131,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     hint = "" if args.debug else " (--debug shows the traceback)"
     try:
         return int(args.run(args))
+    except BrokenPipeError:  # `dist-ckpt inspect DIR | head`: the reader took what it wanted
+        _detach_stdout()
+        return EXIT_BROKEN_PIPE
     except CommandFailed as e:
         print(f"{prefix} {e}", file=sys.stderr)
         if args.debug:

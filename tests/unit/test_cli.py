@@ -93,6 +93,19 @@ def test_version(tmp_path):
     assert proc.returncode == 0 and proc.stdout.strip() == f"dist-ckpt {dc.__version__}"
 
 
+def test_a_closed_stdout_pipe_ends_quietly(sample, monkeypatch, capsys):
+    class ClosedPipe:  # what `| head` leaves once head has exited
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self) -> None:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    assert main(["inspect", str(sample)]) == 141
+    assert capsys.readouterr().err == ""
+
+
 # --------------------------------------------------------------------------- inspect
 
 
