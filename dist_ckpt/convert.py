@@ -5,7 +5,7 @@
 (:attr:`~dist_ckpt.strategies.base.SaveShardedStrategy.can_stream`: ``safetensors``, ``zarr``), or
 to a HuggingFace folder (``"hf"``). One process, no process group. Source and destination may
 be ``s3://`` URLs where the backends support object stores (the source of any backend that reads
-from them; a ``safetensors`` destination, written one object per tensor).
+from them; a ``safetensors`` destination, written as objects of about 256 MiB).
 
 Memory stays bounded by the largest tensor, whatever the size of the checkpoint: the source
 side assembles each tensor whole from its stored shards
@@ -321,11 +321,15 @@ def _convert_steps(
         if isinstance(dst, Path):
             dst.mkdir(parents=True, exist_ok=True)
         writer = target.begin_stream(dst, [(k, metadata[k].dtype, tuple(metadata[k].global_shape)) for k in keys])
-        for key, tensor in iter_with(sharded, metadata, keys, src):
-            writer.add(key, tensor)
-            del tensor  # before the next one is assembled
-            tensor_done(key, sizes[key])
-        writer.finish()
+        try:
+            for key, tensor in iter_with(sharded, metadata, keys, src):
+                writer.add(key, tensor)
+                del tensor  # before the next one is assembled
+                tensor_done(key, sizes[key])
+            writer.finish()
+        except BaseException:
+            writer.abort()
+            raise
 
     monitor.run(_COPY, copy_tensors)
     # 4. common state, ShardedObjects

@@ -219,6 +219,12 @@ class TensorStreamWriter(ABC):
     def finish(self) -> None:
         """Make everything written durable and write the index; call once, after the last ``add``."""
 
+    def abort(self) -> None:
+        """Give up: release what an unfinished write holds (e.g. an open multipart upload).
+
+        The caller removes the files already written; a writer holding nothing keeps this default.
+        """
+
 
 def check_stream_entry(layout: Sequence[TensorLayout], position: int, key: str, tensor: torch.Tensor) -> None:
     """Raise unless ``(key, tensor)`` is entry ``position`` of ``layout`` (for stream writers).

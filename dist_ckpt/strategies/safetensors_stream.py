@@ -12,10 +12,13 @@ strategy's options record no checksums) -- but written tensor by tensor:
    its block checksums as the bytes pass, and keeps only the checksums;
 3. :meth:`SafetensorsStreamWriter.finish` fsyncs the file and writes the index, atomically.
 
-On an object store an object is uploaded whole, so each tensor becomes an object of its own
-(``safetensors/rank00000_<i>.safetensors``, uploaded from the tensor's memory as it is added):
-the index describes several files, as after a save by several writer threads, and memory still
-holds one tensor at a time.
+On an object store the tensors are grouped, in order, into objects of about
+:data:`STREAM_OBJECT_BYTES` (``safetensors/rank00000_<i>.safetensors``; a larger tensor gets an
+object of its own): each object is one streaming (multipart) upload that the tensors are
+appended to as they are added, so memory still holds one tensor at a time and a model of many
+small tensors does not become as many small objects. The index describes several files, as after
+a save by several writer threads. An upload that is not finished is aborted (:meth:`abort`), and
+an unfinished object is never visible.
 
 Example::
 
@@ -30,22 +33,26 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..errors import CheckpointingException
 from ..mapping import ShardedTensor
-from ..storage import Storage, fsync_dir
+from ..checksums import crc32c, crc_to_hex
+from ..storage import ObjectWriter, Storage, fsync_dir
 from ..storage.location import CheckpointLocation, location_str
 from .base import TensorLayout, TensorStreamWriter, check_stream_entry
 from .safetensors_index import SAFETENSORS_DIR, file_name, shard_name
-from .safetensors_write import PartResult, WritePart, plan_file, write_object, write_part
+from .safetensors_write import PartResult, WritePart, plan_file, stream_tensor, write_part
 
 if TYPE_CHECKING:
     from .safetensors import SafetensorsSaveOptions
 
-__all__ = ["SafetensorsStreamWriter"]
+__all__ = ["STREAM_OBJECT_BYTES", "SafetensorsStreamWriter"]
+
+#: target size of the objects a stream writes to an object store
+STREAM_OBJECT_BYTES = 256 << 20
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +62,7 @@ class SafetensorsStreamWriter(TensorStreamWriter):
 
     Args:
         checkpoint_dir: the checkpoint directory (its ``safetensors/`` must not exist yet), or an
-            object-store storage (one object per tensor, see the module docstring).
+            object-store storage (tensors grouped into objects, see the module docstring).
         layout: every tensor to be added, in order.
         options: the save strategy's options (checksum block size, early writeback).
     """
@@ -77,7 +84,14 @@ class SafetensorsStreamWriter(TensorStreamWriter):
             self.root.mkdir(parents=True, exist_ok=False)
         else:
             self.storage = checkpoint_dir.child(SAFETENSORS_DIR)
-            self.files = [(plan_file(file_name(0, i), [e], _FILE_METADATA), [sh]) for i, (e, sh) in enumerate(zip(entries, self.written))]
+            groups = _group_by_size(list(zip(entries, self.written)), STREAM_OBJECT_BYTES)
+            self.files = [
+                (plan_file(file_name(0, i), [e for e, _ in group], _FILE_METADATA), [sh for _, sh in group])
+                for i, group in enumerate(groups)
+            ]
+        # where each written tensor goes: (file, position in it)
+        self._places = [(f, j) for f, (_, shards) in enumerate(self.files) for j in range(len(shards))]
+        self._upload: Optional[ObjectWriter] = None
         self.results: List[PartResult] = []
         self._added = 0
         self._finished = False
@@ -92,13 +106,39 @@ class SafetensorsStreamWriter(TensorStreamWriter):
             return
         index = len(self.results)
         block = self.options.checksum_block_bytes
-        if self.storage is not None:  # one object per tensor
-            part = WritePart(self.files[index][0], 0, (tensor.detach().cpu(),))
-            self.results.append(write_object(self.storage, part, block_bytes=block))
+        if self.storage is not None:
+            self._append_to_object(index, tensor.detach(), block)
             return
         plan = self.files[0][0]
         part = WritePart(plan, index, (tensor.detach(),), fsync=index == len(self.written) - 1)
         self.results.append(write_part(self.root, part, block_bytes=block, early_writeback=self.options.early_writeback))
+
+    def _append_to_object(self, index: int, tensor: torch.Tensor, block: Optional[int]) -> None:
+        """Stream tensor ``index`` into its object: open the upload at the object's first tensor
+        (header first), complete it after its last."""
+        assert self.storage is not None
+        f, j = self._places[index]
+        plan, shards = self.files[f]
+        if j == 0:
+            self._upload = self.storage.open_writer(plan.name)
+            self._upload.write(plan.prefix)
+        assert self._upload is not None
+        try:
+            crcs = stream_tensor(self._upload, tensor, block, staging=None)
+            if j == len(shards) - 1:
+                upload, self._upload = self._upload, None
+                upload.commit()
+        except BaseException:
+            self.abort()
+            raise
+        header_crc = crc_to_hex(crc32c(plan.prefix)) if block and j == 0 else None
+        self.results.append(PartResult(plan.name, j, (crcs,), header_crc))
+
+    def abort(self) -> None:
+        """Abort the object upload in progress, if any (the caller removes finished objects)."""
+        upload, self._upload = self._upload, None
+        if upload is not None:
+            upload.abort()
 
     def finish(self) -> None:
         """fsync the directory and write ``safetensors/index.json`` (rank 0's, the only one)."""
@@ -111,6 +151,7 @@ class SafetensorsStreamWriter(TensorStreamWriter):
                 f"tensors; not added: {missing[:5]}{' ...' if len(missing) > 5 else ''}"
             )
         self._finished = True
+        assert self._upload is None, "every object's upload completes with its last tensor"
         if self.storage is None:
             fsync_dir(self.root)
         block = self.options.checksum_block_bytes
@@ -118,3 +159,17 @@ class SafetensorsStreamWriter(TensorStreamWriter):
         _write_index([local], self.checkpoint_dir, block)
         logger.debug("streamed %d tensors, %d bytes into %s", len(self.layout),
                      sum(plan.size for plan, _ in self.files), location_str(self.checkpoint_dir))
+
+
+def _group_by_size(items: List[Tuple[Any, ShardedTensor]], target: int) -> List[List[Tuple[Any, ShardedTensor]]]:
+    """Consecutive runs of ``items`` of at most ``target`` bytes each (a larger one alone)."""
+    groups: List[List[Tuple[Any, ShardedTensor]]] = []
+    size = 0
+    for item in items:
+        nbytes = math.prod(item[1].global_shape) * item[1].dtype.itemsize
+        if not groups or size + nbytes > target:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += nbytes
+    return groups

@@ -47,6 +47,7 @@ __all__ = [
     "PlannedFile",
     "WritePart",
     "plan_file",
+    "stream_tensor",
     "write_object",
     "write_objects",
     "write_part",
@@ -300,7 +301,7 @@ def write_object(storage: Storage, part: WritePart, *, block_bytes: Optional[int
         return PartResult(plan.name, 0, tuple(crcs), header_crc)
     with storage.open_writer(plan.name) as writer:
         writer.write(plan.prefix)
-        crcs = [_stream_tensor(writer, t, block_bytes, staging) for t in part.tensors]
+        crcs = [stream_tensor(writer, t, block_bytes, staging) for t in part.tensors]
     return PartResult(plan.name, 0, tuple(crcs), header_crc)
 
 
@@ -313,7 +314,9 @@ def _block_crcs(data: memoryview, block_bytes: Optional[int]) -> str:
     return encode_block_crcs(blocks.finish())
 
 
-def _stream_tensor(writer: ObjectWriter, tensor: torch.Tensor, block_bytes: Optional[int], staging: Optional[StagingBuffer]) -> str:
+def stream_tensor(writer: ObjectWriter, tensor: torch.Tensor, block_bytes: Optional[int], staging: Optional[StagingBuffer]) -> str:
+    """Append ``tensor``'s bytes to an object upload (a device tensor through ``staging``, or a
+    temporary staging buffer); return its block crcs, encoded ("" without checksums)."""
     blocks = BlockChecksums(block_bytes) if block_bytes else None
     if tensor.device.type == "cpu":
         data = tensor_bytes(tensor)

@@ -212,3 +212,43 @@ def test_convert_to_and_from_an_object_store(tmp_path, s3_url):
         convert(tmp_path / "src", s3_url, to="safetensors")
     with pytest.raises(IncompatibleStrategyError, match="object"):
         convert(tmp_path / "src", s3_url + "-zarr", to="zarr")
+
+
+def test_convert_to_an_object_store_groups_tensors_into_objects_of_the_target_size(tmp_path, s3_url, monkeypatch):
+    import dist_ckpt.strategies.safetensors_stream as stream
+    from dist_ckpt.storage import open_storage
+
+    fulls = save_sample(tmp_path / "src")
+    sizes = [t.numel() * t.element_size() for _, t in sorted(fulls.items()) if t.numel()]
+    monkeypatch.setattr(stream, "STREAM_OBJECT_BYTES", max(sizes) + 1)  # a few tensors per object
+    convert(tmp_path / "src", s3_url, to="safetensors")
+    objects = [o for o in open_storage(s3_url).list("safetensors") if o.key.endswith(".safetensors")]
+    assert 1 < len(objects) < len(sizes)  # neither one object per tensor nor one for all
+    assert all(o.size <= max(sizes) + 1 + 4096 for o in objects)  # data within the target, plus a header
+    assert _same(stored_tensors(s3_url), fulls) and dc.verify_checkpoint(s3_url).ok
+
+
+def test_a_conversion_failing_mid_object_aborts_its_upload(tmp_path, s3_url, monkeypatch):
+    import dist_ckpt.strategies.safetensors_stream as stream
+    from dist_ckpt.storage import open_storage
+
+    save_sample(tmp_path / "src")
+    monkeypatch.setattr(stream, "STREAM_OBJECT_BYTES", 1 << 30)  # every tensor in one object
+    aborted = []
+    real_abort = stream.SafetensorsStreamWriter.abort
+
+    def abort(self):
+        aborted.append(self._upload is not None)
+        real_abort(self)
+
+    def failing_add(self, key, tensor, real=stream.SafetensorsStreamWriter.add):
+        if key == "layers":
+            raise OSError("source read failed")
+        real(self, key, tensor)
+
+    monkeypatch.setattr(stream.SafetensorsStreamWriter, "abort", abort)
+    monkeypatch.setattr(stream.SafetensorsStreamWriter, "add", failing_add)
+    with pytest.raises(OSError, match="source read failed"):
+        convert(tmp_path / "src", s3_url, to="safetensors")
+    assert aborted == [True]  # an upload was open, and was aborted
+    assert open_storage(s3_url).list() == []
