@@ -53,35 +53,34 @@ object-store :class:`~dist_ckpt.storage.base.Storage`: the same rules apply thro
 (:mod:`dist_ckpt.checkpoint_objects` says how deletion stays crash-safe without renames);
 returned paths are then URLs. Object stores have no symlinks, so
 :func:`create_pretrained_symlinks` refuses them.
+
+The structural checks of HF weight files live in :mod:`dist_ckpt.checkpoint_files`, the metrics
+file in :mod:`dist_ckpt.checkpoint_metrics` (its functions are re-exported here).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
-import numbers
 import os
 import re
 import shutil
 import uuid
-import zipfile
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
+from typing import Iterable, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 from . import checkpoint_objects as objects
+from .checkpoint_files import index_shards, weights_file_whole
+from .checkpoint_metrics import METRICS_FILENAME, load_checkpoint_metrics, save_checkpoint_metrics
 from .core import METADATA_FILENAME, CheckpointingConfig, maybe_load_config
 from .errors import (
     CheckpointingException,
     CheckpointManagementError,
-    CorruptCheckpointError,
     NotACheckpointError,
     SymlinkConflictError,
 )
-from .storage import Storage, fsync_dir, write_bytes_atomic
-from .storage.errors import ObjectNotFoundError
+from .storage import Storage, fsync_dir
 from .storage.location import remote_storage, require_local, resolve_location
 from .strategies.common import COMMON_STATE_FNAME
 
@@ -116,8 +115,6 @@ CHECKPOINT_NAME_PATTERNS: Tuple[str, ...] = (
 )
 _NAME_RES = tuple(re.compile(p) for p in CHECKPOINT_NAME_PATTERNS)
 
-#: Evaluation metrics file inside a checkpoint directory (the reference's name).
-METRICS_FILENAME = "eval_metrics.json"
 
 # HuggingFace file names; the order get_checkpoint_metadata looks for them in is _HF_FILES
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -256,80 +253,16 @@ def _scan(model_dir: Path) -> List[_Entry]:
 # --------------------------------------------------------------------------- completeness
 
 
-def _safetensors_whole(file: Path) -> bool:
-    """Whether the file's size is exactly what its safetensors header describes."""
-    try:
-        size = file.stat().st_size
-        with open(file, "rb") as f:
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                return False
-            header_len = int.from_bytes(prefix, "little")
-            if header_len > min(size - 8, objects.MAX_SAFETENSORS_HEADER):
-                return False
-            header = json.loads(f.read(header_len))
-    except (OSError, ValueError):
-        return False
-    if not isinstance(header, dict):
-        return False
-    end = 0
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        offsets = info.get("data_offsets") if isinstance(info, dict) else None
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
-            return False
-        end = max(end, offsets[1])
-    return size == 8 + header_len + end
-
-
-def _torch_file_whole(file: Path) -> bool:
-    """Whether a torch.save file is whole: a zip with its central directory, or a legacy pickle."""
-    try:
-        with open(file, "rb") as f:
-            magic = f.read(4)
-    except OSError:
-        return False
-    if magic == b"PK\x03\x04":
-        return zipfile.is_zipfile(file)  # a truncated zip has lost its central directory
-    return len(magic) > 0  # legacy (pre-zip) format: cannot be checked without unpickling
-
-
-def _plain_name(name: Any) -> bool:
-    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
-
-
-def _index_shards(index_file: Path) -> Optional[List[str]]:
-    """The shard files an HF index lists (sorted), or None if the index is unreadable."""
-    try:
-        record = json.loads(index_file.read_bytes())
-    except (OSError, ValueError):
-        return None
-    weight_map = record.get("weight_map") if isinstance(record, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map:
-        return None
-    shards = set(weight_map.values())
-    if not all(_plain_name(s) for s in shards):
-        return None  # a shard outside the directory is not part of this checkpoint
-    return sorted(shards)
-
-
-def _weights_whole(file: Path) -> bool:
-    if not file.is_file():
-        return False
-    return _safetensors_whole(file) if file.name.endswith(".safetensors") else _torch_file_whole(file)
-
-
 def _hf_meta(directory: Path, step: Optional[int]) -> Optional[CheckpointMeta]:
     for file_name, is_index, safetensors in _HF_FILES:
         file = directory / file_name
         if not file.is_file():
             continue
         if is_index:
-            shards = _index_shards(file)
-            complete = shards is not None and all(_weights_whole(directory / s) for s in shards)
+            shards = index_shards(file)
+            complete = shards is not None and all(weights_file_whole(directory / s) for s in shards)
         else:
-            complete = _weights_whole(file)
+            complete = weights_file_whole(file)
         return CheckpointMeta(file_name, is_index, safetensors, CheckpointFormat.HF, complete, step)
     return None
 
@@ -589,88 +522,6 @@ def _rotate_objects(store: Storage, max_checkpoints: int, wanted: Sequence[PathL
         objects.delete_checkpoint(store, name)
 
 
-# --------------------------------------------------------------------------- metrics
-
-
-def _checked_metrics(raw: Any, error: Callable[[str], CheckpointingException]) -> Dict[str, float]:
-    if not isinstance(raw, dict):
-        raise error(f"metrics must be a dict of name -> finite number, found {type(raw).__name__}")
-    clean: Dict[str, float] = {}
-    for key, value in raw.items():
-        if not isinstance(key, str):
-            raise error(f"metric names must be strings, found {key!r}")
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise error(
-                f"metric {key!r} must be a number, found {type(value).__name__} ({value!r}); "
-                f"convert tensors with .item()"
-            )
-        number = float(value)
-        if not math.isfinite(number):
-            raise error(f"metric {key!r} must be finite, found {number}")
-        clean[key] = number
-    return clean
-
-
-def _reject_constant(name: str) -> float:
-    raise ValueError(f"non-finite number {name}")
-
-
-def save_checkpoint_metrics(checkpoint_path: PathLike, metrics: Dict[str, float]) -> None:
-    """Store evaluation metrics in ``checkpoint_path/eval_metrics.json`` (atomically, durably).
-
-    Example::
-
-        save_checkpoint_metrics("runs/gpt/checkpoint-1000", {"eval_loss": 2.31, "accuracy": 0.58})
-
-    Raises:
-        NotACheckpointError: ``checkpoint_path`` is not a directory.
-        CheckpointManagementError: a name is not a string, or a value is not a finite number.
-    """
-    store = _object_store(checkpoint_path)
-    where = store.url if store is not None else str(checkpoint_path)
-    clean = _checked_metrics(metrics, lambda msg: CheckpointManagementError(f"metrics for {where}: {msg}"))
-    data = json.dumps(clean, indent=2, sort_keys=True, allow_nan=False).encode("utf-8")
-    if store is not None:
-        if not objects.prefix_exists(store):
-            raise NotACheckpointError(f"cannot save metrics: no checkpoint at {store.url!r} (no object under it)")
-        store.write(METRICS_FILENAME, data)  # an object appears whole or not at all
-        return
-    directory = Path(_local(checkpoint_path))
-    if not directory.is_dir():
-        raise NotACheckpointError(f"cannot save metrics: checkpoint directory {str(directory)!r} does not exist")
-    write_bytes_atomic(directory / METRICS_FILENAME, data)
-    logger.debug("saved metrics to %s", directory / METRICS_FILENAME)
-
-
-def load_checkpoint_metrics(checkpoint_path: PathLike) -> Optional[Dict[str, float]]:
-    """The metrics stored by :func:`save_checkpoint_metrics`, or None if there are none.
-
-    Example::
-
-        metrics = load_checkpoint_metrics("runs/gpt/checkpoint-1000")   # {"eval_loss": 2.31, ...}
-
-    Raises:
-        CorruptCheckpointError: the metrics file is not valid JSON or not a dict of finite numbers.
-    """
-    store = _object_store(checkpoint_path)
-    if store is not None:
-        file: Union[str, Path] = store.url_of(METRICS_FILENAME)
-        try:
-            data = store.read(METRICS_FILENAME)
-        except ObjectNotFoundError:
-            return None
-    else:
-        file = Path(_local(checkpoint_path)) / METRICS_FILENAME
-        if not file.is_file():
-            return None
-        data = file.read_bytes()
-    try:
-        raw = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
-    except ValueError as e:  # includes JSONDecodeError and UnicodeDecodeError
-        raise CorruptCheckpointError(f"metrics file {file} is not valid JSON ({e}); delete or rewrite it") from e
-    return _checked_metrics(raw, lambda msg: CorruptCheckpointError(f"metrics file {file} is corrupt: {msg}"))
-
-
 # --------------------------------------------------------------------------- HF symlinks
 
 
@@ -745,7 +596,7 @@ def create_pretrained_symlinks(model_dir: PathLike, force_overwrite: bool = Fals
         )
     names = [meta.file_name]
     if meta.is_index:
-        names += _index_shards(Path(latest) / meta.file_name) or []
+        names += index_shards(Path(latest) / meta.file_name) or []
     plan = [(root / name, os.path.relpath(os.path.join(latest, name), root)) for name in names]
 
     conflicts = []
