@@ -18,9 +18,52 @@ import zipfile
 from pathlib import Path
 from typing import List, Optional
 
-from .checkpoint_objects import MAX_SAFETENSORS_HEADER, plain_name
+__all__ = [
+    "MAX_SAFETENSORS_HEADER",
+    "data_end",
+    "index_shards",
+    "plain_name",
+    "safetensors_file_whole",
+    "shard_names",
+    "torch_file_whole",
+    "weights_file_whole",
+]
 
-__all__ = ["index_shards", "safetensors_file_whole", "torch_file_whole", "weights_file_whole"]
+#: the largest safetensors header a weight file may declare (the safetensors library's limit)
+MAX_SAFETENSORS_HEADER = 100_000_000
+
+
+def plain_name(name: object) -> bool:
+    """Whether ``name`` is a file name inside the directory (no separators, not . or ..)."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+
+
+def data_end(header: object) -> Optional[int]:
+    """The end of the data a parsed safetensors header describes (bytes after the header), or
+    None if the header is malformed. A whole file is ``8 + header length + data_end`` bytes."""
+    if not isinstance(header, dict):
+        return None
+    end = 0
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            return None
+        end = max(end, offsets[1])
+    return end
+
+
+def shard_names(record: object) -> Optional[List[str]]:
+    """The shard files a parsed HF index lists (sorted), or None if it lists none or any
+    outside the directory (such a shard is not part of this checkpoint)."""
+    weight_map = record.get("weight_map") if isinstance(record, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        return None
+    shards = set(weight_map.values())
+    if not all(plain_name(s) for s in shards):
+        return None
+    return sorted(shards)
 
 
 def safetensors_file_whole(file: Path) -> bool:
@@ -37,17 +80,8 @@ def safetensors_file_whole(file: Path) -> bool:
             header = json.loads(f.read(header_len))
     except (OSError, ValueError):
         return False
-    if not isinstance(header, dict):
-        return False
-    end = 0
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        offsets = info.get("data_offsets") if isinstance(info, dict) else None
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
-            return False
-        end = max(end, offsets[1])
-    return size == 8 + header_len + end
+    end = data_end(header)
+    return end is not None and size == 8 + header_len + end
 
 
 def torch_file_whole(file: Path) -> bool:
@@ -65,16 +99,9 @@ def torch_file_whole(file: Path) -> bool:
 def index_shards(index_file: Path) -> Optional[List[str]]:
     """The shard files an HF index lists (sorted), or None if the index is unreadable."""
     try:
-        record = json.loads(index_file.read_bytes())
+        return shard_names(json.loads(index_file.read_bytes()))
     except (OSError, ValueError):
         return None
-    weight_map = record.get("weight_map") if isinstance(record, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map:
-        return None
-    shards = set(weight_map.values())
-    if not all(plain_name(s) for s in shards):
-        return None  # a shard outside the directory is not part of this checkpoint
-    return sorted(shards)
 
 
 def weights_file_whole(file: Path) -> bool:

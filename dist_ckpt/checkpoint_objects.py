@@ -28,6 +28,7 @@ import struct
 from dataclasses import dataclass
 from typing import Callable, Iterable, List, Optional, Sequence, Set, Tuple
 
+from .checkpoint_files import MAX_SAFETENSORS_HEADER, data_end, shard_names
 from .core import METADATA_FILENAME, CheckpointingConfig, maybe_load_config
 from .errors import CheckpointingException
 from .storage.base import RangeRead, Storage
@@ -43,8 +44,6 @@ HF_FILES: Tuple[Tuple[str, bool, bool], ...] = (
     ("pytorch_model.bin.index.json", True, False),
     ("pytorch_model.bin", False, False),
 )
-#: the largest safetensors header the safetensors library accepts
-MAX_SAFETENSORS_HEADER = 100_000_000
 _ZIP_EOCD = b"PK\x05\x06"  # end of central directory record
 _ZIP_TAIL = 22 + 65535  # the record plus the longest comment
 
@@ -75,21 +74,10 @@ def safetensors_whole(storage: Storage, key: str) -> bool:
         if header_len > min(size - 8, MAX_SAFETENSORS_HEADER):
             return False
         header = json.loads(_read_range(storage, key, 8, header_len))
-    except ObjectNotFoundError:
+    except (ObjectNotFoundError, ValueError):
         return False
-    except ValueError:
-        return False
-    if not isinstance(header, dict):
-        return False
-    end = 0
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        offsets = info.get("data_offsets") if isinstance(info, dict) else None
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
-            return False
-        end = max(end, offsets[1])
-    return bool(size == 8 + header_len + end)
+    end = data_end(header)
+    return end is not None and size == 8 + header_len + end
 
 
 def torch_file_whole(storage: Storage, key: str) -> bool:
@@ -107,23 +95,12 @@ def torch_file_whole(storage: Storage, key: str) -> bool:
         return False
 
 
-def plain_name(name: object) -> bool:
-    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
-
-
 def index_shards(storage: Storage, key: str) -> Optional[List[str]]:
     """The shard files an HF index object lists (sorted), or None if the index is unreadable."""
     try:
-        record = json.loads(storage.read(key))
+        return shard_names(json.loads(storage.read(key)))
     except (ObjectNotFoundError, ValueError):
         return None
-    weight_map = record.get("weight_map") if isinstance(record, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map:
-        return None
-    shards = set(weight_map.values())
-    if not all(plain_name(s) for s in shards):
-        return None
-    return sorted(shards)
 
 
 def _weights_whole(storage: Storage, key: str) -> bool:
