@@ -237,6 +237,43 @@ def test_damage_is_reported_by_the_loads_that_read_it(tmp_path):
     assert int((bits(out["w"]) != bits(full)).sum()) == 1
 
 
+@pytest.mark.parametrize("piece", [1, BLOCK, 3 * BLOCK, 3 * BLOCK + 100, 2**40])
+def test_checked_reads_in_pieces_report_damage_in_any_piece(tmp_path, read_counter, piece):
+    """Checked reads from a file go in pieces of whole blocks, each checked as it is read: every
+    block is still checked, each byte is read once, and a damaged block in any piece is named."""
+    full = random_tensor(torch.float32, (64, 1000), seed=7)  # 256000 bytes: 63 blocks, the last short
+    save({"w": ShardedTensor.from_rank_offsets("w", full.clone())}, tmp_path, checksum_block_bytes=BLOCK)
+    (shard,) = read_index(tmp_path).tensors["w"].shards
+    begin, end = shard.byte_range
+    read_counter.update(bytes=0)
+    for paths in ({}, {"small_run_bytes": 2**20}):  # direct reads, and bounce reads (columns)
+        out = load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(64, 1000))}, tmp_path, checked_piece_bytes=piece)
+        assert torch.equal(bits(out["w"]), bits(full))
+        out = load({"c": ShardedTensor.from_rank_offsets("w", torch.empty(64, 500), (1, 1, 2))}, tmp_path,
+                   checked_piece_bytes=piece, **paths)
+        assert torch.equal(bits(out["c"]), bits(full[:, 500:]))
+    path = tmp_path / SAFETENSORS_DIR / shard.file
+    for block in (0, 31, 62):  # the first, a middle and the last (short) block
+        _flip(path, begin + block * BLOCK + 3)
+        stop = min(begin + (block + 1) * BLOCK, end)
+        with pytest.raises(ChecksumMismatchError, match=rf"'w'.*bytes {begin + block * BLOCK}:{stop} .*block {block} "):
+            load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(64, 1000))}, tmp_path, checked_piece_bytes=piece)
+        with pytest.raises(ChecksumMismatchError, match=rf"block {block} "):
+            load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(64, 1000))}, tmp_path,
+                 checked_piece_bytes=piece, small_run_bytes=2**20, max_read_bytes=5 * BLOCK)
+        _flip(path, begin + block * BLOCK + 3)
+
+
+def test_pieces_cut_buffers_at_every_step():
+    data = memoryview(bytearray(range(100)))
+    buffers = [data[0:0], data[0:7], data[7:8], data[8:30], data[30:0], data[30:31]]
+    pieces = list(safetensors_io._pieces(buffers, 1000, 10))
+    assert [offset for offset, _ in pieces] == [1000, 1010, 1020, 1030]
+    assert [b"".join(bytes(v) for v in views) for _, views in pieces] == [bytes(range(a, min(a + 10, 31))) for a in (0, 10, 20, 30)]
+    assert all(len(v) for _, views in pieces for v in views)
+    assert list(safetensors_io._pieces([data[0:0]], 0, 10)) == []
+
+
 def test_row_slices_read_at_most_one_extra_block_per_end(tmp_path, read_counter):
     full = random_tensor(torch.float32, (640, 100), seed=3)  # 256000 bytes, 63 blocks
     save({"w": ShardedTensor.from_rank_offsets("w", full.clone())}, tmp_path, checksum_block_bytes=BLOCK)
@@ -299,7 +336,8 @@ def test_random_requests_verify_and_load_exactly(tmp_path, seed):
         req = ShardedTensor.from_rank_offsets("w", torch.empty(rows * parts, cols, dtype=dtype), (1, c, cparts),
                                               allow_shape_mismatch=True)
         opts = dict(small_run_bytes=int(rng.integers(0, 64)), bounce_buffer_bytes=int(rng.integers(16, 512)),
-                    max_read_bytes=int(rng.integers(8, 4096)), thread_count=int(rng.integers(1, 4)))
+                    max_read_bytes=int(rng.integers(8, 4096)), thread_count=int(rng.integers(1, 4)),
+                    checked_piece_bytes=int(rng.integers(1, 2048)))
         out = load({"x": req}, tmp_path, **opts)["x"]
         expected = torch.zeros(rows * parts, cols, dtype=dtype)
         piece = padded[:, c * cols : (c + 1) * cols]

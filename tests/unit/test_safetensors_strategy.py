@@ -205,6 +205,8 @@ def test_options_are_validated():
         SafetensorsLoadOptions(bounce_buffer_bytes=0)
     with pytest.raises(CheckpointingException, match="small_run_bytes"):
         SafetensorsLoadOptions(small_run_bytes=-1)
+    with pytest.raises(CheckpointingException, match="checked_piece_bytes"):
+        SafetensorsLoadOptions(checked_piece_bytes=0)
 
 
 def test_registered_and_used_by_dist_ckpt_save(tmp_path):
