@@ -55,7 +55,8 @@ from ..errors import (
     StrategyRegistrationError,
     UnknownStrategyError,
 )
-from ..mapping import ShardedStateDict, StateDict
+from ..dict_utils import nested_values
+from ..mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from ..storage.location import CheckpointLocation
 from .stored_shards import StoredShardInfo
 
@@ -243,6 +244,29 @@ def check_stream_entry(layout: Sequence[TensorLayout], position: int, key: str, 
             f"stream entry {position}: expected tensor {expected_key!r} {dtype} {tuple(shape)}, "
             f"got {key!r} {tensor.dtype} {tuple(tensor.shape)}; add the tensors of the layout, in its order"
         )
+
+
+def main_replica_shards(sharded_state_dict: ShardedStateDict) -> List[ShardedTensor]:
+    """The ShardedTensors of ``sharded_state_dict`` this rank writes: its main replicas (the
+    other replicas hold the same bytes, written by another rank)."""
+    return [s for s in nested_values(sharded_state_dict) if isinstance(s, ShardedTensor) and is_main_replica(s.replica_id)]
+
+
+def loaded_shape(sh: ShardedTensor) -> Tuple[int, ...]:
+    """The shape a load returns for ``sh``: its local shape, or 1-D for a flattened range."""
+    if sh.flattened_range is None:
+        return tuple(sh.local_shape)
+    return (sh.flattened_range.stop - sh.flattened_range.start,)
+
+
+def load_destination(sh: ShardedTensor) -> torch.Tensor:
+    """The tensor a loader fills for ``sh``: ``sh.data`` when it is real memory (any device) of
+    the loaded shape, so the load is in place, else a new CPU tensor."""
+    shape = loaded_shape(sh)
+    data = sh.data
+    if data is not None and data.device.type != "meta" and tuple(data.shape) == shape:
+        return data
+    return torch.empty(shape, dtype=sh.dtype)
 
 
 class SaveShardedStrategy(SaveStrategyBase):

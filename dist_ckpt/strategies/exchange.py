@@ -45,7 +45,7 @@ from ..errors import CheckpointingException, ProcessGroupMismatchError
 from ..mapping import ShardedBase, ShardedStateDict, ShardedTensor, StateDict
 from ..storage.location import CheckpointLocation
 from ..shard_metadata import dtype_from_token, dtype_token
-from .base import LoadShardedStrategy
+from .base import LoadShardedStrategy, load_destination
 
 logger = logging.getLogger(__name__)
 
@@ -287,14 +287,6 @@ def balanced_owners(requests: GroupRequests, group_size: int) -> Dict[ShardId, i
     return distribute_shards_to_ranks(requests.needers, requests.sizes, group_size)
 
 
-def _destination(sh: ShardedTensor) -> torch.Tensor:
-    """``sh.data`` if it is real memory of the right shape, else a new CPU tensor."""
-    shape = (shard_numel(sh),) if sh.flattened_range is not None else sh.local_shape
-    data = sh.data
-    if data is not None and data.device.type != "meta" and tuple(data.shape) == tuple(shape):
-        return data
-    return torch.empty(shape, dtype=sh.dtype)
-
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
@@ -429,7 +421,7 @@ def load_with_exchange(
     tensors: Dict[ShardId, torch.Tensor] = {sid: loaded[sid] for sid in mine}
 
     # 4. exchange
-    dests = {sid: _destination(sh) for sid, sh in primaries.items() if sid not in mine}
+    dests = {sid: load_destination(sh) for sid, sh in primaries.items() if sid not in mine}
     error = hooks.exchange(exchange_plan.buckets, tensors, dests, group)
     raise_if_any_rank_failed(error, "exchanging loaded shards", None)
 
@@ -443,7 +435,7 @@ def load_with_exchange(
             value = results[sid]
             if x is primaries[sid]:
                 return value
-            dest = _destination(x)
+            dest = load_destination(x)
             dest.copy_(value)
             return dest
         if isinstance(x, ShardedBase):

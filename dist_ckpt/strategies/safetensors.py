@@ -48,15 +48,14 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..checksums import DEFAULT_BLOCK_BYTES, IntegrityReport
-from ..dict_utils import nested_values
 from ..distributed import gather_json, get_rank, run_collectively
 from ..dtypes import dtype_to_name
 from ..errors import CheckpointingException, InvalidShardedTensorError
-from ..mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
+from ..mapping import ShardedStateDict, ShardedTensor, StateDict
 from ..storage import Storage, fsync_dir, write_bytes_atomic
 from ..storage.location import CheckpointLocation, resolve_location
 from .async_utils import AsyncOutcome, AsyncRequest
-from .base import AsyncSaveShardedStrategy, LoadShardedStrategy, TensorLayout, TensorStreamWriter
+from .base import AsyncSaveShardedStrategy, LoadShardedStrategy, TensorLayout, TensorStreamWriter, main_replica_shards
 from .safetensors_format import StagingBuffer
 from .safetensors_index import (
     INDEX_FILENAME,
@@ -258,7 +257,7 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
     # ----------------------------------------------------------------------- synchronous
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> None:
-        shards = _main_replicas(sharded_state_dict)
+        shards = main_replica_shards(sharded_state_dict)
         # 1. write this rank's files, straight from the tensors' memory
         local = run_collectively("writing safetensors files", lambda: self._write_files(checkpoint_dir, shards))
         # 2. and 3. gather the index parts, rank 0 commits the index
@@ -331,7 +330,7 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
             strategy = SafetensorsSaveShardedStrategy()
             strategy.reserve_snapshot(model_sharded_state_dict)
         """
-        shards = [sh for sh in _main_replicas(sharded_state_dict) if sh.data is not None]
+        shards = [sh for sh in main_replica_shards(sharded_state_dict) if sh.data is not None]
         files = self._plan(shards, smallest_last=self.options.snapshot_budget_bytes is not None)
         choose = whole_file_starts if object_store else deferred_starts
         starts = choose([[_nbytes(sh) for sh in group] for _, group in files], self.options.snapshot_budget_bytes)
@@ -364,7 +363,7 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
         else:
             remote = checkpoint_dir
             remote_root = remote.child(SAFETENSORS_DIR)
-        shards = _main_replicas(sharded_state_dict)
+        shards = main_replica_shards(sharded_state_dict)
         budget = self.options.snapshot_budget_bytes
         block = self.options.checksum_block_bytes
         # 1. plan
@@ -443,10 +442,6 @@ class _IndexPart:
             for (key, shard), crc in zip(entries, written):
                 tensors[key]["shards"].append(dict(shard, crc32c=crc) if checksums else shard)
         return rank_index(self.sizes, self.rank, tensors, header_crcs if checksums else None)
-
-
-def _main_replicas(sharded_state_dict: ShardedStateDict) -> List[ShardedTensor]:
-    return [s for s in nested_values(sharded_state_dict) if isinstance(s, ShardedTensor) and is_main_replica(s.replica_id)]
 
 
 def _stored_view(sh: ShardedTensor) -> torch.Tensor:

@@ -42,6 +42,7 @@ from ..errors import ChecksumMismatchError, CorruptCheckpointError, format_keys
 from ..geometry import Box, ShardPiece, piece_view, shard_pieces, sub_view
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict
 from ..storage import Storage
+from .base import load_destination
 from .request_checks import check_requested_tensors
 from .safetensors_blocks import ShardCheck
 from .safetensors_format import SafetensorsHeader, read_header, storage_layout
@@ -235,14 +236,6 @@ def default_file_check(index: TensorIndex) -> FileCheck:
 # --------------------------------------------------------------------------- planning
 
 
-def _destination(sh: ShardedTensor) -> torch.Tensor:
-    """``sh.data`` when it is real memory of the right shape (any device), else a new CPU tensor."""
-    shape = sh.local_shape if sh.flattened_range is None else (sh.flattened_range.stop - sh.flattened_range.start,)
-    data = sh.data
-    if data is not None and data.device.type != "meta" and tuple(data.shape) == tuple(shape):
-        return data
-    return torch.empty(shape, dtype=sh.dtype)
-
 
 @dataclass
 class _Planned:
@@ -377,7 +370,7 @@ def load_from_index(
         info = index.lookup(sh.key)
         assert info is not None
         planned, pad = _plan_tensor(sh, info, index)
-        plans[id(sh)] = (_destination(sh), planned, pad)
+        plans[id(sh)] = (load_destination(sh), planned, pad)
         for p in planned:
             if (p.shard.file, p.shard.name) not in seen:
                 seen.add((p.shard.file, p.shard.name))

@@ -68,13 +68,15 @@ from ..dict_utils import dict_list_map_inplace, nested_values
 from ..distributed import get_rank, run_collectively
 from ..dtypes import numpy_to_tensor, tensor_to_numpy
 from ..geometry import Box, piece_view, sub_view
-from ..mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
+from ..mapping import ShardedStateDict, ShardedTensor, StateDict
 from ..storage.location import CheckpointLocation
 from ..storage.object_path import Node, ObjectPath
 from .base import (
     LoadShardedStrategy,
     SaveShardedStrategy,
     StrategyAction,
+    loaded_shape,
+    main_replica_shards,
     register_default_strategy,
 )
 from .zarr_checksums import (
@@ -242,11 +244,7 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> None:
         root = checkpoint_node(checkpoint_dir, _ENGINE) / ZARR_DIR
-        shards = [
-            s
-            for s in nested_values(sharded_state_dict)
-            if isinstance(s, ShardedTensor) and is_main_replica(s.replica_id)
-        ]
+        shards = main_replica_shards(sharded_state_dict)
         context = _context(self.concurrency)
         # 1. tensor nodes exist before any rank writes into them
         created = run_collectively("creating zarr arrays (tensorstore)", lambda: self._create_nodes(root, shards, context))
@@ -430,7 +428,7 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
         return dict_list_map_inplace(result_of, sharded_state_dict)  # type: ignore[no-any-return]
 
     def _target(self, sh: ShardedTensor) -> _Target:
-        shape = sh.local_shape if sh.flattened_range is None else (sh.flattened_range.stop - sh.flattened_range.start,)
+        shape = loaded_shape(sh)
         holder = Box(sh.global_offset, sh.full_local_shape)
         data = sh.data
         if data is None or data.device.type == "meta" or tuple(data.shape) != tuple(shape) or data.dtype != sh.dtype:

@@ -36,9 +36,8 @@ import math
 import os
 import shutil
 import uuid
-from itertools import product
 from pathlib import Path
-from typing import Any, ClassVar, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -51,13 +50,13 @@ from ..distributed import get_rank, run_collectively
 from ..dtypes import dtype_info, numpy_to_tensor, tensor_to_numpy
 from ..errors import CheckpointingException, CorruptCheckpointError
 from ..geometry import Box, piece_view, sub_view
-from ..mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
+from ..mapping import ShardedStateDict, ShardedTensor, StateDict
 from ..storage.location import CheckpointLocation, require_local
 from ..storage import fsync_dir, fsync_file
 from ..storage.object_path import Node, ObjectPath
 from ._zarr_dtypes import register_extension_dtypes
 from .stored_shards import StoredShardInfo, describe_zarr
-from .base import LoadShardedStrategy, SaveShardedStrategy, TensorLayout, TensorStreamWriter, check_stream_entry
+from .base import LoadShardedStrategy, SaveShardedStrategy, TensorLayout, TensorStreamWriter, check_stream_entry, load_destination, main_replica_shards
 from .zarr_checksums import (
     VerifyingStore,
     commit_checksums,
@@ -73,6 +72,7 @@ from .zarr_layout import (
     ZARR_DIR,
     ReadOp,
     checkpoint_node,
+    chunk_coords,
     flatten_range,
     fragment_name,
     list_tensor_names,
@@ -194,11 +194,7 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> None:
         root = checkpoint_node(checkpoint_dir, _ENGINE) / ZARR_DIR
-        shards = [
-            s
-            for s in nested_values(sharded_state_dict)
-            if isinstance(s, ShardedTensor) and is_main_replica(s.replica_id)
-        ]
+        shards = main_replica_shards(sharded_state_dict)
         stores = _Stores(read_only=False)
         created = run_collectively("creating zarr arrays", lambda: self._create_nodes(root, shards, stores))
         chunks = run_collectively("writing zarr chunks", lambda: self._write_chunks(root, shards, stores))
@@ -323,19 +319,6 @@ class _ZarrStreamWriter(TensorStreamWriter):
         commit_checksums(self.root, self.written, self._stores.digests)
 
 
-def _destination(sh: ShardedTensor) -> torch.Tensor:
-    """The tensor to load into: ``sh.data`` when it is real memory of the right shape, else new."""
-    shape = sh.local_shape if sh.flattened_range is None else (sh.flattened_range.stop - sh.flattened_range.start,)
-    data = sh.data
-    if data is not None and data.device.type != "meta" and tuple(data.shape) == tuple(shape):
-        return data
-    return torch.empty(shape, dtype=sh.dtype)
-
-
-def _chunk_coords(region: Box, chunk_shape: Sequence[int]) -> Iterator[Tuple[int, ...]]:
-    ranges = [range(o // c, (o + s - 1) // c + 1) for o, s, c in zip(region.offset, region.shape, chunk_shape)]
-    return product(*ranges)
-
 
 class _ArrayReader:
     """Reads regions of zarr arrays with zarr-python, refusing missing or short chunk files and,
@@ -370,7 +353,7 @@ class _ArrayReader:
                 raise CorruptCheckpointError(f"[rank {get_rank()}] cannot open zarr array {str(path)!r} of tensor {key!r}: {e}") from e
         chunk_shape = array.metadata.chunk_grid.chunk_shape
         chunk_bytes = math.prod(chunk_shape) * array.dtype.itemsize
-        for coords in _chunk_coords(region, chunk_shape):
+        for coords in chunk_coords(region, chunk_shape):
             chunk_file = path / array.metadata.encode_chunk_key(coords)
             try:
                 size = chunk_file.stat().st_size
@@ -430,7 +413,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         def load_one(x: Any) -> Any:
             if not isinstance(x, ShardedTensor):
                 return x
-            dest = _destination(x)
+            dest = load_destination(x)
             holder = Box(x.global_offset, x.full_local_shape)
             plan = plans[id(x)]
             for piece, _ in plan.pad:
