@@ -34,14 +34,13 @@ import argparse
 import shutil
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from dist_ckpt.distributed import barrier
+from dist_ckpt.distributed import barrier, time_collectively
 from dist_ckpt.mapping import ShardedTensor
 from dist_ckpt.serialization import load, save
 from dist_ckpt.strategies.async_utils import AsyncCallsQueue
@@ -81,14 +80,6 @@ class Job:
     cfg: DemoConfig
     directory: str
     repeats: int
-
-
-def _timed(fn: Callable[[], Any]) -> float:
-    barrier()
-    start = time.perf_counter()
-    fn()
-    barrier()
-    return time.perf_counter() - start
 
 
 def _evict(rank: int, directory: str) -> None:
@@ -136,18 +127,18 @@ def timing_job(rank: int, world: int, job: Job) -> Dict[str, List[float]]:
     out: Dict[str, List[float]] = {op: [] for op, _ in OPS}
     out["bad"] = [0.0]
     for i in range(job.repeats):
-        out["save_plain"].append(_timed(lambda: save(sd, root / f"plain{i}", sharded_strategy=plain)))
-        out["save"].append(_timed(lambda: save(sd, root / f"default{i}", sharded_strategy=default)))
+        out["save_plain"].append(time_collectively(lambda: save(sd, root / f"plain{i}", sharded_strategy=plain)))
+        out["save"].append(time_collectively(lambda: save(sd, root / f"default{i}", sharded_strategy=default)))
 
         def blocking() -> None:
             queue.schedule_async_request(save(sd, root / f"async{i}", sharded_strategy=asynchronous, async_sharded_save=True))
 
-        block = _timed(blocking)
+        block = time_collectively(blocking)
         out["async_first" if i == 0 else "async_block"].append(block)
-        out["async_total"].append(block + _timed(lambda: queue.maybe_finalize_async_calls(blocking=True)))
+        out["async_total"].append(block + time_collectively(lambda: queue.maybe_finalize_async_calls(blocking=True)))
         if i == 0:
             out["async_reserved"].append(
-                _timed(lambda: queue.schedule_async_request(save(sd, root / "reserved", sharded_strategy=reserved, async_sharded_save=True)))
+                time_collectively(lambda: queue.schedule_async_request(save(sd, root / "reserved", sharded_strategy=reserved, async_sharded_save=True)))
             )
             queue.maybe_finalize_async_calls(blocking=True)
             barrier()
@@ -160,8 +151,8 @@ def timing_job(rank: int, world: int, job: Job) -> Dict[str, List[float]]:
                 load(request, root / f"default{i}", sharded_strategy=strategy)
 
             _evict(rank, str(root / f"default{i}"))
-            out[f"{name}_cold"].append(_timed(load_it))
-            out[f"{name}_warm"].append(_timed(load_it))
+            out[f"{name}_cold"].append(time_collectively(load_it))
+            out[f"{name}_warm"].append(time_collectively(load_it))
             out["bad"][0] += _bad(request, job.cfg.seed)
         check = _request(job.cfg, rank, world)
         load(check, root / f"async{i}")

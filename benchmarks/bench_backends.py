@@ -51,7 +51,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from dist_ckpt.bench import measure_disk
-from dist_ckpt.distributed import barrier
+from dist_ckpt.distributed import barrier, time_collectively
 from dist_ckpt.mapping import ShardedTensor, is_main_replica
 from dist_ckpt.serialization import load, save
 from dist_ckpt.testing import spawn_ranks
@@ -134,14 +134,6 @@ def _backend(system: str) -> Tuple[str, int]:
     return name, int(version or 1)
 
 
-def _timed(fn: Callable[[], Any]) -> float:
-    barrier()
-    start = time.perf_counter()
-    fn()
-    barrier()
-    return time.perf_counter() - start
-
-
 def _request(cfg: DemoConfig, layout: Layout, rank: int) -> Dict[str, Any]:
     """A load request whose tensors are allocated and touched (like a live model's)."""
     sd = build_sharded_state_dict(cfg, layout, rank, fill=False)
@@ -212,17 +204,17 @@ def timing_job(rank: int, world: int, job: Job) -> Dict[str, float]:
     _warm_up(job.system, rank, job.directory + "_warmup")
     layout = Layout(world, 1)
     sd = build_sharded_state_dict(job.cfg, layout, rank, fill=True)
-    out = {"save": _timed(functools.partial(_save, job.system, sd, job.directory))}
+    out = {"save": time_collectively(functools.partial(_save, job.system, sd, job.directory))}
     del sd  # free the saved state before the loads allocate theirs
     request = _request(job.cfg, layout, rank)
     _evict(rank, job.directory)
-    out["load"] = _timed(lambda: _load(job.system, request, job.directory))
+    out["load"] = time_collectively(lambda: _load(job.system, request, job.directory))
     out["bad"] = _check(request, job.cfg.seed)
     del request
     if job.reshard:
         request = _request(job.cfg, Layout(world // 2, 2), rank)
         _evict(rank, job.directory)
-        out["reshard"] = _timed(lambda: _load(job.system, request, job.directory))
+        out["reshard"] = time_collectively(lambda: _load(job.system, request, job.directory))
         out["bad"] += _check(request, job.cfg.seed)
     return out
 

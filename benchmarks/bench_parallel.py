@@ -28,7 +28,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -36,7 +35,7 @@ import torch
 
 import dist_ckpt as dc
 from dist_ckpt.bench import measure_disk
-from dist_ckpt.distributed import barrier
+from dist_ckpt.distributed import barrier, time_collectively
 from dist_ckpt.strategies.base import StrategyAction, get_default_strategy
 from dist_ckpt.strategies.fully_parallel import FullyParallelLoadStrategyWrapper, FullyParallelSaveStrategyWrapper
 from dist_ckpt.strategies.tensorstore import TensorStoreLoadShardedStrategy
@@ -92,11 +91,7 @@ def timed(rank: int, fn: Callable[[], object], before: Optional[Callable[[], Non
     """Wall time of a collective ``fn`` between barriers (the slowest rank's time)."""
     if before is not None and rank == 0:
         before()
-    barrier()
-    start = time.perf_counter()
-    fn()
-    barrier()
-    return time.perf_counter() - start
+    return time_collectively(fn)
 
 
 def _default(action: StrategyAction) -> object:

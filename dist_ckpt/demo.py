@@ -32,11 +32,11 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .distributed import barrier
+from .distributed import time_collectively
 from .mapping import is_main_replica
 from .serialization import DEFAULT_SHARDED_BACKEND, load_with_report, save
 from .strategies.base import StrategyAction, get_default_strategy
@@ -163,27 +163,19 @@ class _RankReport:
     mismatches: Tuple[str, ...]
 
 
-def _timed(fn: Callable[[], Any]) -> float:
-    barrier()
-    start = time.perf_counter()
-    fn()
-    barrier()
-    return time.perf_counter() - start
-
-
 def _rank_main(rank: int, world: int, job: _RankJob) -> _RankReport:
     """One rank: save in TP=world, reload in TP=world/2 x DP=2, verify (runs in a spawned process)."""
     torch.set_num_threads(1)
     save_layout, load_layout = Layout(world, 1), Layout(world // 2, 2)
     sd = build_sharded_state_dict(job.cfg, save_layout, rank, fill=True)
     saved_shards = sum(1 for sh in sharded_tensors(sd) if is_main_replica(sh.replica_id))
-    save_seconds = _timed(functools.partial(save, sd, job.checkpoint_dir, sharded_strategy=job.backend))
+    save_seconds = time_collectively(functools.partial(save, sd, job.checkpoint_dir, sharded_strategy=job.backend))
     del sd  # free the saved state before the load allocates the next one
     if job.evict_page_cache and rank == 0:
         evict_page_cache(job.checkpoint_dir)
     request = build_sharded_state_dict(job.cfg, load_layout, rank, fill=False)
     holder: Dict[str, Any] = {}
-    load_seconds = _timed(lambda: holder.update(loaded=load_with_report(request, job.checkpoint_dir)))
+    load_seconds = time_collectively(lambda: holder.update(loaded=load_with_report(request, job.checkpoint_dir)))
     checked, problems = verify_loaded(request, holder["loaded"].state_dict, job.cfg)
     first = tuple(f"[rank {rank}] {p}" for p in problems[:MAX_REPORTED])
     return _RankReport(save_seconds, load_seconds, saved_shards, checked, len(problems), first)

@@ -15,6 +15,7 @@ import datetime
 import json
 import logging
 import threading
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
@@ -94,6 +95,16 @@ def barrier(group: Optional[ProcessGroup] = None) -> None:
     """Wait for every rank of ``group``."""
     if get_world_size(group) > 1:
         dist.barrier(group=group)
+
+
+def time_collectively(fn: Callable[[], Any], group: Optional[ProcessGroup] = None) -> float:
+    """Seconds ``fn`` takes on the slowest rank of ``group``: wall time between a barrier before
+    and one after (what demos and benchmarks report for a collective save or load)."""
+    barrier(group)
+    start = time.perf_counter()
+    fn()
+    barrier(group)
+    return time.perf_counter() - start
 
 
 def comm_device(group: Optional[ProcessGroup] = None) -> torch.device:
