@@ -57,8 +57,8 @@ from ..checksums import ALGORITHM, block_count, crc_from_hex, decode_block_crcs
 from ..dtypes import dtype_from_name
 from ..errors import CheckpointingException, CorruptCheckpointError, IncompatibleStrategyError
 from ..mapping import ShardedTensor
-from ..storage import ObjectNotFoundError, Storage
-from ..storage.location import CheckpointLocation
+from ..storage import Storage
+from ..storage.location import CheckpointLocation, location_str
 from .safetensors_load import StoredShard, StoredTensor, TensorIndex
 
 __all__ = [
@@ -313,32 +313,25 @@ def read_index(checkpoint_dir: CheckpointLocation) -> TensorIndex:
         index = read_index(Path("ckpt/iter_1000"))
         index.tensors["decoder.w"].shards[0].file   # "rank00000_0.safetensors"
     """
-    if not isinstance(checkpoint_dir, Path):
+    storage: Optional[Storage] = None
+    if isinstance(checkpoint_dir, Path):
+        path = checkpoint_dir / SAFETENSORS_DIR / INDEX_FILENAME
+        where = str(path)
+    else:  # an object store: the index names its files relative to safetensors/
         storage = checkpoint_dir.child(SAFETENSORS_DIR)
-        try:
-            raw = storage.read(INDEX_FILENAME)
-        except ObjectNotFoundError:
-            raise CorruptCheckpointError(
-                f"{storage.url_of(INDEX_FILENAME)!r} is missing: the safetensors part of checkpoint "
-                f"{checkpoint_dir.url!r} is incomplete"
-            ) from None
-        try:
-            remote_doc = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as e:
-            raise CorruptCheckpointError(f"safetensors index {storage.url_of(INDEX_FILENAME)!r} is not valid JSON: {e}") from e
-        return parse_index(remote_doc, Path(SAFETENSORS_DIR) / INDEX_FILENAME, storage)
-    path = Path(checkpoint_dir) / SAFETENSORS_DIR / INDEX_FILENAME
+        path = Path(SAFETENSORS_DIR) / INDEX_FILENAME
+        where = storage.url_of(INDEX_FILENAME)
     try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
+        raw = path.read_bytes() if storage is None else storage.read(INDEX_FILENAME)
+    except FileNotFoundError:  # ObjectNotFoundError is one
         raise CorruptCheckpointError(
-            f"{str(path)!r} is missing: the safetensors part of checkpoint {str(checkpoint_dir)!r} is incomplete"
+            f"{where!r} is missing: the safetensors part of checkpoint {location_str(checkpoint_dir)!r} is incomplete"
         ) from None
     try:
         doc = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
-        raise CorruptCheckpointError(f"safetensors index {str(path)!r} is not valid JSON: {e}") from e
-    return parse_index(doc, path)
+        raise CorruptCheckpointError(f"safetensors index {where!r} is not valid JSON: {e}") from e
+    return parse_index(doc, path, storage)
 
 
 def rank_index(
