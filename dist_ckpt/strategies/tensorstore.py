@@ -90,6 +90,7 @@ from .zarr_layout import (
     ATTR,
     ZARR_DIR,
     ReadOp,
+    cpu_contiguous,
     ReadPlan,
     array_chunk_shape,
     array_metadata,
@@ -291,7 +292,7 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
         for sh in shards:
             if sh.data is None:
                 raise CheckpointingException(f"[rank {get_rank()}] main replica of {sh.key!r} has no data to save")
-            data = tensor_to_numpy(_cpu_contiguous(sh.data))
+            data = tensor_to_numpy(cpu_contiguous(sh.data))
             if sh.flattened_range is None:
                 if math.prod(sh.local_shape) == 0:
                     continue
@@ -340,13 +341,6 @@ def _create_array(path: Node, metadata: Dict[str, Any], context: "ts.Context") -
     # missing chunk can be told apart from a zero one
     spec = dict(_spec(path), metadata=metadata, store_data_equal_to_fill_value=True)
     return ts.open(spec, create=True, context=context)
-
-
-def _cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.to("cpu")
-    return t.contiguous()
 
 
 # --------------------------------------------------------------------------- load

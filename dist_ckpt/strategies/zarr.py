@@ -52,7 +52,7 @@ from ..errors import CheckpointingException, CorruptCheckpointError
 from ..geometry import Box, piece_view, sub_view
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict
 from ..storage.location import CheckpointLocation, require_local
-from ..storage import fsync_dir, fsync_file
+from ..storage import fsync_dir
 from ..storage.object_path import Node, ObjectPath
 from ._zarr_dtypes import register_extension_dtypes
 from .stored_shards import StoredShardInfo, describe_zarr
@@ -66,15 +66,21 @@ from .zarr_checksums import (
 )
 from .zarr_layout import (
     ATTR,
-    FRAGMENT_CHUNK_ELEMENTS,
-    LAYOUT_CHUNKED,
-    LAYOUT_FLATTENED,
     ZARR_DIR,
     ReadOp,
+    array_chunk_shape,
+    chunked_attributes,
+    creates_flattened_group,
+    flattened_attributes,
+    fragment_attributes,
+    fragment_chunk_elements,
+    is_origin,
     checkpoint_node,
     chunk_coords,
+    cpu_contiguous,
     flatten_range,
     fragment_name,
+    fsync_written,
     list_tensor_names,
     load_zarr_based_sharded_metadata,
     make_dirs,
@@ -103,35 +109,7 @@ _ARRAY_OPTIONS: Dict[str, Any] = {"serializer": BytesCodec(), "compressors": Non
 _WRITE_EMPTY: Any = {"write_empty_chunks": True}
 
 
-def _is_origin(sh: ShardedTensor) -> bool:
-    return not any(sh.global_offset)
-
-
-def _cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.to("cpu")
-    return t.contiguous()
-
-
 _ENGINE = "the zarr backend (zarr-python)"
-
-
-def _fsync_tree(paths: Sequence[Node], stop_at: Node) -> None:
-    """fsync files, then every directory from their parents up to ``stop_at`` (local only)."""
-    if not isinstance(stop_at, Path):
-        return  # an object is durable once its PUT has returned
-    dirs = set()
-    for p in paths:
-        assert isinstance(p, Path)
-        fsync_file(p)
-        parent = p.parent
-        while parent != stop_at and stop_at in parent.parents:
-            dirs.add(parent)
-            parent = parent.parent
-    dirs.add(stop_at)
-    for d in sorted(dirs, key=lambda d: len(d.parts), reverse=True):
-        fsync_dir(d)
 
 
 class _Stores:
@@ -213,48 +191,37 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
             zarr.create_group(store=store, path=at or None, overwrite=False)
             written.append(root / "zarr.json")
         for sh in shards:
-            info = dtype_info(sh.dtype)
             path = tensor_dir(root, sh.key)
-            attrs = {"key": sh.key, "dtype": info.name}
             if sh.flattened_range is None:
-                if _is_origin(sh):
+                if is_origin(sh):
                     store, name = stores.at(path)
                     zarr.create_array(
                         store=store,
                         name=name or None,
                         shape=sh.global_shape,
-                        chunks=tuple(max(1, c) for c in sh.full_local_shape),
-                        dtype=info.numpy_dtype,
-                        attributes={ATTR: dict(attrs, layout=LAYOUT_CHUNKED)},
+                        chunks=array_chunk_shape(sh),
+                        dtype=dtype_info(sh.dtype).numpy_dtype,
+                        attributes={ATTR: chunked_attributes(sh)},
                         overwrite=False,
                         config=_WRITE_EMPTY,
                         **_ARRAY_OPTIONS,
                     )
                     written.append(path / "zarr.json")
                 continue
-            start, stop = sh.flattened_range.start, sh.flattened_range.stop
-            chunk_numel = math.prod(sh.local_shape)
-            if _is_origin(sh) and start == 0 and (stop > 0 or chunk_numel == 0):
-                group_attrs = dict(
-                    attrs,
-                    layout=LAYOUT_FLATTENED,
-                    global_shape=list(sh.global_shape),
-                    chunk_shape=list(sh.full_local_shape),
-                )
+            if creates_flattened_group(sh):
                 store, name = stores.at(path)
-                zarr.create_group(store=store, path=name or None, attributes={ATTR: group_attrs}, overwrite=False)
+                zarr.create_group(store=store, path=name or None, attributes={ATTR: flattened_attributes(sh)}, overwrite=False)
                 written.append(path / "zarr.json")
-            if stop > start:
+            if sh.flattened_range.stop > sh.flattened_range.start:
                 written += self._write_fragment(path / fragment_name(sh), sh, stores)
-        _fsync_tree(written, root)
+        fsync_written(written, root)
         return written
 
     @staticmethod
     def _write_fragment(path: Node, sh: ShardedTensor, stores: _Stores) -> List[Node]:
         assert sh.flattened_range is not None and sh.data is not None
-        start, stop = sh.flattened_range.start, sh.flattened_range.stop
-        length = stop - start
-        chunk = min(length, FRAGMENT_CHUNK_ELEMENTS)
+        length = sh.flattened_range.stop - sh.flattened_range.start
+        chunk = fragment_chunk_elements(length)
         store, name = stores.at(path)
         arr = zarr.create_array(
             store=store,
@@ -262,12 +229,12 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
             shape=(length,),
             chunks=(chunk,),
             dtype=dtype_info(sh.dtype).numpy_dtype,
-            attributes={ATTR: {"global_offset": list(sh.global_offset), "flat_range": [start, stop]}},
+            attributes={ATTR: fragment_attributes(sh)},
             overwrite=False,
             config=_WRITE_EMPTY,
             **_ARRAY_OPTIONS,
         )
-        arr[:] = tensor_to_numpy(_cpu_contiguous(sh.data))
+        arr[:] = tensor_to_numpy(cpu_contiguous(sh.data))
         chunk_files = [path / arr.metadata.encode_chunk_key((i,)) for i in range(math.ceil(length / chunk))]
         return [path / "zarr.json"] + chunk_files
 
@@ -283,11 +250,11 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
                 store, name = stores.at(path)
                 arrays[sh.key] = zarr.open_array(store=store, path=name, mode="r+").with_config(_WRITE_EMPTY)
             arr = arrays[sh.key]
-            local = tensor_to_numpy(_cpu_contiguous(sh.data)).reshape(sh.full_local_shape)
+            local = tensor_to_numpy(cpu_contiguous(sh.data)).reshape(sh.full_local_shape)
             region = tuple(slice(o, o + s) for o, s in zip(sh.global_offset, sh.full_local_shape))
             arr[region] = local
             written.append(path / arr.metadata.encode_chunk_key(sh.local_chunk_offset_in_global()))
-        _fsync_tree(written, root)
+        fsync_written(written, root)
         return written
 
 
@@ -315,7 +282,7 @@ class _ZarrStreamWriter(TensorStreamWriter):
             raise CheckpointingException(
                 f"the stream into {self.root} finished after {self._added} of its {len(self.layout)} tensors"
             )
-        _fsync_tree([self.root / "zarr.json"], self.root)
+        fsync_written([self.root / "zarr.json"], self.root)
         commit_checksums(self.root, self.written, self._stores.digests)
 
 

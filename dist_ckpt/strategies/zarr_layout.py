@@ -583,6 +583,14 @@ def damaged_chunks(array_path: Node, region: Box) -> List[str]:
     return problems
 
 
+def cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as contiguous host memory (copied from a device), what both engines write from."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    return t.contiguous()
+
+
 def fsync_written(paths: Sequence[Node], root: Node) -> None:
     """fsync the files an engine wrote, then every directory from their parents up to ``root``,
     so that a crash after a save returns cannot lose them (nothing to do on an object store)."""

@@ -25,7 +25,6 @@ from dist_ckpt.errors import CorruptCheckpointError, KeyMismatchError, LoadMisma
 from dist_ckpt.mapping import ShardedTensor
 from dist_ckpt.strategies import base, zarr_layout
 from dist_ckpt.strategies import tensorstore as ts_strategy
-from dist_ckpt.strategies import zarr as zarr_strategy
 from dist_ckpt.strategies.base import StrategyAction as A
 from dist_ckpt.strategies.tensorstore import (
     TensorStoreLoadShardedStrategy,
@@ -61,9 +60,8 @@ def eng(request: pytest.FixtureRequest) -> Engines:
 
 @pytest.fixture
 def small_fragments(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fragments split into zarr chunks of 4 elements, in both engines."""
+    """Fragments split into zarr chunks of 4 elements, in both engines (one layout module)."""
     monkeypatch.setattr(zarr_layout, "FRAGMENT_CHUNK_ELEMENTS", 4)
-    monkeypatch.setattr(zarr_strategy, "FRAGMENT_CHUNK_ELEMENTS", 4)
 
 
 # --------------------------------------------------------------------------- dtypes and layouts

@@ -20,7 +20,7 @@ from dist_ckpt.dtypes import SUPPORTED_DTYPE_NAMES
 from dist_ckpt.errors import CorruptCheckpointError, KeyMismatchError, LoadMismatchError
 from dist_ckpt.mapping import ShardedTensor
 from dist_ckpt.storage import encode_key
-from dist_ckpt.strategies import zarr as zarr_strategy
+from dist_ckpt.strategies import zarr_layout
 from dist_ckpt.strategies.zarr import (
     ZARR_DIR,
     ZarrLoadShardedStrategy,
@@ -195,7 +195,7 @@ def test_flattened_uneven_pieces(tmp_path):
 
 
 def test_flattened_fragments_in_several_chunks(tmp_path, monkeypatch):
-    monkeypatch.setattr(zarr_strategy, "FRAGMENT_CHUNK_ELEMENTS", 4)
+    monkeypatch.setattr(zarr_layout, "FRAGMENT_CHUNK_ELEMENTS", 4)
     full = torch.arange(30, dtype=torch.int32).reshape(5, 6)
     save({f"p{i}": sh for i, sh in enumerate(flat_pieces("f", full, [0, 13, 30]))}, tmp_path)
     req = {f"q{i}": ShardedTensor.from_rank_offsets_flat("f", torch.zeros(b - a, dtype=torch.int32), (5, 6),
@@ -404,7 +404,7 @@ def test_load_reads_only_needed_chunk(tmp_path, read_log):
 
 
 def test_flattened_load_reads_only_needed_fragment_chunks(tmp_path, read_log, monkeypatch):
-    monkeypatch.setattr(zarr_strategy, "FRAGMENT_CHUNK_ELEMENTS", 4)
+    monkeypatch.setattr(zarr_layout, "FRAGMENT_CHUNK_ELEMENTS", 4)
     full = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     save({f"p{i}": sh for i, sh in enumerate(flat_pieces("f", full, [0, 12, 24]))}, tmp_path)
     read_log.clear()
