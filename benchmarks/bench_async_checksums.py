@@ -1,7 +1,7 @@
 """What asynchronous saves block, and what checksums cost, on the default (safetensors) backend.
 
 The state is the demo's GPT-like model (bf16) plus distributed-optimizer Adam moments (fp32)
-(:mod:`dist_ckpt.testing.gpt_state`), scaled to ``--size-gb`` GiB, TP=N over N spawned ranks,
+(:mod:`dist_ckpt.tools.gpt_state`), scaled to ``--size-gb`` GiB, TP=N over N spawned ranks,
 CPU tensors. Each rank keeps one save strategy object and one :class:`AsyncCallsQueue` for the
 whole run (a training job's situation: the snapshot buffer and the writer process are reused;
 both are set up by an untimed warm-up save). Then, ``--repeats`` times, interleaved so that a
@@ -40,18 +40,18 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from dist_ckpt.distributed import barrier, time_collectively
-from dist_ckpt.mapping import ShardedTensor
-from dist_ckpt.serialization import load, save
-from dist_ckpt.strategies.async_utils import AsyncCallsQueue
-from dist_ckpt.strategies.safetensors import (
+from dist_ckpt.engine.distributed import barrier, time_collectively
+from dist_ckpt.model.sharded import ShardedTensor
+from dist_ckpt.engine.serialization import load, save
+from dist_ckpt.async_save.queue import AsyncCallsQueue
+from dist_ckpt.backends.safetensors.strategy import (
     SafetensorsLoadOptions,
     SafetensorsLoadShardedStrategy,
     SafetensorsSaveOptions,
     SafetensorsSaveShardedStrategy,
 )
 from dist_ckpt.testing import spawn_ranks
-from dist_ckpt.testing.gpt_state import (
+from dist_ckpt.tools.gpt_state import (
     DemoConfig,
     Layout,
     build_sharded_state_dict,

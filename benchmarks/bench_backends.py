@@ -2,7 +2,7 @@
 next to the raw disk bandwidth measured in the same run, and the peak memory of loading ranks.
 
 The state is the demo's GPT-like model (bf16) plus distributed-optimizer Adam moments (fp32)
-(:mod:`dist_ckpt.testing.gpt_state`), scaled to ``--size-gb`` GiB and sharded TP=N over N spawned
+(:mod:`dist_ckpt.tools.gpt_state`), scaled to ``--size-gb`` GiB and sharded TP=N over N spawned
 ranks (gloo). For every system, in turns (so that slow and fast minutes of a noisy disk are
 shared fairly), ``--repeats`` times:
 
@@ -50,12 +50,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from dist_ckpt.bench import measure_disk
-from dist_ckpt.distributed import barrier, time_collectively
-from dist_ckpt.mapping import ShardedTensor, is_main_replica
-from dist_ckpt.serialization import load, save
+from dist_ckpt.tools.bench import measure_disk
+from dist_ckpt.engine.distributed import barrier, time_collectively
+from dist_ckpt.model.sharded import ShardedTensor, is_main_replica
+from dist_ckpt.engine.serialization import load, save
 from dist_ckpt.testing import spawn_ranks
-from dist_ckpt.testing.gpt_state import (
+from dist_ckpt.tools.gpt_state import (
     DemoConfig,
     Layout,
     build_sharded_state_dict,
@@ -75,7 +75,7 @@ def measure_disk_parallel(directory: Path, nbytes: int, streams: int = 4) -> Tup
     storage gives to a writer that keeps it busy."""
     import threading
 
-    from dist_ckpt.strategies.safetensors_format import SequentialWriter
+    from dist_ckpt.backends.safetensors.format import SequentialWriter
 
     paths = [directory / f"bench_raw_{os.getpid()}_{i}.bin" for i in range(streams)]
     part = nbytes // streams

@@ -1,6 +1,6 @@
 """Save and load throughput of dist_ckpt next to the raw disk bandwidth measured in the same run.
 
-A thin command-line wrapper over :mod:`dist_ckpt.bench` (which ``dist-ckpt bench`` also runs):
+A thin command-line wrapper over :mod:`dist_ckpt.tools.bench` (which ``dist-ckpt bench`` also runs):
 the state is the demo's GPT-like model in bf16 plus distributed-optimizer Adam moments in fp32,
 scaled to ``--size-gb`` GiB, saved from N spawned ranks (TP=N), loaded back on them resharded
 (TP=N/2 x DP=2), then loaded whole by one process, every value verified; the raw disk is measured
@@ -21,8 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence, Tuple
 
-from dist_ckpt.bench import BenchOptions, render_table, run_bench
-from dist_ckpt.serialization import DEFAULT_SHARDED_BACKEND
+from dist_ckpt.tools.bench import BenchOptions, render_table, run_bench
+from dist_ckpt.engine.serialization import DEFAULT_SHARDED_BACKEND
 
 
 def _backend(text: str) -> Tuple[str, int]:

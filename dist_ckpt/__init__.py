@@ -11,7 +11,7 @@ Save a sharded state dict from N processes, load it back under another parallel 
 This module re-exports the public API; importing it imports no optional backend.
 """
 
-from .checkpointer import (
+from dist_ckpt.training.checkpointer import (
     CheckpointMetadata,
     Checkpointer,
     TensorMetadata,
@@ -20,9 +20,13 @@ from .checkpointer import (
     unshard_model_state,
     unshard_optim_state,
 )
-from .convert import ConvertResult, convert
-from .core import CheckpointingConfig, check_is_distributed_checkpoint, maybe_load_config
-from .errors import (
+from dist_ckpt.tools.convert import ConvertResult, convert
+from dist_ckpt.engine.commit import (
+    CheckpointingConfig,
+    check_is_distributed_checkpoint,
+    maybe_load_config,
+)
+from dist_ckpt.errors import (
     AsyncSaveError,
     CheckpointExistsError,
     CheckpointingException,
@@ -43,7 +47,7 @@ from .errors import (
     UnknownStrategyError,
     UnsafeObjectError,
 )
-from .mapping import (
+from dist_ckpt.model.sharded import (
     LocalNonPersistentObject,
     LocalNonpersistentObject,
     LocalNonpersitentObject,
@@ -57,9 +61,9 @@ from .mapping import (
     apply_factory_merges,
     is_main_replica,
 )
-from .inspection import CheckpointInfo, TensorInfo, inspect_checkpoint
-from .report import CheckpointReport, ProgressEvent
-from .serialization import (
+from dist_ckpt.tools.inspection import CheckpointInfo, TensorInfo, inspect_checkpoint
+from dist_ckpt.engine.report import CheckpointReport, ProgressEvent
+from dist_ckpt.engine.serialization import (
     LoadResult,
     SaveResult,
     load,
@@ -73,17 +77,17 @@ from .serialization import (
     save,
     save_with_report,
 )
-from .strategies.base import (
+from dist_ckpt.backends.base import (
     StrategyAction,
     StrategyKey,
     get_default_strategy,
     register_default_strategy,
     registered_strategies,
 )
-from .strategies.async_utils import AsyncCallsQueue, AsyncRequest
-from .unshard import iter_unsharded, unshard
-from .validation import StrictHandling, validate_sharding_integrity
-from .verify import VerifyReport, verify_checkpoint
+from dist_ckpt.async_save.queue import AsyncCallsQueue, AsyncRequest
+from dist_ckpt.tools.unshard import iter_unsharded, unshard
+from dist_ckpt.engine.validation import StrictHandling, validate_sharding_integrity
+from dist_ckpt.integrity.verify import VerifyReport, verify_checkpoint
 
 __version__ = "0.1.0"
 

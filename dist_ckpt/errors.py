@@ -85,7 +85,7 @@ class AsyncSaveError(CheckpointingException):
 
 
 class CheckpointManagementError(CheckpointingException, ValueError):
-    """A request to :mod:`dist_ckpt.checkpoints` cannot be carried out as asked.
+    """A request to :mod:`dist_ckpt.training.checkpoints` cannot be carried out as asked.
 
     For example a checkpoint name that carries no step, ``max_checkpoints < 1``, metrics that
     are not finite numbers, or symlinks asked for a checkpoint that has no HuggingFace weights.

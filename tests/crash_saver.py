@@ -51,9 +51,10 @@ def full_tensors(world: int) -> Dict[str, torch.Tensor]:
 
 def slow_storage() -> None:
     """Slow down every data write and every atomic metadata write of this process."""
-    from dist_ckpt import checksums, core
+    from dist_ckpt.integrity import checksums
+    from dist_ckpt.engine import commit as core
     from dist_ckpt.storage import atomic_write
-    from dist_ckpt.strategies import safetensors, safetensors_format
+    from dist_ckpt.backends.safetensors import strategy as safetensors, format as safetensors_format
 
     original = safetensors_format.SequentialWriter.write
 
@@ -97,7 +98,7 @@ def main(argv: list) -> None:
     ckpt, mode, side = Path(argv[3]), argv[4], Path(argv[5])
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import dist_ckpt as dc
-    from dist_ckpt.strategies.async_utils import AsyncCallsQueue
+    from dist_ckpt.async_save.queue import AsyncCallsQueue
     from dist_ckpt.testing import init_process_group
 
     slow_storage()

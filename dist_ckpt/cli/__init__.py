@@ -32,12 +32,12 @@ import sys
 import traceback
 from typing import Optional, Sequence, Tuple
 
-from .. import __version__
-from ..errors import CheckpointExistsError, CheckpointingException, NotACheckpointError
-from ..storage.errors import BucketNotFoundError, StorageConfigError
-from ..testing import RankError
-from .bench_command import add_bench_command
-from .common import (
+from dist_ckpt import __version__
+from dist_ckpt.errors import CheckpointExistsError, CheckpointingException, NotACheckpointError
+from dist_ckpt.storage.errors import BucketNotFoundError, StorageConfigError
+from dist_ckpt.testing import RankError
+from dist_ckpt.cli.bench_command import add_bench_command
+from dist_ckpt.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
@@ -47,11 +47,11 @@ from .common import (
     format_table,
     one_line,
 )
-from .convert_command import add_convert_command
-from .demo_command import add_demo_command
-from .export_hf_command import add_export_hf_command
-from .inspect_command import add_inspect_command
-from .verify_command import add_verify_command
+from dist_ckpt.cli.convert_command import add_convert_command
+from dist_ckpt.cli.demo_command import add_demo_command
+from dist_ckpt.cli.export_hf_command import add_export_hf_command
+from dist_ckpt.cli.inspect_command import add_inspect_command
+from dist_ckpt.cli.verify_command import add_verify_command
 
 __all__ = ["COMMANDS", "EXIT_FAILURE", "EXIT_OK", "EXIT_USAGE", "CommandFailed", "build_parser", "format_table", "main"]
 

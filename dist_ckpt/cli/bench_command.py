@@ -6,8 +6,8 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from ..serialization import DEFAULT_SHARDED_BACKEND
-from .common import (
+from dist_ckpt.engine.serialization import DEFAULT_SHARDED_BACKEND
+from dist_ckpt.cli.common import (
     EXIT_OK,
     BadPathError,
     CommandFailed,
@@ -55,7 +55,7 @@ def add_bench_command(subparsers: SubParsers, common: argparse.ArgumentParser) -
 
 def run_bench_command(args: argparse.Namespace) -> int:
     """Run the benchmark and print its table (or JSON)."""
-    from ..bench import BenchOptions, render_table, run_bench  # keeps `dist-ckpt --help` fast
+    from dist_ckpt.tools.bench import BenchOptions, render_table, run_bench  # keeps `dist-ckpt --help` fast
 
     try:
         args.dir.mkdir(parents=True, exist_ok=True)

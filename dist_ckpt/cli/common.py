@@ -14,8 +14,8 @@ import re
 import sys
 from typing import Any, Callable, List, Sequence, Tuple
 
-from ..strategies.base import StrategyAction, registered_strategies
-from ..testing import RankError
+from dist_ckpt.backends.base import StrategyAction, registered_strategies
+from dist_ckpt.testing import RankError
 
 __all__ = [
     "EXIT_FAILURE",

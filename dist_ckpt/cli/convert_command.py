@@ -5,13 +5,22 @@ from __future__ import annotations
 import argparse
 from typing import Tuple, Union
 
-from .common import EXIT_OK, SubParsers, add_progress_option, backend_arg, human_bytes, print_json, progress_enabled, size_arg
+from dist_ckpt.cli.common import (
+    EXIT_OK,
+    SubParsers,
+    add_progress_option,
+    backend_arg,
+    human_bytes,
+    print_json,
+    progress_enabled,
+    size_arg,
+)
 
 __all__ = ["add_convert_command"]
 
 
 def _target(text: str) -> Union[str, Tuple[str, int]]:
-    from ..convert import HF_TARGET
+    from dist_ckpt.tools.convert import HF_TARGET
 
     return HF_TARGET if text == HF_TARGET else backend_arg(text)
 
@@ -49,12 +58,12 @@ def add_convert_command(subparsers: SubParsers, common: argparse.ArgumentParser)
 
 def run_convert_command(args: argparse.Namespace) -> int:
     """Convert, with a progress bar in bytes, and print what was written."""
-    from ..convert import convert  # keeps `dist-ckpt --help` fast
-    from .progress import ProgressBars
+    from dist_ckpt.tools.convert import convert  # keeps `dist-ckpt --help` fast
+    from dist_ckpt.cli.progress import ProgressBars
 
     common_strategy = None
     if args.allow_pickle:
-        from ..strategies.common import TorchCommonLoadStrategy
+        from dist_ckpt.backends.torch_common.strategy import TorchCommonLoadStrategy
 
         common_strategy = TorchCommonLoadStrategy(allow_pickle=True)
     with ProgressBars(progress_enabled(args), "converting") as bars:

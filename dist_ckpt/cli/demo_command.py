@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..serialization import DEFAULT_SHARDED_BACKEND
-from .common import (
+from dist_ckpt.engine.serialization import DEFAULT_SHARDED_BACKEND
+from dist_ckpt.cli.common import (
     EXIT_OK,
     CommandFailed,
     SubParsers,
@@ -53,7 +53,7 @@ def add_demo_command(subparsers: SubParsers, common: argparse.ArgumentParser) ->
 
 def run_demo_command(args: argparse.Namespace) -> int:
     """Run the demo and print its table."""
-    from ..demo import DemoOptions, run_demo  # keeps `dist-ckpt --help` fast
+    from dist_ckpt.tools.demo import DemoOptions, run_demo  # keeps `dist-ckpt --help` fast
 
     result = run_demo(
         DemoOptions(size_mib=args.size, ranks=args.ranks, backend=args.backend, directory=args.dir,

@@ -6,7 +6,15 @@ import argparse
 import math
 import time
 
-from .common import EXIT_OK, SubParsers, add_progress_option, human_bytes, print_json, progress_enabled, size_arg
+from dist_ckpt.cli.common import (
+    EXIT_OK,
+    SubParsers,
+    add_progress_option,
+    human_bytes,
+    print_json,
+    progress_enabled,
+    size_arg,
+)
 
 __all__ = ["add_export_hf_command"]
 
@@ -35,8 +43,8 @@ def add_export_hf_command(subparsers: SubParsers, common: argparse.ArgumentParse
 
 def run_export_hf_command(args: argparse.Namespace) -> int:
     """Export, with a progress bar in bytes."""
-    from ..hf.export import export  # keeps `dist-ckpt --help` fast
-    from ..unshard import unsharded_metadata
+    from dist_ckpt.hf.export import export  # keeps `dist-ckpt --help` fast
+    from dist_ckpt.tools.unshard import unsharded_metadata
 
     bar = None
     if progress_enabled(args):

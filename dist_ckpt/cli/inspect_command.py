@@ -7,7 +7,7 @@ import fnmatch
 from dataclasses import replace
 from typing import List, Sequence
 
-from .common import EXIT_OK, SubParsers, format_table, human_bytes, print_json
+from dist_ckpt.cli.common import EXIT_OK, SubParsers, format_table, human_bytes, print_json
 
 __all__ = ["add_inspect_command"]
 
@@ -42,7 +42,7 @@ def _shape(shape: Sequence[int]) -> str:
 
 def run_inspect_command(args: argparse.Namespace) -> int:
     """Inspect and print a summary, a table of tensors, the common keys and ShardedObjects."""
-    from ..inspection import inspect_checkpoint  # keeps `dist-ckpt --help` fast
+    from dist_ckpt.tools.inspection import inspect_checkpoint  # keeps `dist-ckpt --help` fast
 
     info = inspect_checkpoint(args.dir)
     if args.keys is not None:

@@ -1,6 +1,6 @@
 """Progress bars for long commands: library progress events drawn with tqdm, on stderr.
 
-The library reports progress through callbacks (:class:`~dist_ckpt.report.ProgressEvent`) and
+The library reports progress through callbacks (:class:`~dist_ckpt.engine.report.ProgressEvent`) and
 never draws anything; this module -- imported by the CLI only, so that importing dist_ckpt never
 imports tqdm -- turns the events into bars:
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 from types import TracebackType
 from typing import Any, Dict, Optional, Type
 
-from ..report import ProgressEvent
+from dist_ckpt.engine.report import ProgressEvent
 
 __all__ = ["ProgressBars"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .common import (
+from dist_ckpt.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
     CommandFailed,
@@ -44,10 +44,10 @@ def add_verify_command(subparsers: SubParsers, common: argparse.ArgumentParser) 
 
 def run_verify_command(args: argparse.Namespace) -> int:
     """Verify and print one line per problem (or the JSON report)."""
-    from ..errors import NotACheckpointError
-    from ..storage.location import resolve_location
-    from ..verify import verify_checkpoint  # keeps `dist-ckpt --help` fast
-    from .progress import ProgressBars
+    from dist_ckpt.errors import NotACheckpointError
+    from dist_ckpt.storage.location import resolve_location
+    from dist_ckpt.integrity.verify import verify_checkpoint  # keeps `dist-ckpt --help` fast
+    from dist_ckpt.cli.progress import ProgressBars
 
     location = resolve_location(args.dir)
     if isinstance(location, Path) and not location.is_dir():  # a bad path, not a damaged checkpoint

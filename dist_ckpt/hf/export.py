@@ -1,7 +1,7 @@
 """Export any checkpoint to a HuggingFace folder, streaming one tensor at a time.
 
 Every stored tensor is assembled whole from its shards (by the checkpoint's own load strategy,
-see :mod:`dist_ckpt.unshard`) and written into ``model.safetensors`` -- or into shard files of
+see :mod:`dist_ckpt.tools.unshard`) and written into ``model.safetensors`` -- or into shard files of
 at most ``max_shard_size`` bytes plus ``model.safetensors.index.json`` -- then freed before the
 next one is read: memory for one tensor suffices, whatever the size of the state. Runs in one
 process without a process group; the CLI runs it as ``dist-ckpt export-hf SRC DST``. The source
@@ -23,12 +23,18 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from ..errors import CheckpointExistsError
-from ..storage.location import LocationLike, require_local, resolve_location
-from ..strategies.safetensors_format import SafetensorsFileWriter
-from ..unshard import iter_with, unsharded_metadata
-from .folder import has_hf_weights
-from .index import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, plan_shards, save_shard_index, shard_file_name
+from dist_ckpt.errors import CheckpointExistsError
+from dist_ckpt.storage.location import LocationLike, require_local, resolve_location
+from dist_ckpt.backends.safetensors.format import SafetensorsFileWriter
+from dist_ckpt.tools.unshard import iter_with, unsharded_metadata
+from dist_ckpt.hf.folder import has_hf_weights
+from dist_ckpt.hf.index import (
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    plan_shards,
+    save_shard_index,
+    shard_file_name,
+)
 
 __all__ = ["ExportResult", "export"]
 

@@ -15,10 +15,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Union
 
-from ..errors import CorruptCheckpointError, KeyMismatchError, NotACheckpointError, format_keys
-from ..strategies.safetensors_format import SafetensorsHeader, read_header
-from ..strategies.safetensors_load import StoredShard, StoredTensor, TensorIndex
-from .index import (
+from dist_ckpt.errors import (
+    CorruptCheckpointError,
+    KeyMismatchError,
+    NotACheckpointError,
+    format_keys,
+)
+from dist_ckpt.backends.safetensors.format import SafetensorsHeader, read_header
+from dist_ckpt.backends.safetensors.load import StoredShard, StoredTensor, TensorIndex
+from dist_ckpt.hf.index import (
     BIN_WEIGHTS_INDEX_NAME,
     BIN_WEIGHTS_NAME,
     SAFE_WEIGHTS_INDEX_NAME,

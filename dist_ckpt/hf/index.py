@@ -28,8 +28,8 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 
-from ..errors import CheckpointingException, CorruptCheckpointError
-from ..storage import write_bytes_atomic
+from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
+from dist_ckpt.storage import write_bytes_atomic
 
 __all__ = [
     "PARAM_SHARING_KEY",

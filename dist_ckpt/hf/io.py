@@ -27,13 +27,18 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 
-from ..errors import CheckpointingException, KeyMismatchError, LoadMismatchError, format_keys
-from ..mapping import ShardedTensor
-from ..strategies.safetensors_format import write_safetensors_file
-from ..strategies.safetensors_io import ReadOptions
-from ..strategies.safetensors_load import load_from_index
-from .folder import INDEX_METADATA_KEY, HFFolder, open_folder
-from .index import (
+from dist_ckpt.errors import (
+    CheckpointingException,
+    KeyMismatchError,
+    LoadMismatchError,
+    format_keys,
+)
+from dist_ckpt.model.sharded import ShardedTensor
+from dist_ckpt.backends.safetensors.format import write_safetensors_file
+from dist_ckpt.backends.safetensors.io import ReadOptions
+from dist_ckpt.backends.safetensors.load import load_from_index
+from dist_ckpt.hf.folder import INDEX_METADATA_KEY, HFFolder, open_folder
+from dist_ckpt.hf.index import (
     SAFE_WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_NAME,
     ShardIndex,

@@ -1,7 +1,7 @@
 """Load strategies that let ``dist_ckpt.load`` read HuggingFace folders like any checkpoint.
 
 A folder with ``model.safetensors`` or ``model.safetensors.index.json`` and no ``metadata.json``
-is read with the built-in backend ``("hf", 1)`` (see :func:`dist_ckpt.core.detect_config`):
+is read with the built-in backend ``("hf", 1)`` (see :func:`dist_ckpt.engine.commit.detect_config`):
 each rank asks for the slices its ShardedTensors describe -- any TP split, flattened ranges,
 prepended axes -- and reads only those bytes, in place, from the files that hold them. The
 common state of such a checkpoint is empty, and it holds no ShardedObjects.
@@ -17,16 +17,16 @@ from __future__ import annotations
 
 from typing import ClassVar, Dict, List, Mapping, Optional, Tuple
 
-from ..dict_utils import dict_list_map_inplace, nested_values
-from ..distributed import get_rank
-from ..errors import KeyMismatchError, format_keys
-from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
-from ..storage.location import CheckpointLocation, require_local
-from ..strategies.base import LoadCommonStrategy, LoadShardedStrategy
-from ..strategies.safetensors_io import ReadOptions
-from ..strategies.safetensors_load import load_from_index, tensors_metadata
-from ..strategies.stored_shards import StoredShardInfo, describe_tensor_index
-from .folder import HFFolder, open_folder
+from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
+from dist_ckpt.engine.distributed import get_rank
+from dist_ckpt.errors import KeyMismatchError, format_keys
+from dist_ckpt.model.sharded import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
+from dist_ckpt.storage.location import CheckpointLocation, require_local
+from dist_ckpt.backends.base import LoadCommonStrategy, LoadShardedStrategy
+from dist_ckpt.backends.safetensors.io import ReadOptions
+from dist_ckpt.backends.safetensors.load import load_from_index, tensors_metadata
+from dist_ckpt.backends.stored_shards import StoredShardInfo, describe_tensor_index
+from dist_ckpt.hf.folder import HFFolder, open_folder
 
 __all__ = ["HF_BACKEND", "HFCommonLoadStrategy", "HFLoadShardedStrategy"]
 

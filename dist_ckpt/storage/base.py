@@ -55,13 +55,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, ClassVar, Iterable, List, Optional, Sequence, Tuple, Type, Union
 
-from ..errors import InvalidKeyError
-from .errors import StorageConfigError
-from .paths import validate_key
+from dist_ckpt.errors import InvalidKeyError
+from dist_ckpt.storage.errors import StorageConfigError
+from dist_ckpt.storage.paths import validate_key
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .local import LocalStorageOptions
-    from .s3 import S3StorageOptions
+    from dist_ckpt.storage.local import LocalStorageOptions
+    from dist_ckpt.storage.s3 import S3StorageOptions
 
 __all__ = [
     "BufferLike",
@@ -568,12 +568,12 @@ def open_storage(location: Union[str, "os.PathLike[str]", Storage], options: Opt
     text = os.fspath(location)
     scheme, sep, rest = text.partition("://")
     if sep and scheme.lower() in ("s3", "s3a"):
-        from .s3 import S3Storage, S3StorageOptions
+        from dist_ckpt.storage.s3 import S3Storage, S3StorageOptions
 
         if options is not None and not isinstance(options, S3StorageOptions):
             raise StorageConfigError(f"open_storage({text!r}): expected S3StorageOptions, got {type(options).__name__}")
         return S3Storage.from_url(text, options)
-    from .local import LocalStorage, LocalStorageOptions
+    from dist_ckpt.storage.local import LocalStorage, LocalStorageOptions
 
     if options is not None and not isinstance(options, LocalStorageOptions):
         raise StorageConfigError(f"open_storage({text!r}): expected LocalStorageOptions, got {type(options).__name__}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..errors import CheckpointingException, CorruptCheckpointError
+from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
 
 __all__ = [
     "BucketNotFoundError",

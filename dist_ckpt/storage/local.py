@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
-from .base import (
+from dist_ckpt.storage.base import (
     BufferLike,
     IOCounters,
     ObjectInfo,
@@ -32,8 +32,14 @@ from .base import (
     validate_object_key,
     validate_prefix,
 )
-from .errors import ObjectExistsError, ObjectNotFoundError, StorageConfigError, StorageError, TruncatedObjectError
-from .paths import safe_join
+from dist_ckpt.storage.errors import (
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StorageConfigError,
+    StorageError,
+    TruncatedObjectError,
+)
+from dist_ckpt.storage.paths import safe_join
 
 __all__ = ["LocalStorage", "LocalStorageOptions", "atomic_write", "fsync_dir", "fsync_file", "write_bytes_atomic"]
 

@@ -24,10 +24,10 @@ import os
 from pathlib import Path
 from typing import Optional, Union
 
-from ..errors import IncompatibleStrategyError
-from .base import Storage, open_storage
-from .errors import StorageConfigError
-from .local import LocalStorage
+from dist_ckpt.errors import IncompatibleStrategyError
+from dist_ckpt.storage.base import Storage, open_storage
+from dist_ckpt.storage.errors import StorageConfigError
+from dist_ckpt.storage.local import LocalStorage
 
 __all__ = [
     "CheckpointLocation",

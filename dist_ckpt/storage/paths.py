@@ -12,7 +12,7 @@ import hashlib
 from pathlib import Path
 from typing import Optional, Union
 
-from ..errors import InvalidKeyError, with_rank
+from dist_ckpt.errors import InvalidKeyError, with_rank
 
 _SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
 _MAX_NAME = 200  # well below the 255-byte limit of common file systems

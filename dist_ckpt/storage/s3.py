@@ -36,7 +36,7 @@ status), :class:`TruncatedObjectError` -- see :mod:`dist_ckpt.storage.errors`.
 Processes: obstore's runtime does not survive ``fork`` (a forked child hangs on its first
 request). A storage used in a forked child of a process that already made S3 requests raises a
 :class:`StorageError` instead of hanging; start workers with ``spawn`` (as
-:mod:`dist_ckpt.testing.launch` does).
+:mod:`dist_ckpt.tools.launch` does).
 
 Array libraries with their own S3 clients get the location from here:
 :meth:`S3Storage.obstore_store` for zarr-python 3 (``zarr.storage.ObjectStore``) and
@@ -56,7 +56,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
-from .base import (
+from dist_ckpt.storage.base import (
     BufferLike,
     IOCounters,
     ObjectInfo,
@@ -69,8 +69,15 @@ from .base import (
     validate_object_key,
     validate_prefix,
 )
-from .errors import ObjectNotFoundError, StorageError, TruncatedObjectError
-from .s3_client import S3Client, S3StorageOptions, check_process, import_obstore, parse_s3_url, translate_error
+from dist_ckpt.storage.errors import ObjectNotFoundError, StorageError, TruncatedObjectError
+from dist_ckpt.storage.s3_client import (
+    S3Client,
+    S3StorageOptions,
+    check_process,
+    import_obstore,
+    parse_s3_url,
+    translate_error,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from obstore.store import S3Store

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Dict, Optional, Set, Tuple
 
-from ..errors import MissingDependencyError
-from .base import validate_object_key
-from .errors import (
+from dist_ckpt.errors import MissingDependencyError
+from dist_ckpt.storage.base import validate_object_key
+from dist_ckpt.storage.errors import (
     BucketNotFoundError,
     ObjectExistsError,
     ObjectNotFoundError,

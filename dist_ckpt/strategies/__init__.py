@@ -1,10 +1,10 @@
 """Checkpoint formats (backends) and saving/loading algorithms (strategies).
 
 Importing this package imports no backend: built-ins are resolved lazily by
-:mod:`dist_ckpt.strategies.base`.
+:mod:`dist_ckpt.backends.base`.
 """
 
-from .base import (
+from dist_ckpt.backends.base import (
     AsyncSaveShardedStrategy,
     LoadCommonStrategy,
     LoadShardedStrategy,
@@ -22,7 +22,7 @@ from .base import (
     register_default_strategy,
     registered_strategies,
 )
-from .stored_shards import StoredShardInfo
+from dist_ckpt.backends.stored_shards import StoredShardInfo
 
 __all__ = [
     "AsyncSaveShardedStrategy",

@@ -6,7 +6,7 @@ This file is the worked example of docs/backends/custom.md and is executed by th
 * a save strategy writes this rank's main-replica shards and returns once they are durable;
 * a load strategy declares the backends and versions it reads, checks the request before
   reading, and fills each requested shard from the stored shards it overlaps (any resharding,
-  via :mod:`dist_ckpt.geometry`);
+  via :mod:`dist_ckpt.model.geometry`);
 * both are registered under ``("rawbin", 1)``; ``dist_ckpt.save`` commits ``metadata.json``
   and ``dist_ckpt.load`` picks the loader from it.
 
@@ -24,12 +24,12 @@ from typing import Any, ClassVar, Dict, List, Tuple
 import torch
 
 import dist_ckpt as dc
-from dist_ckpt.dict_utils import dict_list_map_inplace, nested_values
-from dist_ckpt.distributed import get_rank
-from dist_ckpt.dtypes import dtype_from_name, dtype_to_name
-from dist_ckpt.geometry import Box, piece_view, shard_pieces, sub_view
+from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
+from dist_ckpt.engine.distributed import get_rank
+from dist_ckpt.model.dtypes import dtype_from_name, dtype_to_name
+from dist_ckpt.model.geometry import Box, piece_view, shard_pieces, sub_view
 from dist_ckpt.storage import write_bytes_atomic
-from dist_ckpt.strategies.base import LoadShardedStrategy, SaveShardedStrategy, StrategyAction
+from dist_ckpt.backends.base import LoadShardedStrategy, SaveShardedStrategy, StrategyAction
 
 DIR = "rawbin"
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_ckpt.strategies.base import (
+from dist_ckpt.backends.base import (
     LoadShardedStrategy,
     SaveShardedStrategy,
     StrategyAction,
@@ -93,8 +93,11 @@ def _alternative(action: StrategyAction, backend: str, version: int, name: str) 
 
 
 def _wrappers(tag: str, save: Callable[[], object], load: Callable[[], object]) -> List[StrategyCombo]:
-    from dist_ckpt.strategies.fully_parallel import FullyParallelLoadStrategyWrapper, FullyParallelSaveStrategyWrapper
-    from dist_ckpt.strategies.two_stage import TwoStageDataParallelLoadShardedStrategy
+    from dist_ckpt.parallel.fully_parallel import (
+        FullyParallelLoadStrategyWrapper,
+        FullyParallelSaveStrategyWrapper,
+    )
+    from dist_ckpt.parallel.two_stage import TwoStageDataParallelLoadShardedStrategy
 
     return [
         # base_strategy=None: the two-stage loader wraps whatever is registered for the backend

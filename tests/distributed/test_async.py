@@ -19,9 +19,12 @@ import torch.distributed as dist
 
 import dist_ckpt as dc
 from dist_ckpt.errors import AsyncSaveError, NotACheckpointError
-from dist_ckpt.mapping import ShardedObject
-from dist_ckpt.strategies.async_utils import AsyncCallsQueue
-from dist_ckpt.strategies.safetensors import SafetensorsSaveOptions, SafetensorsSaveShardedStrategy
+from dist_ckpt.model.sharded import ShardedObject
+from dist_ckpt.async_save.queue import AsyncCallsQueue
+from dist_ckpt.backends.safetensors.strategy import (
+    SafetensorsSaveOptions,
+    SafetensorsSaveShardedStrategy,
+)
 from dist_ckpt.testing.layouts import bitwise_equal, full_tensor, tp_shards
 
 from .helpers import assert_on_all_ranks, raises_on_all_ranks, rank, slow_write, world
@@ -103,7 +106,7 @@ def test_ranks_finalize_only_when_every_writer_finished(shared_tmp_path: Path, q
 
 
 def test_fully_parallel_async_save_spreads_the_writing(shared_tmp_path: Path, queue) -> None:
-    from dist_ckpt.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+    from dist_ckpt.parallel.fully_parallel import FullyParallelSaveStrategyWrapper
 
     tp = world() // 2  # DP=2: every shard has a replica; the wrapper spreads who writes it
     strategy = FullyParallelSaveStrategyWrapper(SafetensorsSaveShardedStrategy())

@@ -14,8 +14,14 @@ from safetensors.torch import load_file, save_file
 
 import dist_ckpt as dc
 from dist_ckpt.hf import export
-from dist_ckpt.strategies import safetensors_io
-from dist_ckpt.testing.layouts import bitwise_equal, expected_data, flat_shards, full_tensor, tp_shards
+from dist_ckpt.backends.safetensors import io as safetensors_io
+from dist_ckpt.testing.layouts import (
+    bitwise_equal,
+    expected_data,
+    flat_shards,
+    full_tensor,
+    tp_shards,
+)
 
 from .helpers import assert_on_all_ranks, rank, world
 

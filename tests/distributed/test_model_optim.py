@@ -18,7 +18,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from dist_ckpt.checkpointer import (
+from dist_ckpt.training.checkpointer import (
     Checkpointer,
     load_model_and_optim_state,
     save_model_and_optim_state,

@@ -12,13 +12,21 @@ import torch
 import torch.distributed as dist
 
 import dist_ckpt as dc
-from dist_ckpt.dict_utils import nested_values
-from dist_ckpt.strategies import exchange
-from dist_ckpt.strategies.base import LoadShardedStrategy, SaveShardedStrategy, StrategyAction as A, get_default_strategy
-from dist_ckpt.strategies.exchange import shard_id, shard_nbytes
-from dist_ckpt.strategies.fully_parallel import FullyParallelLoadStrategyWrapper, FullyParallelSaveStrategyWrapper
-from dist_ckpt.strategies.tensorstore import TensorStoreLoadShardedStrategy
-from dist_ckpt.strategies.two_stage import TwoStageDataParallelLoadShardedStrategy
+from dist_ckpt.model.dict_utils import nested_values
+from dist_ckpt.parallel import exchange
+from dist_ckpt.backends.base import (
+    LoadShardedStrategy,
+    SaveShardedStrategy,
+    StrategyAction as A,
+    get_default_strategy,
+)
+from dist_ckpt.parallel.exchange import shard_id, shard_nbytes
+from dist_ckpt.parallel.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+)
+from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreLoadShardedStrategy
+from dist_ckpt.parallel.two_stage import TwoStageDataParallelLoadShardedStrategy
 from dist_ckpt.testing.layouts import bitwise_equal, full_tensor
 
 from .helpers import assert_on_all_ranks, raises_on_all_ranks, rank, world

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import dist_ckpt as dc
-from dist_ckpt.checkpoints import find_latest_checkpoint, next_checkpoint_path
+from dist_ckpt.training.checkpoints import find_latest_checkpoint, next_checkpoint_path
 from dist_ckpt.errors import CheckpointingException, NotACheckpointError
 from dist_ckpt.storage import BucketNotFoundError, StorageAuthError, open_storage
 from dist_ckpt.storage.s3 import S3StorageOptions
@@ -61,7 +61,7 @@ def s3(process_group: None) -> Iterator[Optional[Any]]:
     env: Optional[Dict[str, str]] = None
     error = None
     if rank() == 0:
-        from dist_ckpt.testing.s3_server import S3TestServer
+        from tests.s3_server import S3TestServer
 
         try:
             server = S3TestServer().start()
@@ -130,14 +130,14 @@ def _save_strategy(backend: str) -> Any:
         return None  # the default
     if backend == "zarr":
         return ("zarr", 1)
-    from dist_ckpt.strategies.tensorstore import TensorStoreSaveShardedStrategy
+    from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreSaveShardedStrategy
 
     return TensorStoreSaveShardedStrategy()
 
 
 def _load_strategy(backend: str) -> Any:
     if backend == "zarr":  # read zarr-python's checkpoint with TensorStore, and TensorStore's with zarr-python
-        from dist_ckpt.strategies.tensorstore import TensorStoreLoadShardedStrategy
+        from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreLoadShardedStrategy
 
         return TensorStoreLoadShardedStrategy()
     return None  # the default loader of the saved backend
@@ -180,7 +180,7 @@ def test_each_rank_downloads_about_its_slice(s3: Optional[Any], url: str, checks
 
     A verified load also reads the rest of every checksum block it touches (1 MiB by default):
     here the blocks are 64 KiB, and the slices are whole blocks, so no extra byte is needed."""
-    from dist_ckpt.strategies.safetensors import (
+    from dist_ckpt.backends.safetensors.strategy import (
         ReadOptions,
         SafetensorsLoadShardedStrategy,
         SafetensorsSaveOptions,
@@ -220,7 +220,7 @@ def test_each_rank_downloads_about_its_slice(s3: Optional[Any], url: str, checks
 
 def test_transient_errors_are_survived(s3: Optional[Any], url: str) -> None:
     """503s on uploads and 500s on downloads, answered before moto sees them, are retried."""
-    from dist_ckpt.testing.s3_server import FaultRule
+    from tests.s3_server import FaultRule
 
     if s3 is not None:
         s3.inject_faults([FaultRule(status=503, count=3, method="PUT"), FaultRule(status=500, count=3, method="GET", path_contains=".safetensors")])
@@ -238,7 +238,7 @@ def test_transient_errors_are_survived(s3: Optional[Any], url: str) -> None:
 
 def _save_and_die_before_commit(rank_: int, world_: int, url: str) -> None:
     """A rank of a save that rank 0 kills (SIGKILL, itself) where it would write the commit marker."""
-    from dist_ckpt import serialization
+    from dist_ckpt.engine import serialization
 
     def killed(*args: Any, **kwargs: Any) -> None:
         os.kill(os.getpid(), signal.SIGKILL)

@@ -13,7 +13,7 @@ from typing import Any, Dict
 
 import torch
 
-from dist_ckpt.mapping import ShardedObject, ShardedStateDict, ShardedTensor
+from dist_ckpt.model.sharded import ShardedObject, ShardedStateDict, ShardedTensor
 
 WORLD = 2
 COMMON = {"step": 7, "name": "golden", "lr": 0.5}

@@ -14,7 +14,7 @@ from typing import Any, Dict, Tuple, Union
 import torch
 
 import dist_ckpt as dc
-from dist_ckpt.mapping import ShardedObject, ShardedTensor
+from dist_ckpt.model.sharded import ShardedObject, ShardedTensor
 from dist_ckpt.testing.layouts import flat_shards, full_tensor, random_bits_tensor, tp_shards
 
 COMMON = {"step": 1000, "config": {"hidden": 16, "name": "tiny"}}

@@ -17,14 +17,14 @@ import torch
 
 import dist_ckpt as dc
 from dist_ckpt.errors import AsyncSaveError, CheckpointingException, NotACheckpointError
-from dist_ckpt.mapping import ShardedTensor
-from dist_ckpt.strategies.async_utils import AsyncCallsQueue, AsyncRequest
-from dist_ckpt.strategies.safetensors import (
+from dist_ckpt.model.sharded import ShardedTensor
+from dist_ckpt.async_save.queue import AsyncCallsQueue, AsyncRequest
+from dist_ckpt.backends.safetensors.strategy import (
     SafetensorsSaveOptions,
     SafetensorsSaveShardedStrategy,
     deferred_starts,
 )
-from dist_ckpt.strategies.snapshot import SnapshotPool, snapshot_layout
+from dist_ckpt.async_save.snapshot import SnapshotPool, snapshot_layout
 
 
 def _state(seed: int = 0) -> Dict[str, object]:

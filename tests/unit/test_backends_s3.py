@@ -14,15 +14,22 @@ import pytest
 import torch
 
 import dist_ckpt
-from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError, IncompatibleStrategyError
-from dist_ckpt.mapping import ShardedTensor
+from dist_ckpt.errors import (
+    CheckpointingException,
+    CorruptCheckpointError,
+    IncompatibleStrategyError,
+)
+from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.storage import open_storage
-from dist_ckpt.verify import verify_checkpoint
+from dist_ckpt.integrity.verify import verify_checkpoint
 
 pytest.importorskip("zarr")
 ts = pytest.importorskip("tensorstore")
-from dist_ckpt.strategies.tensorstore import TensorStoreLoadShardedStrategy, TensorStoreSaveShardedStrategy  # noqa: E402
-from dist_ckpt.strategies.zarr import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy  # noqa: E402
+from dist_ckpt.backends.zarr.tensorstore_engine import (
+    TensorStoreLoadShardedStrategy,
+    TensorStoreSaveShardedStrategy,
+)  # noqa: E402
+from dist_ckpt.backends.zarr.zarr_python import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -109,7 +116,7 @@ def test_removing_tensors_on_s3(s3_url: str, s3_env: Any) -> None:
 
 def test_a_non_s3_object_store_is_refused_by_name(tmp_path: Any) -> None:
     from dist_ckpt.storage import LocalStorage
-    from dist_ckpt.strategies.zarr_layout import checkpoint_node
+    from dist_ckpt.backends.zarr.layout import checkpoint_node
 
     with pytest.raises(IncompatibleStrategyError, match="own S3 client"):
         checkpoint_node(LocalStorage(tmp_path), "the zarr backend")  # a Storage, but not S3
@@ -126,7 +133,7 @@ def test_zarr_python_digests_what_it_uploads_without_downloading_it(s3_url: str,
 
 @pytest.mark.parametrize("saver", list(SAVERS))
 def test_unshard_reads_every_tensor_whole_from_s3(s3_url: str, s3_env: Any, saver: str) -> None:
-    from dist_ckpt.unshard import iter_unsharded
+    from dist_ckpt.tools.unshard import iter_unsharded
 
     state = _state()
     dist_ckpt.save(_sharded(state), s3_url, sharded_strategy=SAVERS[saver]())
@@ -139,7 +146,7 @@ def test_unshard_reads_every_tensor_whole_from_s3(s3_url: str, s3_env: Any, save
 
 @pytest.mark.parametrize("saver", list(SAVERS))
 def test_inspect_describes_zarr_checkpoints_on_s3(s3_url: str, s3_env: Any, saver: str) -> None:
-    from dist_ckpt.inspection import inspect_checkpoint
+    from dist_ckpt.tools.inspection import inspect_checkpoint
 
     state = _state()
     dist_ckpt.save(_sharded(state), s3_url, sharded_strategy=SAVERS[saver]())

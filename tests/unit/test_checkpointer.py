@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from dist_ckpt.checkpointer import (
+from dist_ckpt.training.checkpointer import (
     Checkpointer,
     TensorMetadata,
     load_model_and_optim_state,
@@ -24,8 +24,8 @@ from dist_ckpt.errors import (
     NotACheckpointError,
     ShardingIntegrityError,
 )
-from dist_ckpt.mapping import ShardedStateDict, ShardedTensor, StateDict
-from dist_ckpt.strategies.base import LoadShardedStrategy
+from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
+from dist_ckpt.backends.base import LoadShardedStrategy
 from dist_ckpt.testing.layouts import bitwise_equal
 from dist_ckpt.testing.training import (
     OPTIMIZERS,
@@ -36,7 +36,7 @@ from dist_ckpt.testing.training import (
     state_differences,
     train,
 )
-from dist_ckpt.validation import verify_checkpoint_and_load_strategy
+from dist_ckpt.engine.validation import verify_checkpoint_and_load_strategy
 
 N, M = 3, 2
 
@@ -348,7 +348,7 @@ def test_tied_parameters_keep_one_optimizer_entry(tmp_path: Path) -> None:
 
 
 def test_checkpointer_progress_and_watchdog_options_reach_save_and_load(tmp_path: Path) -> None:
-    from dist_ckpt.report import Operation, ProgressEvent
+    from dist_ckpt.engine.report import Operation, ProgressEvent
 
     events: list[ProgressEvent] = []
     ckpt = Checkpointer(progress=events.append, watchdog_timeout_s=None)

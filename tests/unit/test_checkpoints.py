@@ -1,4 +1,4 @@
-"""Unit tests of dist_ckpt.checkpoints: latest, rotation, metrics, HF symlinks, format detection.
+"""Unit tests of dist_ckpt.training.checkpoints: latest, rotation, metrics, HF symlinks, format detection.
 
 Every checkpoint here is real: dist_ckpt checkpoints come from ``dist_ckpt.save`` in this one
 process, HF folders from ``safetensors.torch.save_file`` / ``torch.save``.
@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import dist_ckpt as dc
-from dist_ckpt import checkpoints as C
-from dist_ckpt.checkpoints import (
+from dist_ckpt.training import checkpoints as C
+from dist_ckpt.training.checkpoints import (
     CheckpointFormat,
     CheckpointMeta,
     create_pretrained_symlinks,
@@ -31,7 +31,7 @@ from dist_ckpt.checkpoints import (
     save_checkpoint_metrics,
     validate_checkpoint,
 )
-from dist_ckpt.core import METADATA_FILENAME, read_config
+from dist_ckpt.engine.commit import METADATA_FILENAME, read_config
 from dist_ckpt.errors import (
     CheckpointingException,
     CheckpointManagementError,

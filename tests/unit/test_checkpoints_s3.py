@@ -1,4 +1,4 @@
-"""dist_ckpt.checkpoints on an object store: the run directory is s3://bucket/run (moto server)."""
+"""dist_ckpt.training.checkpoints on an object store: the run directory is s3://bucket/run (moto server)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save as safetensors_bytes
 
 import dist_ckpt
-from dist_ckpt.checkpoints import (
+from dist_ckpt.training.checkpoints import (
     CheckpointFormat,
     create_pretrained_symlinks,
     find_latest_checkpoint,
@@ -23,10 +23,10 @@ from dist_ckpt.checkpoints import (
     save_checkpoint_metrics,
     validate_checkpoint,
 )
-from dist_ckpt.core import CheckpointingConfig, save_config
+from dist_ckpt.engine.commit import CheckpointingConfig, save_config
 from dist_ckpt.errors import CheckpointManagementError, CorruptCheckpointError, NotACheckpointError
 from dist_ckpt.storage import StorageError, open_storage
-from dist_ckpt.testing.s3_server import FaultRule
+from tests.s3_server import FaultRule
 
 pytestmark = pytest.mark.usefixtures("s3_env")
 

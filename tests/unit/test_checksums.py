@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from dist_ckpt.checksums import (
+from dist_ckpt.integrity.checksums import (
     BlockChecksums,
     FileDigest,
     block_spans,
@@ -32,17 +32,21 @@ from dist_ckpt.checksums import (
     read_manifest,
     write_manifest,
 )
-from dist_ckpt.errors import ChecksumMismatchError, CorruptCheckpointError, IncompatibleStrategyError
-from dist_ckpt.mapping import ShardedTensor
-from dist_ckpt.strategies import safetensors_io
-from dist_ckpt.strategies.safetensors import (
+from dist_ckpt.errors import (
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    IncompatibleStrategyError,
+)
+from dist_ckpt.model.sharded import ShardedTensor
+from dist_ckpt.backends.safetensors import io as safetensors_io
+from dist_ckpt.backends.safetensors.strategy import (
     SafetensorsLoadOptions,
     SafetensorsLoadShardedStrategy,
     SafetensorsSaveOptions,
     SafetensorsSaveShardedStrategy,
 )
-from dist_ckpt.strategies.safetensors_blocks import ShardCheck
-from dist_ckpt.strategies.safetensors_index import INDEX_FILENAME, SAFETENSORS_DIR, read_index
+from dist_ckpt.backends.safetensors.blocks import ShardCheck
+from dist_ckpt.backends.safetensors.index import INDEX_FILENAME, SAFETENSORS_DIR, read_index
 
 BLOCK = 4096
 

@@ -1,4 +1,4 @@
-"""Unit tests of dist_ckpt.strategies.common (the ``torch`` common-state backend)."""
+"""Unit tests of dist_ckpt.backends.torch_common.strategy (the ``torch`` common-state backend)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from dist_ckpt.errors import CorruptCheckpointError, KeyMismatchError, UnsafeObjectError
-from dist_ckpt.mapping import ShardedObject
-from dist_ckpt.strategies.common import (
+from dist_ckpt.model.sharded import ShardedObject
+from dist_ckpt.backends.torch_common.strategy import (
     COMMON_STATE_FNAME,
     OBJECTS_DIR,
     UNSAFE_KEYS_FNAME,

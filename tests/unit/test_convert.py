@@ -1,4 +1,4 @@
-"""Unit tests of dist_ckpt.convert: any backend to any other and to/from HF, tensor by tensor."""
+"""Unit tests of dist_ckpt.tools.convert: any backend to any other and to/from HF, tensor by tensor."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import dist_ckpt as dc
-from dist_ckpt.convert import convert
+from dist_ckpt.tools.convert import convert
 from dist_ckpt.errors import CheckpointExistsError, IncompatibleStrategyError, NotACheckpointError
-from dist_ckpt.mapping import ShardedObject
-from dist_ckpt.report import ProgressEvent
-from dist_ckpt.strategies.base import TensorLayout, TensorStreamWriter
-from dist_ckpt.strategies.safetensors import SafetensorsSaveShardedStrategy
+from dist_ckpt.model.sharded import ShardedObject
+from dist_ckpt.engine.report import ProgressEvent
+from dist_ckpt.backends.base import TensorLayout, TensorStreamWriter
+from dist_ckpt.backends.safetensors.strategy import SafetensorsSaveShardedStrategy
 from dist_ckpt.testing.layouts import bitwise_equal
 from tests.unit.sample_checkpoints import COMMON, save_sample, stored_tensors
 
@@ -132,7 +132,7 @@ def test_unknown_or_non_streaming_targets_are_refused(tmp_path):
     save_sample(tmp_path / "src")
     with pytest.raises(dc.UnknownStrategyError):
         convert(tmp_path / "src", tmp_path / "dst", to="nosuch")
-    from dist_ckpt.strategies.tensorstore import TensorStoreSaveShardedStrategy
+    from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreSaveShardedStrategy
 
     with pytest.raises(IncompatibleStrategyError, match="tensor by tensor"):
         convert(tmp_path / "src", tmp_path / "dst", to=TensorStoreSaveShardedStrategy())
@@ -215,7 +215,7 @@ def test_convert_to_and_from_an_object_store(tmp_path, s3_url):
 
 
 def test_convert_to_an_object_store_groups_tensors_into_objects_of_the_target_size(tmp_path, s3_url, monkeypatch):
-    import dist_ckpt.strategies.safetensors_stream as stream
+    import dist_ckpt.backends.safetensors.stream as stream
     from dist_ckpt.storage import open_storage
 
     fulls = save_sample(tmp_path / "src")
@@ -229,7 +229,7 @@ def test_convert_to_an_object_store_groups_tensors_into_objects_of_the_target_si
 
 
 def test_a_conversion_failing_mid_object_aborts_its_upload(tmp_path, s3_url, monkeypatch):
-    import dist_ckpt.strategies.safetensors_stream as stream
+    import dist_ckpt.backends.safetensors.stream as stream
     from dist_ckpt.storage import open_storage
 
     save_sample(tmp_path / "src")

@@ -1,4 +1,4 @@
-"""Unit tests of dist_ckpt.core: CheckpointingConfig and the metadata.json commit record."""
+"""Unit tests of dist_ckpt.engine.commit: CheckpointingConfig and the metadata.json commit record."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 import pytest
 
 import dist_ckpt
-from dist_ckpt.core import (
+from dist_ckpt.engine.commit import (
     METADATA_FILENAME,
     CheckpointingConfig,
     check_is_distributed_checkpoint,
@@ -32,7 +32,7 @@ class TestConfig:
 
     def test_exported(self):
         assert dist_ckpt.CheckpointingConfig is CheckpointingConfig
-        assert dist_ckpt.core.CheckpointingException is CheckpointingException
+        assert dist_ckpt.engine.commit.CheckpointingException is CheckpointingException
 
 
 class TestSaveAndRead:

@@ -20,7 +20,7 @@ import torch
 
 import dist_ckpt as dc
 from dist_ckpt.errors import CheckpointingException, ChecksumMismatchError, NotACheckpointError
-from dist_ckpt.mapping import ShardedObject, ShardedTensor
+from dist_ckpt.model.sharded import ShardedObject, ShardedTensor
 
 FORMATS = ["safetensors", "zarr", "zarr-tensorstore"]
 
@@ -60,7 +60,7 @@ def _save(path: Path, fmt: str) -> Path:
     elif fmt == "zarr":
         dc.save(_state(), path, sharded_strategy=("zarr", 1))
     else:
-        from dist_ckpt.strategies.tensorstore import TensorStoreSaveShardedStrategy
+        from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreSaveShardedStrategy
 
         dc.save(_state(), path, sharded_strategy=TensorStoreSaveShardedStrategy())
     return path
@@ -68,7 +68,7 @@ def _save(path: Path, fmt: str) -> Path:
 
 def _load_strategy(fmt: str) -> Any:
     if fmt == "zarr-tensorstore":
-        from dist_ckpt.strategies.tensorstore import TensorStoreLoadShardedStrategy
+        from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreLoadShardedStrategy
 
         return TensorStoreLoadShardedStrategy()
     return None

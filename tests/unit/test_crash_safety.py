@@ -33,7 +33,7 @@ import pytest
 import torch
 
 import dist_ckpt as dc
-from dist_ckpt.checkpoints import find_latest_checkpoint
+from dist_ckpt.training.checkpoints import find_latest_checkpoint
 from dist_ckpt.errors import NotACheckpointError
 from dist_ckpt.testing import free_port
 from tests.crash_saver import full_tensors, state

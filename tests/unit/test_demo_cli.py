@@ -17,14 +17,14 @@ import pytest
 
 from dist_ckpt import check_is_distributed_checkpoint
 from dist_ckpt.cli import main
-from dist_ckpt.testing.gpt_state import dp_flat_ranges
+from dist_ckpt.tools.gpt_state import dp_flat_ranges
 
 SMALL = ["--ranks", "2", "--size", "1"]
 # run the CLI in-process after making the parent's expected values wrong (seed + 1); the spawned
 # ranks import the real module, so only the single-process verification can fail
 _CORRUPTING_MAIN = """
 import sys
-import dist_ckpt.testing.gpt_state as demo
+import dist_ckpt.tools.gpt_state as demo
 from dist_ckpt.cli import main
 real = demo.expected_values
 demo.expected_values = lambda sh, seed: real(sh, seed + 1)

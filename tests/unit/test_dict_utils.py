@@ -1,4 +1,4 @@
-"""Unit tests of dist_ckpt.dict_utils (nested dict/list helpers)."""
+"""Unit tests of dist_ckpt.model.dict_utils (nested dict/list helpers)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from dist_ckpt.dict_utils import (
+from dist_ckpt.model.dict_utils import (
     dict_list_map_inplace,
     dict_list_map_outplace,
     dict_map,

@@ -1,4 +1,4 @@
-"""Unit tests of dist_ckpt.distributed without a process group (a world of one rank)."""
+"""Unit tests of dist_ckpt.engine.distributed without a process group (a world of one rank)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_ckpt.distributed import (
+from dist_ckpt.engine.distributed import (
     all_gather_json,
     barrier,
     broadcast_json,
@@ -73,7 +73,7 @@ def test_tensor_broadcast_and_backend_without_process_group():
 def test_storage_errors_keep_their_type_on_every_rank() -> None:
     """What another rank receives: the storage layer's errors are rebuilt with their own type
     (callers catch BucketNotFoundError or StorageAuthError, not a generic RankFailedError)."""
-    from dist_ckpt.distributed import _describe, _rebuild
+    from dist_ckpt.engine.distributed import _describe, _rebuild
     from dist_ckpt.errors import RankFailedError
     from dist_ckpt.storage import BucketNotFoundError, RetriesExhaustedError, StorageAuthError
 

@@ -1,4 +1,4 @@
-"""Unit tests of dist_ckpt.dtypes: the stored-dtype table and zero-copy torch <-> numpy views."""
+"""Unit tests of dist_ckpt.model.dtypes: the stored-dtype table and zero-copy torch <-> numpy views."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from dist_ckpt.dtypes import (
+from dist_ckpt.model.dtypes import (
     SUPPORTED_DTYPE_NAMES,
     dtype_from_name,
     dtype_from_safetensors_name,

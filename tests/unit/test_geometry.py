@@ -1,4 +1,4 @@
-"""Unit tests of dist_ckpt.geometry (boxes, flat ranges, views), checked against brute force."""
+"""Unit tests of dist_ckpt.model.geometry (boxes, flat ranges, views), checked against brute force."""
 
 from __future__ import annotations
 
@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from dist_ckpt.geometry import Box, ShardPiece, flat_range_boxes, piece_view, shard_pieces, sub_view
+from dist_ckpt.model.geometry import (
+    Box,
+    ShardPiece,
+    flat_range_boxes,
+    piece_view,
+    shard_pieces,
+    sub_view,
+)
 
 
 def box_flat_indices(shape, box):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import dist_ckpt as dc
-from dist_ckpt.mapping import ShardedTensor
+from dist_ckpt.model.sharded import ShardedTensor
 from tests.golden.state import COMMON, WORLD, full_request, full_tensors, objects
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
@@ -46,7 +46,7 @@ def test_goldens_verify_clean(golden: Path) -> None:
 @pytest.mark.parametrize("name", ["zarr_v1", "zarr_v1_checksums"])
 def test_zarr_goldens_load_with_tensorstore(name: str, tmp_path: Path) -> None:
     pytest.importorskip("tensorstore")
-    from dist_ckpt.strategies.tensorstore import TensorStoreLoadShardedStrategy
+    from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreLoadShardedStrategy
 
     shutil.copytree(GOLDEN / name, tmp_path / name)
     loaded = dc.load(full_request(), tmp_path / name, sharded_strategy=TensorStoreLoadShardedStrategy())

@@ -13,8 +13,8 @@ from dist_ckpt import cli
 from dist_ckpt.cli.common import size_arg
 from dist_ckpt.errors import CheckpointExistsError
 from dist_ckpt.hf import export, load_checkpoint, load_shard_index
-from dist_ckpt.mapping import ShardedTensor
-from dist_ckpt.strategies.safetensors import SafetensorsLoadShardedStrategy
+from dist_ckpt.model.sharded import ShardedTensor
+from dist_ckpt.backends.safetensors.strategy import SafetensorsLoadShardedStrategy
 from dist_ckpt.testing.layouts import bitwise_equal, flat_shards, full_tensor, tp_shards
 
 BACKENDS = [("safetensors", 1), ("zarr", 1)]

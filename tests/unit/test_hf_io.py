@@ -10,7 +10,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError, KeyMismatchError, LoadMismatchError, NotACheckpointError
+from dist_ckpt.errors import (
+    CheckpointingException,
+    CorruptCheckpointError,
+    KeyMismatchError,
+    LoadMismatchError,
+    NotACheckpointError,
+)
 from dist_ckpt.hf import (
     index_file_name,
     load_checkpoint,

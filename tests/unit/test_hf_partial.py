@@ -20,7 +20,7 @@ from dist_ckpt.hf import (
     save_sharded_model,
     set_submodule,
 )
-from dist_ckpt.strategies import safetensors_io
+from dist_ckpt.backends.safetensors import io as safetensors_io
 
 
 class Block(nn.Module):

@@ -1,4 +1,4 @@
-"""Unit tests of dist_ckpt.inspection: what a checkpoint holds, from its metadata alone."""
+"""Unit tests of dist_ckpt.tools.inspection: what a checkpoint holds, from its metadata alone."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 import dist_ckpt as dc
 from dist_ckpt.hf import export
-from dist_ckpt.inspection import describe_value
+from dist_ckpt.tools.inspection import describe_value
 from tests.unit.sample_checkpoints import save_sample
 
 BACKENDS = [("safetensors", 1), ("zarr", 1)]

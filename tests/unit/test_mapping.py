@@ -1,4 +1,4 @@
-"""Unit tests of dist_ckpt.mapping: ShardedTensor, ShardedObject, factories, helpers."""
+"""Unit tests of dist_ckpt.model.sharded: ShardedTensor, ShardedObject, factories, helpers."""
 
 from __future__ import annotations
 
@@ -11,8 +11,12 @@ import pytest
 import torch
 
 import dist_ckpt
-from dist_ckpt.errors import CheckpointingException, InvalidShardedTensorError, StateDictStructureError
-from dist_ckpt.mapping import (
+from dist_ckpt.errors import (
+    CheckpointingException,
+    InvalidShardedTensorError,
+    StateDictStructureError,
+)
+from dist_ckpt.model.sharded import (
     LocalNonPersistentObject,
     LocalNonpersistentObject,
     LocalNonpersitentObject,

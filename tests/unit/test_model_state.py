@@ -10,10 +10,16 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import dist_ckpt as dc
-from dist_ckpt.dtensor_shards import LocalBox, chunk_range, local_box, sharded_tensor_from_box, to_sharded_tensor
+from dist_ckpt.training.dtensor_shards import (
+    LocalBox,
+    chunk_range,
+    local_box,
+    sharded_tensor_from_box,
+    to_sharded_tensor,
+)
 from dist_ckpt.errors import CheckpointingException, InvalidShardedTensorError, KeyMismatchError
-from dist_ckpt.mapping import ShardedTensor
-from dist_ckpt.model_state import FORMAT, model_optim_state_dict
+from dist_ckpt.model.sharded import ShardedTensor
+from dist_ckpt.training.model_state import FORMAT, model_optim_state_dict
 from dist_ckpt.testing.layouts import bitwise_equal
 from dist_ckpt.testing.training import make_model, make_optimizer, train
 

@@ -14,15 +14,15 @@ import pytest
 import torch
 
 import dist_ckpt as dc
-from dist_ckpt.distributed import active_steps, run_collectively
+from dist_ckpt.engine.distributed import active_steps, run_collectively
 from dist_ckpt.errors import CheckpointingException
-from dist_ckpt.mapping import ShardedObject, ShardedTensor
-from dist_ckpt.report import Operation, ProgressEvent
-from dist_ckpt.strategies.base import SaveShardedStrategy
-from dist_ckpt.strategies.safetensors import SafetensorsSaveShardedStrategy
-from dist_ckpt.watchdog import Watchdog
+from dist_ckpt.model.sharded import ShardedObject, ShardedTensor
+from dist_ckpt.engine.report import Operation, ProgressEvent
+from dist_ckpt.backends.base import SaveShardedStrategy
+from dist_ckpt.backends.safetensors.strategy import SafetensorsSaveShardedStrategy
+from dist_ckpt.engine.watchdog import Watchdog
 
-WATCHDOG_LOGGER = "dist_ckpt.watchdog"
+WATCHDOG_LOGGER = "dist_ckpt.engine.watchdog"
 
 
 def _state() -> dict:
@@ -79,9 +79,9 @@ def test_save_without_validation_has_no_validation_phase(tmp_path: Path) -> None
 
 
 def test_save_logs_its_report_at_info(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="dist_ckpt.monitor"):
+    with caplog.at_level(logging.INFO, logger="dist_ckpt.engine.monitor"):
         dc.save(_state(), tmp_path / "c")
-    lines = [r.getMessage() for r in caplog.records if r.name == "dist_ckpt.monitor" and r.levelno == logging.INFO]
+    lines = [r.getMessage() for r in caplog.records if r.name == "dist_ckpt.engine.monitor" and r.levelno == logging.INFO]
     assert len(lines) == 1 and lines[0].startswith(f"save of {tmp_path / 'c'}: ") and "GB/s" in lines[0]
 
 
@@ -236,7 +236,7 @@ def test_watchdog_thread_stops_when_the_load_fails(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("nbytes, text", [(0, "0 B"), (212, "212 B"), (4310, "4.31 kB"), (1_070_000_000, "1.07 GB"), (5 * 10**15, "5e+03 TB")])
 def test_format_bytes(nbytes: int, text: str) -> None:
-    from dist_ckpt.report import format_bytes
+    from dist_ckpt.engine.report import format_bytes
 
     assert format_bytes(nbytes) == text
 
@@ -245,7 +245,7 @@ def test_watchdog_touch_restarts_the_clock_of_a_step_that_makes_progress(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # a fake clock: the watchdog thread sees only the times this test sets
-    import dist_ckpt.watchdog as watchdog_module
+    import dist_ckpt.engine.watchdog as watchdog_module
 
     now = [0.0]
     monkeypatch.setattr(watchdog_module.time, "monotonic", lambda: now[0])

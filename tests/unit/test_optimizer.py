@@ -1,4 +1,4 @@
-"""Unit tests of dist_ckpt.optimizer (optimizer-state sharding helpers)."""
+"""Unit tests of dist_ckpt.model.optimizer (optimizer-state sharding helpers)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 
 import dist_ckpt as dc
 from dist_ckpt.errors import InvalidShardedTensorError
-from dist_ckpt.mapping import LocalNonPersistentObject, ShardedTensor, ShardedTensorFactory
-from dist_ckpt.optimizer import (
+from dist_ckpt.model.sharded import LocalNonPersistentObject, ShardedTensor, ShardedTensorFactory
+from dist_ckpt.model.optimizer import (
     get_optim_param_to_id_map,
     get_param_id_to_sharded_param_map,
     make_sharded_optimizer_tensor,

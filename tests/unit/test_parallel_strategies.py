@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import dist_ckpt as dc
-from dist_ckpt.dtypes import SUPPORTED_DTYPE_NAMES
+from dist_ckpt.model.dtypes import SUPPORTED_DTYPE_NAMES
 from dist_ckpt.errors import CheckpointingException, IncompatibleStrategyError
-from dist_ckpt.mapping import ShardedTensor
-from dist_ckpt.strategies import exchange
-from dist_ckpt.strategies.base import LoadShardedStrategy, StrategyAction as A, get_default_strategy
-from dist_ckpt.strategies.exchange import (
+from dist_ckpt.model.sharded import ShardedTensor
+from dist_ckpt.parallel import exchange
+from dist_ckpt.backends.base import LoadShardedStrategy, StrategyAction as A, get_default_strategy
+from dist_ckpt.parallel.exchange import (
     Bucket,
     check_group_consistency,
     distribute_shards_to_ranks,
@@ -27,12 +27,12 @@ from dist_ckpt.strategies.exchange import (
     shard_id,
     shard_nbytes,
 )
-from dist_ckpt.strategies.fully_parallel import (
+from dist_ckpt.parallel.fully_parallel import (
     FullyParallelLoadStrategyWrapper,
     FullyParallelSaveStrategyWrapper,
     distribute_main_replicas,
 )
-from dist_ckpt.strategies.two_stage import (
+from dist_ckpt.parallel.two_stage import (
     TwoStageDataParallelLoadShardedStrategy,
     _ShardedTensorMetadata,
     sharded_tensor_chunk_id,
@@ -290,7 +290,7 @@ class TestWrappersInOneProcess:
             with pytest.raises(IncompatibleStrategyError, match="base_strategy"):
                 dc.load({"a": ShardedTensor.from_rank_offsets("w", torch.empty(4, 6, dtype=torch.bfloat16))}, path)
         finally:
-            from dist_ckpt.strategies.base import unregister_strategy
+            from dist_ckpt.backends.base import unregister_strategy
 
             unregister_strategy(A.LOAD_SHARDED, "zarr", 1)
 

@@ -1,4 +1,4 @@
-"""Unit tests of dist_ckpt.strategies.base: base classes and the strategy registry.
+"""Unit tests of dist_ckpt.backends.base: base classes and the strategy registry.
 
 A complete custom backend ("torchfiles": one ``torch.save`` file per rank, resharding of whole
 tensors on load) is defined here and round-tripped through ``dist_ckpt.save`` / ``load``.
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import dist_ckpt as dc
-from dist_ckpt.dict_utils import dict_list_map_inplace, nested_values
-from dist_ckpt.distributed import get_rank
+from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
+from dist_ckpt.engine.distributed import get_rank
 from dist_ckpt.errors import (
     CheckpointingException,
     IncompatibleStrategyError,
@@ -28,10 +28,10 @@ from dist_ckpt.errors import (
     StrategyRegistrationError,
     UnknownStrategyError,
 )
-from dist_ckpt.mapping import ShardedObject, ShardedTensor, is_main_replica
-from dist_ckpt.strategies import base
-from dist_ckpt.strategies.async_utils import AsyncRequest
-from dist_ckpt.strategies.base import (
+from dist_ckpt.model.sharded import ShardedObject, ShardedTensor, is_main_replica
+from dist_ckpt.backends import base
+from dist_ckpt.async_save.queue import AsyncRequest
+from dist_ckpt.backends.base import (
     ENTRY_POINT_GROUP,
     AsyncSaveShardedStrategy,
     LoadCommonStrategy,
@@ -287,7 +287,10 @@ class TestRegistry:
             get_default_strategy(A.SAVE_SHARDED, "missing", 3)
 
     def test_builtins(self):
-        from dist_ckpt.strategies.common import TorchCommonLoadStrategy, TorchCommonSaveStrategy
+        from dist_ckpt.backends.torch_common.strategy import (
+            TorchCommonLoadStrategy,
+            TorchCommonSaveStrategy,
+        )
 
         assert isinstance(get_default_strategy(A.SAVE_COMMON, "torch", 1), TorchCommonSaveStrategy)
         assert isinstance(get_default_strategy(A.LOAD_COMMON, "torch", 1), TorchCommonLoadStrategy)
@@ -464,7 +467,7 @@ class TestAsyncRequest:
 
 
 PLUGIN_SOURCE = '''
-from dist_ckpt.strategies.base import LoadShardedStrategy
+from dist_ckpt.backends.base import LoadShardedStrategy
 
 
 class PluginLoad(LoadShardedStrategy):
@@ -552,7 +555,7 @@ class TestMissingDependency:
         real = importlib.import_module
 
         def fake(name, package=None):
-            if name == "dist_ckpt.strategies.zarr" or name == "zarr" or name.startswith("zarr."):
+            if name == "dist_ckpt.backends.zarr.zarr_python" or name == "zarr" or name.startswith("zarr."):
                 raise ModuleNotFoundError("No module named 'zarr'", name="zarr")
             return real(name, package)
 

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
-from dist_ckpt.geometry import Box
-from dist_ckpt.strategies.safetensors_format import (
+from dist_ckpt.model.geometry import Box
+from dist_ckpt.backends.safetensors.format import (
     SequentialWriter,
     StagingBuffer,
     encode_header,
@@ -22,7 +22,7 @@ from dist_ckpt.strategies.safetensors_format import (
     storage_layout,
     write_safetensors_file,
 )
-from dist_ckpt.strategies.safetensors_io import (
+from dist_ckpt.backends.safetensors.io import (
     BounceRead,
     DirectRead,
     ReadOptions,

@@ -1,4 +1,4 @@
-"""Unit tests of the safetensors backend (dist_ckpt.strategies.safetensors), in one process.
+"""Unit tests of the safetensors backend (dist_ckpt.backends.safetensors.strategy), in one process.
 
 One process may hold several ShardedTensors of the same key under different state-dict keys
 ("virtual ranks"): that is a valid sharding, so resharding is tested without process groups.
@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 import dist_ckpt as dc
-from dist_ckpt.dtypes import SUPPORTED_DTYPE_NAMES
+from dist_ckpt.model.dtypes import SUPPORTED_DTYPE_NAMES
 from dist_ckpt.errors import (
     CheckpointingException,
     ChecksumMismatchError,
@@ -26,10 +26,10 @@ from dist_ckpt.errors import (
     KeyMismatchError,
     LoadMismatchError,
 )
-from dist_ckpt.mapping import ShardedTensor
-from dist_ckpt.strategies import safetensors_io
-from dist_ckpt.strategies.base import StrategyAction, get_default_strategy
-from dist_ckpt.strategies.safetensors import (
+from dist_ckpt.model.sharded import ShardedTensor
+from dist_ckpt.backends.safetensors import io as safetensors_io
+from dist_ckpt.backends.base import StrategyAction, get_default_strategy
+from dist_ckpt.backends.safetensors.strategy import (
     SafetensorsLoadOptions,
     SafetensorsLoadShardedStrategy,
     SafetensorsSaveOptions,
@@ -37,7 +37,7 @@ from dist_ckpt.strategies.safetensors import (
     assign_writers,
     stored_bytes,
 )
-from dist_ckpt.strategies.safetensors_index import INDEX_FILENAME, INDEX_VERSION, SAFETENSORS_DIR
+from dist_ckpt.backends.safetensors.index import INDEX_FILENAME, INDEX_VERSION, SAFETENSORS_DIR
 
 
 def save(sd, path, **options):

@@ -1,4 +1,4 @@
-"""Unit tests of dist_ckpt.serialization: save / load and the load_* entry points (world size 1)."""
+"""Unit tests of dist_ckpt.engine.serialization: save / load and the load_* entry points (world size 1)."""
 
 from __future__ import annotations
 
@@ -33,10 +33,10 @@ from dist_ckpt import (
     UnknownStrategyError,
     UnsafeObjectError,
 )
-from dist_ckpt.serialization import DEFAULT_SHARDED_BACKEND
-from dist_ckpt.strategies import zarr as zarr_strategy
-from dist_ckpt.strategies.base import StrategyAction, get_default_strategy
-from dist_ckpt.strategies.common import TorchCommonLoadStrategy
+from dist_ckpt.engine.serialization import DEFAULT_SHARDED_BACKEND
+from dist_ckpt.backends.zarr import zarr_python as zarr_strategy
+from dist_ckpt.backends.base import StrategyAction, get_default_strategy
+from dist_ckpt.backends.torch_common.strategy import TorchCommonLoadStrategy
 
 
 class UserThing:
@@ -606,9 +606,9 @@ class TestCorruptMetadata:
 def test_import_does_not_pull_optional_backends():
     code = (
         "import sys, dist_ckpt\n"
-        "import dist_ckpt.strategies, dist_ckpt.serialization\n"
-        "import dist_ckpt.convert, dist_ckpt.inspection, dist_ckpt.bench, dist_ckpt.report, dist_ckpt.watchdog\n"
-        "heavy = ('zarr', 'tensorstore', 'obstore', 'dist_ckpt.strategies.zarr', 'dist_ckpt.cli')\n"
+        "import dist_ckpt.strategies, dist_ckpt.engine.serialization\n"
+        "import dist_ckpt.tools.convert, dist_ckpt.tools.inspection, dist_ckpt.tools.bench, dist_ckpt.engine.report, dist_ckpt.engine.watchdog\n"
+        "heavy = ('zarr', 'tensorstore', 'obstore', 'dist_ckpt.backends.zarr.zarr_python', 'dist_ckpt.cli')\n"
         "print(sorted(m for m in heavy if m in sys.modules))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
@@ -623,7 +623,7 @@ def test_no_module_imports_tqdm_at_import_time():
     code = (
         "import sys\n"
         "sys.modules['tqdm'] = None\n"
-        "import dist_ckpt, dist_ckpt.convert, dist_ckpt.inspection, dist_ckpt.bench, dist_ckpt.cli\n"
+        "import dist_ckpt, dist_ckpt.tools.convert, dist_ckpt.tools.inspection, dist_ckpt.tools.bench, dist_ckpt.cli\n"
         "from dist_ckpt.cli import main\n"
         "print('ok')\n"
     )

@@ -1,4 +1,4 @@
-"""Unit tests of dist_ckpt.shard_metadata: the compact JSON encoding of exchanged shard metadata."""
+"""Unit tests of dist_ckpt.engine.shard_metadata: the compact JSON encoding of exchanged shard metadata."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from dist_ckpt.errors import CorruptCheckpointError
-from dist_ckpt.mapping import ShardedObject, ShardedTensor
-from dist_ckpt.shard_metadata import (
+from dist_ckpt.model.sharded import ShardedObject, ShardedTensor
+from dist_ckpt.engine.shard_metadata import (
     all_gather_metadata,
     decode_shard,
     dtype_from_token,

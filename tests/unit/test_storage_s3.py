@@ -32,8 +32,8 @@ from dist_ckpt.storage import (
     open_storage,
 )
 from dist_ckpt.storage.s3 import S3Storage, S3StorageOptions, parse_s3_url
-from dist_ckpt.testing.launch import free_port
-from dist_ckpt.testing.s3_server import FaultRule, RecordedRequest
+from dist_ckpt.tools.launch import free_port
+from tests.s3_server import FaultRule, RecordedRequest
 
 MiB = 2**20
 FAST = dict(initial_backoff_s=0.01, max_backoff_s=0.05)

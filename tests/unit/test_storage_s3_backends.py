@@ -17,7 +17,7 @@ import pytest
 
 from dist_ckpt.storage import open_storage
 from dist_ckpt.storage.s3 import S3Storage, S3StorageOptions
-from dist_ckpt.testing.s3_server import FaultRule
+from tests.s3_server import FaultRule
 
 zarr = pytest.importorskip("zarr")
 ts = pytest.importorskip("tensorstore")

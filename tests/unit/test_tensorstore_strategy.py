@@ -1,4 +1,4 @@
-"""Unit tests of the TensorStore engine (dist_ckpt.strategies.tensorstore), in one process.
+"""Unit tests of the TensorStore engine (dist_ckpt.backends.zarr.tensorstore_engine), in one process.
 
 Most tests run for three (save engine, load engine) pairs: TensorStore -> TensorStore,
 TensorStore -> zarr-python and zarr-python -> TensorStore, because the point of the engine is
@@ -20,20 +20,30 @@ import pytest
 import torch
 
 import dist_ckpt as dc
-from dist_ckpt.dtypes import SUPPORTED_DTYPE_NAMES
-from dist_ckpt.errors import CorruptCheckpointError, KeyMismatchError, LoadMismatchError, MissingDependencyError
-from dist_ckpt.mapping import ShardedTensor
-from dist_ckpt.strategies import base, zarr_layout
-from dist_ckpt.strategies import tensorstore as ts_strategy
-from dist_ckpt.strategies.base import StrategyAction as A
-from dist_ckpt.strategies.tensorstore import (
+from dist_ckpt.model.dtypes import SUPPORTED_DTYPE_NAMES
+from dist_ckpt.errors import (
+    CorruptCheckpointError,
+    KeyMismatchError,
+    LoadMismatchError,
+    MissingDependencyError,
+)
+from dist_ckpt.model.sharded import ShardedTensor
+from dist_ckpt.backends import base
+from dist_ckpt.backends.zarr import layout as zarr_layout
+from dist_ckpt.backends.zarr import tensorstore_engine as ts_strategy
+from dist_ckpt.backends.base import StrategyAction as A
+from dist_ckpt.backends.zarr.tensorstore_engine import (
     TensorStoreLoadShardedStrategy,
     TensorStoreSaveShardedStrategy,
     merge_global_slice_with_shape,
     open_ts_array,
     register_default_tensorstore_strategies,
 )
-from dist_ckpt.strategies.zarr import ZARR_DIR, ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
+from dist_ckpt.backends.zarr.zarr_python import (
+    ZARR_DIR,
+    ZarrLoadShardedStrategy,
+    ZarrSaveShardedStrategy,
+)
 
 from .test_zarr_strategy import assert_bits_equal, flat_pieces, random_tensor, split_state
 
@@ -461,7 +471,7 @@ def test_missing_tensorstore_names_the_pip_extra():
         "import dist_ckpt\n"
         "from dist_ckpt.strategies import base\n"
         "try:\n"
-        "    import dist_ckpt.strategies.tensorstore\n"
+        "    import dist_ckpt.backends.zarr.tensorstore_engine\n"
         "except dist_ckpt.MissingDependencyError as e:\n"
         "    print('import:', e)\n"
         "try:\n"
@@ -477,6 +487,6 @@ def test_missing_tensorstore_names_the_pip_extra():
 
 
 def test_importing_dist_ckpt_does_not_import_tensorstore():
-    code = "import sys, dist_ckpt, dist_ckpt.strategies.base\nprint('tensorstore' in sys.modules)\n"
+    code = "import sys, dist_ckpt, dist_ckpt.backends.base\nprint('tensorstore' in sys.modules)\n"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"

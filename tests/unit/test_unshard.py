@@ -1,4 +1,4 @@
-"""Unit tests of dist_ckpt.unshard: full tensors from any backend, one process, no process group."""
+"""Unit tests of dist_ckpt.tools.unshard: full tensors from any backend, one process, no process group."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 
 import dist_ckpt as dc
 from dist_ckpt.errors import KeyMismatchError, NotACheckpointError
-from dist_ckpt.mapping import ShardedTensor
-from dist_ckpt.strategies.base import StrategyAction, get_default_strategy
+from dist_ckpt.model.sharded import ShardedTensor
+from dist_ckpt.backends.base import StrategyAction, get_default_strategy
 from dist_ckpt.testing.layouts import bitwise_equal, flat_shards, full_tensor, tp_shards
 
 BACKENDS = [("safetensors", 1), ("zarr", 1)]

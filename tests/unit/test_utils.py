@@ -1,14 +1,19 @@
-"""Unit tests of dist_ckpt.utils (splitting sharded state dicts, renaming sharded keys)."""
+"""Unit tests of dist_ckpt.model.state_dict_utils (splitting sharded state dicts, renaming sharded keys)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dist_ckpt.dict_utils import nested_values
+from dist_ckpt.model.dict_utils import nested_values
 from dist_ckpt.errors import InvalidShardedTensorError
-from dist_ckpt.mapping import LocalNonPersistentObject, ShardedObject, ShardedTensor, ShardedTensorFactory
-from dist_ckpt.utils import (
+from dist_ckpt.model.sharded import (
+    LocalNonPersistentObject,
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+)
+from dist_ckpt.model.state_dict_utils import (
     add_prefix_for_sharding,
     apply_prefix_mapping,
     extract_nonpersistent,

@@ -1,4 +1,4 @@
-"""Unit tests of dist_ckpt.validation: pure checks over synthetic per-rank metadata."""
+"""Unit tests of dist_ckpt.engine.validation: pure checks over synthetic per-rank metadata."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from dist_ckpt.errors import (
     NotACheckpointError,
     ShardingIntegrityError,
 )
-from dist_ckpt.mapping import ShardedObject, ShardedTensor
-from dist_ckpt.validation import (
+from dist_ckpt.model.sharded import ShardedObject, ShardedTensor
+from dist_ckpt.engine.validation import (
     StrictHandling,
     adjust_non_strict_load,
     check_sharding_integrity,
@@ -363,7 +363,7 @@ def test_validate_sharded_objects_handling():
 
 
 def test_verify_checkpoint_on_empty_dir(tmp_path):
-    from dist_ckpt.validation import verify_checkpoint_and_load_strategy
+    from dist_ckpt.engine.validation import verify_checkpoint_and_load_strategy
 
     with pytest.raises(NotACheckpointError, match="metadata.json"):
         verify_checkpoint_and_load_strategy(tmp_path)

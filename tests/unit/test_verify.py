@@ -12,9 +12,9 @@ import torch
 
 import dist_ckpt as dc
 from dist_ckpt.cli import main
-from dist_ckpt.mapping import ShardedObject, ShardedTensor
-from dist_ckpt.strategies.base import LoadShardedStrategy
-from dist_ckpt.verify import verify_checkpoint
+from dist_ckpt.model.sharded import ShardedObject, ShardedTensor
+from dist_ckpt.backends.base import LoadShardedStrategy
+from dist_ckpt.integrity.verify import verify_checkpoint
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
 
@@ -124,7 +124,7 @@ def test_removing_tensors_keeps_the_checkpoint_verifiable(tmp_path, backend):
 
 
 def test_progress_events_for_each_part(tmp_path):
-    from dist_ckpt.report import Operation
+    from dist_ckpt.engine.report import Operation
 
     events = []
     report = verify_checkpoint(_save(tmp_path / "d"), progress=events.append)

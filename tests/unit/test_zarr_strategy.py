@@ -1,4 +1,4 @@
-"""Unit tests of the Zarr backend (dist_ckpt.strategies.zarr), in one process.
+"""Unit tests of the Zarr backend (dist_ckpt.backends.zarr.zarr_python), in one process.
 
 One process may hold several ShardedTensors of the same key under different state-dict keys
 ("virtual ranks"): that is a valid sharding, so resharding is tested without process groups.
@@ -16,12 +16,12 @@ import zarr
 import zarr.storage
 
 import dist_ckpt as dc
-from dist_ckpt.dtypes import SUPPORTED_DTYPE_NAMES
+from dist_ckpt.model.dtypes import SUPPORTED_DTYPE_NAMES
 from dist_ckpt.errors import CorruptCheckpointError, KeyMismatchError, LoadMismatchError
-from dist_ckpt.mapping import ShardedTensor
+from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.storage import encode_key
-from dist_ckpt.strategies import zarr_layout
-from dist_ckpt.strategies.zarr import (
+from dist_ckpt.backends.zarr import layout as zarr_layout
+from dist_ckpt.backends.zarr.zarr_python import (
     ZARR_DIR,
     ZarrLoadShardedStrategy,
     ZarrSaveShardedStrategy,

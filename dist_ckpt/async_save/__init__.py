@@ -1,0 +1,2 @@
+"""Asynchronous saves: the request queue, the background writer process and snapshots.
+"""

@@ -1,0 +1,2 @@
+"""Whole-checkpoint tools used by the CLI and scripts: convert, unshard, inspect, bench, demo.
+"""
