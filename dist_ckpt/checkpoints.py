@@ -5,9 +5,9 @@ Code written for ``megatron.core.dist_checkpointing.checkpoints`` imports from h
 
 from dist_ckpt.training.checkpoints import (
     CHECKPOINT_NAME_PATTERNS,
+    METRICS_FILENAME,
     CheckpointFormat,
     CheckpointMeta,
-    METRICS_FILENAME,
     create_pretrained_symlinks,
     find_latest_checkpoint,
     get_checkpoint_metadata,

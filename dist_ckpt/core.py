@@ -4,10 +4,10 @@ Code written for ``megatron.core.dist_checkpointing.core`` imports from here unc
 """
 
 from dist_ckpt.engine.commit import (
-    CheckpointingConfig,
-    CheckpointingException,
     HF_CONFIG,
     METADATA_FILENAME,
+    CheckpointingConfig,
+    CheckpointingException,
     check_is_distributed_checkpoint,
     detect_config,
     maybe_load_config,

@@ -1,25 +1,25 @@
-"""Megatron-Core module path ``dist_ckpt.serialization``: re-exports :mod:`dist_ckpt.engine.serialization`.
+"""Megatron-Core module path ``dist_ckpt.serialization``: re-exports :mod:`dist_ckpt.engine.save`, :mod:`dist_ckpt.engine.load`
+and :mod:`dist_ckpt.engine.load_parts`.
 
 Code written for ``megatron.core.dist_checkpointing.serialization`` imports from here unchanged.
 """
 
-from dist_ckpt.engine.serialization import (
-    LoadResult,
-    SaveResult,
-    get_default_load_sharded_strategy,
-    get_default_save_common_strategy,
-    get_default_save_sharded_strategy,
-    load,
+from dist_ckpt.engine.checks.sharding import validate_sharding_integrity
+from dist_ckpt.engine.load import LoadResult, get_default_load_sharded_strategy, load, load_with_report
+from dist_ckpt.engine.load_parts import (
     load_common_state_dict,
     load_plain_tensors,
     load_sharded_metadata,
     load_sharded_objects,
     load_tensors_metadata,
-    load_with_report,
     remove_sharded_tensors,
+)
+from dist_ckpt.engine.save import (
+    SaveResult,
+    get_default_save_common_strategy,
+    get_default_save_sharded_strategy,
     save,
     save_with_report,
-    validate_sharding_integrity,
 )
 
 __all__ = [

@@ -37,7 +37,6 @@ import argparse
 import json
 import logging
 import os
-from pathlib import Path
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Type
 
@@ -91,7 +91,9 @@ class FaultRule:
         if self.status is not None and not 400 <= self.status <= 599:
             raise ValueError(f"FaultRule.status must be an HTTP error status (400-599), got {self.status}")
         if self.count < 0 or self.skip < 0 or self.delay_s < 0:
-            raise ValueError(f"FaultRule.count, .skip and .delay_s must be >= 0, got {self.count}, {self.skip}, {self.delay_s}")
+            raise ValueError(
+                f"FaultRule.count, .skip and .delay_s must be >= 0, got {self.count}, {self.skip}, {self.delay_s}"
+            )
 
 
 @dataclass(frozen=True)
@@ -132,9 +134,7 @@ class _Rule:
     def matches(self, method: str, path: str, query: str) -> bool:
         r = self.rule
         return (
-            (r.method is None or r.method.upper() == method)
-            and r.path_contains in path
-            and r.query_contains in query
+            (r.method is None or r.method.upper() == method) and r.path_contains in path and r.query_contains in query
         )
 
 
@@ -161,7 +161,7 @@ class RecordingMiddleware:
     def __call__(self, environ: Dict[str, Any], start_response: _StartResponse) -> Iterable[bytes]:
         path = str(environ.get("PATH_INFO", ""))
         if path.startswith(CONTROL_PREFIX):
-            return self._control(path[len(CONTROL_PREFIX):], environ, start_response)
+            return self._control(path[len(CONTROL_PREFIX) :], environ, start_response)
         method = str(environ.get("REQUEST_METHOD", "GET")).upper()
         query = str(environ.get("QUERY_STRING", ""))
         received = _content_length(environ)
@@ -186,7 +186,9 @@ class RecordingMiddleware:
             self._leave()
             _drain(environ, received)  # keep the connection usable for the client's next request
             body = _error_body(status, path)
-            start_response(f"{status} Injected", [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))])
+            start_response(
+                f"{status} Injected", [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))]
+            )
             self._record(RecordedRequest(status=status, bytes_sent=len(body), injected=True, **base))  # type: ignore[arg-type]
             return [body]
         seen: Dict[str, int] = {"status": 0}
@@ -215,7 +217,9 @@ class RecordingMiddleware:
             if close is not None:
                 close()
             self._leave()
-        self._record(RecordedRequest(status=seen["status"], bytes_sent=sum(len(c) for c in chunks), injected=False, **base))
+        self._record(
+            RecordedRequest(status=seen["status"], bytes_sent=sum(len(c) for c in chunks), injected=False, **base)
+        )
         return chunks
 
     def _take_rule(self, method: str, path: str, query: str) -> Optional[FaultRule]:
@@ -380,7 +384,9 @@ class S3TestServer:
         thread.join(self.startup_timeout_s)
         line = result.get("line", b"")
         if not line:
-            raise RuntimeError(f"the moto S3 test server did not start within {self.startup_timeout_s} s: {self._stderr_tail()}")
+            raise RuntimeError(
+                f"the moto S3 test server did not start within {self.startup_timeout_s} s: {self._stderr_tail()}"
+            )
         return int(json.loads(line)["port"])
 
     def _stderr_tail(self) -> str:
@@ -433,7 +439,9 @@ class S3TestServer:
     def __enter__(self) -> "S3TestServer":
         return self.start()
 
-    def __exit__(self, exc_type: Optional[Type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:
+    def __exit__(
+        self, exc_type: Optional[Type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
+    ) -> None:
         self.stop()
 
     # -- what clients need ------------------------------------------------------------------
@@ -448,7 +456,9 @@ class S3TestServer:
             "AWS_DEFAULT_REGION": REGION,
         }
 
-    def client(self, service: str = "s3", *, access_key_id: Optional[str] = None, secret_access_key: Optional[str] = None) -> Any:
+    def client(
+        self, service: str = "s3", *, access_key_id: Optional[str] = None, secret_access_key: Optional[str] = None
+    ) -> Any:
         """A boto3 client of this server (for test set-up and inspection)."""
         import boto3
 

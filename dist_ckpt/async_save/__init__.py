@@ -1,2 +1,1 @@
-"""Asynchronous saves: the request queue, the background writer process and snapshots.
-"""
+"""Asynchronous saves: the request queue, the background writer process and snapshots."""

@@ -36,6 +36,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
+from dist_ckpt.async_save.worker import AsyncOutcome, AsyncWorker
 from dist_ckpt.engine.distributed import (
     all_gather_json,
     all_ranks_true,
@@ -44,7 +45,6 @@ from dist_ckpt.engine.distributed import (
     raise_if_any_rank_failed,
 )
 from dist_ckpt.errors import AsyncSaveError, CheckpointingException
-from dist_ckpt.async_save.worker import AsyncOutcome, AsyncWorker
 
 __all__ = ["AsyncCallsQueue", "AsyncOutcome", "AsyncRequest"]
 

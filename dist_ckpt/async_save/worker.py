@@ -110,7 +110,9 @@ def _worker_main(tasks: Any, results: Any) -> None:
         try:
             results.put(outcome)
         except Exception:  # noqa: BLE001 -- an unpicklable result: report that instead
-            results.put((idx, False, {"type": "TypeError", "message": "the call's result cannot be sent back", "traceback": ""}))
+            results.put(
+                (idx, False, {"type": "TypeError", "message": "the call's result cannot be sent back", "traceback": ""})
+            )
 
 
 class AsyncWorker:

@@ -12,12 +12,11 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 from dist_ckpt.engine.distributed import get_rank
-from dist_ckpt.errors import KeyMismatchError, LoadMismatchError, format_keys
+from dist_ckpt.errors import KeyMismatchError, LoadMismatchError, format_keys, format_problems
 from dist_ckpt.model.sharded import ShardedTensor
 
 #: ``(dtype, global_shape)`` of a stored tensor, or None if the checkpoint lacks the key
 StoredLookup = Callable[[str], Optional[Tuple[torch.dtype, Tuple[int, ...]]]]
-_MAX_REPORTED = 10
 
 
 def stored_mismatches(sh: ShardedTensor, dtype: torch.dtype, global_shape: Tuple[int, ...]) -> List[str]:
@@ -59,9 +58,6 @@ def check_requested_tensors(requested: Sequence[ShardedTensor], lookup: StoredLo
         assert found is not None
         problems.extend(p for p in stored_mismatches(sh, *found) if p not in problems)
     if problems:
-        more = f"; ... and {len(problems) - _MAX_REPORTED} more" if len(problems) > _MAX_REPORTED else ""
         raise LoadMismatchError(
-            f"[rank {rank}] checkpoint {where} does not match the requested tensors: "
-            + "; ".join(problems[:_MAX_REPORTED])
-            + more
+            f"[rank {rank}] checkpoint {where} does not match the requested tensors: {format_problems(problems)}"
         )

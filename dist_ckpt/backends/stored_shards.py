@@ -22,8 +22,8 @@ from itertools import product
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 if TYPE_CHECKING:  # imported by the functions that need them
-    from dist_ckpt.storage.object_path import Node
     from dist_ckpt.backends.safetensors.load import TensorIndex
+    from dist_ckpt.storage.object_path import Node
 
 __all__ = ["StoredShardInfo", "describe_tensor_index", "describe_zarr"]
 
@@ -76,8 +76,13 @@ def describe_tensor_index(index: "TensorIndex", prefix: str = "") -> Dict[str, L
         if stored is None:
             continue
         out[key] = [
-            StoredShardInfo(tuple(s.global_offset), tuple(s.chunk_shape), s.flat_range, prefix + s.file,
-                            s.byte_range[1] - s.byte_range[0])
+            StoredShardInfo(
+                tuple(s.global_offset),
+                tuple(s.chunk_shape),
+                s.flat_range,
+                prefix + s.file,
+                s.byte_range[1] - s.byte_range[0],
+            )
             for s in stored.shards
         ]
     return out
@@ -91,13 +96,7 @@ def describe_zarr(checkpoint_dir: Node) -> Dict[str, List[StoredShardInfo]]:
 
         describe_zarr(Path("ckpt"))["w"][0].file    # "zarr/w/c/0/0"
     """
-    from dist_ckpt.backends.zarr.layout import (
-        LAYOUT_CHUNKED,
-        ZARR_DIR,
-        chunk_key,
-        list_tensor_names,
-        open_tensor_info,
-    )
+    from dist_ckpt.backends.zarr.layout import LAYOUT_CHUNKED, ZARR_DIR, chunk_key, list_tensor_names, open_tensor_info
 
     root = checkpoint_dir / ZARR_DIR  # a local Path or an object store's ObjectPath
     out: Dict[str, List[StoredShardInfo]] = {}
@@ -113,12 +112,22 @@ def describe_zarr(checkpoint_dir: Node) -> Dict[str, List[StoredShardInfo]]:
             for coords in product(*grid):
                 offset = tuple(i * c for i, c in zip(coords, chunk))
                 shape = tuple(min(c, n - o) for c, n, o in zip(chunk, info.global_shape, offset))
-                pieces.append(StoredShardInfo(offset, shape, None, f"{ZARR_DIR}/{name}/{chunk_key(coords)}",
-                                              math.prod(chunk) * itemsize))
+                pieces.append(
+                    StoredShardInfo(
+                        offset, shape, None, f"{ZARR_DIR}/{name}/{chunk_key(coords)}", math.prod(chunk) * itemsize
+                    )
+                )
         else:
             for frag in info.fragments:
                 start, stop = frag.flat_range
-                pieces.append(StoredShardInfo(tuple(frag.global_offset), tuple(info.chunk_shape), (start, stop),
-                                              f"{ZARR_DIR}/{name}/{frag.path.name}", (stop - start) * itemsize))
+                pieces.append(
+                    StoredShardInfo(
+                        tuple(frag.global_offset),
+                        tuple(info.chunk_shape),
+                        (start, stop),
+                        f"{ZARR_DIR}/{name}/{frag.path.name}",
+                        (stop - start) * itemsize,
+                    )
+                )
         out[info.key] = pieces
     return out

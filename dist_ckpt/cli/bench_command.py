@@ -6,7 +6,6 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from dist_ckpt.engine.serialization import DEFAULT_SHARDED_BACKEND
 from dist_ckpt.cli.common import (
     EXIT_OK,
     BadPathError,
@@ -19,6 +18,7 @@ from dist_ckpt.cli.common import (
     print_json,
     progress_enabled,
 )
+from dist_ckpt.engine.registry import DEFAULT_SHARDED_BACKEND
 
 __all__ = ["add_bench_command"]
 
@@ -40,14 +40,34 @@ def add_bench_command(subparsers: SubParsers, common: argparse.ArgumentParser) -
             "--size of memory. Exits 1 only if a loaded value differs from what was saved."
         ),
     )
-    p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()), metavar="DIR",
-                   help="a directory on the storage to measure (default: %(default)s)")
-    p.add_argument("--size", type=positive_float_arg, default=1024.0, metavar="MIB",
-                   help="size of the state in MiB (default: %(default)s)")
-    p.add_argument("--ranks", type=even_ranks_arg, default=2, metavar="N",
-                   help="ranks that save; even, >= 2 (default: %(default)s)")
-    p.add_argument("--backend", type=backend_arg, default=default_backend, metavar="NAME[:VERSION]",
-                   help="sharded backend to measure (default: %(default)s)")
+    p.add_argument(
+        "--dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()),
+        metavar="DIR",
+        help="a directory on the storage to measure (default: %(default)s)",
+    )
+    p.add_argument(
+        "--size",
+        type=positive_float_arg,
+        default=1024.0,
+        metavar="MIB",
+        help="size of the state in MiB (default: %(default)s)",
+    )
+    p.add_argument(
+        "--ranks",
+        type=even_ranks_arg,
+        default=2,
+        metavar="N",
+        help="ranks that save; even, >= 2 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--backend",
+        type=backend_arg,
+        default=default_backend,
+        metavar="NAME[:VERSION]",
+        help="sharded backend to measure (default: %(default)s)",
+    )
     p.add_argument("--json", action="store_true", help="print the measurements as one JSON document")
     add_progress_option(p)
     p.set_defaults(run=run_bench_command, parser=p)
@@ -75,8 +95,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
             bar.set_postfix_str(phase, refresh=True)
 
     try:
-        result = run_bench(BenchOptions(directory=args.dir, size_mib=args.size, ranks=args.ranks, backend=args.backend),
-                           on_phase=on_phase)
+        result = run_bench(
+            BenchOptions(directory=args.dir, size_mib=args.size, ranks=args.ranks, backend=args.backend),
+            on_phase=on_phase,
+        )
         if bar is not None:
             bar.update(bar.total - bar.n)
     finally:

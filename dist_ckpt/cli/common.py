@@ -14,7 +14,7 @@ import re
 import sys
 from typing import Any, Callable, List, Sequence, Tuple
 
-from dist_ckpt.backends.base import StrategyAction, registered_strategies
+from dist_ckpt.engine.registry import StrategyAction, registered_strategies
 from dist_ckpt.testing import RankError
 
 __all__ = [
@@ -174,8 +174,18 @@ def backend_arg(text: str) -> Tuple[str, int]:
     return name, max(versions)
 
 
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*")
 
 
@@ -193,9 +203,13 @@ def size_arg(text: str) -> int:
 
 def add_progress_option(parser: argparse.ArgumentParser) -> None:
     """``--progress`` / ``--no-progress``: progress bars on stderr (default: when it is a terminal)."""
-    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                        help="force progress bars on stderr on or off (default: on when stderr is a terminal, "
-                        "unless --quiet or --json)")
+    parser.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="force progress bars on stderr on or off (default: on when stderr is a terminal, "
+        "unless --quiet or --json)",
+    )
 
 
 def progress_enabled(args: argparse.Namespace) -> bool:

@@ -41,16 +41,34 @@ def add_convert_command(subparsers: SubParsers, common: argparse.ArgumentParser)
             "failed one removes what it wrote."
         ),
     )
-    p.add_argument("src", metavar="SRC", help="a committed checkpoint or a HuggingFace folder: a directory or "
-                   "s3://bucket/prefix")
-    p.add_argument("dst", metavar="DST", help="the new checkpoint: a directory that does not exist or is empty, or an "
-                   "empty s3://bucket/prefix (--to safetensors only)")
-    p.add_argument("--to", type=_target, required=True, metavar="BACKEND",
-                   help="target backend: safetensors, zarr, NAME:VERSION, or hf")
-    p.add_argument("--max-shard-size", type=size_arg, default=2**31, metavar="SIZE",
-                   help="with --to hf: most bytes per file, e.g. 5GB (default: 2GiB)")
-    p.add_argument("--allow-pickle", action="store_true",
-                   help="read a common state that needs full pickle (runs code from SRC: only for checkpoints you trust)")
+    p.add_argument(
+        "src", metavar="SRC", help="a committed checkpoint or a HuggingFace folder: a directory or s3://bucket/prefix"
+    )
+    p.add_argument(
+        "dst",
+        metavar="DST",
+        help="the new checkpoint: a directory that does not exist or is empty, or an "
+        "empty s3://bucket/prefix (--to safetensors only)",
+    )
+    p.add_argument(
+        "--to",
+        type=_target,
+        required=True,
+        metavar="BACKEND",
+        help="target backend: safetensors, zarr, NAME:VERSION, or hf",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        type=size_arg,
+        default=2**31,
+        metavar="SIZE",
+        help="with --to hf: most bytes per file, e.g. 5GB (default: 2GiB)",
+    )
+    p.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="read a common state that needs full pickle (runs code from SRC: only for checkpoints you trust)",
+    )
     p.add_argument("--json", action="store_true", help="print what was done as one JSON document")
     add_progress_option(p)
     p.set_defaults(run=run_convert_command, parser=p)
@@ -58,8 +76,8 @@ def add_convert_command(subparsers: SubParsers, common: argparse.ArgumentParser)
 
 def run_convert_command(args: argparse.Namespace) -> int:
     """Convert, with a progress bar in bytes, and print what was written."""
-    from dist_ckpt.tools.convert import convert  # keeps `dist-ckpt --help` fast
     from dist_ckpt.cli.progress import ProgressBars
+    from dist_ckpt.tools.convert import convert  # keeps `dist-ckpt --help` fast
 
     common_strategy = None
     if args.allow_pickle:
@@ -67,17 +85,28 @@ def run_convert_command(args: argparse.Namespace) -> int:
 
         common_strategy = TorchCommonLoadStrategy(allow_pickle=True)
     with ProgressBars(progress_enabled(args), "converting") as bars:
-        result = convert(args.src, args.dst, args.to, max_shard_size=args.max_shard_size,
-                         common_strategy=common_strategy, progress=bars)
+        result = convert(
+            args.src,
+            args.dst,
+            args.to,
+            max_shard_size=args.max_shard_size,
+            common_strategy=common_strategy,
+            progress=bars,
+        )
     if args.json:
         print_json(result.to_json())
         return EXIT_OK
     report = result.report
-    carried = (f"; common state ({result.common_keys} keys) and {result.sharded_objects} ShardedObjects copied"
-               if result.target_backend != "hf" else "")
+    carried = (
+        f"; common state ({result.common_keys} keys) and {result.sharded_objects} ShardedObjects copied"
+        if result.target_backend != "hf"
+        else ""
+    )
     files = "" if report.files is None else f": {report.files} files, {human_bytes(report.file_bytes or 0)}"
-    print(f"dist-ckpt convert: {result.tensors} tensors, {human_bytes(report.total_nbytes)}, "
-          f"{result.source_backend} -> {result.target_backend}")
+    print(
+        f"dist-ckpt convert: {result.tensors} tensors, {human_bytes(report.total_nbytes)}, "
+        f"{result.source_backend} -> {result.target_backend}"
+    )
     print(f"  from {result.source}")
     print(f"  to   {result.destination}{files}{carried}")
     print(f"  in {report.max_seconds:.2f} s ({report.gb_per_s:.3g} GB/s)")

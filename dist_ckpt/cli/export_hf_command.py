@@ -34,8 +34,13 @@ def add_export_hf_command(subparsers: SubParsers, common: argparse.ArgumentParse
     )
     p.add_argument("src", metavar="SRC", help="a committed dist_ckpt checkpoint: a directory or s3://bucket/prefix")
     p.add_argument("dst", metavar="DST", help="the local folder to write (must not hold HF weights yet)")
-    p.add_argument("--max-shard-size", type=size_arg, default=2**31, metavar="SIZE",
-                   help="most bytes per file, e.g. 5GB or 2GiB (default: 2GiB)")
+    p.add_argument(
+        "--max-shard-size",
+        type=size_arg,
+        default=2**31,
+        metavar="SIZE",
+        help="most bytes per file, e.g. 5GB or 2GiB (default: 2GiB)",
+    )
     p.add_argument("--json", action="store_true", help="print what was written as one JSON document")
     add_progress_option(p)
     p.set_defaults(run=run_export_hf_command, parser=p)
@@ -52,7 +57,9 @@ def run_export_hf_command(args: argparse.Namespace) -> int:
 
         _, tensors = unsharded_metadata(args.src)
         total = sum(math.prod(t.global_shape) * t.dtype.itemsize for t in tensors.values())
-        bar = tqdm(total=total, desc="exporting tensors", unit="B", unit_scale=True, unit_divisor=1024, dynamic_ncols=True)
+        bar = tqdm(
+            total=total, desc="exporting tensors", unit="B", unit_scale=True, unit_divisor=1024, dynamic_ncols=True
+        )
 
     def on_tensor(key: str, nbytes: int) -> None:
         if bar is not None:
@@ -67,11 +74,23 @@ def run_export_hf_command(args: argparse.Namespace) -> int:
             bar.close()
     seconds = time.perf_counter() - start
     if args.json:
-        print_json({"source": str(args.src), "directory": str(result.directory), "files": list(result.files),
-                    "index": result.index, "tensors": result.tensors, "nbytes": result.total_bytes, "seconds": seconds})
+        print_json(
+            {
+                "source": str(args.src),
+                "directory": str(result.directory),
+                "files": list(result.files),
+                "index": result.index,
+                "tensors": result.tensors,
+                "nbytes": result.total_bytes,
+                "seconds": seconds,
+            }
+        )
         return EXIT_OK
     files = len(result.files)
     print(f"dist-ckpt export-hf: {result.tensors} tensors, {human_bytes(result.total_bytes)}, from {args.src}")
-    print(f"  to {result.directory}: {files} file{'s' if files != 1 else ''}"
-          + (f" + {result.index}" if result.index else "") + f", in {seconds:.2f} s")
+    print(
+        f"  to {result.directory}: {files} file{'s' if files != 1 else ''}"
+        + (f" + {result.index}" if result.index else "")
+        + f", in {seconds:.2f} s"
+    )
     return EXIT_OK

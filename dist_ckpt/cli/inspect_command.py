@@ -26,12 +26,23 @@ def add_inspect_command(subparsers: SubParsers, common: argparse.ArgumentParser)
             "of the common state and the ShardedObjects."
         ),
     )
-    p.add_argument("dir", metavar="DIR", help="a committed checkpoint or a HuggingFace folder: a directory, or "
-                   "s3://bucket/prefix (credentials and endpoint from the AWS environment variables)")
-    p.add_argument("--keys", metavar="PATTERN", default=None,
-                   help="only tensors whose key matches this shell pattern, e.g. 'decoder.layers.0.*'")
-    p.add_argument("--shards", action="store_true",
-                   help="also list every stored shard: offset, shape or flattened range, file, bytes")
+    p.add_argument(
+        "dir",
+        metavar="DIR",
+        help="a committed checkpoint or a HuggingFace folder: a directory, or "
+        "s3://bucket/prefix (credentials and endpoint from the AWS environment variables)",
+    )
+    p.add_argument(
+        "--keys",
+        metavar="PATTERN",
+        default=None,
+        help="only tensors whose key matches this shell pattern, e.g. 'decoder.layers.0.*'",
+    )
+    p.add_argument(
+        "--shards",
+        action="store_true",
+        help="also list every stored shard: offset, shape or flattened range, file, bytes",
+    )
     p.add_argument("--json", action="store_true", help="print everything as one JSON document")
     p.set_defaults(run=run_inspect_command, parser=p)
 
@@ -66,14 +77,31 @@ def run_inspect_command(args: argparse.Namespace) -> int:
         rows = []
         for t in info.tensors:
             n_files = "?" if t.files is None else str(len(t.files))
-            rows.append([t.key, _shape(t.global_shape), t.dtype, human_bytes(t.nbytes), str(t.num_shards or "?"), t.layout, n_files])
+            rows.append(
+                [
+                    t.key,
+                    _shape(t.global_shape),
+                    t.dtype,
+                    human_bytes(t.nbytes),
+                    str(t.num_shards or "?"),
+                    t.layout,
+                    n_files,
+                ]
+            )
             if args.shards and t.shards:
                 for s in t.shards:
-                    where = _shape(s.global_offset) + (f" flat {s.flat_range[0]}:{s.flat_range[1]}" if s.flat_range else "")
+                    where = _shape(s.global_offset) + (
+                        f" flat {s.flat_range[0]}:{s.flat_range[1]}" if s.flat_range else ""
+                    )
                     rows.append([f"  @ {where}", _shape(s.shape), "", f"{s.nbytes:,} B", "", s.file, ""])
         print()
-        print(format_table(["key", "shape", "dtype", "size", "shards", "layout", "files"], rows,
-                           [False, False, False, True, True, False, True]))
+        print(
+            format_table(
+                ["key", "shape", "dtype", "size", "shards", "layout", "files"],
+                rows,
+                [False, False, False, True, True, False, True],
+            )
+        )
     if info.common_keys:
         print()
         print(f"common state ({len(info.common_keys)} keys):")

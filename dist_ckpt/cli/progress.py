@@ -55,16 +55,26 @@ class ProgressBars:
             bar = self._bytes.get(event.phase)
             if bar is None:
                 bar = self._bytes[event.phase] = tqdm(
-                    total=event.bytes_total, desc=event.phase, unit="B", unit_scale=True, unit_divisor=1024,
-                    leave=True, dynamic_ncols=True,
+                    total=event.bytes_total,
+                    desc=event.phase,
+                    unit="B",
+                    unit_scale=True,
+                    unit_divisor=1024,
+                    leave=True,
+                    dynamic_ncols=True,
                 )
             bar.update(event.bytes_done - bar.n)
             if event.item is not None:
                 bar.set_postfix_str(event.item, refresh=False)
             return
         if self._phases is None:
-            self._phases = tqdm(total=event.total, desc=self.description or event.operation.value, unit="step",
-                                leave=True, dynamic_ncols=True)
+            self._phases = tqdm(
+                total=event.total,
+                desc=self.description or event.operation.value,
+                unit="step",
+                leave=True,
+                dynamic_ncols=True,
+            )
         elif self._phases.total != event.total:  # an operation that learns how many phases it has
             self._phases.total = event.total
         if event.done:

@@ -35,8 +35,12 @@ def add_verify_command(subparsers: SubParsers, common: argparse.ArgumentParser) 
             "Works on s3:// URLs too (every object is read once). Needs no process group."
         ),
     )
-    p.add_argument("dir", metavar="DIR", help="a checkpoint directory, or s3://bucket/prefix (credentials and endpoint "
-                   "from the AWS environment variables)")
+    p.add_argument(
+        "dir",
+        metavar="DIR",
+        help="a checkpoint directory, or s3://bucket/prefix (credentials and endpoint "
+        "from the AWS environment variables)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as one JSON document (exit status as above)")
     add_progress_option(p)
     p.set_defaults(run=run_verify_command, parser=p)
@@ -44,10 +48,10 @@ def add_verify_command(subparsers: SubParsers, common: argparse.ArgumentParser) 
 
 def run_verify_command(args: argparse.Namespace) -> int:
     """Verify and print one line per problem (or the JSON report)."""
-    from dist_ckpt.errors import NotACheckpointError
-    from dist_ckpt.storage.location import resolve_location
-    from dist_ckpt.integrity.verify import verify_checkpoint  # keeps `dist-ckpt --help` fast
     from dist_ckpt.cli.progress import ProgressBars
+    from dist_ckpt.errors import NotACheckpointError
+    from dist_ckpt.integrity.verify import verify_checkpoint  # keeps `dist-ckpt --help` fast
+    from dist_ckpt.storage.location import resolve_location
 
     location = resolve_location(args.dir)
     if isinstance(location, Path) and not location.is_dir():  # a bad path, not a damaged checkpoint

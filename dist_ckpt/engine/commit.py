@@ -27,12 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from dist_ckpt.errors import (
-    CheckpointExistsError,
-    CheckpointingException,
-    CorruptCheckpointError,
-    NotACheckpointError,
-)
+from dist_ckpt.errors import CheckpointExistsError, CheckpointingException, CorruptCheckpointError, NotACheckpointError
 from dist_ckpt.storage import write_bytes_atomic
 from dist_ckpt.storage.errors import ObjectExistsError, ObjectNotFoundError, StorageError
 from dist_ckpt.storage.location import LocationLike, location_str, resolve_location
@@ -125,7 +120,9 @@ def save_config(
                 f"{location.url_of(METADATA_FILENAME)} was committed by another save while this one was running "
                 f"(its save_id is {found!r}, ours {save_id!r}); this save is not committed: save to a new location"
             ) from e
-        logger.info("%s: the commit marker is ours (a retried put had already landed)", location.url_of(METADATA_FILENAME))
+        logger.info(
+            "%s: the commit marker is ours (a retried put had already landed)", location.url_of(METADATA_FILENAME)
+        )
 
 
 def _parse_config(raw: bytes, where: str) -> CheckpointingConfig:

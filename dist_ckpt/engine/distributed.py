@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from dist_ckpt import errors
-from dist_ckpt.storage import errors as storage_errors
 from dist_ckpt.errors import CheckpointingException, KeyMismatchError, RankFailedError
+from dist_ckpt.storage import errors as storage_errors
 
 logger = logging.getLogger(__name__)
 
@@ -167,12 +167,18 @@ def broadcast_json(obj: Any, src: int = 0, group: Optional[ProcessGroup] = None)
     size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
     src_global = global_rank_of(group, src)
     dist.broadcast(size, src=src_global, group=group)
-    buf = payload.to(device) if get_rank(group) == src else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    buf = (
+        payload.to(device)
+        if get_rank(group) == src
+        else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    )
     dist.broadcast(buf, src=src_global, group=group)
     return _decode(buf, int(size.item()))
 
 
-def broadcast_tensor(tensor: torch.Tensor, src: int, group: Optional[ProcessGroup] = None, what: str = "a tensor") -> None:
+def broadcast_tensor(
+    tensor: torch.Tensor, src: int, group: Optional[ProcessGroup] = None, what: str = "a tensor"
+) -> None:
     """Broadcast ``tensor`` in place from group rank ``src`` to every rank of ``group``.
 
     ``tensor`` must be contiguous, live on :func:`comm_device` and have the same shape and dtype
@@ -242,9 +248,7 @@ def _rebuild(info: dict[str, Any], failed_ranks: List[int]) -> CheckpointingExce
     return RankFailedError(f"{message} [{info['type']} while {info['step']}]")
 
 
-def raise_if_any_rank_failed(
-    error: Optional[BaseException], step: str, group: Optional[ProcessGroup] = None
-) -> None:
+def raise_if_any_rank_failed(error: Optional[BaseException], step: str, group: Optional[ProcessGroup] = None) -> None:
     """Collective: if ``error`` is set on any rank, raise one equal error on every rank.
 
     Every rank of ``group`` must call this with its own outcome of ``step`` (None for success).

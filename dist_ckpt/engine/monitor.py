@@ -32,18 +32,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tuple, Type, TypeVar, Union
 
-from dist_ckpt.model.dict_utils import nested_values
 from dist_ckpt.engine.distributed import all_gather_json, get_rank, get_world_size, run_collectively
-from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, is_main_replica
-from dist_ckpt.engine.report import (
-    CheckpointReport,
-    Operation,
-    PhaseTiming,
-    ProgressCallback,
-    ProgressEvent,
-)
-from dist_ckpt.storage.base import Storage, open_storage
+from dist_ckpt.engine.report import CheckpointReport, Operation, PhaseTiming, ProgressCallback, ProgressEvent
 from dist_ckpt.engine.watchdog import Watchdog
+from dist_ckpt.model.dict_utils import nested_values
+from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, is_main_replica
+from dist_ckpt.storage.base import Storage, open_storage
 
 __all__ = ["StepMonitor", "count_files", "main_replica_bytes", "requested_bytes"]
 
@@ -152,15 +146,27 @@ class StepMonitor:
         """Seconds since the operation started."""
         return time.perf_counter() - self._started
 
-    def notify(self, phase: str, done: bool, item: Optional[str] = None, bytes_done: int = 0, bytes_total: int = 0) -> None:
+    def notify(
+        self, phase: str, done: bool, item: Optional[str] = None, bytes_done: int = 0, bytes_total: int = 0
+    ) -> None:
         """Send a progress event for ``phase`` (nothing without a callback)."""
         if self.progress is None:
             return
         index = self.phases.index(phase) + 1 if phase in self.phases else len(self.phases) + 1
         total = max(len(self.phases), index)
         self.progress(
-            ProgressEvent(self.report.operation, self.report.checkpoint_dir, phase, index, total, done,
-                          self.elapsed(), item, bytes_done, bytes_total)
+            ProgressEvent(
+                self.report.operation,
+                self.report.checkpoint_dir,
+                phase,
+                index,
+                total,
+                done,
+                self.elapsed(),
+                item,
+                bytes_done,
+                bytes_total,
+            )
         )
 
     def heartbeat(self) -> None:
@@ -212,5 +218,7 @@ class StepMonitor:
         report.complete = True
         if report.rank == 0:
             logger.info("%s", report.summary())
-        logger.debug("rank %d: %d bytes in %.3f s (%.3g GB/s)", report.rank, report.nbytes, report.seconds, report.rank_gb_per_s)
+        logger.debug(
+            "rank %d: %d bytes in %.3f s (%.3g GB/s)", report.rank, report.nbytes, report.seconds, report.rank_gb_per_s
+        )
         return report

@@ -66,7 +66,9 @@ class Watchdog:
 
     def __init__(self, timeout_s: float, what: str = "the operation", poll_s: Optional[float] = None) -> None:
         if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
-            raise CheckpointingException(f"watchdog timeout must be a positive number of seconds (or None to disable it), got {timeout_s!r}")
+            raise CheckpointingException(
+                f"watchdog timeout must be a positive number of seconds (or None to disable it), got {timeout_s!r}"
+            )
         self.timeout_s = float(timeout_s)
         self.what = what
         self.poll_s = poll_s if poll_s is not None else min(max(self.timeout_s / 10, 0.001), 5.0)

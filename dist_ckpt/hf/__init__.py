@@ -34,12 +34,7 @@ from dist_ckpt.hf.index import (
     retie_parameters,
     save_shard_index,
 )
-from dist_ckpt.hf.io import (
-    load_checkpoint,
-    load_sharded_checkpoint,
-    save_checkpoint,
-    save_sharded_checkpoint,
-)
+from dist_ckpt.hf.io import load_checkpoint, load_sharded_checkpoint, save_checkpoint, save_sharded_checkpoint
 from dist_ckpt.hf.partial import (
     is_in_safetensors_format,
     load_sharded_state_dict,

@@ -23,10 +23,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from dist_ckpt.errors import CheckpointExistsError
-from dist_ckpt.storage.location import LocationLike, require_local, resolve_location
 from dist_ckpt.backends.safetensors.format import SafetensorsFileWriter
-from dist_ckpt.tools.unshard import iter_with, unsharded_metadata
+from dist_ckpt.errors import CheckpointExistsError
 from dist_ckpt.hf.folder import has_hf_weights
 from dist_ckpt.hf.index import (
     SAFE_WEIGHTS_INDEX_NAME,
@@ -35,6 +33,8 @@ from dist_ckpt.hf.index import (
     save_shard_index,
     shard_file_name,
 )
+from dist_ckpt.storage.location import LocationLike, require_local, resolve_location
+from dist_ckpt.tools.unshard import iter_with, unsharded_metadata
 
 __all__ = ["ExportResult", "export"]
 

@@ -15,14 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Union
 
-from dist_ckpt.errors import (
-    CorruptCheckpointError,
-    KeyMismatchError,
-    NotACheckpointError,
-    format_keys,
-)
 from dist_ckpt.backends.safetensors.format import SafetensorsHeader, read_header
 from dist_ckpt.backends.safetensors.load import StoredShard, StoredTensor, TensorIndex
+from dist_ckpt.errors import CorruptCheckpointError, KeyMismatchError, NotACheckpointError, format_keys
 from dist_ckpt.hf.index import (
     BIN_WEIGHTS_INDEX_NAME,
     BIN_WEIGHTS_NAME,
@@ -65,7 +60,9 @@ def single_file_metadata(header_metadata: Dict[str, str], path: Path) -> Dict[st
     try:
         value = json.loads(raw)
     except ValueError as e:
-        raise CorruptCheckpointError(f"{str(path)!r}: header entry {INDEX_METADATA_KEY!r} is not valid JSON: {e}") from e
+        raise CorruptCheckpointError(
+            f"{str(path)!r}: header entry {INDEX_METADATA_KEY!r} is not valid JSON: {e}"
+        ) from e
     if not isinstance(value, dict):
         raise CorruptCheckpointError(f"{str(path)!r}: header entry {INDEX_METADATA_KEY!r} must hold a JSON object")
     return value
@@ -192,5 +189,6 @@ def open_folder(directory: Union[str, Path]) -> HFFolder:
         refuse_bin(False)
     if not d.is_dir():
         raise NotACheckpointError(f"{str(d)!r} does not exist")
-    raise NotACheckpointError(f"{str(d)!r} holds no HuggingFace weights ({SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME})")
-
+    raise NotACheckpointError(
+        f"{str(d)!r} holds no HuggingFace weights ({SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME})"
+    )

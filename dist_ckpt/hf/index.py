@@ -193,7 +193,9 @@ def validate_shard_index(index: Any, where: str) -> ShardIndex:
     if not isinstance(metadata, dict):
         raise CorruptCheckpointError(f"shard index {where}: 'metadata' must be an object")
     groups = metadata.get(PARAM_SHARING_KEY, [])
-    if not isinstance(groups, list) or not all(isinstance(g, list) and g and all(isinstance(n, str) for n in g) for g in groups):
+    if not isinstance(groups, list) or not all(
+        isinstance(g, list) and g and all(isinstance(n, str) for n in g) for g in groups
+    ):
         raise CorruptCheckpointError(f"shard index {where}: {PARAM_SHARING_KEY!r} must be a list of lists of names")
     return {"metadata": metadata, "weight_map": index["weight_map"]}
 

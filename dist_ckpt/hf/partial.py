@@ -22,13 +22,8 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 
-from dist_ckpt.errors import (
-    CheckpointingException,
-    KeyMismatchError,
-    LoadMismatchError,
-    format_keys,
-)
 from dist_ckpt.backends.safetensors.format import write_safetensors_file
+from dist_ckpt.errors import CheckpointingException, KeyMismatchError, LoadMismatchError, format_keys
 from dist_ckpt.hf.folder import has_hf_weights, open_folder
 from dist_ckpt.hf.io import as_state_dict, load_into_dict, load_into_module
 
@@ -94,12 +89,16 @@ def load_state_dict_to_shards(
         if checkpoint_dir is None:
             raise CheckpointingException("load_state_dict_to_shards needs loaded_state_dict or checkpoint_dir")
         meta = any(t.device.type == "meta" for t in model_shard.state_dict().values())
-        load_into_module(open_folder(checkpoint_dir), model_shard, "cpu", meta, raise_missing=True, raise_unexpected=False)
+        load_into_module(
+            open_folder(checkpoint_dir), model_shard, "cpu", meta, raise_missing=True, raise_unexpected=False
+        )
         return
     own = model_shard.state_dict(keep_vars=True)
     absent = [k for k in own if k not in loaded_state_dict]
     if absent:
-        raise KeyMismatchError(f"the loaded state dict lacks the model shard's {format_keys(absent)}", missing_keys=absent)
+        raise KeyMismatchError(
+            f"the loaded state dict lacks the model shard's {format_keys(absent)}", missing_keys=absent
+        )
     for key, target in own.items():
         value = loaded_state_dict[key]
         if tuple(value.shape) != tuple(target.shape) or value.dtype != target.dtype:

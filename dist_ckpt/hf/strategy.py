@@ -17,16 +17,16 @@ from __future__ import annotations
 
 from typing import ClassVar, Dict, List, Mapping, Optional, Tuple
 
-from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
-from dist_ckpt.engine.distributed import get_rank
-from dist_ckpt.errors import KeyMismatchError, format_keys
-from dist_ckpt.model.sharded import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
-from dist_ckpt.storage.location import CheckpointLocation, require_local
 from dist_ckpt.backends.base import LoadCommonStrategy, LoadShardedStrategy
 from dist_ckpt.backends.safetensors.io import ReadOptions
 from dist_ckpt.backends.safetensors.load import load_from_index, tensors_metadata
 from dist_ckpt.backends.stored_shards import StoredShardInfo, describe_tensor_index
+from dist_ckpt.engine.distributed import get_rank
+from dist_ckpt.errors import KeyMismatchError, format_keys
 from dist_ckpt.hf.folder import HFFolder, open_folder
+from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
+from dist_ckpt.model.sharded import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
+from dist_ckpt.storage.location import CheckpointLocation, require_local
 
 __all__ = ["HF_BACKEND", "HFCommonLoadStrategy", "HFLoadShardedStrategy"]
 
@@ -94,7 +94,9 @@ class HFCommonLoadStrategy(LoadCommonStrategy):
     def load_common(self, checkpoint_dir: CheckpointLocation) -> StateDict:
         return {}
 
-    def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> StateDict:
+    def load_sharded_objects(
+        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation
+    ) -> StateDict:
         requested = sorted({o.key for o in nested_values(sharded_objects_state_dict) if isinstance(o, ShardedObject)})
         if requested:
             raise KeyMismatchError(

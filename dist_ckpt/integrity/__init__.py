@@ -1,2 +1,1 @@
-"""crc32c checksums of stored bytes and the whole-checkpoint verifier.
-"""
+"""crc32c checksums of stored bytes and the whole-checkpoint verifier."""

@@ -36,11 +36,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import google_crc32c
 import numpy as np
 
-from dist_ckpt.errors import (
-    ChecksumMismatchError,
-    CorruptCheckpointError,
-    IncompatibleStrategyError,
-)
+from dist_ckpt.errors import ChecksumMismatchError, CorruptCheckpointError, IncompatibleStrategyError
 from dist_ckpt.storage import write_bytes_atomic
 from dist_ckpt.storage.object_path import Node, ObjectPath
 
@@ -352,7 +348,9 @@ def parse_manifest(doc: Any, path: Union[str, Path]) -> Dict[str, FileDigest]:
         size = entry.get("size")
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise CorruptCheckpointError(f"{where}: entry {name!r} field 'size' must be an int >= 0, found {size!r}")
-        files[name] = FileDigest(size, crc_from_hex(entry.get(ALGORITHM), f"{where}, entry {name!r} field {ALGORITHM!r}"))
+        files[name] = FileDigest(
+            size, crc_from_hex(entry.get(ALGORITHM), f"{where}, entry {name!r} field {ALGORITHM!r}")
+        )
     return files
 
 
@@ -389,7 +387,9 @@ def parse_manifest_bytes(raw: bytes, where: str) -> Dict[str, FileDigest]:
     return parse_manifest(doc, where)
 
 
-def file_problem(path: Union[str, Path, ObjectPath], expected: FileDigest, data: Optional[Bytes] = None) -> Optional[Tuple[str, bool]]:
+def file_problem(
+    path: Union[str, Path, ObjectPath], expected: FileDigest, data: Optional[Bytes] = None
+) -> Optional[Tuple[str, bool]]:
     """What is wrong with the file at ``path`` (or ``data``, its bytes already read) compared with
     ``expected``: ``(problem, is_checksum_mismatch)``, or None if it matches.
 
@@ -412,7 +412,9 @@ def file_problem(path: Union[str, Path, ObjectPath], expected: FileDigest, data:
     return None
 
 
-def check_file(path: Union[str, Path, ObjectPath], expected: FileDigest, what: str, data: Optional[Bytes] = None) -> None:
+def check_file(
+    path: Union[str, Path, ObjectPath], expected: FileDigest, what: str, data: Optional[Bytes] = None
+) -> None:
     """Raise if the file at ``path`` (or ``data``, its already-read bytes) does not match ``expected``.
 
     Example::

@@ -31,18 +31,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from dist_ckpt.integrity.checksums import IntegrityProblem, IntegrityReport
+from dist_ckpt.backends.base import LoadStrategyBase
 from dist_ckpt.engine.commit import METADATA_FILENAME, CheckpointingConfig, maybe_load_config
-from dist_ckpt.errors import CheckpointingException
+from dist_ckpt.engine.registry import StrategyAction, get_default_strategy
 from dist_ckpt.engine.report import Operation, ProgressCallback, ProgressEvent
+from dist_ckpt.errors import CheckpointingException
+from dist_ckpt.integrity.checksums import IntegrityProblem, IntegrityReport
 from dist_ckpt.storage.errors import StorageError
-from dist_ckpt.storage.location import (
-    CheckpointLocation,
-    LocationLike,
-    location_str,
-    resolve_location,
-)
-from dist_ckpt.backends.base import LoadStrategyBase, StrategyAction, get_default_strategy
+from dist_ckpt.storage.location import CheckpointLocation, LocationLike, location_str, resolve_location
 
 __all__ = ["VerifyReport", "verify_checkpoint"]
 
@@ -118,8 +114,11 @@ def verify_checkpoint(checkpoint_dir: LocationLike, progress: Optional[ProgressC
 
     def notify(phase: str, index: int, total: int, done: bool) -> None:
         if progress is not None:
-            progress(ProgressEvent(Operation.VERIFY, report.checkpoint_dir, phase, index, total, done,
-                                   time.perf_counter() - started))
+            progress(
+                ProgressEvent(
+                    Operation.VERIFY, report.checkpoint_dir, phase, index, total, done, time.perf_counter() - started
+                )
+            )
 
     notify(f"checking {METADATA_FILENAME}", 1, 1, False)  # the parts to check are known after it
     # 1. the commit record
@@ -160,7 +159,9 @@ def verify_checkpoint(checkpoint_dir: LocationLike, progress: Optional[ProgressC
     return report
 
 
-def _strategies(directory: CheckpointLocation, config: Optional[CheckpointingConfig], report: VerifyReport) -> List[Tuple[str, LoadStrategyBase]]:
+def _strategies(
+    directory: CheckpointLocation, config: Optional[CheckpointingConfig], report: VerifyReport
+) -> List[Tuple[str, LoadStrategyBase]]:
     if config is not None:
         wanted = [
             (StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version),
@@ -192,8 +193,6 @@ def _top_level_names(directory: CheckpointLocation) -> List[str]:
     if isinstance(directory, Path):
         return [p.name for p in directory.iterdir() if p.is_dir()]
     return sorted({o.key.split("/", 1)[0] for o in directory.list() if "/" in o.key})
-
-
 
 
 def _note_leftovers(directory: CheckpointLocation, report: VerifyReport) -> None:

@@ -225,9 +225,7 @@ def merge(x1: Nested, x2: Nested, key: Tuple[Any, ...] = ()) -> Nested:
             x1[k] = merge(x1[k], v2, key + (k,)) if k in x1 else v2
     elif isinstance(x1, list) and isinstance(x2, list):
         if len(x1) != len(x2):
-            raise StateDictStructureError(
-                f"cannot merge lists of different lengths ({len(x1)} and {len(x2)}) at {key}"
-            )
+            raise StateDictStructureError(f"cannot merge lists of different lengths ({len(x1)} and {len(x2)}) at {key}")
         for i, v2 in enumerate(x2):
             x1[i] = merge(x1[i], v2, key + (i,))
     else:

@@ -30,9 +30,7 @@ class DTypeInfo:
     bits_dtype: Optional[torch.dtype] = None
 
 
-def _info(
-    name: str, np_dtype: object, st_name: str, bits: Optional[torch.dtype] = None
-) -> Optional[DTypeInfo]:
+def _info(name: str, np_dtype: object, st_name: str, bits: Optional[torch.dtype] = None) -> Optional[DTypeInfo]:
     torch_dtype = getattr(torch, name, None)
     if not isinstance(torch_dtype, torch.dtype):
         return None  # this torch build does not have the dtype
@@ -48,12 +46,7 @@ _CANDIDATES = [
     _info("float8_e5m2", ml_dtypes.float8_e5m2, "F8_E5M2", torch.uint8),
     _info("float8_e4m3fnuz", ml_dtypes.float8_e4m3fnuz, "F8_E4M3FNUZ", torch.uint8),
     _info("float8_e5m2fnuz", ml_dtypes.float8_e5m2fnuz, "F8_E5M2FNUZ", torch.uint8),
-    _info(
-        "float8_e8m0fnu",
-        getattr(ml_dtypes, "float8_e8m0fnu", np.uint8),
-        "F8_E8M0",
-        torch.uint8,
-    ),
+    _info("float8_e8m0fnu", getattr(ml_dtypes, "float8_e8m0fnu", np.uint8), "F8_E8M0", torch.uint8),
     _info("complex128", np.complex128, "C128"),
     _info("complex64", np.complex64, "C64"),
     _info("int64", np.int64, "I64"),
@@ -96,8 +89,7 @@ def dtype_from_name(name: str) -> torch.dtype:
         return _BY_NAME[name].torch_dtype
     except KeyError:
         raise CheckpointingException(
-            f"unknown stored dtype {name!r}; this installation reads: "
-            f"{', '.join(SUPPORTED_DTYPE_NAMES)}"
+            f"unknown stored dtype {name!r}; this installation reads: {', '.join(SUPPORTED_DTYPE_NAMES)}"
         ) from None
 
 

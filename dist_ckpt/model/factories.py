@@ -11,8 +11,8 @@ from typing import Any, Callable, Optional, Tuple
 
 import torch
 
-from dist_ckpt.model.dict_utils import dict_list_map_inplace
 from dist_ckpt.errors import InvalidShardedTensorError, StateDictStructureError
+from dist_ckpt.model.dict_utils import dict_list_map_inplace
 from dist_ckpt.model.sharded_base import (
     FactoryBuildFn,
     FactoryMergeFn,

@@ -47,9 +47,7 @@ class Box:
 
     def slices_within(self, outer: "Box") -> Tuple[slice, ...]:
         """Index of this box inside a tensor that holds exactly ``outer``."""
-        return tuple(
-            slice(o - oo, o - oo + s) for o, s, oo in zip(self.offset, self.shape, outer.offset)
-        )
+        return tuple(slice(o - oo, o - oo + s) for o, s, oo in zip(self.offset, self.shape, outer.offset))
 
 
 @dataclass(frozen=True)
@@ -96,10 +94,7 @@ def _split(shape: Shape, start: int, stop: int, prefix: Shape, out: List[Tuple[B
         _split(shape, start % inner, inner, prefix + (first_row,), out)
         first_row += 1
     if end_row > first_row:  # whole rows
-        box = Box(
-            prefix + (first_row,) + (0,) * len(rest[1:]),
-            (1,) * depth + (end_row - first_row,) + rest[1:],
-        )
+        box = Box(prefix + (first_row,) + (0,) * len(rest[1:]), (1,) * depth + (end_row - first_row,) + rest[1:])
         out.append((box, _flat_index(shape, box.offset)))
     if stop % inner:  # partial trailing row
         _split(shape, 0, stop % inner, prefix + (end_row,), out)

@@ -17,8 +17,8 @@ from typing import Dict, Iterable, Tuple, Union
 
 import torch
 
-from dist_ckpt.model.dict_utils import nested_values
 from dist_ckpt.errors import InvalidShardedTensorError
+from dist_ckpt.model.dict_utils import nested_values
 from dist_ckpt.model.sharded import (
     LocalNonPersistentObject,
     ShardedStateDict,
@@ -88,9 +88,7 @@ def make_sharded_optimizer_tensor(model_param: ShardedParam, optim_param: torch.
 
 
 def optim_state_to_sharding_state(
-    optim_state_dict: StateDict,
-    id_to_sharded_param_map: Dict[int, ShardedParam],
-    exclude_keys: Tuple[str, ...] = (),
+    optim_state_dict: StateDict, id_to_sharded_param_map: Dict[int, ShardedParam], exclude_keys: Tuple[str, ...] = ()
 ) -> None:
     """Turn a ``torch.optim`` state dict into a sharded state dict, in place.
 
@@ -103,7 +101,9 @@ def optim_state_to_sharding_state(
         if param_id not in id_to_sharded_param_map:
             raise InvalidShardedTensorError(f"optimizer param id {param_id} matches no sharded model parameter")
         sharded_state[param_id] = {
-            name: make_sharded_optimizer_tensor(id_to_sharded_param_map[param_id], value, prefix=f"optimizer.state.{name}")
+            name: make_sharded_optimizer_tensor(
+                id_to_sharded_param_map[param_id], value, prefix=f"optimizer.state.{name}"
+            )
             for name, value in param_state.items()
             if name not in exclude_keys
         }

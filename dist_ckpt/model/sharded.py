@@ -114,8 +114,7 @@ class ShardedTensor(ShardedBase):
             )
         if self.axis_fragmentations is not None and len(self.axis_fragmentations) != ndim:
             raise InvalidShardedTensorError(
-                f"{key!r}: axis_fragmentations {self.axis_fragmentations} must have one entry per "
-                f"global axis ({ndim})"
+                f"{key!r}: axis_fragmentations {self.axis_fragmentations} must have one entry per global axis ({ndim})"
             )
         for axis, (off, loc, glob) in enumerate(zip(self.global_offset, self.full_local_shape, self.global_shape)):
             if off + loc > glob:
@@ -137,13 +136,9 @@ class ShardedTensor(ShardedBase):
         if rng is None:
             return
         if not isinstance(rng, slice) or rng.step not in (None, 1):
-            raise InvalidShardedTensorError(
-                f"{self.key!r}: flattened_range must be a slice without step, got {rng!r}"
-            )
+            raise InvalidShardedTensorError(f"{self.key!r}: flattened_range must be a slice without step, got {rng!r}")
         numel = math.prod(self.local_shape)
-        if not (isinstance(rng.start, int) and isinstance(rng.stop, int)) or not (
-            0 <= rng.start <= rng.stop <= numel
-        ):
+        if not (isinstance(rng.start, int) and isinstance(rng.stop, int)) or not (0 <= rng.start <= rng.stop <= numel):
             raise InvalidShardedTensorError(
                 f"{self.key!r}: flattened_range {rng} must lie within [0, {numel}] "
                 f"(the size of local_shape {self.local_shape})"
@@ -156,9 +151,7 @@ class ShardedTensor(ShardedBase):
         if not isinstance(data, torch.Tensor):
             raise InvalidShardedTensorError(f"data of {self.key!r} must be a torch.Tensor, got {type(data).__name__}")
         if data.dtype != self.dtype:
-            raise InvalidShardedTensorError(
-                f"{self.key!r}: data dtype {data.dtype} does not match dtype {self.dtype}"
-            )
+            raise InvalidShardedTensorError(f"{self.key!r}: data dtype {data.dtype} does not match dtype {self.dtype}")
         if self.flattened_range is None:
             if tuple(data.shape) != self.local_shape:
                 raise InvalidShardedTensorError(
@@ -184,8 +177,7 @@ class ShardedTensor(ShardedBase):
         """
         prepended = tuple(self.global_offset[: self.prepend_axis_num])
         rest = tuple(
-            slice(off, off + sh)
-            for off, sh in zip(self.global_offset[self.prepend_axis_num :], self.local_shape)
+            slice(off, off + sh) for off, sh in zip(self.global_offset[self.prepend_axis_num :], self.local_shape)
         )
         return prepended + rest
 
@@ -203,23 +195,17 @@ class ShardedTensor(ShardedBase):
         local = self.local_coordinates()
         n = len(local[0]) if local else 0
         prepended = tuple(np.full(n, off) for off in self.global_offset[: self.prepend_axis_num])
-        shifted = tuple(
-            c + off for c, off in zip(local, self.global_offset[self.prepend_axis_num :])
-        )
+        shifted = tuple(c + off for c, off in zip(local, self.global_offset[self.prepend_axis_num :]))
         return prepended + shifted
 
     def local_chunk_offset_in_global(self) -> Tuple[int, ...]:
         """Index of this shard's chunk in the global grid of chunks."""
-        return tuple(
-            off // sh if sh else 0 for off, sh in zip(self.global_offset, self.full_local_shape)
-        )
+        return tuple(off // sh if sh else 0 for off, sh in zip(self.global_offset, self.full_local_shape))
 
     def max_allowed_chunks(self) -> Tuple[int, ...]:
         """Largest chunk shape compatible with ``axis_fragmentations`` (global // fragments)."""
         if self.axis_fragmentations is None:
-            raise InvalidShardedTensorError(
-                f"{self.key!r}: max_allowed_chunks() needs axis_fragmentations"
-            )
+            raise InvalidShardedTensorError(f"{self.key!r}: max_allowed_chunks() needs axis_fragmentations")
         chunks = []
         for axis, (size, fragm) in enumerate(zip(self.global_shape, self.axis_fragmentations)):
             if fragm == 0 or (not self.allow_shape_mismatch and size % fragm != 0):
@@ -250,7 +236,9 @@ class ShardedTensor(ShardedBase):
         narrowed part does not intersect this rank's flattened range.
         """
         if not 0 <= dim < len(self.local_shape):
-            raise InvalidShardedTensorError(f"{self.key!r}: narrow dim {dim} out of range for local_shape {self.local_shape}")
+            raise InvalidShardedTensorError(
+                f"{self.key!r}: narrow dim {dim} out of range for local_shape {self.local_shape}"
+            )
         local_len = self.local_shape[dim]
         if not (0 <= start and length >= 0 and start + length <= local_len):
             raise InvalidShardedTensorError(
@@ -400,7 +388,9 @@ class ShardedTensor(ShardedBase):
             )
         if not isinstance(data, torch.Tensor) or data.ndim != 1:
             raise InvalidShardedTensorError(f"{key!r}: flattened data must be a 1-D tensor")
-        meta = torch.empty(_as_int_tuple(non_flat_local_shape, "non_flat_local_shape", key), dtype=data.dtype, device="meta")
+        meta = torch.empty(
+            _as_int_tuple(non_flat_local_shape, "non_flat_local_shape", key), dtype=data.dtype, device="meta"
+        )
         template = cls.from_rank_offsets(key, meta, *args, **kwargs)
         return replace(template, data=data, flattened_range=flattened_range)
 

@@ -55,9 +55,7 @@ def _as_int_tuple(value: Any, what: str, key: str) -> Tuple[int, ...]:
     try:
         out = tuple(_as_int(v, what, key) for v in value)
     except InvalidShardedTensorError:
-        raise InvalidShardedTensorError(
-            f"{what} of {key!r} must be a sequence of ints, got {value!r}"
-        ) from None
+        raise InvalidShardedTensorError(f"{what} of {key!r} must be a sequence of ints, got {value!r}") from None
     if any(v < 0 for v in out):
         raise InvalidShardedTensorError(f"{what} of {key!r} must be non-negative, got {out}")
     return out
@@ -80,7 +78,6 @@ def _check_replica_id(replica_id: Any, key: str) -> ReplicaId:
 def _check_key(key: Any) -> None:
     if not isinstance(key, str) or not key:
         raise InvalidShardedTensorError(f"a sharded key must be a non-empty str, got {key!r}")
-
 
 
 class LocalNonPersistentObject:

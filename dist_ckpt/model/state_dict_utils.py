@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, Tuple
 
-from dist_ckpt.model.dict_utils import dict_list_map_inplace, extract_matching_values
 from dist_ckpt.errors import InvalidShardedTensorError
+from dist_ckpt.model.dict_utils import dict_list_map_inplace, extract_matching_values
 from dist_ckpt.model.sharded import (
     LocalNonPersistentObject,
     ShardedBase,
@@ -27,9 +27,7 @@ def extract_sharded_tensors(sharded_state_dict: ShardedStateDict) -> Tuple[Shard
     return _split(sharded_state_dict, (ShardedTensor,))
 
 
-def extract_sharded_tensors_and_factories(
-    sharded_state_dict: ShardedStateDict,
-) -> Tuple[ShardedStateDict, StateDict]:
+def extract_sharded_tensors_and_factories(sharded_state_dict: ShardedStateDict) -> Tuple[ShardedStateDict, StateDict]:
     """Split into (ShardedTensor and ShardedTensorFactory leaves, every other leaf)."""
     return _split(sharded_state_dict, (ShardedTensor, ShardedTensorFactory))
 
@@ -75,7 +73,7 @@ def replace_prefix_for_sharding(sharded_state_dict: ShardedStateDict, old_prefix
                 raise InvalidShardedTensorError(
                     f"expected every sharded key to start with {old_prefix!r}, got {x.key!r}"
                 )
-            x.key = f"{new_prefix}{x.key[len(old_prefix):]}"
+            x.key = f"{new_prefix}{x.key[len(old_prefix) :]}"
         return x
 
     dict_list_map_inplace(replace_prefix, sharded_state_dict)
@@ -91,7 +89,7 @@ def apply_prefix_mapping(sharded_state_dict: ShardedStateDict, prefix_map: Dict[
         if isinstance(x, (ShardedTensor, ShardedTensorFactory, ShardedObject)):
             for old_prefix, new_prefix in prefix_map.items():
                 if x.key.startswith(old_prefix):
-                    x.key = f"{new_prefix}{x.key[len(old_prefix):]}"
+                    x.key = f"{new_prefix}{x.key[len(old_prefix) :]}"
                     break
         return x
 

@@ -1,2 +1,1 @@
-"""Strategies that spread reads and writes over the ranks: exchange, two-stage, fully parallel.
-"""
+"""Strategies that spread reads and writes over the ranks: exchange, two-stage, fully parallel."""

@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
+from dist_ckpt.backends.base import LoadShardedStrategy, load_destination
 from dist_ckpt.engine.distributed import (
     ProcessGroup,
     all_gather_json,
@@ -41,11 +41,11 @@ from dist_ckpt.engine.distributed import (
     raise_if_any_rank_failed,
     run_collectively,
 )
+from dist_ckpt.engine.shard_metadata import dtype_from_token, dtype_token
 from dist_ckpt.errors import CheckpointingException, ProcessGroupMismatchError
+from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
 from dist_ckpt.model.sharded import ShardedBase, ShardedStateDict, ShardedTensor, StateDict
 from dist_ckpt.storage.location import CheckpointLocation
-from dist_ckpt.engine.shard_metadata import dtype_from_token, dtype_token
-from dist_ckpt.backends.base import LoadShardedStrategy, load_destination
 
 logger = logging.getLogger(__name__)
 
@@ -285,7 +285,6 @@ Assign = Callable[[GroupRequests, int], Dict[ShardId, int]]
 def balanced_owners(requests: GroupRequests, group_size: int) -> Dict[ShardId, int]:
     """Each shard is read by one of the ranks that need it, balancing bytes read per rank."""
     return distribute_shards_to_ranks(requests.needers, requests.sizes, group_size)
-
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

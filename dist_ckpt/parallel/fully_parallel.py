@@ -31,17 +31,12 @@ from collections import defaultdict
 from dataclasses import replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
-from dist_ckpt.model.dict_utils import dict_list_map_outplace, nested_values
-from dist_ckpt.engine.distributed import ProcessGroup, all_gather_json, get_rank, run_collectively
-from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
-from dist_ckpt.storage.location import CheckpointLocation
-from dist_ckpt.errors import IncompatibleStrategyError
 from dist_ckpt.async_save.queue import AsyncRequest
-from dist_ckpt.backends.base import (
-    AsyncSaveShardedStrategy,
-    LoadShardedStrategy,
-    SaveShardedStrategy,
-)
+from dist_ckpt.backends.base import AsyncSaveShardedStrategy, LoadShardedStrategy, SaveShardedStrategy
+from dist_ckpt.engine.distributed import ProcessGroup, all_gather_json, get_rank, run_collectively
+from dist_ckpt.errors import IncompatibleStrategyError
+from dist_ckpt.model.dict_utils import dict_list_map_outplace, nested_values
+from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from dist_ckpt.parallel.exchange import (
     DEFAULT_BUCKET_BYTES,
     ExchangeHooks,
@@ -54,12 +49,9 @@ from dist_ckpt.parallel.exchange import (
     shard_id,
     shard_nbytes,
 )
+from dist_ckpt.storage.location import CheckpointLocation
 
-__all__ = [
-    "FullyParallelLoadStrategyWrapper",
-    "FullyParallelSaveStrategyWrapper",
-    "distribute_main_replicas",
-]
+__all__ = ["FullyParallelLoadStrategyWrapper", "FullyParallelSaveStrategyWrapper", "distribute_main_replicas"]
 
 logger = logging.getLogger(__name__)
 
@@ -280,13 +272,7 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
         run_collectively("checking the parallelization groups", lambda: agree_on_group(group, "parallelization groups"))
         hooks = _CachingHooks(self) if self.do_cache_distribution else None
         return load_with_exchange(
-            sharded_state_dict,
-            checkpoint_dir,
-            self.base_strategy,
-            group,
-            balanced_owners,
-            self.bucket_bytes,
-            hooks,
+            sharded_state_dict, checkpoint_dir, self.base_strategy, group, balanced_owners, self.bucket_bytes, hooks
         )
 
     def load_tensors_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:

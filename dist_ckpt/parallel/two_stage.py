@@ -29,17 +29,12 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, TypeV
 
 import torch
 
+from dist_ckpt.backends.base import LoadShardedStrategy
 from dist_ckpt.engine.commit import read_config
 from dist_ckpt.engine.distributed import ProcessGroup, all_gather_json, get_rank, new_group
+from dist_ckpt.engine.registry import StrategyAction, get_default_strategy, registered_strategies
 from dist_ckpt.errors import IncompatibleStrategyError
 from dist_ckpt.model.sharded import ShardedBase, ShardedStateDict, ShardedTensor, StateDict
-from dist_ckpt.storage.location import CheckpointLocation
-from dist_ckpt.backends.base import (
-    LoadShardedStrategy,
-    StrategyAction,
-    get_default_strategy,
-    registered_strategies,
-)
 from dist_ckpt.parallel.exchange import (
     DEFAULT_BUCKET_BYTES,
     Bucket,
@@ -52,12 +47,9 @@ from dist_ckpt.parallel.exchange import (
     shard_from_id,
     shard_id,
 )
+from dist_ckpt.storage.location import CheckpointLocation
 
-__all__ = [
-    "TwoStageDataParallelLoadShardedStrategy",
-    "sharded_tensor_chunk_id",
-    "timed",
-]
+__all__ = ["TwoStageDataParallelLoadShardedStrategy", "sharded_tensor_chunk_id", "timed"]
 
 logger = logging.getLogger(__name__)
 
@@ -283,7 +275,9 @@ class TwoStageDataParallelLoadShardedStrategy(LoadShardedStrategy):
         the base strategy, so that it can read them concurrently."""
         return ExchangeHooks().read(mine, others, checkpoint_dir, base)
 
-    def load_tensor_from_storage(self, checkpoint_dir: CheckpointLocation, ten_meta: _ShardedTensorMetadata) -> torch.Tensor:
+    def load_tensor_from_storage(
+        self, checkpoint_dir: CheckpointLocation, ten_meta: _ShardedTensorMetadata
+    ) -> torch.Tensor:
         """Read one chunk from storage with the base strategy (a new tensor)."""
         sh = ten_meta.sharded_tensor_no_data.without_data()
         out = self.load_tensors_from_storage(

@@ -70,7 +70,9 @@ def resolve_location(location: LocationLike) -> CheckpointLocation:
         if isinstance(location, LocalStorage):
             return location.root
         if location.local_paths:
-            raise StorageConfigError(f"{location!r} declares local_paths but is not a LocalStorage; pass its directory instead")
+            raise StorageConfigError(
+                f"{location!r} declares local_paths but is not a LocalStorage; pass its directory instead"
+            )
         return location
     text = os.fspath(location)
     if isinstance(location, os.PathLike) and any(text.lower().startswith(f"{s}:/") for s in _OBJECT_SCHEMES):

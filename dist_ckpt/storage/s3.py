@@ -125,7 +125,9 @@ class S3Storage(Storage):
         bucket, parsed = parse_s3_url(f"s3://{bucket}/{prefix}")
         self.bucket = bucket
         self.prefix = parsed
-        self.options = options if options is not None else (_client.options if _client is not None else S3StorageOptions())
+        self.options = (
+            options if options is not None else (_client.options if _client is not None else S3StorageOptions())
+        )
         self._client = _client if _client is not None else S3Client.create(bucket, self.options)
 
     @classmethod
@@ -233,8 +235,15 @@ class S3Storage(Storage):
             self._call("PUT", key, obstore.put, self._client.store, path, body, use_multipart=False)
         else:
             self._call(
-                "PUT (multipart)", key, obstore.put, self._client.store, path, iter(views),
-                use_multipart=True, chunk_size=opts.part_size, max_concurrency=opts.max_concurrency,
+                "PUT (multipart)",
+                key,
+                obstore.put,
+                self._client.store,
+                path,
+                iter(views),
+                use_multipart=True,
+                chunk_size=opts.part_size,
+                max_concurrency=opts.max_concurrency,
             )
         self._counters.add(bytes_written=total, objects_written=1)
 
@@ -244,7 +253,16 @@ class S3Storage(Storage):
     def put_if_absent(self, key: str, data: BufferLike) -> None:
         obstore = import_obstore()
         view = as_byte_view(data)
-        self._call("put_if_absent", key, obstore.put, self._client.store, self._path(key), view, mode="create", use_multipart=False)
+        self._call(
+            "put_if_absent",
+            key,
+            obstore.put,
+            self._client.store,
+            self._path(key),
+            view,
+            mode="create",
+            use_multipart=False,
+        )
         self._counters.add(bytes_written=len(view), objects_written=1)
 
     # -- reading -----------------------------------------------------------------------------
@@ -283,7 +301,15 @@ class S3Storage(Storage):
         """One ranged GET, copied into the request's buffers (the one copy out of the client)."""
         obstore = import_obstore()
         length = request.length
-        data = self._call("GET", request.key, obstore.get_range, self._client.store, self._path(request.key), start=request.offset, length=length)
+        data = self._call(
+            "GET",
+            request.key,
+            obstore.get_range,
+            self._client.store,
+            self._path(request.key),
+            start=request.offset,
+            length=length,
+        )
         view = memoryview(data)
         if len(view) != length:
             url = self.url_of(request.key)
@@ -391,8 +417,13 @@ class _S3Writer(ObjectWriter):
         self._key = key
         opts = storage.options
         self._file: Any = storage._call(
-            "PUT (stream)", key, obstore.open_writer, storage._client.store, storage._path(key),
-            buffer_size=opts.part_size, max_concurrency=opts.max_concurrency,
+            "PUT (stream)",
+            key,
+            obstore.open_writer,
+            storage._client.store,
+            storage._path(key),
+            buffer_size=opts.part_size,
+            max_concurrency=opts.max_concurrency,
         )
         self._written = 0
         self._done = False

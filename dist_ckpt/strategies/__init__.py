@@ -12,17 +12,19 @@ from dist_ckpt.backends.base import (
     SaveCommonStrategy,
     SaveShardedStrategy,
     SaveStrategyBase,
-    StrategyAction,
-    StrategyKey,
     TensorLayout,
     TensorStreamWriter,
+)
+from dist_ckpt.backends.stored_shards import StoredShardInfo
+from dist_ckpt.engine.registry import (
+    StrategyAction,
+    StrategyKey,
     alternative_strategies,
     get_alternative_strategy,
     get_default_strategy,
     register_default_strategy,
     registered_strategies,
 )
-from dist_ckpt.backends.stored_shards import StoredShardInfo
 
 __all__ = [
     "AsyncSaveShardedStrategy",

@@ -3,14 +3,6 @@
 Code written for ``megatron.core.dist_checkpointing.strategies.async_utils`` imports from here unchanged.
 """
 
-from dist_ckpt.async_save.queue import (
-    AsyncCallsQueue,
-    AsyncOutcome,
-    AsyncRequest,
-)
+from dist_ckpt.async_save.queue import AsyncCallsQueue, AsyncOutcome, AsyncRequest
 
-__all__ = [
-    "AsyncCallsQueue",
-    "AsyncOutcome",
-    "AsyncRequest",
-]
+__all__ = ["AsyncCallsQueue", "AsyncOutcome", "AsyncRequest"]

@@ -9,8 +9,4 @@ from dist_ckpt.parallel.fully_parallel import (
     distribute_main_replicas,
 )
 
-__all__ = [
-    "FullyParallelLoadStrategyWrapper",
-    "FullyParallelSaveStrategyWrapper",
-    "distribute_main_replicas",
-]
+__all__ = ["FullyParallelLoadStrategyWrapper", "FullyParallelSaveStrategyWrapper", "distribute_main_replicas"]

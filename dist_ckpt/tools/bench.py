@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from dist_ckpt.engine.registry import DEFAULT_SHARDED_BACKEND
 from dist_ckpt.tools.demo import DemoOptions, DemoResult, run_demo
-from dist_ckpt.engine.serialization import DEFAULT_SHARDED_BACKEND
 from dist_ckpt.tools.gpt_state import DemoConfig, state_bytes
 
 __all__ = ["BLOCK_BYTES", "BenchOptions", "BenchResult", "BenchRow", "measure_disk", "render_table", "run_bench"]
@@ -98,8 +98,13 @@ class BenchOptions:
 
     def demo_options(self) -> DemoOptions:
         """The demo run the benchmark times (page cache evicted before each load)."""
-        return DemoOptions(size_mib=self.size_mib, ranks=self.ranks, backend=self.backend, directory=self.directory,
-                           evict_page_cache=True)
+        return DemoOptions(
+            size_mib=self.size_mib,
+            ranks=self.ranks,
+            backend=self.backend,
+            directory=self.directory,
+            evict_page_cache=True,
+        )
 
 
 @dataclass(frozen=True)
@@ -181,11 +186,23 @@ class BenchResult:
             "disk_bytes": demo.disk_bytes,
             "directory": str(demo.checkpoint_dir.parent),
             "disk": {
-                "write_gib_per_s": {"before": _gib_s(self.nbytes, self.disk_before[0]), "after": _gib_s(self.nbytes, self.disk_after[0])},
-                "read_gib_per_s": {"before": _gib_s(self.nbytes, self.disk_before[1]), "after": _gib_s(self.nbytes, self.disk_after[1])},
+                "write_gib_per_s": {
+                    "before": _gib_s(self.nbytes, self.disk_before[0]),
+                    "after": _gib_s(self.nbytes, self.disk_after[0]),
+                },
+                "read_gib_per_s": {
+                    "before": _gib_s(self.nbytes, self.disk_before[1]),
+                    "after": _gib_s(self.nbytes, self.disk_after[1]),
+                },
             },
             "rows": [
-                {"operation": r.operation, "seconds": r.seconds, "gib_per_s": r.gib_per_s, "ratio": r.ratio, "reference": r.reference}
+                {
+                    "operation": r.operation,
+                    "seconds": r.seconds,
+                    "gib_per_s": r.gib_per_s,
+                    "ratio": r.ratio,
+                    "reference": r.reference,
+                }
                 for r in self.rows()
             ],
             "mismatches": demo.mismatches,
@@ -210,7 +227,9 @@ def render_table(result: BenchResult) -> str:
     """
     demo, cfg = result.demo, result.demo.config
     rows = [["operation", "seconds", "GiB/s", "ratio", "ratio to"]]
-    rows += [[r.operation, f"{r.seconds:.3f}", f"{r.gib_per_s:.3f}", f"{r.ratio:.2f}", r.reference] for r in result.rows()]
+    rows += [
+        [r.operation, f"{r.seconds:.3f}", f"{r.gib_per_s:.3f}", f"{r.ratio:.2f}", r.reference] for r in result.rows()
+    ]
     header = (
         f"dist_ckpt save/load benchmark: {demo.state_bytes / 2**30:.2f} GiB state (hidden {cfg.hidden}, "
         f"{cfg.layers} layers, vocab {cfg.vocab}), {demo.ranks} ranks, backend {demo.backend[0]}:{demo.backend[1]}\n"

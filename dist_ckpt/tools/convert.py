@@ -48,18 +48,23 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from dist_ckpt.integrity.checksums import FileDigest, bytes_digest, manifest_bytes
+from dist_ckpt.backends.base import LoadCommonStrategy, LoadShardedStrategy, SaveShardedStrategy
+from dist_ckpt.backends.torch_common.strategy import OBJECTS_CHECKSUMS_FNAME, OBJECTS_DIR, TorchCommonSaveStrategy
+from dist_ckpt.engine.checks.compatibility import verify_checkpoint_and_load_strategy
 from dist_ckpt.engine.commit import CheckpointingConfig, detect_config, save_config
 from dist_ckpt.engine.distributed import get_world_size
+from dist_ckpt.engine.monitor import StepMonitor
+from dist_ckpt.engine.registry import StrategyAction, StrategySpec, get_default_strategy, registered_strategies
+from dist_ckpt.engine.report import CheckpointReport, Operation, ProgressCallback
+from dist_ckpt.engine.watchdog import DEFAULT_WATCHDOG_TIMEOUT_S
 from dist_ckpt.errors import (
     CheckpointExistsError,
     CheckpointingException,
     CorruptCheckpointError,
     IncompatibleStrategyError,
 )
+from dist_ckpt.integrity.checksums import FileDigest, bytes_digest, manifest_bytes
 from dist_ckpt.model.sharded import ShardedObject, ShardedTensor
-from dist_ckpt.engine.monitor import StepMonitor
-from dist_ckpt.engine.report import CheckpointReport, Operation, ProgressCallback
 from dist_ckpt.storage.location import (
     CheckpointLocation,
     LocationLike,
@@ -69,23 +74,7 @@ from dist_ckpt.storage.location import (
     resolve_location,
     storage_of,
 )
-from dist_ckpt.backends.base import (
-    LoadCommonStrategy,
-    LoadShardedStrategy,
-    SaveShardedStrategy,
-    StrategyAction,
-    StrategySpec,
-    get_default_strategy,
-    registered_strategies,
-)
 from dist_ckpt.tools.unshard import iter_with, unsharded_metadata
-from dist_ckpt.backends.torch_common.strategy import (
-    OBJECTS_CHECKSUMS_FNAME,
-    OBJECTS_DIR,
-    TorchCommonSaveStrategy,
-)
-from dist_ckpt.engine.validation import verify_checkpoint_and_load_strategy
-from dist_ckpt.engine.watchdog import DEFAULT_WATCHDOG_TIMEOUT_S
 
 __all__ = ["HF_TARGET", "ConvertResult", "convert", "resolve_target"]
 
@@ -156,11 +145,15 @@ def resolve_target(to: Union[str, Tuple[str, int]]) -> Union[str, SaveShardedStr
         name, version = to
     else:
         name, sep, version_text = to.partition(":")
-        versions = [k.version for k in registered_strategies() if k.action == StrategyAction.SAVE_SHARDED and k.backend == name]
+        versions = [
+            k.version for k in registered_strategies() if k.action == StrategyAction.SAVE_SHARDED and k.backend == name
+        ]
         try:
             version = int(version_text) if sep else max(versions, default=1)
         except ValueError:
-            raise IncompatibleStrategyError(f"expected a target NAME, NAME:VERSION or {HF_TARGET!r}, got {to!r}") from None
+            raise IncompatibleStrategyError(
+                f"expected a target NAME, NAME:VERSION or {HF_TARGET!r}, got {to!r}"
+            ) from None
     strategy = get_default_strategy(StrategyAction.SAVE_SHARDED, name, version)
     assert isinstance(strategy, SaveShardedStrategy)
     if not strategy.can_stream:
@@ -322,7 +315,9 @@ def _convert_steps(
             logger.warning("converting %s to a HuggingFace folder drops %s", src, note)
         report = monitor.report
         report.nbytes = total
-        return ConvertResult(location_str(src), location_str(dst), source_backend, HF_TARGET, len(keys), 0, 0, tuple(dropped), report)
+        return ConvertResult(
+            location_str(src), location_str(dst), source_backend, HF_TARGET, len(keys), 0, 0, tuple(dropped), report
+        )
 
     assert isinstance(target, SaveShardedStrategy)
 
@@ -350,7 +345,17 @@ def _convert_steps(
     report = monitor.report
     report.nbytes = total
     target_backend = f"{target.backend}:{target.version}"
-    return ConvertResult(location_str(src), location_str(dst), source_backend, target_backend, len(keys), objects, common_keys, (), report)
+    return ConvertResult(
+        location_str(src),
+        location_str(dst),
+        source_backend,
+        target_backend,
+        len(keys),
+        objects,
+        common_keys,
+        (),
+        report,
+    )
 
 
 def _copy_common(common: LoadCommonStrategy, src: CheckpointLocation, dst: CheckpointLocation) -> int:
@@ -359,11 +364,15 @@ def _copy_common(common: LoadCommonStrategy, src: CheckpointLocation, dst: Check
     return len(state)
 
 
-def _object_loader(sharded: LoadShardedStrategy, common: LoadCommonStrategy) -> Union[LoadShardedStrategy, LoadCommonStrategy]:
+def _object_loader(
+    sharded: LoadShardedStrategy, common: LoadCommonStrategy
+) -> Union[LoadShardedStrategy, LoadCommonStrategy]:
     return sharded if sharded.can_handle_sharded_objects else common
 
 
-def _stored_objects(sharded: LoadShardedStrategy, common: LoadCommonStrategy, src: CheckpointLocation) -> List[ShardedObject]:
+def _stored_objects(
+    sharded: LoadShardedStrategy, common: LoadCommonStrategy, src: CheckpointLocation
+) -> List[ShardedObject]:
     found = _object_loader(sharded, common).load_sharded_metadata(src)
     objects = [v for _, v in sorted(found.items()) if isinstance(v, ShardedObject)]
     _check_objects_complete(objects, src)
@@ -398,7 +407,11 @@ def _copy_objects(
     objects = _stored_objects(sharded, common, src)
     for obj in objects:
         request = {obj.unique_key: obj}
-        loaded = loader.load(request, src) if isinstance(loader, LoadShardedStrategy) else loader.load_sharded_objects(request, src)
+        loaded = (
+            loader.load(request, src)
+            if isinstance(loader, LoadShardedStrategy)
+            else loader.load_sharded_objects(request, src)
+        )
         saver.save_sharded_objects({obj.unique_key: replace(obj, data=loaded[obj.unique_key], replica_id=0)}, dst)
         del loaded
     if objects:

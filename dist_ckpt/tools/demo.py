@@ -37,9 +37,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from dist_ckpt.engine.distributed import time_collectively
+from dist_ckpt.engine.load import load_with_report
+from dist_ckpt.engine.registry import DEFAULT_SHARDED_BACKEND, StrategyAction, get_default_strategy
+from dist_ckpt.engine.save import save
 from dist_ckpt.model.sharded import is_main_replica
-from dist_ckpt.engine.serialization import DEFAULT_SHARDED_BACKEND, load_with_report, save
-from dist_ckpt.backends.base import StrategyAction, get_default_strategy
 from dist_ckpt.testing import spawn_ranks
 from dist_ckpt.tools.gpt_state import (
     MAX_REPORTED,
@@ -183,9 +184,7 @@ def _rank_main(rank: int, world: int, job: _RankJob) -> _RankReport:
 
 def _check_options(options: DemoOptions) -> None:
     if options.ranks < 2 or options.ranks % 2:
-        raise ValueError(
-            f"ranks must be an even number >= 2 (the reload uses TP=ranks/2 x DP=2), got {options.ranks}"
-        )
+        raise ValueError(f"ranks must be an even number >= 2 (the reload uses TP=ranks/2 x DP=2), got {options.ranks}")
     if options.size_mib <= 0:
         raise ValueError(f"size_mib must be positive, got {options.size_mib}")
     # fail here, with the registry's message, rather than inside every spawned rank
@@ -243,5 +242,16 @@ def run_demo(options: DemoOptions = DemoOptions()) -> DemoResult:
             shutil.rmtree(ckpt, ignore_errors=True)
     num_tensors = len(param_specs(cfg)) * (1 + len(OPTIMIZER_STATES))
     num_shards = sum(r.saved_shards for r in reports)
-    return DemoResult(cfg, options.backend, options.ranks, ckpt, options.keep, num_tensors, num_shards,
-                      nbytes, num_files, disk_bytes, tuple(phases))
+    return DemoResult(
+        cfg,
+        options.backend,
+        options.ranks,
+        ckpt,
+        options.keep,
+        num_tensors,
+        num_shards,
+        nbytes,
+        num_files,
+        disk_bytes,
+        tuple(phases),
+    )

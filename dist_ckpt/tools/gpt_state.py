@@ -57,9 +57,7 @@ class DemoConfig:
     step: int = 1000
 
     @classmethod
-    def for_size(
-        cls, target_bytes: int, tp_multiple: int, layers: int = 4, seed: int = 1234
-    ) -> "DemoConfig":
+    def for_size(cls, target_bytes: int, tp_multiple: int, layers: int = 4, seed: int = 1234) -> "DemoConfig":
         """The config whose full state (model + Adam moments) is closest to ``target_bytes``.
 
         ``hidden`` and ``vocab`` are rounded to multiples of ``tp_multiple`` so that every
@@ -200,18 +198,14 @@ def common_state(cfg: DemoConfig) -> StateDict:
     return {
         "step": cfg.step,
         "config": asdict(cfg),
-        "optimizer": {
-            "param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}]
-        },
+        "optimizer": {"param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}]},
     }
 
 
 # --------------------------------------------------------------------------- sharded state dicts
 
 
-def _model_shard(
-    spec: ParamSpec, cfg: DemoConfig, layout: Layout, rank: int, layer: Optional[int]
-) -> ShardedTensor:
+def _model_shard(spec: ParamSpec, cfg: DemoConfig, layout: Layout, rank: int, layer: Optional[int]) -> ShardedTensor:
     tp_rank, dp_rank = layout.coords(rank)
     local_shape = list(spec.shape)
     offsets: List[Tuple[int, int, int]] = []
@@ -225,9 +219,7 @@ def _model_shard(
     # replicated over TP: only tp_rank 0 holds the main replica; always replicated over DP
     replica_id = (0 if spec.tp_axis is not None else tp_rank, dp_rank)
     data = torch.empty(local_shape, dtype=MODEL_DTYPE)
-    return ShardedTensor.from_rank_offsets(
-        spec.key, data, *offsets, replica_id=replica_id, prepend_axis_num=prepend
-    )
+    return ShardedTensor.from_rank_offsets(spec.key, data, *offsets, replica_id=replica_id, prepend_axis_num=prepend)
 
 
 def model_shards(cfg: DemoConfig, layout: Layout, rank: int) -> List[ShardedTensor]:
@@ -258,9 +250,7 @@ def dp_flat_ranges(numels: Sequence[int], dp: int, dp_rank: int) -> List[Optiona
     return ranges
 
 
-def optimizer_shards(
-    model: Sequence[ShardedTensor], layout: Layout, rank: int
-) -> Dict[str, List[ShardedTensor]]:
+def optimizer_shards(model: Sequence[ShardedTensor], layout: Layout, rank: int) -> Dict[str, List[ShardedTensor]]:
     """Adam moments of this rank's part of the flat buffer, as flattened ShardedTensors."""
     tp_rank, dp_rank = layout.coords(rank)
     ranges = dp_flat_ranges([math.prod(sh.local_shape) for sh in model], layout.dp, dp_rank)

@@ -29,21 +29,15 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from dist_ckpt.engine.commit import METADATA_FILENAME, HF_CONFIG, CheckpointingConfig
-from dist_ckpt.model.dtypes import dtype_to_name
-from dist_ckpt.errors import CheckpointingException, UnsafeObjectError
-from dist_ckpt.model.sharded import ShardedTensor
-from dist_ckpt.engine.monitor import count_files
-from dist_ckpt.storage.location import (
-    CheckpointLocation,
-    LocationLike,
-    location_str,
-    resolve_location,
-    storage_of,
-)
 from dist_ckpt.backends.base import LoadCommonStrategy, LoadShardedStrategy
 from dist_ckpt.backends.stored_shards import StoredShardInfo
-from dist_ckpt.engine.validation import verify_checkpoint_and_load_strategy
+from dist_ckpt.engine.checks.compatibility import verify_checkpoint_and_load_strategy
+from dist_ckpt.engine.commit import HF_CONFIG, METADATA_FILENAME, CheckpointingConfig
+from dist_ckpt.engine.monitor import count_files
+from dist_ckpt.errors import CheckpointingException, UnsafeObjectError
+from dist_ckpt.model.dtypes import dtype_to_name
+from dist_ckpt.model.sharded import ShardedTensor
+from dist_ckpt.storage.location import CheckpointLocation, LocationLike, location_str, resolve_location, storage_of
 
 __all__ = ["CheckpointInfo", "TensorInfo", "inspect_checkpoint"]
 
@@ -211,7 +205,9 @@ def inspect_checkpoint(checkpoint_dir: LocationLike) -> CheckpointInfo:
             continue
         shape = tuple(meta.global_shape)
         pieces = None if layout is None else tuple(layout.get(key, ()))
-        tensors.append(TensorInfo(key, dtype_to_name(meta.dtype), shape, math.prod(shape) * meta.dtype.itemsize, pieces))
+        tensors.append(
+            TensorInfo(key, dtype_to_name(meta.dtype), shape, math.prod(shape) * meta.dtype.itemsize, pieces)
+        )
     files, file_bytes = count_files(directory)
     return CheckpointInfo(
         path=location_str(directory),
@@ -252,7 +248,9 @@ def _read_record(directory: CheckpointLocation) -> Tuple[CheckpointingConfig, Di
     return config, out
 
 
-def _stored_shards(strategy: LoadShardedStrategy, directory: CheckpointLocation, notes: List[str]) -> Optional[Dict[str, List[StoredShardInfo]]]:
+def _stored_shards(
+    strategy: LoadShardedStrategy, directory: CheckpointLocation, notes: List[str]
+) -> Optional[Dict[str, List[StoredShardInfo]]]:
     layout = strategy.describe_stored_shards(directory)
     if layout is None:
         notes.append(f"{strategy} does not describe how its tensors are stored: only shapes and dtypes are shown")
@@ -296,7 +294,9 @@ def _common_keys(strategy: LoadCommonStrategy, directory: CheckpointLocation, no
     return {} if out == {"<root>": "dict = {}"} else out
 
 
-def _sharded_objects(sharded: LoadShardedStrategy, common: LoadCommonStrategy, directory: CheckpointLocation, notes: List[str]) -> Tuple[str, ...]:
+def _sharded_objects(
+    sharded: LoadShardedStrategy, common: LoadCommonStrategy, directory: CheckpointLocation, notes: List[str]
+) -> Tuple[str, ...]:
     holder = sharded if sharded.can_handle_sharded_objects else common
     try:
         found = holder.load_sharded_metadata(directory)

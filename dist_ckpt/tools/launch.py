@@ -90,7 +90,9 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: 
                     failures.extend(dead)
                     break
                 if time.monotonic() > deadline:
-                    failures.append(f"timed out after {timeout_s}s waiting for ranks {sorted(set(range(world_size)) - set(results))}")
+                    failures.append(
+                        f"timed out after {timeout_s}s waiting for ranks {sorted(set(range(world_size)) - set(results))}"
+                    )
                     break
                 continue
             if ok:

@@ -23,16 +23,12 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 
+from dist_ckpt.backends.base import LoadShardedStrategy
+from dist_ckpt.engine.checks.compatibility import verify_checkpoint_and_load_strategy
+from dist_ckpt.engine.registry import StrategySpec
 from dist_ckpt.errors import KeyMismatchError, format_keys
 from dist_ckpt.model.sharded import ShardedTensor
-from dist_ckpt.storage.location import (
-    CheckpointLocation,
-    LocationLike,
-    location_str,
-    resolve_location,
-)
-from dist_ckpt.backends.base import LoadShardedStrategy, StrategySpec
-from dist_ckpt.engine.validation import verify_checkpoint_and_load_strategy
+from dist_ckpt.storage.location import CheckpointLocation, LocationLike, location_str, resolve_location
 
 __all__ = ["iter_unsharded", "unshard", "unsharded_metadata"]
 
@@ -58,7 +54,9 @@ def unsharded_metadata(
     return strategy, {k: v for k, v in metadata.items() if isinstance(v, ShardedTensor)}
 
 
-def _select(metadata: Dict[str, ShardedTensor], keys: Optional[Iterable[str]], checkpoint_dir: CheckpointLocation) -> List[str]:
+def _select(
+    metadata: Dict[str, ShardedTensor], keys: Optional[Iterable[str]], checkpoint_dir: CheckpointLocation
+) -> List[str]:
     if keys is None:
         return sorted(metadata)
     wanted = list(dict.fromkeys(keys))

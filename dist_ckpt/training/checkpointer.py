@@ -33,23 +33,19 @@ from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Seque
 
 import torch
 
+from dist_ckpt.engine.checks.compatibility import verify_checkpoint_and_load_strategy
 from dist_ckpt.engine.commit import METADATA_FILENAME, check_is_distributed_checkpoint
 from dist_ckpt.engine.distributed import get_rank, run_collectively
-from dist_ckpt.training.dtensor_shards import to_sharded_tensor
-from dist_ckpt.errors import (
-    CheckpointingException,
-    LoadMismatchError,
-    ShardingIntegrityError,
-    format_keys,
-)
-from dist_ckpt.training.load_targets import (
-    LoadTarget,
-    fill_for_validation,
-    find_holes,
-    finish_targets,
-    make_target,
-)
+from dist_ckpt.engine.load import load_with_report
+from dist_ckpt.engine.load_parts import load_common_state_dict, load_tensors_metadata
+from dist_ckpt.engine.registry import StrategySpec
+from dist_ckpt.engine.report import ProgressCallback
+from dist_ckpt.engine.save import save
+from dist_ckpt.engine.watchdog import DEFAULT_WATCHDOG_TIMEOUT_S
+from dist_ckpt.errors import CheckpointingException, LoadMismatchError, ShardingIntegrityError, format_keys
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
+from dist_ckpt.training.dtensor_shards import to_sharded_tensor
+from dist_ckpt.training.load_targets import LoadTarget, fill_for_validation, find_holes, finish_targets, make_target
 from dist_ckpt.training.model_state import (
     MODEL_PREFIX,
     OPTIM_STATE_PREFIX,
@@ -59,16 +55,6 @@ from dist_ckpt.training.model_state import (
     plan_optim_load,
     unsharded_optim_state,
 )
-from dist_ckpt.engine.report import ProgressCallback
-from dist_ckpt.engine.watchdog import DEFAULT_WATCHDOG_TIMEOUT_S
-from dist_ckpt.engine.serialization import (
-    load_common_state_dict,
-    load_tensors_metadata,
-    load_with_report,
-    save,
-)
-from dist_ckpt.backends.base import StrategySpec
-from dist_ckpt.engine.validation import verify_checkpoint_and_load_strategy
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +88,9 @@ class CheckpointMetadata:
 
 
 def _metadata_of(sharded: Mapping[str, ShardedTensor]) -> CheckpointMetadata:
-    return CheckpointMetadata({k: TensorMetadata(tuple(sh.global_shape), sh.dtype) for k, sh in sorted(sharded.items())})
+    return CheckpointMetadata(
+        {k: TensorMetadata(tuple(sh.global_shape), sh.dtype) for k, sh in sorted(sharded.items())}
+    )
 
 
 def _maybe_collective(no_dist: bool, step: str, fn: Callable[[], T]) -> T:
@@ -185,8 +173,13 @@ class Checkpointer:
         if save_overwrite:
             run_collectively("removing the checkpoint to overwrite", lambda: _remove_committed(path))
         # 2. save
-        save(sharded_state_dict, path, sharded_strategy=self.save_strategy, progress=self.progress,
-             watchdog_timeout_s=self.watchdog_timeout_s)
+        save(
+            sharded_state_dict,
+            path,
+            sharded_strategy=self.save_strategy,
+            progress=self.progress,
+            watchdog_timeout_s=self.watchdog_timeout_s,
+        )
 
     # ------------------------------------------------------------------ load
 
@@ -228,7 +221,9 @@ class Checkpointer:
                     )
                 if isinstance(value, ShardedTensor):
                     if value.data is None:
-                        raise CheckpointingException(f"[rank {get_rank()}] ShardedTensor {key!r} has no data to load into")
+                        raise CheckpointingException(
+                            f"[rank {get_rank()}] ShardedTensor {key!r} has no data to load into"
+                        )
                     targets.append(LoadTarget(key, value.data, value, in_place=True))
                 elif isinstance(value, torch.Tensor):
                     if tuple(value.shape) != known[key].shape:
@@ -246,7 +241,9 @@ class Checkpointer:
         targets = _maybe_collective(no_dist, "planning the load", plan)
         self.load_targets(dir, targets, validate=validate, no_dist=no_dist)
 
-    def load_targets(self, dir: PathOrStr, targets: Sequence[LoadTarget], validate: bool, no_dist: bool = False) -> None:
+    def load_targets(
+        self, dir: PathOrStr, targets: Sequence[LoadTarget], validate: bool, no_dist: bool = False
+    ) -> None:
         """Fill ``targets`` from ``dir`` (collective unless ``no_dist``).
 
         Steps:
@@ -267,8 +264,13 @@ class Checkpointer:
             strategy, _ = verify_checkpoint_and_load_strategy(path, self.load_strategy)
             loaded: StateDict = strategy.load(request, path)
         else:
-            loaded = load_with_report(request, path, sharded_strategy=self.load_strategy, progress=self.progress,
-                                      watchdog_timeout_s=self.watchdog_timeout_s).state_dict
+            loaded = load_with_report(
+                request,
+                path,
+                sharded_strategy=self.load_strategy,
+                progress=self.progress,
+                watchdog_timeout_s=self.watchdog_timeout_s,
+            ).state_dict
 
         # 3. copy back, 4. check coverage
         def finish() -> None:
@@ -502,7 +504,9 @@ def unshard_optim_state(
         osd["state"]["fc.weight"]["exp_avg"].shape
     """
     path = str(dir)
-    full = Checkpointer().read_full_tensors(path, lambda k: k.startswith(OPTIM_STATE_PREFIX), device, rank0_only, no_dist)
+    full = Checkpointer().read_full_tensors(
+        path, lambda k: k.startswith(OPTIM_STATE_PREFIX), device, rank0_only, no_dist
+    )
 
     def assemble() -> OptimStateDict:
         if rank0_only and not no_dist and get_rank() != 0:

@@ -70,13 +70,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Iterable, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
-from dist_ckpt.training import object_store_runs as objects
-from dist_ckpt.training.hf_weights import index_shards, weights_file_whole
-from dist_ckpt.training.metrics import (
-    METRICS_FILENAME,
-    load_checkpoint_metrics,
-    save_checkpoint_metrics,
-)
+from dist_ckpt.backends.torch_common.strategy import COMMON_STATE_FNAME
 from dist_ckpt.engine.commit import METADATA_FILENAME, CheckpointingConfig, maybe_load_config
 from dist_ckpt.errors import (
     CheckpointingException,
@@ -86,7 +80,9 @@ from dist_ckpt.errors import (
 )
 from dist_ckpt.storage import Storage, fsync_dir
 from dist_ckpt.storage.location import remote_storage, require_local, resolve_location
-from dist_ckpt.backends.torch_common.strategy import COMMON_STATE_FNAME
+from dist_ckpt.training import object_store_runs as objects
+from dist_ckpt.training.hf_weights import index_shards, weights_file_whole
+from dist_ckpt.training.metrics import METRICS_FILENAME, load_checkpoint_metrics, save_checkpoint_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -305,8 +301,15 @@ def get_checkpoint_metadata(path: PathLike) -> Optional[CheckpointMeta]:
         return CheckpointMeta(METADATA_FILENAME, False, False, CheckpointFormat.DIST_CKPT, False, step)
     if config is not None:
         return CheckpointMeta(
-            METADATA_FILENAME, False, False, CheckpointFormat.DIST_CKPT, True, step,
-            config.sharded_backend, config.sharded_backend_version, config,
+            METADATA_FILENAME,
+            False,
+            False,
+            CheckpointFormat.DIST_CKPT,
+            True,
+            step,
+            config.sharded_backend,
+            config.sharded_backend_version,
+            config,
         )
     if (directory / COMMON_STATE_FNAME).exists():
         return None  # a dist_ckpt save that has not committed: no checkpoint yet
@@ -321,8 +324,15 @@ def _object_meta(store: Storage) -> Optional[CheckpointMeta]:
     fmt = CheckpointFormat.HF if found.hf else CheckpointFormat.DIST_CKPT
     config = found.config
     return CheckpointMeta(
-        found.file_name, found.is_index, found.safetensors, fmt, found.complete, step,
-        config.sharded_backend if config else None, config.sharded_backend_version if config else None, config,
+        found.file_name,
+        found.is_index,
+        found.safetensors,
+        fmt,
+        found.complete,
+        step,
+        config.sharded_backend if config else None,
+        config.sharded_backend_version if config else None,
+        config,
     )
 
 
@@ -513,7 +523,9 @@ def _rotate_objects(store: Storage, max_checkpoints: int, wanted: Sequence[PathL
         logger.debug("no complete checkpoint in %s; deleting nothing", store.url)
         return
     newest_step, newest = complete[-1]
-    kept = objects.protected_names(store, [n for _, n in entries], [w.url if isinstance(w, Storage) else os.fspath(w) for w in wanted])
+    kept = objects.protected_names(
+        store, [n for _, n in entries], [w.url if isinstance(w, Storage) else os.fspath(w) for w in wanted]
+    )
     kept.add(newest)
     excess = len(complete) - max_checkpoints
     doomed = [e for e in complete if e[1] not in kept][: max(excess, 0)]

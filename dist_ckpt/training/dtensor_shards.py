@@ -226,7 +226,9 @@ def tensor_box(key: str, tensor: torch.Tensor) -> LocalBox:
     tensor with ``replica_id = rank`` for a plain tensor (a replica on every rank)."""
     if is_dtensor(tensor):
         mesh = cast(Any, tensor).device_mesh
-        return local_box(key, tuple(tensor.shape), cast(Any, tensor).placements, tuple(mesh.shape), mesh.get_coordinate())
+        return local_box(
+            key, tuple(tensor.shape), cast(Any, tensor).placements, tuple(mesh.shape), mesh.get_coordinate()
+        )
     shape = tuple(tensor.shape)
     return LocalBox(shape, (0,) * len(shape), shape, (1,) * len(shape), get_rank())
 

@@ -34,8 +34,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from dist_ckpt.training.dtensor_shards import local_tensor, sharded_tensor_from_box, tensor_box
 from dist_ckpt.model.sharded import ShardedTensor
+from dist_ckpt.training.dtensor_shards import local_tensor, sharded_tensor_from_box, tensor_box
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,6 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Union
 
-from dist_ckpt.training.object_store_runs import prefix_exists
 from dist_ckpt.errors import (
     CheckpointingException,
     CheckpointManagementError,
@@ -31,6 +30,7 @@ from dist_ckpt.errors import (
 from dist_ckpt.storage import Storage, write_bytes_atomic
 from dist_ckpt.storage.errors import ObjectNotFoundError
 from dist_ckpt.storage.location import remote_storage, require_local, resolve_location
+from dist_ckpt.training.object_store_runs import prefix_exists
 
 __all__ = ["METRICS_FILENAME", "load_checkpoint_metrics", "save_checkpoint_metrics"]
 
@@ -44,7 +44,9 @@ PathLike = Union[str, "os.PathLike[str]", Storage]
 
 def _local_dir(location: PathLike) -> Path:
     """A local checkpoint directory (a LocalStorage's, or the path given)."""
-    return require_local(resolve_location(location), "this function") if isinstance(location, Storage) else Path(location)
+    return (
+        require_local(resolve_location(location), "this function") if isinstance(location, Storage) else Path(location)
+    )
 
 
 def _checked_metrics(raw: Any, error: Callable[[str], CheckpointingException]) -> Dict[str, float]:

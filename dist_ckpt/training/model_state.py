@@ -47,7 +47,6 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, TypedDict
 import torch
 
 from dist_ckpt.engine.distributed import get_rank
-from dist_ckpt.training.dtensor_shards import is_dtensor, local_tensor, to_sharded_tensor
 from dist_ckpt.errors import (
     CheckpointingException,
     KeyMismatchError,
@@ -55,8 +54,9 @@ from dist_ckpt.errors import (
     NotACheckpointError,
     format_keys,
 )
-from dist_ckpt.training.load_targets import LoadTarget, make_target
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor
+from dist_ckpt.training.dtensor_shards import is_dtensor, local_tensor, to_sharded_tensor
+from dist_ckpt.training.load_targets import LoadTarget, make_target
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +196,9 @@ def _check_format(common: Mapping[str, Any], checkpoint_dir: str) -> None:
         )
 
 
-def _target(key: str, live: torch.Tensor, stored: Optional[ShardedTensor], what: str, checkpoint_dir: str) -> LoadTarget:
+def _target(
+    key: str, live: torch.Tensor, stored: Optional[ShardedTensor], what: str, checkpoint_dir: str
+) -> LoadTarget:
     if stored is None:
         raise KeyMismatchError(
             f"{_rank()} {what} has no entry {key!r} in checkpoint {checkpoint_dir!r}", unexpected_keys=[key]
@@ -210,7 +212,10 @@ def _target(key: str, live: torch.Tensor, stored: Optional[ShardedTensor], what:
 
 
 def plan_model_load(
-    model: torch.nn.Module, tensors_metadata: Mapping[str, ShardedTensor], common: Mapping[str, Any], checkpoint_dir: str
+    model: torch.nn.Module,
+    tensors_metadata: Mapping[str, ShardedTensor],
+    common: Mapping[str, Any],
+    checkpoint_dir: str,
 ) -> List[LoadTarget]:
     """Load targets for every ``model.state_dict()`` entry, checked against the checkpoint.
 
@@ -339,7 +344,10 @@ def plan_optim_load(
         )
     if saved.get("class") != type(optim).__name__:
         logger.warning(
-            "loading the state of a %s optimizer from %s into a %s", saved.get("class"), checkpoint_dir, type(optim).__name__
+            "loading the state of a %s optimizer from %s into a %s",
+            saved.get("class"),
+            checkpoint_dir,
+            type(optim).__name__,
         )
     live_names = _optim_param_names(model, optim)
     plan = OptimLoadPlan(param_groups=_match_groups(live_names, saved["param_groups"], checkpoint_dir))
@@ -381,7 +389,9 @@ def _allocate_like(param: torch.Tensor, stored: ShardedTensor, key: str, checkpo
 # --------------------------------------------------------------------------- unshard
 
 
-def unsharded_optim_state(full_tensors: Mapping[str, torch.Tensor], common: Mapping[str, Any], checkpoint_dir: str) -> OptimStateDict:
+def unsharded_optim_state(
+    full_tensors: Mapping[str, torch.Tensor], common: Mapping[str, Any], checkpoint_dir: str
+) -> OptimStateDict:
     """Assemble the FQN-keyed optimizer state dict from whole tensors and the common state.
 
     Args:
@@ -405,4 +415,3 @@ def unsharded_optim_state(full_tensors: Mapping[str, torch.Tensor], common: Mapp
             state.setdefault(fqn, {})[name] = full_tensors[key]
     groups = [dict(g, params=list(g["params"])) for g in saved["param_groups"]]
     return OptimStateDict(state=state, param_groups=groups)
-

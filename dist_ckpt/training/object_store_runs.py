@@ -28,11 +28,11 @@ import struct
 from dataclasses import dataclass
 from typing import Callable, Iterable, List, Optional, Sequence, Set, Tuple
 
-from dist_ckpt.training.hf_weights import MAX_SAFETENSORS_HEADER, data_end, shard_names
 from dist_ckpt.engine.commit import METADATA_FILENAME, CheckpointingConfig, maybe_load_config
 from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.storage.base import RangeRead, Storage
 from dist_ckpt.storage.errors import ObjectNotFoundError, StorageError
+from dist_ckpt.training.hf_weights import MAX_SAFETENSORS_HEADER, data_end, shard_names
 
 logger = logging.getLogger(__name__)
 

@@ -40,7 +40,9 @@ def save_sample(path: Union[str, Path], backend: Tuple[str, int] = ("safetensors
     sd.update(tp_shards("decoder.fc2.weight", fulls["decoder.fc2.weight"], 1, 4, 0, 1))
     sd.update(flat_shards("optimizer.exp_avg", fulls["optimizer.exp_avg"], 0, 2, 2, 0, 1))
     for i in range(4):
-        sd[f"L{i}"] = ShardedTensor.from_rank_offsets("layers", fulls["layers"][i].clone(), (0, i, 4), prepend_axis_num=1)
+        sd[f"L{i}"] = ShardedTensor.from_rank_offsets(
+            "layers", fulls["layers"][i].clone(), (0, i, 4), prepend_axis_num=1
+        )
     sd["bits"] = ShardedTensor.from_rank_offsets("bits", fulls["bits"].clone())
     sd["empty"] = ShardedTensor.from_rank_offsets("empty", fulls["empty"].clone())
     sd["rng"] = [ShardedObject("rng_state", {"rank": i, "seed": 100 + i}, (2,), (i,)) for i in range(2)]

@@ -16,15 +16,15 @@ import pytest
 import torch
 
 import dist_ckpt as dc
-from dist_ckpt.errors import AsyncSaveError, CheckpointingException, NotACheckpointError
-from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.async_save.queue import AsyncCallsQueue, AsyncRequest
+from dist_ckpt.async_save.snapshot import SnapshotPool, snapshot_layout
 from dist_ckpt.backends.safetensors.strategy import (
     SafetensorsSaveOptions,
     SafetensorsSaveShardedStrategy,
     deferred_starts,
 )
-from dist_ckpt.async_save.snapshot import SnapshotPool, snapshot_layout
+from dist_ckpt.errors import AsyncSaveError, CheckpointingException, NotACheckpointError
+from dist_ckpt.model.sharded import ShardedTensor
 
 
 def _state(seed: int = 0) -> Dict[str, object]:
@@ -33,8 +33,12 @@ def _state(seed: int = 0) -> Dict[str, object]:
         "w": ShardedTensor.from_rank_offsets("w", torch.randn(256, 64, generator=gen)),
         "b": ShardedTensor.from_rank_offsets("b", torch.randn(64, generator=gen).to(torch.bfloat16)),
         "i": ShardedTensor.from_rank_offsets("i", torch.randint(0, 1 << 40, (33,), generator=gen)),
-        "flat0": ShardedTensor.from_rank_offsets_flat("flat", torch.randn(7, generator=gen), (4, 5), flattened_range=slice(0, 7)),
-        "flat1": ShardedTensor.from_rank_offsets_flat("flat", torch.randn(13, generator=gen), (4, 5), flattened_range=slice(7, 20)),
+        "flat0": ShardedTensor.from_rank_offsets_flat(
+            "flat", torch.randn(7, generator=gen), (4, 5), flattened_range=slice(0, 7)
+        ),
+        "flat1": ShardedTensor.from_rank_offsets_flat(
+            "flat", torch.randn(13, generator=gen), (4, 5), flattened_range=slice(7, 20)
+        ),
         "empty": ShardedTensor.from_rank_offsets("empty", torch.empty(0, 3)),
         "step": 7,
     }
@@ -44,8 +48,13 @@ def _request(sd: Dict[str, object]) -> Dict[str, object]:
     out: Dict[str, object] = {}
     for k, v in sd.items():
         if isinstance(v, ShardedTensor):
-            out[k] = ShardedTensor.from_rank_offsets_flat(v.key, torch.empty_like(v.data), v.local_shape, flattened_range=v.flattened_range) \
-                if v.flattened_range is not None else ShardedTensor.from_rank_offsets(v.key, torch.empty_like(v.data))
+            out[k] = (
+                ShardedTensor.from_rank_offsets_flat(
+                    v.key, torch.empty_like(v.data), v.local_shape, flattened_range=v.flattened_range
+                )
+                if v.flattened_range is not None
+                else ShardedTensor.from_rank_offsets(v.key, torch.empty_like(v.data))
+            )
     return out
 
 
@@ -56,8 +65,10 @@ def _values(sd: Dict[str, object]) -> Dict[str, torch.Tensor]:
 def _assert_loads(path: Path, expected: Dict[str, torch.Tensor], sd: Dict[str, object]) -> None:
     loaded = dc.load(_request(sd), path)
     for key, value in expected.items():
-        assert torch.equal(loaded[key].view(torch.uint8) if value.dtype == torch.bfloat16 else loaded[key],
-                           value.view(torch.uint8) if value.dtype == torch.bfloat16 else value), key
+        assert torch.equal(
+            loaded[key].view(torch.uint8) if value.dtype == torch.bfloat16 else loaded[key],
+            value.view(torch.uint8) if value.dtype == torch.bfloat16 else value,
+        ), key
 
 
 @pytest.fixture(scope="module")

@@ -14,21 +14,14 @@ import pytest
 import torch
 
 import dist_ckpt
-from dist_ckpt.errors import (
-    CheckpointingException,
-    CorruptCheckpointError,
-    IncompatibleStrategyError,
-)
+from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError, IncompatibleStrategyError
+from dist_ckpt.integrity.verify import verify_checkpoint
 from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.storage import open_storage
-from dist_ckpt.integrity.verify import verify_checkpoint
 
 pytest.importorskip("zarr")
 ts = pytest.importorskip("tensorstore")
-from dist_ckpt.backends.zarr.tensorstore_engine import (
-    TensorStoreLoadShardedStrategy,
-    TensorStoreSaveShardedStrategy,
-)  # noqa: E402
+from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreLoadShardedStrategy, TensorStoreSaveShardedStrategy  # noqa: E402
 from dist_ckpt.backends.zarr.zarr_python import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy  # noqa: E402
 
 
@@ -51,7 +44,9 @@ def _state() -> Dict[str, torch.Tensor]:
 
 
 def _sharded(tensors: Dict[str, torch.Tensor], like: bool = False) -> Dict[str, Any]:
-    sd: Dict[str, Any] = {k: ShardedTensor.from_rank_offsets(k, torch.empty_like(t) if like else t.clone()) for k, t in tensors.items()}
+    sd: Dict[str, Any] = {
+        k: ShardedTensor.from_rank_offsets(k, torch.empty_like(t) if like else t.clone()) for k, t in tensors.items()
+    }
     sd["flat"] = ShardedTensor.from_rank_offsets_flat(
         "flat", torch.zeros(8) if like else torch.arange(8, dtype=torch.float32), (2, 4), flattened_range=slice(0, 8)
     )
@@ -68,7 +63,14 @@ def test_zarr_engines_round_trip_on_s3(s3_url: str, s3_env: Any, saver: str, loa
     state = _state()
     dist_ckpt.save(_sharded(state), s3_url, sharded_strategy=SAVERS[saver]())
     keys = {o.key for o in open_storage(s3_url).list()}
-    assert {"metadata.json", "zarr/zarr.json", "zarr/checksums.json", "zarr/w/zarr.json", "zarr/w/c/0/0", "zarr/zero/c/0/0"} <= keys
+    assert {
+        "metadata.json",
+        "zarr/zarr.json",
+        "zarr/checksums.json",
+        "zarr/w/zarr.json",
+        "zarr/w/c/0/0",
+        "zarr/zero/c/0/0",
+    } <= keys
     out = dist_ckpt.load(_sharded(state, like=True), s3_url, sharded_strategy=LOADERS[loader]())
     for k, t in state.items():
         assert torch.equal(out[k], t), k
@@ -115,8 +117,8 @@ def test_removing_tensors_on_s3(s3_url: str, s3_env: Any) -> None:
 
 
 def test_a_non_s3_object_store_is_refused_by_name(tmp_path: Any) -> None:
-    from dist_ckpt.storage import LocalStorage
     from dist_ckpt.backends.zarr.layout import checkpoint_node
+    from dist_ckpt.storage import LocalStorage
 
     with pytest.raises(IncompatibleStrategyError, match="own S3 client"):
         checkpoint_node(LocalStorage(tmp_path), "the zarr backend")  # a Storage, but not S3

@@ -8,14 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from dist_ckpt.training.checkpointer import (
-    Checkpointer,
-    TensorMetadata,
-    load_model_and_optim_state,
-    save_model_and_optim_state,
-    unshard_model_state,
-    unshard_optim_state,
-)
+from dist_ckpt.backends.base import LoadShardedStrategy
+from dist_ckpt.engine.checks.compatibility import verify_checkpoint_and_load_strategy
 from dist_ckpt.errors import (
     CheckpointExistsError,
     CheckpointingException,
@@ -25,7 +19,6 @@ from dist_ckpt.errors import (
     ShardingIntegrityError,
 )
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
-from dist_ckpt.backends.base import LoadShardedStrategy
 from dist_ckpt.testing.layouts import bitwise_equal
 from dist_ckpt.testing.training import (
     OPTIMIZERS,
@@ -36,7 +29,14 @@ from dist_ckpt.testing.training import (
     state_differences,
     train,
 )
-from dist_ckpt.engine.validation import verify_checkpoint_and_load_strategy
+from dist_ckpt.training.checkpointer import (
+    Checkpointer,
+    TensorMetadata,
+    load_model_and_optim_state,
+    save_model_and_optim_state,
+    unshard_model_state,
+    unshard_optim_state,
+)
 
 N, M = 3, 2
 
@@ -157,7 +157,9 @@ def test_validate_names_a_tensor_left_unloaded(saved) -> None:
     model2 = make_model(seed=1)
     optim2 = make_optimizer("adamw", model2)
     with pytest.raises(ShardingIntegrityError, match=r"'optim.state.3.weight.exp_avg' \(407 of 407"):
-        load_model_and_optim_state(ckpt, model2, optim2, load_strategy=_SkippingLoader(ckpt, "optim.state.3.weight.exp_avg"))
+        load_model_and_optim_state(
+            ckpt, model2, optim2, load_strategy=_SkippingLoader(ckpt, "optim.state.3.weight.exp_avg")
+        )
 
 
 def test_without_validate_the_hole_goes_unnoticed(saved) -> None:
@@ -186,7 +188,9 @@ def test_validate_flags_nan_stored_in_the_checkpoint(tmp_path: Path) -> None:
 def test_model_entry_missing_from_checkpoint(saved) -> None:
     _, _, ckpt = saved
     bigger = torch.nn.Sequential(*make_model(seed=1), torch.nn.Linear(3, 2))
-    with pytest.raises(KeyMismatchError, match=r"\[rank 0\].*absent from the checkpoint: \['6.bias', '6.weight'\]") as info:
+    with pytest.raises(
+        KeyMismatchError, match=r"\[rank 0\].*absent from the checkpoint: \['6.bias', '6.weight'\]"
+    ) as info:
         load_model_and_optim_state(ckpt, bigger)
     assert info.value.unexpected_keys == ["model.6.bias", "model.6.weight"]
 
@@ -251,7 +255,9 @@ def test_unshard_optim_state_is_keyed_by_fqn(saved) -> None:
         got = osd["state"][names[id(p)]]
         assert set(got) == set(state)
         assert all(bitwise_equal(got[k], v) for k, v in state.items())
-    assert [g["params"] for g in osd["param_groups"]] == [[names[id(p)] for p in g["params"]] for g in optim.param_groups]
+    assert [g["params"] for g in osd["param_groups"]] == [
+        [names[id(p)] for p in g["params"]] for g in optim.param_groups
+    ]
     assert [g["lr"] for g in osd["param_groups"]] == [1e-2, 3e-2]
 
 

@@ -17,6 +17,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import dist_ckpt as dc
+from dist_ckpt.engine.commit import METADATA_FILENAME, read_config
+from dist_ckpt.errors import (
+    CheckpointingException,
+    CheckpointManagementError,
+    CorruptCheckpointError,
+    NotACheckpointError,
+    SymlinkConflictError,
+)
 from dist_ckpt.training import checkpoints as C
 from dist_ckpt.training.checkpoints import (
     CheckpointFormat,
@@ -30,14 +38,6 @@ from dist_ckpt.training.checkpoints import (
     parse_checkpoint_step,
     save_checkpoint_metrics,
     validate_checkpoint,
-)
-from dist_ckpt.engine.commit import METADATA_FILENAME, read_config
-from dist_ckpt.errors import (
-    CheckpointingException,
-    CheckpointManagementError,
-    CorruptCheckpointError,
-    NotACheckpointError,
-    SymlinkConflictError,
 )
 
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
@@ -105,17 +105,37 @@ def names(model_dir: Path) -> set:
 
 
 class TestNames:
-    @pytest.mark.parametrize("name, step", [
-        ("checkpoint-1000", 1000), ("checkpoint_7", 7), ("iter_0001000", 1000), ("iter_0000000", 0),
-        ("step-12", 12), ("step_12", 12), ("global_step300", 300),
-    ])
+    @pytest.mark.parametrize(
+        "name, step",
+        [
+            ("checkpoint-1000", 1000),
+            ("checkpoint_7", 7),
+            ("iter_0001000", 1000),
+            ("iter_0000000", 0),
+            ("step-12", 12),
+            ("step_12", 12),
+            ("global_step300", 300),
+        ],
+    )
     def test_parse(self, name, step):
         assert parse_checkpoint_step(name) == step
 
-    @pytest.mark.parametrize("name", [
-        "checkpoint-", "checkpoint-1a", "final", "runs", "xcheckpoint-1", "checkpoint-1/", "checkpoint--1",
-        "iter_\u0661\u0662", "checkpoint-1000.tmp", ".dist_ckpt-trash-checkpoint-1-0a1b2c3d", "1000",
-    ])
+    @pytest.mark.parametrize(
+        "name",
+        [
+            "checkpoint-",
+            "checkpoint-1a",
+            "final",
+            "runs",
+            "xcheckpoint-1",
+            "checkpoint-1/",
+            "checkpoint--1",
+            "iter_\u0661\u0662",
+            "checkpoint-1000.tmp",
+            ".dist_ckpt-trash-checkpoint-1-0a1b2c3d",
+            "1000",
+        ],
+    )
     def test_parse_rejects(self, name):
         assert parse_checkpoint_step(name) is None
 
@@ -180,7 +200,11 @@ class TestCheckpointMetadata:
         path = make_hf_bin(tmp_path / "a", sharded=True)
         meta = get_checkpoint_metadata(path)
         assert meta is not None and (meta.file_name, meta.is_index, meta.safetensors, meta.complete) == (
-            "pytorch_model.bin.index.json", True, False, True)
+            "pytorch_model.bin.index.json",
+            True,
+            False,
+            True,
+        )
         truncate(path / "pytorch_model-00002-of-00002.bin", drop=30)
         assert not validate_checkpoint(path)
 
@@ -196,10 +220,16 @@ class TestCheckpointMetadata:
         truncate(path / SHARDS[0])
         assert not validate_checkpoint(path)
 
-    @pytest.mark.parametrize("index", [
-        "{not json", "[]", json.dumps({"weight_map": {}}), json.dumps({"weight_map": {"a": "../outside.safetensors"}}),
-        json.dumps({"weight_map": {"a": 3}}),
-    ])
+    @pytest.mark.parametrize(
+        "index",
+        [
+            "{not json",
+            "[]",
+            json.dumps({"weight_map": {}}),
+            json.dumps({"weight_map": {"a": "../outside.safetensors"}}),
+            json.dumps({"weight_map": {"a": 3}}),
+        ],
+    )
     def test_bad_index_is_incomplete(self, tmp_path, index):
         path = make_hf_sharded(tmp_path / "checkpoint-5")
         (path / "model.safetensors.index.json").write_text(index)
@@ -501,18 +531,21 @@ class TestMetrics:
         assert load_checkpoint_metrics(tmp_path) is None
         assert load_checkpoint_metrics(tmp_path / "missing") is None
 
-    @pytest.mark.parametrize("metrics, match", [
-        ({"loss": float("nan")}, "'loss' must be finite"),
-        ({"loss": float("inf")}, "'loss' must be finite"),
-        ({"loss": -float("inf")}, "'loss' must be finite"),
-        ({"loss": "1.0"}, "'loss' must be a number, found str"),
-        ({"loss": None}, "'loss' must be a number"),
-        ({"flag": True}, "'flag' must be a number, found bool"),
-        ({"loss": torch.tensor(1.0)}, r"\.item\(\)"),
-        ({"loss": [1.0]}, "must be a number"),
-        ({1: 1.0}, "names must be strings"),
-        ([("loss", 1.0)], "must be a dict"),
-    ])
+    @pytest.mark.parametrize(
+        "metrics, match",
+        [
+            ({"loss": float("nan")}, "'loss' must be finite"),
+            ({"loss": float("inf")}, "'loss' must be finite"),
+            ({"loss": -float("inf")}, "'loss' must be finite"),
+            ({"loss": "1.0"}, "'loss' must be a number, found str"),
+            ({"loss": None}, "'loss' must be a number"),
+            ({"flag": True}, "'flag' must be a number, found bool"),
+            ({"loss": torch.tensor(1.0)}, r"\.item\(\)"),
+            ({"loss": [1.0]}, "must be a number"),
+            ({1: 1.0}, "names must be strings"),
+            ([("loss", 1.0)], "must be a dict"),
+        ],
+    )
     def test_rejects_bad_values(self, tmp_path, metrics, match):
         with pytest.raises(CheckpointManagementError, match=match) as info:
             save_checkpoint_metrics(tmp_path, metrics)
@@ -531,9 +564,10 @@ class TestMetrics:
         assert isinstance(info.value, FileNotFoundError)
         assert not (tmp_path / "missing").exists()
 
-    @pytest.mark.parametrize("content", [
-        "{trunc", '{"loss": NaN}', '{"loss": Infinity}', "[1, 2]", '{"loss": "x"}', '{"loss": true}', "\udcff",
-    ])
+    @pytest.mark.parametrize(
+        "content",
+        ["{trunc", '{"loss": NaN}', '{"loss": Infinity}', "[1, 2]", '{"loss": "x"}', '{"loss": true}', "\udcff"],
+    )
     def test_corrupt_file(self, tmp_path, content):
         file = tmp_path / C.METRICS_FILENAME
         file.write_bytes(content.encode("utf-8", "surrogateescape"))

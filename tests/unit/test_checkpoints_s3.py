@@ -12,6 +12,9 @@ import torch
 from safetensors.torch import save as safetensors_bytes
 
 import dist_ckpt
+from dist_ckpt.engine.commit import CheckpointingConfig, save_config
+from dist_ckpt.errors import CheckpointManagementError, CorruptCheckpointError, NotACheckpointError
+from dist_ckpt.storage import StorageError, open_storage
 from dist_ckpt.training.checkpoints import (
     CheckpointFormat,
     create_pretrained_symlinks,
@@ -23,9 +26,6 @@ from dist_ckpt.training.checkpoints import (
     save_checkpoint_metrics,
     validate_checkpoint,
 )
-from dist_ckpt.engine.commit import CheckpointingConfig, save_config
-from dist_ckpt.errors import CheckpointManagementError, CorruptCheckpointError, NotACheckpointError
-from dist_ckpt.storage import StorageError, open_storage
 from tests.s3_server import FaultRule
 
 pytestmark = pytest.mark.usefixtures("s3_env")
@@ -132,7 +132,9 @@ def test_rotation_keeps_newest_best_and_preserved(s3_url: str) -> None:
         _commit(s3_url, f"checkpoint-{step}")
     _partial(s3_url, "checkpoint-0")  # leftover of a crashed save, below the newest complete one
     _partial(s3_url, "checkpoint-9")  # may be a save in progress: never removed
-    maybe_delete_oldest_checkpoint(s3_url, 2, best_checkpoint=f"{s3_url}/checkpoint-1", preserved_checkpoints="checkpoint-2")
+    maybe_delete_oldest_checkpoint(
+        s3_url, 2, best_checkpoint=f"{s3_url}/checkpoint-1", preserved_checkpoints="checkpoint-2"
+    )
     # complete: 1 (best), 2 (preserved), 5 (newest) kept; 3 and 4 go (2 allowed, all kept count)
     assert _names(s3_url) == ["checkpoint-1", "checkpoint-2", "checkpoint-5", "checkpoint-9"]
     assert open_storage(f"{s3_url}/checkpoint-3").list() == []  # every object of it is gone

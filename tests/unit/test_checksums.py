@@ -16,6 +16,16 @@ import numpy as np
 import pytest
 import torch
 
+from dist_ckpt.backends.safetensors import io as safetensors_io
+from dist_ckpt.backends.safetensors.blocks import ShardCheck
+from dist_ckpt.backends.safetensors.index import INDEX_FILENAME, SAFETENSORS_DIR, read_index
+from dist_ckpt.backends.safetensors.strategy import (
+    SafetensorsLoadOptions,
+    SafetensorsLoadShardedStrategy,
+    SafetensorsSaveOptions,
+    SafetensorsSaveShardedStrategy,
+)
+from dist_ckpt.errors import ChecksumMismatchError, CorruptCheckpointError, IncompatibleStrategyError
 from dist_ckpt.integrity.checksums import (
     BlockChecksums,
     FileDigest,
@@ -32,21 +42,7 @@ from dist_ckpt.integrity.checksums import (
     read_manifest,
     write_manifest,
 )
-from dist_ckpt.errors import (
-    ChecksumMismatchError,
-    CorruptCheckpointError,
-    IncompatibleStrategyError,
-)
 from dist_ckpt.model.sharded import ShardedTensor
-from dist_ckpt.backends.safetensors import io as safetensors_io
-from dist_ckpt.backends.safetensors.strategy import (
-    SafetensorsLoadOptions,
-    SafetensorsLoadShardedStrategy,
-    SafetensorsSaveOptions,
-    SafetensorsSaveShardedStrategy,
-)
-from dist_ckpt.backends.safetensors.blocks import ShardCheck
-from dist_ckpt.backends.safetensors.index import INDEX_FILENAME, SAFETENSORS_DIR, read_index
 
 BLOCK = 4096
 
@@ -143,10 +139,24 @@ def test_manifest_round_trip_and_file_checks(tmp_path):
         ({"format": "x"}, "'format'"),
         ({"format": "dist_ckpt.checksums", "version": 1, "algorithm": "md5", "files": {}}, "'algorithm'"),
         ({"format": "dist_ckpt.checksums", "version": 1, "algorithm": "crc32c", "files": []}, "'files'"),
-        ({"format": "dist_ckpt.checksums", "version": 1, "algorithm": "crc32c", "files": {"../x": {}}}, "plain relative"),
+        (
+            {"format": "dist_ckpt.checksums", "version": 1, "algorithm": "crc32c", "files": {"../x": {}}},
+            "plain relative",
+        ),
         ({"format": "dist_ckpt.checksums", "version": 1, "algorithm": "crc32c", "files": {"a": 3}}, "entry 'a'"),
-        ({"format": "dist_ckpt.checksums", "version": 1, "algorithm": "crc32c", "files": {"a": {"size": "3"}}}, "'size'"),
-        ({"format": "dist_ckpt.checksums", "version": 1, "algorithm": "crc32c", "files": {"a": {"size": 3, "crc32c": 5}}}, "entry 'a' field 'crc32c'"),
+        (
+            {"format": "dist_ckpt.checksums", "version": 1, "algorithm": "crc32c", "files": {"a": {"size": "3"}}},
+            "'size'",
+        ),
+        (
+            {
+                "format": "dist_ckpt.checksums",
+                "version": 1,
+                "algorithm": "crc32c",
+                "files": {"a": {"size": 3, "crc32c": 5}},
+            },
+            "entry 'a' field 'crc32c'",
+        ),
     ],
 )
 def test_malformed_manifests_name_file_and_entry(tmp_path, doc, match):
@@ -251,20 +261,33 @@ def test_checked_reads_in_pieces_report_damage_in_any_piece(tmp_path, read_count
     begin, end = shard.byte_range
     read_counter.update(bytes=0)
     for paths in ({}, {"small_run_bytes": 2**20}):  # direct reads, and bounce reads (columns)
-        out = load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(64, 1000))}, tmp_path, checked_piece_bytes=piece)
+        out = load(
+            {"w": ShardedTensor.from_rank_offsets("w", torch.empty(64, 1000))}, tmp_path, checked_piece_bytes=piece
+        )
         assert torch.equal(bits(out["w"]), bits(full))
-        out = load({"c": ShardedTensor.from_rank_offsets("w", torch.empty(64, 500), (1, 1, 2))}, tmp_path,
-                   checked_piece_bytes=piece, **paths)
+        out = load(
+            {"c": ShardedTensor.from_rank_offsets("w", torch.empty(64, 500), (1, 1, 2))},
+            tmp_path,
+            checked_piece_bytes=piece,
+            **paths,
+        )
         assert torch.equal(bits(out["c"]), bits(full[:, 500:]))
     path = tmp_path / SAFETENSORS_DIR / shard.file
     for block in (0, 31, 62):  # the first, a middle and the last (short) block
         _flip(path, begin + block * BLOCK + 3)
         stop = min(begin + (block + 1) * BLOCK, end)
         with pytest.raises(ChecksumMismatchError, match=rf"'w'.*bytes {begin + block * BLOCK}:{stop} .*block {block} "):
-            load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(64, 1000))}, tmp_path, checked_piece_bytes=piece)
+            load(
+                {"w": ShardedTensor.from_rank_offsets("w", torch.empty(64, 1000))}, tmp_path, checked_piece_bytes=piece
+            )
         with pytest.raises(ChecksumMismatchError, match=rf"block {block} "):
-            load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(64, 1000))}, tmp_path,
-                 checked_piece_bytes=piece, small_run_bytes=2**20, max_read_bytes=5 * BLOCK)
+            load(
+                {"w": ShardedTensor.from_rank_offsets("w", torch.empty(64, 1000))},
+                tmp_path,
+                checked_piece_bytes=piece,
+                small_run_bytes=2**20,
+                max_read_bytes=5 * BLOCK,
+            )
         _flip(path, begin + block * BLOCK + 3)
 
 
@@ -273,7 +296,9 @@ def test_pieces_cut_buffers_at_every_step():
     buffers = [data[0:0], data[0:7], data[7:8], data[8:30], data[30:0], data[30:31]]
     pieces = list(safetensors_io._pieces(buffers, 1000, 10))
     assert [offset for offset, _ in pieces] == [1000, 1010, 1020, 1030]
-    assert [b"".join(bytes(v) for v in views) for _, views in pieces] == [bytes(range(a, min(a + 10, 31))) for a in (0, 10, 20, 30)]
+    assert [b"".join(bytes(v) for v in views) for _, views in pieces] == [
+        bytes(range(a, min(a + 10, 31))) for a in (0, 10, 20, 30)
+    ]
     assert all(len(v) for _, views in pieces for v in views)
     assert list(safetensors_io._pieces([data[0:0]], 0, 10)) == []
 
@@ -285,6 +310,7 @@ def test_row_slices_read_at_most_one_extra_block_per_end(tmp_path, read_counter)
     for parts in (4, 5):
         for r in range(parts):
             rows = 640 // parts
+
             def request():
                 return {"w": ShardedTensor.from_rank_offsets("w", torch.empty(rows, 100), (0, r, parts))}
 
@@ -304,8 +330,9 @@ def test_column_slices_read_each_byte_once(tmp_path, read_counter):
     save({"w": ShardedTensor.from_rank_offsets("w", full.clone())}, tmp_path, checksum_block_bytes=BLOCK)
     header = read_index(tmp_path).tensors["w"].shards[0].byte_range[0]
     read_counter.update(bytes=0)
-    out = load({"c": ShardedTensor.from_rank_offsets("w", torch.empty(64, 128), (1, 1, 2))}, tmp_path,
-               small_run_bytes=256)
+    out = load(
+        {"c": ShardedTensor.from_rank_offsets("w", torch.empty(64, 128), (1, 1, 2))}, tmp_path, small_run_bytes=256
+    )
     assert torch.equal(bits(out["c"]), bits(full[:, 128:]))
     assert read_counter["bytes"] - header == 64 * 256 * 4  # the span once, no block twice
 
@@ -331,17 +358,28 @@ def test_random_requests_verify_and_load_exactly(tmp_path, seed):
     rows = -(-shape[0] // parts)
     padded = torch.zeros((rows * parts, shape[1]), dtype=dtype)
     padded[: shape[0]] = full
-    save({f"p{r}": ShardedTensor.from_rank_offsets("w", padded[r * rows : (r + 1) * rows].clone(), (0, r, parts)) for r in range(parts)},
-         tmp_path, checksum_block_bytes=int(rng.integers(1, 300)))
+    save(
+        {
+            f"p{r}": ShardedTensor.from_rank_offsets("w", padded[r * rows : (r + 1) * rows].clone(), (0, r, parts))
+            for r in range(parts)
+        },
+        tmp_path,
+        checksum_block_bytes=int(rng.integers(1, 300)),
+    )
     for _ in range(4):
         cparts = int(rng.integers(1, 5))
         cols = -(-shape[1] // cparts)
         c = int(rng.integers(0, cparts))
-        req = ShardedTensor.from_rank_offsets("w", torch.empty(rows * parts, cols, dtype=dtype), (1, c, cparts),
-                                              allow_shape_mismatch=True)
-        opts = dict(small_run_bytes=int(rng.integers(0, 64)), bounce_buffer_bytes=int(rng.integers(16, 512)),
-                    max_read_bytes=int(rng.integers(8, 4096)), thread_count=int(rng.integers(1, 4)),
-                    checked_piece_bytes=int(rng.integers(1, 2048)))
+        req = ShardedTensor.from_rank_offsets(
+            "w", torch.empty(rows * parts, cols, dtype=dtype), (1, c, cparts), allow_shape_mismatch=True
+        )
+        opts = dict(
+            small_run_bytes=int(rng.integers(0, 64)),
+            bounce_buffer_bytes=int(rng.integers(16, 512)),
+            max_read_bytes=int(rng.integers(8, 4096)),
+            thread_count=int(rng.integers(1, 4)),
+            checked_piece_bytes=int(rng.integers(1, 2048)),
+        )
         out = load({"x": req}, tmp_path, **opts)["x"]
         expected = torch.zeros(rows * parts, cols, dtype=dtype)
         piece = padded[:, c * cols : (c + 1) * cols]

@@ -26,8 +26,9 @@ from tests.unit.sample_checkpoints import COMMON, save_sample, stored_tensors
 def dist_ckpt(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     """``python -m dist_ckpt ARGS`` in ``cwd`` (environment inherited: S3 settings included)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "dist_ckpt", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)  # a hang guard, not a timing check
+    return subprocess.run(
+        [sys.executable, "-m", "dist_ckpt", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )  # a hang guard, not a timing check
 
 
 def one_line_error(proc: subprocess.CompletedProcess[str], status: int, command: str) -> str:
@@ -80,8 +81,16 @@ def test_each_command_has_help(command, capsys):
     assert out.startswith(f"usage: dist-ckpt {command}") and "--debug" in out
 
 
-@pytest.mark.parametrize("args", [["inspect"], ["convert", "a", "b"], ["convert", "a", "b", "--to", "nope"],
-                                  ["verify", "a", "--bogus"], ["export-hf", "a", "b", "--max-shard-size", "lots"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["inspect"],
+        ["convert", "a", "b"],
+        ["convert", "a", "b", "--to", "nope"],
+        ["verify", "a", "--bogus"],
+        ["export-hf", "a", "b", "--max-shard-size", "lots"],
+    ],
+)
 def test_usage_errors_exit_2(args, capsys):
     with pytest.raises(SystemExit) as exc:
         main(args)
@@ -115,7 +124,9 @@ def test_inspect(sample, tmp_path):
     out = proc.stdout
     assert f"{sample}: dist_ckpt checkpoint" in out and "backend   safetensors:1 (common state: torch:1)" in out
     assert "saved by  1 rank" in out and "tensors   6," in out
-    table = {line.split()[0]: line for line in out.splitlines() if line.startswith(("embedding", "optimizer", "layers"))}
+    table = {
+        line.split()[0]: line for line in out.splitlines() if line.startswith(("embedding", "optimizer", "layers"))
+    }
     assert "[64, 16]" in table["embedding.weight"] and "bfloat16" in table["embedding.weight"]
     assert "4 chunks of [16, 16]" in table["embedding.weight"]
     assert "4 flattened ranges of chunks" in table["optimizer.exp_avg"]
@@ -197,16 +208,22 @@ def test_verify_an_uncommitted_save_exits_1(sample, tmp_path):
 
 def test_convert_round_trip_is_bit_exact(sample, tmp_path):
     expected = stored_tensors(sample)
-    steps = [(sample, tmp_path / "zarr", "zarr"), (tmp_path / "zarr", tmp_path / "hf", "hf"),
-             (tmp_path / "hf", tmp_path / "st", "safetensors"), (tmp_path / "st", tmp_path / "zarr2", "zarr:1")]
+    steps = [
+        (sample, tmp_path / "zarr", "zarr"),
+        (tmp_path / "zarr", tmp_path / "hf", "hf"),
+        (tmp_path / "hf", tmp_path / "st", "safetensors"),
+        (tmp_path / "st", tmp_path / "zarr2", "zarr:1"),
+    ]
     for src, dst, to in steps:
         proc = dist_ckpt("convert", str(src), str(dst), "--to", to, cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr
         assert "dist-ckpt convert: 6 tensors" in proc.stdout and f"to   {dst}" in proc.stdout
         assert "copying tensors" not in proc.stderr  # no progress bars when stderr is not a terminal
         assert same(stored_tensors(dst), expected), (src, to)
-    assert "not copied (a HuggingFace folder holds tensors only)" in \
-        dist_ckpt("convert", str(sample), str(tmp_path / "hf2"), "--to", "hf", cwd=tmp_path).stdout
+    assert (
+        "not copied (a HuggingFace folder holds tensors only)"
+        in dist_ckpt("convert", str(sample), str(tmp_path / "hf2"), "--to", "hf", cwd=tmp_path).stdout
+    )
     assert dc.load_common_state_dict(str(tmp_path / "zarr")) == COMMON
 
 
@@ -225,13 +242,19 @@ def test_convert_json_and_progress_bars(sample, tmp_path):
 def test_convert_failures(sample, tmp_path):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("mine")
-    line = one_line_error(dist_ckpt("convert", str(sample), str(tmp_path / "full"), "--to", "zarr", cwd=tmp_path), 2, "convert")
+    line = one_line_error(
+        dist_ckpt("convert", str(sample), str(tmp_path / "full"), "--to", "zarr", cwd=tmp_path), 2, "convert"
+    )
     assert "not an empty directory" in line and (tmp_path / "full" / "x").read_text() == "mine"
-    one_line_error(dist_ckpt("convert", str(tmp_path / "absent"), str(tmp_path / "o"), "--to", "zarr", cwd=tmp_path), 2, "convert")
+    one_line_error(
+        dist_ckpt("convert", str(tmp_path / "absent"), str(tmp_path / "o"), "--to", "zarr", cwd=tmp_path), 2, "convert"
+    )
     damaged = tmp_path / "damaged"
     dc.convert(sample, damaged, to="safetensors")
     name = corrupt_one_byte(damaged).name
-    line = one_line_error(dist_ckpt("convert", str(damaged), str(tmp_path / "o"), "--to", "zarr", cwd=tmp_path), 1, "convert")
+    line = one_line_error(
+        dist_ckpt("convert", str(damaged), str(tmp_path / "o"), "--to", "zarr", cwd=tmp_path), 1, "convert"
+    )
     assert name in line and not (tmp_path / "o").exists()
 
 

@@ -13,8 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from dist_ckpt.errors import CorruptCheckpointError, KeyMismatchError, UnsafeObjectError
-from dist_ckpt.model.sharded import ShardedObject
 from dist_ckpt.backends.torch_common.strategy import (
     COMMON_STATE_FNAME,
     OBJECTS_DIR,
@@ -23,6 +21,8 @@ from dist_ckpt.backends.torch_common.strategy import (
     TorchCommonSaveStrategy,
     find_unsafe_values,
 )
+from dist_ckpt.errors import CorruptCheckpointError, KeyMismatchError, UnsafeObjectError
+from dist_ckpt.model.sharded import ShardedObject
 
 
 class Custom:
@@ -41,8 +41,13 @@ SAFE_STATE = {
     "name": "run",
     "flags": [True, None, b"raw"],
     "t": torch.arange(3),
-    "nested": {"dtype": torch.bfloat16, "device": torch.device("cpu"), "size": torch.Size([2, 3]),
-               "tuple": (1, 2.0, "x"), "c": 1 + 2j},
+    "nested": {
+        "dtype": torch.bfloat16,
+        "device": torch.device("cpu"),
+        "size": torch.Size([2, 3]),
+        "tuple": (1, 2.0, "x"),
+        "c": 1 + 2j,
+    },
     "od": collections.OrderedDict(a=1),
 }
 
@@ -136,8 +141,11 @@ class TestShardedObjects:
         for p in tmp_path.rglob("*"):  # nothing escapes the objects directory
             assert tmp_path in p.resolve().parents
 
-        request = {"x": [ShardedObject("opt/state", None, (2, 2), (i // 2, i % 2), replica_id=3) for i in range(4)],
-                   "y": {"z": ShardedObject("we ird/..key?", None, (1,), (0,))}, "plain": 5}
+        request = {
+            "x": [ShardedObject("opt/state", None, (2, 2), (i // 2, i % 2), replica_id=3) for i in range(4)],
+            "y": {"z": ShardedObject("we ird/..key?", None, (1,), (0,))},
+            "plain": 5,
+        }
         loaded = TorchCommonLoadStrategy().load_sharded_objects(request, tmp_path)
         assert loaded["x"] == [{"i": i} for i in range(4)]  # the replica did not overwrite shard (0, 0)
         assert loaded["y"]["z"] == [1] and loaded["plain"] == 5
@@ -160,7 +168,9 @@ class TestShardedObjects:
     def test_absent_key(self, tmp_path):
         TorchCommonSaveStrategy().save_sharded_objects([ShardedObject("present", 1, (1,), (0,))], tmp_path)
         with pytest.raises(KeyMismatchError, match="'absent.obj'") as info:
-            TorchCommonLoadStrategy().load_sharded_objects({"a": ShardedObject("absent.obj", None, (1,), (0,))}, tmp_path)
+            TorchCommonLoadStrategy().load_sharded_objects(
+                {"a": ShardedObject("absent.obj", None, (1,), (0,))}, tmp_path
+            )
         assert info.value.unexpected_keys == ["absent.obj"]
 
     def test_missing_shard(self, tmp_path):
@@ -170,17 +180,21 @@ class TestShardedObjects:
         assert "'obj'" in str(info.value) and "shard_0_2" in str(info.value)
 
     def test_unsafe_object(self, tmp_path):
-        TorchCommonSaveStrategy().save_sharded_objects({"o": ShardedObject("user.obj", Custom(7), (1,), (0,))}, tmp_path)
+        TorchCommonSaveStrategy().save_sharded_objects(
+            {"o": ShardedObject("user.obj", Custom(7), (1,), (0,))}, tmp_path
+        )
         with pytest.raises(UnsafeObjectError) as info:
             TorchCommonLoadStrategy().load_sharded_objects({"o": ShardedObject("user.obj", None, (1,), (0,))}, tmp_path)
         assert "'user.obj'" in str(info.value) and "allow_pickle=True" in str(info.value)
         out = TorchCommonLoadStrategy(allow_pickle=True).load_sharded_objects(
-            {"o": ShardedObject("user.obj", None, (1,), (0,))}, tmp_path)
+            {"o": ShardedObject("user.obj", None, (1,), (0,))}, tmp_path
+        )
         assert out["o"] == Custom(7)
 
     def test_truncated_object(self, tmp_path):
-        TorchCommonSaveStrategy().save_sharded_objects([ShardedObject("obj", {"big": list(range(100))}, (1,), (0,))],
-                                                       tmp_path)
+        TorchCommonSaveStrategy().save_sharded_objects(
+            [ShardedObject("obj", {"big": list(range(100))}, (1,), (0,))], tmp_path
+        )
         (path,) = list(Path(tmp_path).rglob("*.pt"))
         path.write_bytes(path.read_bytes()[:50])
         with pytest.raises(CorruptCheckpointError) as info:

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 import dist_ckpt as dc
-from dist_ckpt.tools.convert import convert
-from dist_ckpt.errors import CheckpointExistsError, IncompatibleStrategyError, NotACheckpointError
-from dist_ckpt.model.sharded import ShardedObject
-from dist_ckpt.engine.report import ProgressEvent
 from dist_ckpt.backends.base import TensorLayout, TensorStreamWriter
 from dist_ckpt.backends.safetensors.strategy import SafetensorsSaveShardedStrategy
+from dist_ckpt.engine.report import ProgressEvent
+from dist_ckpt.errors import CheckpointExistsError, IncompatibleStrategyError, NotACheckpointError
+from dist_ckpt.model.sharded import ShardedObject
 from dist_ckpt.testing.layouts import bitwise_equal
+from dist_ckpt.tools.convert import convert
 from tests.unit.sample_checkpoints import COMMON, save_sample, stored_tensors
 
 BACKENDS = [("safetensors", 1), ("zarr", 1)]

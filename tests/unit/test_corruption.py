@@ -36,7 +36,8 @@ def _full() -> Dict[str, torch.Tensor]:
 def _state() -> Dict[str, Any]:
     full = _full()
     sd: Dict[str, Any] = {
-        f"w{r}": ShardedTensor.from_rank_offsets("a.w", full["a.w"][4 * r : 4 * r + 4].clone(), (0, r, 2)) for r in range(2)
+        f"w{r}": ShardedTensor.from_rank_offsets("a.w", full["a.w"][4 * r : 4 * r + 4].clone(), (0, r, 2))
+        for r in range(2)
     }
     sd["b"] = ShardedTensor.from_rank_offsets("b", full["b"].clone())
     flat = full["opt"].flatten()
@@ -103,11 +104,21 @@ def copy(pristine: Dict[str, Path], tmp_path: Path) -> Callable[[str], Path]:
 def _data_files(path: Path, fmt: str) -> List[Path]:
     if fmt == "safetensors":
         return sorted((path / "safetensors").glob("*.safetensors"))
-    return sorted(p for p in (path / "zarr").rglob("*") if p.is_file() and "/c" in str(p.relative_to(path / "zarr")).replace("\\", "/") and p.name != "zarr.json")
+    return sorted(
+        p
+        for p in (path / "zarr").rglob("*")
+        if p.is_file() and "/c" in str(p.relative_to(path / "zarr")).replace("\\", "/") and p.name != "zarr.json"
+    )
 
 
 def _metadata_files(path: Path) -> List[Path]:
-    names = ["metadata.json", "safetensors/index.json", "zarr/checksums.json", "common.checksums.json", "objects/checksums.json"]
+    names = [
+        "metadata.json",
+        "safetensors/index.json",
+        "zarr/checksums.json",
+        "common.checksums.json",
+        "objects/checksums.json",
+    ]
     files = [path / n for n in names if (path / n).is_file()]
     return files + sorted((path / "zarr").rglob("zarr.json"))
 

@@ -33,9 +33,9 @@ import pytest
 import torch
 
 import dist_ckpt as dc
-from dist_ckpt.training.checkpoints import find_latest_checkpoint
 from dist_ckpt.errors import NotACheckpointError
 from dist_ckpt.testing import free_port
+from dist_ckpt.training.checkpoints import find_latest_checkpoint
 from tests.crash_saver import full_tensors, state
 
 pytestmark = pytest.mark.slow
@@ -80,12 +80,16 @@ def _scan(path: Path) -> Optional[Snapshot]:
 def _start(ckpt: Path, mode: str, side: Path) -> List[subprocess.Popen]:
     side.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1"
+    )
     procs: List[subprocess.Popen] = []
     for rank in range(WORLD):
         group = _join_group(0 if rank == 0 else procs[0].pid)  # one process group: rank 0 leads it
         cmd = [sys.executable, "-m", "tests.crash_saver", str(rank), str(WORLD), str(port), str(ckpt), mode, str(side)]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **group))
+        procs.append(
+            subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **group)
+        )
     return procs
 
 
@@ -137,7 +141,9 @@ def _frac(f: float) -> Callable[[Dict[str, int]], Point]:
 
 
 def _async_frac(f: float) -> Callable[[Dict[str, int]], Point]:
-    return lambda sizes: lambda s, side: (side / "scheduled.0").exists() and s.data_bytes(".safetensors") >= f * sizes["safetensors"]
+    return lambda sizes: (
+        lambda s, side: (side / "scheduled.0").exists() and s.data_bytes(".safetensors") >= f * sizes["safetensors"]
+    )
 
 
 def _phase(check: Callable[[Snapshot, Path], bool]) -> Callable[[Dict[str, int]], Point]:
@@ -155,7 +161,11 @@ CASES: List[Tuple[str, str, Callable[[Dict[str, int]], Point]]] = [
     ("async", "snapshot taken, writer starting", _phase(lambda s, side: (side / "scheduled.1").exists())),
     *[("async", f"background writer at {int(f * 100)}%", _async_frac(f)) for f in (0.1, 0.3, 0.5, 0.7, 0.9)],
     ("async", "finalize: index being written", _phase(lambda s, side: s.has_temp(".index.json"))),
-    ("async", "finalize: index.json written, no metadata.json", _phase(lambda s, side: s.has("safetensors/index.json"))),
+    (
+        "async",
+        "finalize: index.json written, no metadata.json",
+        _phase(lambda s, side: s.has("safetensors/index.json")),
+    ),
     ("async", "finalize: metadata.json being committed", _phase(lambda s, side: s.has_temp(".metadata.json"))),
     ("zarr", "zarr chunks being written", _phase(lambda s, side: s.count("zarr/w/c/") >= 1)),
     ("zarr", "zarr/checksums.json being written", _phase(lambda s, side: s.has_temp(".checksums.json"))),
@@ -188,7 +198,9 @@ def test_kill_at(mode, point_name, make_point, sizes, tmp_path):
     finally:
         os.killpg(procs[0].pid, signal.SIGKILL)
         errors = [p.communicate(timeout=30)[1].decode() for p in procs]
-    assert seen is not None, f"the save never reached '{point_name}' (exit codes {[p.returncode for p in procs]}): {errors}"
+    assert seen is not None, (
+        f"the save never reached '{point_name}' (exit codes {[p.returncode for p in procs]}): {errors}"
+    )
     assert all(p.returncode == -signal.SIGKILL for p in procs), f"a rank ended before the kill: {errors}"
     assert not (ckpt / "metadata.json").exists(), "killed before the commit, yet metadata.json exists"
     # no process of the save survives: the background writers were in the process group too

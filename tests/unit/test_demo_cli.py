@@ -32,13 +32,13 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def _run(
-    args: List[str], cwd: Path, main: Sequence[str] = ("-m", "dist_ckpt")
-) -> subprocess.CompletedProcess[str]:
+def _run(args: List[str], cwd: Path, main: Sequence[str] = ("-m", "dist_ckpt")) -> subprocess.CompletedProcess[str]:
     """Run ``python <main> <args>`` in ``cwd``; the demo's ranks are spawned by that process."""
     cmd = [sys.executable, *main, *args]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)  # a hang guard, not a timing check
+    return subprocess.run(
+        cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )  # a hang guard, not a timing check
 
 
 def test_demo_saves_reloads_and_verifies(tmp_path: Path) -> None:

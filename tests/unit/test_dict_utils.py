@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from dist_ckpt.errors import CheckpointingException, StateDictStructureError
 from dist_ckpt.model.dict_utils import (
     dict_list_map_inplace,
     dict_list_map_outplace,
@@ -21,7 +22,6 @@ from dist_ckpt.model.dict_utils import (
     nested_items_iter,
     nested_values,
 )
-from dist_ckpt.errors import CheckpointingException, StateDictStructureError
 
 
 def is_int(v):

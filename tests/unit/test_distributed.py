@@ -77,7 +77,11 @@ def test_storage_errors_keep_their_type_on_every_rank() -> None:
     from dist_ckpt.errors import RankFailedError
     from dist_ckpt.storage import BucketNotFoundError, RetriesExhaustedError, StorageAuthError
 
-    for error in (BucketNotFoundError("bucket 'b' does not exist"), StorageAuthError("refused"), RetriesExhaustedError("gave up", attempts=3)):
+    for error in (
+        BucketNotFoundError("bucket 'b' does not exist"),
+        StorageAuthError("refused"),
+        RetriesExhaustedError("gave up", attempts=3),
+    ):
         rebuilt = _rebuild(_describe(error, 1, "saving"), [1, 0])
         assert type(rebuilt) is type(error) and "[rank 1]" in str(rebuilt) and "ranks [0] failed too" in str(rebuilt)
     assert type(_rebuild(_describe(OSError("disk"), 0, "saving"), [0])) is RankFailedError

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_ckpt.backends.base import StrategyAction, unregister_strategy
+from dist_ckpt.engine.registry import StrategyAction, unregister_strategy
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
 

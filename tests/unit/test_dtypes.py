@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.model.dtypes import (
     SUPPORTED_DTYPE_NAMES,
     dtype_from_name,
@@ -16,7 +17,6 @@ from dist_ckpt.model.dtypes import (
     numpy_to_tensor,
     tensor_to_numpy,
 )
-from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.testing.layouts import bits
 from dist_ckpt.testing.layouts import random_bits_tensor as random_tensor
 

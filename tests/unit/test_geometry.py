@@ -9,14 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from dist_ckpt.model.geometry import (
-    Box,
-    ShardPiece,
-    flat_range_boxes,
-    piece_view,
-    shard_pieces,
-    sub_view,
-)
+from dist_ckpt.model.geometry import Box, ShardPiece, flat_range_boxes, piece_view, shard_pieces, sub_view
 
 
 def box_flat_indices(shape, box):
@@ -46,15 +39,15 @@ class TestBox:
             a, b = Box(o1, s1), Box(o2, s2)
             ma = np.zeros((10, 10), bool)
             mb = np.zeros((10, 10), bool)
-            ma[o1[0]:o1[0] + s1[0], o1[1]:o1[1] + s1[1]] = True
-            mb[o2[0]:o2[0] + s2[0], o2[1]:o2[1] + s2[1]] = True
+            ma[o1[0] : o1[0] + s1[0], o1[1] : o1[1] + s1[1]] = True
+            mb[o2[0] : o2[0] + s2[0], o2[1] : o2[1] + s2[1]] = True
             both = ma & mb
             inter = a.intersect(b)
             if not both.any():
                 assert inter is None
             else:
                 mi = np.zeros((10, 10), bool)
-                mi[inter.offset[0]:inter.stop[0], inter.offset[1]:inter.stop[1]] = True
+                mi[inter.offset[0] : inter.stop[0], inter.offset[1] : inter.stop[1]] = True
                 assert (mi == both).all()
 
     def test_intersect_rank_mismatch(self):

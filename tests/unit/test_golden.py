@@ -67,9 +67,7 @@ def test_loads_whole_tensors_objects_and_common(golden: Path) -> None:
 
 def test_loads_resharded(golden: Path) -> None:
     full = full_tensors()["layer.w"]
-    request = {
-        f"c{c}": ShardedTensor.from_rank_offsets("layer.w", torch.zeros(4, 2), (1, c, 3)) for c in range(3)
-    }
+    request = {f"c{c}": ShardedTensor.from_rank_offsets("layer.w", torch.zeros(4, 2), (1, c, 3)) for c in range(3)}
     loaded = dc.load(request, golden)
     for c in range(3):
         assert torch.equal(loaded[f"c{c}"], full[:, 2 * c : 2 * c + 2])

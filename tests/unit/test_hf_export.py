@@ -10,11 +10,11 @@ from safetensors.torch import load_file
 
 import dist_ckpt as dc
 from dist_ckpt import cli
+from dist_ckpt.backends.safetensors.strategy import SafetensorsLoadShardedStrategy
 from dist_ckpt.cli.common import size_arg
 from dist_ckpt.errors import CheckpointExistsError
 from dist_ckpt.hf import export, load_checkpoint, load_shard_index
 from dist_ckpt.model.sharded import ShardedTensor
-from dist_ckpt.backends.safetensors.strategy import SafetensorsLoadShardedStrategy
 from dist_ckpt.testing.layouts import bitwise_equal, flat_shards, full_tensor, tp_shards
 
 BACKENDS = [("safetensors", 1), ("zarr", 1)]
@@ -33,7 +33,9 @@ def saved(path, backend):
     sd.update(tp_shards("decoder.fc2.weight", fulls["decoder.fc2.weight"], 1, 4, 0, 1))
     sd.update(flat_shards("optimizer.exp_avg", fulls["optimizer.exp_avg"], 0, 2, 2, 0, 1))
     for i in range(4):
-        sd[f"L{i}"] = ShardedTensor.from_rank_offsets("layers", fulls["layers"][i].clone(), (0, i, 4), prepend_axis_num=1)
+        sd[f"L{i}"] = ShardedTensor.from_rank_offsets(
+            "layers", fulls["layers"][i].clone(), (0, i, 4), prepend_axis_num=1
+        )
     sd["step"] = 7
     dc.save(sd, path, sharded_strategy=backend)
     return fulls
@@ -116,8 +118,9 @@ def test_cli_export_hf_errors(tmp_path, capsys):
     assert info.value.code == 2
 
 
-@pytest.mark.parametrize("text,value", [("5GB", 5 * 10**9), ("2GiB", 2**31), ("1000", 1000), ("1.5 MB", 1_500_000),
-                                        ("512kib", 512 * 1024)])
+@pytest.mark.parametrize(
+    "text,value", [("5GB", 5 * 10**9), ("2GiB", 2**31), ("1000", 1000), ("1.5 MB", 1_500_000), ("512kib", 512 * 1024)]
+)
 def test_size_argument(text, value):
     assert size_arg(text) == value
 

@@ -38,9 +38,7 @@ def test_make_shard_index_sizes_and_names():
     sd = {"a": torch.zeros(10), "b": torch.zeros(10), "c": torch.zeros(5, dtype=torch.float64)}  # 40, 40, 40 bytes
     index = make_shard_index([sd], max_shard_size=80, metadata={"note": "x"})
     assert index["metadata"] == {"total_size": 120, "note": "x"}
-    assert index["weight_map"] == {
-        "a": shard_file_name(0, 2), "b": shard_file_name(0, 2), "c": shard_file_name(1, 2),
-    }
+    assert index["weight_map"] == {"a": shard_file_name(0, 2), "b": shard_file_name(0, 2), "c": shard_file_name(1, 2)}
     assert shard_file_name(0, 2) == "model-00001-of-00002.safetensors"
 
 
@@ -72,19 +70,25 @@ def test_save_and_load_shard_index(tmp_path):
     save_shard_index(index, tmp_path / "out", index_file_name())
     raw = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     assert list(raw["weight_map"]) == ["a", "b"]  # sorted, like transformers writes it
-    assert load_shard_index(tmp_path / "out", index_file_name()) == {"metadata": index["metadata"], "weight_map": index["weight_map"]}
+    assert load_shard_index(tmp_path / "out", index_file_name()) == {
+        "metadata": index["metadata"],
+        "weight_map": index["weight_map"],
+    }
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["model.safetensors.index.json"]  # no temporary left
 
 
-@pytest.mark.parametrize("content,message", [
-    (None, "is missing"),
-    ("{nope", "not valid JSON"),
-    ('{"metadata": {}}', "'weight_map'"),
-    ('{"weight_map": {"a": "../outside.safetensors"}}', "not a plain file name"),
-    ('{"weight_map": {"a": 3}}', "not a plain file name"),
-    ('{"weight_map": {}, "metadata": []}', "'metadata' must be an object"),
-    ('{"weight_map": {}, "metadata": {"param_sharing_metadata": "a"}}', "lists of names"),
-])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        (None, "is missing"),
+        ("{nope", "not valid JSON"),
+        ('{"metadata": {}}', "'weight_map'"),
+        ('{"weight_map": {"a": "../outside.safetensors"}}', "not a plain file name"),
+        ('{"weight_map": {"a": 3}}', "not a plain file name"),
+        ('{"weight_map": {}, "metadata": []}', "'metadata' must be an object"),
+        ('{"weight_map": {}, "metadata": {"param_sharing_metadata": "a"}}', "lists of names"),
+    ],
+)
 def test_bad_index_files(tmp_path, content, message):
     if content is not None:
         (tmp_path / "model.safetensors.index.json").write_text(content)

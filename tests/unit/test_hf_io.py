@@ -66,7 +66,9 @@ def test_sharded_with_index(tmp_path):
     index = load_shard_index(tmp_path, index_file_name())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 1 and weight_files(tmp_path) == files + ["model.safetensors.index.json"]
-    assert index["metadata"]["run"] == "abc" and index["metadata"]["param_sharing_metadata"] == [["embed.weight", "head.weight"]]
+    assert index["metadata"]["run"] == "abc" and index["metadata"]["param_sharing_metadata"] == [
+        ["embed.weight", "head.weight"]
+    ]
     total = 0
     for file in files:  # every shard is a plain safetensors file
         stored = load_file(str(tmp_path / file))
@@ -213,9 +215,14 @@ def test_reads_checkpoints_written_by_safetensors(tmp_path):
     }
     save_file({"a": tensors["a"]}, str(tmp_path / "model-00001-of-00002.safetensors"), metadata={"format": "pt"})
     save_file({"b": tensors["b"], "c": tensors["c"]}, str(tmp_path / "model-00002-of-00002.safetensors"))
-    index = {"metadata": {"total_size": 0}, "weight_map": {"a": "model-00001-of-00002.safetensors",
-                                                            "b": "model-00002-of-00002.safetensors",
-                                                            "c": "model-00002-of-00002.safetensors"}}
+    index = {
+        "metadata": {"total_size": 0},
+        "weight_map": {
+            "a": "model-00001-of-00002.safetensors",
+            "b": "model-00002-of-00002.safetensors",
+            "c": "model-00002-of-00002.safetensors",
+        },
+    }
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     out = load_checkpoint(tmp_path, None)
     for k, v in tensors.items():

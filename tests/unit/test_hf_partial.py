@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from dist_ckpt.backends.safetensors import io as safetensors_io
 from dist_ckpt.errors import CheckpointingException, KeyMismatchError, LoadMismatchError
 from dist_ckpt.hf import (
     index_file_name,
@@ -20,7 +21,6 @@ from dist_ckpt.hf import (
     save_sharded_model,
     set_submodule,
 )
-from dist_ckpt.backends.safetensors import io as safetensors_io
 
 
 class Block(nn.Module):

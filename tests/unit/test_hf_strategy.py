@@ -26,27 +26,42 @@ FULL = {
 
 def write_hf(path, with_tie_metadata: bool = True) -> None:
     """index + two shard files written by the safetensors library; lm_head tied to the embedding."""
-    save_file({"model.embed_tokens.weight": FULL["model.embed_tokens.weight"]}, str(path / "model-00001-of-00002.safetensors"))
-    save_file({k: FULL[k] for k in ("model.layers.0.mlp.down_proj.weight", "model.norm.weight")},
-              str(path / "model-00002-of-00002.safetensors"))
+    save_file(
+        {"model.embed_tokens.weight": FULL["model.embed_tokens.weight"]}, str(path / "model-00001-of-00002.safetensors")
+    )
+    save_file(
+        {k: FULL[k] for k in ("model.layers.0.mlp.down_proj.weight", "model.norm.weight")},
+        str(path / "model-00002-of-00002.safetensors"),
+    )
     metadata = {"total_size": 0}
     if with_tie_metadata:
         metadata["param_sharing_metadata"] = [["model.embed_tokens.weight", "lm_head.weight"]]
-    weight_map = {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
-                  "model.layers.0.mlp.down_proj.weight": "model-00002-of-00002.safetensors",
-                  "model.norm.weight": "model-00002-of-00002.safetensors"}
+    weight_map = {
+        "model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+        "model.layers.0.mlp.down_proj.weight": "model-00002-of-00002.safetensors",
+        "model.norm.weight": "model-00002-of-00002.safetensors",
+    }
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": metadata, "weight_map": weight_map}))
 
 
 def request(tp: int, with_head: bool = True):
     sd = {}
     sd.update(tp_shards("model.embed_tokens.weight", FULL["model.embed_tokens.weight"], 0, tp, 0, 1, empty=True))
-    sd.update(tp_shards("model.layers.0.mlp.down_proj.weight", FULL["model.layers.0.mlp.down_proj.weight"], 1, tp, 0, 1,
-                        empty=True))
+    sd.update(
+        tp_shards(
+            "model.layers.0.mlp.down_proj.weight", FULL["model.layers.0.mlp.down_proj.weight"], 1, tp, 0, 1, empty=True
+        )
+    )
     sd.update(tp_shards("model.norm.weight", FULL["model.norm.weight"], 0, 1, 0, 1, empty=True))
     if with_head:
-        sd.update({f"head{k}": v for k, v in tp_shards("lm_head.weight", FULL["model.embed_tokens.weight"], 0, tp, 0, 1,
-                                                        empty=True).items()})
+        sd.update(
+            {
+                f"head{k}": v
+                for k, v in tp_shards(
+                    "lm_head.weight", FULL["model.embed_tokens.weight"], 0, tp, 0, 1, empty=True
+                ).items()
+            }
+        )
     return sd
 
 
@@ -98,7 +113,9 @@ def test_metadata_unshard_and_plain_tensors(tmp_path):
     assert meta["model.layers.0.mlp.down_proj.weight"].dtype == torch.bfloat16
     plain = dc.load_plain_tensors(tmp_path)
     assert all(bitwise_equal(plain[k], full_of(k)) for k in meta)
-    assert bitwise_equal(dc.unshard(tmp_path, keys=["lm_head.weight"])["lm_head.weight"], FULL["model.embed_tokens.weight"])
+    assert bitwise_equal(
+        dc.unshard(tmp_path, keys=["lm_head.weight"])["lm_head.weight"], FULL["model.embed_tokens.weight"]
+    )
 
 
 def test_strict_modes_and_common_state(tmp_path):

@@ -11,11 +11,7 @@ import pytest
 import torch
 
 import dist_ckpt
-from dist_ckpt.errors import (
-    CheckpointingException,
-    InvalidShardedTensorError,
-    StateDictStructureError,
-)
+from dist_ckpt.errors import CheckpointingException, InvalidShardedTensorError, StateDictStructureError
 from dist_ckpt.model.sharded import (
     LocalNonPersistentObject,
     LocalNonpersistentObject,
@@ -35,8 +31,16 @@ def raises_naming(exc, key):
     return pytest.raises(exc, match=re.escape(repr(key)))
 
 
-def make_st(key="k", data=None, dtype=torch.float32, local_shape=(2, 3), global_shape=(4, 3),
-            global_offset=(2, 0), axis_fragmentations=(2, 1), **kw):
+def make_st(
+    key="k",
+    data=None,
+    dtype=torch.float32,
+    local_shape=(2, 3),
+    global_shape=(4, 3),
+    global_offset=(2, 0),
+    axis_fragmentations=(2, 1),
+    **kw,
+):
     return ShardedTensor(key, data, dtype, local_shape, global_shape, global_offset, axis_fragmentations, **kw)
 
 
@@ -47,8 +51,17 @@ class TestShardedTensorFields:
     def test_every_field_is_stored(self):
         data = torch.arange(6, dtype=torch.float32).reshape(2, 3)
         sh = ShardedTensor(
-            "layer.w", data, torch.float32, (2, 3), (4, 3), (2, 0), (2, 1),
-            replica_id=(0, 1), prepend_axis_num=0, allow_shape_mismatch=True, flattened_range=None,
+            "layer.w",
+            data,
+            torch.float32,
+            (2, 3),
+            (4, 3),
+            (2, 0),
+            (2, 1),
+            replica_id=(0, 1),
+            prepend_axis_num=0,
+            allow_shape_mismatch=True,
+            flattened_range=None,
         )
         assert sh.key == "layer.w"
         assert sh.data is data
@@ -64,8 +77,16 @@ class TestShardedTensorFields:
         assert isinstance(sh, ShardedBase)
         names = [f.name for f in fields(ShardedTensor)]
         assert names == [
-            "key", "data", "dtype", "local_shape", "global_shape", "global_offset",
-            "axis_fragmentations", "replica_id", "prepend_axis_num", "allow_shape_mismatch",
+            "key",
+            "data",
+            "dtype",
+            "local_shape",
+            "global_shape",
+            "global_offset",
+            "axis_fragmentations",
+            "replica_id",
+            "prepend_axis_num",
+            "allow_shape_mismatch",
             "flattened_range",
         ]
 
@@ -77,8 +98,9 @@ class TestShardedTensorFields:
         assert sh.flattened_range is None
 
     def test_shapes_are_normalised_to_int_tuples(self):
-        sh = ShardedTensor("k", None, torch.float32, [2, np.int64(3)], torch.Size([4, 3]), [2, 0], [2, 1],
-                           replica_id=[0, 0])
+        sh = ShardedTensor(
+            "k", None, torch.float32, [2, np.int64(3)], torch.Size([4, 3]), [2, 0], [2, 1], replica_id=[0, 0]
+        )
         assert sh.local_shape == (2, 3) and type(sh.local_shape[1]) is int
         assert sh.global_shape == (4, 3) and isinstance(sh.global_shape, tuple)
         assert sh.global_offset == (2, 0)
@@ -108,15 +130,18 @@ class TestShardedTensorValidation:
         with raises_naming(InvalidShardedTensorError, "bad.dtype"):
             make_st(key="bad.dtype", dtype="float32")
 
-    @pytest.mark.parametrize("field_name, value", [
-        ("local_shape", 3),
-        ("global_shape", None),
-        ("global_offset", (0, -1)),
-        ("local_shape", (2, -3)),
-        ("axis_fragmentations", 7),
-        ("global_shape", ("a", "b")),
-        ("local_shape", (2.5, 3)),
-    ])
+    @pytest.mark.parametrize(
+        "field_name, value",
+        [
+            ("local_shape", 3),
+            ("global_shape", None),
+            ("global_offset", (0, -1)),
+            ("local_shape", (2, -3)),
+            ("axis_fragmentations", 7),
+            ("global_shape", ("a", "b")),
+            ("local_shape", (2.5, 3)),
+        ],
+    )
     def test_bad_int_sequences(self, field_name, value):
         with raises_naming(InvalidShardedTensorError, "seq.key"):
             make_st(key="seq.key", **{field_name: value})
@@ -260,14 +285,18 @@ class TestFromRankOffsets:
         with raises_naming(InvalidShardedTensorError, "len.key"):
             ShardedTensor.from_rank_offsets("len.key", torch.zeros(2, 2), (0, 1))
 
-    @pytest.mark.parametrize("offsets, kwargs", [
-        (((0, "x", 2),), {}),
-        (((None, 0, 2),), {}),
-        ((5,), {}),
-        (((0, 0.5, 2),), {}),
-        ((), {"prepend_axis_num": 1.5}),
-        ((), {"prepend_axis_num": -1}),
-    ], ids=["str-offset", "none-axis", "not-a-tuple", "float-offset", "float-prepend", "negative-prepend"])
+    @pytest.mark.parametrize(
+        "offsets, kwargs",
+        [
+            (((0, "x", 2),), {}),
+            (((None, 0, 2),), {}),
+            ((5,), {}),
+            (((0, 0.5, 2),), {}),
+            ((), {"prepend_axis_num": 1.5}),
+            ((), {"prepend_axis_num": -1}),
+        ],
+        ids=["str-offset", "none-axis", "not-a-tuple", "float-offset", "float-prepend", "negative-prepend"],
+    )
     def test_malformed_arguments(self, offsets, kwargs):
         with raises_naming(InvalidShardedTensorError, "mal.key"):
             ShardedTensor.from_rank_offsets("mal.key", torch.zeros(2, 2), *offsets, **kwargs)
@@ -288,8 +317,9 @@ class TestFromRankOffsets:
 class TestFromRankOffsetsFlat:
     def test_fields(self):
         data = torch.arange(5, dtype=torch.float64)
-        sh = ShardedTensor.from_rank_offsets_flat("f", data, (3, 4), (0, 1, 2), flattened_range=slice(5, 10),
-                                                  replica_id=1)
+        sh = ShardedTensor.from_rank_offsets_flat(
+            "f", data, (3, 4), (0, 1, 2), flattened_range=slice(5, 10), replica_id=1
+        )
         assert sh.data is data
         assert sh.dtype == torch.float64
         assert sh.local_shape == (3, 4)
@@ -300,8 +330,9 @@ class TestFromRankOffsetsFlat:
         assert sh.replica_id == 1
 
     def test_prepend(self):
-        sh = ShardedTensor.from_rank_offsets_flat("f", torch.zeros(2), (3, 4), (0, 1, 3), flattened_range=slice(0, 2),
-                                                  prepend_axis_num=1)
+        sh = ShardedTensor.from_rank_offsets_flat(
+            "f", torch.zeros(2), (3, 4), (0, 1, 3), flattened_range=slice(0, 2), prepend_axis_num=1
+        )
         assert sh.global_shape == (3, 3, 4)
         assert sh.global_offset == (1, 0, 0)
 
@@ -326,7 +357,9 @@ class TestFromRankOffsetsFlat:
 
     def test_bad_offsets_name_key(self):
         with raises_naming(InvalidShardedTensorError, "f.key"):
-            ShardedTensor.from_rank_offsets_flat("f.key", torch.zeros(2), (3, 4), (5, 0, 2), flattened_range=slice(0, 2))
+            ShardedTensor.from_rank_offsets_flat(
+                "f.key", torch.zeros(2), (3, 4), (5, 0, 2), flattened_range=slice(0, 2)
+            )
 
 
 # --------------------------------------------------------------------------- geometry methods
@@ -352,7 +385,7 @@ class TestGlobalSlice:
         full = torch.arange(5 * 4 * 6, dtype=torch.float64).reshape(5, 4, 6)
         for stage in range(5):
             for part in range(2):
-                local = full[stage, :, part * 3:(part + 1) * 3].clone()
+                local = full[stage, :, part * 3 : (part + 1) * 3].clone()
                 sh = ShardedTensor.from_rank_offsets("w", local, (0, stage, 5), (2, part, 2), prepend_axis_num=1)
                 assert torch.equal(full[sh.global_slice()], local)
 
@@ -369,20 +402,24 @@ class TestCoordinates:
         mask[rng] = True
         return np.nonzero(mask.reshape(local_shape))
 
-    @pytest.mark.parametrize("local_shape, rng", [
-        ((3, 4), slice(5, 10)),
-        ((3, 4), slice(0, 12)),
-        ((3, 4), slice(4, 4)),
-        ((2, 3, 4), slice(3, 21)),
-        ((7,), slice(2, 5)),
-    ])
+    @pytest.mark.parametrize(
+        "local_shape, rng",
+        [
+            ((3, 4), slice(5, 10)),
+            ((3, 4), slice(0, 12)),
+            ((3, 4), slice(4, 4)),
+            ((2, 3, 4), slice(3, 21)),
+            ((7,), slice(2, 5)),
+        ],
+    )
     @pytest.mark.parametrize("prepend", [0, 1])
     def test_against_numpy(self, local_shape, rng, prepend):
         data = torch.zeros(rng.stop - rng.start)
         ndim = len(local_shape) + prepend
         rank_offsets = [(prepend, 1, 2)] + ([(0, 2, 3)] if prepend else [])
-        sh = ShardedTensor.from_rank_offsets_flat("f", data, local_shape, *rank_offsets, flattened_range=rng,
-                                                  prepend_axis_num=prepend)
+        sh = ShardedTensor.from_rank_offsets_flat(
+            "f", data, local_shape, *rank_offsets, flattened_range=rng, prepend_axis_num=prepend
+        )
         expected_local = self.brute_local(local_shape, rng)
         got_local = sh.local_coordinates()
         assert len(got_local) == len(local_shape)
@@ -394,9 +431,7 @@ class TestCoordinates:
         full_local = np.zeros(local_shape, dtype=bool)
         full_local.reshape(-1)[rng] = True
         glob = np.zeros(sh.global_shape, dtype=bool)
-        idx = tuple(
-            slice(o, o + s) for o, s in zip(sh.global_offset, sh.full_local_shape)
-        )
+        idx = tuple(slice(o, o + s) for o, s in zip(sh.global_offset, sh.full_local_shape))
         glob[idx] = full_local.reshape(sh.full_local_shape)
         expected_global = np.nonzero(glob)
         for a, b in zip(got_global, expected_global):
@@ -523,8 +558,8 @@ class TestNarrow:
     def test_non_flat_matches_narrowing_every_rank(self):
         # narrowing each rank's local tensor must describe the narrowed global tensor
         full = torch.arange(6 * 8, dtype=torch.float32).reshape(6, 8)
-        shards = [ShardedTensor.from_rank_offsets("w", full[:, 4 * r:4 * r + 4], (1, r, 2)) for r in range(2)]
-        narrowed_full = torch.cat([full[:, 4 * r + 1:4 * r + 3] for r in range(2)], dim=1)
+        shards = [ShardedTensor.from_rank_offsets("w", full[:, 4 * r : 4 * r + 4], (1, r, 2)) for r in range(2)]
+        narrowed_full = torch.cat([full[:, 4 * r + 1 : 4 * r + 3] for r in range(2)], dim=1)
         for sh in shards:
             (out,) = sh.narrow(1, 1, 2)
             assert out.global_shape == tuple(narrowed_full.shape)
@@ -547,8 +582,9 @@ class TestNarrow:
         full = torch.arange(8 * 3, dtype=torch.float32).reshape(8, 3)
         local = full[4:8]  # rank 1 of 2
         rng = slice(4, 10)
-        sh = ShardedTensor.from_rank_offsets_flat("f", local.flatten()[rng].clone(), local_shape, (0, 1, 2),
-                                                  flattened_range=rng)
+        sh = ShardedTensor.from_rank_offsets_flat(
+            "f", local.flatten()[rng].clone(), local_shape, (0, 1, 2), flattened_range=rng
+        )
         result = sh.narrow(0, start, length)
         row = 3
         lo, hi = max(rng.start, start * row), min(rng.stop, (start + length) * row)
@@ -582,8 +618,9 @@ class TestNarrow:
             make_st(key="n.key").narrow(*args)
 
     def test_indivisible(self):
-        sh = make_st(key="n.key", local_shape=(4, 3), global_shape=(10, 3), global_offset=(4, 0),
-                     axis_fragmentations=None)
+        sh = make_st(
+            key="n.key", local_shape=(4, 3), global_shape=(10, 3), global_offset=(4, 0), axis_fragmentations=None
+        )
         (ok,) = sh.narrow(0, 0, 2)
         assert ok.global_shape == (5, 3)
         with raises_naming(InvalidShardedTensorError, "n.key"):
@@ -606,12 +643,15 @@ class TestShardedObject:
         assert ShardedObject("a/b", None, (2, 3), (1, 2)).unique_key == "a/b/shard_1.2_2.3"
         assert ShardedObject("x", None, (4,), (0,)).unique_key == "x/shard_0_4"
 
-    @pytest.mark.parametrize("key, shape, offset", [
-        ("o", (2, 3), (1, 2)),
-        ("nested/key/with_shard", (5,), (4,)),
-        ("x", (), ()),
-        ("a.b_c/shard_0_1", (1, 1, 10), (0, 0, 9)),
-    ])
+    @pytest.mark.parametrize(
+        "key, shape, offset",
+        [
+            ("o", (2, 3), (1, 2)),
+            ("nested/key/with_shard", (5,), (4,)),
+            ("x", (), ()),
+            ("a.b_c/shard_0_1", (1, 1, 10), (0, 0, 9)),
+        ],
+    )
     def test_unique_key_round_trip(self, key, shape, offset):
         so = ShardedObject(key, "payload", shape, offset, replica_id=2)
         back = ShardedObject.empty_from_unique_key(so.unique_key, replica_id=5)
@@ -693,8 +733,9 @@ class TestShardedTensorFactory:
             seen.append((key, replica_id, flattened_range))
             return {"x": ShardedTensor.from_rank_offsets_flat(key, data, (4,), flattened_range=flattened_range)}
 
-        f = ShardedTensorFactory("fac", torch.zeros(2), build, lambda sub: sub["x"], replica_id=(0, 2),
-                                 flattened_range=slice(1, 3))
+        f = ShardedTensorFactory(
+            "fac", torch.zeros(2), build, lambda sub: sub["x"], replica_id=(0, 2), flattened_range=slice(1, 3)
+        )
         built = f.build()
         assert seen == [("fac", (0, 2), slice(1, 3))]
         assert built["x"].flattened_range == slice(1, 3)
@@ -815,10 +856,19 @@ class TestLocalNonPersistent:
 
 
 class TestIsMainReplica:
-    @pytest.mark.parametrize("replica_id, expected", [
-        (0, True), (1, False), (7, False), ((0,), True), ((0, 0, 0), True), ((0, 1), False), ((2, 0), False),
-        ([0, 0], True),
-    ])
+    @pytest.mark.parametrize(
+        "replica_id, expected",
+        [
+            (0, True),
+            (1, False),
+            (7, False),
+            ((0,), True),
+            ((0, 0, 0), True),
+            ((0, 1), False),
+            ((2, 0), False),
+            ([0, 0], True),
+        ],
+    )
     def test_values(self, replica_id, expected):
         assert is_main_replica(replica_id) is expected
 

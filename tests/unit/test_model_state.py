@@ -10,6 +10,10 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import dist_ckpt as dc
+from dist_ckpt.errors import CheckpointingException, InvalidShardedTensorError, KeyMismatchError
+from dist_ckpt.model.sharded import ShardedTensor
+from dist_ckpt.testing.layouts import bitwise_equal
+from dist_ckpt.testing.training import make_model, make_optimizer, train
 from dist_ckpt.training.dtensor_shards import (
     LocalBox,
     chunk_range,
@@ -17,12 +21,7 @@ from dist_ckpt.training.dtensor_shards import (
     sharded_tensor_from_box,
     to_sharded_tensor,
 )
-from dist_ckpt.errors import CheckpointingException, InvalidShardedTensorError, KeyMismatchError
-from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.training.model_state import FORMAT, model_optim_state_dict
-from dist_ckpt.testing.layouts import bitwise_equal
-from dist_ckpt.testing.training import make_model, make_optimizer, train
-
 
 # --------------------------------------------------------------------------- torch.chunk semantics
 
@@ -101,7 +100,9 @@ def test_plain_tensor_is_a_whole_replica() -> None:
     assert sh.data.data_ptr() == t.data_ptr()
 
 
-def _participant_shards(full: torch.Tensor, placements: Sequence[object], mesh: Sequence[int], empty: bool) -> Dict[str, ShardedTensor]:
+def _participant_shards(
+    full: torch.Tensor, placements: Sequence[object], mesh: Sequence[int], empty: bool
+) -> Dict[str, ShardedTensor]:
     """Every mesh coordinate's shard of ``full``, as one process's state dict."""
     out = {}
     coords: List[tuple] = [()]
@@ -169,7 +170,10 @@ def test_optimizer_state_is_keyed_by_fqn_not_position() -> None:
     assert isinstance(step, torch.Tensor) and step.ndim == 0 and float(step) == 2.0  # a scalar: common state
     assert osd["tensor_state"]["0.weight"] == ["exp_avg", "exp_avg_sq"]
     groups = osd["param_groups"]
-    assert [g["params"] for g in groups] == [["0.weight", "3.weight", "5.weight"], ["0.bias", "1.weight", "1.bias", "3.bias", "5.bias"]]
+    assert [g["params"] for g in groups] == [
+        ["0.weight", "3.weight", "5.weight"],
+        ["0.bias", "1.weight", "1.bias", "3.bias", "5.bias"],
+    ]
     assert groups[1]["betas"] == (0.8, 0.99) and groups[0]["betas"] == (0.9, 0.999)
 
 

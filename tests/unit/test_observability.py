@@ -14,13 +14,13 @@ import pytest
 import torch
 
 import dist_ckpt as dc
-from dist_ckpt.engine.distributed import active_steps, run_collectively
-from dist_ckpt.errors import CheckpointingException
-from dist_ckpt.model.sharded import ShardedObject, ShardedTensor
-from dist_ckpt.engine.report import Operation, ProgressEvent
 from dist_ckpt.backends.base import SaveShardedStrategy
 from dist_ckpt.backends.safetensors.strategy import SafetensorsSaveShardedStrategy
+from dist_ckpt.engine.distributed import active_steps, run_collectively
+from dist_ckpt.engine.report import Operation, ProgressEvent
 from dist_ckpt.engine.watchdog import Watchdog
+from dist_ckpt.errors import CheckpointingException
+from dist_ckpt.model.sharded import ShardedObject, ShardedTensor
 
 WATCHDOG_LOGGER = "dist_ckpt.engine.watchdog"
 
@@ -81,7 +81,9 @@ def test_save_without_validation_has_no_validation_phase(tmp_path: Path) -> None
 def test_save_logs_its_report_at_info(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="dist_ckpt.engine.monitor"):
         dc.save(_state(), tmp_path / "c")
-    lines = [r.getMessage() for r in caplog.records if r.name == "dist_ckpt.engine.monitor" and r.levelno == logging.INFO]
+    lines = [
+        r.getMessage() for r in caplog.records if r.name == "dist_ckpt.engine.monitor" and r.levelno == logging.INFO
+    ]
     assert len(lines) == 1 and lines[0].startswith(f"save of {tmp_path / 'c'}: ") and "GB/s" in lines[0]
 
 
@@ -209,7 +211,9 @@ class _SlowSave(SaveShardedStrategy):
         self.inner.save(sharded_state_dict, checkpoint_dir)
 
 
-def test_save_watchdog_logs_the_stuck_phase_and_leaves_no_thread(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_save_watchdog_logs_the_stuck_phase_and_leaves_no_thread(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     strategy = _SlowSave(0.3)
     with caplog.at_level(logging.WARNING, logger=WATCHDOG_LOGGER):
         dc.save(_state(), tmp_path / "c", sharded_strategy=strategy, watchdog_timeout_s=0.1)
@@ -234,7 +238,10 @@ def test_watchdog_thread_stops_when_the_load_fails(tmp_path: Path) -> None:
     assert not _watchdog_threads()
 
 
-@pytest.mark.parametrize("nbytes, text", [(0, "0 B"), (212, "212 B"), (4310, "4.31 kB"), (1_070_000_000, "1.07 GB"), (5 * 10**15, "5e+03 TB")])
+@pytest.mark.parametrize(
+    "nbytes, text",
+    [(0, "0 B"), (212, "212 B"), (4310, "4.31 kB"), (1_070_000_000, "1.07 GB"), (5 * 10**15, "5e+03 TB")],
+)
 def test_format_bytes(nbytes: int, text: str) -> None:
     from dist_ckpt.engine.report import format_bytes
 

@@ -9,13 +9,13 @@ import torch
 
 import dist_ckpt as dc
 from dist_ckpt.errors import InvalidShardedTensorError
-from dist_ckpt.model.sharded import LocalNonPersistentObject, ShardedTensor, ShardedTensorFactory
 from dist_ckpt.model.optimizer import (
     get_optim_param_to_id_map,
     get_param_id_to_sharded_param_map,
     make_sharded_optimizer_tensor,
     optim_state_to_sharding_state,
 )
+from dist_ckpt.model.sharded import LocalNonPersistentObject, ShardedTensor, ShardedTensorFactory
 
 
 def _model_and_optimizer():
@@ -29,9 +29,7 @@ def _model_and_optimizer():
 
 def _sharded_model_sd(model, tp_rank=0, tp_size=1):
     sd = model.state_dict(keep_vars=True)
-    return {
-        k: ShardedTensor.from_rank_offsets(f"model.{k}", v, (0, tp_rank, tp_size)) for k, v in sd.items()
-    }
+    return {k: ShardedTensor.from_rank_offsets(f"model.{k}", v, (0, tp_rank, tp_size)) for k, v in sd.items()}
 
 
 class TestIdMaps:
@@ -71,8 +69,9 @@ class TestIdMaps:
 
 class TestMakeShardedOptimizerTensor:
     def test_plain(self):
-        model_param = ShardedTensor.from_rank_offsets("w", torch.zeros(2, 3, dtype=torch.bfloat16), (0, 1, 2),
-                                                      replica_id=1)
+        model_param = ShardedTensor.from_rank_offsets(
+            "w", torch.zeros(2, 3, dtype=torch.bfloat16), (0, 1, 2), replica_id=1
+        )
         state = torch.ones(2, 3)
         out = make_sharded_optimizer_tensor(model_param, state, prefix="optimizer.state.exp_avg")
         assert out.key == "optimizer.state.exp_avg.w"
@@ -82,8 +81,9 @@ class TestMakeShardedOptimizerTensor:
         assert model_param.key == "w" and model_param.dtype == torch.bfloat16
 
     def test_flattened(self):
-        model_param = ShardedTensor.from_rank_offsets_flat("w", torch.zeros(5), (3, 4), (0, 1, 2),
-                                                           flattened_range=slice(2, 7))
+        model_param = ShardedTensor.from_rank_offsets_flat(
+            "w", torch.zeros(5), (3, 4), (0, 1, 2), flattened_range=slice(2, 7)
+        )
         out = make_sharded_optimizer_tensor(model_param, torch.ones(5), prefix="p")
         assert out.flattened_range == slice(2, 7) and out.key == "p.w"
         with pytest.raises(InvalidShardedTensorError, match=r"p\.w"):

@@ -13,11 +13,13 @@ import pytest
 import torch
 
 import dist_ckpt as dc
-from dist_ckpt.model.dtypes import SUPPORTED_DTYPE_NAMES
+from dist_ckpt.backends.base import LoadShardedStrategy
+from dist_ckpt.engine.registry import StrategyAction as A
+from dist_ckpt.engine.registry import get_default_strategy
 from dist_ckpt.errors import CheckpointingException, IncompatibleStrategyError
+from dist_ckpt.model.dtypes import SUPPORTED_DTYPE_NAMES
 from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.parallel import exchange
-from dist_ckpt.backends.base import LoadShardedStrategy, StrategyAction as A, get_default_strategy
 from dist_ckpt.parallel.exchange import (
     Bucket,
     check_group_consistency,
@@ -107,8 +109,19 @@ class TestDistributeMainReplicas:
 
 
 def _sh(key="w", shape=(4, 6), offset=(0, 0), dtype=torch.float32, **kw: Any) -> ShardedTensor:
-    return ShardedTensor(key, None, dtype, shape, kw.pop("global_shape", (8, 6)), offset, None, kw.pop("replica_id", 0),
-                         kw.pop("prepend_axis_num", 0), kw.pop("allow_shape_mismatch", False), kw.pop("flattened_range", None))
+    return ShardedTensor(
+        key,
+        None,
+        dtype,
+        shape,
+        kw.pop("global_shape", (8, 6)),
+        offset,
+        None,
+        kw.pop("replica_id", 0),
+        kw.pop("prepend_axis_num", 0),
+        kw.pop("allow_shape_mismatch", False),
+        kw.pop("flattened_range", None),
+    )
 
 
 class TestShardIdentity:
@@ -116,10 +129,17 @@ class TestShardIdentity:
         assert shard_id(_sh(replica_id=0)) == shard_id(_sh(replica_id=3))
         assert sharded_tensor_chunk_id(_sh()) == shard_id(_sh())
 
-    @pytest.mark.parametrize("other", [
-        _sh(offset=(4, 0)), _sh(key="v"), _sh(dtype=torch.bfloat16), _sh(flattened_range=slice(0, 5)),
-        _sh(allow_shape_mismatch=True), _sh(global_shape=(8, 7)),
-    ])
+    @pytest.mark.parametrize(
+        "other",
+        [
+            _sh(offset=(4, 0)),
+            _sh(key="v"),
+            _sh(dtype=torch.bfloat16),
+            _sh(flattened_range=slice(0, 5)),
+            _sh(allow_shape_mismatch=True),
+            _sh(global_shape=(8, 7)),
+        ],
+    )
     def test_anything_that_changes_the_bytes_changes_the_id(self, other):
         assert shard_id(other) != shard_id(_sh())
 
@@ -184,8 +204,11 @@ class TestPlanBuckets:
     @pytest.mark.parametrize("name", SUPPORTED_DTYPE_NAMES)
     def test_pack_unpack_round_trip_every_dtype(self, name):
         dtype = getattr(torch, name)
-        tensors = {"x": random_tensor(dtype, (3, 5), seed=1), "s": random_tensor(dtype, (), seed=2),
-                   "t": random_tensor(dtype, (4, 6), seed=3)[:, ::2]}  # non-contiguous source
+        tensors = {
+            "x": random_tensor(dtype, (3, 5), seed=1),
+            "s": random_tensor(dtype, (), seed=2),
+            "t": random_tensor(dtype, (4, 6), seed=3)[:, ::2],
+        }  # non-contiguous source
         sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
         (bucket,) = plan_buckets({k: 0 for k in tensors}, {k: [0, 1] for k in tensors}, sizes, 1 << 20)
         buf = exchange._pack(bucket, tensors, torch.device("cpu"))
@@ -249,17 +272,23 @@ class TestWrappersInOneProcess:
         dc.save(split_state("w", full, 0, 2), tmp_path / "c", sharded_strategy=("zarr", 1))
         return tmp_path / "c", full
 
-    @pytest.mark.parametrize("make", [
-        lambda base: TwoStageDataParallelLoadShardedStrategy(None, base_strategy=base),
-        lambda base: FullyParallelLoadStrategyWrapper(base),
-    ], ids=["two_stage", "fully_parallel"])
+    @pytest.mark.parametrize(
+        "make",
+        [
+            lambda base: TwoStageDataParallelLoadShardedStrategy(None, base_strategy=base),
+            lambda base: FullyParallelLoadStrategyWrapper(base),
+        ],
+        ids=["two_stage", "fully_parallel"],
+    )
     def test_load_reads_each_shard_once_and_fills_duplicates(self, ckpt, make):
         path, full = ckpt
         counting = _CountingLoader()
         t = torch.empty(4, 6, dtype=torch.bfloat16)
-        request = {"a": ShardedTensor.from_rank_offsets("w", t),
-                   "again": ShardedTensor.from_rank_offsets("w", torch.empty(4, 6, dtype=torch.bfloat16)),
-                   "half": ShardedTensor.from_rank_offsets("w", torch.empty(2, 6, dtype=torch.bfloat16), (0, 1, 2))}
+        request = {
+            "a": ShardedTensor.from_rank_offsets("w", t),
+            "again": ShardedTensor.from_rank_offsets("w", torch.empty(4, 6, dtype=torch.bfloat16)),
+            "half": ShardedTensor.from_rank_offsets("w", torch.empty(2, 6, dtype=torch.bfloat16), (0, 1, 2)),
+        }
         out = dc.load(request, path, sharded_strategy=make(counting), validate_access_integrity=False)
         assert out["a"] is t and out["again"] is not t
         assert_bits_equal(out["a"], full)
@@ -270,27 +299,39 @@ class TestWrappersInOneProcess:
     def test_two_stage_resolves_the_registered_loader_and_reports_times(self, ckpt, caplog):
         path, full = ckpt
         strategy = TwoStageDataParallelLoadShardedStrategy()
-        out = dc.load({"a": ShardedTensor.from_rank_offsets("w", torch.empty(4, 6, dtype=torch.bfloat16))}, path,
-                      sharded_strategy=strategy)
+        out = dc.load(
+            {"a": ShardedTensor.from_rank_offsets("w", torch.empty(4, 6, dtype=torch.bfloat16))},
+            path,
+            sharded_strategy=strategy,
+        )
         assert_bits_equal(out["a"], full)
         assert set(strategy.load_tensors_metadata(path)) == {"w"}
         assert strategy.dp_group_ranks == [0]
         with caplog.at_level("INFO", logger="dist_ckpt"):
             summary = strategy.summarize_load_times()
-        assert set(summary) == {"maybe_init_gloo_group", "exchange_loaded_metadata", "deduplicate_chunks",
-                                "load_tensors_from_storage", "broadcast_chunks"}
+        assert set(summary) == {
+            "maybe_init_gloo_group",
+            "exchange_loaded_metadata",
+            "deduplicate_chunks",
+            "load_tensors_from_storage",
+            "broadcast_chunks",
+        }
         assert "load_tensors_from_storage" in caplog.text
-        one = strategy.load_tensor_from_storage(path, _ShardedTensorMetadata(0, _sh(dtype=torch.bfloat16, shape=(2, 6), global_shape=(4, 6)), 0, 24))
+        one = strategy.load_tensor_from_storage(
+            path, _ShardedTensorMetadata(0, _sh(dtype=torch.bfloat16, shape=(2, 6), global_shape=(4, 6)), 0, 24)
+        )
         assert_bits_equal(one, full[:2])
 
     def test_two_stage_refuses_to_wrap_itself(self, ckpt):
         path, _ = ckpt
         try:
-            dc.register_default_strategy(A.LOAD_SHARDED, "zarr", 1, TwoStageDataParallelLoadShardedStrategy, override=True)
+            dc.register_default_strategy(
+                A.LOAD_SHARDED, "zarr", 1, TwoStageDataParallelLoadShardedStrategy, override=True
+            )
             with pytest.raises(IncompatibleStrategyError, match="base_strategy"):
                 dc.load({"a": ShardedTensor.from_rank_offsets("w", torch.empty(4, 6, dtype=torch.bfloat16))}, path)
         finally:
-            from dist_ckpt.backends.base import unregister_strategy
+            from dist_ckpt.engine.registry import unregister_strategy
 
             unregister_strategy(A.LOAD_SHARDED, "zarr", 1)
 
@@ -307,7 +348,9 @@ class TestWrappersInOneProcess:
         sd = split_state("w", full, 0, 2)
         for r in range(2):  # replicas of both shards, as in data parallelism
             sd[f"rep{r}"] = ShardedTensor.from_rank_offsets("w", full.chunk(2)[r].clone(), (0, r, 2), replica_id=1)
-        wrapper = FullyParallelSaveStrategyWrapper(get_default_strategy(A.SAVE_SHARDED, "zarr", 1), do_cache_distribution=True)
+        wrapper = FullyParallelSaveStrategyWrapper(
+            get_default_strategy(A.SAVE_SHARDED, "zarr", 1), do_cache_distribution=True
+        )
         rewritten = wrapper.apply_saving_parallelization(sd)
         mains = [k for k, v in rewritten.items() if v.replica_id == 0]
         assert len(mains) == 2 and {rewritten[k].global_offset for k in mains} == {(0, 0), (4, 0)}
@@ -315,5 +358,7 @@ class TestWrappersInOneProcess:
         assert wrapper.owned_paths == ("zarr",) and wrapper.apply_saving_parallelization(sd).keys() == sd.keys()
         dc.save(sd, tmp_path / "fp", sharded_strategy=wrapper)
         dc.save(sd, tmp_path / "plain", sharded_strategy=("zarr", 1))
-        files = lambda root: {str(p.relative_to(root)): p.read_bytes() for p in sorted((root / "zarr").rglob("*")) if p.is_file()}  # noqa: E731
+        files = lambda root: {
+            str(p.relative_to(root)): p.read_bytes() for p in sorted((root / "zarr").rglob("*")) if p.is_file()
+        }  # noqa: E731
         assert files(tmp_path / "fp") == files(tmp_path / "plain")

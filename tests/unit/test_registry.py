@@ -19,20 +19,9 @@ import pytest
 import torch
 
 import dist_ckpt as dc
-from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
-from dist_ckpt.engine.distributed import get_rank
-from dist_ckpt.errors import (
-    CheckpointingException,
-    IncompatibleStrategyError,
-    MissingDependencyError,
-    StrategyRegistrationError,
-    UnknownStrategyError,
-)
-from dist_ckpt.model.sharded import ShardedObject, ShardedTensor, is_main_replica
-from dist_ckpt.backends import base
 from dist_ckpt.async_save.queue import AsyncRequest
+from dist_ckpt.backends import base
 from dist_ckpt.backends.base import (
-    ENTRY_POINT_GROUP,
     AsyncSaveShardedStrategy,
     LoadCommonStrategy,
     LoadShardedStrategy,
@@ -40,6 +29,10 @@ from dist_ckpt.backends.base import (
     SaveCommonStrategy,
     SaveShardedStrategy,
     SaveStrategyBase,
+)
+from dist_ckpt.engine.distributed import get_rank
+from dist_ckpt.engine.registry import (
+    ENTRY_POINT_GROUP,
     StrategyAction,
     StrategyKey,
     get_default_strategy,
@@ -48,6 +41,15 @@ from dist_ckpt.backends.base import (
     resolve_strategy,
     unregister_strategy,
 )
+from dist_ckpt.errors import (
+    CheckpointingException,
+    IncompatibleStrategyError,
+    MissingDependencyError,
+    StrategyRegistrationError,
+    UnknownStrategyError,
+)
+from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
+from dist_ckpt.model.sharded import ShardedObject, ShardedTensor, is_main_replica
 
 A = StrategyAction
 
@@ -80,12 +82,14 @@ class TorchFilesSave(SaveShardedStrategy):
             if isinstance(sh, ShardedTensor) and is_main_replica(sh.replica_id):
                 if sh.flattened_range is not None:
                     raise CheckpointingException(f"{self} does not save flattened shards ({sh.key!r})")
-                records.append({
-                    "key": sh.key,
-                    "global_shape": list(sh.global_shape),
-                    "global_offset": list(sh.global_offset),
-                    "data": sh.data.detach().cpu().clone().reshape(sh.full_local_shape),
-                })
+                records.append(
+                    {
+                        "key": sh.key,
+                        "global_shape": list(sh.global_shape),
+                        "global_offset": list(sh.global_offset),
+                        "data": sh.data.detach().cpu().clone().reshape(sh.full_local_shape),
+                    }
+                )
         directory = Path(checkpoint_dir) / "torchfiles"
         directory.mkdir(parents=True, exist_ok=True)
         torch.save(records, directory / f"rank{get_rank()}.pt")
@@ -182,8 +186,7 @@ def _four_rank_state(w, v):
     for r in range(4):
         sd[f"rank{r}"] = {
             "w": ShardedTensor.from_rank_offsets("w", w.chunk(4, 0)[r].clone(), (0, r, 4)),
-            "v": ShardedTensor.from_rank_offsets("v", v.chunk(2, 1)[r % 2].clone(), (1, r % 2, 2),
-                                                 replica_id=r // 2),
+            "v": ShardedTensor.from_rank_offsets("v", v.chunk(2, 1)[r % 2].clone(), (1, r % 2, 2), replica_id=r // 2),
         }
     sd["obj"] = ShardedObject("obj", {"hello": [1, 2]}, (1,), (0,))
     sd["step"] = 11
@@ -229,8 +232,11 @@ class TestCustomBackend:
         assert torch.equal(out["w"], w)
 
     def test_loader_checks_compatibility(self, tmp_path, torchfiles):
-        dc.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}, tmp_path / "c",
-                sharded_strategy=("torchfiles", 1))
+        dc.save(
+            {"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))},
+            tmp_path / "c",
+            sharded_strategy=("torchfiles", 1),
+        )
         req = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(2))}
         with pytest.raises(IncompatibleStrategyError, match="epfiles|torchfiles") as info:
             dc.load(req, tmp_path / "c", sharded_strategy=EpFilesLoad())
@@ -239,15 +245,22 @@ class TestCustomBackend:
     def test_async_strategy(self, tmp_path):
         strategy = AsyncFilesSave()
         w = _global()
-        request = dc.save({"w": ShardedTensor.from_rank_offsets("w", w.clone())}, tmp_path / "c",
-                          sharded_strategy=strategy, async_sharded_save=True)
+        request = dc.save(
+            {"w": ShardedTensor.from_rank_offsets("w", w.clone())},
+            tmp_path / "c",
+            sharded_strategy=strategy,
+            async_sharded_save=True,
+        )
         assert isinstance(request, AsyncRequest)
         assert not (tmp_path / "c" / "metadata.json").exists()  # not committed before the write ran
         assert not dc.check_is_distributed_checkpoint(tmp_path / "c")
         request.execute_sync()
         assert dc.check_is_distributed_checkpoint(tmp_path / "c")
-        out = dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(8, 6))}, tmp_path / "c",
-                      sharded_strategy=TorchFilesLoad())
+        out = dc.load(
+            {"w": ShardedTensor.from_rank_offsets("w", torch.empty(8, 6))},
+            tmp_path / "c",
+            sharded_strategy=TorchFilesLoad(),
+        )
         assert torch.equal(out["w"], w)
         # used synchronously, an async strategy goes through async_save too
         strategy.save({"w": ShardedTensor.from_rank_offsets("w", w.clone())}, tmp_path / "d")
@@ -256,8 +269,12 @@ class TestCustomBackend:
 
     def test_async_needs_async_strategy(self, tmp_path):
         with pytest.raises(CheckpointingException, match="AsyncSaveShardedStrategy"):
-            dc.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}, tmp_path / "c",
-                    sharded_strategy=TorchFilesSave(), async_sharded_save=True)
+            dc.save(
+                {"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))},
+                tmp_path / "c",
+                sharded_strategy=TorchFilesSave(),
+                async_sharded_save=True,
+            )
         assert not (tmp_path / "c" / "metadata.json").exists()
 
 
@@ -287,10 +304,7 @@ class TestRegistry:
             get_default_strategy(A.SAVE_SHARDED, "missing", 3)
 
     def test_builtins(self):
-        from dist_ckpt.backends.torch_common.strategy import (
-            TorchCommonLoadStrategy,
-            TorchCommonSaveStrategy,
-        )
+        from dist_ckpt.backends.torch_common.strategy import TorchCommonLoadStrategy, TorchCommonSaveStrategy
 
         assert isinstance(get_default_strategy(A.SAVE_COMMON, "torch", 1), TorchCommonSaveStrategy)
         assert isinstance(get_default_strategy(A.LOAD_COMMON, "torch", 1), TorchCommonLoadStrategy)
@@ -360,7 +374,9 @@ class TestRegistry:
     def test_strategy_key(self):
         key = StrategyKey(A.LOAD_COMMON, "torch", 1)
         assert str(key) == "load_common:torch:v1"
-        assert key == StrategyKey(A.LOAD_COMMON, "torch", 1) and hash(key) == hash(StrategyKey(A.LOAD_COMMON, "torch", 1))
+        assert key == StrategyKey(A.LOAD_COMMON, "torch", 1) and hash(key) == hash(
+            StrategyKey(A.LOAD_COMMON, "torch", 1)
+        )
         with pytest.raises(Exception):
             key.backend = "x"  # type: ignore[misc]
         assert [a.value for a in StrategyAction] == ["load_common", "load_sharded", "save_common", "save_sharded"]
@@ -466,7 +482,7 @@ class TestAsyncRequest:
 # --------------------------------------------------------------------------- entry points
 
 
-PLUGIN_SOURCE = '''
+PLUGIN_SOURCE = """
 from dist_ckpt.backends.base import LoadShardedStrategy
 
 
@@ -479,7 +495,7 @@ class PluginLoad(LoadShardedStrategy):
 
     def load_tensors_metadata(self, checkpoint_dir):
         return {}
-'''
+"""
 
 
 def _fake_entry_points(monkeypatch, eps):
@@ -496,8 +512,9 @@ class TestEntryPoints:
         module = f"dc_test_plugin_{uuid.uuid4().hex[:8]}"
         (tmp_path / f"{module}.py").write_text(PLUGIN_SOURCE)
         monkeypatch.syspath_prepend(str(tmp_path))
-        ep = importlib.metadata.EntryPoint(name="load_sharded.plugged.7", value=f"{module}:PluginLoad",
-                                           group=ENTRY_POINT_GROUP)
+        ep = importlib.metadata.EntryPoint(
+            name="load_sharded.plugged.7", value=f"{module}:PluginLoad", group=ENTRY_POINT_GROUP
+        )
         _fake_entry_points(monkeypatch, [ep])
         assert StrategyKey(A.LOAD_SHARDED, "plugged", 7) in registered_strategies()
         assert module not in sys.modules  # listing does not import the plugin
@@ -509,30 +526,33 @@ class TestEntryPoints:
 
     def test_round_trip_through_entry_points(self, tmp_path, monkeypatch):
         eps = [
-            importlib.metadata.EntryPoint(name="save_sharded.epfiles.2", value=f"{__name__}:EpFilesSave",
-                                          group=ENTRY_POINT_GROUP),
-            importlib.metadata.EntryPoint(name="load_sharded.epfiles.2", value=f"{__name__}:EpFilesLoad",
-                                          group=ENTRY_POINT_GROUP),
+            importlib.metadata.EntryPoint(
+                name="save_sharded.epfiles.2", value=f"{__name__}:EpFilesSave", group=ENTRY_POINT_GROUP
+            ),
+            importlib.metadata.EntryPoint(
+                name="load_sharded.epfiles.2", value=f"{__name__}:EpFilesLoad", group=ENTRY_POINT_GROUP
+            ),
         ]
         _fake_entry_points(monkeypatch, eps)
         w = _global()
         dc.save(_four_rank_state(w, _global((4, 6))), tmp_path / "c", sharded_strategy=("epfiles", 2))
         assert json.loads((tmp_path / "c" / "metadata.json").read_text())["sharded_backend"] == "epfiles"
-        out = dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(8, 6))}, tmp_path / "c",
-                      strict="log_all")
+        out = dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(8, 6))}, tmp_path / "c", strict="log_all")
         assert torch.equal(out["w"], w)
 
     def test_application_registration_wins_over_entry_point(self, monkeypatch):
-        ep = importlib.metadata.EntryPoint(name="load_sharded.epfiles.2", value=f"{__name__}:EpFilesLoad",
-                                           group=ENTRY_POINT_GROUP)
+        ep = importlib.metadata.EntryPoint(
+            name="load_sharded.epfiles.2", value=f"{__name__}:EpFilesLoad", group=ENTRY_POINT_GROUP
+        )
         _fake_entry_points(monkeypatch, [ep])
         mine = TorchFilesLoad()
         register_default_strategy(A.LOAD_SHARDED, "epfiles", 2, mine)
         assert get_default_strategy(A.LOAD_SHARDED, "epfiles", 2) is mine
 
     def test_dotted_backend_name(self, monkeypatch):
-        ep = importlib.metadata.EntryPoint(name="load_sharded.my.backend.3", value=f"{__name__}:TorchFilesLoad",
-                                           group=ENTRY_POINT_GROUP)
+        ep = importlib.metadata.EntryPoint(
+            name="load_sharded.my.backend.3", value=f"{__name__}:TorchFilesLoad", group=ENTRY_POINT_GROUP
+        )
         _fake_entry_points(monkeypatch, [ep])
         assert isinstance(get_default_strategy(A.LOAD_SHARDED, "my.backend", 3), TorchFilesLoad)
 
@@ -572,7 +592,9 @@ class TestMissingDependency:
 
     def test_save_with_zarr_backend(self, no_zarr, tmp_path):
         with pytest.raises(MissingDependencyError, match=r"dist_ckpt\[zarr\]"):
-            dc.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}, tmp_path / "c", sharded_strategy=("zarr", 1))
+            dc.save(
+                {"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}, tmp_path / "c", sharded_strategy=("zarr", 1)
+            )
         assert not (tmp_path / "c" / "metadata.json").exists()
 
     def test_default_backend_needs_no_optional_dependency(self, no_zarr, tmp_path):

@@ -12,8 +12,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
-from dist_ckpt.model.geometry import Box
 from dist_ckpt.backends.safetensors.format import (
     SequentialWriter,
     StagingBuffer,
@@ -33,6 +31,8 @@ from dist_ckpt.backends.safetensors.io import (
     read_into,
     src_span,
 )
+from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
+from dist_ckpt.model.geometry import Box
 
 # --------------------------------------------------------------------------- headers
 
@@ -60,8 +60,12 @@ def test_storage_layout():
 
 
 def test_written_file_is_read_by_safetensors_and_by_us(tmp_path):
-    tensors = [("w", torch.randn(3, 4)), ("b", torch.arange(5, dtype=torch.int64)), ("s", torch.tensor(2.5, dtype=torch.bfloat16)),
-               ("e", torch.zeros(0, 2))]
+    tensors = [
+        ("w", torch.randn(3, 4)),
+        ("b", torch.arange(5, dtype=torch.int64)),
+        ("s", torch.tensor(2.5, dtype=torch.bfloat16)),
+        ("e", torch.zeros(0, 2)),
+    ]
     size, ranges = write_safetensors_file(tmp_path / "m.safetensors", tensors, {"format": "pt"})
     assert size == os.path.getsize(tmp_path / "m.safetensors")
     loaded = load_file(str(tmp_path / "m.safetensors"))
@@ -140,20 +144,23 @@ def _file_with_header(path: Path, header: object, data: bytes = b"", length: int
     return path
 
 
-@pytest.mark.parametrize("header,data,length,message", [
-    ({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4, -1, "truncated"),
-    ({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 12, -1, "trailing garbage"),
-    ({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4, -1, "needs 8"),
-    ({"t": {"dtype": "F99", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, -1, "unsupported dtype"),
-    ({"t": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, b"\0" * 8, -1, "'shape'"),
-    ({"t": {"dtype": "F32", "shape": [2], "data_offsets": [4]}}, b"\0" * 8, -1, "'data_offsets'"),
-    ({"t": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\0" * 8, -1, "gap or overlap"),
-    ({"t": [1, 2]}, b"", -1, "must be an object"),
-    ({"__metadata__": {"a": 1}}, b"", -1, "__metadata__"),
-    ([1, 2], b"", -1, "JSON object"),
-    (b"{not json", b"", -1, "not valid JSON"),
-    ({}, b"", 10 ** 6, "claims"),
-])
+@pytest.mark.parametrize(
+    "header,data,length,message",
+    [
+        ({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4, -1, "truncated"),
+        ({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 12, -1, "trailing garbage"),
+        ({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4, -1, "needs 8"),
+        ({"t": {"dtype": "F99", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, -1, "unsupported dtype"),
+        ({"t": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, b"\0" * 8, -1, "'shape'"),
+        ({"t": {"dtype": "F32", "shape": [2], "data_offsets": [4]}}, b"\0" * 8, -1, "'data_offsets'"),
+        ({"t": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\0" * 8, -1, "gap or overlap"),
+        ({"t": [1, 2]}, b"", -1, "must be an object"),
+        ({"__metadata__": {"a": 1}}, b"", -1, "__metadata__"),
+        ([1, 2], b"", -1, "JSON object"),
+        (b"{not json", b"", -1, "not valid JSON"),
+        ({}, b"", 10**6, "claims"),
+    ],
+)
 def test_bad_headers(tmp_path, header, data, length, message):
     path = _file_with_header(tmp_path / "bad.safetensors", header, data, length)
     with pytest.raises(CorruptCheckpointError, match=message) as info:
@@ -177,23 +184,28 @@ def test_contiguous_runs_docstring_example():
     assert src.tolist() == [2, 10, 18, 26] and dst.tolist() == [0, 4, 8, 12] and run == 4
 
 
-@pytest.mark.parametrize("inter,src,dst,runs,length", [
-    (Box((0, 0), (4, 8)), Box((0, 0), (4, 8)), Box((0, 0), (8, 8)), 1, 32),  # whole rows: one run
-    (Box((2, 0), (2, 8)), Box((0, 0), (4, 8)), Box((2, 0), (2, 8)), 1, 16),
-    (Box((0, 4), (4, 4)), Box((0, 0), (4, 8)), Box((0, 0), (4, 8)), 4, 4),  # column block
-    (Box((1, 0, 2), (2, 3, 2)), Box((0, 0, 0), (4, 3, 4)), Box((1, 0, 2), (2, 3, 2)), 6, 2),
-    (Box((), ()), Box((), ()), Box((), ()), 1, 1),  # 0-d
-])
+@pytest.mark.parametrize(
+    "inter,src,dst,runs,length",
+    [
+        (Box((0, 0), (4, 8)), Box((0, 0), (4, 8)), Box((0, 0), (8, 8)), 1, 32),  # whole rows: one run
+        (Box((2, 0), (2, 8)), Box((0, 0), (4, 8)), Box((2, 0), (2, 8)), 1, 16),
+        (Box((0, 4), (4, 4)), Box((0, 0), (4, 8)), Box((0, 0), (4, 8)), 4, 4),  # column block
+        (Box((1, 0, 2), (2, 3, 2)), Box((0, 0, 0), (4, 3, 4)), Box((1, 0, 2), (2, 3, 2)), 6, 2),
+        (Box((), ()), Box((), ()), Box((), ()), 1, 1),  # 0-d
+    ],
+)
 def test_contiguous_runs_cover_the_intersection(inter, src, dst, runs, length):
     s, d, run = contiguous_runs(inter, src, dst)
     assert len(s) == runs and run == length
+
     # brute force: the element offsets of the runs are exactly those of the intersection
     def offsets(box, holder):
         if not box.shape:
             return [0]
         idx = np.indices(box.shape).reshape(len(box.shape), -1).T + np.array(box.offset) - np.array(holder.offset)
-        strides = [int(np.prod(holder.shape[i + 1:])) for i in range(len(holder.shape))]
+        strides = [int(np.prod(holder.shape[i + 1 :])) for i in range(len(holder.shape))]
         return sorted(int(np.dot(i, strides)) for i in idx)
+
     assert sorted(int(a + k) for a in s for k in range(run)) == offsets(inter, src)
     assert sorted(int(a + k) for a in d for k in range(run)) == offsets(inter, dst)
 
@@ -239,8 +251,9 @@ def test_plan_copy_chooses_direct_or_bounce(tmp_path):
         assert torch.equal(dest, values[:, 4:])
         # a destination that cannot be read into directly always bounces
         base = torch.zeros(4, 8)
-        assert isinstance(plan_copy(fd, tmp_path, "k", src, 0, inter, inter, 0, None, base[:, ::2], ReadOptions())[0],
-                          BounceRead)
+        assert isinstance(
+            plan_copy(fd, tmp_path, "k", src, 0, inter, inter, 0, None, base[:, ::2], ReadOptions())[0], BounceRead
+        )
     finally:
         os.close(fd)
 

@@ -17,18 +17,8 @@ import torch
 from safetensors import safe_open
 
 import dist_ckpt as dc
-from dist_ckpt.model.dtypes import SUPPORTED_DTYPE_NAMES
-from dist_ckpt.errors import (
-    CheckpointingException,
-    ChecksumMismatchError,
-    CorruptCheckpointError,
-    IncompatibleStrategyError,
-    KeyMismatchError,
-    LoadMismatchError,
-)
-from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.backends.safetensors import io as safetensors_io
-from dist_ckpt.backends.base import StrategyAction, get_default_strategy
+from dist_ckpt.backends.safetensors.index import INDEX_FILENAME, INDEX_VERSION, SAFETENSORS_DIR
 from dist_ckpt.backends.safetensors.strategy import (
     SafetensorsLoadOptions,
     SafetensorsLoadShardedStrategy,
@@ -37,7 +27,17 @@ from dist_ckpt.backends.safetensors.strategy import (
     assign_writers,
     stored_bytes,
 )
-from dist_ckpt.backends.safetensors.index import INDEX_FILENAME, INDEX_VERSION, SAFETENSORS_DIR
+from dist_ckpt.engine.registry import StrategyAction, get_default_strategy
+from dist_ckpt.errors import (
+    CheckpointingException,
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    IncompatibleStrategyError,
+    KeyMismatchError,
+    LoadMismatchError,
+)
+from dist_ckpt.model.dtypes import SUPPORTED_DTYPE_NAMES
+from dist_ckpt.model.sharded import ShardedTensor
 
 
 def save(sd, path, **options):
@@ -79,8 +79,9 @@ def split_state(key, full, axis, parts, **kw) -> Dict[str, ShardedTensor]:
 def flat_pieces(key, local, boundaries, *rank_offsets, **kw) -> List[ShardedTensor]:
     flat = local.flatten()
     return [
-        ShardedTensor.from_rank_offsets_flat(key, flat[a:b].clone(), local.shape, *rank_offsets,
-                                             flattened_range=slice(a, b), **kw)
+        ShardedTensor.from_rank_offsets_flat(
+            key, flat[a:b].clone(), local.shape, *rank_offsets, flattened_range=slice(a, b), **kw
+        )
         for a, b in zip(boundaries[:-1], boundaries[1:])
     ]
 
@@ -103,8 +104,10 @@ def test_every_dtype_round_trips_bit_exactly(tmp_path, name):
     save(split_state("t", full, 0, 2), tmp_path)
     whole = ShardedTensor.from_rank_offsets("t", torch.empty(4, 6, dtype=dtype))
     assert_bits_equal(load({"w": whole}, tmp_path)["w"], full)
-    parts = load({f"p{r}": ShardedTensor.from_rank_offsets("t", torch.empty(4, 2, dtype=dtype), (1, r, 3))
-                  for r in range(3)}, tmp_path)
+    parts = load(
+        {f"p{r}": ShardedTensor.from_rank_offsets("t", torch.empty(4, 2, dtype=dtype), (1, r, 3)) for r in range(3)},
+        tmp_path,
+    )
     assert_bits_equal(torch.cat([parts[f"p{r}"] for r in range(3)], dim=1), full)
     assert index_doc(tmp_path)["tensors"]["t"]["dtype"] == name
 
@@ -210,8 +213,12 @@ def test_options_are_validated():
 
 
 def test_registered_and_used_by_dist_ckpt_save(tmp_path):
-    assert isinstance(get_default_strategy(StrategyAction.SAVE_SHARDED, "safetensors", 1), SafetensorsSaveShardedStrategy)
-    assert isinstance(get_default_strategy(StrategyAction.LOAD_SHARDED, "safetensors", 1), SafetensorsLoadShardedStrategy)
+    assert isinstance(
+        get_default_strategy(StrategyAction.SAVE_SHARDED, "safetensors", 1), SafetensorsSaveShardedStrategy
+    )
+    assert isinstance(
+        get_default_strategy(StrategyAction.LOAD_SHARDED, "safetensors", 1), SafetensorsLoadShardedStrategy
+    )
     full = torch.randn(4, 4)
     dc.save({"w": ShardedTensor.from_rank_offsets("w", full), "step": 3}, tmp_path, sharded_strategy=("safetensors", 1))
     config = json.loads((tmp_path / "metadata.json").read_text())
@@ -229,9 +236,19 @@ def test_reshard_4_2_1(tmp_path, axis):
     full = torch.randn(8, 12, dtype=torch.float64)
     save(split_state("w", full, axis, 4), tmp_path)
     for parts in (2, 1, 4):
-        out = load({f"r{r}": ShardedTensor.from_rank_offsets("w", torch.empty(
-            *(s // parts if a == axis else s for a, s in enumerate(full.shape)), dtype=torch.float64), (axis, r, parts))
-            for r in range(parts)}, tmp_path)
+        out = load(
+            {
+                f"r{r}": ShardedTensor.from_rank_offsets(
+                    "w",
+                    torch.empty(
+                        *(s // parts if a == axis else s for a, s in enumerate(full.shape)), dtype=torch.float64
+                    ),
+                    (axis, r, parts),
+                )
+                for r in range(parts)
+            },
+            tmp_path,
+        )
         assert torch.equal(torch.cat([out[f"r{r}"] for r in range(parts)], dim=axis), full)
 
 
@@ -240,17 +257,22 @@ def test_reshard_grid_to_other_axis(tmp_path):
     sd = {}
     for i in range(2):
         for j in range(3):
-            sd[f"{i}{j}"] = ShardedTensor.from_rank_offsets("g", full[2 * i:2 * i + 2, 2 * j:2 * j + 2].clone(),
-                                                            (0, i, 2), (1, j, 3))
+            sd[f"{i}{j}"] = ShardedTensor.from_rank_offsets(
+                "g", full[2 * i : 2 * i + 2, 2 * j : 2 * j + 2].clone(), (0, i, 2), (1, j, 3)
+            )
     save(sd, tmp_path)
-    out = load({f"c{j}": ShardedTensor.from_rank_offsets("g", torch.empty(4, 3), (1, j, 2)) for j in range(2)}, tmp_path)
+    out = load(
+        {f"c{j}": ShardedTensor.from_rank_offsets("g", torch.empty(4, 3), (1, j, 2)) for j in range(2)}, tmp_path
+    )
     assert torch.equal(torch.cat([out["c0"], out["c1"]], 1), full)
 
 
 def test_replicas_are_not_saved(tmp_path):
     full = torch.randn(4, 4)
-    sd = {"main": ShardedTensor.from_rank_offsets("w", full),
-          "replica": ShardedTensor.from_rank_offsets("w", torch.full((4, 4), -1.0), replica_id=1)}
+    sd = {
+        "main": ShardedTensor.from_rank_offsets("w", full),
+        "replica": ShardedTensor.from_rank_offsets("w", torch.full((4, 4), -1.0), replica_id=1),
+    }
     save(sd, tmp_path)
     assert stored_bytes(tmp_path) == 64
     assert torch.equal(load({"x": ShardedTensor.from_rank_offsets("w", torch.empty(4, 4))}, tmp_path)["x"], full)
@@ -258,8 +280,10 @@ def test_replicas_are_not_saved(tmp_path):
 
 def test_prepend_axis_num(tmp_path):
     layers = torch.randn(4, 6, 2)
-    sd = {f"l{i}": ShardedTensor.from_rank_offsets("layers", layers[i].clone(), (0, i, 4), prepend_axis_num=1)
-          for i in range(4)}
+    sd = {
+        f"l{i}": ShardedTensor.from_rank_offsets("layers", layers[i].clone(), (0, i, 4), prepend_axis_num=1)
+        for i in range(4)
+    }
     save(sd, tmp_path)
     # each file entry holds the whole box, prepended axis included
     (path,) = data_files(tmp_path)[:1]
@@ -267,8 +291,13 @@ def test_prepend_axis_num(tmp_path):
         assert all(tuple(f.get_slice(k).get_shape()) == (1, 6, 2) for k in f.keys())
     out = load({"all": ShardedTensor.from_rank_offsets("layers", torch.empty(4, 6, 2))}, tmp_path)["all"]
     assert torch.equal(out, layers)
-    two = load({f"s{s}": ShardedTensor.from_rank_offsets("layers", torch.empty(2, 3, 2), (0, s, 2), (1, 1, 2))
-                for s in range(2)}, tmp_path)
+    two = load(
+        {
+            f"s{s}": ShardedTensor.from_rank_offsets("layers", torch.empty(2, 3, 2), (0, s, 2), (1, 1, 2))
+            for s in range(2)
+        },
+        tmp_path,
+    )
     assert torch.equal(two["s1"], layers[2:, 3:])
 
 
@@ -286,7 +315,7 @@ def test_flattened_with_prepend_and_tp(tmp_path):
     sd = {}
     for layer in range(2):
         for t in range(2):
-            local = full[layer, :, 3 * t:3 * t + 3]
+            local = full[layer, :, 3 * t : 3 * t + 3]
             for i, sh in enumerate(flat_pieces("m", local, [0, 5, 12], (0, layer, 2), (2, t, 2), prepend_axis_num=1)):
                 sd[f"{layer}{t}{i}"] = sh
     save(sd, tmp_path)
@@ -295,14 +324,25 @@ def test_flattened_with_prepend_and_tp(tmp_path):
 
 
 def test_zero_d_and_empty_tensors(tmp_path):
-    save({"s": ShardedTensor.from_rank_offsets("scalar", torch.tensor(3.5)),
-          "e": ShardedTensor.from_rank_offsets("empty", torch.zeros(0, 3)),
-          "z": ShardedTensor.from_rank_offsets_flat("zf", torch.zeros(0), (2, 2), flattened_range=slice(0, 0)),
-          "z2": ShardedTensor.from_rank_offsets_flat("zf", torch.ones(4), (2, 2), flattened_range=slice(0, 4),
-                                                      replica_id=0)}, tmp_path)
-    out = load({"s": ShardedTensor.from_rank_offsets("scalar", torch.tensor(0.0)),
-                "e": ShardedTensor.from_rank_offsets("empty", torch.zeros(0, 3)),
-                "z": ShardedTensor.from_rank_offsets("zf", torch.zeros(2, 2))}, tmp_path)
+    save(
+        {
+            "s": ShardedTensor.from_rank_offsets("scalar", torch.tensor(3.5)),
+            "e": ShardedTensor.from_rank_offsets("empty", torch.zeros(0, 3)),
+            "z": ShardedTensor.from_rank_offsets_flat("zf", torch.zeros(0), (2, 2), flattened_range=slice(0, 0)),
+            "z2": ShardedTensor.from_rank_offsets_flat(
+                "zf", torch.ones(4), (2, 2), flattened_range=slice(0, 4), replica_id=0
+            ),
+        },
+        tmp_path,
+    )
+    out = load(
+        {
+            "s": ShardedTensor.from_rank_offsets("scalar", torch.tensor(0.0)),
+            "e": ShardedTensor.from_rank_offsets("empty", torch.zeros(0, 3)),
+            "z": ShardedTensor.from_rank_offsets("zf", torch.zeros(2, 2)),
+        },
+        tmp_path,
+    )
     assert out["s"].item() == 3.5 and out["e"].shape == (0, 3) and torch.equal(out["z"], torch.ones(2, 2))
     assert "empty" in index_doc(tmp_path)["tensors"]
 
@@ -326,8 +366,9 @@ class TestShapeMismatch:
         assert torch.equal(load({"x": sh}, tmp_path)["x"], stored[:2, :3])
 
     def test_flattened_pad(self, tmp_path, stored):
-        sh = ShardedTensor.from_rank_offsets_flat("emb", torch.full((20,), 7.0), (5, 6), flattened_range=slice(10, 30),
-                                                  allow_shape_mismatch=True)
+        sh = ShardedTensor.from_rank_offsets_flat(
+            "emb", torch.full((20,), 7.0), (5, 6), flattened_range=slice(10, 30), allow_shape_mismatch=True
+        )
         expected = torch.zeros(5, 6)
         expected[:4] = stored
         assert torch.equal(load({"x": sh}, tmp_path)["x"], expected.flatten()[10:30])
@@ -358,8 +399,9 @@ class TestInPlace:
         full = torch.randn(4, 6)
         save(split_state("w", full, 1, 2), tmp_path)
         t = torch.empty(10)
-        out = load({"x": ShardedTensor.from_rank_offsets_flat("w", t, (4, 6), flattened_range=slice(7, 17))},
-                   tmp_path)["x"]
+        out = load({"x": ShardedTensor.from_rank_offsets_flat("w", t, (4, 6), flattened_range=slice(7, 17))}, tmp_path)[
+            "x"
+        ]
         assert out is t and torch.equal(t, full.flatten()[7:17])
 
     @pytest.mark.parametrize("bounce", [16, 1 << 20])
@@ -421,14 +463,19 @@ def test_load_reads_only_overlapping_bytes(tmp_path, read_counter):
     save(split_state("w", full, 0, 4), tmp_path, thread_count=1)
     read_counter.update(bytes=0, calls=0)
     # (without checksum verification, which reads whole blocks: see test_checksums.py)
-    out = load({"q": ShardedTensor.from_rank_offsets("w", torch.empty(16, 256), (0, 2, 4))}, tmp_path,
-               verify_checksums=False)
+    out = load(
+        {"q": ShardedTensor.from_rank_offsets("w", torch.empty(16, 256), (0, 2, 4))}, tmp_path, verify_checksums=False
+    )
     assert_bits_equal(out["q"], full[32:48])
     assert read_counter["bytes"] == 16 * 256 * 4 + _header_bytes(tmp_path)
     # a column slice of row shards: only the columns are read (runs of 512 bytes >= small_run_bytes)
     read_counter.update(bytes=0, calls=0)
-    out = load({"c": ShardedTensor.from_rank_offsets("w", torch.empty(64, 128), (1, 1, 2))}, tmp_path,
-               small_run_bytes=512, verify_checksums=False)
+    out = load(
+        {"c": ShardedTensor.from_rank_offsets("w", torch.empty(64, 128), (1, 1, 2))},
+        tmp_path,
+        small_run_bytes=512,
+        verify_checksums=False,
+    )
     assert_bits_equal(out["c"], full[:, 128:])
     assert read_counter["bytes"] == 64 * 128 * 4 + _header_bytes(tmp_path)
 
@@ -439,14 +486,19 @@ def test_short_runs_are_read_through_but_wide_gaps_are_not(tmp_path, read_counte
     header = _header_bytes(tmp_path)
     # columns 0..7 of each row: 32-byte runs, 992-byte gaps -> one read through the span
     read_counter.update(bytes=0, calls=0)
-    out = load({"c": ShardedTensor.from_rank_offsets("w", torch.empty(64, 8), (1, 0, 32))}, tmp_path,
-               verify_checksums=False)
+    out = load(
+        {"c": ShardedTensor.from_rank_offsets("w", torch.empty(64, 8), (1, 0, 32))}, tmp_path, verify_checksums=False
+    )
     assert_bits_equal(out["c"], full[:, :8])
     assert read_counter["bytes"] - header == (63 * 256 + 8) * 4
     # with gaps wider than small_run_bytes, only the runs are read, one call each
     read_counter.update(bytes=0, calls=0)
-    load({"c": ShardedTensor.from_rank_offsets("w", torch.empty(64, 8), (1, 0, 32))}, tmp_path, small_run_bytes=256,
-         verify_checksums=False)
+    load(
+        {"c": ShardedTensor.from_rank_offsets("w", torch.empty(64, 8), (1, 0, 32))},
+        tmp_path,
+        small_run_bytes=256,
+        verify_checksums=False,
+    )
     assert read_counter["bytes"] - header == 64 * 8 * 4
 
 
@@ -526,13 +578,16 @@ def test_index_lists_an_unknown_file(saved):
     assert "'layer.w'" in str(info.value) and INDEX_FILENAME in str(info.value)
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("byte_range", [0, 10 ** 9], "outside"),
-    ("byte_range", [0, 4], "expected 96"),
-    ("global_offset", [0], "global_offset"),
-    ("chunk_shape", [-1, 6], "chunk_shape"),
-    ("flat_range", [5, 1000], "flat_range"),
-])
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("byte_range", [0, 10**9], "outside"),
+        ("byte_range", [0, 4], "expected 96"),
+        ("global_offset", [0], "global_offset"),
+        ("chunk_shape", [-1, 6], "chunk_shape"),
+        ("flat_range", [5, 1000], "flat_range"),
+    ],
+)
 def test_malformed_shard_entry(saved, field, value, message):
     path, _ = saved
     doc = index_doc(path)
@@ -631,10 +686,12 @@ def test_leftovers_of_an_interrupted_save_are_cleared(tmp_path):
 
 
 def test_remove_sharded_tensors(tmp_path):
-    sd = {"aw": ShardedTensor.from_rank_offsets("a.w", torch.ones(2)),
-          "ab": ShardedTensor.from_rank_offsets("a.b", torch.ones(300)),
-          "bw": ShardedTensor.from_rank_offsets("b.w", torch.full((2,), 5.0)),
-          "ax": ShardedTensor.from_rank_offsets("ax", torch.ones(1))}
+    sd = {
+        "aw": ShardedTensor.from_rank_offsets("a.w", torch.ones(2)),
+        "ab": ShardedTensor.from_rank_offsets("a.b", torch.ones(300)),
+        "bw": ShardedTensor.from_rank_offsets("b.w", torch.full((2,), 5.0)),
+        "ax": ShardedTensor.from_rank_offsets("ax", torch.ones(1)),
+    }
     dc.save(sd, tmp_path, sharded_strategy=SafetensorsSaveShardedStrategy(SafetensorsSaveOptions(thread_count=2)))
     files_before = data_files(tmp_path)
     assert len(files_before) == 2  # "a.b" alone in one file (largest first), the rest in the other

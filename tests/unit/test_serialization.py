@@ -1,11 +1,11 @@
-"""Unit tests of dist_ckpt.engine.serialization: save / load and the load_* entry points (world size 1)."""
+"""Unit tests of dist_ckpt.engine.save / load / load_parts: save / load and the load_* entry points (world size 1)."""
 
 from __future__ import annotations
 
 import json
-import re
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,10 +33,9 @@ from dist_ckpt import (
     UnknownStrategyError,
     UnsafeObjectError,
 )
-from dist_ckpt.engine.serialization import DEFAULT_SHARDED_BACKEND
-from dist_ckpt.backends.zarr import zarr_python as zarr_strategy
-from dist_ckpt.backends.base import StrategyAction, get_default_strategy
 from dist_ckpt.backends.torch_common.strategy import TorchCommonLoadStrategy
+from dist_ckpt.backends.zarr import zarr_python as zarr_strategy
+from dist_ckpt.engine.registry import DEFAULT_SHARDED_BACKEND, StrategyAction, get_default_strategy
 
 
 class UserThing:
@@ -100,8 +99,10 @@ class TestRoundTrip:
         opt = torch.randn(4, 6)
 
         def build(key, data, replica_id):
-            return {n: ShardedTensor.from_rank_offsets(f"{key}.{n}", part, replica_id=replica_id)
-                    for n, part in zip("qkv", data.chunk(3))}
+            return {
+                n: ShardedTensor.from_rank_offsets(f"{key}.{n}", part, replica_id=replica_id)
+                for n, part in zip("qkv", data.chunk(3))
+            }
 
         def merge(sub):
             return torch.cat([sub["q"], sub["k"], sub["v"]])
@@ -109,9 +110,12 @@ class TestRoundTrip:
         sd = {
             "model": {"qkv": ShardedTensorFactory("attn.qkv", qkv.clone(), build, merge)},
             "optimizer": {
-                "state": [ShardedTensor.from_rank_offsets_flat("opt.w", opt.flatten()[a:b].clone(), (4, 6),
-                                                               flattened_range=slice(a, b))
-                          for a, b in [(0, 7), (7, 20), (20, 24)]],
+                "state": [
+                    ShardedTensor.from_rank_offsets_flat(
+                        "opt.w", opt.flatten()[a:b].clone(), (4, 6), flattened_range=slice(a, b)
+                    )
+                    for a, b in [(0, 7), (7, 20), (20, 24)]
+                ],
                 "param_groups": [{"lr": 0.5, "params": LocalNonPersistentObject([0, 1])}],
             },
             "rng": [ShardedObject("rng", {"seed": i}, (2,), (i,)) for i in range(2)],
@@ -146,15 +150,19 @@ class TestRoundTrip:
 
     def test_factories_in_a_list(self, tmp_path):
         def build(key, data, replica_id):
-            return {n: ShardedTensor.from_rank_offsets(f"{key}.{n}", part, replica_id=replica_id)
-                    for n, part in zip("ab", data.chunk(2))}
+            return {
+                n: ShardedTensor.from_rank_offsets(f"{key}.{n}", part, replica_id=replica_id)
+                for n, part in zip("ab", data.chunk(2))
+            }
 
         def merge(sub):
             return torch.cat([sub["a"], sub["b"]])
 
         values = [torch.arange(1.0, 5.0), torch.arange(10.0, 14.0)]
-        dc.save({"layers": [ShardedTensorFactory(f"f{i}", v.clone(), build, merge) for i, v in enumerate(values)]},
-                tmp_path / "c")
+        dc.save(
+            {"layers": [ShardedTensorFactory(f"f{i}", v.clone(), build, merge) for i, v in enumerate(values)]},
+            tmp_path / "c",
+        )
         req = {"layers": [ShardedTensorFactory(f"f{i}", torch.empty(4), build, merge) for i in range(2)]}
         out = dc.load(req, tmp_path / "c")
         assert all(torch.equal(a, b) for a, b in zip(out["layers"], values))
@@ -179,8 +187,11 @@ class TestRoundTrip:
             seen.append(dict(common))
             return {}
 
-        dc.save({"a": 1, "w": ShardedTensor.from_rank_offsets("w", torch.ones(1))}, tmp_path / "c",
-                preprocess_common_before_consistancy_check=preprocess)
+        dc.save(
+            {"a": 1, "w": ShardedTensor.from_rank_offsets("w", torch.ones(1))},
+            tmp_path / "c",
+            preprocess_common_before_consistancy_check=preprocess,
+        )
         assert seen == [{"a": 1}]
         assert dc.load_common_state_dict(tmp_path / "c") == {"a": 1}  # only the check sees the preprocessed copy
 
@@ -195,8 +206,12 @@ class TestDirectory:
         with pytest.raises(NotACheckpointError, match="metadata.json is missing") as info:
             dc.load(req, tmp_path / "c")
         assert str(tmp_path / "c") in str(info.value)
-        for fn in (dc.load_common_state_dict, dc.load_tensors_metadata, dc.load_sharded_metadata,
-                   dc.load_plain_tensors):
+        for fn in (
+            dc.load_common_state_dict,
+            dc.load_tensors_metadata,
+            dc.load_sharded_metadata,
+            dc.load_plain_tensors,
+        ):
             with pytest.raises(NotACheckpointError, match="metadata.json"):
                 fn(tmp_path / "c")
 
@@ -272,7 +287,6 @@ class TestDirectory:
         assert not (path / "metadata.json").exists()
         assert not (tmp_path / "etc").exists() and not (tmp_path / "a" / "etc").exists()
 
-
     @pytest.mark.parametrize("bad_key", ["../../etc/passwd", "/etc/passwd"])
     def test_invalid_key_on_load(self, ckpt, bad_key):
         req = {"x": ShardedTensor.from_rank_offsets(bad_key, torch.empty(2))}
@@ -302,12 +316,18 @@ class TestStrategies:
         with pytest.raises(UnknownStrategyError, match="load_sharded:zarr:v1"):
             dc.load({}, ckpt, sharded_strategy=("nope", 1))
 
-    @pytest.mark.parametrize("field, value, names", [
-        ("sharded_backend", "mystery", ["load_sharded:mystery:v1", "load_sharded:zarr:v1"]),
-        ("sharded_backend_version", 9, [f"load_sharded:{DEFAULT_SHARDED_BACKEND[0]}:v9",
-                                        f"load_sharded:{DEFAULT_SHARDED_BACKEND[0]}:v1"]),
-        ("common_backend_version", 4, ["load_common:torch:v4", "load_common:torch:v1"]),
-    ])
+    @pytest.mark.parametrize(
+        "field, value, names",
+        [
+            ("sharded_backend", "mystery", ["load_sharded:mystery:v1", "load_sharded:zarr:v1"]),
+            (
+                "sharded_backend_version",
+                9,
+                [f"load_sharded:{DEFAULT_SHARDED_BACKEND[0]}:v9", f"load_sharded:{DEFAULT_SHARDED_BACKEND[0]}:v1"],
+            ),
+            ("common_backend_version", 4, ["load_common:torch:v4", "load_common:torch:v1"]),
+        ],
+    )
     def test_unknown_backend_recorded_in_checkpoint(self, ckpt, field, value, names):
         meta = json.loads((ckpt / "metadata.json").read_text())
         meta[field] = value
@@ -327,10 +347,18 @@ class TestStrategies:
         assert str(ckpt) in str(info.value)
 
     def test_strategy_objects_and_tuples(self, tmp_path):
-        dc.save(simple_state(), tmp_path / "c", sharded_strategy=zarr_strategy.ZarrSaveShardedStrategy(),
-                common_strategy=("torch", 1))
-        out = dc.load({"b": ShardedTensor.from_rank_offsets("b", torch.empty(3, dtype=torch.bfloat16))},
-                      tmp_path / "c", sharded_strategy=("zarr", 1), common_strategy=TorchCommonLoadStrategy())
+        dc.save(
+            simple_state(),
+            tmp_path / "c",
+            sharded_strategy=zarr_strategy.ZarrSaveShardedStrategy(),
+            common_strategy=("torch", 1),
+        )
+        out = dc.load(
+            {"b": ShardedTensor.from_rank_offsets("b", torch.empty(3, dtype=torch.bfloat16))},
+            tmp_path / "c",
+            sharded_strategy=("zarr", 1),
+            common_strategy=TorchCommonLoadStrategy(),
+        )
         assert out["step"] == 7
 
 
@@ -349,8 +377,10 @@ class TestLoadMismatch:
         assert "(4, 6)" in str(info.value) and "(4, 5)" in str(info.value)
 
     def test_invalid_requested_sharding(self, ckpt):
-        req = {"a": ShardedTensor.from_rank_offsets("w", torch.empty(4, 6)),
-               "b": ShardedTensor.from_rank_offsets("w", torch.empty(4, 6))}
+        req = {
+            "a": ShardedTensor.from_rank_offsets("w", torch.empty(4, 6)),
+            "b": ShardedTensor.from_rank_offsets("w", torch.empty(4, 6)),
+        }
         with pytest.raises(ShardingIntegrityError, match="'w'"):
             dc.load(req, ckpt)
         out = dc.load(req, ckpt, validate_access_integrity=False)
@@ -374,15 +404,23 @@ class TestLoadMismatch:
 @pytest.fixture
 def two_keys(tmp_path):
     path = tmp_path / "c"
-    dc.save({"a": ShardedTensor.from_rank_offsets("a", torch.full((2,), 1.0)),
-             "b": ShardedTensor.from_rank_offsets("b", torch.full((2,), 2.0)), "common": 1}, path)
+    dc.save(
+        {
+            "a": ShardedTensor.from_rank_offsets("a", torch.full((2,), 1.0)),
+            "b": ShardedTensor.from_rank_offsets("b", torch.full((2,), 2.0)),
+            "common": 1,
+        },
+        path,
+    )
     return path
 
 
 def request_a_and_c():
     """'a' is stored; 'c' is not (unexpected); stored 'b' is not requested (missing)."""
-    return {"sd_a": ShardedTensor.from_rank_offsets("a", torch.empty(2)),
-            "sd_c": ShardedTensor.from_rank_offsets("c", torch.empty(2))}
+    return {
+        "sd_a": ShardedTensor.from_rank_offsets("a", torch.empty(2)),
+        "sd_c": ShardedTensor.from_rank_offsets("c", torch.empty(2)),
+    }
 
 
 class TestStrict:
@@ -411,11 +449,14 @@ class TestStrict:
         out = dc.load(req, two_keys, strict=StrictHandling.RAISE_UNEXPECTED)
         assert torch.equal(out["sd_a"], torch.full((2,), 1.0))
 
-    @pytest.mark.parametrize("mode, logged", [
-        (StrictHandling.LOG_UNEXPECTED, ["'c'"]),
-        (StrictHandling.LOG_ALL, ["'c'", "'b'"]),
-        (StrictHandling.IGNORE_ALL, []),
-    ])
+    @pytest.mark.parametrize(
+        "mode, logged",
+        [
+            (StrictHandling.LOG_UNEXPECTED, ["'c'"]),
+            (StrictHandling.LOG_ALL, ["'c'", "'b'"]),
+            (StrictHandling.IGNORE_ALL, []),
+        ],
+    )
     def test_modes_returning_dict(self, two_keys, caplog, mode, logged):
         with caplog.at_level(logging.WARNING, logger="dist_ckpt"):
             out = dc.load(request_a_and_c(), two_keys, strict=mode)
@@ -428,11 +469,10 @@ class TestStrict:
         if not logged:
             assert "'c'" not in warnings
 
-    @pytest.mark.parametrize("mode, missing", [
-        (StrictHandling.RETURN_UNEXPECTED, set()),
-        (StrictHandling.RETURN_ALL, {"b"}),
-        ("return_all", {"b"}),
-    ])
+    @pytest.mark.parametrize(
+        "mode, missing",
+        [(StrictHandling.RETURN_UNEXPECTED, set()), (StrictHandling.RETURN_ALL, {"b"}), ("return_all", {"b"})],
+    )
     def test_return_modes(self, two_keys, mode, missing):
         result = dc.load(request_a_and_c(), two_keys, strict=mode)
         assert isinstance(result, tuple) and len(result) == 3
@@ -441,8 +481,14 @@ class TestStrict:
         assert set(missing_keys) == missing
         assert set(unexpected_keys) == {"c"}
 
-    @pytest.mark.parametrize("mode", [m for m in StrictHandling if m not in (
-        StrictHandling.ASSUME_OK_UNEXPECTED, StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL)])
+    @pytest.mark.parametrize(
+        "mode",
+        [
+            m
+            for m in StrictHandling
+            if m not in (StrictHandling.ASSUME_OK_UNEXPECTED, StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL)
+        ],
+    )
     def test_load_with_report_always_returns_load_result(self, two_keys, mode):
         result = dc.load_with_report(request_a_and_c(), two_keys, strict=mode)
         assert isinstance(result, LoadResult)
@@ -453,8 +499,10 @@ class TestStrict:
         assert set(result.missing_keys) == expected_missing
 
     def test_load_with_report_exact_match(self, two_keys):
-        req = {"a": ShardedTensor.from_rank_offsets("a", torch.empty(2)),
-               "b": ShardedTensor.from_rank_offsets("b", torch.empty(2))}
+        req = {
+            "a": ShardedTensor.from_rank_offsets("a", torch.empty(2)),
+            "b": ShardedTensor.from_rank_offsets("b", torch.empty(2)),
+        }
         for mode in StrictHandling:
             result = dc.load_with_report(req, two_keys, strict=mode)
             assert isinstance(result, LoadResult)
@@ -541,8 +589,9 @@ class TestEntryPoints:
 
 class TestUnsafeObjects:
     def test_numpy_in_common_state(self, tmp_path):
-        dc.save({"arr": np.arange(3), "ok": 1, "w": ShardedTensor.from_rank_offsets("w", torch.ones(2))},
-                tmp_path / "c")
+        dc.save(
+            {"arr": np.arange(3), "ok": 1, "w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}, tmp_path / "c"
+        )
         req = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(2))}
         with pytest.raises(UnsafeObjectError) as info:
             dc.load(req, tmp_path / "c")
@@ -575,16 +624,24 @@ class TestCorruptMetadata:
         assert str(ckpt / "metadata.json") in str(info.value)
         assert not dc.check_is_distributed_checkpoint(ckpt)
 
-    @pytest.mark.parametrize("field, value", [
-        ("sharded_backend", 1), ("sharded_backend_version", "1"), ("common_backend", None),
-        ("common_backend_version", [1]),
-    ])
+    @pytest.mark.parametrize(
+        "field, value",
+        [
+            ("sharded_backend", 1),
+            ("sharded_backend_version", "1"),
+            ("common_backend", None),
+            ("common_backend_version", [1]),
+        ],
+    )
     def test_wrong_types(self, ckpt, field, value):
         meta = json.loads((ckpt / "metadata.json").read_text())
         meta[field] = value
         (ckpt / "metadata.json").write_text(json.dumps(meta))
-        for fn in (lambda: dc.load({}, ckpt), lambda: dc.load_common_state_dict(ckpt),
-                   lambda: dc.load_tensors_metadata(ckpt)):
+        for fn in (
+            lambda: dc.load({}, ckpt),
+            lambda: dc.load_common_state_dict(ckpt),
+            lambda: dc.load_tensors_metadata(ckpt),
+        ):
             with pytest.raises(CorruptCheckpointError) as info:
                 fn()
             assert str(ckpt / "metadata.json") in str(info.value) and repr(field) in str(info.value)
@@ -606,13 +663,18 @@ class TestCorruptMetadata:
 def test_import_does_not_pull_optional_backends():
     code = (
         "import sys, dist_ckpt\n"
-        "import dist_ckpt.strategies, dist_ckpt.engine.serialization\n"
+        "import dist_ckpt.strategies, dist_ckpt.serialization, dist_ckpt.engine.save, dist_ckpt.engine.load\n"
         "import dist_ckpt.tools.convert, dist_ckpt.tools.inspection, dist_ckpt.tools.bench, dist_ckpt.engine.report, dist_ckpt.engine.watchdog\n"
         "heavy = ('zarr', 'tensorstore', 'obstore', 'dist_ckpt.backends.zarr.zarr_python', 'dist_ckpt.cli')\n"
         "print(sorted(m for m in heavy if m in sys.modules))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                            env={**os.environ, "PYTHONWARNINGS": "error::DeprecationWarning:dist_ckpt"})
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONWARNINGS": "error::DeprecationWarning:dist_ckpt"},
+    )
     assert result.stdout.strip() == "[]"
     assert result.stderr == ""
 

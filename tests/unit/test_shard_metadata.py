@@ -8,8 +8,6 @@ from dataclasses import fields
 import pytest
 import torch
 
-from dist_ckpt.errors import CorruptCheckpointError
-from dist_ckpt.model.sharded import ShardedObject, ShardedTensor
 from dist_ckpt.engine.shard_metadata import (
     all_gather_metadata,
     decode_shard,
@@ -18,13 +16,17 @@ from dist_ckpt.engine.shard_metadata import (
     encode_shard,
     gather_metadata,
 )
+from dist_ckpt.errors import CorruptCheckpointError
+from dist_ckpt.model.sharded import ShardedObject, ShardedTensor
 
 SHARDS = [
     ShardedTensor.from_rank_offsets("w", torch.empty(2, 3), (0, 1, 2), replica_id=(0, 3)),
-    ShardedTensor.from_rank_offsets("p", torch.empty(2, 3, dtype=torch.bfloat16), (0, 2, 4), prepend_axis_num=1,
-                                    allow_shape_mismatch=True),
-    ShardedTensor.from_rank_offsets_flat("f", torch.empty(4), (3, 4), (0, 1, 2), flattened_range=slice(5, 9),
-                                         replica_id=2),
+    ShardedTensor.from_rank_offsets(
+        "p", torch.empty(2, 3, dtype=torch.bfloat16), (0, 2, 4), prepend_axis_num=1, allow_shape_mismatch=True
+    ),
+    ShardedTensor.from_rank_offsets_flat(
+        "f", torch.empty(4), (3, 4), (0, 1, 2), flattened_range=slice(5, 9), replica_id=2
+    ),
     ShardedTensor("nofrag", None, torch.float8_e4m3fn, (2,), (4,), (2,), None),
     ShardedTensor.from_rank_offsets("scalar", torch.empty(())),
     ShardedObject("o", None, (2, 3), (1, 2), replica_id=1),

@@ -19,10 +19,36 @@ from dist_ckpt.storage import (
     write_bytes_atomic,
 )
 
-BAD_KEYS = ["", "/etc/passwd", "../x", "../../etc/x", "a/../../b", "a/./b", ".", "..", "a/..", "a\\..\\b",
-            "tab\there", "nl\n", "del\x7f"]
-GOOD_KEYS = ["w", "layer.0.weight", "a/b/c", "..hidden", "a..b", ".x", "x.", "sp ace", "per%cent", "ünïcødé/键",
-             "colon:and*star?", "tilde~name", "_-."]
+BAD_KEYS = [
+    "",
+    "/etc/passwd",
+    "../x",
+    "../../etc/x",
+    "a/../../b",
+    "a/./b",
+    ".",
+    "..",
+    "a/..",
+    "a\\..\\b",
+    "tab\there",
+    "nl\n",
+    "del\x7f",
+]
+GOOD_KEYS = [
+    "w",
+    "layer.0.weight",
+    "a/b/c",
+    "..hidden",
+    "a..b",
+    ".x",
+    "x.",
+    "sp ace",
+    "per%cent",
+    "ünïcødé/键",
+    "colon:and*star?",
+    "tilde~name",
+    "_-.",
+]
 
 
 class TestValidateKey:

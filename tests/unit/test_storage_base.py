@@ -10,13 +10,7 @@ import torch
 
 from dist_ckpt.errors import InvalidKeyError
 from dist_ckpt.storage import RangeRead, StorageConfigError, validate_object_key
-from dist_ckpt.storage.base import (
-    IOCounters,
-    as_byte_view,
-    coalesce_ranges,
-    split_range,
-    validate_prefix,
-)
+from dist_ckpt.storage.base import IOCounters, as_byte_view, coalesce_ranges, split_range, validate_prefix
 
 
 def _lengths(reads: list) -> list:
@@ -78,7 +72,12 @@ def test_coalesce_merges_neighbours_only() -> None:
         RangeRead.into("other", 35, bufs[4]),  # another object
     ]
     exact = coalesce_ranges(reads, max_bytes=1000)
-    assert [(r.key, r.offset, r.length) for r in exact] == [("k", 0, 20), ("k", 25, 10), ("k", 30, 10), ("other", 35, 10)]
+    assert [(r.key, r.offset, r.length) for r in exact] == [
+        ("k", 0, 20),
+        ("k", 25, 10),
+        ("k", 30, 10),
+        ("other", 35, 10),
+    ]
     gapped = coalesce_ranges(reads, max_bytes=1000, max_gap=5)
     assert [(r.key, r.offset, r.length) for r in gapped] == [("k", 0, 35), ("k", 30, 10), ("other", 35, 10)]
     assert _lengths(gapped)[0] == [10, 10, 5, 10]  # the gap lands in a throwaway buffer

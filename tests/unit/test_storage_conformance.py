@@ -109,8 +109,13 @@ class StorageConformance:
         whole = bytearray(len(data))
         view = memoryview(whole)
         # adjacent pieces (mergeable) and one range larger than a read chunk
-        storage.read_ranges([RangeRead.into("big.bin", 0, view[:10]), RangeRead.into("big.bin", 10, view[10:100]),
-                             RangeRead.into("big.bin", 100, view[100:])])
+        storage.read_ranges(
+            [
+                RangeRead.into("big.bin", 0, view[:10]),
+                RangeRead.into("big.bin", 10, view[10:100]),
+                RangeRead.into("big.bin", 100, view[100:]),
+            ]
+        )
         assert bytes(whole) == data
 
     def test_range_past_the_end_is_truncation(self, storage: Storage) -> None:
@@ -132,7 +137,13 @@ class StorageConformance:
         assert storage.list("missing") == []
 
     def test_list_dirs_is_one_level(self, storage: Storage) -> None:
-        for key in ("run/iter_2/metadata.json", "run/iter_2/safetensors/r0", "run/iter_10/common.pt", "run/note.txt", "runx/a/b"):
+        for key in (
+            "run/iter_2/metadata.json",
+            "run/iter_2/safetensors/r0",
+            "run/iter_10/common.pt",
+            "run/note.txt",
+            "runx/a/b",
+        ):
             storage.write(key, b"1")
         assert storage.list_dirs("run") == ["iter_10", "iter_2"]  # no files, no deeper levels
         assert storage.list_dirs() == ["run", "runx"]
@@ -207,7 +218,13 @@ class StorageConformance:
     # -- keys, children, counters ------------------------------------------------------------
 
     def test_encoded_and_unusual_keys_round_trip(self, storage: Storage) -> None:
-        keys = [encode_key("decoder.layers/0.weight"), encode_key("a b+c=d&e?f#g%"), "x~1234abcd", "sp ace/plus+sign", "unicodé/ключ"]
+        keys = [
+            encode_key("decoder.layers/0.weight"),
+            encode_key("a b+c=d&e?f#g%"),
+            "x~1234abcd",
+            "sp ace/plus+sign",
+            "unicodé/ключ",
+        ]
         for key in keys:
             storage.write(key, key.encode())
         assert [o.key for o in storage.list()] == sorted(keys)
@@ -272,7 +289,11 @@ class TestS3Storage(StorageConformance):
     @pytest.fixture
     def storage(self, s3_url: str) -> Storage:
         options = S3StorageOptions(
-            part_size=5 * MiB, max_concurrency=4, read_chunk_size=MiB, max_retries=3,
-            initial_backoff_s=0.01, max_backoff_s=0.05,
+            part_size=5 * MiB,
+            max_concurrency=4,
+            read_chunk_size=MiB,
+            max_retries=3,
+            initial_backoff_s=0.01,
+            max_backoff_s=0.05,
         )
         return open_storage(s3_url, options)

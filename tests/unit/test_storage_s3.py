@@ -86,7 +86,11 @@ def test_multipart_upload_retries_a_failed_part_only(s3_url: str, s3_env: Any) -
     storage.write("big.bin", data)
     requests = s3_env.requests()
     parts = [r for r in requests if r.method == "PUT" and "partNumber" in r.query]
-    assert sorted(r.query.split("&")[0] for r in parts if r.status == 200) == ["partNumber=1", "partNumber=2", "partNumber=3"]
+    assert sorted(r.query.split("&")[0] for r in parts if r.status == 200) == [
+        "partNumber=1",
+        "partNumber=2",
+        "partNumber=3",
+    ]
     assert [r.status for r in parts if "partNumber=2" in r.query] == [503, 200]
     assert sum(r.bytes_received for r in parts if r.status == 200) == len(data)
     assert any(r.method == "POST" and "uploads" in r.query for r in requests)  # initiate
@@ -238,8 +242,13 @@ def test_no_credentials_fail_before_any_request(s3_url: str, s3_env: Any, monkey
 
 def test_missing_bucket_is_named(s3_env: Any) -> None:
     storage = _storage("s3://no-such-bucket-dist-ckpt/prefix")
-    for call in (lambda: storage.write("a", b"1"), lambda: storage.read("a"), lambda: storage.list(),
-                 lambda: storage.exists("a"), lambda: storage.read_into("a", 0, bytearray(1))):
+    for call in (
+        lambda: storage.write("a", b"1"),
+        lambda: storage.read("a"),
+        lambda: storage.list(),
+        lambda: storage.exists("a"),
+        lambda: storage.read_into("a", 0, bytearray(1)),
+    ):
         with pytest.raises(BucketNotFoundError, match="no-such-bucket-dist-ckpt") as info:
             call()
         assert isinstance(info.value, FileNotFoundError)
@@ -262,7 +271,9 @@ def test_endpoint_for_s3_takes_precedence(s3_url: str, s3_env: Any, monkeypatch:
     assert storage.read("k") == b"v"
 
 
-def test_credentials_from_a_profile_file(s3_url: str, s3_env: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+def test_credentials_from_a_profile_file(
+    s3_url: str, s3_env: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
     credentials = tmp_path / "credentials"
     credentials.write_text(
         f"[ckpt]\naws_access_key_id = {s3_env.access_key_id}\naws_secret_access_key = {s3_env.secret_access_key}\n"
@@ -369,7 +380,11 @@ def test_an_upload_killed_midway_leaves_nothing_visible(s3_url: str, s3_env: Any
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and proc.poll() is None:
-            parts = [r for r in s3_env.requests() if r.method == "PUT" and "partNumber=1&" in r.query + "&" and r.status == 200]
+            parts = [
+                r
+                for r in s3_env.requests()
+                if r.method == "PUT" and "partNumber=1&" in r.query + "&" and r.status == 200
+            ]
             if parts:
                 break
             time.sleep(0.05)

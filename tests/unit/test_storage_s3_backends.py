@@ -31,7 +31,9 @@ def storage(s3_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> S3St
     for name, file in (("AWS_CONFIG_FILE", "config"), ("AWS_SHARED_CREDENTIALS_FILE", "credentials")):
         (tmp_path / file).write_text("")
         monkeypatch.setenv(name, str(tmp_path / file))
-    opened = open_storage(s3_url, S3StorageOptions(part_size=5 * MiB, max_retries=3, initial_backoff_s=0.01, max_backoff_s=0.05))
+    opened = open_storage(
+        s3_url, S3StorageOptions(part_size=5 * MiB, max_retries=3, initial_backoff_s=0.01, max_backoff_s=0.05)
+    )
     assert isinstance(opened, S3Storage)
     return opened
 
@@ -46,25 +48,45 @@ def _ts_open(storage: S3Storage, key: str, **kwargs: Any) -> Any:
 
 def test_zarr_python_and_tensorstore_read_each_others_arrays(storage: S3Storage) -> None:
     a = np.arange(64 * 48, dtype=np.float32).reshape(64, 48)
-    z = zarr.create_array(store=_zarr_store(storage), name="zarr/by_zarr", shape=a.shape, chunks=(32, 48), dtype="float32",
-                          attributes={"dist_ckpt": {"key": "by_zarr"}})
+    z = zarr.create_array(
+        store=_zarr_store(storage),
+        name="zarr/by_zarr",
+        shape=a.shape,
+        chunks=(32, 48),
+        dtype="float32",
+        attributes={"dist_ckpt": {"key": "by_zarr"}},
+    )
     z[:32] = a[:32]  # one chunk per saved shard, written separately (two ranks)
     z[32:] = a[32:]
-    t = _ts_open(storage, "zarr/by_ts", create=True, dtype="float32", shape=list(a.shape),
-                 chunk_layout=ts.ChunkLayout(chunk_shape=[32, 48]))
+    t = _ts_open(
+        storage,
+        "zarr/by_ts",
+        create=True,
+        dtype="float32",
+        shape=list(a.shape),
+        chunk_layout=ts.ChunkLayout(chunk_shape=[32, 48]),
+    )
     t[32:].write(a[32:]).result()
     t[:32].write(a[:32]).result()
     assert np.array_equal(_ts_open(storage, "zarr/by_zarr", open=True, read=True).read().result(), a)
     assert np.array_equal(zarr.open_array(store=_zarr_store(storage, True), path="zarr/by_ts", mode="r")[:], a)
     keys = {o.key for o in storage.list("zarr")}
-    assert {"zarr/by_zarr/zarr.json", "zarr/by_zarr/c/0/0", "zarr/by_zarr/c/1/0",
-            "zarr/by_ts/zarr.json", "zarr/by_ts/c/0/0", "zarr/by_ts/c/1/0"} <= keys
+    assert {
+        "zarr/by_zarr/zarr.json",
+        "zarr/by_zarr/c/0/0",
+        "zarr/by_zarr/c/1/0",
+        "zarr/by_ts/zarr.json",
+        "zarr/by_ts/c/0/0",
+        "zarr/by_ts/c/1/0",
+    } <= keys
 
 
 @pytest.mark.parametrize("engine", ["zarr", "tensorstore"])
 def test_partial_read_fetches_only_the_needed_chunk(storage: S3Storage, s3_env: Any, engine: str) -> None:
     a = np.random.default_rng(0).standard_normal((64, 48)).astype(np.float32)
-    z = zarr.create_array(store=_zarr_store(storage), name="w", shape=a.shape, chunks=(16, 48), dtype="float32", compressors=None)
+    z = zarr.create_array(
+        store=_zarr_store(storage), name="w", shape=a.shape, chunks=(16, 48), dtype="float32", compressors=None
+    )
     z[:] = a
     s3_env.clear_requests()
     if engine == "zarr":
@@ -80,14 +102,25 @@ def test_partial_read_fetches_only_the_needed_chunk(storage: S3Storage, s3_env: 
 @pytest.mark.parametrize("engine", ["zarr", "tensorstore"])
 def test_array_io_survives_injected_5xx(storage: S3Storage, s3_env: Any, engine: str) -> None:
     a = np.arange(32 * 8, dtype=np.int32).reshape(32, 8)
-    s3_env.inject_faults([FaultRule(status=503, count=2, method="PUT", path_contains="/c/"),
-                          FaultRule(status=500, count=2, method="GET", path_contains="/c/")])
+    s3_env.inject_faults(
+        [
+            FaultRule(status=503, count=2, method="PUT", path_contains="/c/"),
+            FaultRule(status=500, count=2, method="GET", path_contains="/c/"),
+        ]
+    )
     if engine == "zarr":
         z = zarr.create_array(store=_zarr_store(storage), name="r", shape=a.shape, chunks=(16, 8), dtype="int32")
         z[:] = a
         back = zarr.open_array(store=_zarr_store(storage, True), path="r", mode="r")[:]
     else:
-        t = _ts_open(storage, "r", create=True, dtype="int32", shape=list(a.shape), chunk_layout=ts.ChunkLayout(chunk_shape=[16, 8]))
+        t = _ts_open(
+            storage,
+            "r",
+            create=True,
+            dtype="int32",
+            shape=list(a.shape),
+            chunk_layout=ts.ChunkLayout(chunk_shape=[16, 8]),
+        )
         t.write(a).result()
         back = _ts_open(storage, "r", open=True, read=True).read().result()
     assert np.array_equal(back, a)

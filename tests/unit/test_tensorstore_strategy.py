@@ -20,18 +20,9 @@ import pytest
 import torch
 
 import dist_ckpt as dc
-from dist_ckpt.model.dtypes import SUPPORTED_DTYPE_NAMES
-from dist_ckpt.errors import (
-    CorruptCheckpointError,
-    KeyMismatchError,
-    LoadMismatchError,
-    MissingDependencyError,
-)
-from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.backends import base
 from dist_ckpt.backends.zarr import layout as zarr_layout
 from dist_ckpt.backends.zarr import tensorstore_engine as ts_strategy
-from dist_ckpt.backends.base import StrategyAction as A
 from dist_ckpt.backends.zarr.tensorstore_engine import (
     TensorStoreLoadShardedStrategy,
     TensorStoreSaveShardedStrategy,
@@ -39,11 +30,11 @@ from dist_ckpt.backends.zarr.tensorstore_engine import (
     open_ts_array,
     register_default_tensorstore_strategies,
 )
-from dist_ckpt.backends.zarr.zarr_python import (
-    ZARR_DIR,
-    ZarrLoadShardedStrategy,
-    ZarrSaveShardedStrategy,
-)
+from dist_ckpt.backends.zarr.zarr_python import ZARR_DIR, ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
+from dist_ckpt.engine.registry import StrategyAction as A
+from dist_ckpt.errors import CorruptCheckpointError, KeyMismatchError, LoadMismatchError, MissingDependencyError
+from dist_ckpt.model.dtypes import SUPPORTED_DTYPE_NAMES
+from dist_ckpt.model.sharded import ShardedTensor
 
 from .test_zarr_strategy import assert_bits_equal, flat_pieces, random_tensor, split_state
 
@@ -82,44 +73,69 @@ def test_every_dtype_bit_exact_across_engines(tmp_path, eng, name):
     dtype = getattr(torch, name)
     full = random_tensor(dtype, (4, 6), seed=len(name))
     flat_full = random_tensor(dtype, (3, 5), seed=7)
-    sd = {**split_state("t", full, 0, 2), **{f"f{i}": sh for i, sh in enumerate(flat_pieces("flat", flat_full, [0, 4, 15]))}}
+    sd = {
+        **split_state("t", full, 0, 2),
+        **{f"f{i}": sh for i, sh in enumerate(flat_pieces("flat", flat_full, [0, 4, 15]))},
+    }
     eng.save(sd, tmp_path)
-    out = eng.load({"w": ShardedTensor.from_rank_offsets("t", torch.empty(4, 6, dtype=dtype)),
-                    "f": ShardedTensor.from_rank_offsets("flat", torch.empty(3, 5, dtype=dtype))}, tmp_path)
+    out = eng.load(
+        {
+            "w": ShardedTensor.from_rank_offsets("t", torch.empty(4, 6, dtype=dtype)),
+            "f": ShardedTensor.from_rank_offsets("flat", torch.empty(3, 5, dtype=dtype)),
+        },
+        tmp_path,
+    )
     assert_bits_equal(out["w"], full)
     assert_bits_equal(out["f"], flat_full)
-    parts = eng.load({f"p{r}": ShardedTensor.from_rank_offsets("t", torch.empty(4, 2, dtype=dtype), (1, r, 3))
-                      for r in range(3)}, tmp_path)
+    parts = eng.load(
+        {f"p{r}": ShardedTensor.from_rank_offsets("t", torch.empty(4, 2, dtype=dtype), (1, r, 3)) for r in range(3)},
+        tmp_path,
+    )
     assert_bits_equal(torch.cat([parts[f"p{r}"] for r in range(3)], dim=1), full)
 
 
 def test_grid_resharding(tmp_path, eng):
     full = torch.randn(4, 6)
-    sd = {f"{i}{j}": ShardedTensor.from_rank_offsets("w", full[2 * i:2 * i + 2, 3 * j:3 * j + 3].clone(), (0, i, 2), (1, j, 2))
-          for i in range(2) for j in range(2)}
+    sd = {
+        f"{i}{j}": ShardedTensor.from_rank_offsets(
+            "w", full[2 * i : 2 * i + 2, 3 * j : 3 * j + 3].clone(), (0, i, 2), (1, j, 2)
+        )
+        for i in range(2)
+        for j in range(2)
+    }
     eng.save(sd, tmp_path)
-    req = {f"{i}{j}": ShardedTensor.from_rank_offsets("w", torch.empty(1, 2), (0, i, 4), (1, j, 3))
-           for i in range(4) for j in range(3)}
+    req = {
+        f"{i}{j}": ShardedTensor.from_rank_offsets("w", torch.empty(1, 2), (0, i, 4), (1, j, 3))
+        for i in range(4)
+        for j in range(3)
+    }
     out = eng.load(req, tmp_path)
     for i in range(4):
         for j in range(3):
-            assert torch.equal(out[f"{i}{j}"], full[i:i + 1, 2 * j:2 * j + 2])
+            assert torch.equal(out[f"{i}{j}"], full[i : i + 1, 2 * j : 2 * j + 2])
 
 
 def test_prepend_axis_and_flattened_with_prepend(tmp_path, eng):
     stacked = torch.randn(3, 4, 6)
-    sd = {f"s{s}": ShardedTensor.from_rank_offsets("layers.w", stacked[s].clone(), (0, s, 3), prepend_axis_num=1)
-          for s in range(3)}
+    sd = {
+        f"s{s}": ShardedTensor.from_rank_offsets("layers.w", stacked[s].clone(), (0, s, 3), prepend_axis_num=1)
+        for s in range(3)
+    }
     for s in range(2):
         for i, sh in enumerate(flat_pieces("st", stacked[s, :3, :4], [0, 7, 12], (0, s, 2), prepend_axis_num=1)):
             sd[f"f{s}.{i}"] = sh
     eng.save(sd, tmp_path)
-    req = {f"{s}.{j}": ShardedTensor.from_rank_offsets("layers.w", torch.empty(4, 3), (0, s, 3), (2, j, 2), prepend_axis_num=1)
-           for s in range(3) for j in range(2)}
+    req = {
+        f"{s}.{j}": ShardedTensor.from_rank_offsets(
+            "layers.w", torch.empty(4, 3), (0, s, 3), (2, j, 2), prepend_axis_num=1
+        )
+        for s in range(3)
+        for j in range(2)
+    }
     out = eng.load(req, tmp_path)
     for s in range(3):
         for j in range(2):
-            assert torch.equal(out[f"{s}.{j}"], stacked[s, :, 3 * j:3 * j + 3])
+            assert torch.equal(out[f"{s}.{j}"], stacked[s, :, 3 * j : 3 * j + 3])
     whole = eng.load({"x": ShardedTensor.from_rank_offsets("st", torch.empty(2, 3, 4))}, tmp_path)["x"]
     assert torch.equal(whole, stacked[:2, :3, :4])
 
@@ -128,34 +144,50 @@ def test_flattened_uneven_and_chunked_fragments(tmp_path, eng, small_fragments):
     full = torch.arange(48, dtype=torch.int32).reshape(8, 6)
     sd = {}
     for tp in range(2):
-        for i, sh in enumerate(flat_pieces("opt.w", full[4 * tp:4 * tp + 4], [0, 5, 17, 24], (0, tp, 2))):
+        for i, sh in enumerate(flat_pieces("opt.w", full[4 * tp : 4 * tp + 4], [0, 5, 17, 24], (0, tp, 2))):
             sd[f"tp{tp}.dp{i}"] = sh
     eng.save(sd, tmp_path)
-    req = {f"{tp}.{i}": ShardedTensor.from_rank_offsets_flat("opt.w", torch.full((b - a,), -1, dtype=torch.int32), (4, 6),
-                                                             (0, tp, 2), flattened_range=slice(a, b))
-           for tp in range(2) for i, (a, b) in enumerate([(0, 11), (11, 13), (13, 24)])}
+    req = {
+        f"{tp}.{i}": ShardedTensor.from_rank_offsets_flat(
+            "opt.w", torch.full((b - a,), -1, dtype=torch.int32), (4, 6), (0, tp, 2), flattened_range=slice(a, b)
+        )
+        for tp in range(2)
+        for i, (a, b) in enumerate([(0, 11), (11, 13), (13, 24)])
+    }
     out = eng.load(req, tmp_path)
     for tp in range(2):
-        assert torch.equal(torch.cat([out[f"{tp}.{i}"] for i in range(3)]), full[4 * tp:4 * tp + 4].flatten())
-    cols = eng.load({f"c{j}": ShardedTensor.from_rank_offsets("opt.w", torch.empty(8, 2, dtype=torch.int32), (1, j, 3))
-                     for j in range(3)}, tmp_path)
+        assert torch.equal(torch.cat([out[f"{tp}.{i}"] for i in range(3)]), full[4 * tp : 4 * tp + 4].flatten())
+    cols = eng.load(
+        {
+            f"c{j}": ShardedTensor.from_rank_offsets("opt.w", torch.empty(8, 2, dtype=torch.int32), (1, j, 3))
+            for j in range(3)
+        },
+        tmp_path,
+    )
     assert torch.equal(torch.cat([cols[f"c{j}"] for j in range(3)], dim=1), full)
 
 
 def test_zero_d_empty_and_all_zero_chunks(tmp_path, eng):
     zeros_then_ones = torch.zeros(4, 6, dtype=torch.bfloat16)
     zeros_then_ones[2:] = 1
-    sd = {"s": ShardedTensor.from_rank_offsets("scalar", torch.tensor(3.5)),
-          "e": ShardedTensor.from_rank_offsets("empty", torch.zeros(0, 3)),
-          "fs": ShardedTensor.from_rank_offsets_flat("flat_scalar", torch.tensor([2.5]), (), flattened_range=slice(0, 1)),
-          **split_state("z", zeros_then_ones, 0, 2)}
+    sd = {
+        "s": ShardedTensor.from_rank_offsets("scalar", torch.tensor(3.5)),
+        "e": ShardedTensor.from_rank_offsets("empty", torch.zeros(0, 3)),
+        "fs": ShardedTensor.from_rank_offsets_flat("flat_scalar", torch.tensor([2.5]), (), flattened_range=slice(0, 1)),
+        **split_state("z", zeros_then_ones, 0, 2),
+    }
     eng.save(sd, tmp_path)
     assert (tmp_path / ZARR_DIR / "z" / "c" / "0" / "0").is_file()  # the all-zero chunk exists on disk
     dest = torch.tensor(0.0)
-    out = eng.load({"s": ShardedTensor.from_rank_offsets("scalar", dest),
-                    "e": ShardedTensor.from_rank_offsets("empty", torch.zeros(0, 3)),
-                    "fs": ShardedTensor.from_rank_offsets("flat_scalar", torch.tensor(0.0)),
-                    "z": ShardedTensor.from_rank_offsets("z", torch.full((4, 6), 9.0).bfloat16())}, tmp_path)
+    out = eng.load(
+        {
+            "s": ShardedTensor.from_rank_offsets("scalar", dest),
+            "e": ShardedTensor.from_rank_offsets("empty", torch.zeros(0, 3)),
+            "fs": ShardedTensor.from_rank_offsets("flat_scalar", torch.tensor(0.0)),
+            "z": ShardedTensor.from_rank_offsets("z", torch.full((4, 6), 9.0).bfloat16()),
+        },
+        tmp_path,
+    )
     assert out["s"] is dest and out["s"].item() == 3.5
     assert out["e"].shape == (0, 3) and out["fs"].item() == 2.5
     assert torch.equal(out["z"], zeros_then_ones)
@@ -169,15 +201,21 @@ class TestShapeMismatch:
         return full
 
     def test_pad_and_crop(self, tmp_path, eng, stored):
-        out = eng.load({"x": ShardedTensor.from_rank_offsets("emb", torch.full((6, 8), 7.0), allow_shape_mismatch=True),
-                        "c": ShardedTensor.from_rank_offsets("emb", torch.empty(2, 3), allow_shape_mismatch=True)}, tmp_path)
+        out = eng.load(
+            {
+                "x": ShardedTensor.from_rank_offsets("emb", torch.full((6, 8), 7.0), allow_shape_mismatch=True),
+                "c": ShardedTensor.from_rank_offsets("emb", torch.empty(2, 3), allow_shape_mismatch=True),
+            },
+            tmp_path,
+        )
         expected = torch.zeros(6, 8)
         expected[:4, :6] = stored
         assert torch.equal(out["x"], expected) and torch.equal(out["c"], stored[:2, :3])
 
     def test_flattened_pad(self, tmp_path, eng, stored):
-        sh = ShardedTensor.from_rank_offsets_flat("emb", torch.full((20,), 7.0), (5, 6), flattened_range=slice(10, 30),
-                                                  allow_shape_mismatch=True)
+        sh = ShardedTensor.from_rank_offsets_flat(
+            "emb", torch.full((20,), 7.0), (5, 6), flattened_range=slice(10, 30), allow_shape_mismatch=True
+        )
         expected = torch.zeros(5, 6)
         expected[:4] = stored
         assert torch.equal(eng.load({"x": sh}, tmp_path)["x"], expected.flatten()[10:30])
@@ -200,11 +238,14 @@ class TestInPlace:
         flat = torch.empty(10)
         base_ = torch.zeros(4, 12)
         strided = base_[:, ::2]
-        out = TensorStoreLoadShardedStrategy().load({
-            "t": ShardedTensor.from_rank_offsets("w", t),
-            "f": ShardedTensor.from_rank_offsets_flat("w", flat, (4, 6), flattened_range=slice(7, 17)),
-            "s": ShardedTensor.from_rank_offsets("w", strided),
-        }, tmp_path)
+        out = TensorStoreLoadShardedStrategy().load(
+            {
+                "t": ShardedTensor.from_rank_offsets("w", t),
+                "f": ShardedTensor.from_rank_offsets_flat("w", flat, (4, 6), flattened_range=slice(7, 17)),
+                "s": ShardedTensor.from_rank_offsets("w", strided),
+            },
+            tmp_path,
+        )
         assert out["t"] is t and torch.equal(t, full)
         assert out["f"] is flat and torch.equal(flat, full.flatten()[7:17])
         assert out["s"] is strided and torch.equal(strided, full) and torch.equal(base_[:, 1::2], torch.zeros(4, 6))
@@ -212,10 +253,13 @@ class TestInPlace:
     def test_meta_or_missing_data_gets_new_tensor(self, tmp_path):
         full = torch.randn(4, 6)
         TensorStoreSaveShardedStrategy().save(split_state("w", full, 0, 2), tmp_path)
-        out = TensorStoreLoadShardedStrategy().load({
-            "m": ShardedTensor.from_rank_offsets("w", torch.empty(4, 6, device="meta")),
-            "n": ShardedTensor.from_rank_offsets("w", torch.empty(4, 6)).without_data(),
-        }, tmp_path)
+        out = TensorStoreLoadShardedStrategy().load(
+            {
+                "m": ShardedTensor.from_rank_offsets("w", torch.empty(4, 6, device="meta")),
+                "n": ShardedTensor.from_rank_offsets("w", torch.empty(4, 6)).without_data(),
+            },
+            tmp_path,
+        )
         assert out["m"].device.type == "cpu" and torch.equal(out["m"], full) and torch.equal(out["n"], full)
 
 
@@ -233,10 +277,15 @@ def _normalized_metadata(path: Path) -> Dict[str, Any]:
 
 def test_both_engines_write_the_same_checkpoint(tmp_path, small_fragments):
     """Same files, same chunk bytes, same array definitions and attributes."""
-    sd = {**split_state("a.w", random_tensor(torch.bfloat16, (4, 6), seed=1), 0, 2),
-          **split_state("b", random_tensor(torch.complex64, (3, 4), seed=2), 1, 2),
-          "s": ShardedTensor.from_rank_offsets("scalar", torch.tensor(True)),
-          **{f"f{i}": sh for i, sh in enumerate(flat_pieces("opt", random_tensor(torch.float32, (5, 3), seed=3), [0, 6, 15]))}}
+    sd = {
+        **split_state("a.w", random_tensor(torch.bfloat16, (4, 6), seed=1), 0, 2),
+        **split_state("b", random_tensor(torch.complex64, (3, 4), seed=2), 1, 2),
+        "s": ShardedTensor.from_rank_offsets("scalar", torch.tensor(True)),
+        **{
+            f"f{i}": sh
+            for i, sh in enumerate(flat_pieces("opt", random_tensor(torch.float32, (5, 3), seed=3), [0, 6, 15]))
+        },
+    }
     ZarrSaveShardedStrategy().save(sd, tmp_path / "zarr")
     TensorStoreSaveShardedStrategy().save(sd, tmp_path / "ts")
 
@@ -296,7 +345,9 @@ class TestDamage:
         assert "'dmg.w'" in str(info.value) and str(chunk) in str(info.value)
 
     def test_deleted_fragment_chunk(self, tmp_path, eng, stored):
-        (chunk,) = [p for p in (tmp_path / ZARR_DIR / "frag" / "0.0_5").rglob("*") if p.is_file() and p.name != "zarr.json"]
+        (chunk,) = [
+            p for p in (tmp_path / ZARR_DIR / "frag" / "0.0_5").rglob("*") if p.is_file() and p.name != "zarr.json"
+        ]
         chunk.unlink()
         with pytest.raises(CorruptCheckpointError) as info:
             eng.load({"x": ShardedTensor.from_rank_offsets("frag", torch.empty(3, 4))}, tmp_path)
@@ -355,6 +406,7 @@ class _Proxy:
         class Opened:
             def result(self) -> Any:
                 return _Proxy(future.result(), log)
+
         return Opened()
 
     def __getitem__(self, index: Any) -> "_Proxy":
@@ -389,7 +441,9 @@ def test_reads_of_a_rank_are_in_flight_together(tmp_path, monkeypatch, small_fra
 
 def test_staged_reads_are_bounded(tmp_path, monkeypatch):
     full = torch.arange(64, dtype=torch.float32).reshape(8, 8)
-    TensorStoreSaveShardedStrategy().save({f"f{i}": sh for i, sh in enumerate(flat_pieces("f", full, [0, 16, 32, 48, 64]))}, tmp_path)
+    TensorStoreSaveShardedStrategy().save(
+        {f"f{i}": sh for i, sh in enumerate(flat_pieces("f", full, [0, 16, 32, 48, 64]))}, tmp_path
+    )
     log: List[str] = []
     monkeypatch.setattr(ts_strategy, "ts", _Recorder(ts_strategy.ts, log))
     req = {"c": ShardedTensor.from_rank_offsets("f", torch.empty(8, 4), (1, 1, 2))}  # fragments read staged
@@ -414,14 +468,18 @@ def test_merge_global_slice_with_shape():
 
 
 def test_open_ts_array_and_metadata(tmp_path):
-    sd = {**split_state("a", torch.ones(4, 6, dtype=torch.bfloat16), 0, 2),
-          **{f"f{i}": sh for i, sh in enumerate(flat_pieces("b", torch.ones(3, 5), [0, 7, 15]))}}
+    sd = {
+        **split_state("a", torch.ones(4, 6, dtype=torch.bfloat16), 0, 2),
+        **{f"f{i}": sh for i, sh in enumerate(flat_pieces("b", torch.ones(3, 5), [0, 7, 15]))},
+    }
     ZarrSaveShardedStrategy().save(sd, tmp_path)
     arr = open_ts_array(tmp_path / ZARR_DIR / "a")
     assert tuple(arr.shape) == (4, 6) and arr.read().result().dtype.name == "bfloat16"
     ts_meta = TensorStoreLoadShardedStrategy().load_tensors_metadata(tmp_path)
     zarr_meta = ZarrLoadShardedStrategy().load_tensors_metadata(tmp_path)
-    assert {k: (v.global_shape, v.dtype) for k, v in ts_meta.items()} == {k: (v.global_shape, v.dtype) for k, v in zarr_meta.items()}
+    assert {k: (v.global_shape, v.dtype) for k, v in ts_meta.items()} == {
+        k: (v.global_shape, v.dtype) for k, v in zarr_meta.items()
+    }
     with pytest.raises(CorruptCheckpointError, match="nope"):
         open_ts_array(tmp_path / ZARR_DIR / "nope")
 
@@ -431,15 +489,25 @@ def test_through_save_and_load(tmp_path):
     full = torch.randn(6, 4)
     dc.save(split_state("w", full, 0, 3), tmp_path, sharded_strategy=TensorStoreSaveShardedStrategy())
     assert dc.maybe_load_config(tmp_path).sharded_backend == "zarr"
-    out = dc.load({"x": ShardedTensor.from_rank_offsets("w", torch.empty(6, 4))}, tmp_path,
-                  sharded_strategy=TensorStoreLoadShardedStrategy())
+    out = dc.load(
+        {"x": ShardedTensor.from_rank_offsets("w", torch.empty(6, 4))},
+        tmp_path,
+        sharded_strategy=TensorStoreLoadShardedStrategy(),
+    )
     assert torch.equal(out["x"], full)
     assert torch.equal(dc.load_plain_tensors(tmp_path)["w"], full)
     # with a cap of one concurrent file operation the result is the same
-    capped = TensorStoreLoadShardedStrategy(concurrency=1).load({"x": ShardedTensor.from_rank_offsets("w", torch.empty(6, 4))}, tmp_path)
+    capped = TensorStoreLoadShardedStrategy(concurrency=1).load(
+        {"x": ShardedTensor.from_rank_offsets("w", torch.empty(6, 4))}, tmp_path
+    )
     assert torch.equal(capped["x"], full)
     TensorStoreSaveShardedStrategy(concurrency=1).save(split_state("w", full, 1, 2), tmp_path / "capped")
-    assert torch.equal(ZarrLoadShardedStrategy().load({"x": ShardedTensor.from_rank_offsets("w", torch.empty(6, 4))}, tmp_path / "capped")["x"], full)
+    assert torch.equal(
+        ZarrLoadShardedStrategy().load(
+            {"x": ShardedTensor.from_rank_offsets("w", torch.empty(6, 4))}, tmp_path / "capped"
+        )["x"],
+        full,
+    )
     with pytest.raises(dc.CheckpointingException, match="'zarr', 1"):
         TensorStoreSaveShardedStrategy("safetensors", 1)
 
@@ -448,7 +516,9 @@ def test_registry_alternatives_and_megatron_registration(tmp_path):
     assert base.alternative_strategies(A.LOAD_SHARDED, "zarr", 1) == ["tensorstore"]
     assert base.alternative_strategies(A.SAVE_SHARDED, "zarr", 1) == ["tensorstore"]
     assert base.alternative_strategies(A.LOAD_SHARDED, "torch", 1) == []
-    assert isinstance(base.get_alternative_strategy(A.LOAD_SHARDED, "zarr", 1, "tensorstore"), TensorStoreLoadShardedStrategy)
+    assert isinstance(
+        base.get_alternative_strategy(A.LOAD_SHARDED, "zarr", 1, "tensorstore"), TensorStoreLoadShardedStrategy
+    )
     with pytest.raises(dc.UnknownStrategyError, match="'nope'.*tensorstore"):
         base.get_alternative_strategy(A.LOAD_SHARDED, "zarr", 1, "nope")
     assert isinstance(dc.get_default_strategy(A.LOAD_SHARDED, "zarr", 1), ZarrLoadShardedStrategy)
@@ -479,7 +549,9 @@ def test_missing_tensorstore_names_the_pip_extra():
         "except dist_ckpt.MissingDependencyError as e:\n"
         "    print('registry:', e)\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=dict(os.environ))
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=dict(os.environ)
+    )
     lines = result.stdout.strip().splitlines()
     assert len(lines) == 2, result.stdout + result.stderr
     assert all("pip install 'dist_ckpt[tensorstore]'" in line for line in lines)

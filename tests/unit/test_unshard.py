@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import dist_ckpt as dc
+from dist_ckpt.engine.registry import StrategyAction, get_default_strategy
 from dist_ckpt.errors import KeyMismatchError, NotACheckpointError
 from dist_ckpt.model.sharded import ShardedTensor
-from dist_ckpt.backends.base import StrategyAction, get_default_strategy
 from dist_ckpt.testing.layouts import bitwise_equal, flat_shards, full_tensor, tp_shards
 
 BACKENDS = [("safetensors", 1), ("zarr", 1)]
@@ -30,8 +30,9 @@ def _state():
     sd.update(tp_shards("cols", fulls["cols"], 1, 4, 0, 1))
     sd.update(flat_shards("opt", fulls["opt"], 0, 2, 2, 0, 1))
     for layer in range(4):
-        sd[f"L{layer}"] = ShardedTensor.from_rank_offsets("layers", fulls["layers"][layer].clone(), (0, layer, 4),
-                                                          prepend_axis_num=1)
+        sd[f"L{layer}"] = ShardedTensor.from_rank_offsets(
+            "layers", fulls["layers"][layer].clone(), (0, layer, 4), prepend_axis_num=1
+        )
     return sd, fulls
 
 

@@ -5,14 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_ckpt.model.dict_utils import nested_values
 from dist_ckpt.errors import InvalidShardedTensorError
-from dist_ckpt.model.sharded import (
-    LocalNonPersistentObject,
-    ShardedObject,
-    ShardedTensor,
-    ShardedTensorFactory,
-)
+from dist_ckpt.model.dict_utils import nested_values
+from dist_ckpt.model.sharded import LocalNonPersistentObject, ShardedObject, ShardedTensor, ShardedTensorFactory
 from dist_ckpt.model.state_dict_utils import (
     add_prefix_for_sharding,
     apply_prefix_mapping,
@@ -51,7 +46,9 @@ class TestExtract:
     def test_sharded_tensors(self, state):
         match, rest = extract_sharded_tensors(state)
         assert match == {"t": state["t"], "nested": {"lst": [state["nested"]["lst"][0]]}}
-        assert leaf_types(rest) == sorted(["ShardedObject", "ShardedTensorFactory", "int", "LocalNonPersistentObject", "int"])
+        assert leaf_types(rest) == sorted(
+            ["ShardedObject", "ShardedTensorFactory", "int", "LocalNonPersistentObject", "int"]
+        )
 
     def test_sharded_tensors_and_factories(self, state):
         match, rest = extract_sharded_tensors_and_factories(state)
@@ -80,8 +77,13 @@ class TestExtract:
 
     def test_input_unchanged(self, state):
         before = [id(v) for v in nested_values(state)]
-        for fn in (extract_sharded_base, extract_nonpersistent, extract_sharded_tensors,
-                   extract_sharded_tensors_and_factories, extract_sharded_tensors_or_nonpersistent):
+        for fn in (
+            extract_sharded_base,
+            extract_nonpersistent,
+            extract_sharded_tensors,
+            extract_sharded_tensors_and_factories,
+            extract_sharded_tensors_or_nonpersistent,
+        ):
             fn(state)
         assert [id(v) for v in nested_values(state)] == before
         assert set(state) == {"t", "nested", "np", "common"} and len(state["nested"]["lst"]) == 2

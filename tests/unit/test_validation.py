@@ -1,4 +1,4 @@
-"""Unit tests of dist_ckpt.engine.validation: pure checks over synthetic per-rank metadata."""
+"""Unit tests of dist_ckpt.engine.checks: pure checks over synthetic per-rank metadata."""
 
 from __future__ import annotations
 
@@ -8,6 +8,26 @@ import numpy as np
 import pytest
 import torch
 
+from dist_ckpt.engine.checks.common_state import (
+    common_state_fingerprints,
+    find_common_state_differences,
+    validate_common_state_dict,
+)
+from dist_ckpt.engine.checks.compatibility import validate_sharded_objects_handling
+from dist_ckpt.engine.checks.sharding import (
+    check_sharding_integrity,
+    determine_global_metadata,
+    find_sharding_problems,
+    validate_sharding_integrity,
+)
+from dist_ckpt.engine.checks.strict import (
+    StrictHandling,
+    adjust_non_strict_load,
+    determine_missing_and_unexpected_keys,
+    maybe_report_missing_and_unexpected_keys,
+    parse_strict_flag,
+    validate_integrity_and_strict_load,
+)
 from dist_ckpt.errors import (
     CheckpointingException,
     IncompatibleStrategyError,
@@ -16,29 +36,14 @@ from dist_ckpt.errors import (
     ShardingIntegrityError,
 )
 from dist_ckpt.model.sharded import ShardedObject, ShardedTensor
-from dist_ckpt.engine.validation import (
-    StrictHandling,
-    adjust_non_strict_load,
-    check_sharding_integrity,
-    common_state_fingerprints,
-    determine_global_metadata,
-    determine_missing_and_unexpected_keys,
-    find_common_state_differences,
-    find_sharding_problems,
-    maybe_report_missing_and_unexpected_keys,
-    parse_strict_flag,
-    validate_common_state_dict,
-    validate_integrity_and_strict_load,
-    validate_sharded_objects_handling,
-    validate_sharding_integrity,
-)
 
 
 def st(key, local_shape, *rank_offsets, replica_id=0, dtype=torch.float32, prepend_axis_num=0, flat=None):
     """A ShardedTensor without data, as exchanged between ranks."""
     meta = torch.empty(local_shape, dtype=dtype, device="meta")
-    sh = ShardedTensor.from_rank_offsets(key, meta, *rank_offsets, replica_id=replica_id,
-                                         prepend_axis_num=prepend_axis_num)
+    sh = ShardedTensor.from_rank_offsets(
+        key, meta, *rank_offsets, replica_id=replica_id, prepend_axis_num=prepend_axis_num
+    )
     sh = sh.without_data()
     if flat is not None:
         sh.flattened_range = slice(*flat)
@@ -99,11 +104,14 @@ class TestTensorSharding:
         problems = find_sharding_problems(meta)
         assert len(problems) == 1 and "(2,)" in problems[0]
 
-    @pytest.mark.parametrize("attr, other", [
-        ("global_shape", lambda: st("w", (2, 3), (0, 1, 2), (1, 1, 3))),
-        ("dtype", lambda: st("w", (2, 3), (0, 1, 2), (1, 1, 2), dtype=torch.bfloat16)),
-        ("full_local_shape", lambda: st("w", (1, 6), (0, 3, 4))),
-    ])
+    @pytest.mark.parametrize(
+        "attr, other",
+        [
+            ("global_shape", lambda: st("w", (2, 3), (0, 1, 2), (1, 1, 3))),
+            ("dtype", lambda: st("w", (2, 3), (0, 1, 2), (1, 1, 2), dtype=torch.bfloat16)),
+            ("full_local_shape", lambda: st("w", (1, 6), (0, 3, 4))),
+        ],
+    )
     def test_disagreeing_metadata(self, attr, other):
         meta = grid_2x2()
         meta[3] = [other()]
@@ -142,11 +150,21 @@ class TestFlattenedSharding:
     @staticmethod
     def flat(rank, chunk, rng, replica_id=0):
         meta = torch.empty((2, 3), device="meta")
-        return ShardedTensor.from_rank_offsets_flat("f", meta.flatten()[rng[0]:rng[1]], (2, 3), (0, chunk, 2),
-                                                    flattened_range=slice(*rng), replica_id=replica_id).without_data()
+        return ShardedTensor.from_rank_offsets_flat(
+            "f",
+            meta.flatten()[rng[0] : rng[1]],
+            (2, 3),
+            (0, chunk, 2),
+            flattened_range=slice(*rng),
+            replica_id=replica_id,
+        ).without_data()
 
     def test_valid(self):
-        meta = [[self.flat(0, 0, (0, 4))], [self.flat(1, 0, (4, 6)), self.flat(1, 1, (0, 1))], [self.flat(2, 1, (1, 6))]]
+        meta = [
+            [self.flat(0, 0, (0, 4))],
+            [self.flat(1, 0, (4, 6)), self.flat(1, 1, (0, 1))],
+            [self.flat(2, 1, (1, 6))],
+        ]
         assert find_sharding_problems(meta) == []
 
     def test_overlap(self):
@@ -184,8 +202,11 @@ class TestObjectSharding:
         assert find_sharding_problems(meta) == []
 
     def test_overlap_and_missing(self):
-        meta = [[ShardedObject("opt.o", None, (3,), (0,))], [ShardedObject("opt.o", None, (3,), (0,))],
-                [ShardedObject("opt.o", None, (3,), (2,), replica_id=1)]]
+        meta = [
+            [ShardedObject("opt.o", None, (3,), (0,))],
+            [ShardedObject("opt.o", None, (3,), (0,))],
+            [ShardedObject("opt.o", None, (3,), (2,), replica_id=1)],
+        ]
         problems = find_sharding_problems(meta)
         assert any("overlap" in p and "[0, 1]" in p and "'opt.o'" in p for p in problems)
         assert any("(1,)" in p and "2 of 3" in p for p in problems)
@@ -232,8 +253,15 @@ def test_determine_global_metadata_world_of_one():
 class TestStrictHandling:
     def test_values(self):
         assert {m.value for m in StrictHandling} == {
-            "assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
-            "return_unexpected", "return_all", "ignore_all"}
+            "assume_ok_unexpected",
+            "log_unexpected",
+            "log_all",
+            "raise_unexpected",
+            "raise_all",
+            "return_unexpected",
+            "return_all",
+            "ignore_all",
+        }
 
     def test_requires_explicit_check(self):
         for m in StrictHandling:
@@ -305,27 +333,31 @@ class TestKeyMatching:
 class TestValidateIntegrityAndStrictLoad:
     @staticmethod
     def request():
-        return {"a": ShardedTensor.from_rank_offsets("a", torch.ones(2)),
-                "c": ShardedTensor.from_rank_offsets("c", torch.ones(2))}
+        return {
+            "a": ShardedTensor.from_rank_offsets("a", torch.ones(2)),
+            "c": ShardedTensor.from_rank_offsets("c", torch.ones(2)),
+        }
 
     ckpt = {"a": st("a", (2,)), "b": st("b", (2,))}
 
-    @pytest.mark.parametrize("mode, missing, unexpected", [
-        (StrictHandling.LOG_UNEXPECTED, set(), {"c"}),
-        (StrictHandling.LOG_ALL, {"b"}, {"c"}),
-        (StrictHandling.RETURN_UNEXPECTED, set(), {"c"}),
-        (StrictHandling.RETURN_ALL, {"b"}, {"c"}),
-        (StrictHandling.IGNORE_ALL, set(), set()),
-    ])
+    @pytest.mark.parametrize(
+        "mode, missing, unexpected",
+        [
+            (StrictHandling.LOG_UNEXPECTED, set(), {"c"}),
+            (StrictHandling.LOG_ALL, {"b"}, {"c"}),
+            (StrictHandling.RETURN_UNEXPECTED, set(), {"c"}),
+            (StrictHandling.RETURN_ALL, {"b"}, {"c"}),
+            (StrictHandling.IGNORE_ALL, set(), set()),
+        ],
+    )
     def test_non_raising_modes(self, mode, missing, unexpected):
         sd, m, u = validate_integrity_and_strict_load(self.request(), mode, True, ckpt_sharded_metadata=self.ckpt)
         assert set(sd) == {"a"}
         assert (m, u) == (missing, unexpected)
 
-    @pytest.mark.parametrize("mode, names", [
-        (StrictHandling.RAISE_UNEXPECTED, ["'c'"]),
-        (StrictHandling.RAISE_ALL, ["'c'", "'b'"]),
-    ])
+    @pytest.mark.parametrize(
+        "mode, names", [(StrictHandling.RAISE_UNEXPECTED, ["'c'"]), (StrictHandling.RAISE_ALL, ["'c'", "'b'"])]
+    )
     def test_raising_modes(self, mode, names):
         with pytest.raises(KeyMismatchError) as info:
             validate_integrity_and_strict_load(self.request(), mode, False, ckpt_sharded_metadata=self.ckpt)
@@ -363,7 +395,7 @@ def test_validate_sharded_objects_handling():
 
 
 def test_verify_checkpoint_on_empty_dir(tmp_path):
-    from dist_ckpt.engine.validation import verify_checkpoint_and_load_strategy
+    from dist_ckpt.engine.checks.compatibility import verify_checkpoint_and_load_strategy
 
     with pytest.raises(NotACheckpointError, match="metadata.json"):
         verify_checkpoint_and_load_strategy(tmp_path)
@@ -382,23 +414,34 @@ class TestCommonStateFingerprints:
 
     def test_equal_states_equal_fingerprints(self):
         def make():
-            return {"t": torch.arange(4.0), "n": np.arange(3), "s": {1, 2}, "tup": (1, "x"), "f": 1.5, "none": None,
-                    "b": b"raw", "obj": {"lr": 0.1}}
+            return {
+                "t": torch.arange(4.0),
+                "n": np.arange(3),
+                "s": {1, 2},
+                "tup": (1, "x"),
+                "f": 1.5,
+                "none": None,
+                "b": b"raw",
+                "obj": {"lr": 0.1},
+            }
 
         assert common_state_fingerprints(make()) == common_state_fingerprints(make())
 
-    @pytest.mark.parametrize("a, b", [
-        (torch.arange(4.0), torch.arange(4.0) + 1),
-        (torch.zeros(4), torch.zeros(2, 2)),
-        (torch.zeros(4), torch.zeros(4, dtype=torch.float64)),
-        (np.arange(3), np.arange(3) * 2),
-        (1, 2),
-        (1, 1.0 + 1e-9),
-        ("x", "y"),
-        ((1, 2), (1, 3)),
-        ({1, 2}, {1, 3}),
-        (1, True),
-    ])
+    @pytest.mark.parametrize(
+        "a, b",
+        [
+            (torch.arange(4.0), torch.arange(4.0) + 1),
+            (torch.zeros(4), torch.zeros(2, 2)),
+            (torch.zeros(4), torch.zeros(4, dtype=torch.float64)),
+            (np.arange(3), np.arange(3) * 2),
+            (1, 2),
+            (1, 1.0 + 1e-9),
+            ("x", "y"),
+            ((1, 2), (1, 3)),
+            ({1, 2}, {1, 3}),
+            (1, True),
+        ],
+    )
     def test_different_values_differ(self, a, b):
         assert common_state_fingerprints({"k": a}) != common_state_fingerprints({"k": b})
 

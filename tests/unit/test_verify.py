@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import dist_ckpt as dc
-from dist_ckpt.cli import main
-from dist_ckpt.model.sharded import ShardedObject, ShardedTensor
 from dist_ckpt.backends.base import LoadShardedStrategy
+from dist_ckpt.cli import main
 from dist_ckpt.integrity.verify import verify_checkpoint
+from dist_ckpt.model.sharded import ShardedObject, ShardedTensor
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
 
@@ -85,8 +85,11 @@ def test_version_1_goldens_verify_with_notes(tmp_path, name):
     report = verify_checkpoint(path)
     assert report.ok and any("without checksums" in n or "no checksums" in n for n in report.notes)
     # structure checks still catch a missing file of an old checkpoint
-    victim = sorted(p for p in (path / name.split("_")[0]).rglob("*") if p.is_file() and p.name != "zarr.json"
-                    and p.name != "index.json")[0]
+    victim = sorted(
+        p
+        for p in (path / name.split("_")[0]).rglob("*")
+        if p.is_file() and p.name != "zarr.json" and p.name != "index.json"
+    )[0]
     victim.unlink()
     assert str(victim.relative_to(path)) in {p.path for p in verify_checkpoint(path).problems}
 
@@ -115,7 +118,10 @@ def test_leftover_temporary_files_are_noted(tmp_path):
 
 @pytest.mark.parametrize("backend", [("safetensors", 1), ("zarr", 1)])
 def test_removing_tensors_keeps_the_checkpoint_verifiable(tmp_path, backend):
-    sd = {k: ShardedTensor.from_rank_offsets(k, torch.arange(12.0).reshape(3, 4) + i) for i, k in enumerate(["a.w", "a.b", "c"])}
+    sd = {
+        k: ShardedTensor.from_rank_offsets(k, torch.arange(12.0).reshape(3, 4) + i)
+        for i, k in enumerate(["a.w", "a.b", "c"])
+    }
     dc.save(sd, tmp_path / "c", sharded_strategy=backend)
     dc.remove_sharded_tensors(tmp_path / "c", "a.")
     report = verify_checkpoint(tmp_path / "c")
@@ -130,8 +136,11 @@ def test_progress_events_for_each_part(tmp_path):
     report = verify_checkpoint(_save(tmp_path / "d"), progress=events.append)
     assert report.ok
     assert [(e.phase, e.done) for e in events] == [
-        ("checking metadata.json", False), ("checking metadata.json", True),
-        ("checking the safetensors:1 files", False), ("checking the safetensors:1 files", True),
-        ("checking the torch:1 files", False), ("checking the torch:1 files", True),
+        ("checking metadata.json", False),
+        ("checking metadata.json", True),
+        ("checking the safetensors:1 files", False),
+        ("checking the safetensors:1 files", True),
+        ("checking the torch:1 files", False),
+        ("checking the torch:1 files", True),
     ]
     assert all(e.operation == Operation.VERIFY for e in events) and events[-1].index == events[-1].total == 3

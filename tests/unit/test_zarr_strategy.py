@@ -16,16 +16,12 @@ import zarr
 import zarr.storage
 
 import dist_ckpt as dc
-from dist_ckpt.model.dtypes import SUPPORTED_DTYPE_NAMES
+from dist_ckpt.backends.zarr import layout as zarr_layout
+from dist_ckpt.backends.zarr.zarr_python import ZARR_DIR, ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
 from dist_ckpt.errors import CorruptCheckpointError, KeyMismatchError, LoadMismatchError
+from dist_ckpt.model.dtypes import SUPPORTED_DTYPE_NAMES
 from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.storage import encode_key
-from dist_ckpt.backends.zarr import layout as zarr_layout
-from dist_ckpt.backends.zarr.zarr_python import (
-    ZARR_DIR,
-    ZarrLoadShardedStrategy,
-    ZarrSaveShardedStrategy,
-)
 from dist_ckpt.testing.layouts import bits
 from dist_ckpt.testing.layouts import random_bits_tensor as random_tensor
 
@@ -57,8 +53,10 @@ def empty_split(key, full_shape, dtype, axis, parts, fill=float("nan")):
     shape[axis] //= parts
     return {
         f"rank{r}": ShardedTensor.from_rank_offsets(
-            key, torch.full(shape, fill).to(dtype) if dtype.is_floating_point else torch.zeros(shape, dtype=dtype),
-            (axis, r, parts))
+            key,
+            torch.full(shape, fill).to(dtype) if dtype.is_floating_point else torch.zeros(shape, dtype=dtype),
+            (axis, r, parts),
+        )
         for r in range(parts)
     }
 
@@ -68,8 +66,11 @@ def flat_pieces(key, local, boundaries, *rank_offsets, **kw):
     flat = local.flatten()
     out = []
     for start, stop in zip(boundaries[:-1], boundaries[1:]):
-        out.append(ShardedTensor.from_rank_offsets_flat(key, flat[start:stop].clone(), local.shape, *rank_offsets,
-                                                        flattened_range=slice(start, stop), **kw))
+        out.append(
+            ShardedTensor.from_rank_offsets_flat(
+                key, flat[start:stop].clone(), local.shape, *rank_offsets, flattened_range=slice(start, stop), **kw
+            )
+        )
     return out
 
 
@@ -84,8 +85,10 @@ def test_every_dtype_round_trips_bit_exactly(tmp_path, name):
     whole = ShardedTensor.from_rank_offsets("t", torch.empty(4, 6, dtype=dtype))
     assert_bits_equal(load({"w": whole}, tmp_path)["w"], full)
     # resharded along the other axis
-    parts = load({f"p{r}": ShardedTensor.from_rank_offsets("t", torch.empty(4, 2, dtype=dtype), (1, r, 3))
-                  for r in range(3)}, tmp_path)
+    parts = load(
+        {f"p{r}": ShardedTensor.from_rank_offsets("t", torch.empty(4, 2, dtype=dtype), (1, r, 3)) for r in range(3)},
+        tmp_path,
+    )
     assert_bits_equal(torch.cat([parts[f"p{r}"] for r in range(3)], dim=1), full)
     # the stored zarr array holds the dtype under its stable name
     meta = json.loads((tmp_path / ZARR_DIR / "t" / "zarr.json").read_text())
@@ -118,8 +121,10 @@ def test_reshard_4_2_1(tmp_path, axis):
     save(split_state("w", full, axis, 4), tmp_path / "four")
     two = load(empty_split("w", full.shape, full.dtype, axis, 2), tmp_path / "four")
     assert torch.equal(torch.cat([two["rank0"], two["rank1"]], dim=axis), full)
-    save({f"r{r}": ShardedTensor.from_rank_offsets("w", two[f"rank{r}"], (axis, r, 2)) for r in range(2)},
-         tmp_path / "two")
+    save(
+        {f"r{r}": ShardedTensor.from_rank_offsets("w", two[f"rank{r}"], (axis, r, 2)) for r in range(2)},
+        tmp_path / "two",
+    )
     (one,) = load(empty_split("w", full.shape, full.dtype, axis, 1), tmp_path / "two").values()
     assert torch.equal(one, full)
 
@@ -129,40 +134,52 @@ def test_reshard_grid(tmp_path):
     sd = {}
     for i in range(2):
         for j in range(2):
-            sd[f"{i}{j}"] = ShardedTensor.from_rank_offsets("w", full[2 * i:2 * i + 2, 3 * j:3 * j + 3].clone(),
-                                                            (0, i, 2), (1, j, 2))
+            sd[f"{i}{j}"] = ShardedTensor.from_rank_offsets(
+                "w", full[2 * i : 2 * i + 2, 3 * j : 3 * j + 3].clone(), (0, i, 2), (1, j, 2)
+            )
     save(sd, tmp_path)
-    req = {f"{i}{j}": ShardedTensor.from_rank_offsets("w", torch.empty(1, 2), (0, i, 4), (1, j, 3))
-           for i in range(4) for j in range(3)}
+    req = {
+        f"{i}{j}": ShardedTensor.from_rank_offsets("w", torch.empty(1, 2), (0, i, 4), (1, j, 3))
+        for i in range(4)
+        for j in range(3)
+    }
     out = load(req, tmp_path)
     for i in range(4):
         for j in range(3):
-            assert torch.equal(out[f"{i}{j}"], full[i:i + 1, 2 * j:2 * j + 2])
+            assert torch.equal(out[f"{i}{j}"], full[i : i + 1, 2 * j : 2 * j + 2])
 
 
 def test_replicas_are_not_saved(tmp_path):
     main = torch.ones(2, 3)
-    sd = {"main": ShardedTensor.from_rank_offsets("w", main),
-          "replica": ShardedTensor.from_rank_offsets("w", torch.zeros(2, 3), replica_id=1)}
+    sd = {
+        "main": ShardedTensor.from_rank_offsets("w", main),
+        "replica": ShardedTensor.from_rank_offsets("w", torch.zeros(2, 3), replica_id=1),
+    }
     save(sd, tmp_path)
     assert torch.equal(load({"x": ShardedTensor.from_rank_offsets("w", torch.empty(2, 3))}, tmp_path)["x"], main)
 
 
 def test_prepend_axis_num(tmp_path):
     stacked = torch.randn(3, 4, 6)  # 3 layers, one per pipeline stage
-    sd = {f"stage{s}": ShardedTensor.from_rank_offsets("layers.w", stacked[s].clone(), (0, s, 3), prepend_axis_num=1)
-          for s in range(3)}
+    sd = {
+        f"stage{s}": ShardedTensor.from_rank_offsets("layers.w", stacked[s].clone(), (0, s, 3), prepend_axis_num=1)
+        for s in range(3)
+    }
     save(sd, tmp_path)
     whole = load({"x": ShardedTensor.from_rank_offsets("layers.w", torch.empty(3, 4, 6))}, tmp_path)["x"]
     assert torch.equal(whole, stacked)
     # another layout: per layer, split in two along the layer's axis 1
-    req = {f"{s}.{j}": ShardedTensor.from_rank_offsets("layers.w", torch.empty(4, 3), (0, s, 3), (2, j, 2),
-                                                       prepend_axis_num=1)
-           for s in range(3) for j in range(2)}
+    req = {
+        f"{s}.{j}": ShardedTensor.from_rank_offsets(
+            "layers.w", torch.empty(4, 3), (0, s, 3), (2, j, 2), prepend_axis_num=1
+        )
+        for s in range(3)
+        for j in range(2)
+    }
     out = load(req, tmp_path)
     for s in range(3):
         for j in range(2):
-            assert torch.equal(out[f"{s}.{j}"], stacked[s, :, 3 * j:3 * j + 3])
+            assert torch.equal(out[f"{s}.{j}"], stacked[s, :, 3 * j : 3 * j + 3])
 
 
 # --------------------------------------------------------------------------- flattened ranges
@@ -172,7 +189,7 @@ def test_flattened_uneven_pieces(tmp_path):
     full = torch.randn(8, 6)
     sd = {}
     for tp in range(2):  # two tensor-parallel "ranks", each with 3 uneven optimizer pieces
-        local = full[4 * tp:4 * tp + 4]
+        local = full[4 * tp : 4 * tp + 4]
         for i, sh in enumerate(flat_pieces("opt.w", local, [0, 5, 17, 24], (0, tp, 2))):
             sd[f"tp{tp}.dp{i}"] = sh
     save(sd, tmp_path)
@@ -181,16 +198,18 @@ def test_flattened_uneven_pieces(tmp_path):
     for tp in range(2):
         for i, (a, b) in enumerate([(0, 11), (11, 13), (13, 24)]):
             req[f"{tp}.{i}"] = ShardedTensor.from_rank_offsets_flat(
-                "opt.w", torch.full((b - a,), float("nan")), (4, 6), (0, tp, 2), flattened_range=slice(a, b))
+                "opt.w", torch.full((b - a,), float("nan")), (4, 6), (0, tp, 2), flattened_range=slice(a, b)
+            )
     out = load(req, tmp_path)
     for tp in range(2):
         got = torch.cat([out[f"{tp}.{i}"] for i in range(3)])
-        assert torch.equal(got, full[4 * tp:4 * tp + 4].flatten())
+        assert torch.equal(got, full[4 * tp : 4 * tp + 4].flatten())
     # non-flattened: the whole tensor, and another split
     whole = load({"x": ShardedTensor.from_rank_offsets("opt.w", torch.empty(8, 6))}, tmp_path)["x"]
     assert torch.equal(whole, full)
-    cols = load({f"c{j}": ShardedTensor.from_rank_offsets("opt.w", torch.empty(8, 2), (1, j, 3)) for j in range(3)},
-                tmp_path)
+    cols = load(
+        {f"c{j}": ShardedTensor.from_rank_offsets("opt.w", torch.empty(8, 2), (1, j, 3)) for j in range(3)}, tmp_path
+    )
     assert torch.equal(torch.cat([cols[f"c{j}"] for j in range(3)], dim=1), full)
 
 
@@ -198,9 +217,12 @@ def test_flattened_fragments_in_several_chunks(tmp_path, monkeypatch):
     monkeypatch.setattr(zarr_layout, "FRAGMENT_CHUNK_ELEMENTS", 4)
     full = torch.arange(30, dtype=torch.int32).reshape(5, 6)
     save({f"p{i}": sh for i, sh in enumerate(flat_pieces("f", full, [0, 13, 30]))}, tmp_path)
-    req = {f"q{i}": ShardedTensor.from_rank_offsets_flat("f", torch.zeros(b - a, dtype=torch.int32), (5, 6),
-                                                         flattened_range=slice(a, b))
-           for i, (a, b) in enumerate([(0, 3), (3, 22), (22, 30)])}
+    req = {
+        f"q{i}": ShardedTensor.from_rank_offsets_flat(
+            "f", torch.zeros(b - a, dtype=torch.int32), (5, 6), flattened_range=slice(a, b)
+        )
+        for i, (a, b) in enumerate([(0, 3), (3, 22), (22, 30)])
+    }
     out = load(req, tmp_path)
     assert torch.equal(torch.cat([out[f"q{i}"] for i in range(3)]), full.flatten())
     whole = load({"x": ShardedTensor.from_rank_offsets("f", torch.empty(5, 6, dtype=torch.int32))}, tmp_path)["x"]
@@ -248,16 +270,21 @@ class TestShapeMismatch:
         assert torch.equal(load({"x": sh}, tmp_path)["x"], stored[:2, :3])
 
     def test_sharded_pad(self, tmp_path, stored):
-        req = {f"r{r}": ShardedTensor.from_rank_offsets("emb", torch.full((3, 6), 7.0), (0, r, 2),
-                                                        allow_shape_mismatch=True) for r in range(2)}
+        req = {
+            f"r{r}": ShardedTensor.from_rank_offsets(
+                "emb", torch.full((3, 6), 7.0), (0, r, 2), allow_shape_mismatch=True
+            )
+            for r in range(2)
+        }
         out = load(req, tmp_path)
         assert torch.equal(out["r0"], stored[:3])
         assert torch.equal(out["r1"][0], stored[3])
         assert torch.equal(out["r1"][1:], torch.zeros(2, 6))
 
     def test_flattened_pad(self, tmp_path, stored):
-        sh = ShardedTensor.from_rank_offsets_flat("emb", torch.full((20,), 7.0), (5, 6), flattened_range=slice(10, 30),
-                                                  allow_shape_mismatch=True)
+        sh = ShardedTensor.from_rank_offsets_flat(
+            "emb", torch.full((20,), 7.0), (5, 6), flattened_range=slice(10, 30), allow_shape_mismatch=True
+        )
         out = load({"x": sh}, tmp_path)["x"]
         expected = torch.zeros(5, 6)
         expected[:4] = stored
@@ -283,11 +310,21 @@ class TestShapeMismatch:
 
 
 def test_zero_d(tmp_path):
-    save({"s": ShardedTensor.from_rank_offsets("scalar", torch.tensor(3.5)),
-          "i": ShardedTensor.from_rank_offsets("int_scalar", torch.tensor(-7, dtype=torch.int64))}, tmp_path)
+    save(
+        {
+            "s": ShardedTensor.from_rank_offsets("scalar", torch.tensor(3.5)),
+            "i": ShardedTensor.from_rank_offsets("int_scalar", torch.tensor(-7, dtype=torch.int64)),
+        },
+        tmp_path,
+    )
     dest = torch.tensor(0.0)
-    out = load({"s": ShardedTensor.from_rank_offsets("scalar", dest),
-                "i": ShardedTensor.from_rank_offsets("int_scalar", torch.tensor(0, dtype=torch.int64))}, tmp_path)
+    out = load(
+        {
+            "s": ShardedTensor.from_rank_offsets("scalar", dest),
+            "i": ShardedTensor.from_rank_offsets("int_scalar", torch.tensor(0, dtype=torch.int64)),
+        },
+        tmp_path,
+    )
     assert out["s"].shape == () and out["s"].item() == 3.5 and out["s"] is dest
     assert out["i"].item() == -7
 
@@ -297,8 +334,9 @@ def test_zero_d_flattened(tmp_path):
     save({"s": sh}, tmp_path)
     out = load({"s": ShardedTensor.from_rank_offsets("scalar", torch.tensor(0.0))}, tmp_path)["s"]
     assert out.shape == () and out.item() == 2.5
-    back = load({"s": ShardedTensor.from_rank_offsets_flat("scalar", torch.zeros(1), (), flattened_range=slice(0, 1))},
-                tmp_path)["s"]
+    back = load(
+        {"s": ShardedTensor.from_rank_offsets_flat("scalar", torch.zeros(1), (), flattened_range=slice(0, 1))}, tmp_path
+    )["s"]
     assert back.tolist() == [2.5]
 
 
@@ -334,8 +372,9 @@ class TestInPlace:
         full = torch.randn(4, 6)
         save(split_state("w", full, 0, 2), tmp_path)
         t = torch.empty(10)
-        out = load({"x": ShardedTensor.from_rank_offsets_flat("w", t, (4, 6), flattened_range=slice(7, 17))},
-                   tmp_path)["x"]
+        out = load({"x": ShardedTensor.from_rank_offsets_flat("w", t, (4, 6), flattened_range=slice(7, 17))}, tmp_path)[
+            "x"
+        ]
         assert out is t and torch.equal(t, full.flatten()[7:17])
 
     def test_non_contiguous_destination(self, tmp_path):
@@ -391,8 +430,11 @@ def _chunk_reads(log):
 def test_load_reads_only_needed_chunk(tmp_path, read_log):
     full = torch.arange(32, dtype=torch.float32).reshape(8, 4)
     save(split_state("w", full, 0, 4), tmp_path)
-    chunk_files = sorted(str(p.relative_to(tmp_path / ZARR_DIR / "w")) for p in (tmp_path / ZARR_DIR / "w" / "c").rglob("*")
-                         if p.is_file())
+    chunk_files = sorted(
+        str(p.relative_to(tmp_path / ZARR_DIR / "w"))
+        for p in (tmp_path / ZARR_DIR / "w" / "c").rglob("*")
+        if p.is_file()
+    )
     assert chunk_files == [f"c/{i}/0" for i in range(4)]
     read_log.clear()
     out = load({"q": ShardedTensor.from_rank_offsets("w", torch.empty(2, 4), (0, 2, 4))}, tmp_path)
@@ -408,8 +450,10 @@ def test_flattened_load_reads_only_needed_fragment_chunks(tmp_path, read_log, mo
     full = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     save({f"p{i}": sh for i, sh in enumerate(flat_pieces("f", full, [0, 12, 24]))}, tmp_path)
     read_log.clear()
-    out = load({"q": ShardedTensor.from_rank_offsets_flat("f", torch.empty(2), (4, 6), flattened_range=slice(13, 15))},
-               tmp_path)
+    out = load(
+        {"q": ShardedTensor.from_rank_offsets_flat("f", torch.empty(2), (4, 6), flattened_range=slice(13, 15))},
+        tmp_path,
+    )
     assert torch.equal(out["q"], full.flatten()[13:15])
     reads = _chunk_reads(read_log)
     # only the fragment holding [12, 24), and at most the chunks of the row holding [13, 15)
@@ -489,7 +533,9 @@ class TestDamage:
     def test_deleted_fragment_chunk(self, tmp_path):
         full = torch.randn(3, 4)
         save({f"p{i}": sh for i, sh in enumerate(flat_pieces("frag", full, [0, 5, 12]))}, tmp_path)
-        (chunk,) = [p for p in (tmp_path / ZARR_DIR / "frag" / "0.0_5").rglob("*") if p.is_file() and p.name != "zarr.json"]
+        (chunk,) = [
+            p for p in (tmp_path / ZARR_DIR / "frag" / "0.0_5").rglob("*") if p.is_file() and p.name != "zarr.json"
+        ]
         chunk.unlink()
         with pytest.raises(CorruptCheckpointError) as info:
             load({"x": ShardedTensor.from_rank_offsets("frag", torch.empty(3, 4))}, tmp_path)
@@ -522,8 +568,13 @@ def test_awkward_keys(tmp_path):
 
 
 def test_load_tensors_metadata(tmp_path):
-    save({**split_state("a", torch.ones(4, 6, dtype=torch.bfloat16), 0, 2),
-          **{f"f{i}": sh for i, sh in enumerate(flat_pieces("b", torch.ones(3, 5), [0, 7, 15]))}}, tmp_path)
+    save(
+        {
+            **split_state("a", torch.ones(4, 6, dtype=torch.bfloat16), 0, 2),
+            **{f"f{i}": sh for i, sh in enumerate(flat_pieces("b", torch.ones(3, 5), [0, 7, 15]))},
+        },
+        tmp_path,
+    )
     meta = ZarrLoadShardedStrategy().load_tensors_metadata(tmp_path)
     assert set(meta) == {"a", "b"}
     assert meta["a"].global_shape == (4, 6) and meta["a"].dtype == torch.bfloat16
@@ -539,11 +590,13 @@ def test_load_tensors_metadata_without_zarr_dir(tmp_path):
 
 
 def test_remove_sharded_tensors(tmp_path):
-    sd = {"aw": ShardedTensor.from_rank_offsets("a.w", torch.ones(2)),
-          "ab": ShardedTensor.from_rank_offsets("a.b", torch.ones(3)),
-          "along": ShardedTensor.from_rank_offsets("a." + "z" * 300, torch.ones(1)),
-          "bw": ShardedTensor.from_rank_offsets("b.w", torch.full((2,), 5.0)),
-          "ax": ShardedTensor.from_rank_offsets("ax", torch.ones(1))}
+    sd = {
+        "aw": ShardedTensor.from_rank_offsets("a.w", torch.ones(2)),
+        "ab": ShardedTensor.from_rank_offsets("a.b", torch.ones(3)),
+        "along": ShardedTensor.from_rank_offsets("a." + "z" * 300, torch.ones(1)),
+        "bw": ShardedTensor.from_rank_offsets("b.w", torch.full((2,), 5.0)),
+        "ax": ShardedTensor.from_rank_offsets("ax", torch.ones(1)),
+    }
     dc.save(sd, tmp_path / "c", sharded_strategy=("zarr", 1))
     dc.remove_sharded_tensors(tmp_path / "c", "a.")
     meta = dc.load_tensors_metadata(tmp_path / "c")
@@ -567,7 +620,7 @@ def test_flattened_pieces_in_any_order(tmp_path):
     full = torch.randn(4, 6)
     pieces = []
     for tp in range(2):
-        pieces += flat_pieces("w", full[2 * tp:2 * tp + 2], [0, 5, 12], (0, tp, 2))
+        pieces += flat_pieces("w", full[2 * tp : 2 * tp + 2], [0, 5, 12], (0, tp, 2))
     save({f"p{i}": sh for i, sh in enumerate(reversed(pieces))}, tmp_path)
     assert torch.equal(load({"x": ShardedTensor.from_rank_offsets("w", torch.empty(4, 6))}, tmp_path)["x"], full)
 
@@ -581,7 +634,7 @@ def test_flattened_stored_cropped_load(tmp_path):
 
 def test_non_contiguous_source(tmp_path):
     base = torch.randn(6, 4)
-    sd = {f"r{r}": ShardedTensor.from_rank_offsets("t", base.t()[2 * r:2 * r + 2], (0, r, 2)) for r in range(2)}
+    sd = {f"r{r}": ShardedTensor.from_rank_offsets("t", base.t()[2 * r : 2 * r + 2], (0, r, 2)) for r in range(2)}
     assert not sd["r0"].data.is_contiguous()
     save(sd, tmp_path)
     assert torch.equal(load({"x": ShardedTensor.from_rank_offsets("t", torch.empty(4, 6))}, tmp_path)["x"], base.t())
@@ -590,10 +643,17 @@ def test_non_contiguous_source(tmp_path):
 @pytest.mark.parametrize("key", ["zarr.json", "c", "zarr"])
 def test_keys_that_look_like_zarr_files(tmp_path, key):
     """Keys are names, not paths: one that equals a zarr metadata file name must still round-trip."""
-    sd = {"x": ShardedTensor.from_rank_offsets(key, torch.full((2,), 3.0)),
-          "y": ShardedTensor.from_rank_offsets("other", torch.full((2,), 4.0))}
+    sd = {
+        "x": ShardedTensor.from_rank_offsets(key, torch.full((2,), 3.0)),
+        "y": ShardedTensor.from_rank_offsets("other", torch.full((2,), 4.0)),
+    }
     save(sd, tmp_path)
-    out = load({"x": ShardedTensor.from_rank_offsets(key, torch.empty(2)),
-                "y": ShardedTensor.from_rank_offsets("other", torch.empty(2))}, tmp_path)
+    out = load(
+        {
+            "x": ShardedTensor.from_rank_offsets(key, torch.empty(2)),
+            "y": ShardedTensor.from_rank_offsets("other", torch.empty(2)),
+        },
+        tmp_path,
+    )
     assert torch.equal(out["x"], torch.full((2,), 3.0)) and torch.equal(out["y"], torch.full((2,), 4.0))
     assert set(ZarrLoadShardedStrategy().load_tensors_metadata(tmp_path)) == {key, "other"}

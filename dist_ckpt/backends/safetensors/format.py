@@ -26,11 +26,11 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Seque
 
 import torch
 
+from dist_ckpt.backends.safetensors import io as safetensors_io
+from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
 from dist_ckpt.integrity.checksums import crc32c
 from dist_ckpt.model.dtypes import dtype_from_safetensors_name, dtype_info
-from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
 from dist_ckpt.storage import fsync_dir
-from dist_ckpt.backends.safetensors import io as safetensors_io
 
 __all__ = [
     "HeaderEntry",
@@ -173,7 +173,9 @@ def _entry(path: Union[str, Path], name: str, raw: object) -> Tuple[str, torch.d
     nbytes = math.prod(shape) * dtype.itemsize
     if offsets[1] - offsets[0] != nbytes:
         raise _corrupt(
-            path, f"data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, but {st_dtype} {shape} needs {nbytes}", name
+            path,
+            f"data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, but {st_dtype} {shape} needs {nbytes}",
+            name,
         )
     return st_dtype, dtype, tuple(shape), offsets[0], offsets[1]
 
@@ -212,7 +214,9 @@ def read_header(fd: "safetensors_io.ReadSource", path: Union[str, Path]) -> Safe
     if not isinstance(doc, dict):
         raise _corrupt(path, f"the header must be a JSON object, found {type(doc).__name__}")
     metadata = doc.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
         raise _corrupt(path, "'__metadata__' must map strings to strings")
     data_start = _LEN.size + length
     entries: Dict[str, HeaderEntry] = {}
@@ -371,13 +375,18 @@ class SafetensorsFileWriter:
     ) -> None:
         self.path = Path(path)
         self.layout = [(name, dtype, tuple(int(s) for s in shape)) for name, dtype, shape in layout]
-        entries = [(name, *storage_layout(dtype, shape), math.prod(shape) * dtype.itemsize) for name, dtype, shape in self.layout]
+        entries = [
+            (name, *storage_layout(dtype, shape), math.prod(shape) * dtype.itemsize)
+            for name, dtype, shape in self.layout
+        ]
         self._prefix, self.ranges = encode_header(entries, metadata)
         self.size = self.ranges[-1][1] if self.ranges else len(self._prefix)
         self.atomic = atomic
         self._staging = staging
         self._early_writeback = early_writeback
-        self._target = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}") if atomic else self.path
+        self._target = (
+            self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}") if atomic else self.path
+        )
         self._fd: Optional[int] = None
         self._writer: Optional[SequentialWriter] = None
         self._next = 0

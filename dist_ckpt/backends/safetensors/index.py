@@ -53,17 +53,13 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+from dist_ckpt.backends.safetensors.load import StoredShard, StoredTensor, TensorIndex
+from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError, IncompatibleStrategyError
 from dist_ckpt.integrity.checksums import ALGORITHM, block_count, crc_from_hex, decode_block_crcs
 from dist_ckpt.model.dtypes import dtype_from_name
-from dist_ckpt.errors import (
-    CheckpointingException,
-    CorruptCheckpointError,
-    IncompatibleStrategyError,
-)
 from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.storage import Storage
 from dist_ckpt.storage.location import CheckpointLocation, location_str
-from dist_ckpt.backends.safetensors.load import StoredShard, StoredTensor, TensorIndex
 
 __all__ = [
     "READABLE_VERSIONS",
@@ -112,7 +108,9 @@ def shard_name(sh: ShardedTensor) -> str:
     return name
 
 
-def encode_shard(sh: ShardedTensor, file: str, byte_range: Tuple[int, int], crcs: Optional[str] = None) -> Dict[str, Any]:
+def encode_shard(
+    sh: ShardedTensor, file: str, byte_range: Tuple[int, int], crcs: Optional[str] = None
+) -> Dict[str, Any]:
     """The index entry of one saved shard; ``crcs`` its encoded block checksums (version 2).
 
     Example::
@@ -153,7 +151,9 @@ def merge_rank_indexes(per_rank: Sequence[RankIndex], block_bytes: Optional[int]
                 raise CheckpointingException(f"ranks {files[name]['rank']} and {rank} both wrote {name!r}")
             files[name] = entry
         for key, entry in part["tensors"].items():
-            merged = tensors.setdefault(key, {"dtype": entry["dtype"], "global_shape": entry["global_shape"], "shards": []})
+            merged = tensors.setdefault(
+                key, {"dtype": entry["dtype"], "global_shape": entry["global_shape"], "shards": []}
+            )
             if (merged["dtype"], merged["global_shape"]) != (entry["dtype"], entry["global_shape"]):
                 raise CheckpointingException(
                     f"tensor {key!r}: rank {rank} saves it as {entry['dtype']} {entry['global_shape']}, another rank "
@@ -234,11 +234,14 @@ class _Parser:
         stored = [self.shard(s, key, len(shape), files) for s in shards]
         for s in stored:
             if any(o + c > g for o, c, g in zip(s.global_offset, s.chunk_shape, shape)):
-                raise self.fail(f"shard at {list(s.global_offset)} of shape {list(s.chunk_shape)} exceeds {list(shape)}", key)
+                raise self.fail(
+                    f"shard at {list(s.global_offset)} of shape {list(s.chunk_shape)} exceeds {list(shape)}", key
+                )
             numel = _prod(s.stored_shape)
             if s.byte_range[1] - s.byte_range[0] != numel * dtype.itemsize:
                 raise self.fail(
-                    f"shard {s.name!r} spans {s.byte_range[1] - s.byte_range[0]} bytes, expected {numel * dtype.itemsize}", key
+                    f"shard {s.name!r} spans {s.byte_range[1] - s.byte_range[0]} bytes, expected {numel * dtype.itemsize}",
+                    key,
                 )
         return StoredTensor(key, dtype, shape, stored)
 
@@ -285,7 +288,9 @@ def parse_index(doc: Any, path: Path, storage: Optional[Storage] = None) -> Tens
         files[name] = size
         if p.block_bytes is not None:
             field = f"header_{ALGORITHM}"
-            header_crcs[name] = crc_from_hex(entry.get(field), f"safetensors index {str(p.path)!r}, file entry {name!r} field {field!r}")
+            header_crcs[name] = crc_from_hex(
+                entry.get(field), f"safetensors index {str(p.path)!r}, file entry {name!r} field {field!r}"
+            )
     tensors = {key: p.tensor(key, raw, files) for key, raw in p.obj(doc.get("tensors"), "'tensors'").items()}
     description = repr(storage.url.rsplit("/", 1)[0]) if storage is not None else repr(str(path.parent.parent))
     return TensorIndex(

@@ -106,7 +106,13 @@ class ReadOptions:
     object_store_small_run_bytes: int = 256 * 2**10
 
     def __post_init__(self) -> None:
-        for name in ("thread_count", "bounce_buffer_bytes", "max_read_bytes", "checked_piece_bytes", "object_store_threads"):
+        for name in (
+            "thread_count",
+            "bounce_buffer_bytes",
+            "max_read_bytes",
+            "checked_piece_bytes",
+            "object_store_threads",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise CheckpointingException(f"ReadOptions.{name} must be a positive int, got {value!r}")
@@ -487,7 +493,9 @@ class _Worker:
             else:
                 self._bounce(op)
         except EOFError as e:
-            raise CorruptCheckpointError(f"tensor {op.key!r}: safetensors file {str(op.path)!r} is truncated: {e}") from e
+            raise CorruptCheckpointError(
+                f"tensor {op.key!r}: safetensors file {str(op.path)!r} is truncated: {e}"
+            ) from e
 
     def _checked_direct(self, op: DirectRead, check: ReadCheck) -> None:
         """A direct read widened to whole blocks: the extra bytes before and after go to scratch
@@ -591,7 +599,9 @@ def execute(ops: Iterable[ReadOp], options: ReadOptions) -> int:
                 errors.append(e)
                 failed.set()
 
-    threads = [threading.Thread(target=work, name=f"dist_ckpt_read_{i}", daemon=True) for i in range(options.thread_count)]
+    threads = [
+        threading.Thread(target=work, name=f"dist_ckpt_read_{i}", daemon=True) for i in range(options.thread_count)
+    ]
     for t in threads:
         t.start()
     try:

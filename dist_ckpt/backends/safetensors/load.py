@@ -35,13 +35,6 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set,
 
 import torch
 
-from dist_ckpt.integrity.checksums import crc_to_hex
-from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
-from dist_ckpt.engine.distributed import get_rank
-from dist_ckpt.errors import ChecksumMismatchError, CorruptCheckpointError, format_keys
-from dist_ckpt.model.geometry import Box, ShardPiece, piece_view, shard_pieces, sub_view
-from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
-from dist_ckpt.storage import Storage
 from dist_ckpt.backends.base import load_destination
 from dist_ckpt.backends.request_checks import check_requested_tensors
 from dist_ckpt.backends.safetensors.blocks import ShardCheck
@@ -56,6 +49,13 @@ from dist_ckpt.backends.safetensors.io import (
     plan_copy,
     source_size,
 )
+from dist_ckpt.engine.distributed import get_rank
+from dist_ckpt.errors import ChecksumMismatchError, CorruptCheckpointError, format_keys
+from dist_ckpt.integrity.checksums import crc_to_hex
+from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
+from dist_ckpt.model.geometry import Box, ShardPiece, piece_view, shard_pieces, sub_view
+from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
+from dist_ckpt.storage import Storage
 
 __all__ = ["StoredShard", "StoredTensor", "TensorIndex", "load_from_index", "tensors_metadata"]
 
@@ -245,7 +245,6 @@ def default_file_check(index: TensorIndex) -> FileCheck:
 # --------------------------------------------------------------------------- planning
 
 
-
 @dataclass
 class _Planned:
     """One requested piece's overlap with one stored piece."""
@@ -347,10 +346,7 @@ def _plan_tensor(sh: ShardedTensor, info: StoredTensor, index: TensorIndex) -> T
 
 
 def load_from_index(
-    sharded_state_dict: ShardedStateDict,
-    index: TensorIndex,
-    options: ReadOptions,
-    check: Optional[FileCheck] = None,
+    sharded_state_dict: ShardedStateDict, index: TensorIndex, options: ReadOptions, check: Optional[FileCheck] = None
 ) -> StateDict:
     """Replace every ShardedTensor of ``sharded_state_dict`` by its data, read from ``index``.
 

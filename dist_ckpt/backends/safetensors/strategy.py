@@ -47,14 +47,8 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from dist_ckpt.integrity.checksums import DEFAULT_BLOCK_BYTES, IntegrityReport
-from dist_ckpt.engine.distributed import gather_json, get_rank, run_collectively
-from dist_ckpt.model.dtypes import dtype_to_name
-from dist_ckpt.errors import CheckpointingException, InvalidShardedTensorError
-from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
-from dist_ckpt.storage import Storage, fsync_dir, write_bytes_atomic
-from dist_ckpt.storage.location import CheckpointLocation, resolve_location
 from dist_ckpt.async_save.queue import AsyncOutcome, AsyncRequest
+from dist_ckpt.async_save.snapshot import SnapshotPool, snapshot_layout
 from dist_ckpt.backends.base import (
     AsyncSaveShardedStrategy,
     LoadShardedStrategy,
@@ -66,9 +60,9 @@ from dist_ckpt.backends.safetensors.format import StagingBuffer
 from dist_ckpt.backends.safetensors.index import (
     INDEX_FILENAME,
     SAFETENSORS_DIR,
+    RankIndex,
     encode_shard,
     file_name,
-    RankIndex,
     merge_rank_indexes,
     rank_index,
     read_index,
@@ -90,7 +84,13 @@ from dist_ckpt.backends.safetensors.write import (
     write_snapshot_parts,
 )
 from dist_ckpt.backends.stored_shards import StoredShardInfo, describe_tensor_index
-from dist_ckpt.async_save.snapshot import SnapshotPool, snapshot_layout
+from dist_ckpt.engine.distributed import gather_json, get_rank, run_collectively
+from dist_ckpt.errors import CheckpointingException, InvalidShardedTensorError
+from dist_ckpt.integrity.checksums import DEFAULT_BLOCK_BYTES, IntegrityReport
+from dist_ckpt.model.dtypes import dtype_to_name
+from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
+from dist_ckpt.storage import Storage, fsync_dir, write_bytes_atomic
+from dist_ckpt.storage.location import CheckpointLocation, resolve_location
 
 __all__ = [
     "SafetensorsLoadOptions",
@@ -140,7 +140,9 @@ class SafetensorsSaveOptions:
                 continue
             smallest = 0 if name == "snapshot_budget_bytes" else 1
             if not isinstance(value, int) or isinstance(value, bool) or value < smallest:
-                raise CheckpointingException(f"SafetensorsSaveOptions.{name} must be an int >= {smallest}, got {value!r}")
+                raise CheckpointingException(
+                    f"SafetensorsSaveOptions.{name} must be an int >= {smallest}, got {value!r}"
+                )
 
 
 def _nbytes(sh: ShardedTensor) -> int:
@@ -274,7 +276,10 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
         parts = [WritePart(plan, 0, tuple(_stored_view(sh) for sh in group)) for plan, group in files]
         if not isinstance(checkpoint_dir, Path):
             uploaded = write_objects(
-                checkpoint_dir.child(SAFETENSORS_DIR), parts, block_bytes=self.options.checksum_block_bytes, staging=self._staging
+                checkpoint_dir.child(SAFETENSORS_DIR),
+                parts,
+                block_bytes=self.options.checksum_block_bytes,
+                staging=self._staging,
             )
             return self._rank_index(shards, files, uploaded)
         root = checkpoint_dir / SAFETENSORS_DIR
@@ -301,10 +306,11 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
         groups = assign_writers(to_write, self.options.thread_count) if to_write else []
         if smallest_last:  # more of each file fits a snapshot budget (which takes file ends)
             groups = [sorted(g, key=lambda sh: -_nbytes(sh)) for g in groups]
-        layout = [
-            [(shard_name(sh), sh.dtype, tuple(_stored_view(sh).shape)) for sh in group] for group in groups
+        layout = [[(shard_name(sh), sh.dtype, tuple(_stored_view(sh).shape)) for sh in group] for group in groups]
+        return [
+            (plan_file(file_name(rank, i), items, _FILE_METADATA), group)
+            for i, (items, group) in enumerate(zip(layout, groups))
         ]
-        return [(plan_file(file_name(rank, i), items, _FILE_METADATA), group) for i, (items, group) in enumerate(zip(layout, groups))]
 
     def _rank_index(self, shards: List[ShardedTensor], files: PlannedFiles, results: Sequence[PartResult]) -> RankIndex:
         """This rank's part of the index, from the plan and the written parts' checksums."""
@@ -380,8 +386,12 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
         starts = choose([[_nbytes(sh) for sh in group] for _, group in files], budget)
         # 3. the rest, written now
         if remote_root is None:
-            heads = [WritePart(plan, 0, tuple(v[:k]), fsync=False) for (plan, _), v, k in zip(files, views, starts) if k > 0]
-            head_results = write_parts(root, heads, block_bytes=block, early_writeback=self.options.early_writeback, staging=self._staging)
+            heads = [
+                WritePart(plan, 0, tuple(v[:k]), fsync=False) for (plan, _), v, k in zip(files, views, starts) if k > 0
+            ]
+            head_results = write_parts(
+                root, heads, block_bytes=block, early_writeback=self.options.early_writeback, staging=self._staging
+            )
         else:
             heads = [WritePart(plan, 0, tuple(v)) for (plan, _), v, k in zip(files, views, starts) if k > 0]
             head_results = write_objects(remote_root, heads, block_bytes=block, staging=self._staging)
@@ -412,7 +422,9 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
             self._commit_index(local, checkpoint_dir)
 
         if remote_root is not None:
-            return AsyncRequest(write_snapshot_objects, (remote_root, parts, snapshot, block), [finalize], outcome=outcome)
+            return AsyncRequest(
+                write_snapshot_objects, (remote_root, parts, snapshot, block), [finalize], outcome=outcome
+            )
         args = (str(root), parts, snapshot, block, self.options.early_writeback)
         return AsyncRequest(write_snapshot_parts, args, [finalize], outcome=outcome)
 
@@ -444,7 +456,9 @@ class _IndexPart:
         for name, entries in self.files:
             written = crcs.get(name, [])
             if len(written) != len(entries):
-                raise CheckpointingException(f"[rank {self.rank}] {name}: {len(written)} of its {len(entries)} tensors were written")
+                raise CheckpointingException(
+                    f"[rank {self.rank}] {name}: {len(written)} of its {len(entries)} tensors were written"
+                )
             for (key, shard), crc in zip(entries, written):
                 tensors[key]["shards"].append(dict(shard, crc32c=crc) if checksums else shard)
         return rank_index(self.sizes, self.rank, tensors, header_crcs if checksums else None)
@@ -534,7 +548,9 @@ class SafetensorsLoadShardedStrategy(LoadShardedStrategy):
         for name in orphans:
             (root / name).unlink(missing_ok=True)
         fsync_dir(root)
-        logger.info("removed %d tensors with prefix %r from %s; deleted %d files", len(removed), key_prefix, root, len(orphans))
+        logger.info(
+            "removed %d tensors with prefix %r from %s; deleted %d files", len(removed), key_prefix, root, len(orphans)
+        )
 
 
 def _without_keys(doc: Dict[str, Any], key_prefix: str) -> Tuple[List[str], List[str]]:
@@ -558,7 +574,13 @@ def _remove_from_objects(root: Storage, key_prefix: str) -> None:
     root.write(INDEX_FILENAME, json.dumps(doc, separators=(",", ":")).encode("utf-8"))
     for name in orphans:
         root.delete(name)
-    logger.info("removed %d tensors with prefix %r from %s; deleted %d objects", len(removed), key_prefix, root.url, len(orphans))
+    logger.info(
+        "removed %d tensors with prefix %r from %s; deleted %d objects",
+        len(removed),
+        key_prefix,
+        root.url,
+        len(orphans),
+    )
 
 
 def _location(checkpoint_dir: Any) -> CheckpointLocation:

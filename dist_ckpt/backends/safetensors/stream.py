@@ -37,20 +37,14 @@ from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from dist_ckpt.errors import CheckpointingException
-from dist_ckpt.model.sharded import ShardedTensor
-from dist_ckpt.integrity.checksums import crc32c, crc_to_hex
-from dist_ckpt.storage import ObjectWriter, Storage, fsync_dir
-from dist_ckpt.storage.location import CheckpointLocation, location_str
 from dist_ckpt.backends.base import TensorLayout, TensorStreamWriter, check_stream_entry
 from dist_ckpt.backends.safetensors.index import SAFETENSORS_DIR, file_name, shard_name
-from dist_ckpt.backends.safetensors.write import (
-    PartResult,
-    WritePart,
-    plan_file,
-    stream_tensor,
-    write_part,
-)
+from dist_ckpt.backends.safetensors.write import PartResult, WritePart, plan_file, stream_tensor, write_part
+from dist_ckpt.errors import CheckpointingException
+from dist_ckpt.integrity.checksums import crc32c, crc_to_hex
+from dist_ckpt.model.sharded import ShardedTensor
+from dist_ckpt.storage import ObjectWriter, Storage, fsync_dir
+from dist_ckpt.storage.location import CheckpointLocation, location_str
 
 if TYPE_CHECKING:
     from dist_ckpt.backends.safetensors.strategy import SafetensorsSaveOptions
@@ -73,14 +67,18 @@ class SafetensorsStreamWriter(TensorStreamWriter):
         options: the save strategy's options (checksum block size, early writeback).
     """
 
-    def __init__(self, checkpoint_dir: CheckpointLocation, layout: Sequence[TensorLayout], options: "SafetensorsSaveOptions") -> None:
+    def __init__(
+        self, checkpoint_dir: CheckpointLocation, layout: Sequence[TensorLayout], options: "SafetensorsSaveOptions"
+    ) -> None:
         from dist_ckpt.backends.safetensors.strategy import _FILE_METADATA  # the backend's own file metadata
 
         self.checkpoint_dir = checkpoint_dir
         self.layout = list(layout)
         self.options = options
         # metadata-only shards (meta device): the index is built from them, without any data
-        self.shards = [ShardedTensor.from_rank_offsets(k, torch.empty(tuple(s), dtype=d, device="meta")) for k, d, s in self.layout]
+        self.shards = [
+            ShardedTensor.from_rank_offsets(k, torch.empty(tuple(s), dtype=d, device="meta")) for k, d, s in self.layout
+        ]
         self.written = [sh for sh in self.shards if math.prod(sh.global_shape) > 0]  # empty ones have no bytes
         entries = [(shard_name(sh), sh.dtype, tuple(sh.global_shape)) for sh in self.written]
         self.storage: Optional[Storage] = None
@@ -106,7 +104,9 @@ class SafetensorsStreamWriter(TensorStreamWriter):
         """Write the whole tensor ``key`` at its planned place (see the module docstring)."""
         check_stream_entry(self.layout, self._added, key, tensor)
         if self._finished:
-            raise CheckpointingException(f"tensor {key!r} added to a finished stream of {location_str(self.checkpoint_dir)}")
+            raise CheckpointingException(
+                f"tensor {key!r} added to a finished stream of {location_str(self.checkpoint_dir)}"
+            )
         self._added += 1
         if tensor.numel() == 0:
             return
@@ -117,7 +117,9 @@ class SafetensorsStreamWriter(TensorStreamWriter):
             return
         plan = self.files[0][0]
         part = WritePart(plan, index, (tensor.detach(),), fsync=index == len(self.written) - 1)
-        self.results.append(write_part(self.root, part, block_bytes=block, early_writeback=self.options.early_writeback))
+        self.results.append(
+            write_part(self.root, part, block_bytes=block, early_writeback=self.options.early_writeback)
+        )
 
     def _append_to_object(self, index: int, tensor: torch.Tensor, block: Optional[int]) -> None:
         """Stream tensor ``index`` into its object: open the upload at the object's first tensor
@@ -148,7 +150,10 @@ class SafetensorsStreamWriter(TensorStreamWriter):
 
     def finish(self) -> None:
         """fsync the directory and write ``safetensors/index.json`` (rank 0's, the only one)."""
-        from dist_ckpt.backends.safetensors.strategy import _IndexPart, _write_index  # the index the backend's own save writes
+        from dist_ckpt.backends.safetensors.strategy import (  # the index the backend's own save writes
+            _IndexPart,
+            _write_index,
+        )
 
         if self._added != len(self.layout):
             missing = [k for k, _, _ in self.layout[self._added :]]
@@ -163,8 +168,12 @@ class SafetensorsStreamWriter(TensorStreamWriter):
         block = self.options.checksum_block_bytes
         local = _IndexPart(self.shards, self.files).with_checksums(self.results, block is not None)
         _write_index([local], self.checkpoint_dir, block)
-        logger.debug("streamed %d tensors, %d bytes into %s", len(self.layout),
-                     sum(plan.size for plan, _ in self.files), location_str(self.checkpoint_dir))
+        logger.debug(
+            "streamed %d tensors, %d bytes into %s",
+            len(self.layout),
+            sum(plan.size for plan, _ in self.files),
+            location_str(self.checkpoint_dir),
+        )
 
 
 def _group_by_size(items: List[Tuple[Any, ShardedTensor]], target: int) -> List[List[Tuple[Any, ShardedTensor]]]:

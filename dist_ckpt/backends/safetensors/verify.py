@@ -14,13 +14,13 @@ from typing import Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
-from dist_ckpt.integrity.checksums import IntegrityReport, crc32c, crc_to_hex
-from dist_ckpt.errors import CheckpointingException
-from dist_ckpt.storage.location import CheckpointLocation
 from dist_ckpt.backends.safetensors.format import read_header
 from dist_ckpt.backends.safetensors.index import INDEX_FILENAME, SAFETENSORS_DIR, read_index
 from dist_ckpt.backends.safetensors.io import ObjectSource, ReadSource, read_into
 from dist_ckpt.backends.safetensors.load import StoredShard, default_file_check
+from dist_ckpt.errors import CheckpointingException
+from dist_ckpt.integrity.checksums import IntegrityReport, crc32c, crc_to_hex
+from dist_ckpt.storage.location import CheckpointLocation
 
 __all__ = ["verify_safetensors"]
 
@@ -57,7 +57,9 @@ def verify_safetensors(checkpoint_dir: CheckpointLocation, read_bytes: int = 16 
         key: Optional[str] = keys[0] if len(keys) == 1 else None
         path = index.file_location(name)
         try:
-            fd: ReadSource = ObjectSource(index.storage, name) if index.storage is not None else os.open(path, os.O_RDONLY)
+            fd: ReadSource = (
+                ObjectSource(index.storage, name) if index.storage is not None else os.open(path, os.O_RDONLY)
+            )
             header = read_header(fd, path) if index.storage is not None else None
         except FileNotFoundError:
             report.add(rel, f"missing (holds tensors {keys})" if keys else "missing", key)
@@ -76,7 +78,11 @@ def verify_safetensors(checkpoint_dir: CheckpointLocation, read_bytes: int = 16 
                 continue
             expected = index.header_crcs.get(name)
             if expected is not None and header.prefix_crc != expected:
-                report.add(rel, f"header bytes have crc32c {crc_to_hex(header.prefix_crc)}, the index recorded {crc_to_hex(expected)}", key)
+                report.add(
+                    rel,
+                    f"header bytes have crc32c {crc_to_hex(header.prefix_crc)}, the index recorded {crc_to_hex(expected)}",
+                    key,
+                )
             for k, shard in shards:
                 _verify_shard(fd, path, rel, k, shard, index.block_bytes, report, read_bytes)
         finally:
@@ -86,7 +92,14 @@ def verify_safetensors(checkpoint_dir: CheckpointLocation, read_bytes: int = 16 
 
 
 def _verify_shard(
-    fd: ReadSource, path: Union[str, Path], rel: str, key: str, shard: StoredShard, block_bytes: Optional[int], report: IntegrityReport, read_bytes: int
+    fd: ReadSource,
+    path: Union[str, Path],
+    rel: str,
+    key: str,
+    shard: StoredShard,
+    block_bytes: Optional[int],
+    report: IntegrityReport,
+    read_bytes: int,
 ) -> None:
     if shard.crcs is None or block_bytes is None:
         return

@@ -36,9 +36,7 @@ from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from dist_ckpt.integrity.checksums import BlockChecksums, crc32c, crc_to_hex, encode_block_crcs
-from dist_ckpt.errors import CheckpointingException
-from dist_ckpt.storage import ObjectWriter, Storage, fsync_dir
+from dist_ckpt.async_save.snapshot import Snapshot
 from dist_ckpt.backends.safetensors.format import (
     SequentialWriter,
     StagingBuffer,
@@ -46,7 +44,9 @@ from dist_ckpt.backends.safetensors.format import (
     storage_layout,
     tensor_bytes,
 )
-from dist_ckpt.async_save.snapshot import Snapshot
+from dist_ckpt.errors import CheckpointingException
+from dist_ckpt.integrity.checksums import BlockChecksums, crc32c, crc_to_hex, encode_block_crcs
+from dist_ckpt.storage import ObjectWriter, Storage, fsync_dir
 
 __all__ = [
     "PartResult",
@@ -91,7 +91,9 @@ class PlannedFile:
         return self.ranges[-1][1] if self.ranges else len(self.prefix)
 
 
-def plan_file(name: str, tensors: Sequence[Tuple[str, torch.dtype, Sequence[int]]], metadata: Mapping[str, str]) -> PlannedFile:
+def plan_file(
+    name: str, tensors: Sequence[Tuple[str, torch.dtype, Sequence[int]]], metadata: Mapping[str, str]
+) -> PlannedFile:
     """The layout of a file holding ``(name, dtype, shape)`` tensors in this order.
 
     Example::
@@ -165,8 +167,16 @@ def write_part(
     plan = part.plan
     path = Path(directory) / plan.name
     if part.first + len(part.tensors) > len(plan.names):
-        raise CheckpointingException(f"{path}: a part of {len(part.tensors)} tensors from {part.first} exceeds the plan")
-    start = len(plan.prefix) if part.first == 0 else plan.ranges[part.first][0] if part.first < len(plan.ranges) else plan.size
+        raise CheckpointingException(
+            f"{path}: a part of {len(part.tensors)} tensors from {part.first} exceeds the plan"
+        )
+    start = (
+        len(plan.prefix)
+        if part.first == 0
+        else plan.ranges[part.first][0]
+        if part.first < len(plan.ranges)
+        else plan.size
+    )
     flags = os.O_WRONLY | (os.O_CREAT | os.O_EXCL if part.first == 0 else 0)
     fd = os.open(path, flags, 0o644)
     try:
@@ -181,7 +191,9 @@ def write_part(
         for i, tensor in enumerate(part.tensors):
             begin, end = plan.ranges[part.first + i]
             if writer.position != begin:
-                raise CheckpointingException(f"{path}: tensor {plan.names[part.first + i]!r} would start at byte {writer.position}, planned {begin}")
+                raise CheckpointingException(
+                    f"{path}: tensor {plan.names[part.first + i]!r} would start at byte {writer.position}, planned {begin}"
+                )
             crcs.append(_write_tensor(writer, tensor, block_bytes, staging))
             if writer.position != end:
                 raise CheckpointingException(
@@ -194,7 +206,9 @@ def write_part(
     return PartResult(plan.name, part.first, tuple(crcs), header_crc)
 
 
-def _write_tensor(writer: SequentialWriter, tensor: torch.Tensor, block_bytes: Optional[int], staging: Optional[StagingBuffer]) -> str:
+def _write_tensor(
+    writer: SequentialWriter, tensor: torch.Tensor, block_bytes: Optional[int], staging: Optional[StagingBuffer]
+) -> str:
     blocks = BlockChecksums(block_bytes) if block_bytes else None
     if tensor.device.type == "cpu":
         data = tensor_bytes(tensor)
@@ -228,7 +242,11 @@ def write_parts(
 
     def one(i: int) -> PartResult:
         return write_part(
-            directory, parts[i], block_bytes=block_bytes, early_writeback=early_writeback, staging=buffers[i % max(1, len(buffers))]
+            directory,
+            parts[i],
+            block_bytes=block_bytes,
+            early_writeback=early_writeback,
+            staging=buffers[i % max(1, len(buffers))],
         )
 
     if len(parts) <= 1:
@@ -276,7 +294,9 @@ def _run_threads(count: int, fn: "Callable[[int], PartResult]") -> List[PartResu
         return list(pool.map(fn, range(count)))
 
 
-def write_object(storage: Storage, part: WritePart, *, block_bytes: Optional[int], staging: Optional[StagingBuffer] = None) -> PartResult:
+def write_object(
+    storage: Storage, part: WritePart, *, block_bytes: Optional[int], staging: Optional[StagingBuffer] = None
+) -> PartResult:
     """Upload a whole planned file as object ``part.plan.name`` of ``storage``.
 
     CPU tensors are sent from their own memory (``Storage.write_buffers``: one PUT, or a
@@ -320,7 +340,9 @@ def _block_crcs(data: memoryview, block_bytes: Optional[int]) -> str:
     return encode_block_crcs(blocks.finish())
 
 
-def stream_tensor(writer: ObjectWriter, tensor: torch.Tensor, block_bytes: Optional[int], staging: Optional[StagingBuffer]) -> str:
+def stream_tensor(
+    writer: ObjectWriter, tensor: torch.Tensor, block_bytes: Optional[int], staging: Optional[StagingBuffer]
+) -> str:
     """Append ``tensor``'s bytes to an object upload (a device tensor through ``staging``, or a
     temporary staging buffer); return its block crcs, encoded ("" without checksums)."""
     blocks = BlockChecksums(block_bytes) if block_bytes else None
@@ -358,7 +380,9 @@ def write_objects(
     return results
 
 
-def write_snapshot_objects(storage: Storage, parts: Sequence[SnapshotPart], snapshot: Snapshot, block_bytes: Optional[int]) -> List[PartResult]:
+def write_snapshot_objects(
+    storage: Storage, parts: Sequence[SnapshotPart], snapshot: Snapshot, block_bytes: Optional[int]
+) -> List[PartResult]:
     """Upload whole files from ``snapshot``: the background half of an asynchronous save to an
     object store. Runs in the async worker process, which opens its own client when it unpickles
     ``storage``; it calls no collective.

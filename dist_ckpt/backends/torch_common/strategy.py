@@ -35,6 +35,15 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 import torch
 
+from dist_ckpt.backends.base import LoadCommonStrategy, SaveCommonStrategy
+from dist_ckpt.engine.distributed import gather_json, get_rank, run_collectively
+from dist_ckpt.errors import (
+    CheckpointingException,
+    CorruptCheckpointError,
+    KeyMismatchError,
+    UnsafeObjectError,
+    format_keys,
+)
 from dist_ckpt.integrity.checksums import (
     FileDigest,
     IntegrityReport,
@@ -45,18 +54,9 @@ from dist_ckpt.integrity.checksums import (
     parse_manifest_bytes,
 )
 from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
-from dist_ckpt.engine.distributed import gather_json, get_rank, run_collectively
-from dist_ckpt.errors import (
-    CheckpointingException,
-    CorruptCheckpointError,
-    KeyMismatchError,
-    UnsafeObjectError,
-    format_keys,
-)
 from dist_ckpt.model.sharded import ShardedObject, ShardedStateDict, StateDict, is_main_replica
 from dist_ckpt.storage import ObjectNotFoundError, Storage, decode_key, encode_key, is_shortened
 from dist_ckpt.storage.location import CheckpointLocation, location_str, storage_of
-from dist_ckpt.backends.base import LoadCommonStrategy, SaveCommonStrategy
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,12 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
         checksums: write the manifests (``common.checksums.json``, ``objects/checksums.json``).
     """
 
-    owned_paths: ClassVar[Tuple[str, ...]] = (COMMON_STATE_FNAME, UNSAFE_KEYS_FNAME, COMMON_CHECKSUMS_FNAME, OBJECTS_DIR)
+    owned_paths: ClassVar[Tuple[str, ...]] = (
+        COMMON_STATE_FNAME,
+        UNSAFE_KEYS_FNAME,
+        COMMON_CHECKSUMS_FNAME,
+        OBJECTS_DIR,
+    )
     object_storage: ClassVar[bool] = True
 
     def __init__(self, backend: str = "torch", version: int = 1, checksums: bool = True) -> None:
@@ -163,7 +168,9 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
         if self.checksums:
             storage.write(COMMON_CHECKSUMS_FNAME, manifest_bytes(written))
 
-    def save_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> None:
+    def save_sharded_objects(
+        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation
+    ) -> None:
         """Save this rank's main-replica ShardedObjects; then (collective) rank 0 writes the
         manifest of every rank's object files."""
         storage = storage_of(checkpoint_dir)
@@ -183,7 +190,7 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
                 for name, data in files.items():
                     storage.write(name, data)
                     if self.checksums:
-                        written[name[len(prefix):]] = bytes_digest(data).to_json()
+                        written[name[len(prefix) :]] = bytes_digest(data).to_json()
             return written
 
         local = run_collectively("saving ShardedObjects", write)
@@ -228,7 +235,9 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         """The manifest at ``key`` if checksums are to be verified and it exists, else {}."""
         return (_read_manifest(storage, key) or {}) if self.verify_checksums else {}
 
-    def _load(self, storage: Storage, key: str, what: str, keys_hint: str, expected: Optional[FileDigest] = None) -> Any:
+    def _load(
+        self, storage: Storage, key: str, what: str, keys_hint: str, expected: Optional[FileDigest] = None
+    ) -> Any:
         where = storage.url_of(key)
         try:
             data = storage.read(key)
@@ -269,10 +278,14 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         expected = self._manifest(storage, COMMON_CHECKSUMS_FNAME).get(COMMON_STATE_FNAME)
         state = self._load(storage, COMMON_STATE_FNAME, "the common state", hint, expected)
         if not isinstance(state, dict):
-            raise CorruptCheckpointError(f"{storage.url_of(COMMON_STATE_FNAME)} holds a {type(state).__name__}, expected a dict")
+            raise CorruptCheckpointError(
+                f"{storage.url_of(COMMON_STATE_FNAME)} holds a {type(state).__name__}, expected a dict"
+            )
         return state
 
-    def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> StateDict:
+    def load_sharded_objects(
+        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation
+    ) -> StateDict:
         storage = storage_of(checkpoint_dir)
         requested = [o for o in nested_values(sharded_objects_state_dict) if isinstance(o, ShardedObject)]
         stored = {o.key for o in storage.list(OBJECTS_DIR)} if requested else set()
@@ -298,7 +311,11 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
             key = _object_key(x)
             if key not in stored:
                 directory = key.rpartition("/")[0]
-                shards = sorted(k[len(directory) + 1 : -3] for k in stored if k.startswith(f"{directory}/shard_") and k.endswith(".pt"))
+                shards = sorted(
+                    k[len(directory) + 1 : -3]
+                    for k in stored
+                    if k.startswith(f"{directory}/shard_") and k.endswith(".pt")
+                )
                 raise CorruptCheckpointError(
                     f"[rank {get_rank()}] shard {x.unique_key!r} of ShardedObject {x.key!r} is missing: no file "
                     f"{storage.url_of(key)!r}; stored shards: {shards}"
@@ -354,7 +371,9 @@ def verify_common(checkpoint_dir: CheckpointLocation) -> IntegrityReport:
             continue
         if manifest is None:
             if expected_files:
-                report.notes.append(f"{manifest_name} is absent (saved without checksums): files were checked as zip archives")
+                report.notes.append(
+                    f"{manifest_name} is absent (saved without checksums): files were checked as zip archives"
+                )
             for key in expected_files:
                 _check_zip(storage, key, report)
             continue

@@ -26,21 +26,6 @@ import math
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from dist_ckpt.integrity.checksums import (
-    FileDigest,
-    IntegrityReport,
-    check_file,
-    file_digest,
-    file_problem,
-    read_manifest,
-    relative,
-    write_manifest,
-)
-from dist_ckpt.engine.distributed import gather_json, get_rank, run_collectively
-from dist_ckpt.model.dtypes import dtype_from_name, dtype_info
-from dist_ckpt.errors import CheckpointingException
-from dist_ckpt.model.geometry import Box
-from dist_ckpt.storage.object_path import Node, ObjectPath, node_files
 from dist_ckpt.backends.zarr.layout import (
     CHECKSUMS_FILENAME,
     LAYOUT_CHUNKED,
@@ -52,6 +37,21 @@ from dist_ckpt.backends.zarr.layout import (
     open_tensor_info,
     read_zarr_json,
 )
+from dist_ckpt.engine.distributed import gather_json, get_rank, run_collectively
+from dist_ckpt.errors import CheckpointingException
+from dist_ckpt.integrity.checksums import (
+    FileDigest,
+    IntegrityReport,
+    check_file,
+    file_digest,
+    file_problem,
+    read_manifest,
+    relative,
+    write_manifest,
+)
+from dist_ckpt.model.dtypes import dtype_from_name, dtype_info
+from dist_ckpt.model.geometry import Box
+from dist_ckpt.storage.object_path import Node, ObjectPath, node_files
 
 __all__ = [
     "CHECKSUMS_FILENAME",
@@ -65,7 +65,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
 
 
 def commit_checksums(root: Node, written: Sequence[Node], known: Optional[Mapping[Node, FileDigest]] = None) -> None:
@@ -239,9 +238,17 @@ def verify_zarr(checkpoint_dir: Node) -> IntegrityReport:
         _verify_structure(root, checkpoint_dir, report)
         return report
     report.files_checked += 1
-    present = {name for name in (relative(p, root) for p in node_files(root)) if not any(part.startswith(".") for part in name.split("/"))}
+    present = {
+        name
+        for name in (relative(p, root) for p in node_files(root))
+        if not any(part.startswith(".") for part in name.split("/"))
+    }
     for name in sorted(present - set(manifest) - {CHECKSUMS_FILENAME}):
-        report.add(f"{ZARR_DIR}/{name}", f"not listed in {manifest_rel} (written after the save, or left by another one)", _key_of(root, name))
+        report.add(
+            f"{ZARR_DIR}/{name}",
+            f"not listed in {manifest_rel} (written after the save, or left by another one)",
+            _key_of(root, name),
+        )
     for name, expected in sorted(manifest.items()):
         found = file_problem(root / name, expected)
         if found is not None:
@@ -278,9 +285,11 @@ def _verify_structure(root: Node, checkpoint_dir: Node, report: IntegrityReport)
         if info is None:
             continue
         report.files_checked += 1
-        arrays = [(info.path, info.bounds)] if info.layout == LAYOUT_CHUNKED else [
-            (f.path, Box((0,), (f.flat_range[1] - f.flat_range[0],))) for f in info.fragments
-        ]
+        arrays = (
+            [(info.path, info.bounds)]
+            if info.layout == LAYOUT_CHUNKED
+            else [(f.path, Box((0,), (f.flat_range[1] - f.flat_range[0],))) for f in info.fragments]
+        )
         for path, region in arrays:
             if region.numel == 0:
                 continue
@@ -297,7 +306,11 @@ def _verify_structure(root: Node, checkpoint_dir: Node, report: IntegrityReport)
                     report.add(relative(chunk, checkpoint_dir), "missing", info.key)
                     continue
                 if size != expected:
-                    report.add(relative(chunk, checkpoint_dir), f"has {size} bytes, its array's chunks have {expected}", info.key)
+                    report.add(
+                        relative(chunk, checkpoint_dir),
+                        f"has {size} bytes, its array's chunks have {expected}",
+                        info.key,
+                    )
 
 
 def _chunk_bytes(array_path: Node) -> Optional[int]:

@@ -16,14 +16,7 @@ import numpy as np
 from zarr.core.dtype import data_type_registry
 from zarr.core.dtype.npy.float import BaseFloat
 
-_EXTENSION_FLOATS = (
-    "bfloat16",
-    "float8_e4m3fn",
-    "float8_e5m2",
-    "float8_e4m3fnuz",
-    "float8_e5m2fnuz",
-    "float8_e8m0fnu",
-)
+_EXTENSION_FLOATS = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
 _registered = False
 
 

@@ -38,8 +38,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from dist_ckpt.integrity.checksums import read_manifest
-from dist_ckpt.model.dtypes import dtype_from_name, dtype_info, numpy_to_tensor
+from dist_ckpt.backends.request_checks import check_requested_tensors
 from dist_ckpt.errors import (
     CheckpointingException,
     CorruptCheckpointError,
@@ -47,12 +46,13 @@ from dist_ckpt.errors import (
     LoadMismatchError,
     format_keys,
 )
+from dist_ckpt.integrity.checksums import read_manifest
+from dist_ckpt.model.dtypes import dtype_from_name, dtype_info, numpy_to_tensor
 from dist_ckpt.model.geometry import Box, ShardPiece, shard_pieces
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor
 from dist_ckpt.storage import encode_key, fsync_dir, fsync_file, write_bytes_atomic
 from dist_ckpt.storage.location import CheckpointLocation
 from dist_ckpt.storage.object_path import Node, ObjectPath, subdirs
-from dist_ckpt.backends.request_checks import check_requested_tensors
 
 ZARR_DIR = "zarr"
 ATTR = "dist_ckpt"
@@ -154,7 +154,9 @@ def _attrs(doc: Dict[str, Any], path: Node) -> Dict[str, Any]:
 
 def _ints(value: Any, what: str, path: Node) -> Shape:
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
-        raise CorruptCheckpointError(f"{path / 'zarr.json'}: {what} must be a list of non-negative ints, found {value!r}")
+        raise CorruptCheckpointError(
+            f"{path / 'zarr.json'}: {what} must be a list of non-negative ints, found {value!r}"
+        )
     return tuple(value)
 
 
@@ -168,18 +170,26 @@ def open_tensor_info(root: Node, name: str) -> Optional[StoredTensorInfo]:
         attrs = _attrs(doc, path)
         key, dtype_name = attrs["key"], attrs["dtype"]
         if not isinstance(key, str) or not isinstance(dtype_name, str):
-            raise CorruptCheckpointError(f"{path / 'zarr.json'}: 'key' and 'dtype' must be strings, found {key!r}, {dtype_name!r}")
+            raise CorruptCheckpointError(
+                f"{path / 'zarr.json'}: 'key' and 'dtype' must be strings, found {key!r}, {dtype_name!r}"
+            )
         dtype = dtype_from_name(dtype_name)
         if attrs.get("layout") == LAYOUT_FLATTENED:
             info = StoredTensorInfo(
-                key, path, dtype, _ints(attrs["global_shape"], "global_shape", path), LAYOUT_FLATTENED,
+                key,
+                path,
+                dtype,
+                _ints(attrs["global_shape"], "global_shape", path),
+                LAYOUT_FLATTENED,
                 _ints(attrs["chunk_shape"], "chunk_shape", path),
             )
             _same_rank(info.global_shape, info.chunk_shape, path)
             info.fragments = _list_fragments(path, info.chunk_shape)
             return info
         if doc.get("node_type") != "array":
-            raise CorruptCheckpointError(f"{path / 'zarr.json'} describes a {doc.get('node_type')!r}, expected an array")
+            raise CorruptCheckpointError(
+                f"{path / 'zarr.json'} describes a {doc.get('node_type')!r}, expected an array"
+            )
         grid = _get(doc, "chunk_grid", "configuration", "chunk_shape")
         info = StoredTensorInfo(
             key, path, dtype, _ints(doc.get("shape"), "shape", path), LAYOUT_CHUNKED, _ints(grid, "chunk_shape", path)
@@ -409,9 +419,7 @@ def pad_to_expected_shape(x: torch.Tensor, expected_sharded_ten: ShardedTensor) 
     if tuple(x.shape) == tuple(target):
         return x
     if x.ndim != len(target):
-        raise LoadMismatchError(
-            f"{expected_sharded_ten.key!r}: cannot pad a {x.ndim}-d tensor to local shape {target}"
-        )
+        raise LoadMismatchError(f"{expected_sharded_ten.key!r}: cannot pad a {x.ndim}-d tensor to local shape {target}")
     out = torch.zeros(target, dtype=x.dtype, device=x.device)
     common = tuple(slice(0, min(a, b)) for a, b in zip(x.shape, target))
     out[common] = x[common]
@@ -514,7 +522,9 @@ def fill_value_json(dtype: torch.dtype) -> Any:
     return 0
 
 
-def array_metadata(shape: Sequence[int], chunk_shape: Sequence[int], dtype: torch.dtype, attributes: Dict[str, Any]) -> Dict[str, Any]:
+def array_metadata(
+    shape: Sequence[int], chunk_shape: Sequence[int], dtype: torch.dtype, attributes: Dict[str, Any]
+) -> Dict[str, Any]:
     """zarr v3 metadata of an uncompressed little-endian array, as the zarr backend writes it."""
     info = dtype_info(dtype)
     bytes_codec: Dict[str, Any] = {"name": "bytes"}

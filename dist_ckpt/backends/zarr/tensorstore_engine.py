@@ -47,12 +47,7 @@ from typing import Any, ClassVar, Deque, Dict, List, Optional, Sequence, Tuple, 
 import numpy as np
 import torch
 
-from dist_ckpt.errors import (
-    CheckpointingException,
-    CorruptCheckpointError,
-    LoadMismatchError,
-    MissingDependencyError,
-)
+from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError, LoadMismatchError, MissingDependencyError
 
 try:
     import tensorstore as ts
@@ -62,41 +57,20 @@ except ImportError as _e:  # pragma: no cover -- exercised in a subprocess witho
         f"pip install 'dist_ckpt[tensorstore]'"
     ) from _e
 
-from dist_ckpt.integrity.checksums import IntegrityReport
+from dist_ckpt.backends.base import LoadShardedStrategy, SaveShardedStrategy, loaded_shape, main_replica_shards
 from dist_ckpt.backends.stored_shards import StoredShardInfo, describe_zarr
-from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
-from dist_ckpt.engine.distributed import get_rank, run_collectively
-from dist_ckpt.model.dtypes import numpy_to_tensor, tensor_to_numpy
-from dist_ckpt.model.geometry import Box, piece_view, sub_view
-from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
-from dist_ckpt.storage.location import CheckpointLocation
-from dist_ckpt.storage.object_path import Node, ObjectPath
-from dist_ckpt.backends.base import (
-    LoadShardedStrategy,
-    SaveShardedStrategy,
-    StrategyAction,
-    loaded_shape,
-    main_replica_shards,
-    register_default_strategy,
-)
-from dist_ckpt.backends.zarr.checksums import (
-    check_files,
-    chunk_files,
-    commit_checksums,
-    read_checksums,
-    verify_zarr,
-)
+from dist_ckpt.backends.zarr.checksums import check_files, chunk_files, commit_checksums, read_checksums, verify_zarr
 from dist_ckpt.backends.zarr.layout import (
     ATTR,
     ZARR_DIR,
     ReadOp,
-    cpu_contiguous,
     ReadPlan,
     array_chunk_shape,
     array_metadata,
     checkpoint_node,
     chunk_key,
     chunked_attributes,
+    cpu_contiguous,
     creates_flattened_group,
     damaged_chunks,
     flattened_attributes,
@@ -111,6 +85,15 @@ from dist_ckpt.backends.zarr.layout import (
     tensor_dir,
     write_group,
 )
+from dist_ckpt.engine.distributed import get_rank, run_collectively
+from dist_ckpt.engine.registry import StrategyAction, register_default_strategy
+from dist_ckpt.integrity.checksums import IntegrityReport
+from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
+from dist_ckpt.model.dtypes import numpy_to_tensor, tensor_to_numpy
+from dist_ckpt.model.geometry import Box, piece_view, sub_view
+from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
+from dist_ckpt.storage.location import CheckpointLocation
+from dist_ckpt.storage.object_path import Node, ObjectPath
 
 __all__ = [
     "TensorStoreLoadShardedStrategy",
@@ -248,9 +231,13 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
         shards = main_replica_shards(sharded_state_dict)
         context = _context(self.concurrency)
         # 1. tensor nodes exist before any rank writes into them
-        created = run_collectively("creating zarr arrays (tensorstore)", lambda: self._create_nodes(root, shards, context))
+        created = run_collectively(
+            "creating zarr arrays (tensorstore)", lambda: self._create_nodes(root, shards, context)
+        )
         # 2. every chunk, concurrently, then durable
-        chunks = run_collectively("writing zarr chunks (tensorstore)", lambda: self._write_chunks(root, shards, context))
+        chunks = run_collectively(
+            "writing zarr chunks (tensorstore)", lambda: self._write_chunks(root, shards, context)
+        )
         # 3. rank 0 records the checksum of every file written
         commit_checksums(root, created + chunks)
 
@@ -506,8 +493,6 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
     def describe_stored_shards(self, checkpoint_dir: CheckpointLocation) -> Optional[Dict[str, List[StoredShardInfo]]]:
         """Every chunk (a saved shard) or fragment (a saved flattened range), from the metadata."""
         return describe_zarr(checkpoint_node(checkpoint_dir, _ENGINE))
-
-
 
 
 def _check_touched_files(requested: List[ShardedTensor], plans: Dict[int, ReadPlan], checkpoint_dir: Node) -> None:

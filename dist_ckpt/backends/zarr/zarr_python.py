@@ -44,18 +44,6 @@ import torch
 import zarr
 from zarr.codecs import BytesCodec
 
-from dist_ckpt.integrity.checksums import FileDigest, IntegrityReport, bytes_digest
-from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
-from dist_ckpt.engine.distributed import get_rank, run_collectively
-from dist_ckpt.model.dtypes import dtype_info, numpy_to_tensor, tensor_to_numpy
-from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
-from dist_ckpt.model.geometry import Box, piece_view, sub_view
-from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
-from dist_ckpt.storage.location import CheckpointLocation, require_local
-from dist_ckpt.storage import fsync_dir
-from dist_ckpt.storage.object_path import Node, ObjectPath
-from dist_ckpt.backends.zarr.dtypes import register_extension_dtypes
-from dist_ckpt.backends.stored_shards import StoredShardInfo, describe_zarr
 from dist_ckpt.backends.base import (
     LoadShardedStrategy,
     SaveShardedStrategy,
@@ -65,6 +53,7 @@ from dist_ckpt.backends.base import (
     load_destination,
     main_replica_shards,
 )
+from dist_ckpt.backends.stored_shards import StoredShardInfo, describe_zarr
 from dist_ckpt.backends.zarr.checksums import (
     VerifyingStore,
     commit_checksums,
@@ -72,23 +61,24 @@ from dist_ckpt.backends.zarr.checksums import (
     read_checksums,
     verify_zarr,
 )
+from dist_ckpt.backends.zarr.dtypes import register_extension_dtypes
 from dist_ckpt.backends.zarr.layout import (
     ATTR,
     ZARR_DIR,
     ReadOp,
     array_chunk_shape,
+    checkpoint_node,
+    chunk_coords,
     chunked_attributes,
+    cpu_contiguous,
     creates_flattened_group,
+    flatten_range,
     flattened_attributes,
     fragment_attributes,
     fragment_chunk_elements,
-    is_origin,
-    checkpoint_node,
-    chunk_coords,
-    cpu_contiguous,
-    flatten_range,
     fragment_name,
     fsync_written,
+    is_origin,
     list_tensor_names,
     load_zarr_based_sharded_metadata,
     make_dirs,
@@ -98,6 +88,16 @@ from dist_ckpt.backends.zarr.layout import (
     postprocess_numpy_array,
     tensor_dir,
 )
+from dist_ckpt.engine.distributed import get_rank, run_collectively
+from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
+from dist_ckpt.integrity.checksums import FileDigest, IntegrityReport, bytes_digest
+from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
+from dist_ckpt.model.dtypes import dtype_info, numpy_to_tensor, tensor_to_numpy
+from dist_ckpt.model.geometry import Box, piece_view, sub_view
+from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
+from dist_ckpt.storage import fsync_dir
+from dist_ckpt.storage.location import CheckpointLocation, require_local
+from dist_ckpt.storage.object_path import Node, ObjectPath
 
 __all__ = [
     "ZarrLoadShardedStrategy",
@@ -189,9 +189,13 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
     def begin_stream(self, checkpoint_dir: CheckpointLocation, layout: Sequence[TensorLayout]) -> TensorStreamWriter:
         """Write whole tensors one at a time, each one chunk (one process): the checkpoint a
         one-rank save of whole tensors writes, ``zarr/checksums.json`` included."""
-        return _ZarrStreamWriter(self, require_local(checkpoint_dir, "streaming into the zarr backend") / ZARR_DIR, layout)
+        return _ZarrStreamWriter(
+            self, require_local(checkpoint_dir, "streaming into the zarr backend") / ZARR_DIR, layout
+        )
 
-    def _create_nodes(self, root: Node, shards: List[ShardedTensor], stores: _Stores, create_root: bool = True) -> List[Node]:
+    def _create_nodes(
+        self, root: Node, shards: List[ShardedTensor], stores: _Stores, create_root: bool = True
+    ) -> List[Node]:
         make_dirs(root)
         written: List[Node] = []
         if get_rank() == 0 and create_root:
@@ -218,7 +222,9 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
                 continue
             if creates_flattened_group(sh):
                 store, name = stores.at(path)
-                zarr.create_group(store=store, path=name or None, attributes={ATTR: flattened_attributes(sh)}, overwrite=False)
+                zarr.create_group(
+                    store=store, path=name or None, attributes={ATTR: flattened_attributes(sh)}, overwrite=False
+                )
                 written.append(path / "zarr.json")
             if sh.flattened_range.stop > sh.flattened_range.start:
                 written += self._write_fragment(path / fragment_name(sh), sh, stores)
@@ -294,7 +300,6 @@ class _ZarrStreamWriter(TensorStreamWriter):
         commit_checksums(self.root, self.written, self._stores.digests)
 
 
-
 class _ArrayReader:
     """Reads regions of zarr arrays with zarr-python, refusing missing or short chunk files and,
     with ``stores``, files whose checksum differs from the manifest."""
@@ -325,7 +330,9 @@ class _ArrayReader:
             except CheckpointingException:
                 raise
             except Exception as e:  # noqa: BLE001 -- unreadable metadata means a damaged checkpoint
-                raise CorruptCheckpointError(f"[rank {get_rank()}] cannot open zarr array {str(path)!r} of tensor {key!r}: {e}") from e
+                raise CorruptCheckpointError(
+                    f"[rank {get_rank()}] cannot open zarr array {str(path)!r} of tensor {key!r}: {e}"
+                ) from e
         chunk_shape = array.metadata.chunk_grid.chunk_shape
         chunk_bytes = math.prod(chunk_shape) * array.dtype.itemsize
         for coords in chunk_coords(region, chunk_shape):
@@ -456,7 +463,7 @@ def remove_tensor_objects(root: ObjectPath, key_prefix: str) -> None:
 
 def register_default_zarr_strategies() -> None:
     """Make the Zarr strategies the defaults for ``("zarr", 1)`` (they already are, lazily)."""
-    from dist_ckpt.backends.base import StrategyAction, register_default_strategy
+    from dist_ckpt.engine.registry import StrategyAction, register_default_strategy
 
     register_default_strategy(StrategyAction.SAVE_SHARDED, "zarr", 1, ZarrSaveShardedStrategy, override=True)
     register_default_strategy(StrategyAction.LOAD_SHARDED, "zarr", 1, ZarrLoadShardedStrategy, override=True)
