@@ -15,8 +15,9 @@ import torch
 import dist_ckpt as dc
 from dist_ckpt.model.sharded import ShardedTensor
 from tests.golden.state import COMMON, WORLD, full_request, full_tensors, objects
+from tests.paths import GOLDEN_DIR
 
-GOLDEN = Path(__file__).resolve().parent.parent / "golden"
+GOLDEN = GOLDEN_DIR
 ALL = sorted(p.name for p in GOLDEN.iterdir() if (p / "metadata.json").is_file())
 
 

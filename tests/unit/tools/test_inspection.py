@@ -9,7 +9,7 @@ import pytest
 import dist_ckpt as dc
 from dist_ckpt.hf import export
 from dist_ckpt.tools.inspection import describe_value
-from tests.unit.sample_checkpoints import save_sample
+from tests.sample_checkpoints import save_sample
 
 BACKENDS = [("safetensors", 1), ("zarr", 1)]
 

@@ -1,6 +1,6 @@
 """The ``dist-ckpt`` commands through their real entry point (``python -m dist_ckpt``, a subprocess).
 
-Checkpoints are made in the tests (4 virtual ranks, see :mod:`tests.unit.sample_checkpoints`).
+Checkpoints are made in the tests (4 virtual ranks, see :mod:`tests.sample_checkpoints`).
 Every failure must be one line on stderr, without a traceback, with exit status 1 (the
 checkpoint is damaged, a verification failed) or 2 (usage error, or a bad location).
 """
@@ -20,7 +20,7 @@ import torch
 import dist_ckpt as dc
 from dist_ckpt.cli import COMMANDS, main
 from dist_ckpt.testing.layouts import bitwise_equal
-from tests.unit.sample_checkpoints import COMMON, save_sample, stored_tensors
+from tests.sample_checkpoints import COMMON, save_sample, stored_tensors
 
 
 def dist_ckpt(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -37,10 +37,11 @@ from dist_ckpt.errors import NotACheckpointError
 from dist_ckpt.testing import free_port
 from dist_ckpt.training.checkpoints import find_latest_checkpoint
 from tests.crash_saver import full_tensors, state
+from tests.paths import REPO_ROOT
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = REPO_ROOT
 WORLD = 2
 
 

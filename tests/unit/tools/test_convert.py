@@ -17,7 +17,7 @@ from dist_ckpt.errors import CheckpointExistsError, IncompatibleStrategyError, N
 from dist_ckpt.model.sharded import ShardedObject
 from dist_ckpt.testing.layouts import bitwise_equal
 from dist_ckpt.tools.convert import convert
-from tests.unit.sample_checkpoints import COMMON, save_sample, stored_tensors
+from tests.sample_checkpoints import COMMON, save_sample, stored_tensors
 
 BACKENDS = [("safetensors", 1), ("zarr", 1)]
 

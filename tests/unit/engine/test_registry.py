@@ -20,7 +20,6 @@ import torch
 
 import dist_ckpt as dc
 from dist_ckpt.async_save.queue import AsyncRequest
-from dist_ckpt.backends import base
 from dist_ckpt.backends.base import (
     AsyncSaveShardedStrategy,
     LoadCommonStrategy,
@@ -30,6 +29,7 @@ from dist_ckpt.backends.base import (
     SaveShardedStrategy,
     SaveStrategyBase,
 )
+from dist_ckpt.engine import registry
 from dist_ckpt.engine.distributed import get_rank
 from dist_ckpt.engine.registry import (
     ENTRY_POINT_GROUP,
@@ -161,14 +161,14 @@ class AsyncFilesSave(AsyncSaveShardedStrategy):
 @pytest.fixture(autouse=True)
 def clean_registry():
     """Undo every registration a test makes (with unregister_strategy)."""
-    before = dict(base._registry)
+    before = dict(registry._registry)
     yield
-    for key in list(base._registry):
+    for key in list(registry._registry):
         if key not in before:
             unregister_strategy(key.action, key.backend, key.version)
     for key, value in before.items():
         register_default_strategy(key.action, key.backend, key.version, value, override=True)
-    assert base._registry == before
+    assert registry._registry == before
 
 
 @pytest.fixture
@@ -504,7 +504,7 @@ def _fake_entry_points(monkeypatch, eps):
             return list(eps)
         return []
 
-    monkeypatch.setattr(base.importlib_metadata, "entry_points", entry_points)
+    monkeypatch.setattr(registry.importlib_metadata, "entry_points", entry_points)
 
 
 class TestEntryPoints:
@@ -579,7 +579,7 @@ class TestMissingDependency:
                 raise ModuleNotFoundError("No module named 'zarr'", name="zarr")
             return real(name, package)
 
-        monkeypatch.setattr(base.importlib, "import_module", fake)
+        monkeypatch.setattr(registry.importlib, "import_module", fake)
 
     @pytest.mark.parametrize("action", [A.SAVE_SHARDED, A.LOAD_SHARDED])
     def test_builtin_names_pip_extra(self, no_zarr, action):

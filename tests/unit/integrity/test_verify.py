@@ -15,8 +15,9 @@ from dist_ckpt.backends.base import LoadShardedStrategy
 from dist_ckpt.cli import main
 from dist_ckpt.integrity.verify import verify_checkpoint
 from dist_ckpt.model.sharded import ShardedObject, ShardedTensor
+from tests.paths import GOLDEN_DIR
 
-GOLDEN = Path(__file__).resolve().parent.parent / "golden"
+GOLDEN = GOLDEN_DIR
 
 
 def _save(path: Path, backend=None) -> Path:
