@@ -51,7 +51,7 @@ from dist_ckpt.cli.inspect_command import add_inspect_command
 from dist_ckpt.cli.verify_command import add_verify_command
 from dist_ckpt.errors import CheckpointExistsError, CheckpointingException, NotACheckpointError
 from dist_ckpt.storage.errors import BucketNotFoundError, StorageConfigError
-from dist_ckpt.testing import RankError
+from dist_ckpt.tools.launch import RankError
 
 __all__ = ["COMMANDS", "EXIT_FAILURE", "EXIT_OK", "EXIT_USAGE", "CommandFailed", "build_parser", "format_table", "main"]
 

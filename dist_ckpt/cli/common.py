@@ -15,7 +15,7 @@ import sys
 from typing import Any, Callable, List, Sequence, Tuple
 
 from dist_ckpt.engine.registry import StrategyAction, registered_strategies
-from dist_ckpt.testing import RankError
+from dist_ckpt.tools.launch import RankError
 
 __all__ = [
     "EXIT_FAILURE",

@@ -254,7 +254,7 @@ def run_bench(options: BenchOptions = BenchOptions(), on_phase: Optional[Callabl
     Raises:
         ValueError: invalid options (see :func:`dist_ckpt.tools.demo.run_demo`).
         CheckpointingException: the backend is unknown or a step failed in this process.
-        dist_ckpt.testing.RankError: a spawned rank raised.
+        dist_ckpt.tools.launch.RankError: a spawned rank raised.
 
     Example::
 

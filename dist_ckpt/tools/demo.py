@@ -41,7 +41,7 @@ from dist_ckpt.engine.load import load_with_report
 from dist_ckpt.engine.registry import DEFAULT_SHARDED_BACKEND, StrategyAction, get_default_strategy
 from dist_ckpt.engine.save import save
 from dist_ckpt.model.sharded import is_main_replica
-from dist_ckpt.testing import spawn_ranks
+from dist_ckpt.tools.launch import spawn_ranks
 from dist_ckpt.tools.gpt_state import (
     MAX_REPORTED,
     OPTIMIZER_STATES,
@@ -221,7 +221,7 @@ def run_demo(options: DemoOptions = DemoOptions()) -> DemoResult:
     Raises:
         ValueError: invalid options.
         CheckpointingException: the backend is unknown or a step failed in this process.
-        dist_ckpt.testing.RankError: a spawned rank raised (its traceback is in the message).
+        dist_ckpt.tools.launch.RankError: a spawned rank raised (its traceback is in the message).
     """
     _check_options(options)
     cfg = DemoConfig.for_size(int(options.size_mib * 2**20), options.ranks, options.layers, options.seed)

@@ -40,8 +40,7 @@ from dist_ckpt.parallel.two_stage import (
     sharded_tensor_chunk_id,
     timed,
 )
-
-from .test_zarr_strategy import assert_bits_equal, random_tensor, split_state
+from tests.unit.backends.zarr.test_zarr_strategy import assert_bits_equal, random_tensor, split_state
 
 # --------------------------------------------------------------------------- assignment
 
