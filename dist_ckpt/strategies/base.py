@@ -1,6 +1,7 @@
-"""Megatron-Core module path ``dist_ckpt.strategies.base``: re-exports :mod:`dist_ckpt.backends.base`.
+"""Megatron-Core module path ``dist_ckpt.strategies.base``: the strategy interfaces and the registry.
 
-Code written for ``megatron.core.dist_checkpointing.strategies.base`` imports from here unchanged.
+Re-exports :mod:`dist_ckpt.backends.base` (interfaces) and :mod:`dist_ckpt.engine.registry`; code written
+for ``megatron.core.dist_checkpointing.strategies.base`` imports from here unchanged.
 """
 
 from dist_ckpt.backends.base import (
@@ -16,7 +17,6 @@ from dist_ckpt.backends.base import (
     check_stream_entry,
     load_destination,
     loaded_shape,
-    logger,
     main_replica_shards,
 )
 from dist_ckpt.engine.registry import (
@@ -57,7 +57,6 @@ __all__ = [
     "get_default_strategy",
     "load_destination",
     "loaded_shape",
-    "logger",
     "main_replica_shards",
     "register_default_strategy",
     "registered_strategies",

@@ -41,7 +41,6 @@ from dist_ckpt.engine.load import load_with_report
 from dist_ckpt.engine.registry import DEFAULT_SHARDED_BACKEND, StrategyAction, get_default_strategy
 from dist_ckpt.engine.save import save
 from dist_ckpt.model.sharded import is_main_replica
-from dist_ckpt.tools.launch import spawn_ranks
 from dist_ckpt.tools.gpt_state import (
     MAX_REPORTED,
     OPTIMIZER_STATES,
@@ -56,6 +55,7 @@ from dist_ckpt.tools.gpt_state import (
     state_bytes,
     verify_loaded,
 )
+from dist_ckpt.tools.launch import spawn_ranks
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,6 @@ import pytest
 import torch
 
 import dist_ckpt as dc
-from dist_ckpt.backends import base
 from dist_ckpt.backends.zarr import layout as zarr_layout
 from dist_ckpt.backends.zarr import tensorstore_engine as ts_strategy
 from dist_ckpt.backends.zarr.tensorstore_engine import (
@@ -35,6 +34,7 @@ from dist_ckpt.engine.registry import StrategyAction as A
 from dist_ckpt.errors import CorruptCheckpointError, KeyMismatchError, LoadMismatchError, MissingDependencyError
 from dist_ckpt.model.dtypes import SUPPORTED_DTYPE_NAMES
 from dist_ckpt.model.sharded import ShardedTensor
+from dist_ckpt.strategies import base
 
 from .test_zarr_strategy import assert_bits_equal, flat_pieces, random_tensor, split_state
 
