@@ -3,7 +3,7 @@
 PYTHON ?= python3
 export PYTHON
 
-.PHONY: install demo test
+.PHONY: install demo test check
 
 install:
 	./scripts/install.sh
@@ -13,3 +13,9 @@ demo: install
 
 test: install
 	./scripts/run_tests.sh
+
+# Static checks CI runs beside the tests: lint and formatting (ruff, line length 120) and mypy --strict.
+check: install
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+	$(PYTHON) -m mypy

@@ -203,7 +203,8 @@ def render(times: Dict[str, List[float]], nbytes: int) -> str:
         "",
         "ratios (best runs):",
         f"  async blocking / sync save                 {ratio('async_block', 'save')}   (goal <= 0.1)",
-        f"    first save, fresh buffer / reserved      {ratio('async_first', 'save')} / {ratio('async_reserved', 'save')}",
+        f"    first save, fresh buffer / reserved      {ratio('async_first', 'save')} / "
+        f"{ratio('async_reserved', 'save')}",
         f"  sync save / sync save without checksums    {ratio('save', 'save_plain')}   (goal <= 1.1)",
         f"  load / load without verification, cold     {ratio('load_cold', 'load_plain_cold')}   (goal <= 1.1)",
         f"  load / load without verification, warm     {ratio('load_warm', 'load_plain_warm')}",

@@ -1,4 +1,5 @@
-"""Megatron-Core module path ``dist_ckpt.serialization``: re-exports :mod:`dist_ckpt.engine.save`, :mod:`dist_ckpt.engine.load`
+"""Megatron-Core module path ``dist_ckpt.serialization``:
+re-exports :mod:`dist_ckpt.engine.save`, :mod:`dist_ckpt.engine.load`
 and :mod:`dist_ckpt.engine.load_parts`.
 
 Code written for ``megatron.core.dist_checkpointing.serialization`` imports from here unchanged.

@@ -69,7 +69,8 @@ def run_inspect_command(args: argparse.Namespace) -> int:
         f"{info.path}: {'HuggingFace folder' if info.kind == 'huggingface' else 'dist_ckpt checkpoint'}",
         f"  backend   {info.sharded_backend} (common state: {info.common_backend})",
         f"  saved by  {saved_by}{writer}" if info.kind != "huggingface" else "  saved by  (not recorded)",
-        f"  tensors   {len(info.tensors)}{' matching ' + repr(args.keys) if args.keys else ''}, {human_bytes(info.nbytes)}{shards}",
+        f"  tensors   {len(info.tensors)}{' matching ' + repr(args.keys) if args.keys else ''}, "
+        f"{human_bytes(info.nbytes)}{shards}",
         f"  files     {files}",
     ]
     print("\n".join(lines))

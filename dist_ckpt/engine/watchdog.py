@@ -6,7 +6,8 @@ wait forever, silently: every rank sits in some step and nothing says which. The
 each of its steps with :meth:`Watchdog.step`, and when a step has lasted ``timeout_s`` seconds
 the thread logs a WARNING::
 
-    rank 3 has been in step 'saving sharded tensors' > 'writing the safetensors index' of the save of ckpt/iter_1000 for 600 s
+    rank 3 has been in step 'saving sharded tensors' > 'writing the safetensors index' of the save of
+    ckpt/iter_1000 for 600 s
 
 and again every further ``timeout_s`` seconds while the step lasts. It only logs: the step keeps
 going (a slow disk is not an error), and nothing is killed. The nested step names after ``>``

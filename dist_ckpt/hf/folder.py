@@ -149,7 +149,8 @@ class HFFolder:
             entry = headers[file].entries.get(name)
             if entry is None:
                 raise CorruptCheckpointError(
-                    f"tensor {name!r}: the index says it is in {str(self.directory / file)!r}, whose header does not list it"
+                    f"tensor {name!r}: the index says it is in {str(self.directory / file)!r}, whose header does not "
+                    "list it"
                 )
             offset = (0,) * len(entry.shape)
             shard = StoredShard(file, name, offset, entry.shape, None, (entry.begin, entry.end))

@@ -3,7 +3,8 @@
 A sharded HuggingFace checkpoint is a folder of safetensors files and an index,
 ``model.safetensors.index.json``::
 
-    {"metadata": {"total_size": 123456, ...}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors", ...}}
+    {"metadata": {"total_size": 123456, ...},
+     "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors", ...}}
 
 A checkpoint small enough for one file is just ``model.safetensors``. Tied parameters (e.g. the
 input embedding and the output projection) are stored once: only the first name of each sharing

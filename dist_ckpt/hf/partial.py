@@ -103,7 +103,8 @@ def load_state_dict_to_shards(
         value = loaded_state_dict[key]
         if tuple(value.shape) != tuple(target.shape) or value.dtype != target.dtype:
             raise LoadMismatchError(
-                f"{key!r}: the model shard has {target.dtype} {tuple(target.shape)}, the state dict {value.dtype} {tuple(value.shape)}"
+                f"{key!r}: the model shard has {target.dtype} {tuple(target.shape)}, the state dict {value.dtype} "
+                f"{tuple(value.shape)}"
             )
     assign = any(t.device.type == "meta" for t in own.values())
     model_shard.load_state_dict({k: loaded_state_dict[k] for k in own}, strict=True, assign=assign)

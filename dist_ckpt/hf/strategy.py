@@ -10,7 +10,8 @@ Example::
 
     sd = {"embed": ShardedTensor.from_rank_offsets("model.embed_tokens.weight", local, (0, tp_rank, tp))}
     dist_ckpt.load(sd, "Llama-3-8B")                       # reads this rank's rows only
-    dist_ckpt.load(sd, path, sharded_strategy=HFLoadShardedStrategy(aliases={"lm_head.weight": "model.embed_tokens.weight"}))
+    tied = HFLoadShardedStrategy(aliases={"lm_head.weight": "model.embed_tokens.weight"})
+    dist_ckpt.load(sd, path, sharded_strategy=tied)
 """
 
 from __future__ import annotations

@@ -331,7 +331,8 @@ def parse_manifest(doc: Any, path: Union[str, Path]) -> Dict[str, FileDigest]:
         raise CorruptCheckpointError(f"{where}: 'format' is {doc.get('format')!r}, expected {MANIFEST_FORMAT!r}")
     if doc.get("version") != MANIFEST_VERSION:
         raise IncompatibleStrategyError(
-            f"{where} has version {doc.get('version')!r}; this dist_ckpt reads version {MANIFEST_VERSION}: upgrade dist_ckpt"
+            f"{where} has version {doc.get('version')!r}; this dist_ckpt reads version {MANIFEST_VERSION}: upgrade "
+            "dist_ckpt"
         )
     if doc.get("algorithm") != ALGORITHM:
         raise CorruptCheckpointError(f"{where}: 'algorithm' is {doc.get('algorithm')!r}, expected {ALGORITHM!r}")

@@ -41,9 +41,9 @@ class Box:
             raise ValueError(f"cannot intersect boxes of rank {len(self.offset)} and {len(other.offset)}")
         lo = tuple(max(a, b) for a, b in zip(self.offset, other.offset))
         hi = tuple(min(a, b) for a, b in zip(self.stop, other.stop))
-        if any(h <= l for l, h in zip(lo, hi)):
+        if any(h <= low for low, h in zip(lo, hi)):
             return None
-        return Box(lo, tuple(h - l for l, h in zip(lo, hi)))
+        return Box(lo, tuple(h - low for low, h in zip(lo, hi)))
 
     def slices_within(self, outer: "Box") -> Tuple[slice, ...]:
         """Index of this box inside a tensor that holds exactly ``outer``."""

@@ -18,7 +18,8 @@ Example::
 
     save_strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), dp_group)
     dc.save(sd, "ckpt", sharded_strategy=save_strategy)
-    load_strategy = FullyParallelLoadStrategyWrapper(dc.get_default_strategy(StrategyAction.LOAD_SHARDED, "zarr", 1), dp_group)
+    zarr_loader = dc.get_default_strategy(StrategyAction.LOAD_SHARDED, "zarr", 1)
+    load_strategy = FullyParallelLoadStrategyWrapper(zarr_loader, dp_group)
     state = dc.load(request, "ckpt", sharded_strategy=load_strategy)
 """
 

@@ -342,7 +342,8 @@ class LocalStorage(Storage):
             if n == 0:
                 url = self.url_of(piece.key)
                 raise TruncatedObjectError(
-                    f"read {url}: the file ends at byte {offset}, but bytes {piece.offset}..{piece.offset + piece.length} "
+                    f"read {url}: the file ends at byte {offset}, but bytes "
+                    f"{piece.offset}..{piece.offset + piece.length} "
                     "were expected (the file was truncated, or the index describing it is wrong)"
                 )
             offset += n

@@ -314,7 +314,8 @@ class S3Storage(Storage):
         if len(view) != length:
             url = self.url_of(request.key)
             raise TruncatedObjectError(
-                f"GET {url}: bytes {request.offset}..{request.offset + length} were requested but the object ends at byte "
+                f"GET {url}: bytes {request.offset}..{request.offset + length} were requested but the object ends at "
+                "byte "
                 f"{request.offset + len(view)} (it was truncated, or the index describing it is wrong)"
             )
         position = 0

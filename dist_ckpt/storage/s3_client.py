@@ -84,7 +84,8 @@ class S3StorageOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.part_size, int) or not _MIN_PART <= self.part_size <= _MAX_PART:
             raise StorageConfigError(
-                f"S3StorageOptions.part_size must be an int between 5 MiB and 5 GiB (S3's part limits), got {self.part_size!r}"
+                "S3StorageOptions.part_size must be an int between 5 MiB and 5 GiB (S3's part limits), got "
+                f"{self.part_size!r}"
             )
         for name in ("max_concurrency", "read_chunk_size"):
             value = getattr(self, name)
@@ -114,7 +115,8 @@ def parse_s3_url(url: str) -> Tuple[str, str]:
     bucket, _, prefix = rest.partition("/")
     if not _BUCKET_RE.match(bucket) or ".." in bucket:
         raise StorageConfigError(
-            f"S3 URL {url!r}: {bucket!r} is not a valid bucket name (3-63 characters: lowercase letters, digits, '.', '-')"
+            f"S3 URL {url!r}: {bucket!r} is not a valid bucket name (3-63 characters: lowercase letters, digits, '.', "
+            "'-')"
         )
     prefix = prefix.strip("/")
     if prefix:
@@ -165,7 +167,8 @@ class _Boto3Credentials:
         credentials = session.get_credentials()
         if credentials is None:
             raise StorageAuthError(
-                "no AWS credentials found: set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or configure a profile (AWS_PROFILE)",
+                "no AWS credentials found: set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or configure a profile "
+                "(AWS_PROFILE)",
                 operation="credentials",
             )
         self._credentials = credentials

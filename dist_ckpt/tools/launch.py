@@ -91,7 +91,8 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: 
                     break
                 if time.monotonic() > deadline:
                     failures.append(
-                        f"timed out after {timeout_s}s waiting for ranks {sorted(set(range(world_size)) - set(results))}"
+                        f"timed out after {timeout_s}s waiting for ranks "
+                        f"{sorted(set(range(world_size)) - set(results))}"
                     )
                     break
                 continue

@@ -589,8 +589,9 @@ def create_pretrained_symlinks(model_dir: PathLike, force_overwrite: bool = Fals
 
     Raises:
         NotACheckpointError: ``model_dir`` holds no complete checkpoint.
-        CheckpointManagementError: ``model_dir`` is on an object store (no symlinks there), or the latest complete checkpoint is not in HF format (a
-            dist_ckpt checkpoint has no weight files ``from_pretrained`` can read).
+        CheckpointManagementError: ``model_dir`` is on an object store (no symlinks there), or the latest
+            complete checkpoint is not in HF format (a dist_ckpt checkpoint has no weight files
+            ``from_pretrained`` can read).
         SymlinkConflictError: a regular file (without ``force_overwrite``) or a directory is in
             the way of a link.
     """

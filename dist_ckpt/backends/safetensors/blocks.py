@@ -5,7 +5,8 @@ A version-2 index records a crc per block of each shard's byte range (see
 :class:`~.safetensors_io.ReadCheck`): the read is widened to whole blocks
 (:meth:`ShardCheck.widen` -- the extra bytes land in scratch buffers, never in the destination),
 and every block in it is checked from the bytes just read, with no further I/O (from local files
-piece by piece, each piece right after its ``preadv``, while it is still in the CPU cache). A load therefore reads at most the blocks it touches: for each contiguous range, at most one
+piece by piece, each piece right after its ``preadv``, while it is still in the CPU cache). A load
+therefore reads at most the blocks it touches: for each contiguous range, at most one
 block's worth of extra bytes at each end; reads that skip gaps shorter than a block read through
 the gaps instead (see :func:`~.safetensors_io.plan_copy`).
 

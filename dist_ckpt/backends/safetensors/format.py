@@ -406,7 +406,8 @@ class SafetensorsFileWriter:
         name, dtype, shape = self.layout[self._next]
         if tensor.dtype != dtype or tuple(tensor.shape) != shape:
             raise CheckpointingException(
-                f"{self.path}: tensor {name!r} was declared as {dtype} {list(shape)}, got {tensor.dtype} {list(tensor.shape)}"
+                f"{self.path}: tensor {name!r} was declared as {dtype} {list(shape)}, got {tensor.dtype} "
+                f"{list(tensor.shape)}"
             )
         if tensor.device.type == "cpu":
             self._writer.write(tensor_bytes(tensor))

@@ -240,7 +240,8 @@ class _Parser:
             numel = _prod(s.stored_shape)
             if s.byte_range[1] - s.byte_range[0] != numel * dtype.itemsize:
                 raise self.fail(
-                    f"shard {s.name!r} spans {s.byte_range[1] - s.byte_range[0]} bytes, expected {numel * dtype.itemsize}",
+                    f"shard {s.name!r} spans {s.byte_range[1] - s.byte_range[0]} bytes, expected "
+                    f"{numel * dtype.itemsize}",
                     key,
                 )
         return StoredTensor(key, dtype, shape, stored)

@@ -158,7 +158,8 @@ class SafetensorsStreamWriter(TensorStreamWriter):
         if self._added != len(self.layout):
             missing = [k for k, _, _ in self.layout[self._added :]]
             raise CheckpointingException(
-                f"the stream into {location_str(self.checkpoint_dir)} finished after {self._added} of its {len(self.layout)} "
+                f"the stream into {location_str(self.checkpoint_dir)} finished after {self._added} of its "
+                f"{len(self.layout)} "
                 f"tensors; not added: {missing[:5]}{' ...' if len(missing) > 5 else ''}"
             )
         self._finished = True

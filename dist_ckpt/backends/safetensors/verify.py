@@ -80,7 +80,8 @@ def verify_safetensors(checkpoint_dir: CheckpointLocation, read_bytes: int = 16 
             if expected is not None and header.prefix_crc != expected:
                 report.add(
                     rel,
-                    f"header bytes have crc32c {crc_to_hex(header.prefix_crc)}, the index recorded {crc_to_hex(expected)}",
+                    f"header bytes have crc32c {crc_to_hex(header.prefix_crc)}, the index recorded "
+                    f"{crc_to_hex(expected)}",
                     key,
                 )
             for k, shard in shards:

@@ -192,12 +192,14 @@ def write_part(
             begin, end = plan.ranges[part.first + i]
             if writer.position != begin:
                 raise CheckpointingException(
-                    f"{path}: tensor {plan.names[part.first + i]!r} would start at byte {writer.position}, planned {begin}"
+                    f"{path}: tensor {plan.names[part.first + i]!r} would start at byte {writer.position}, planned "
+                    f"{begin}"
                 )
             crcs.append(_write_tensor(writer, tensor, block_bytes, staging))
             if writer.position != end:
                 raise CheckpointingException(
-                    f"{path}: tensor {plan.names[part.first + i]!r} has {writer.position - begin} bytes, planned {end - begin}"
+                    f"{path}: tensor {plan.names[part.first + i]!r} has {writer.position - begin} bytes, planned "
+                    f"{end - begin}"
                 )
         if part.fsync:
             writer.finish()
@@ -235,7 +237,8 @@ def write_parts(
 
     Example::
 
-        results = write_parts(root, [WritePart(plan_a, 0, tensors_a), WritePart(plan_b, 0, tensors_b)], block_bytes=1 << 20)
+        parts = [WritePart(plan_a, 0, tensors_a), WritePart(plan_b, 0, tensors_b)]
+        results = write_parts(root, parts, block_bytes=1 << 20)
     """
     directory = Path(directory)
     buffers = list(staging) if staging else [None] * len(parts)
@@ -317,7 +320,8 @@ def write_object(
     for tensor, name, (begin, end) in zip(part.tensors, plan.names, plan.ranges):
         if tensor.numel() * tensor.element_size() != end - begin:
             raise CheckpointingException(
-                f"{storage.url_of(plan.name)}: tensor {name!r} has {tensor.numel() * tensor.element_size()} bytes, planned {end - begin}"
+                f"{storage.url_of(plan.name)}: tensor {name!r} has {tensor.numel() * tensor.element_size()} bytes, "
+                f"planned {end - begin}"
             )
     header_crc = crc_to_hex(crc32c(plan.prefix)) if block_bytes else None
     if all(t.device.type == "cpu" for t in part.tensors):

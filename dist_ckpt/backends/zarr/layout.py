@@ -401,7 +401,8 @@ def load_zarr_based_sharded_metadata(
         shape, np_dtype = get_shape_dtype_fn(str(info.path) if isinstance(info.path, Path) else info.path)
         if tuple(shape) != info.global_shape or np.dtype(np_dtype).itemsize != info.dtype.itemsize:
             raise CorruptCheckpointError(
-                f"{info.path}: the array is {tuple(shape)} {np_dtype}, its attributes say {info.global_shape} {info.dtype}"
+                f"{info.path}: the array is {tuple(shape)} {np_dtype}, its attributes say {info.global_shape} "
+                f"{info.dtype}"
             )
     return out
 

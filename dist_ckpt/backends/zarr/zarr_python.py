@@ -341,7 +341,8 @@ class _ArrayReader:
                 size = chunk_file.stat().st_size
             except FileNotFoundError:
                 raise CorruptCheckpointError(
-                    f"[rank {get_rank()}] chunk file {str(chunk_file)!r} of tensor {key!r} is missing; the checkpoint is incomplete"
+                    f"[rank {get_rank()}] chunk file {str(chunk_file)!r} of tensor {key!r} is missing; the checkpoint "
+                    "is incomplete"
                 ) from None
             if size != chunk_bytes:
                 raise CorruptCheckpointError(

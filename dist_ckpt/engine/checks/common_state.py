@@ -85,7 +85,8 @@ def validate_common_state_dict(common_state_dict: Dict[str, Any]) -> None:
     differences = find_common_state_differences(gathered)
     if differences:
         lines = [
-            f"rank {rank}: only on rank 0: {only_0[:5]}, only on rank {rank}: {only_r[:5]}, different values: {differ[:5]}"
+            f"rank {rank}: only on rank 0: {only_0[:5]}, only on rank {rank}: {only_r[:5]}, different values: "
+            f"{differ[:5]}"
             for rank, (only_0, only_r, differ) in sorted(differences.items())
         ]
         logger.warning(

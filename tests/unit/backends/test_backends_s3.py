@@ -58,7 +58,7 @@ SAVERS = {"zarr": ZarrSaveShardedStrategy, "tensorstore": TensorStoreSaveSharded
 LOADERS = {"zarr": ZarrLoadShardedStrategy, "tensorstore": TensorStoreLoadShardedStrategy}
 
 
-@pytest.mark.parametrize("saver,loader", [(s, l) for s in SAVERS for l in LOADERS])
+@pytest.mark.parametrize("saver,loader", [(s, ld) for s in SAVERS for ld in LOADERS])
 def test_zarr_engines_round_trip_on_s3(s3_url: str, s3_env: Any, saver: str, loader: str) -> None:
     state = _state()
     dist_ckpt.save(_sharded(state), s3_url, sharded_strategy=SAVERS[saver]())

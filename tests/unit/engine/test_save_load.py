@@ -664,7 +664,8 @@ def test_import_does_not_pull_optional_backends():
     code = (
         "import sys, dist_ckpt\n"
         "import dist_ckpt.strategies, dist_ckpt.serialization, dist_ckpt.engine.save, dist_ckpt.engine.load\n"
-        "import dist_ckpt.tools.convert, dist_ckpt.tools.inspection, dist_ckpt.tools.bench, dist_ckpt.engine.report, dist_ckpt.engine.watchdog\n"
+        "import dist_ckpt.tools.convert, dist_ckpt.tools.inspection, dist_ckpt.tools.bench, dist_ckpt.engine.report, "
+        "dist_ckpt.engine.watchdog\n"
         "heavy = ('zarr', 'tensorstore', 'obstore', 'dist_ckpt.backends.zarr.zarr_python', 'dist_ckpt.cli')\n"
         "print(sorted(m for m in heavy if m in sys.modules))\n"
     )

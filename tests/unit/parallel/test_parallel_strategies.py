@@ -357,7 +357,8 @@ class TestWrappersInOneProcess:
         assert wrapper.owned_paths == ("zarr",) and wrapper.apply_saving_parallelization(sd).keys() == sd.keys()
         dc.save(sd, tmp_path / "fp", sharded_strategy=wrapper)
         dc.save(sd, tmp_path / "plain", sharded_strategy=("zarr", 1))
-        files = lambda root: {
-            str(p.relative_to(root)): p.read_bytes() for p in sorted((root / "zarr").rglob("*")) if p.is_file()
-        }  # noqa: E731
+
+        def files(root: Path) -> dict:
+            return {str(p.relative_to(root)): p.read_bytes() for p in sorted((root / "zarr").rglob("*")) if p.is_file()}
+
         assert files(tmp_path / "fp") == files(tmp_path / "plain")
