@@ -254,12 +254,12 @@ def test_transient_errors_are_survived(s3: Optional[Any], url: str) -> None:
 
 def _save_and_die_before_commit(rank_: int, world_: int, url: str) -> None:
     """A rank of a save that rank 0 kills (SIGKILL, itself) where it would write the commit marker."""
-    from dist_ckpt.engine import serialization
+    from dist_ckpt.engine import save as save_module
 
     def killed(*args: Any, **kwargs: Any) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
-    serialization.save_config = killed  # type: ignore[assignment]
+    save_module.save_config = killed  # type: ignore[assignment]
     dc.save(_killed_state(rank_, world_), url)
 
 
