@@ -49,10 +49,12 @@ from dist_ckpt.errors import (
     NotACheckpointError,
     ProcessGroupMismatchError,
     RankFailedError,
+    SaveConflictError,
     ShardingIntegrityError,
     StateDictStructureError,
     StrategyRegistrationError,
     UnknownStrategyError,
+    UnsafeLinkError,
     UnsafeObjectError,
 )
 from dist_ckpt.integrity.verify import VerifyReport, verify_checkpoint
@@ -113,6 +115,7 @@ __all__ = [
     "ProcessGroupMismatchError",
     "ProgressEvent",
     "RankFailedError",
+    "SaveConflictError",
     "SaveResult",
     "ShardedBase",
     "ShardedObject",
@@ -130,6 +133,7 @@ __all__ = [
     "TensorInfo",
     "TensorMetadata",
     "UnknownStrategyError",
+    "UnsafeLinkError",
     "UnsafeObjectError",
     "VerifyReport",
     "__version__",

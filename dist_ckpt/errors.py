@@ -10,7 +10,7 @@ to fix the problem when there is an obvious fix.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence, Tuple
 
 
 class CheckpointingException(Exception):
@@ -65,8 +65,21 @@ class CheckpointExistsError(CheckpointingException, FileExistsError):
     """``save`` was pointed at a directory that already holds a committed checkpoint."""
 
 
+class SaveConflictError(CheckpointExistsError):
+    """``save`` cannot own its target: another save is writing there (two saves never share a
+    location), or the target holds entries this save would write that no record shows dist_ckpt
+    wrote (they are left alone). Raised on every rank of the refused save, which writes and
+    deletes nothing."""
+
+
 class CorruptCheckpointError(CheckpointingException, ValueError):
     """A committed checkpoint has missing, truncated or unreadable files."""
+
+
+class UnsafeLinkError(CorruptCheckpointError):
+    """A file of a checkpoint is reached through a symbolic link that leads outside the
+    checkpoint directory; it is not read. Links that stay inside the checkpoint, and a
+    checkpoint directory that is itself a link, are fine."""
 
 
 class ChecksumMismatchError(CorruptCheckpointError):
@@ -125,8 +138,17 @@ class RankFailedError(CheckpointingException):
 
     Errors of the :class:`CheckpointingException` family are re-raised with their own type on
     every rank; anything else (an ``OSError``, a bug) arrives as this type, with the failing
-    rank, the original type and its message.
+    rank, the original type and its message. A rank that died (or stopped responding) during a
+    collective arrives as this type too, on every survivor.
+
+    Attributes:
+        failed_ranks: the ranks found dead or unresponsive when the transport of a collective
+            failed (empty when not known, or when the failure was reported by the rank itself).
+        step: the step the survivors were in when the transport failed ("" otherwise).
     """
+
+    failed_ranks: Tuple[int, ...] = ()
+    step: str = ""
 
 
 #: how many problems an error message lists before "... and N more"

@@ -67,6 +67,9 @@ class AsyncRequest:
         outcome: how ``async_fn`` ended (its return value or error), filled in when it has;
             finalize functions created with the request may read it. Shared by the request's
             copies (:meth:`freeze`).
+        abort_fns: called in order, on every rank, with the error when the request fails
+            (``async_fn`` on any rank, or a finalize function): e.g. delete the files of the
+            uncommitted save. Their own errors are logged, not raised.
 
     Example::
 
@@ -80,12 +83,27 @@ class AsyncRequest:
     async_fn_kwargs: Dict[str, Any] = field(default_factory=dict)
     is_frozen: bool = False
     outcome: AsyncOutcome = field(default_factory=AsyncOutcome, compare=False, repr=False)
+    abort_fns: List[Callable[[BaseException], Any]] = field(default_factory=list)
 
     def add_finalize_fn(self, fn: Callable[[], Any]) -> None:
         """Append a finalization step (only before the request is frozen)."""
         if self.is_frozen:
             raise CheckpointingException("cannot add a finalize function to a frozen AsyncRequest")
         self.finalize_fns.append(fn)
+
+    def add_abort_fn(self, fn: Callable[[BaseException], Any]) -> None:
+        """Append a function run (with the error) when the request fails (before it is frozen)."""
+        if self.is_frozen:
+            raise CheckpointingException("cannot add an abort function to a frozen AsyncRequest")
+        self.abort_fns.append(fn)
+
+    def run_abort_fns(self, error: BaseException) -> None:
+        """Run the abort functions after a failure (logging, not raising, their own errors)."""
+        for fn in self.abort_fns:
+            try:
+                fn(error)
+            except Exception as e:  # noqa: BLE001 -- the request's own error is what is reported
+                logger.warning("an abort function of a failed async save raised: %s", e)
 
     def execute_sync(self) -> None:
         """Run the whole request in the calling process (collective: the synchronous fallback).
@@ -99,13 +117,17 @@ class AsyncRequest:
         except Exception as e:  # noqa: BLE001 -- exchanged below, so that every rank raises
             self.outcome.fail(e)
             error = e
-        raise_if_any_rank_failed(error, "writing the checkpoint files")
-        for fn in self.finalize_fns:
-            fn()
+        try:
+            raise_if_any_rank_failed(error, "writing the checkpoint files")
+            for fn in self.finalize_fns:
+                fn()
+        except BaseException as e:
+            self.run_abort_fns(e)
+            raise
 
     def freeze(self) -> "AsyncRequest":
         """A frozen copy, ready to be scheduled (sharing this request's outcome)."""
-        return replace(self, finalize_fns=list(self.finalize_fns), is_frozen=True)
+        return replace(self, finalize_fns=list(self.finalize_fns), abort_fns=list(self.abort_fns), is_frozen=True)
 
 
 @dataclass
@@ -213,13 +235,17 @@ class AsyncCallsQueue:
                     f"schedule the same requests and call maybe_finalize_async_calls equally often"
                 )
         error = call.request.outcome.error
-        if no_dist:
-            if error is not None:
-                raise error
-        else:
-            raise_if_any_rank_failed(error, f"the background save (async call {call.idx})")
-        for fn in call.request.finalize_fns:
-            fn()
+        try:
+            if no_dist:
+                if error is not None:
+                    raise error
+            else:
+                raise_if_any_rank_failed(error, f"the background save (async call {call.idx})")
+            for fn in call.request.finalize_fns:
+                fn()
+        except BaseException as e:
+            call.request.run_abort_fns(e)
+            raise
         logger.debug("finalized async call %d", call.idx)
 
     def close(self, abort: bool = False) -> None:

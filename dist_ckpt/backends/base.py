@@ -51,6 +51,15 @@ class SaveStrategyBase(ABC):
     #: whether the strategy can write to an object store: it then accepts a
     #: :class:`~dist_ckpt.storage.Storage` as ``checkpoint_dir`` (see :func:`check_location`)
     object_storage: ClassVar[bool] = False
+    #: files (relative keys) this strategy writes that vouch for other files' bytes: checksum
+    #: manifests, indexes with checksums. Those present at commit are digested into
+    #: ``metadata.json``, so that deleting or downgrading one is corruption (see
+    #: :mod:`dist_ckpt.engine.records`); loaders read them with ``read_recorded``
+    integrity_records: ClassVar[Tuple[str, ...]] = ()
+    #: file names a key cannot be stored under because the strategy's own records use them
+    #: (compared with the key's encoded name, :func:`dist_ckpt.storage.encode_key`); ``save``
+    #: refuses such keys before writing anything
+    reserved_names: ClassVar[Tuple[str, ...]] = ()
 
     def __init__(self, backend: str, version: int) -> None:
         self.backend = backend

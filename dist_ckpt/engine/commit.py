@@ -14,8 +14,16 @@ checkpoint. Schema (format version 1)::
         "library_version": "0.1.0",
         "world_size": 4,
         "save_id": "3f2a..."              # random id of the save that committed it
+      },
+      "integrity_records": {              # optional; every integrity record the save wrote
+        "safetensors/index.json": {"size": 1834, "crc32c": "1a2b3c4d", "version": 2}
       }
     }
+
+``integrity_records`` (see :mod:`dist_ckpt.integrity.records`) makes integrity fail closed: a
+record it lists that is missing, modified or downgraded is corruption, never "saved without
+checksums". A checkpoint without the field was saved before records existed and loads
+unverified, with a warning.
 """
 
 from __future__ import annotations
@@ -25,10 +33,12 @@ import logging
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 from dist_ckpt.errors import CheckpointExistsError, CheckpointingException, CorruptCheckpointError, NotACheckpointError
-from dist_ckpt.storage import write_bytes_atomic
+from dist_ckpt.integrity.records import RECORDS_FIELD, IntegrityRecord, parse_records, records_json
+from dist_ckpt.integrity.safe_json import MAX_SMALL_JSON_BYTES, loads, want_object
+from dist_ckpt.storage import confined, write_bytes_atomic
 from dist_ckpt.storage.errors import ObjectExistsError, ObjectNotFoundError, StorageError
 from dist_ckpt.storage.location import LocationLike, location_str, resolve_location
 
@@ -44,6 +54,7 @@ __all__ = [
     "maybe_load_config",
     "new_save_id",
     "read_config",
+    "read_integrity_records",
     "save_config",
 ]
 
@@ -83,8 +94,13 @@ def save_config(
     checkpoint_dir: LocationLike,
     world_size: Optional[int] = None,
     save_id: Optional[str] = None,
+    records: Optional[Mapping[str, IntegrityRecord]] = None,
 ) -> None:
     """Write ``metadata.json`` atomically and durably: the commit of a checkpoint (rank 0 only).
+
+    ``records`` are the integrity records the save wrote (see
+    :func:`dist_ckpt.engine.records.digest_records`); None writes none, which readers take for a
+    checkpoint saved before records existed (unverified).
 
     A local directory gets it by atomic rename (temporary file, fsync, rename, fsync of the
     directory). An object store gets it with a create-if-absent put (``If-None-Match: *``), so a
@@ -104,6 +120,8 @@ def save_config(
         record["dist_ckpt"]["world_size"] = world_size
     save_id = save_id or new_save_id()
     record["dist_ckpt"]["save_id"] = save_id
+    if records is not None:
+        record[RECORDS_FIELD] = records_json(records)
     data = json.dumps(record, indent=2, sort_keys=True).encode("utf-8")
     if isinstance(location, Path):
         write_bytes_atomic(location / METADATA_FILENAME, data)
@@ -112,8 +130,10 @@ def save_config(
         location.put_if_absent(METADATA_FILENAME, data)
     except ObjectExistsError as e:
         try:
-            found = json.loads(location.read(METADATA_FILENAME).decode("utf-8")).get("dist_ckpt", {}).get("save_id")
-        except (ValueError, AttributeError, CheckpointingException):
+            found = (
+                _parse_record(location.read(METADATA_FILENAME), METADATA_FILENAME).get("dist_ckpt", {}).get("save_id")
+            )
+        except (AttributeError, CheckpointingException):
             found = None
         if found != save_id:
             raise CheckpointExistsError(
@@ -125,13 +145,27 @@ def save_config(
         )
 
 
-def _parse_config(raw: bytes, where: str) -> CheckpointingConfig:
+def _parse_record(raw: bytes, where: str) -> Dict[str, Any]:
+    """``metadata.json`` as a JSON object (any damage: :class:`CorruptCheckpointError`)."""
+    return want_object(loads(raw, where, MAX_SMALL_JSON_BYTES), where)
+
+
+def _read_record(location: Any) -> Optional[Tuple[Dict[str, Any], str]]:
+    """The parsed ``metadata.json`` of a resolved location and where it is, or None if absent."""
+    if isinstance(location, Path):
+        path = location / METADATA_FILENAME
+        if not path.is_file():
+            return None
+        return _parse_record(confined(path, location).read_bytes(), str(path)), str(path)
     try:
-        record = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptCheckpointError(f"{where} is not valid JSON ({e}); the checkpoint metadata is corrupt") from e
-    if not isinstance(record, dict):
-        raise CorruptCheckpointError(f"{where} must hold a JSON object, found {type(record).__name__}")
+        raw = location.read(METADATA_FILENAME)
+    except ObjectNotFoundError:
+        return None
+    where = location.url_of(METADATA_FILENAME)
+    return _parse_record(raw, where), where
+
+
+def _parse_config(record: Dict[str, Any], where: str) -> CheckpointingConfig:
     values: Dict[str, Any] = {}
     for name, expected in _FIELD_TYPES.items():
         if name not in record:
@@ -159,17 +193,25 @@ def maybe_load_config(checkpoint_dir: LocationLike) -> Optional[CheckpointingCon
         CorruptCheckpointError: if ``metadata.json`` exists but is not a valid config.
         StorageError: an object store refused the request (credentials, missing bucket, ...).
     """
-    location = resolve_location(checkpoint_dir)
-    if isinstance(location, Path):
-        path = location / METADATA_FILENAME
-        if not path.is_file():
-            return None
-        return _parse_config(path.read_bytes(), str(path))
-    try:
-        raw = location.read(METADATA_FILENAME)
-    except ObjectNotFoundError:
+    found = _read_record(resolve_location(checkpoint_dir))
+    return None if found is None else _parse_config(*found)
+
+
+def read_integrity_records(checkpoint_dir: LocationLike) -> Optional[Dict[str, IntegrityRecord]]:
+    """The integrity records ``metadata.json`` lists (see :mod:`dist_ckpt.integrity.records`),
+    or None for a checkpoint saved before records existed (or without ``metadata.json``).
+
+    Raises:
+        CorruptCheckpointError: ``metadata.json`` or its records are malformed.
+
+    Example::
+
+        read_integrity_records("ckpt/iter_10")["safetensors/index.json"].version   # 2
+    """
+    found = _read_record(resolve_location(checkpoint_dir))
+    if found is None or RECORDS_FIELD not in found[0]:
         return None
-    return _parse_config(raw, location.url_of(METADATA_FILENAME))
+    return parse_records(found[0][RECORDS_FIELD], found[1])
 
 
 def read_config(checkpoint_dir: LocationLike) -> CheckpointingConfig:

@@ -7,6 +7,14 @@ and every collective is a local no-op, so single-process users need no process g
 Errors must never leave the other ranks hanging: :func:`raise_if_any_rank_failed` exchanges a
 success flag after each step that could fail on some ranks only, and raises the same
 :class:`~dist_ckpt.errors.CheckpointingException` on every rank, naming the rank that failed.
+
+A rank that dies (killed, out of memory, a crashed host) cannot report anything: the transport
+of the next collective fails instead (gloo: "Connection closed by peer", NCCL: a
+``DistBackendError``, either: a timeout). Every collective here turns that into
+:class:`~dist_ckpt.errors.RankFailedError` on each survivor, naming the step it was in and the
+ranks that did not answer a short roll call over the process group's store
+(:func:`_failed_ranks`); the process group is unusable afterwards, so no further exchange
+is attempted.
 """
 
 from __future__ import annotations
@@ -16,12 +24,14 @@ import json
 import logging
 import threading
 import time
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from dist_ckpt import errors
+from dist_ckpt.engine.process_identity import ProcessIdentity
 from dist_ckpt.errors import CheckpointingException, KeyMismatchError, RankFailedError
 from dist_ckpt.storage import errors as storage_errors
 
@@ -94,7 +104,7 @@ def new_group(ranks: Sequence[int], backend: Optional[str] = None) -> ProcessGro
 def barrier(group: Optional[ProcessGroup] = None) -> None:
     """Wait for every rank of ``group``."""
     if get_world_size(group) > 1:
-        dist.barrier(group=group)
+        _collective("a barrier", group, lambda: dist.barrier(group=group))
 
 
 def time_collectively(fn: Callable[[], Any], group: Optional[ProcessGroup] = None) -> float:
@@ -128,7 +138,7 @@ def _padded_payload(obj: Any, group: Optional[ProcessGroup]) -> tuple[torch.Tens
     payload = _encode(obj)
     size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
     sizes = [torch.zeros_like(size) for _ in range(get_world_size(group))]
-    dist.all_gather(sizes, size, group=group)
+    _collective("an all_gather of message sizes", group, lambda: dist.all_gather(sizes, size, group=group))
     lengths = [int(s.item()) for s in sizes]
     padded = torch.zeros(max(max(lengths), 1), dtype=torch.uint8, device=device)
     padded[: payload.numel()] = payload.to(device)
@@ -141,7 +151,7 @@ def all_gather_json(obj: Any, group: Optional[ProcessGroup] = None) -> List[Any]
         return [json.loads(json.dumps(obj))]
     padded, lengths = _padded_payload(obj, group)
     out = [torch.empty_like(padded) for _ in lengths]
-    dist.all_gather(out, padded, group=group)
+    _collective("an all_gather of JSON", group, lambda: dist.all_gather(out, padded, group=group))
     return [_decode(buf, n) for buf, n in zip(out, lengths)]
 
 
@@ -152,7 +162,9 @@ def gather_json(obj: Any, dst: int = 0, group: Optional[ProcessGroup] = None) ->
     padded, lengths = _padded_payload(obj, group)
     is_dst = get_rank(group) == dst
     out = [torch.empty_like(padded) for _ in lengths] if is_dst else None
-    dist.gather(padded, out, dst=global_rank_of(group, dst), group=group)
+    _collective(
+        "a gather of JSON", group, lambda: dist.gather(padded, out, dst=global_rank_of(group, dst), group=group)
+    )
     if out is None:
         return None
     return [_decode(buf, n) for buf, n in zip(out, lengths)]
@@ -166,13 +178,13 @@ def broadcast_json(obj: Any, src: int = 0, group: Optional[ProcessGroup] = None)
     payload = _encode(obj) if get_rank(group) == src else torch.empty(0, dtype=torch.uint8)
     size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
     src_global = global_rank_of(group, src)
-    dist.broadcast(size, src=src_global, group=group)
+    _collective("a broadcast of a message size", group, lambda: dist.broadcast(size, src=src_global, group=group))
     buf = (
         payload.to(device)
         if get_rank(group) == src
         else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     )
-    dist.broadcast(buf, src=src_global, group=group)
+    _collective("a broadcast of JSON", group, lambda: dist.broadcast(buf, src=src_global, group=group))
     return _decode(buf, int(size.item()))
 
 
@@ -189,18 +201,17 @@ def broadcast_tensor(
     """
     if get_world_size(group) == 1:
         return
-    try:
-        dist.broadcast(tensor, src=global_rank_of(group, src), group=group)
-    except RuntimeError as e:
-        raise RankFailedError(
-            f"[rank {get_rank()}] broadcast of {what} from group rank {src} (global rank "
-            f"{global_rank_of(group, src)}) failed: {e}; a peer rank probably exited or timed out"
-        ) from e
+    source = global_rank_of(group, src)
+    _collective(
+        f"a broadcast of {what} from group rank {src} (global rank {source})",
+        group,
+        lambda: dist.broadcast(tensor, src=source, group=group),
+    )
 
 
 def _any_rank_true(flag: bool, group: Optional[ProcessGroup]) -> bool:
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=comm_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    _collective("an all_reduce of success flags", group, lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group))
     return bool(t.item())
 
 
@@ -218,6 +229,168 @@ def all_ranks_true(flag: bool, group: Optional[ProcessGroup] = None) -> bool:
 
 
 _SYNCED = "_dist_ckpt_synced"
+#: set on a RankFailedError raised for a failed transport: the process group is unusable
+_TRANSPORT_FAILED = "_dist_ckpt_transport_failed"
+#: how long each survivor of a transport failure waits for ranks on other machines to answer
+#: the roll call (ranks on its own machine are checked directly)
+ROLL_CALL_S = 5.0
+_IDENTITY_PREFIX = "dist_ckpt/process/"
+_roll_calls = 0
+_roll_calls_lock = threading.Lock()
+_published: List[Any] = []  # a weak reference to the default group the identity was published for
+
+
+def _default_store() -> Any:
+    get_store = getattr(dist.distributed_c10d, "_get_default_store", None)
+    return None if get_store is None else get_store()
+
+
+def _publish_identity() -> None:
+    """Once per default process group: put this process's identity in the group's store, so
+    that after a transport failure the survivors can tell a dead rank of their own machine from
+    one blocked in a collective (:func:`_failed_ranks`). One small store write per process."""
+    default = dist.distributed_c10d._get_default_group()
+    if _published and _published[0]() is default:
+        return
+    try:
+        _published[:] = [weakref.ref(default)]
+        _default_store().set(f"{_IDENTITY_PREFIX}{dist.get_rank()}", ProcessIdentity.current().to_bytes())
+    except Exception as e:  # noqa: BLE001 -- only diagnostics depend on it
+        logger.debug("could not publish this process's identity in the store: %s", e)
+
+
+def _identity_of(store: Any, rank: int) -> Optional[ProcessIdentity]:
+    key = f"{_IDENTITY_PREFIX}{rank}"
+    if not store.check([key]):
+        return None
+    try:
+        return ProcessIdentity.from_json(json.loads(store.get(key)))
+    except ValueError:
+        return None
+
+
+def _failed_ranks(group: Optional[ProcessGroup]) -> Optional[List[int]]:
+    """After a transport failure: the ranks of ``group`` that are gone, or None when the store
+    cannot be used.
+
+    A rank on this machine (same kernel boot and PID namespace, from the identity it published)
+    is checked directly: its process exists or not. The others get a roll call: each survivor
+    sets ``dist_ckpt/alive/<n>/<rank>`` in the store (every survivor hits the failure, so each
+    calls this for the same ``n``-th failure of its process) and waits up to
+    :data:`ROLL_CALL_S` for theirs; a rank that never answers is reported (dead, or blocked in
+    a collective). The store lives on rank 0 (TCPStore): when it is unreachable, rank 0 is
+    reported.
+    """
+    global _roll_calls
+    with _roll_calls_lock:
+        call = _roll_calls
+        _roll_calls += 1
+    me = dist.get_rank()
+    others = [r for r in group_ranks(group) if r != me]
+    prefix = f"dist_ckpt/alive/{call}/"
+    try:
+        store = _default_store()
+        if store is None:
+            return None
+        store.set(f"{prefix}{me}", "1")
+
+        def silent(ranks: List[int]) -> List[int]:
+            return [r for r in ranks if not store.check([f"{prefix}{r}"])]
+
+        running = {
+            r: (i.running() if i is not None else None) for r in silent(others) for i in [_identity_of(store, r)]
+        }
+        dead = [r for r, up in running.items() if up is False]  # (a survivor may answer, then exit)
+        remote = [r for r, up in running.items() if up is None]
+        deadline = time.monotonic() + ROLL_CALL_S
+        while remote:
+            remote = silent(remote)
+            if not remote or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        return sorted(silent(dead) + remote)
+    except Exception:  # noqa: BLE001 -- the store went down with its host, rank 0
+        return [0] if me != 0 else None
+
+
+def is_transport_failure(error: BaseException) -> bool:
+    """Whether ``error`` is the :class:`RankFailedError` of a failed collective transport (a peer
+    rank died or stopped responding): the process group cannot be used any more.
+
+    Example::
+
+        except RankFailedError as e:
+            if is_transport_failure(e): print("ranks", e.failed_ranks, "died during", e.step)
+    """
+    return bool(getattr(error, _TRANSPORT_FAILED, False))
+
+
+def _abort(group: Optional[ProcessGroup]) -> None:
+    """Close this rank's connections of ``group`` after its transport failed: a survivor still
+    blocked in the collective on this rank (waiting for a message it will never get) then fails
+    at once instead of at the timeout, and joins the roll call. The group cannot be used after a
+    peer's death anyway; it stays registered, so ``destroy_process_group`` still works."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    abort = getattr(pg, "abort", None)
+    if abort is None:
+        return
+    try:
+        abort()
+    except Exception as e:  # noqa: BLE001 -- best effort: the roll call still names the ranks
+        logger.debug("could not abort the process group after a transport failure: %s", e)
+
+
+#: words of the messages of gloo, NCCL and the c10d store when a peer is gone or silent
+_TRANSPORT_HINTS = (
+    "connection",
+    "closed by peer",
+    "reset by peer",
+    "read error",
+    "write error",
+    "broken pipe",
+    "timed out",
+    "timeout",
+    "socket",
+    "remote worker",
+    "nccl error",
+    "aborted",
+)
+
+
+def _is_transport_error(error: RuntimeError) -> bool:
+    """Whether a collective's ``RuntimeError`` means its transport failed (a peer died or stopped
+    responding), as opposed to a misuse that leaves the group working."""
+    dist_error = getattr(torch.distributed, "DistError", None)
+    if dist_error is not None and isinstance(error, dist_error):
+        return True
+    text = str(error).lower()
+    return any(hint in text for hint in _TRANSPORT_HINTS)
+
+
+def _collective(what: str, group: Optional[ProcessGroup], fn: Callable[[], Any]) -> Any:
+    """Run the collective ``fn``; a failure of its transport (a peer rank died or stopped
+    responding: gloo and NCCL raise ``RuntimeError`` subclasses) becomes :class:`RankFailedError`
+    naming the step this thread is in and the ranks that did not answer the roll call."""
+    _publish_identity()
+    try:
+        return fn()
+    except RuntimeError as e:
+        if not _is_transport_error(e):
+            raise  # a bug (a wrong tensor, a wrong group): the group still works
+        step = " > ".join(active_steps()) or "no dist_ckpt step"
+        _abort(group)
+        failed = _failed_ranks(group)
+        me = get_rank()
+        who = "a peer rank" if not failed else f"rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))}"
+        exc = RankFailedError(
+            f"[rank {me}] {who} failed (exited, was killed, or stopped responding) during step {step!r}: "
+            f"{what} could not complete ({type(e).__name__}: {e}); the process group is unusable, restart the job "
+            "(no checkpoint was committed by this step)"
+        )
+        exc.failed_ranks = tuple(failed or ())
+        exc.step = step
+        setattr(exc, _TRANSPORT_FAILED, True)
+        raise exc from e
 
 
 def _describe(error: BaseException, rank: int, step: str) -> dict[str, Any]:
@@ -263,8 +436,8 @@ def raise_if_any_rank_failed(error: Optional[BaseException], step: str, group: O
     the ranks outside the inner group learn about it too.
     """
     members = frozenset(group_ranks(group))
-    if error is not None and getattr(error, _SYNCED, None) == members:
-        raise error
+    if error is not None and (getattr(error, _SYNCED, None) == members or getattr(error, _TRANSPORT_FAILED, False)):
+        raise error  # already exchanged, or the process group is broken: no exchange is possible
     if get_world_size(group) == 1:
         if error is not None:
             raise error

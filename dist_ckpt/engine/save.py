@@ -14,10 +14,8 @@ Example::
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, List, Optional, Set, Tuple
 
 from dist_ckpt.async_save.queue import AsyncRequest
@@ -25,9 +23,16 @@ from dist_ckpt.backends.base import AsyncSaveShardedStrategy, SaveCommonStrategy
 from dist_ckpt.engine.checks.common_state import validate_common_state_dict
 from dist_ckpt.engine.checks.compatibility import validate_sharded_objects_handling
 from dist_ckpt.engine.checks.sharding import gather_and_validate_sharding
-from dist_ckpt.engine.commit import METADATA_FILENAME, CheckpointingConfig, save_config
-from dist_ckpt.engine.distributed import broadcast_json, get_rank, get_world_size, run_collectively
+from dist_ckpt.engine.commit import CheckpointingConfig, new_save_id, save_config
+from dist_ckpt.engine.distributed import (
+    broadcast_json,
+    get_rank,
+    get_world_size,
+    is_transport_failure,
+    run_collectively,
+)
 from dist_ckpt.engine.monitor import StepMonitor, main_replica_bytes
+from dist_ckpt.engine.records import digest_records
 from dist_ckpt.engine.registry import (
     DEFAULT_COMMON_BACKEND,
     DEFAULT_SHARDED_BACKEND,
@@ -37,9 +42,15 @@ from dist_ckpt.engine.registry import (
     resolve_strategy,
 )
 from dist_ckpt.engine.report import CheckpointReport, Operation, ProgressCallback
+from dist_ckpt.engine.save_claim import SaveClaim, abandon_claim, check_claim, claim_location, release_claim
 from dist_ckpt.engine.steps import Step
 from dist_ckpt.engine.watchdog import DEFAULT_WATCHDOG_TIMEOUT_S
-from dist_ckpt.errors import CheckpointExistsError, IncompatibleStrategyError, InvalidShardedTensorError
+from dist_ckpt.errors import (
+    CheckpointingException,
+    IncompatibleStrategyError,
+    InvalidKeyError,
+    InvalidShardedTensorError,
+)
 from dist_ckpt.model.dict_utils import extract_matching_values, nested_values
 from dist_ckpt.model.sharded import (
     ShardedBase,
@@ -51,7 +62,7 @@ from dist_ckpt.model.sharded import (
     is_main_replica,
 )
 from dist_ckpt.model.state_dict_utils import extract_nonpersistent, extract_sharded_base
-from dist_ckpt.storage import Storage, validate_key
+from dist_ckpt.storage import encode_key, validate_key
 from dist_ckpt.storage.location import CheckpointLocation, LocationLike, location_str, resolve_location
 
 logger = logging.getLogger(__name__)
@@ -94,59 +105,29 @@ def _owned_names(strategies: List[Any]) -> Set[str]:
     return {name for s in strategies for name in getattr(s, "owned_paths", ())}
 
 
-def _prepare_directory(checkpoint_dir: CheckpointLocation, strategies: List[Any]) -> None:
-    """On rank 0: create the directory, refuse a committed one, clear an interrupted save.
-
-    On an object store there is no directory to create: a prefix holding ``metadata.json`` is
-    refused, and objects under the strategies' owned names (``safetensors/``, ``common.pt``,
-    ``objects/``, ...) left by a save that never committed are deleted.
-    """
-    if get_rank() != 0:
-        return
-    if not isinstance(checkpoint_dir, Path):
-        _prepare_prefix(checkpoint_dir, strategies)
-        return
-    checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    if (checkpoint_dir / METADATA_FILENAME).exists():
-        raise CheckpointExistsError(
-            f"{str(checkpoint_dir)!r} already holds a committed checkpoint ({METADATA_FILENAME}); "
-            f"save to a new directory or delete it first"
-        )
-    owned = _owned_names(strategies)
-    leftovers = sorted(name for name in owned if (checkpoint_dir / name).exists())
-    if leftovers:
-        logger.warning(
-            "%s holds %s from an interrupted save (no %s); removing them before saving",
-            checkpoint_dir,
-            leftovers,
-            METADATA_FILENAME,
-        )
-        for name in leftovers:
-            path = checkpoint_dir / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+def _claim(location: CheckpointLocation, strategies: List[Any], claims: List[SaveClaim]) -> None:
+    """On rank 0: make this save the owner of ``location`` (see :mod:`dist_ckpt.engine.save_claim`);
+    the claim is appended to ``claims``."""
+    if get_rank() == 0:
+        claims.append(claim_location(location, sorted(_owned_names(strategies)), new_save_id()))
 
 
-def _prepare_prefix(storage: Storage, strategies: List[Any]) -> None:
-    """:func:`_prepare_directory` on an object store (rank 0)."""
-    if storage.exists(METADATA_FILENAME):
-        raise CheckpointExistsError(
-            f"{storage.url!r} already holds a committed checkpoint ({METADATA_FILENAME}); "
-            f"save to a new location or delete it first"
-        )
-    owned = _owned_names(strategies)
-    leftovers = sorted({o.key for o in storage.list() if o.key.split("/", 1)[0] in owned})
-    if leftovers:
-        logger.warning(
-            "%s holds %d objects under %s from an interrupted save (no %s); deleting them before saving",
-            storage.url,
-            len(leftovers),
-            sorted({k.split("/", 1)[0] for k in leftovers}),
-            METADATA_FILENAME,
-        )
-        for name in sorted({k.split("/", 1)[0] for k in leftovers}):
-            if name in leftovers:
-                storage.delete(name)
-            storage.delete_prefix(name)
+def _abandon(location: CheckpointLocation, claims: List[SaveClaim], error: BaseException) -> None:
+    """On rank 0, after a failed save: delete the files the save wrote (it owns them: its claim
+    is still in place). Not after a peer rank died: a survivor may still be writing."""
+    if claims and not is_transport_failure(error):
+        abandon_claim(location, claims[0])
+
+
+def _record_names(strategy: Any, action: StrategyAction) -> Set[str]:
+    """The integrity records ``strategy`` may have written: those it declares, and those of the
+    registered strategy of its format (a wrapper that does not declare them writes them too)."""
+    names = set(getattr(strategy, "integrity_records", ()))
+    try:
+        registered = get_default_strategy(action, strategy.backend, strategy.version)
+    except CheckpointingException:  # a format of its own: what it declares is all there is
+        return names
+    return names | set(getattr(registered, "integrity_records", ()))
 
 
 def _check_same_on_all_ranks(value: List[Any], what: str) -> None:
@@ -157,13 +138,24 @@ def _check_same_on_all_ranks(value: List[Any], what: str) -> None:
         )
 
 
-def _check_save_inputs(sharded_part: ShardedStateDict) -> List[ShardedBase]:
+def _check_save_inputs(
+    sharded_part: ShardedStateDict, sharded: SaveShardedStrategy, common: SaveCommonStrategy
+) -> List[ShardedBase]:
+    """Keys valid and free, main replicas with data; returns the shards' metadata (no data)."""
     rank = get_rank()
     local_metadata = []
+    objects_by = sharded if sharded.can_handle_sharded_objects else common
     for sh in nested_values(sharded_part):
         if not isinstance(sh, ShardedBase):
             continue
         validate_key(sh.key, rank)
+        owner = objects_by if isinstance(sh, ShardedObject) else sharded
+        reserved = getattr(owner, "reserved_names", ())
+        if encode_key(sh.key) in reserved:
+            raise InvalidKeyError(
+                f"[rank {rank}] key {sh.key!r} is reserved: {owner} keeps its own records under that name "
+                f"({', '.join(reserved)}); rename the {type(sh).__name__}"
+            )
         if isinstance(sh, ShardedTensor) and sh.data is None and is_main_replica(sh.replica_id):
             raise InvalidShardedTensorError(f"[rank {rank}] main replica of {sh.key!r} has no data to save")
         local_metadata.append(sh.without_data())
@@ -189,16 +181,20 @@ def save(
 
     Steps:
 
-    1. Resolve the strategies; rank 0 prepares the directory (refusing a committed checkpoint).
+    1. Resolve the strategies; rank 0 claims the location (``save_in_progress.json``; see
+       :mod:`dist_ckpt.engine.save_claim`): a committed checkpoint, another save in progress
+       there, or entries this save would write that no save record explains are refused.
     2. Apply factories, drop LocalNonPersistentObjects, split into sharded and common parts.
     3. Check keys; if ``validate_access_integrity``, check the sharding on rank 0 and warn if
        the common state differs between ranks.
     4. Save the common state (rank 0) and this rank's ShardedObjects.
     5. Save the sharded tensors (in the background if ``async_sharded_save``).
-    6. Commit: once every rank succeeded, rank 0 writes ``metadata.json``.
+    6. Commit: once every rank succeeded, rank 0 checks the location is still its own, writes
+       ``metadata.json`` (listing the integrity records the save wrote) and removes its claim.
 
     Each step ends with an error exchange, so a failure on any rank raises the same
-    CheckpointingException on every rank, and no partial checkpoint is ever committed.
+    CheckpointingException on every rank, and no partial checkpoint is ever committed; rank 0
+    then deletes what the save wrote (its claim proves they are its files).
 
     Args:
         sharded_state_dict: the state to save; modified in place by factories.
@@ -261,17 +257,23 @@ def save_with_report(
     phases += [Step.COMMIT]
     location = run_collectively("opening the checkpoint location", lambda: resolve_location(checkpoint_dir))
     monitor = StepMonitor(Operation.SAVE, location, phases, progress, watchdog_timeout_s)
-    with monitor:
-        request, nbytes = _save_steps(
-            monitor,
-            sharded_state_dict,
-            location,
-            sharded_strategy,
-            common_strategy,
-            validate_access_integrity,
-            async_sharded_save,
-            preprocess_common_before_consistancy_check,
-        )
+    claims: List[SaveClaim] = []  # rank 0's claim of the location, once made
+    try:
+        with monitor:
+            request, nbytes = _save_steps(
+                monitor,
+                sharded_state_dict,
+                location,
+                claims,
+                sharded_strategy,
+                common_strategy,
+                validate_access_integrity,
+                async_sharded_save,
+                preprocess_common_before_consistancy_check,
+            )
+    except BaseException as e:
+        _abandon(location, claims, e)
+        raise
     if request is None:
         return SaveResult(monitor.finish(nbytes), None)
     request.add_finalize_fn(lambda: monitor.finish(nbytes))  # completes the report after the commit
@@ -282,6 +284,7 @@ def _save_steps(
     monitor: StepMonitor,
     sharded_state_dict: ShardedStateDict,
     location: CheckpointLocation,
+    claims: List[SaveClaim],
     sharded_strategy: StrategySpec,
     common_strategy: StrategySpec,
     validate_access_integrity: bool,
@@ -303,7 +306,7 @@ def _save_steps(
         _check_same_on_all_ranks(
             [location_str(location), sharded.backend, sharded.version], "(checkpoint_dir, backend, version)"
         )
-        _prepare_directory(location, [sharded, common])
+        _claim(location, [sharded, common], claims)
         return sharded, common
 
     sharded_strat, common_strat = monitor.run(Step.PREPARE_SAVE, resolve)
@@ -313,7 +316,7 @@ def _save_steps(
         apply_factories(sharded_state_dict)
         _, persistent = extract_nonpersistent(sharded_state_dict)
         sharded_part, common_part = extract_sharded_base(persistent)
-        return sharded_part, common_part, _check_save_inputs(sharded_part)
+        return sharded_part, common_part, _check_save_inputs(sharded_part, sharded_strat, common_strat)
 
     sharded_part, common_state_dict, local_metadata = monitor.run(Step.CHECK_STATE, split)
     nbytes = main_replica_bytes(sharded_part)
@@ -346,7 +349,18 @@ def _save_steps(
         config = CheckpointingConfig(
             sharded_strat.backend, sharded_strat.version, common_strat.backend, common_strat.version
         )
-        monitor.run(Step.COMMIT, lambda: save_config(config, location, get_world_size()) if get_rank() == 0 else None)
+
+        def write_metadata() -> None:
+            if get_rank() == 0:
+                claim = claims[0]
+                check_claim(location, claim)  # still ours: nobody took the location over
+                names = _record_names(sharded_strat, StrategyAction.SAVE_SHARDED)
+                names |= _record_names(common_strat, StrategyAction.SAVE_COMMON)
+                records = digest_records(location, names)
+                save_config(config, location, get_world_size(), save_id=claim.save_id, records=records)
+                release_claim(location, claim)
+
+        monitor.run(Step.COMMIT, write_metadata)
 
     # 5. sharded tensors
     if async_sharded_save:
@@ -363,6 +377,7 @@ def _save_steps(
                 commit()
 
         request.add_finalize_fn(finalize)
+        request.add_abort_fn(lambda error: _abandon(location, claims, error))
         return request, nbytes
     monitor.run(Step.SAVE_SHARDED, lambda: sharded_strat.save(to_save, location))
     commit()

@@ -9,11 +9,10 @@ safetensors backend uses, so the same loader reads any slice of any of them, in 
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Union
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 from dist_ckpt.backends.safetensors.format import SafetensorsHeader, read_header
 from dist_ckpt.backends.safetensors.load import StoredShard, StoredTensor, TensorIndex
@@ -29,11 +28,24 @@ from dist_ckpt.hf.index import (
     sharing_groups,
     validate_shard_index,
 )
+from dist_ckpt.integrity.safe_json import loads
+from dist_ckpt.storage import confined
 
 __all__ = ["HFFolder", "has_hf_weights", "open_folder", "single_file_metadata"]
 
 #: header ``__metadata__`` entry of a single-file checkpoint holding the index metadata as JSON
 INDEX_METADATA_KEY = "dist_ckpt.index_metadata"
+
+
+def link_roots(directory: Path) -> Tuple[Path, ...]:
+    """Where the files of a HuggingFace folder may lead through symbolic links (see
+    :func:`dist_ckpt.storage.confined`): the folder itself and, for a snapshot of the
+    HuggingFace hub cache (``models--org--name/snapshots/<revision>``), its repository's
+    ``blobs`` directory, where the cache keeps the files every snapshot links to."""
+    roots = [directory]
+    if directory.resolve().parent.name == "snapshots":
+        roots.append(directory.resolve().parent.parent / "blobs")
+    return tuple(roots)
 
 
 def has_hf_weights(directory: Union[str, Path]) -> bool:
@@ -57,12 +69,7 @@ def single_file_metadata(header_metadata: Dict[str, str], path: Path) -> Dict[st
     raw = header_metadata.get(INDEX_METADATA_KEY)
     if raw is None:
         return {}
-    try:
-        value = json.loads(raw)
-    except ValueError as e:
-        raise CorruptCheckpointError(
-            f"{str(path)!r}: header entry {INDEX_METADATA_KEY!r} is not valid JSON: {e}"
-        ) from e
+    value = loads(raw.encode("utf-8"), f"{str(path)!r}: header entry {INDEX_METADATA_KEY!r}")
     if not isinstance(value, dict):
         raise CorruptCheckpointError(f"{str(path)!r}: header entry {INDEX_METADATA_KEY!r} must hold a JSON object")
     return value
@@ -122,7 +129,7 @@ class HFFolder:
         for file in sorted(set(files)):
             path = self.directory / file
             try:
-                fd = os.open(path, os.O_RDONLY)
+                fd = os.open(confined(path, *link_roots(self.directory)), os.O_RDONLY)
             except FileNotFoundError:
                 held = sorted(n for n, f in self.weight_map.items() if f == file)
                 raise CorruptCheckpointError(
@@ -156,7 +163,14 @@ class HFFolder:
             shard = StoredShard(file, name, offset, entry.shape, None, (entry.begin, entry.end))
             tensors[name] = StoredTensor(name, entry.dtype, entry.shape, [shard])
         aliases = {a: s for a, s in self.aliases.items() if s in tensors}
-        return TensorIndex(self.directory, tensors, aliases, description=repr(str(self.directory)), from_headers=True)
+        return TensorIndex(
+            self.directory,
+            tensors,
+            aliases,
+            description=repr(str(self.directory)),
+            from_headers=True,
+            link_roots=link_roots(self.directory),
+        )
 
 
 def open_folder(directory: Union[str, Path]) -> HFFolder:
@@ -178,7 +192,7 @@ def open_folder(directory: Union[str, Path]) -> HFFolder:
         return HFFolder(d, dict(index["weight_map"]), dict(index["metadata"]), True)
     if (d / SAFE_WEIGHTS_NAME).is_file():
         path = d / SAFE_WEIGHTS_NAME
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(confined(path, *link_roots(d)), os.O_RDONLY)
         try:
             header = read_header(fd, path)
         finally:

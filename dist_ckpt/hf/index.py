@@ -30,6 +30,7 @@ from torch import Tensor
 from torch.nn import Module
 
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
+from dist_ckpt.integrity.safe_json import loads
 from dist_ckpt.storage import write_bytes_atomic
 
 __all__ = [
@@ -230,11 +231,7 @@ def load_shard_index(output_dir: Union[str, Path], index_name: str) -> ShardInde
         raw = path.read_bytes()
     except FileNotFoundError:
         raise CorruptCheckpointError(f"shard index {str(path)!r} is missing") from None
-    try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise CorruptCheckpointError(f"shard index {str(path)!r} is not valid JSON: {e}") from e
-    return validate_shard_index(doc, repr(str(path)))
+    return validate_shard_index(loads(raw, f"shard index {str(path)!r}"), repr(str(path)))
 
 
 def sharing_groups(metadata: Dict[str, Any]) -> SharingMetadataT:

@@ -37,6 +37,7 @@ import google_crc32c
 import numpy as np
 
 from dist_ckpt.errors import ChecksumMismatchError, CorruptCheckpointError, IncompatibleStrategyError
+from dist_ckpt.integrity.safe_json import loads, shown
 from dist_ckpt.storage import write_bytes_atomic
 from dist_ckpt.storage.object_path import Node, ObjectPath
 
@@ -128,11 +129,11 @@ def crc_from_hex(text: Any, where: str) -> int:
         CorruptCheckpointError: ``text`` is not 8 hex digits.
     """
     if not isinstance(text, str) or len(text) != 8:
-        raise CorruptCheckpointError(f"{where}: a crc32c must be 8 hex digits, found {text!r}")
+        raise CorruptCheckpointError(f"{where}: a crc32c must be 8 hex digits, found {shown(text)}")
     try:
         return int(text, 16)
     except ValueError:
-        raise CorruptCheckpointError(f"{where}: a crc32c must be 8 hex digits, found {text!r}") from None
+        raise CorruptCheckpointError(f"{where}: a crc32c must be 8 hex digits, found {shown(text)}") from None
 
 
 def block_count(nbytes: int, block_bytes: int) -> int:
@@ -217,9 +218,8 @@ def decode_block_crcs(text: Any, blocks: int, where: str) -> Tuple[int, ...]:
             file and the key).
     """
     if not isinstance(text, str) or len(text) != 8 * blocks:
-        shown = text if not isinstance(text, str) or len(text) <= 40 else text[:40] + "..."
         raise CorruptCheckpointError(
-            f"{where}: 'crc32c' must be a string of {8 * blocks} hex digits ({blocks} blocks), found {shown!r}"
+            f"{where}: 'crc32c' must be a string of {8 * blocks} hex digits ({blocks} blocks), found {shown(text)}"
         )
     try:
         raw = bytes.fromhex(text)
@@ -328,27 +328,29 @@ def parse_manifest(doc: Any, path: Union[str, Path]) -> Dict[str, FileDigest]:
     if not isinstance(doc, dict):
         raise CorruptCheckpointError(f"{where} must hold a JSON object, found {type(doc).__name__}")
     if doc.get("format") != MANIFEST_FORMAT:
-        raise CorruptCheckpointError(f"{where}: 'format' is {doc.get('format')!r}, expected {MANIFEST_FORMAT!r}")
+        raise CorruptCheckpointError(f"{where}: 'format' is {shown(doc.get('format'))}, expected {MANIFEST_FORMAT!r}")
     if doc.get("version") != MANIFEST_VERSION:
         raise IncompatibleStrategyError(
-            f"{where} has version {doc.get('version')!r}; this dist_ckpt reads version {MANIFEST_VERSION}: upgrade "
-            "dist_ckpt"
+            f"{where} has version {shown(doc.get('version'))}; this dist_ckpt reads version {MANIFEST_VERSION}: "
+            "upgrade dist_ckpt"
         )
     if doc.get("algorithm") != ALGORITHM:
-        raise CorruptCheckpointError(f"{where}: 'algorithm' is {doc.get('algorithm')!r}, expected {ALGORITHM!r}")
+        raise CorruptCheckpointError(f"{where}: 'algorithm' is {shown(doc.get('algorithm'))}, expected {ALGORITHM!r}")
     entries = doc.get("files")
     if not isinstance(entries, dict):
-        raise CorruptCheckpointError(f"{where}: 'files' must be a JSON object, found {entries!r}")
+        raise CorruptCheckpointError(f"{where}: 'files' must be a JSON object, found {shown(entries)}")
     files: Dict[str, FileDigest] = {}
     for name, entry in entries.items():
         parts = name.split("/")
         if not name or name.startswith("/") or any(p in ("", ".", "..") for p in parts):
             raise CorruptCheckpointError(f"{where}: file name {name!r} is not a plain relative path")
         if not isinstance(entry, dict):
-            raise CorruptCheckpointError(f"{where}: entry {name!r} must be a JSON object, found {entry!r}")
+            raise CorruptCheckpointError(f"{where}: entry {name!r} must be a JSON object, found {shown(entry)}")
         size = entry.get("size")
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise CorruptCheckpointError(f"{where}: entry {name!r} field 'size' must be an int >= 0, found {size!r}")
+            raise CorruptCheckpointError(
+                f"{where}: entry {name!r} field 'size' must be an int >= 0, found {shown(size)}"
+            )
         files[name] = FileDigest(
             size, crc_from_hex(entry.get(ALGORITHM), f"{where}, entry {name!r} field {ALGORITHM!r}")
         )
@@ -381,11 +383,7 @@ def parse_manifest_bytes(raw: bytes, where: str) -> Dict[str, FileDigest]:
 
         files = parse_manifest_bytes(storage.read("zarr/checksums.json"), storage.url_of("zarr/checksums.json"))
     """
-    try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise CorruptCheckpointError(f"checksum manifest {where!r} is not valid JSON: {e}") from e
-    return parse_manifest(doc, where)
+    return parse_manifest(loads(raw, f"checksum manifest {where!r}"), where)
 
 
 def file_problem(

@@ -8,7 +8,10 @@
 2. pick the load strategies of the recorded backends -- or, without a usable ``metadata.json``,
    those of the backend whose directory is present (``safetensors/`` or ``zarr/``), so that a
    partial checkpoint's files are checked too;
-3. let each strategy check its files against the checksums recorded at save time
+3. check every integrity record ``metadata.json`` lists (checksum manifests, the safetensors
+   index) against its recorded size, crc32c and version: a deleted or downgraded record is a
+   problem, never "saved without checksums" (see :mod:`dist_ckpt.engine.records`);
+4. let each strategy check its files against the checksums recorded at save time
    (``LoadStrategyBase.verify_integrity``): every safetensors block, every zarr file, common.pt
    and every ShardedObject file.
 
@@ -29,10 +32,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from dist_ckpt.backends.base import LoadStrategyBase
-from dist_ckpt.engine.commit import METADATA_FILENAME, CheckpointingConfig, maybe_load_config
+from dist_ckpt.engine.commit import METADATA_FILENAME, CheckpointingConfig, maybe_load_config, read_integrity_records
+from dist_ckpt.engine.records import read_recorded
 from dist_ckpt.engine.registry import StrategyAction, get_default_strategy
 from dist_ckpt.engine.report import Operation, ProgressCallback, ProgressEvent
 from dist_ckpt.errors import CheckpointingException
@@ -139,8 +143,10 @@ def verify_checkpoint(checkpoint_dir: LocationLike, progress: Optional[ProgressC
     report.committed = config is not None
     # 2. the strategies
     strategies = _strategies(directory, config, report)
+    # 3. the integrity records
+    damaged_records = _check_records(directory, report) if config is not None else set()
     notify(f"checking {METADATA_FILENAME}", 1, 1 + len(strategies), True)
-    # 3. every part's files
+    # 4. every part's files
     for i, (name, strategy) in enumerate(strategies, start=2):
         notify(f"checking the {name} files", i, 1 + len(strategies), False)
         try:
@@ -149,7 +155,7 @@ def verify_checkpoint(checkpoint_dir: LocationLike, progress: Optional[ProgressC
             part = IntegrityReport()
             part.add(".", f"{name}: {e}")
         report.backends.append(name)
-        report.problems.extend(part.problems)
+        report.problems.extend(p for p in part.problems if p.path not in damaged_records)  # said once
         report.files_checked += part.files_checked
         report.bytes_checked += part.bytes_checked
         report.notes.extend(part.notes)
@@ -157,6 +163,33 @@ def verify_checkpoint(checkpoint_dir: LocationLike, progress: Optional[ProgressC
     _note_leftovers(directory, report)
     logger.info("verified %s: %d problems, %d files", directory, len(report.problems), report.files_checked)
     return report
+
+
+def _check_records(directory: CheckpointLocation, report: VerifyReport) -> Set[str]:
+    """Check every integrity record ``metadata.json`` lists; return the damaged ones' paths."""
+    try:
+        records = read_integrity_records(directory)
+    except CheckpointingException as e:
+        report.problems.append(IntegrityProblem(METADATA_FILENAME, f"unreadable integrity records: {e}"))
+        return set()
+    if records is None:
+        report.notes.append(
+            f"{METADATA_FILENAME} lists no integrity records (saved by an older dist_ckpt): a deleted or replaced "
+            "checksum manifest cannot be told from one that was never written"
+        )
+        return set()
+    damaged: Set[str] = set()
+    for key in sorted(records):
+        report.files_checked += 1
+        report.bytes_checked += records[key].size
+        try:
+            read_recorded(directory, key)
+        except StorageError:
+            raise
+        except CheckpointingException as e:
+            report.problems.append(IntegrityProblem(key, str(e)))
+            damaged.add(key)
+    return damaged
 
 
 def _strategies(

@@ -130,6 +130,14 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
     def owned_paths(self) -> Tuple[str, ...]:  # type: ignore[override]
         return tuple(self.base_strategy.owned_paths)
 
+    @property  # and writes its strategy's integrity records, under its reserved names
+    def integrity_records(self) -> Tuple[str, ...]:  # type: ignore[override]
+        return tuple(self.base_strategy.integrity_records)
+
+    @property
+    def reserved_names(self) -> Tuple[str, ...]:  # type: ignore[override]
+        return tuple(self.base_strategy.reserved_names)
+
     @property
     def can_handle_sharded_objects(self) -> bool:
         return self.base_strategy.can_handle_sharded_objects

@@ -35,7 +35,7 @@ from dist_ckpt.storage.local import (
     fsync_file,
     write_bytes_atomic,
 )
-from dist_ckpt.storage.paths import decode_key, encode_key, is_shortened, safe_join, validate_key
+from dist_ckpt.storage.paths import confined, decode_key, encode_key, is_shortened, safe_join, validate_key
 
 __all__ = [
     "BucketNotFoundError",
@@ -54,6 +54,7 @@ __all__ = [
     "StorageError",
     "TruncatedObjectError",
     "atomic_write",
+    "confined",
     "decode_key",
     "encode_key",
     "is_shortened",

@@ -378,9 +378,17 @@ class LocalStorage(Storage):
     def list(self, prefix: str = "") -> List[ObjectInfo]:
         validate_prefix(prefix)
         self._counters.add(metadata_requests=1)
-        base = self.local_path(prefix) if prefix else self.root
+        base = self.root.joinpath(*prefix.split("/")) if prefix else self.root
         found: List[ObjectInfo] = []
-        for dirpath, dirnames, filenames in os.walk(base):
+        seen = set()
+        # links inside the root are followed (keys keep the names under which they are reached),
+        # a link out of it is refused (safe_join's policy), a directory is listed once
+        for dirpath, dirnames, filenames in os.walk(base, followlinks=True):
+            real = safe_join(self.root, *Path(dirpath).relative_to(self.root).parts)
+            if real in seen:
+                dirnames[:] = []
+                continue
+            seen.add(real)
             dirnames[:] = [d for d in dirnames if not _is_temp_name(d)]
             rel = Path(dirpath).relative_to(self.root).as_posix()
             for name in filenames:
@@ -411,10 +419,11 @@ class LocalStorage(Storage):
         for info in self.list(prefix):
             self.delete(info.key)
             count += 1
-        base = self.local_path(prefix) if prefix else self.root
+        root = self.root.resolve()
+        base = self.local_path(prefix) if prefix else root
         # remove the directories the objects lived in (the root itself stays)
         for dirpath, _dirnames, _filenames in sorted(os.walk(base), key=lambda w: -len(w[0])):
-            if Path(dirpath) != self.root:
+            if Path(dirpath) != root:
                 with contextlib.suppress(OSError):
                     os.rmdir(dirpath)
         if self.options.fsync and count and self.root.is_dir():

@@ -9,10 +9,11 @@ very long results are shortened with a hash, so distinct keys get distinct names
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 from typing import Optional, Union
 
-from dist_ckpt.errors import InvalidKeyError, with_rank
+from dist_ckpt.errors import InvalidKeyError, UnsafeLinkError, with_rank
 
 _SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
 _MAX_NAME = 200  # well below the 255-byte limit of common file systems
@@ -75,9 +76,39 @@ def is_shortened(name: str) -> bool:
 
 
 def safe_join(root: Union[str, Path], *parts: str) -> Path:
-    """Join ``parts`` under ``root``, refusing any result outside ``root``."""
+    """Join ``parts`` under ``root``, refusing any result outside ``root`` (see :func:`confined`).
+
+    Raises:
+        InvalidKeyError: ``parts`` name a place outside ``root`` (``..``, an absolute path).
+        UnsafeLinkError: they name a place inside, reached through a link that leads outside.
+    """
     base = Path(root).resolve()
-    path = base.joinpath(*parts).resolve()
-    if path != base and base not in path.parents:
+    lexical = Path(os.path.normpath(base.joinpath(*parts)))
+    if lexical != base and base not in lexical.parents:
         raise InvalidKeyError(f"path {'/'.join(parts)!r} escapes the checkpoint directory {str(base)!r}")
-    return path
+    return confined(lexical, base)
+
+
+def confined(path: Union[str, Path], *roots: Union[str, Path]) -> Path:
+    """The real path of ``path``, which must lie inside one of ``roots`` (the checkpoint
+    directory, and for a HuggingFace cache snapshot its repository's ``blobs``): the one symlink
+    policy of every local read. A root may itself be a link; links inside the checkpoint are
+    followed; a link (of the file or of any directory on its way) that leads outside is refused.
+    A path that does not exist is returned resolved as far as it goes (opening it then fails).
+
+    Example::
+
+        fd = os.open(confined(ckpt / "safetensors" / name, ckpt), os.O_RDONLY)
+
+    Raises:
+        UnsafeLinkError: naming the path, where its links lead, and the checkpoint directory.
+    """
+    real = Path(path).resolve()
+    bases = [Path(r).resolve() for r in roots]
+    if any(real == b or b in real.parents for b in bases):
+        return real
+    raise UnsafeLinkError(
+        f"{str(path)!r} leads to {str(real)!r}, outside the checkpoint directory {str(Path(roots[0]))!r}, through a "
+        "symbolic link: it is not read (a checkpoint may link within itself only; the checkpoint directory itself "
+        "may be a link)"
+    )

@@ -216,8 +216,21 @@ class S3Storage(Storage):
         except (obstore.exceptions.BaseError, OSError) as e:
             if isinstance(e, StorageError):
                 raise
-            url = self.url_of(key) if key else self.url
-            raise translate_error(e, operation=operation, url=url, bucket=self.bucket, client=self._client) from e
+            raise self.storage_error(e, operation, key) from e
+
+    def storage_error(
+        self, error: BaseException, operation: str, key: str = ""
+    ) -> "StorageError | TruncatedObjectError":
+        """The storage error (redacted, naming the URL) for ``error`` raised by a request that
+        another library (zarr-python's ObjectStore over :meth:`obstore_store`) made for ``key``.
+
+        Example::
+
+            except obstore.exceptions.BaseError as e:
+                raise storage.storage_error(e, "PUT", "zarr/w/zarr.json") from e
+        """
+        url = self.url_of(key) if key else self.url
+        return translate_error(error, operation=operation, url=url, bucket=self.bucket, client=self._client)
 
     # -- writing -----------------------------------------------------------------------------
 

@@ -54,6 +54,7 @@ from dist_ckpt.engine.checks.compatibility import verify_checkpoint_and_load_str
 from dist_ckpt.engine.commit import CheckpointingConfig, detect_config, save_config
 from dist_ckpt.engine.distributed import get_world_size
 from dist_ckpt.engine.monitor import StepMonitor
+from dist_ckpt.engine.records import digest_records
 from dist_ckpt.engine.registry import StrategyAction, StrategySpec, get_default_strategy, registered_strategies
 from dist_ckpt.engine.report import CheckpointReport, Operation, ProgressCallback
 from dist_ckpt.engine.steps import Step
@@ -343,7 +344,8 @@ def _convert_steps(
     objects = monitor.run(Step.COPY_OBJECTS, lambda: _copy_objects(sharded, common, src, dst))
     # 5. commit
     commit = CheckpointingConfig(target.backend, target.version, "torch", 1)
-    monitor.run(Step.COMMIT, lambda: save_config(commit, dst, world_size=1))
+    records = target.integrity_records + TorchCommonSaveStrategy.integrity_records
+    monitor.run(Step.COMMIT, lambda: save_config(commit, dst, world_size=1, records=digest_records(dst, records)))
     report = monitor.report
     report.nbytes = total
     target_backend = f"{target.backend}:{target.version}"

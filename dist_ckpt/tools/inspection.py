@@ -21,7 +21,6 @@ Example::
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from dist_ckpt.engine.checks.compatibility import verify_checkpoint_and_load_str
 from dist_ckpt.engine.commit import HF_CONFIG, METADATA_FILENAME, CheckpointingConfig
 from dist_ckpt.engine.monitor import count_files
 from dist_ckpt.errors import CheckpointingException, UnsafeObjectError
+from dist_ckpt.integrity.safe_json import MAX_SMALL_JSON_BYTES, loads
 from dist_ckpt.model.dtypes import dtype_to_name
 from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.storage.location import CheckpointLocation, LocationLike, location_str, resolve_location, storage_of
@@ -234,9 +234,10 @@ def _read_record(directory: CheckpointLocation) -> Tuple[CheckpointingConfig, Di
     if config == HF_CONFIG:
         return config, {}
     try:
-        record = json.loads(storage_of(directory).read(METADATA_FILENAME))
+        storage = storage_of(directory)
+        record = loads(storage.read(METADATA_FILENAME), storage.url_of(METADATA_FILENAME), MAX_SMALL_JSON_BYTES)
         writer = record.get("dist_ckpt") if isinstance(record, dict) else None
-    except (OSError, ValueError):  # storage errors are OSErrors
+    except (OSError, ValueError):  # storage errors are OSErrors, CorruptCheckpointError a ValueError
         writer = None
     if not isinstance(writer, dict):
         return config, {}

@@ -13,10 +13,11 @@ Example::
 
 from __future__ import annotations
 
-import json
 import zipfile
 from pathlib import Path
 from typing import List, Optional
+
+from dist_ckpt.integrity.safe_json import MAX_SMALL_JSON_BYTES, loads
 
 __all__ = [
     "MAX_SAFETENSORS_HEADER",
@@ -77,8 +78,8 @@ def safetensors_file_whole(file: Path) -> bool:
             header_len = int.from_bytes(prefix, "little")
             if header_len > min(size - 8, MAX_SAFETENSORS_HEADER):
                 return False
-            header = json.loads(f.read(header_len))
-    except (OSError, ValueError):
+            header = loads(f.read(header_len), str(file))
+    except (OSError, ValueError):  # CorruptCheckpointError is a ValueError
         return False
     end = data_end(header)
     return end is not None and size == 8 + header_len + end
@@ -99,8 +100,8 @@ def torch_file_whole(file: Path) -> bool:
 def index_shards(index_file: Path) -> Optional[List[str]]:
     """The shard files an HF index lists (sorted), or None if the index is unreadable."""
     try:
-        return shard_names(json.loads(index_file.read_bytes()))
-    except (OSError, ValueError):
+        return shard_names(loads(index_file.read_bytes(), str(index_file), MAX_SMALL_JSON_BYTES))
+    except (OSError, ValueError):  # CorruptCheckpointError is a ValueError
         return None
 
 

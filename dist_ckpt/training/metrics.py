@@ -27,6 +27,7 @@ from dist_ckpt.errors import (
     CorruptCheckpointError,
     NotACheckpointError,
 )
+from dist_ckpt.integrity.safe_json import MAX_SMALL_JSON_BYTES, loads
 from dist_ckpt.storage import Storage, write_bytes_atomic
 from dist_ckpt.storage.errors import ObjectNotFoundError
 from dist_ckpt.storage.location import remote_storage, require_local, resolve_location
@@ -122,7 +123,7 @@ def load_checkpoint_metrics(checkpoint_path: PathLike) -> Optional[Dict[str, flo
             return None
         data = file.read_bytes()
     try:
-        raw = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
-    except ValueError as e:  # includes JSONDecodeError and UnicodeDecodeError
-        raise CorruptCheckpointError(f"metrics file {file} is not valid JSON ({e}); delete or rewrite it") from e
+        raw = loads(data, f"metrics file {file}", MAX_SMALL_JSON_BYTES)
+    except CorruptCheckpointError as e:  # not UTF-8 JSON, NaN, too deep, too large
+        raise CorruptCheckpointError(f"{e}; delete or rewrite it") from e
     return _checked_metrics(raw, lambda msg: CorruptCheckpointError(f"metrics file {file} is corrupt: {msg}"))

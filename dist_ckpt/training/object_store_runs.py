@@ -22,7 +22,6 @@ order, completeness by commit marker), only the mechanics differ:
 
 from __future__ import annotations
 
-import json
 import logging
 import struct
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from typing import Callable, Iterable, List, Optional, Sequence, Set, Tuple
 
 from dist_ckpt.engine.commit import METADATA_FILENAME, CheckpointingConfig, maybe_load_config
 from dist_ckpt.errors import CheckpointingException
+from dist_ckpt.integrity.safe_json import MAX_SMALL_JSON_BYTES, loads
 from dist_ckpt.storage.base import RangeRead, Storage
 from dist_ckpt.storage.errors import ObjectNotFoundError, StorageError
 from dist_ckpt.training.hf_weights import MAX_SAFETENSORS_HEADER, data_end, shard_names
@@ -73,8 +73,8 @@ def safetensors_whole(storage: Storage, key: str) -> bool:
         (header_len,) = struct.unpack("<Q", _read_range(storage, key, 0, 8))
         if header_len > min(size - 8, MAX_SAFETENSORS_HEADER):
             return False
-        header = json.loads(_read_range(storage, key, 8, header_len))
-    except (ObjectNotFoundError, ValueError):
+        header = loads(_read_range(storage, key, 8, header_len), storage.url_of(key))
+    except (ObjectNotFoundError, ValueError):  # CorruptCheckpointError is a ValueError
         return False
     end = data_end(header)
     return end is not None and size == 8 + header_len + end
@@ -98,8 +98,8 @@ def torch_file_whole(storage: Storage, key: str) -> bool:
 def index_shards(storage: Storage, key: str) -> Optional[List[str]]:
     """The shard files an HF index object lists (sorted), or None if the index is unreadable."""
     try:
-        return shard_names(json.loads(storage.read(key)))
-    except (ObjectNotFoundError, ValueError):
+        return shard_names(loads(storage.read(key), storage.url_of(key), MAX_SMALL_JSON_BYTES))
+    except (ObjectNotFoundError, ValueError):  # CorruptCheckpointError is a ValueError
         return None
 
 

@@ -29,6 +29,7 @@ import torch
 from dist_ckpt.backends.safetensors import io as safetensors_io
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
 from dist_ckpt.integrity.checksums import crc32c
+from dist_ckpt.integrity.safe_json import loads, shown
 from dist_ckpt.model.dtypes import dtype_from_safetensors_name, dtype_info
 from dist_ckpt.storage import fsync_dir
 
@@ -153,23 +154,25 @@ def _corrupt(path: Union[str, Path], problem: str, name: Optional[str] = None) -
 
 def _entry(path: Union[str, Path], name: str, raw: object) -> Tuple[str, torch.dtype, Shape, int, int]:
     if not isinstance(raw, dict):
-        raise _corrupt(path, f"header entry must be an object, found {raw!r}", name)
+        raise _corrupt(path, f"header entry must be an object, found {shown(raw)}", name)
     st_dtype, shape, offsets = raw.get("dtype"), raw.get("shape"), raw.get("data_offsets")
     if not isinstance(st_dtype, str):
-        raise _corrupt(path, f"'dtype' must be a string, found {st_dtype!r}", name)
+        raise _corrupt(path, f"'dtype' must be a string, found {shown(st_dtype)}", name)
     try:
         dtype = dtype_from_safetensors_name(st_dtype)
     except CheckpointingException:
-        raise _corrupt(path, f"unsupported dtype {st_dtype!r}", name) from None
+        raise _corrupt(path, f"unsupported dtype {shown(st_dtype)}", name) from None
     if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
-        raise _corrupt(path, f"'shape' must be a list of non-negative ints, found {shape!r}", name)
+        raise _corrupt(path, f"'shape' must be a list of non-negative ints, found {shown(shape)}", name)
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
         or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
         or not 0 <= offsets[0] <= offsets[1]
     ):
-        raise _corrupt(path, f"'data_offsets' must be [begin, end] with 0 <= begin <= end, found {offsets!r}", name)
+        raise _corrupt(
+            path, f"'data_offsets' must be [begin, end] with 0 <= begin <= end, found {shown(offsets)}", name
+        )
     nbytes = math.prod(shape) * dtype.itemsize
     if offsets[1] - offsets[0] != nbytes:
         raise _corrupt(
@@ -207,10 +210,7 @@ def read_header(fd: "safetensors_io.ReadSource", path: Union[str, Path]) -> Safe
             path, f"the header claims {length} bytes but the file has {file_size} (truncated or not a safetensors file)"
         )
     raw = safetensors_io.read_bytes(fd, length, _LEN.size)
-    try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise _corrupt(path, f"the header is not valid JSON ({e})") from e
+    doc = loads(raw, f"the header of safetensors file {str(path)!r}", MAX_HEADER_BYTES)
     if not isinstance(doc, dict):
         raise _corrupt(path, f"the header must be a JSON object, found {type(doc).__name__}")
     metadata = doc.pop("__metadata__", None) or {}

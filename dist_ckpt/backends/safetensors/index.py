@@ -49,13 +49,14 @@ plain JSON and the files are safetensors.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from dist_ckpt.backends.safetensors.load import StoredShard, StoredTensor, TensorIndex
+from dist_ckpt.engine.records import read_recorded
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError, IncompatibleStrategyError
 from dist_ckpt.integrity.checksums import ALGORITHM, block_count, crc_from_hex, decode_block_crcs
+from dist_ckpt.integrity.safe_json import check_tensor_bytes, loads, shown
 from dist_ckpt.model.dtypes import dtype_from_name
 from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.storage import Storage
@@ -183,7 +184,7 @@ class _Parser:
 
     def obj(self, value: Any, what: str, key: Optional[str] = None) -> Dict[str, Any]:
         if not isinstance(value, dict):
-            raise self.fail(f"{what} must be a JSON object, found {value!r}", key)
+            raise self.fail(f"{what} must be a JSON object, found {shown(value)}", key)
         return value
 
     def ints(self, value: Any, what: str, key: str, length: Optional[int] = None) -> Tuple[int, ...]:
@@ -193,16 +194,16 @@ class _Parser:
             or (length is not None and len(value) != length)
         ):
             size = "" if length is None else f" of length {length}"
-            raise self.fail(f"{what} must be a list{size} of non-negative ints, found {value!r}", key)
+            raise self.fail(f"{what} must be a list{size} of non-negative ints, found {shown(value)}", key)
         return tuple(value)
 
     def shard(self, raw: Any, key: str, ndim: int, files: Dict[str, int]) -> StoredShard:
         entry = self.obj(raw, "a shard entry", key)
         file, name = entry.get("file"), entry.get("name")
         if not isinstance(file, str) or file not in files:
-            raise self.fail(f"shard names file {file!r}, which the index does not list", key)
+            raise self.fail(f"shard names file {shown(file)}, which the index does not list", key)
         if not isinstance(name, str):
-            raise self.fail(f"shard 'name' must be a string, found {name!r}", key)
+            raise self.fail(f"shard 'name' must be a string, found {shown(name)}", key)
         offset = self.ints(entry.get("global_offset"), "global_offset", key, ndim)
         chunk = self.ints(entry.get("chunk_shape"), "chunk_shape", key, ndim)
         flat = entry.get("flat_range")
@@ -224,13 +225,14 @@ class _Parser:
         entry = self.obj(raw, "a tensor entry", key)
         dtype_name = entry.get("dtype")
         try:
-            dtype = dtype_from_name(dtype_name if isinstance(dtype_name, str) else repr(dtype_name))
+            dtype = dtype_from_name(dtype_name if isinstance(dtype_name, str) else shown(dtype_name))
         except CheckpointingException as e:
             raise self.fail(str(e), key) from None
         shape = self.ints(entry.get("global_shape"), "global_shape", key)
+        check_tensor_bytes(shape, dtype.itemsize, f"safetensors index {str(self.path)!r} (tensor {key!r})")
         shards = entry.get("shards")
         if not isinstance(shards, list):
-            raise self.fail(f"'shards' must be a list, found {shards!r}", key)
+            raise self.fail(f"'shards' must be a list, found {shown(shards)}", key)
         stored = [self.shard(s, key, len(shape), files) for s in shards]
         for s in stored:
             if any(o + c > g for o, c, g in zip(s.global_offset, s.chunk_shape, shape)):
@@ -271,11 +273,11 @@ def parse_index(doc: Any, path: Path, storage: Optional[Storage] = None) -> Tens
     p = _Parser(storage.url_of(INDEX_FILENAME) if storage is not None else path)
     doc = p.obj(doc, "the index")
     if doc.get("format") != INDEX_FORMAT:
-        raise p.fail(f"'format' is {doc.get('format')!r}, expected {INDEX_FORMAT!r}")
+        raise p.fail(f"'format' is {shown(doc.get('format'))}, expected {INDEX_FORMAT!r}")
     version = doc.get("version")
-    if version not in READABLE_VERSIONS or isinstance(version, bool):
+    if not isinstance(version, int) or isinstance(version, bool) or version not in READABLE_VERSIONS:
         raise IncompatibleStrategyError(
-            f"safetensors index {str(p.path)!r} has version {version!r}; this dist_ckpt reads versions "
+            f"safetensors index {str(p.path)!r} has version {shown(version)}; this dist_ckpt reads versions "
             f"{list(READABLE_VERSIONS)}: upgrade dist_ckpt"
         )
     if version >= 2:
@@ -285,7 +287,7 @@ def parse_index(doc: Any, path: Path, storage: Optional[Storage] = None) -> Tens
     for name, entry in p.obj(doc.get("files"), "'files'").items():
         size = p.obj(entry, f"file entry {name!r}").get("size")
         if "/" in name or name.startswith(".") or not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise p.fail(f"file entry {name!r} needs a plain file name and a non-negative 'size', found {entry!r}")
+            raise p.fail(f"file entry {name!r} needs a plain file name and a non-negative 'size', found {shown(entry)}")
         files[name] = size
         if p.block_bytes is not None:
             field = f"header_{ALGORITHM}"
@@ -302,16 +304,17 @@ def parse_index(doc: Any, path: Path, storage: Optional[Storage] = None) -> Tens
         block_bytes=p.block_bytes,
         header_crcs=header_crcs,
         storage=storage,
+        link_roots=(path.parent.parent,),  # the checkpoint directory
     )
 
 
 def _checksum_spec(p: _Parser, raw: Any) -> int:
     spec = p.obj(raw, "'checksum'")
     if spec.get("algorithm") != ALGORITHM:
-        raise p.fail(f"'checksum' field 'algorithm' is {spec.get('algorithm')!r}, expected {ALGORITHM!r}")
+        raise p.fail(f"'checksum' field 'algorithm' is {shown(spec.get('algorithm'))}, expected {ALGORITHM!r}")
     block = spec.get("block_bytes")
     if not isinstance(block, int) or isinstance(block, bool) or block < 1:
-        raise p.fail(f"'checksum' field 'block_bytes' must be a positive int, found {block!r}")
+        raise p.fail(f"'checksum' field 'block_bytes' must be a positive int, found {shown(block)}")
     return block
 
 
@@ -331,17 +334,12 @@ def read_index(checkpoint_dir: CheckpointLocation) -> TensorIndex:
         storage = checkpoint_dir.child(SAFETENSORS_DIR)
         path = Path(SAFETENSORS_DIR) / INDEX_FILENAME
         where = storage.url_of(INDEX_FILENAME)
-    try:
-        raw = path.read_bytes() if storage is None else storage.read(INDEX_FILENAME)
-    except FileNotFoundError:  # ObjectNotFoundError is one
+    raw = read_recorded(checkpoint_dir, f"{SAFETENSORS_DIR}/{INDEX_FILENAME}")  # fails closed
+    if raw is None:
         raise CorruptCheckpointError(
             f"{where!r} is missing: the safetensors part of checkpoint {location_str(checkpoint_dir)!r} is incomplete"
-        ) from None
-    try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise CorruptCheckpointError(f"safetensors index {where!r} is not valid JSON: {e}") from e
-    return parse_index(doc, path, storage)
+        )
+    return parse_index(loads(raw, f"safetensors index {where!r}"), path, storage)
 
 
 def rank_index(

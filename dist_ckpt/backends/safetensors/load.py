@@ -55,7 +55,7 @@ from dist_ckpt.integrity.checksums import crc_to_hex
 from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
 from dist_ckpt.model.geometry import Box, ShardPiece, piece_view, shard_pieces, sub_view
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
-from dist_ckpt.storage import Storage
+from dist_ckpt.storage import Storage, confined
 
 __all__ = ["StoredShard", "StoredTensor", "TensorIndex", "load_from_index", "tensors_metadata"]
 
@@ -157,6 +157,8 @@ class TensorIndex:
         header_crcs: crc32c of each file's header bytes, when recorded.
         storage: when set, the files are objects of this storage (an object store rooted at
             the files' directory) instead of files in ``directory``.
+        link_roots: where local files may lead through symbolic links (the checkpoint
+            directory; see :func:`dist_ckpt.storage.confined`); default: ``directory``.
     """
 
     directory: Path
@@ -168,6 +170,11 @@ class TensorIndex:
     block_bytes: Optional[int] = None
     header_crcs: Dict[str, int] = field(default_factory=dict)
     storage: Optional[Storage] = None
+    link_roots: Tuple[Path, ...] = ()
+
+    def local_file(self, name: str) -> Path:
+        """The real path of local file ``name``, refused if a link leads it out of the checkpoint."""
+        return confined(self.directory / name, *(self.link_roots or (self.directory,)))
 
     def file_location(self, name: str) -> Union[str, Path]:
         """Where file ``name`` is, for messages: its path, or its object's URL."""
@@ -272,7 +279,7 @@ class _OpenFiles:
             if self.index.from_headers:  # no header read below to find a missing object
                 source_size(source)
             return source
-        return os.open(self.index.directory / name, os.O_RDONLY)
+        return os.open(self.index.local_file(name), os.O_RDONLY)
 
     def open_all(self, by_file: Dict[str, List[Tuple[str, StoredShard]]]) -> None:
         names = sorted(by_file)
@@ -368,14 +375,15 @@ def load_from_index(
     # 1. keys, dtypes, shapes
     _check_requests(requested, index)
     # 2. plan every overlap, checking coverage
-    plans: Dict[int, Tuple[torch.Tensor, List[_Planned], List[ShardPiece]]] = {}
+    plans: Dict[int, Tuple[List[_Planned], List[ShardPiece]]] = {}
+    dests: Dict[int, torch.Tensor] = {}
     by_file: Dict[str, List[Tuple[str, StoredShard]]] = {}
     seen: Set[Tuple[str, str]] = set()
     for sh in requested:
         info = index.lookup(sh.key)
         assert info is not None
         planned, pad = _plan_tensor(sh, info, index)
-        plans[id(sh)] = (load_destination(sh), planned, pad)
+        plans[id(sh)] = (planned, pad)
         for p in planned:
             if (p.shard.file, p.shard.name) not in seen:
                 seen.add((p.shard.file, p.shard.name))
@@ -388,7 +396,7 @@ def load_from_index(
 
     def read_ops() -> Iterator[ReadOp]:
         for sh in requested:
-            dest, planned, pad = plans[id(sh)]
+            dest, (planned, pad) = dests[id(sh)], plans[id(sh)]
             holder = Box(sh.global_offset, sh.full_local_shape)
             for piece in pad:  # zero-fill the parts the checkpoint does not have, before reading
                 piece_view(dest, piece, sh.prepend_axis_num, holder).zero_()
@@ -396,13 +404,16 @@ def load_from_index(
 
     try:
         files.open_all(by_file)
+        # destinations only now: the files' real sizes back what the index says (a forged index
+        # cannot make this allocate more than the files hold)
+        dests.update((id(sh), load_destination(sh)) for sh in requested)
         # 4. and 5. read and check; the threads start on the first tensor while the next ones are planned
         execute(read_ops(), options)
     finally:
         files.close()
 
     def result(x: Any) -> Any:
-        return plans[id(x)][0] if isinstance(x, ShardedTensor) else x
+        return dests[id(x)] if isinstance(x, ShardedTensor) else x
 
     return dict_list_map_inplace(result, sharded_state_dict)  # type: ignore[no-any-return]
 

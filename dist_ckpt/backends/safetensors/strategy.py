@@ -78,6 +78,7 @@ from dist_ckpt.backends.safetensors.write import (
     SnapshotPart,
     WritePart,
     plan_file,
+    publish,
     write_objects,
     write_parts,
     write_snapshot_objects,
@@ -85,8 +86,10 @@ from dist_ckpt.backends.safetensors.write import (
 )
 from dist_ckpt.backends.stored_shards import StoredShardInfo, describe_tensor_index
 from dist_ckpt.engine.distributed import gather_json, get_rank, run_collectively
+from dist_ckpt.engine.records import refresh_record
 from dist_ckpt.errors import CheckpointingException, InvalidShardedTensorError
 from dist_ckpt.integrity.checksums import DEFAULT_BLOCK_BYTES, IntegrityReport
+from dist_ckpt.integrity.safe_json import loads
 from dist_ckpt.model.dtypes import dtype_to_name
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
 from dist_ckpt.storage import Storage, fsync_dir, write_bytes_atomic
@@ -251,6 +254,7 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
     owned_paths: ClassVar[Tuple[str, ...]] = (SAFETENSORS_DIR,)
     object_storage: ClassVar[bool] = True
     can_stream: ClassVar[bool] = True
+    integrity_records: ClassVar[Tuple[str, ...]] = (f"{SAFETENSORS_DIR}/{INDEX_FILENAME}",)
 
     def __init__(
         self, options: Optional[SafetensorsSaveOptions] = None, backend: str = "safetensors", version: int = 1
@@ -291,7 +295,7 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
             early_writeback=self.options.early_writeback,
             staging=self._staging,
         )
-        fsync_dir(root)
+        publish(root, [plan.name for plan, _ in files])  # written under temporary names until now
         return self._rank_index(shards, files, results)
 
     def _plan(self, shards: List[ShardedTensor], smallest_last: bool) -> PlannedFiles:
@@ -414,11 +418,13 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
         part = _IndexPart(shards, files)
         checksums = block is not None
 
+        def index_part() -> RankIndex:
+            if remote_root is None:  # every part is written: the files get their final names
+                publish(root, [plan.name for plan, _ in files])
+            return part.with_checksums(list(head_results) + list(outcome.result or []), checksums)
+
         def finalize() -> None:
-            local = run_collectively(
-                "indexing the files written in the background",
-                lambda: part.with_checksums(list(head_results) + list(outcome.result or []), checksums),
-            )
+            local = run_collectively("indexing the files written in the background", index_part)
             self._commit_index(local, checkpoint_dir)
 
         if remote_root is not None:
@@ -537,14 +543,16 @@ class SafetensorsLoadShardedStrategy(LoadShardedStrategy):
         in files that still hold other shards stay until the checkpoint is rewritten.
         """
         location = _location(checkpoint_dir)
-        read_index(location)  # validates the whole index before changing it
+        read_index(location)  # validates the whole index (and its record) before changing it
         if not isinstance(location, Path):
             _remove_from_objects(location.child(SAFETENSORS_DIR), key_prefix)
+            refresh_record(location, f"{SAFETENSORS_DIR}/{INDEX_FILENAME}")
             return
         root = location / SAFETENSORS_DIR
-        doc = json.loads((root / INDEX_FILENAME).read_bytes())
+        doc = loads((root / INDEX_FILENAME).read_bytes(), str(root / INDEX_FILENAME))
         removed, orphans = _without_keys(doc, key_prefix)
         write_bytes_atomic(root / INDEX_FILENAME, json.dumps(doc, separators=(",", ":")).encode("utf-8"))
+        refresh_record(location, f"{SAFETENSORS_DIR}/{INDEX_FILENAME}")
         for name in orphans:
             (root / name).unlink(missing_ok=True)
         fsync_dir(root)
@@ -569,7 +577,7 @@ def _without_keys(doc: Dict[str, Any], key_prefix: str) -> Tuple[List[str], List
 def _remove_from_objects(root: Storage, key_prefix: str) -> None:
     """:meth:`SafetensorsLoadShardedStrategy.remove_sharded_tensors` on an object store: the index
     object is replaced whole (a PUT is atomic), then the orphaned file objects are deleted."""
-    doc = json.loads(root.read(INDEX_FILENAME))
+    doc = loads(root.read(INDEX_FILENAME), root.url_of(INDEX_FILENAME))
     removed, orphans = _without_keys(doc, key_prefix)
     root.write(INDEX_FILENAME, json.dumps(doc, separators=(",", ":")).encode("utf-8"))
     for name in orphans:

@@ -39,11 +39,11 @@ import torch
 
 from dist_ckpt.backends.base import TensorLayout, TensorStreamWriter, check_stream_entry
 from dist_ckpt.backends.safetensors.index import SAFETENSORS_DIR, file_name, shard_name
-from dist_ckpt.backends.safetensors.write import PartResult, WritePart, plan_file, stream_tensor, write_part
+from dist_ckpt.backends.safetensors.write import PartResult, WritePart, plan_file, publish, stream_tensor, write_part
 from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.integrity.checksums import crc32c, crc_to_hex
 from dist_ckpt.model.sharded import ShardedTensor
-from dist_ckpt.storage import ObjectWriter, Storage, fsync_dir
+from dist_ckpt.storage import ObjectWriter, Storage
 from dist_ckpt.storage.location import CheckpointLocation, location_str
 
 if TYPE_CHECKING:
@@ -165,7 +165,7 @@ class SafetensorsStreamWriter(TensorStreamWriter):
         self._finished = True
         assert self._upload is None, "every object's upload completes with its last tensor"
         if self.storage is None:
-            fsync_dir(self.root)
+            publish(self.root, [plan.name for plan, _ in self.files])  # written under temporary names
         block = self.options.checksum_block_bytes
         local = _IndexPart(self.shards, self.files).with_checksums(self.results, block is not None)
         _write_index([local], self.checkpoint_dir, block)

@@ -58,7 +58,9 @@ def verify_safetensors(checkpoint_dir: CheckpointLocation, read_bytes: int = 16 
         path = index.file_location(name)
         try:
             fd: ReadSource = (
-                ObjectSource(index.storage, name) if index.storage is not None else os.open(path, os.O_RDONLY)
+                ObjectSource(index.storage, name)
+                if index.storage is not None
+                else os.open(index.local_file(name), os.O_RDONLY)
             )
             header = read_header(fd, path) if index.storage is not None else None
         except FileNotFoundError:

@@ -52,7 +52,9 @@ __all__ = [
     "PartResult",
     "PlannedFile",
     "WritePart",
+    "partial_name",
     "plan_file",
+    "publish",
     "stream_tensor",
     "write_object",
     "write_objects",
@@ -178,7 +180,7 @@ def write_part(
         else plan.size
     )
     flags = os.O_WRONLY | (os.O_CREAT | os.O_EXCL if part.first == 0 else 0)
-    fd = os.open(path, flags, 0o644)
+    fd = os.open(Path(directory) / partial_name(plan.name), flags, 0o644)
     try:
         header_crc = None
         if part.first == 0:
@@ -206,6 +208,34 @@ def write_part(
     finally:
         os.close(fd)
     return PartResult(plan.name, part.first, tuple(crcs), header_crc)
+
+
+def partial_name(name: str) -> str:
+    """The name file ``name`` has while it is written: hidden, and not its final name, so a
+    save that fails or is killed never leaves a data file under a name the index uses. Every
+    part of a file (the caller's and the background process's) writes this same name;
+    :func:`publish` renames it once all are written.
+
+    Example::
+
+        partial_name("rank00000_0.safetensors")   # ".partial-rank00000_0.safetensors"
+    """
+    return f".partial-{name}"
+
+
+def publish(directory: Path, names: Sequence[str]) -> None:
+    """Rename the written files ``names`` from their :func:`partial_name` to their final names
+    and fsync ``directory`` (after every part of them is durable).
+
+    Example::
+
+        publish(root, [plan.name for plan, _ in files])
+    """
+    directory = Path(directory)
+    for name in names:
+        os.replace(directory / partial_name(name), directory / name)
+    if names:
+        fsync_dir(directory)
 
 
 def _write_tensor(

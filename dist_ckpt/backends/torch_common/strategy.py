@@ -37,6 +37,7 @@ import torch
 
 from dist_ckpt.backends.base import LoadCommonStrategy, SaveCommonStrategy
 from dist_ckpt.engine.distributed import gather_json, get_rank, run_collectively
+from dist_ckpt.engine.records import read_recorded
 from dist_ckpt.errors import (
     CheckpointingException,
     CorruptCheckpointError,
@@ -53,6 +54,7 @@ from dist_ckpt.integrity.checksums import (
     manifest_bytes,
     parse_manifest_bytes,
 )
+from dist_ckpt.integrity.safe_json import MAX_SMALL_JSON_BYTES, loads
 from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
 from dist_ckpt.model.sharded import ShardedObject, ShardedStateDict, StateDict, is_main_replica
 from dist_ckpt.storage import ObjectNotFoundError, Storage, decode_key, encode_key, is_shortened
@@ -112,13 +114,11 @@ def _torch_bytes(value: Any) -> bytes:
     return buf.getvalue()
 
 
-def _read_manifest(storage: Storage, key: str) -> Optional[Dict[str, FileDigest]]:
-    """The manifest at ``key``, or None when the checkpoint has none."""
-    try:
-        raw = storage.read(key)
-    except ObjectNotFoundError:
-        return None
-    return parse_manifest_bytes(raw, storage.url_of(key))
+def _read_manifest(checkpoint_dir: CheckpointLocation, key: str) -> Optional[Dict[str, FileDigest]]:
+    """The manifest at ``key``, or None when the save wrote none (checked against the integrity
+    records of ``metadata.json``: a recorded manifest that is gone or changed raises)."""
+    raw = read_recorded(checkpoint_dir, key)
+    return None if raw is None else parse_manifest_bytes(raw, storage_of(checkpoint_dir).url_of(key))
 
 
 class TorchCommonSaveStrategy(SaveCommonStrategy):
@@ -136,6 +136,9 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
         OBJECTS_DIR,
     )
     object_storage: ClassVar[bool] = True
+    integrity_records: ClassVar[Tuple[str, ...]] = (COMMON_CHECKSUMS_FNAME, f"{OBJECTS_DIR}/{OBJECTS_CHECKSUMS_FNAME}")
+    #: a ShardedObject keyed ``checksums.json`` would be a directory where the manifest lives
+    reserved_names: ClassVar[Tuple[str, ...]] = (OBJECTS_CHECKSUMS_FNAME,)
 
     def __init__(self, backend: str = "torch", version: int = 1, checksums: bool = True) -> None:
         super().__init__(backend, version)
@@ -231,9 +234,9 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
     def can_handle_sharded_objects(self) -> bool:
         return True
 
-    def _manifest(self, storage: Storage, key: str) -> Dict[str, FileDigest]:
+    def _manifest(self, checkpoint_dir: CheckpointLocation, key: str) -> Dict[str, FileDigest]:
         """The manifest at ``key`` if checksums are to be verified and it exists, else {}."""
-        return (_read_manifest(storage, key) or {}) if self.verify_checksums else {}
+        return (_read_manifest(checkpoint_dir, key) or {}) if self.verify_checksums else {}
 
     def _load(
         self, storage: Storage, key: str, what: str, keys_hint: str, expected: Optional[FileDigest] = None
@@ -270,12 +273,11 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         storage = storage_of(checkpoint_dir)
         hint = ""
         try:
-            hint = f" at keys {format_keys(json.loads(storage.read(UNSAFE_KEYS_FNAME)))}"
-        except ObjectNotFoundError:
+            unsafe = loads(storage.read(UNSAFE_KEYS_FNAME), storage.url_of(UNSAFE_KEYS_FNAME), MAX_SMALL_JSON_BYTES)
+            hint = f" at keys {format_keys(map(str, unsafe))}" if isinstance(unsafe, (dict, list)) else ""
+        except (OSError, CheckpointingException):  # only a hint for the error message below
             hint = ""
-        except (ValueError, OSError):
-            hint = ""
-        expected = self._manifest(storage, COMMON_CHECKSUMS_FNAME).get(COMMON_STATE_FNAME)
+        expected = self._manifest(checkpoint_dir, COMMON_CHECKSUMS_FNAME).get(COMMON_STATE_FNAME)
         state = self._load(storage, COMMON_STATE_FNAME, "the common state", hint, expected)
         if not isinstance(state, dict):
             raise CorruptCheckpointError(
@@ -289,7 +291,7 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         storage = storage_of(checkpoint_dir)
         requested = [o for o in nested_values(sharded_objects_state_dict) if isinstance(o, ShardedObject)]
         stored = {o.key for o in storage.list(OBJECTS_DIR)} if requested else set()
-        manifest = self._manifest(storage, f"{OBJECTS_DIR}/{OBJECTS_CHECKSUMS_FNAME}") if requested else {}
+        manifest = self._manifest(checkpoint_dir, f"{OBJECTS_DIR}/{OBJECTS_CHECKSUMS_FNAME}") if requested else {}
         # a key was saved if any of its files is stored or listed in the manifest (or, on a
         # disk, its directory exists): then a missing shard is damage, not a key mismatch
         saved = {k.rpartition("/")[0] for k in stored} | {f"{OBJECTS_DIR}/{n.rpartition('/')[0]}" for n in manifest}
@@ -336,7 +338,12 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         for dir_name in sorted(by_dir):
             key = decode_key(dir_name)
             if key is None:
-                key = storage.read(f"{OBJECTS_DIR}/{dir_name}/{KEY_FNAME}").decode("utf-8")
+                raw = storage.read(f"{OBJECTS_DIR}/{dir_name}/{KEY_FNAME}")
+                try:
+                    key = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    where = storage.url_of(f"{OBJECTS_DIR}/{dir_name}/{KEY_FNAME}")
+                    raise CorruptCheckpointError(f"{where} is not UTF-8 text: it is damaged") from e
             for name in sorted(by_dir[dir_name]):
                 if name.startswith("shard_") and name.endswith(".pt"):
                     sh_obj = ShardedObject.empty_from_unique_key(f"{key}/{name[:-3]}")
@@ -365,7 +372,7 @@ def verify_common(checkpoint_dir: CheckpointLocation) -> IntegrityReport:
         (f"{OBJECTS_DIR}/{OBJECTS_CHECKSUMS_FNAME}", f"{OBJECTS_DIR}/", object_files),
     ):
         try:
-            manifest = _read_manifest(storage, manifest_name)
+            manifest = _read_manifest(checkpoint_dir, manifest_name)
         except CheckpointingException as e:
             report.add(manifest_name, str(e))
             continue
@@ -390,6 +397,9 @@ def verify_common(checkpoint_dir: CheckpointLocation) -> IntegrityReport:
                 data = storage.read(key)
             except ObjectNotFoundError:
                 report.add(key, "missing")
+                continue
+            except CheckpointingException as e:  # e.g. a link out of the checkpoint
+                report.add(key, str(e))
                 continue
             found = file_problem(storage.url_of(key), digest, data)
             if found is not None:

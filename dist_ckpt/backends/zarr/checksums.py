@@ -30,6 +30,7 @@ from dist_ckpt.backends.zarr.layout import (
     CHECKSUMS_FILENAME,
     LAYOUT_CHUNKED,
     ZARR_DIR,
+    JsonCheck,
     chunk_coords,
     chunk_key,
     damaged_chunks,
@@ -38,28 +39,32 @@ from dist_ckpt.backends.zarr.layout import (
     read_zarr_json,
 )
 from dist_ckpt.engine.distributed import gather_json, get_rank, run_collectively
-from dist_ckpt.errors import CheckpointingException
+from dist_ckpt.engine.records import location_of_node, read_recorded, refresh_record
+from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
 from dist_ckpt.integrity.checksums import (
     FileDigest,
     IntegrityReport,
     check_file,
     file_digest,
     file_problem,
-    read_manifest,
+    parse_manifest_bytes,
     relative,
     write_manifest,
 )
 from dist_ckpt.model.dtypes import dtype_from_name, dtype_info
 from dist_ckpt.model.geometry import Box
+from dist_ckpt.storage import confined
 from dist_ckpt.storage.object_path import Node, ObjectPath, node_files
 
 __all__ = [
     "CHECKSUMS_FILENAME",
+    "MANIFEST_KEY",
     "VerifyingStore",
     "check_files",
     "chunk_files",
     "commit_checksums",
     "drop_from_checksums",
+    "manifest_check",
     "read_checksums",
     "verify_zarr",
 ]
@@ -100,27 +105,61 @@ def _digest(path: Node, known: Optional[Mapping[Node, FileDigest]]) -> FileDiges
     return found if found is not None else file_digest(path)
 
 
+#: the manifest's key relative to the checkpoint (its integrity record in ``metadata.json``)
+MANIFEST_KEY = f"{ZARR_DIR}/{CHECKSUMS_FILENAME}"
+
+
 def read_checksums(checkpoint_dir: Node) -> Optional[Dict[str, FileDigest]]:
     """The manifest of a zarr checkpoint, or None if it was saved without checksums.
+
+    Read through :func:`~dist_ckpt.engine.records.read_recorded`: a manifest that
+    ``metadata.json`` records but that is missing or changed raises (fails closed).
 
     Example::
 
         manifest = read_checksums(Path("ckpt/iter_1000")) or {}
     """
-    return read_manifest(checkpoint_dir / ZARR_DIR / CHECKSUMS_FILENAME)
+    raw = read_recorded(checkpoint_dir, MANIFEST_KEY)
+    return None if raw is None else parse_manifest_bytes(raw, str(checkpoint_dir / MANIFEST_KEY))
+
+
+def manifest_check(root: Node, manifest: Optional[Mapping[str, FileDigest]]) -> JsonCheck:
+    """A check of each ``zarr.json`` read under ``root`` (``zarr/``) against ``manifest``, or None
+    without one: a node the manifest does not list was not written by the save.
+
+    Example::
+
+        plan_request(requested, ckpt, manifest_check(ckpt / "zarr", read_checksums(ckpt)))
+    """
+    if manifest is None:
+        return None
+    listed = manifest
+
+    def check(path: Node, data: bytes) -> None:
+        name = relative(path, root)
+        expected = listed.get(name)
+        if expected is None:
+            raise CorruptCheckpointError(
+                f"{str(path)!r} is not listed in {MANIFEST_KEY}: the save did not write it; the checkpoint is damaged"
+            )
+        check_file(path, expected, f"[rank {get_rank()}] zarr metadata", data)
+
+    return check
 
 
 def drop_from_checksums(root: Node, tensor_dir_name: str) -> None:
-    """Remove a deleted tensor's files from the manifest (if there is one); one process calls it.
+    """Remove a deleted tensor's files from the manifest (if there is one), and update the
+    manifest's integrity record in ``metadata.json``; one process calls it.
 
     Example::
 
         drop_from_checksums(ckpt / "zarr", tensor_dir_name("old.w"))
     """
-    manifest = read_manifest(root / CHECKSUMS_FILENAME)
+    manifest = read_checksums(root.parent)
     if manifest is not None:
         kept = {name: d for name, d in manifest.items() if not name.startswith(f"{tensor_dir_name}/")}
         write_manifest(root / CHECKSUMS_FILENAME, kept)
+        refresh_record(location_of_node(root.parent), MANIFEST_KEY)
 
 
 def chunk_files(array_path: Node, region: Box) -> List[Node]:
@@ -250,7 +289,11 @@ def verify_zarr(checkpoint_dir: Node) -> IntegrityReport:
             _key_of(root, name),
         )
     for name, expected in sorted(manifest.items()):
-        found = file_problem(root / name, expected)
+        try:
+            path = confined(root / name, root.parent) if isinstance(root, Path) else root / name
+            found = file_problem(path, expected)
+        except CheckpointingException as e:  # a link out of the checkpoint
+            found = (str(e), False)
         if found is not None:
             report.add(f"{ZARR_DIR}/{name}", found[0], _key_of(root, name))
         report.files_checked += 1

@@ -31,9 +31,10 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -46,11 +47,11 @@ from dist_ckpt.errors import (
     LoadMismatchError,
     format_keys,
 )
-from dist_ckpt.integrity.checksums import read_manifest
+from dist_ckpt.integrity.safe_json import MAX_SMALL_JSON_BYTES, check_tensor_bytes, loads, shown, want_object
 from dist_ckpt.model.dtypes import dtype_from_name, dtype_info, numpy_to_tensor
 from dist_ckpt.model.geometry import Box, ShardPiece, shard_pieces
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor
-from dist_ckpt.storage import encode_key, fsync_dir, fsync_file, write_bytes_atomic
+from dist_ckpt.storage import confined, encode_key, fsync_dir, fsync_file, write_bytes_atomic
 from dist_ckpt.storage.location import CheckpointLocation
 from dist_ckpt.storage.object_path import Node, ObjectPath, subdirs
 
@@ -102,20 +103,28 @@ def fragment_name(sh: ShardedTensor) -> str:
     return f"{chunk}_{sh.flattened_range.start}"
 
 
-def read_zarr_json(node_dir: Node) -> Optional[Dict[str, Any]]:
-    """The parsed ``zarr.json`` of a node, or None if the node does not exist."""
+#: checks the bytes of a ``zarr.json`` just read (against the checksum manifest; see
+#: :func:`dist_ckpt.backends.zarr.checksums.manifest_check`), raising if they differ
+JsonCheck = Optional[Callable[[Node, bytes], None]]
+
+
+def read_zarr_json(node_dir: Node, check: JsonCheck = None, within: Optional[Path] = None) -> Optional[Dict[str, Any]]:
+    """The parsed ``zarr.json`` of a node, or None if the node does not exist; with ``check``,
+    its bytes are verified before they are parsed; with ``within`` (the checkpoint directory),
+    a local file reached through a link leading outside it is refused (UnsafeLinkError)."""
     path = node_dir / "zarr.json"
+    source = confined(path, within) if within is not None and isinstance(path, Path) else path
     try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
+        if isinstance(source, Path) and source.stat().st_size > MAX_SMALL_JSON_BYTES:
+            raise CorruptCheckpointError(f"{path} has {source.stat().st_size} bytes: it is not a zarr.json this writes")
+        raw = source.read_bytes()
+    except (FileNotFoundError, NotADirectoryError):
         return None
-    try:
-        doc = json.loads(raw)
-    except ValueError as e:
-        raise CorruptCheckpointError(f"{path} is not valid JSON: {e}") from e
-    if not isinstance(doc, dict):
-        raise CorruptCheckpointError(f"{path} must hold a JSON object")
-    return doc
+    except IsADirectoryError:
+        raise CorruptCheckpointError(f"{path} is a directory, expected a file: the checkpoint is damaged") from None
+    if check is not None:
+        check(path, raw)
+    return want_object(loads(raw, str(path), MAX_SMALL_JSON_BYTES), str(path))
 
 
 @dataclass(frozen=True)
@@ -155,23 +164,29 @@ def _attrs(doc: Dict[str, Any], path: Node) -> Dict[str, Any]:
 def _ints(value: Any, what: str, path: Node) -> Shape:
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
         raise CorruptCheckpointError(
-            f"{path / 'zarr.json'}: {what} must be a list of non-negative ints, found {value!r}"
+            f"{path / 'zarr.json'}: {what} must be a list of non-negative ints, found {shown(value)}"
         )
     return tuple(value)
 
 
-def open_tensor_info(root: Node, name: str) -> Optional[StoredTensorInfo]:
-    """Parse the metadata of the tensor stored under ``root/name`` (None if absent)."""
+def open_tensor_info(root: Node, name: str, check: JsonCheck = None) -> Optional[StoredTensorInfo]:
+    """Parse the metadata of the tensor stored under ``root/name`` (None if absent; a directory
+    without its ``zarr.json`` is damage: :class:`CorruptCheckpointError`)."""
     path = root / name
-    doc = read_zarr_json(path)
+    doc = read_zarr_json(path, check, _checkpoint_of(root))
     if doc is None:
+        if isinstance(path, Path) and path.is_dir():
+            raise CorruptCheckpointError(
+                f"{path / 'zarr.json'} is missing: the tensor stored in {str(path)!r} cannot be read; the checkpoint "
+                "is damaged"
+            )
         return None
     try:
         attrs = _attrs(doc, path)
         key, dtype_name = attrs["key"], attrs["dtype"]
         if not isinstance(key, str) or not isinstance(dtype_name, str):
             raise CorruptCheckpointError(
-                f"{path / 'zarr.json'}: 'key' and 'dtype' must be strings, found {key!r}, {dtype_name!r}"
+                f"{path / 'zarr.json'}: 'key' and 'dtype' must be strings, found {shown(key)}, {shown(dtype_name)}"
             )
         dtype = dtype_from_name(dtype_name)
         if attrs.get("layout") == LAYOUT_FLATTENED:
@@ -184,22 +199,33 @@ def open_tensor_info(root: Node, name: str) -> Optional[StoredTensorInfo]:
                 _ints(attrs["chunk_shape"], "chunk_shape", path),
             )
             _same_rank(info.global_shape, info.chunk_shape, path)
-            info.fragments = _list_fragments(path, info.chunk_shape)
+            check_tensor_bytes(info.global_shape, dtype.itemsize, str(path / "zarr.json"))
+            check_tensor_bytes(info.chunk_shape, dtype.itemsize, str(path / "zarr.json"))
+            info.fragments = _list_fragments(path, info.chunk_shape, check)
             return info
         if doc.get("node_type") != "array":
             raise CorruptCheckpointError(
-                f"{path / 'zarr.json'} describes a {doc.get('node_type')!r}, expected an array"
+                f"{path / 'zarr.json'} describes a {shown(doc.get('node_type'))}, expected an array"
             )
         grid = _get(doc, "chunk_grid", "configuration", "chunk_shape")
         info = StoredTensorInfo(
             key, path, dtype, _ints(doc.get("shape"), "shape", path), LAYOUT_CHUNKED, _ints(grid, "chunk_shape", path)
         )
         _same_rank(info.global_shape, info.chunk_shape, path)
+        check_tensor_bytes(info.global_shape, dtype.itemsize, str(path / "zarr.json"))
+        check_tensor_bytes(info.chunk_shape, dtype.itemsize, str(path / "zarr.json"))
         return info
+    except CheckpointingException:  # already names the file (and keeps its type)
+        raise
     except KeyError as e:
         raise CorruptCheckpointError(f"{path / 'zarr.json'} lacks the field {e}") from e
     except (TypeError, ValueError, AttributeError) as e:  # fields of unexpected types or values
         raise CorruptCheckpointError(f"{path / 'zarr.json'} is malformed: {type(e).__name__}: {e}") from e
+
+
+def _checkpoint_of(root: Node) -> Optional[Path]:
+    """The local checkpoint directory of a zarr root (``<checkpoint>/zarr``), None on an object store."""
+    return root.parent if isinstance(root, Path) else None
 
 
 def _get(doc: Any, *fields: str) -> Any:
@@ -218,13 +244,18 @@ def _same_rank(shape: Shape, chunk_shape: Shape, path: Node) -> None:
         )
 
 
-def _list_fragments(path: Node, chunk_shape: Shape) -> List[FragmentInfo]:
+def _list_fragments(path: Node, chunk_shape: Shape, check: JsonCheck = None) -> List[FragmentInfo]:
     fragments = []
     for entry in sorted(subdirs(path)):
         if entry.startswith(".") or entry == "zarr.json":
             continue
-        doc = read_zarr_json(path / entry)
+        doc = read_zarr_json(path / entry, check, _checkpoint_of(path.parent))
         if doc is None:
+            if isinstance(path, Path) and (path / entry).is_dir():
+                raise CorruptCheckpointError(
+                    f"{path / entry / 'zarr.json'} is missing: a fragment of the tensor in {str(path)!r} cannot be "
+                    "read; the checkpoint is damaged"
+                )
             continue
         attrs = _attrs(doc, path / entry)
         rng = _ints(attrs.get("flat_range"), "flat_range", path / entry)
@@ -257,14 +288,13 @@ def list_tensor_names(root: Node) -> List[str]:
     )
 
 
-def check_tensor_dirs_present(root: Node) -> None:
+def check_tensor_dirs_present(root: Node, manifest: Optional[Mapping[str, Any]]) -> None:
     """Refuse a checkpoint whose checksum manifest lists tensor directories that are gone.
 
     The tensors of a zarr checkpoint are found by listing ``zarr/``; without this check a
     deleted tensor directory would make the tensor silently absent from whatever lists them
     (``unshard``, ``convert``, ``inspect``). Checkpoints saved without a manifest are not checked.
     """
-    manifest = read_manifest(root / CHECKSUMS_FILENAME)
     if manifest is None:
         return
     missing = sorted({name.split("/", 1)[0] for name in manifest if "/" in name} - set(list_tensor_names(root)))
@@ -275,21 +305,34 @@ def check_tensor_dirs_present(root: Node) -> None:
         )
 
 
-def find_tensor_info(root: Node, key: str) -> Optional[StoredTensorInfo]:
+def find_tensor_info(root: Node, key: str, check: JsonCheck = None) -> Optional[StoredTensorInfo]:
     """The stored tensor ``key``, or None. A key that is now a reserved name (``checksums.json``)
     is also looked up under the name checkpoints saved before the reservation gave it."""
-    info = open_tensor_info(root, tensor_dir_name(key))
+    info = open_tensor_info(root, tensor_dir_name(key), check)
     legacy = encode_key(key)
     if info is None and legacy != tensor_dir_name(key) and (root / legacy).is_dir():
-        info = open_tensor_info(root, legacy)
+        info = open_tensor_info(root, legacy, check)
     return info
 
 
-def tensors_metadata(root: Node) -> ShardedStateDict:
-    """``{key: ShardedTensor}`` (whole, unsharded, data on the meta device) for every tensor."""
+def tensors_metadata(
+    root: Node, check: JsonCheck = None, manifest: Optional[Mapping[str, Any]] = None
+) -> ShardedStateDict:
+    """``{key: ShardedTensor}`` (whole, unsharded, data on the meta device) for every tensor.
+
+    Every tensor directory is listed or raises: a directory without its ``zarr.json`` is damage
+    (:func:`open_tensor_info`); on an object store, whose "directories" exist only through their
+    objects, a prefix without a ``zarr.json`` is damage when ``manifest`` lists that file (else
+    it is what an interrupted ``remove_sharded_tensors`` leaves: the key is gone).
+    """
     out: ShardedStateDict = {}
     for name in list_tensor_names(root):
-        info = open_tensor_info(root, name)
+        info = open_tensor_info(root, name, check)
+        if info is None and manifest is not None and f"{name}/zarr.json" in manifest:
+            raise CorruptCheckpointError(
+                f"{str(root / name / 'zarr.json')!r} is missing: the tensor stored in {str(root / name)!r} cannot be "
+                "read; the checkpoint is damaged"
+            )
         if info is not None:
             meta = torch.empty(info.global_shape, dtype=info.dtype, device="meta")
             out[info.key] = ShardedTensor.from_rank_offsets(info.key, meta)
@@ -348,17 +391,20 @@ def plan_reads(sh: ShardedTensor, info: StoredTensorInfo) -> ReadPlan:
     return ReadPlan(ops, pad)
 
 
-def plan_request(requested: Sequence[ShardedTensor], checkpoint_dir: Node) -> Dict[int, ReadPlan]:
+def plan_request(
+    requested: Sequence[ShardedTensor], checkpoint_dir: Node, check: JsonCheck = None
+) -> Dict[int, ReadPlan]:
     """The reads of every requested shard (by ``id``), after checking keys, dtypes and shapes.
 
     Everything is checked before any tensor byte is read; see
-    :func:`~dist_ckpt.backends.request_checks.check_requested_tensors`.
+    :func:`~dist_ckpt.backends.request_checks.check_requested_tensors`. ``check`` verifies every
+    ``zarr.json`` read (against the checksum manifest).
     """
     root = checkpoint_dir / ZARR_DIR
     infos: Dict[str, Optional[StoredTensorInfo]] = {}
     for sh in requested:
         if sh.key not in infos:
-            infos[sh.key] = find_tensor_info(root, sh.key)
+            infos[sh.key] = find_tensor_info(root, sh.key, check)
 
     def lookup(key: str) -> Optional[Tuple[torch.dtype, Tuple[int, ...]]]:
         info = infos[key]
@@ -381,7 +427,10 @@ def _fragment_op(frag: FragmentInfo, fp: ShardPiece, dst: ShardPiece, inter: Box
 
 
 def load_zarr_based_sharded_metadata(
-    checkpoint_dir: Union[Node, str], get_shape_dtype_fn: Callable[[Any], Tuple[Tuple[int, ...], np.dtype]]
+    checkpoint_dir: Union[Node, str],
+    get_shape_dtype_fn: Callable[[Any], Tuple[Tuple[int, ...], np.dtype]],
+    manifest: Optional[Mapping[str, Any]] = None,
+    check: JsonCheck = None,
 ) -> ShardedStateDict:
     """``{key: ShardedTensor}`` for every stored tensor, shapes read with ``get_shape_dtype_fn``.
 
@@ -390,15 +439,26 @@ def load_zarr_based_sharded_metadata(
         get_shape_dtype_fn: returns ``(shape, numpy dtype)`` of the zarr array at a path (a
             ``str`` for a local array, the :class:`ObjectPath` for one on S3); lets each engine
             (zarr-python, TensorStore) open arrays its own way.
+        manifest: the checkpoint's checksum manifest (None: saved without one); every tensor
+            directory it lists must be present.
+        check: verifies every ``zarr.json`` read (against the manifest).
     """
     root = (checkpoint_dir if isinstance(checkpoint_dir, ObjectPath) else Path(checkpoint_dir)) / ZARR_DIR
-    check_tensor_dirs_present(root)
-    out = tensors_metadata(root)
+    check_tensor_dirs_present(root, manifest)
+    out = tensors_metadata(root, check, manifest)
     for name in list_tensor_names(root):
-        info = open_tensor_info(root, name)
+        info = open_tensor_info(root, name, check)
         if info is None or info.layout != LAYOUT_CHUNKED:
             continue
-        shape, np_dtype = get_shape_dtype_fn(str(info.path) if isinstance(info.path, Path) else info.path)
+        try:
+            shape, np_dtype = get_shape_dtype_fn(str(info.path) if isinstance(info.path, Path) else info.path)
+        except CheckpointingException:
+            raise
+        except Exception as e:  # noqa: BLE001 -- the engine's library failed on damaged metadata
+            raise CorruptCheckpointError(
+                f"{str(info.path / 'zarr.json')!r} of tensor {info.key!r} cannot be opened as a zarr array "
+                f"({type(e).__name__}: {shown(e)}): the checkpoint is damaged"
+            ) from e
         if tuple(shape) != info.global_shape or np.dtype(np_dtype).itemsize != info.dtype.itemsize:
             raise CorruptCheckpointError(
                 f"{info.path}: the array is {tuple(shape)} {np_dtype}, its attributes say {info.global_shape} "
@@ -598,6 +658,26 @@ def damaged_chunks(array_path: Node, region: Box) -> List[str]:
         if size != expected:
             problems.append(f"chunk file {str(path)!r} has {size} bytes, expected {expected} (truncated or damaged)")
     return problems
+
+
+#: where a save writes ``zarr/`` on a local disk until every rank is done: a save that fails or
+#: is killed leaves no data under the names a checkpoint uses (see :func:`publish_written`)
+PARTIAL_ZARR_DIR = ".partial-zarr"
+
+
+def writing_root(checkpoint: Node) -> Node:
+    """The directory a save writes the zarr tree into: ``.partial-zarr`` on a local disk (renamed
+    to ``zarr`` by :func:`publish_written`), ``zarr/`` itself on an object store (objects appear
+    whole when their upload completes, and a prefix cannot be renamed)."""
+    return checkpoint / (PARTIAL_ZARR_DIR if isinstance(checkpoint, Path) else ZARR_DIR)
+
+
+def publish_written(checkpoint: Node) -> None:
+    """Rank 0, once every rank's files and the manifest are durable: give the tree its final
+    name (one atomic rename of a directory) and make the rename durable."""
+    if isinstance(checkpoint, Path):
+        os.replace(checkpoint / PARTIAL_ZARR_DIR, checkpoint / ZARR_DIR)
+        fsync_dir(checkpoint)
 
 
 def cpu_contiguous(t: torch.Tensor) -> torch.Tensor:

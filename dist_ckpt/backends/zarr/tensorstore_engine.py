@@ -59,9 +59,18 @@ except ImportError as _e:  # pragma: no cover -- exercised in a subprocess witho
 
 from dist_ckpt.backends.base import LoadShardedStrategy, SaveShardedStrategy, loaded_shape, main_replica_shards
 from dist_ckpt.backends.stored_shards import StoredShardInfo, describe_zarr
-from dist_ckpt.backends.zarr.checksums import check_files, chunk_files, commit_checksums, read_checksums, verify_zarr
+from dist_ckpt.backends.zarr.checksums import (
+    MANIFEST_KEY,
+    check_files,
+    chunk_files,
+    commit_checksums,
+    manifest_check,
+    read_checksums,
+    verify_zarr,
+)
 from dist_ckpt.backends.zarr.layout import (
     ATTR,
+    PARTIAL_ZARR_DIR,
     ZARR_DIR,
     ReadOp,
     ReadPlan,
@@ -82,16 +91,19 @@ from dist_ckpt.backends.zarr.layout import (
     load_zarr_based_sharded_metadata,
     make_dirs,
     plan_request,
+    publish_written,
     tensor_dir,
     write_group,
+    writing_root,
 )
 from dist_ckpt.engine.distributed import get_rank, run_collectively
 from dist_ckpt.engine.registry import StrategyAction, register_default_strategy
-from dist_ckpt.integrity.checksums import IntegrityReport
+from dist_ckpt.integrity.checksums import FileDigest, IntegrityReport
 from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
 from dist_ckpt.model.dtypes import numpy_to_tensor, tensor_to_numpy
 from dist_ckpt.model.geometry import Box, piece_view, sub_view
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
+from dist_ckpt.storage import confined
 from dist_ckpt.storage.location import CheckpointLocation
 from dist_ckpt.storage.object_path import Node, ObjectPath
 
@@ -211,8 +223,9 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
     files and directories it wrote. Each chunk is written once, whole, by one rank.
     """
 
-    owned_paths: ClassVar[Tuple[str, ...]] = (ZARR_DIR,)
+    owned_paths: ClassVar[Tuple[str, ...]] = (ZARR_DIR, PARTIAL_ZARR_DIR)
     object_storage: ClassVar[bool] = True
+    integrity_records: ClassVar[Tuple[str, ...]] = (MANIFEST_KEY,)
 
     def __init__(self, backend: str = "zarr", version: int = 1, *, concurrency: Optional[int] = None) -> None:
         if (backend, version) != ("zarr", 1):
@@ -227,7 +240,8 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
         checkpoint_node(checkpoint_dir, _ENGINE)
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> None:
-        root = checkpoint_node(checkpoint_dir, _ENGINE) / ZARR_DIR
+        node = checkpoint_node(checkpoint_dir, _ENGINE)
+        root = writing_root(node)  # renamed to zarr/ once complete (local disks)
         shards = main_replica_shards(sharded_state_dict)
         context = _context(self.concurrency)
         # 1. tensor nodes exist before any rank writes into them
@@ -238,8 +252,9 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
         chunks = run_collectively(
             "writing zarr chunks (tensorstore)", lambda: self._write_chunks(root, shards, context)
         )
-        # 3. rank 0 records the checksum of every file written
+        # 3. rank 0 records the checksum of every file written, then gives the tree its name
         commit_checksums(root, created + chunks)
+        run_collectively("publishing the zarr tree", lambda: publish_written(node) if get_rank() == 0 else None)
 
     @staticmethod
     def _create_nodes(root: Node, shards: List[ShardedTensor], context: "ts.Context") -> List[Node]:
@@ -387,9 +402,15 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
         local = checkpoint_node(checkpoint_dir, _ENGINE)
         requested = [s for s in nested_values(sharded_state_dict) if isinstance(s, ShardedTensor)]
         # 1. metadata, dtype/shape checks and coverage, before any data is read
-        plans = plan_request(requested, local)
-        if self.verify_checksums:
-            _check_touched_files(requested, plans, local)
+        manifest = read_checksums(local) if self.verify_checksums and requested else None
+        plans = plan_request(requested, local, manifest_check(local / ZARR_DIR, manifest))
+        if isinstance(local, Path):  # TensorStore opens files itself: check where each one leads
+            for plan in plans.values():
+                for op in plan.ops:
+                    for f in [op.array_path / "zarr.json", *chunk_files(op.array_path, op.region)]:
+                        confined(str(f), local)
+        if manifest is not None:
+            _check_touched_files(requested, plans, local, manifest)
         # 2. destinations: in place where possible; padding zero-filled first
         targets = {id(sh): self._target(sh) for sh in requested}
         for sh in requested:
@@ -484,7 +505,9 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
             array = open_ts_array(path if isinstance(path, ObjectPath) else Path(path), context)
             return tuple(int(n) for n in array.shape), np.dtype(array.dtype.numpy_dtype)
 
-        return load_zarr_based_sharded_metadata(checkpoint_node(checkpoint_dir, _ENGINE), shape_dtype)
+        node = checkpoint_node(checkpoint_dir, _ENGINE)
+        manifest = read_checksums(node) if self.verify_checksums else None
+        return load_zarr_based_sharded_metadata(node, shape_dtype, manifest, manifest_check(node / ZARR_DIR, manifest))
 
     def verify_integrity(self, checkpoint_dir: CheckpointLocation) -> IntegrityReport:
         """Every file of ``zarr/`` against ``zarr/checksums.json`` (see :mod:`.zarr_checksums`)."""
@@ -495,11 +518,10 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
         return describe_zarr(checkpoint_node(checkpoint_dir, _ENGINE))
 
 
-def _check_touched_files(requested: List[ShardedTensor], plans: Dict[int, ReadPlan], checkpoint_dir: Node) -> None:
+def _check_touched_files(
+    requested: List[ShardedTensor], plans: Dict[int, ReadPlan], checkpoint_dir: Node, manifest: Dict[str, FileDigest]
+) -> None:
     """Check every file the plans read (array metadata and chunks) against the manifest."""
-    manifest = read_checksums(checkpoint_dir)
-    if manifest is None or not requested:
-        return
     root = checkpoint_dir / ZARR_DIR
     seen = set()
     for sh in requested:

@@ -31,13 +31,14 @@ the bytes zarr-python hands the store (:class:`_Stores`), not by downloading it 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, ClassVar, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -55,15 +56,18 @@ from dist_ckpt.backends.base import (
 )
 from dist_ckpt.backends.stored_shards import StoredShardInfo, describe_zarr
 from dist_ckpt.backends.zarr.checksums import (
+    MANIFEST_KEY,
     VerifyingStore,
     commit_checksums,
     drop_from_checksums,
+    manifest_check,
     read_checksums,
     verify_zarr,
 )
 from dist_ckpt.backends.zarr.dtypes import register_extension_dtypes
 from dist_ckpt.backends.zarr.layout import (
     ATTR,
+    PARTIAL_ZARR_DIR,
     ZARR_DIR,
     ReadOp,
     array_chunk_shape,
@@ -86,7 +90,9 @@ from dist_ckpt.backends.zarr.layout import (
     pad_to_expected_shape,
     plan_request,
     postprocess_numpy_array,
+    publish_written,
     tensor_dir,
+    writing_root,
 )
 from dist_ckpt.engine.distributed import get_rank, run_collectively
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
@@ -95,7 +101,7 @@ from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
 from dist_ckpt.model.dtypes import dtype_info, numpy_to_tensor, tensor_to_numpy
 from dist_ckpt.model.geometry import Box, piece_view, sub_view
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
-from dist_ckpt.storage import fsync_dir
+from dist_ckpt.storage import confined, fsync_dir
 from dist_ckpt.storage.location import CheckpointLocation, require_local
 from dist_ckpt.storage.object_path import Node, ObjectPath
 
@@ -146,6 +152,34 @@ class _Stores:
         return self._object_stores[url], node.key
 
 
+def _client_error(node: Node, error: BaseException, operation: str) -> Optional[BaseException]:
+    """The storage error for ``error`` if it is the S3 client's (raised inside zarr-python while
+    it read or wrote objects under ``node``), naming the URL, credentials redacted; else None."""
+    if not isinstance(node, ObjectPath) or isinstance(error, CheckpointingException):
+        return None
+    try:
+        import obstore
+    except ImportError:  # pragma: no cover -- an S3 node needs obstore
+        return None
+    if not isinstance(error, (obstore.exceptions.BaseError, OSError)):
+        return None
+    translate = getattr(node.storage, "storage_error", None)
+    return translate(error, operation, node.key) if translate is not None else None
+
+
+@contextlib.contextmanager
+def _typed(node: Node, operation: str) -> Iterator[None]:
+    """Raise the S3 client's errors from inside zarr-python as storage errors (see
+    :func:`_client_error`); everything else unchanged."""
+    try:
+        yield
+    except Exception as e:
+        typed = _client_error(node, e, operation)
+        if typed is None:
+            raise
+        raise typed from e
+
+
 def _recording_store(obstore_store: Any, root: ObjectPath, digests: Dict[Node, FileDigest]) -> Any:
     """A writable ``zarr.storage.ObjectStore`` that records the digest of each object it PUTs."""
 
@@ -166,9 +200,10 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
     Each step ends with an error exchange, so a failure on one rank raises everywhere.
     """
 
-    owned_paths: ClassVar[Tuple[str, ...]] = (ZARR_DIR,)
+    owned_paths: ClassVar[Tuple[str, ...]] = (ZARR_DIR, PARTIAL_ZARR_DIR)
     object_storage: ClassVar[bool] = True
     can_stream: ClassVar[bool] = True
+    integrity_records: ClassVar[Tuple[str, ...]] = (MANIFEST_KEY,)
 
     def __init__(self, backend: str = "zarr", version: int = 1) -> None:
         super().__init__(backend, version)
@@ -179,12 +214,15 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
         checkpoint_node(checkpoint_dir, _ENGINE)
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> None:
-        root = checkpoint_node(checkpoint_dir, _ENGINE) / ZARR_DIR
+        node = checkpoint_node(checkpoint_dir, _ENGINE)
+        root = writing_root(node)  # renamed to zarr/ once complete (local disks)
         shards = main_replica_shards(sharded_state_dict)
         stores = _Stores(read_only=False)
-        created = run_collectively("creating zarr arrays", lambda: self._create_nodes(root, shards, stores))
-        chunks = run_collectively("writing zarr chunks", lambda: self._write_chunks(root, shards, stores))
+        with _typed(root, "writing"):
+            created = run_collectively("creating zarr arrays", lambda: self._create_nodes(root, shards, stores))
+            chunks = run_collectively("writing zarr chunks", lambda: self._write_chunks(root, shards, stores))
         commit_checksums(root, created + chunks, stores.digests)
+        run_collectively("publishing the zarr tree", lambda: publish_written(node) if get_rank() == 0 else None)
 
     def begin_stream(self, checkpoint_dir: CheckpointLocation, layout: Sequence[TensorLayout]) -> TensorStreamWriter:
         """Write whole tensors one at a time, each one chunk (one process): the checkpoint a
@@ -330,6 +368,9 @@ class _ArrayReader:
             except CheckpointingException:
                 raise
             except Exception as e:  # noqa: BLE001 -- unreadable metadata means a damaged checkpoint
+                typed = _client_error(path, e, "GET")
+                if typed is not None:
+                    raise typed from e
                 raise CorruptCheckpointError(
                     f"[rank {get_rank()}] cannot open zarr array {str(path)!r} of tensor {key!r}: {e}"
                 ) from e
@@ -337,6 +378,8 @@ class _ArrayReader:
         chunk_bytes = math.prod(chunk_shape) * array.dtype.itemsize
         for coords in chunk_coords(region, chunk_shape):
             chunk_file = path / array.metadata.encode_chunk_key(coords)
+            if isinstance(chunk_file, Path) and isinstance(self._root, Path):
+                confined(chunk_file, self._root.parent)  # no link out of the checkpoint is read
             try:
                 size = chunk_file.stat().st_size
             except FileNotFoundError:
@@ -356,6 +399,9 @@ class _ArrayReader:
                 raise
             raise type(e)(f"[rank {get_rank()}] tensor {key!r}: {e}") from None
         except Exception as e:  # noqa: BLE001 -- a decode failure means a damaged chunk
+            typed = _client_error(path, e, "GET")
+            if typed is not None:
+                raise typed from e
             raise CorruptCheckpointError(
                 f"[rank {get_rank()}] cannot read tensor {key!r} from {str(path)!r} (region offset "
                 f"{region.offset}, shape {region.shape}): {type(e).__name__}: {e}"
@@ -388,9 +434,9 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> StateDict:
         node = checkpoint_node(checkpoint_dir, _ENGINE)
         requested = [s for s in nested_values(sharded_state_dict) if isinstance(s, ShardedTensor)]
-        plans = plan_request(requested, node)  # every check happens before any read
         root = node / ZARR_DIR
         manifest = read_checksums(node) if self.verify_checksums and requested else None
+        plans = plan_request(requested, node, manifest_check(root, manifest))  # every check before any read
         reader = _ArrayReader(root, VerifyingStore(root, manifest) if manifest is not None else None)
 
         def load_one(x: Any) -> Any:
@@ -418,10 +464,13 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
 
         def shape_dtype(path: Union[str, ObjectPath]) -> Tuple[Tuple[int, ...], np.dtype]:
             store, name = stores.at(path) if isinstance(path, ObjectPath) else (path, "")
-            array = zarr.open_array(store=store, path=name, mode="r")
+            with _typed(path if isinstance(path, ObjectPath) else Path(path), "GET"):
+                array = zarr.open_array(store=store, path=name, mode="r")
             return tuple(array.shape), np.dtype(array.dtype)
 
-        return load_zarr_based_sharded_metadata(checkpoint_node(checkpoint_dir, _ENGINE), shape_dtype)
+        node = checkpoint_node(checkpoint_dir, _ENGINE)
+        manifest = read_checksums(node) if self.verify_checksums else None
+        return load_zarr_based_sharded_metadata(node, shape_dtype, manifest, manifest_check(node / ZARR_DIR, manifest))
 
     def verify_integrity(self, checkpoint_dir: CheckpointLocation) -> IntegrityReport:
         """Every file of ``zarr/`` against ``zarr/checksums.json`` (see :mod:`.zarr_checksums`)."""

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Tuple
 
 from dist_ckpt.backends.base import LoadCommonStrategy, LoadShardedStrategy
-from dist_ckpt.engine.commit import detect_config
+from dist_ckpt.engine.commit import HF_CONFIG, detect_config, read_integrity_records
+from dist_ckpt.engine.distributed import get_rank
 from dist_ckpt.engine.registry import StrategyAction, StrategySpec, resolve_strategy
 from dist_ckpt.errors import IncompatibleStrategyError
 from dist_ckpt.storage.location import LocationLike, location_str, resolve_location
+
+logger = logging.getLogger(__name__)
 
 
 def validate_sharded_objects_handling(sharded_strategy: Any, common_strategy: Any) -> None:
@@ -51,6 +55,13 @@ def verify_checkpoint_and_load_strategy(
         except IncompatibleStrategyError as e:
             raise IncompatibleStrategyError(f"checkpoint {location_str(location)!r}: {e}") from e
         strategy.check_location(location)
+    if config != HF_CONFIG and get_rank() == 0 and read_integrity_records(location) is None:
+        logger.warning(
+            "checkpoint %s was saved before dist_ckpt recorded its integrity records in metadata.json: its checksum "
+            "manifests and index cannot be checked against the commit record, so it loads unverified (a deleted "
+            "manifest would go unnoticed); save it again to protect it",
+            location_str(location),
+        )
     return sharded, common
 
 
