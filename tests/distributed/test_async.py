@@ -141,8 +141,8 @@ def test_fully_parallel_async_save_spreads_the_writing(shared_tmp_path: Path, qu
 def test_writer_failure_on_one_rank_surfaces_on_every_rank(shared_tmp_path: Path, queue) -> None:
     victim = world() - 1
     request = dc.save(_state(tp=world()), shared_tmp_path / "c", async_sharded_save=True)
-    if rank() == victim:  # where this rank's writer must create its first file
-        (shared_tmp_path / "c" / "safetensors" / f"rank{victim:05d}_0.safetensors").mkdir()
+    if rank() == victim:  # where this rank's writer must create its first file (its temporary name)
+        (shared_tmp_path / "c" / "safetensors" / f".partial-rank{victim:05d}_0.safetensors").mkdir()
     queue.schedule_async_request(request)
     err = raises_on_all_ranks(
         AsyncSaveError, lambda: queue.maybe_finalize_async_calls(blocking=True), f"[rank {victim}]"
@@ -169,6 +169,6 @@ def test_killed_writer_on_one_rank_surfaces_on_every_rank(shared_tmp_path: Path,
 def test_execute_sync_raises_everywhere_when_one_rank_fails(shared_tmp_path: Path) -> None:
     request = dc.save(_state(tp=world()), shared_tmp_path / "c", async_sharded_save=True)
     if rank() == 1:
-        (shared_tmp_path / "c" / "safetensors" / "rank00001_0.safetensors").mkdir()
+        (shared_tmp_path / "c" / "safetensors" / ".partial-rank00001_0.safetensors").mkdir()
     raises_on_all_ranks(dc.CheckpointingException, request.execute_sync, "[rank 1]")
     assert_on_all_ranks(not (shared_tmp_path / "c" / "metadata.json").exists())

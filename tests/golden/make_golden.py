@@ -4,6 +4,10 @@ Run once, when a format version is introduced, and commit the result::
 
     PYTHONPATH=. python -m tests.golden.make_golden tests/golden/safetensors_index_v1 safetensors 1
     PYTHONPATH=. python -m tests.golden.make_golden tests/golden/safetensors_index_v2 safetensors 1 --block-bytes 32
+    PYTHONPATH=. python -m tests.golden.make_golden tests/golden/safetensors_records safetensors 1 --block-bytes 32
+    PYTHONPATH=. python -m tests.golden.make_golden tests/golden/zarr_records zarr 1
+
+(``*_records``: metadata.json lists the integrity records, issue 15.)
 
 (``--block-bytes``: a small checksum block, so that shards span several blocks.)
 

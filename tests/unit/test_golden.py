@@ -34,14 +34,24 @@ def golden(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
 
 
 def test_goldens_exist() -> None:
-    assert {"safetensors_index_v1", "safetensors_index_v2", "zarr_v1", "zarr_v1_checksums"} <= set(ALL)
+    assert {
+        "safetensors_index_v1",
+        "safetensors_index_v2",
+        "zarr_v1",
+        "zarr_v1_checksums",
+        "safetensors_records",
+        "zarr_records",
+    } <= set(ALL)
 
 
 def test_goldens_verify_clean(golden: Path) -> None:
     report = dc.verify_checkpoint(golden)
     assert report.ok, report.problems
-    with_checksums = golden.name in ("safetensors_index_v2", "zarr_v1_checksums")
-    assert (not report.notes) == with_checksums, report.notes
+    with_records = golden.name.endswith("_records")  # metadata.json lists its integrity records
+    with_checksums = with_records or golden.name in ("safetensors_index_v2", "zarr_v1_checksums")
+    unrecorded = [n for n in report.notes if "no integrity records" in n]
+    assert bool(unrecorded) != with_records, report.notes
+    assert (len(report.notes) == len(unrecorded)) == with_checksums, report.notes
 
 
 @pytest.mark.parametrize("name", ["zarr_v1", "zarr_v1_checksums"])

@@ -170,8 +170,8 @@ def test_execute_sync_runs_the_same_request(tmp_path):
 
 def test_worker_failure_surfaces_at_finalize_and_nothing_is_committed(tmp_path, queue):
     request = dc.save(_state(), tmp_path / "c", async_sharded_save=True)
-    # an obstacle where the worker must create a file: its os.open(O_EXCL) fails
-    (tmp_path / "c" / "safetensors" / "rank00000_0.safetensors").mkdir(parents=True)
+    # an obstacle where the worker must create a file (under its temporary name): os.open(O_EXCL) fails
+    (tmp_path / "c" / "safetensors" / ".partial-rank00000_0.safetensors").mkdir(parents=True)
     queue.schedule_async_request(request)
     with pytest.raises(AsyncSaveError) as info:
         queue.maybe_finalize_async_calls(blocking=True)

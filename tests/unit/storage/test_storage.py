@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from dist_ckpt.errors import CheckpointingException, InvalidKeyError
+from dist_ckpt.errors import CheckpointingException, InvalidKeyError, UnsafeLinkError
 from dist_ckpt.storage import (
     atomic_write,
     decode_key,
@@ -124,7 +124,7 @@ class TestSafeJoin:
         (tmp_path / "root").mkdir()
         (tmp_path / "outside").mkdir()
         os.symlink(tmp_path / "outside", tmp_path / "root" / "link")
-        with pytest.raises(InvalidKeyError):
+        with pytest.raises(UnsafeLinkError):  # a link out of the root (a "../" key: InvalidKeyError)
             safe_join(tmp_path / "root", "link", "file")
 
 

@@ -674,15 +674,16 @@ def test_no_error_is_a_raw_library_error(saved):
 # --------------------------------------------------------------------------- the checkpoint directory
 
 
-def test_leftovers_of_an_interrupted_save_are_cleared(tmp_path):
-    """A crashed save leaves files under safetensors/ but no metadata.json; the next save owns
-    the directory, removes them, and writes its own (files are created with O_EXCL)."""
+def test_files_of_an_unknown_writer_are_not_cleared(tmp_path):
+    """Files under safetensors/ with no record of the save that wrote them are not proven ours:
+    the save refuses and leaves them (an interrupted save's record lets the next save clear its
+    files: test_save_claim.py)."""
     stale = tmp_path / SAFETENSORS_DIR / "rank00000_0.safetensors"
     stale.parent.mkdir(parents=True)
     stale.write_bytes(b"half a file")
-    full = torch.randn(4, 4)
-    dc.save({"w": ShardedTensor.from_rank_offsets("w", full)}, tmp_path, sharded_strategy=("safetensors", 1))
-    assert torch.equal(dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 4))}, tmp_path)["w"], full)
+    with pytest.raises(dc.SaveConflictError, match="safetensors"):
+        dc.save({"w": ShardedTensor.from_rank_offsets("w", torch.randn(4, 4))}, tmp_path)
+    assert stale.read_bytes() == b"half a file"
 
 
 def test_remove_sharded_tensors(tmp_path):
