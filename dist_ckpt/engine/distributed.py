@@ -16,7 +16,8 @@ import json
 import logging
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -31,9 +32,35 @@ T = TypeVar("T")
 ProcessGroup = Any  # torch.distributed.ProcessGroup, kept loose for older torch versions
 
 
+# How deep the calling thread is in local_only() blocks (see there).
+_local_only = threading.local()
+
+
 def is_distributed() -> bool:
-    """True when a torch.distributed process group is initialized."""
-    return dist.is_available() and dist.is_initialized()
+    """True when a torch.distributed process group is initialized (and this thread is not in a
+    :func:`local_only` block)."""
+    return dist.is_available() and dist.is_initialized() and not getattr(_local_only, "depth", 0)
+
+
+@contextmanager
+def local_only() -> Iterator[None]:
+    """Within the block, the calling thread acts as a world of one: rank 0 of 1, every
+    collective of this module a local no-op, whether or not a process group is initialized.
+
+    For functions that one rank may call on its own (reading a checkpoint's metadata or its
+    whole tensors, as Megatron-Core's do), so that nothing they call waits for other ranks
+    that never come. Messages written inside say rank 0.
+
+    Example::
+
+        with local_only():
+            tensors = strategy.load(metadata, location)   # no collective, on any one rank
+    """
+    _local_only.depth = getattr(_local_only, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local_only.depth -= 1
 
 
 def get_rank(group: Optional[ProcessGroup] = None) -> int:
