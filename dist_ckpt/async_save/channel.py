@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import io
 import pickle
+import select
 import socket
 import struct
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["FrameReader", "decode", "encode", "recv_frame", "send_frame"]
+__all__ = ["FrameReader", "decode", "encode", "readable", "recv_frame", "send_frame"]
 
 #: payload bytes, number of file descriptors
 _HEADER = struct.Struct("!QI")
@@ -110,6 +111,16 @@ def send_frame(sock: socket.socket, payload: bytes, fds: Sequence[int] = ()) -> 
     else:
         sock.sendall(header)
     sock.sendall(payload)
+
+
+def readable(sock: socket.socket, timeout_s: float) -> bool:
+    """Whether ``sock`` has data (or EOF) to read, waiting up to ``timeout_s`` seconds.
+
+    ``poll``, not ``select``: a training process may hold more than 1024 descriptors.
+    """
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(max(0, int(timeout_s * 1000))))
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:

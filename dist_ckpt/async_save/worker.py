@@ -45,7 +45,6 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import select
 import signal
 import site
 import socket
@@ -56,7 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from dist_ckpt.async_save.channel import FrameReader, encode, send_frame
+from dist_ckpt.async_save.channel import FrameReader, encode, readable, send_frame
 from dist_ckpt.errors import AsyncSaveError
 
 __all__ = ["DEFAULT_WRITER_TIMEOUT_S", "AsyncOutcome", "AsyncWorker", "writer_command", "writer_environment"]
@@ -253,8 +252,7 @@ class AsyncWorker:
         """Handle what the writer sent (waiting up to ``wait_s`` for something); False at EOF."""
         assert self._sock is not None
         while True:
-            readable, _, _ = select.select([self._sock], [], [], wait_s)
-            if not readable:
+            if not readable(self._sock, wait_s):
                 return True
             try:
                 data = self._sock.recv(1 << 16)
@@ -352,15 +350,11 @@ class AsyncWorker:
             pass
         assert self._process is not None
         code = self._process.returncode
-        how = (
-            f"was killed by signal {-code} ({signal.Signals(-code).name})"
-            if code is not None and code < 0
-            else f"exited with code {code}"
-        )
-        self._fail_pending(
-            f"[rank {self.rank}] the background save process {how} before the save finished "
-            f"(out of memory, or killed); the checkpoint was not committed"
-        )
+        how = f"exited with code {code} before the save finished (its error is on this process's stderr)"
+        if code is not None and code < 0:
+            name = signal.Signals(-code).name if -code in {s.value for s in signal.Signals} else "?"
+            how = f"was killed by signal {-code} ({name}) before the save finished (out of memory, or killed)"
+        self._fail_pending(f"[rank {self.rank}] the background save process {how}; the checkpoint was not committed")
         self._close_process()
 
     def _fail_pending(self, message: str) -> None:

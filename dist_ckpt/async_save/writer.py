@@ -28,7 +28,6 @@ import os
 import pickle
 import queue
 import resource
-import select
 import socket
 import sys
 import threading
@@ -36,7 +35,7 @@ import time
 import traceback
 from typing import Any, List, Optional, Tuple
 
-from dist_ckpt.async_save.channel import decode, recv_frame, send_frame
+from dist_ckpt.async_save.channel import decode, readable, recv_frame, send_frame
 
 __all__ = ["main"]
 
@@ -78,8 +77,7 @@ class _Writer:
 def _read(writer: _Writer, parent: int) -> None:
     """The reader thread: queue calls, answer pings; exit the process when the parent is gone."""
     while True:
-        ready, _, _ = select.select([writer.sock], [], [], _PARENT_CHECK_S)
-        if not ready:
+        if not readable(writer.sock, _PARENT_CHECK_S):
             if os.getppid() != parent:
                 os._exit(0)
             continue
