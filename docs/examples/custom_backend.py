@@ -90,7 +90,9 @@ class RawBinLoad(LoadShardedStrategy):
         requested = [s for s in nested_values(sharded_state_dict) if isinstance(s, dc.ShardedTensor)]
         absent = sorted({sh.key for sh in requested if sh.key not in index})
         if absent:  # check everything before reading anything
-            raise dc.KeyMismatchError(f"[rank {get_rank()}] not in {checkpoint_dir.url}: {absent}", unexpected_keys=absent)
+            raise dc.KeyMismatchError(
+                f"[rank {get_rank()}] not in {checkpoint_dir.url}: {absent}", unexpected_keys=absent
+            )
 
         def load_one(sh: Any) -> Any:
             if not isinstance(sh, dc.ShardedTensor):

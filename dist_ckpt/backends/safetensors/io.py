@@ -54,6 +54,7 @@ __all__ = [
     "ReadCheck",
     "ReadOp",
     "ReadOptions",
+    "as_reader",
     "contiguous_runs",
     "execute",
     "plan_copy",
@@ -129,7 +130,13 @@ class ReadOptions:
 # --------------------------------------------------------------------------- the reader
 
 
-def read_into(fd: ObjectReader, buffers: Sequence[memoryview], offset: int) -> int:
+def as_reader(fd: Union[ObjectReader, int]) -> ObjectReader:
+    """``fd`` as a reader: a storage's reader as it is, a plain open descriptor (an ``int``, not
+    closed here) as a :class:`~dist_ckpt.storage.files.FileReader`."""
+    return fd if isinstance(fd, ObjectReader) else FileReader(fd, owned=False)
+
+
+def read_into(fd: Union[ObjectReader, int], buffers: Sequence[memoryview], offset: int) -> int:
     """Fill ``buffers`` (in order) from the file ``fd`` starting at byte ``offset``.
 
     The single function through which dist_ckpt reads safetensors files: ``fd`` is a storage's
@@ -143,14 +150,13 @@ def read_into(fd: ObjectReader, buffers: Sequence[memoryview], offset: int) -> i
         buf = bytearray(8)
         read_into(reader, [memoryview(buf)], 0)   # the 8-byte header length
     """
-    reader = fd if isinstance(fd, ObjectReader) else FileReader(fd, owned=False)
     try:
-        return reader.read_into(buffers, offset)
+        return as_reader(fd).read_into(buffers, offset)
     except TruncatedObjectError as e:
         raise EOFError(str(e)) from e
 
 
-def read_bytes(fd: ObjectReader, nbytes: int, offset: int) -> bytes:
+def read_bytes(fd: Union[ObjectReader, int], nbytes: int, offset: int) -> bytes:
     """``nbytes`` bytes of ``fd`` at ``offset`` (through :func:`read_into`).
 
     Example::
@@ -299,7 +305,7 @@ def byte_view(tensor: torch.Tensor) -> Optional[memoryview]:
 
 
 def plan_copy(
-    fd: ObjectReader,
+    fd: Union[ObjectReader, int],
     path: str,
     key: str,
     src_box: Box,
@@ -334,6 +340,7 @@ def plan_copy(
                         byte_view(dest), dest, ReadOptions())
         execute(ops, ReadOptions())
     """
+    fd = as_reader(fd)
     itemsize = target.element_size()
     src_off, dst_off, run = contiguous_runs(inter, src_box, dst_box)
     run_bytes = run * itemsize
@@ -454,7 +461,7 @@ class _Worker:
         every byte: with positional reads (a local file) in pieces of whole blocks, each checked
         right after it is read (still in the CPU cache); from an object in one request, checked
         after."""
-        if not _positional(fd):
+        if not fd.positional:
             read_into(fd, buffers, offset)
             check.after_read(offset, buffers)
             return
@@ -484,11 +491,6 @@ class _Worker:
             values = buf.view(op.target.dtype)
             stored = values.as_strided(slab.shape, tuple(strides), values.storage_offset())
             op.target[slab.slices_within(op.inter)].copy_(stored)
-
-
-def _positional(fd: ObjectReader) -> bool:
-    """Whether reads of ``fd`` are cheap system calls (a plain descriptor is a local file)."""
-    return fd.positional if isinstance(fd, ObjectReader) else True
 
 
 def _pieces(buffers: Sequence[memoryview], offset: int, step: int) -> Iterator[Tuple[int, List[memoryview]]]:
