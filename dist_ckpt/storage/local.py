@@ -152,6 +152,7 @@ class LocalStorage(Storage):
         given = os.fspath(root)
         self._url = given.rstrip("/") or given or "."
         self.options = options if options is not None else LocalStorageOptions()
+        self._dirs: Dict[str, Path] = {}  # resolved directories by key (see local_path)
 
     @property
     def url(self) -> str:
@@ -172,12 +173,23 @@ class LocalStorage(Storage):
     def local_path(self, key: str) -> Path:
         """The file of object ``key`` (checked to stay under the root, symlinks resolved).
 
+        Each directory is resolved (and checked) once, then remembered: resolving a whole path
+        costs a system call per component, and the zarr engines ask for a path per chunk file.
+
         Example::
 
             LocalStorage("/ckpt").local_path("zarr/w/zarr.json")   # Path("/ckpt/zarr/w/zarr.json")
         """
         validate_object_key(key)
-        return safe_join(self.root, *key.split("/"))
+        parent, _, name = key.rpartition("/")
+        directory = self._dirs.get(parent)
+        if directory is None:
+            directory = safe_join(self.root, *parent.split("/")) if parent else self.root.resolve()
+            self._dirs[parent] = directory
+        path = directory / name
+        if os.path.islink(path):  # a link as the last component: follow it, refusing one that leaves the root
+            return safe_join(self.root, *key.split("/"))
+        return path
 
     def _not_found(self, key: str, operation: str, error: OSError) -> ObjectNotFoundError:
         url = self.url_of(key)

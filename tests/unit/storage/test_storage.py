@@ -239,3 +239,27 @@ class _NoPaths:
     """Stands for a storage without local files (only ``url`` is read)."""
 
     url = "s3://bucket/run"
+
+
+def test_local_storage_refuses_symlinks_that_leave_its_root(tmp_path):
+    """Keys cannot name '..', but a link planted inside the directory could lead out of it:
+    the storage resolves every directory (and a linked last component) and refuses that."""
+    from dist_ckpt.storage import LocalStorage
+
+    root, outside = tmp_path / "ckpt", tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"x")
+    root.mkdir()
+    os.symlink(outside, root / "linkdir")
+    os.symlink(outside / "secret", root / "linkfile")
+    (root / "inside").mkdir()
+    os.symlink(root / "inside", root / "innerlink")
+    storage = LocalStorage(root)
+    for key in ("linkdir/secret", "linkfile"):
+        with pytest.raises(InvalidKeyError, match="escapes"):
+            storage.read(key)
+        with pytest.raises(InvalidKeyError, match="escapes"):
+            storage.write(key, b"y")
+    storage.write("innerlink/a", b"ok")  # a link that stays inside is followed
+    assert (root / "inside" / "a").read_bytes() == b"ok" and storage.read("innerlink/a") == b"ok"
+    assert (outside / "secret").read_bytes() == b"x"
