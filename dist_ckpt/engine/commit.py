@@ -174,7 +174,10 @@ def read_config(checkpoint_dir: LocationLike) -> CheckpointingConfig:
     config = maybe_load_config(location)
     if config is None:
         if location.local_paths and not location.dir_exists():
-            raise NotACheckpointError(f"checkpoint directory {location.url!r} does not exist")
+            # unquoted, as Megatron-Core words it: callers match on "directory <path> does not exist"
+            raise NotACheckpointError(
+                f"checkpoint directory {location.url} does not exist; pass a committed checkpoint"
+            )
         where = "directory" if location.local_paths else "location"
         raise NotACheckpointError(
             f"{location.url!r} is not a committed dist_ckpt checkpoint: {METADATA_FILENAME} is missing "
