@@ -460,7 +460,10 @@ class Storage(abc.ABC):
     def make_dir(self, prefix: str = "") -> None:
         """Create the directory ``prefix`` ("" for the root) and its parents where the storage
         has directories (durably on a local disk: each new entry's parent is fsynced); object
-        stores have nothing to create (a prefix exists once an object lives under it).
+        stores have nothing to create (a prefix exists once an object lives under it). Writes
+        create the directories of their keys themselves (a disk fsyncs the file and its
+        directory, as before); ``make_dir`` is for directories whose entries must survive a
+        crash, such as a checkpoint's own.
 
         Example::
 

@@ -62,7 +62,7 @@ class _LocalWriter(ObjectWriter):
         self._storage = storage
         self._key = key
         self._path = path
-        make_dirs(path.parent, fsync=storage.options.fsync)
+        path.parent.mkdir(parents=True, exist_ok=True)
         self._tmp = temp_name(path)
         self._file: Optional[IO[bytes]] = open(self._tmp, "wb")
         self._written = 0
@@ -205,7 +205,7 @@ class LocalStorage(Storage):
 
     def write_buffers(self, key: str, buffers: Sequence[BufferLike]) -> None:
         path = self.local_path(key)
-        make_dirs(path.parent, fsync=self.options.fsync)
+        path.parent.mkdir(parents=True, exist_ok=True)
         views = [as_byte_view(b) for b in buffers]
         replace_durably(local_files.write_temp_file(path, views, fsync=self.options.fsync), path, self.options.fsync)
         self._counters.add(bytes_written=sum(len(v) for v in views), objects_written=1)
@@ -215,7 +215,7 @@ class LocalStorage(Storage):
 
     def put_if_absent(self, key: str, data: BufferLike) -> None:
         path = self.local_path(key)
-        make_dirs(path.parent, fsync=self.options.fsync)
+        path.parent.mkdir(parents=True, exist_ok=True)
         view = as_byte_view(data)
         tmp = local_files.write_temp_file(path, [view], fsync=self.options.fsync)
         try:
