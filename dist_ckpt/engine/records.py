@@ -19,22 +19,20 @@ then its entry (:func:`refresh_record`).
 
 Example::
 
-    raw = read_recorded(Path("ckpt/iter_10"), "zarr/checksums.json")   # None: none was written
+    raw = read_recorded(LocalStorage("ckpt/iter_10"), "zarr/checksums.json")   # None: none was written
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 from typing import Dict, Iterable, Optional, Union
 
 from dist_ckpt.engine.commit import METADATA_FILENAME, read_integrity_records
 from dist_ckpt.errors import CorruptCheckpointError
 from dist_ckpt.integrity.records import RECORDS_FIELD, IntegrityRecord, check_record, record_of, records_json
 from dist_ckpt.integrity.safe_json import MAX_SMALL_JSON_BYTES, loads, want_object
-from dist_ckpt.storage import ObjectNotFoundError, write_bytes_atomic
-from dist_ckpt.storage.location import CheckpointLocation, storage_of
+from dist_ckpt.storage import ObjectNotFoundError, Storage
 from dist_ckpt.storage.object_path import ObjectPath
 
 __all__ = ["digest_records", "location_of_node", "read_recorded", "refresh_record"]
@@ -42,21 +40,20 @@ __all__ = ["digest_records", "location_of_node", "read_recorded", "refresh_recor
 logger = logging.getLogger(__name__)
 
 
-def location_of_node(node: Union[CheckpointLocation, ObjectPath]) -> CheckpointLocation:
-    """The checkpoint location of a checkpoint root given as a path, storage or object path."""
+def location_of_node(node: Union[Storage, ObjectPath]) -> Storage:
+    """The storage of a checkpoint root given as a storage or as a node (an object path) of one."""
     if isinstance(node, ObjectPath):
         return node.storage.child(node.key) if node.key else node.storage
     return node
 
 
-def digest_records(checkpoint_dir: CheckpointLocation, names: Iterable[str]) -> Dict[str, IntegrityRecord]:
-    """The records of the files ``names`` that exist in ``checkpoint_dir`` (rank 0, at commit).
+def digest_records(storage: Storage, names: Iterable[str]) -> Dict[str, IntegrityRecord]:
+    """The records of the files ``names`` that exist in the checkpoint ``storage`` (rank 0, at commit).
 
     Example::
 
-        digest_records(Path("ckpt"), ["safetensors/index.json", "zarr/checksums.json"])
+        digest_records(LocalStorage("ckpt"), ["safetensors/index.json", "zarr/checksums.json"])
     """
-    storage = storage_of(checkpoint_dir)
     records: Dict[str, IntegrityRecord] = {}
     for name in sorted(set(names)):
         try:
@@ -66,7 +63,7 @@ def digest_records(checkpoint_dir: CheckpointLocation, names: Iterable[str]) -> 
     return records
 
 
-def read_recorded(checkpoint_dir: Union[CheckpointLocation, ObjectPath], key: str) -> Optional[bytes]:
+def read_recorded(checkpoint_dir: Union[Storage, ObjectPath], key: str) -> Optional[bytes]:
     """The bytes of integrity record ``key``, checked against ``metadata.json``; None when the
     save wrote no such record (see the module docstring).
 
@@ -75,10 +72,9 @@ def read_recorded(checkpoint_dir: Union[CheckpointLocation, ObjectPath], key: st
             ``ChecksumMismatchError`` for other bytes of the same size), or present but not
             listed.
     """
-    location = location_of_node(checkpoint_dir)
-    storage = storage_of(location)
+    storage = location_of_node(checkpoint_dir)
     where = storage.url_of(key)
-    records = read_integrity_records(location)
+    records = read_integrity_records(storage)
     try:
         data: Optional[bytes] = storage.read(key)
     except ObjectNotFoundError:
@@ -102,28 +98,23 @@ def read_recorded(checkpoint_dir: Union[CheckpointLocation, ObjectPath], key: st
     return data
 
 
-def refresh_record(checkpoint_dir: CheckpointLocation, key: str) -> None:
+def refresh_record(storage: Storage, key: str) -> None:
     """Update the entry of record ``key`` in ``metadata.json`` after a tool rewrote the record
     (one process). Nothing to do for a checkpoint saved before records existed.
 
     Example::
 
-        refresh_record(Path("ckpt"), "safetensors/index.json")   # after remove_sharded_tensors
+        refresh_record(LocalStorage("ckpt"), "safetensors/index.json")   # after remove_sharded_tensors
     """
-    storage = storage_of(checkpoint_dir)
     raw = storage.read(METADATA_FILENAME)
     doc = want_object(loads(raw, storage.url_of(METADATA_FILENAME), MAX_SMALL_JSON_BYTES), METADATA_FILENAME)
     if RECORDS_FIELD not in doc:
         return
-    records = read_integrity_records(checkpoint_dir) or {}
+    records = read_integrity_records(storage) or {}
     try:
         records[key] = record_of(storage.read(key))
     except ObjectNotFoundError:
         records.pop(key, None)
     doc[RECORDS_FIELD] = records_json(records)
-    data = json.dumps(doc, indent=2, sort_keys=True).encode("utf-8")
-    if isinstance(checkpoint_dir, Path):
-        write_bytes_atomic(checkpoint_dir / METADATA_FILENAME, data)
-    else:
-        storage.write(METADATA_FILENAME, data)
+    storage.write(METADATA_FILENAME, json.dumps(doc, indent=2, sort_keys=True).encode("utf-8"))  # atomic
     logger.debug("%s: record of %s updated", storage.url_of(METADATA_FILENAME), key)

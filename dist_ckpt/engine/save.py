@@ -62,8 +62,8 @@ from dist_ckpt.model.sharded import (
     is_main_replica,
 )
 from dist_ckpt.model.state_dict_utils import extract_nonpersistent, extract_sharded_base
-from dist_ckpt.storage import encode_key, validate_key
-from dist_ckpt.storage.location import CheckpointLocation, LocationLike, location_str, resolve_location
+from dist_ckpt.storage import Storage, encode_key, validate_key
+from dist_ckpt.storage.location import LocationLike, resolve_location
 
 logger = logging.getLogger(__name__)
 
@@ -105,14 +105,14 @@ def _owned_names(strategies: List[Any]) -> Set[str]:
     return {name for s in strategies for name in getattr(s, "owned_paths", ())}
 
 
-def _claim(location: CheckpointLocation, strategies: List[Any], claims: List[SaveClaim]) -> None:
+def _claim(location: Storage, strategies: List[Any], claims: List[SaveClaim]) -> None:
     """On rank 0: make this save the owner of ``location`` (see :mod:`dist_ckpt.engine.save_claim`);
     the claim is appended to ``claims``."""
     if get_rank() == 0:
         claims.append(claim_location(location, sorted(_owned_names(strategies)), new_save_id()))
 
 
-def _abandon(location: CheckpointLocation, claims: List[SaveClaim], error: BaseException) -> None:
+def _abandon(location: Storage, claims: List[SaveClaim], error: BaseException) -> None:
     """On rank 0, after a failed save: delete the files the save wrote (it owns them: its claim
     is still in place). Not after a peer rank died: a survivor may still be writing."""
     if claims and not is_transport_failure(error):
@@ -283,7 +283,7 @@ def save_with_report(
 def _save_steps(
     monitor: StepMonitor,
     sharded_state_dict: ShardedStateDict,
-    location: CheckpointLocation,
+    location: Storage,
     claims: List[SaveClaim],
     sharded_strategy: StrategySpec,
     common_strategy: StrategySpec,
@@ -303,9 +303,7 @@ def _save_steps(
             raise IncompatibleStrategyError(f"async_sharded_save=True needs an AsyncSaveShardedStrategy, got {sharded}")
         sharded.check_location(location)
         common.check_location(location)
-        _check_same_on_all_ranks(
-            [location_str(location), sharded.backend, sharded.version], "(checkpoint_dir, backend, version)"
-        )
+        _check_same_on_all_ranks([location.url, sharded.backend, sharded.version], "(checkpoint_dir, backend, version)")
         _claim(location, [sharded, common], claims)
         return sharded, common
 

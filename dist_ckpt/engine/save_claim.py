@@ -15,9 +15,10 @@ on S3), so of two saves racing for one location exactly one gets it. The record 
 
 Example::
 
-    claim = claim_location(Path("ckpt/iter_10"), ["safetensors", "common.pt"], new_save_id())
+    location = LocalStorage("ckpt/iter_10")
+    claim = claim_location(location, ["safetensors", "common.pt"], new_save_id())
     ...                                   # every rank writes
-    check_claim(Path("ckpt/iter_10"), claim); save_config(...); release_claim(Path("ckpt/iter_10"), claim)
+    check_claim(location, claim); save_config(...); release_claim(location, claim)
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import logging
 import shutil
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from dist_ckpt.engine.commit import METADATA_FILENAME
@@ -35,7 +35,7 @@ from dist_ckpt.engine.process_identity import ProcessIdentity
 from dist_ckpt.errors import CheckpointExistsError, CheckpointingException, SaveConflictError
 from dist_ckpt.integrity.safe_json import MAX_SMALL_JSON_BYTES, loads, want_object
 from dist_ckpt.storage import ObjectExistsError, ObjectNotFoundError, Storage
-from dist_ckpt.storage.location import CheckpointLocation, location_str, storage_of
+from dist_ckpt.storage.files import is_temp_name
 
 __all__ = ["IN_PROGRESS_FILENAME", "SaveClaim", "abandon_claim", "check_claim", "claim_location", "release_claim"]
 
@@ -103,21 +103,29 @@ def _present(storage: Storage, names: Sequence[str]) -> List[str]:
     return sorted(n for n in set(names) if n in dirs or storage.exists(n))
 
 
-def _delete_entries(location: CheckpointLocation, names: Sequence[str]) -> None:
-    """Remove the top-level entries ``names`` (and temporary files of their atomic writes)."""
-    if isinstance(location, Path):
-        for name in names:
-            path = location / name
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            else:
-                path.unlink(missing_ok=True)
-            for temp in location.glob(f".{name}.tmp-*"):
-                temp.unlink(missing_ok=True)
-        return
+def _delete_entries(storage: Storage, names: Sequence[str]) -> None:
+    """Remove the top-level entries ``names``: their objects, and where the storage has local
+    files, what listings hide (temporary files of interrupted atomic writes, empty directories;
+    a link is removed, never followed)."""
     for name in names:
-        location.delete(name)
-        location.delete_prefix(name)
+        if storage.local_paths:
+            _delete_local_entry(storage, name)
+        else:
+            storage.delete(name)
+            storage.delete_prefix(name)
+
+
+def _delete_local_entry(storage: Storage, name: str) -> None:
+    """:func:`_delete_entries` of one entry on a storage with ``local_paths``."""
+    root = storage.local_dir
+    path = root / name
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+    for temp in root.glob(f".{name}.tmp-*"):
+        if is_temp_name(temp.name):
+            temp.unlink(missing_ok=True)
 
 
 def _read_claim(storage: Storage) -> Optional[SaveClaim]:
@@ -128,8 +136,8 @@ def _read_claim(storage: Storage) -> Optional[SaveClaim]:
     return SaveClaim.parse(raw, storage.url_of(IN_PROGRESS_FILENAME))
 
 
-def claim_location(location: CheckpointLocation, owned: Sequence[str], save_id: str) -> SaveClaim:
-    """Make this save the owner of ``location`` (rank 0, before anything is written).
+def claim_location(storage: Storage, owned: Sequence[str], save_id: str) -> SaveClaim:
+    """Make this save the owner of the location ``storage`` (rank 0, before anything is written).
 
     Steps: refuse a committed checkpoint; create the in-progress record (create-if-absent);
     if another save's record is there, take over only when that save is provably dead
@@ -140,10 +148,8 @@ def claim_location(location: CheckpointLocation, owned: Sequence[str], save_id: 
         CheckpointExistsError: ``metadata.json`` is there.
         SaveConflictError: another save owns the location, or it holds entries we did not write.
     """
-    if isinstance(location, Path):
-        location.mkdir(parents=True, exist_ok=True)
-    storage = storage_of(location)
-    where = location_str(location)
+    storage.make_dir()  # a local checkpoint directory (durably); nothing on an object store
+    where = storage.url
     if storage.exists(METADATA_FILENAME):
         raise CheckpointExistsError(
             f"{where!r} already holds a committed checkpoint ({METADATA_FILENAME}); save to a new location or "
@@ -154,7 +160,7 @@ def claim_location(location: CheckpointLocation, owned: Sequence[str], save_id: 
         try:
             storage.put_if_absent(IN_PROGRESS_FILENAME, claim.to_bytes())
         except ObjectExistsError:
-            _take_over(location, storage, claim)
+            _take_over(storage, claim)
         foreign = _present(storage, claim.owned)
         if foreign:
             raise SaveConflictError(
@@ -177,23 +183,23 @@ def _remove_if_ours(storage: Storage, claim: SaveClaim) -> None:
         logger.warning("could not remove %s of save %s: %s", IN_PROGRESS_FILENAME, claim.save_id, e)
 
 
-def _take_over(location: CheckpointLocation, storage: Storage, claim: SaveClaim) -> None:
+def _take_over(storage: Storage, claim: SaveClaim) -> None:
     """Replace the record of a provably dead save by ``claim``, deleting what it wrote."""
     where = storage.url_of(IN_PROGRESS_FILENAME)
     try:
         other = _read_claim(storage)
     except CheckpointingException as e:
         raise SaveConflictError(
-            f"{where} is damaged ({e}): another save may be writing into {location_str(location)!r}; save to a new "
+            f"{where} is damaged ({e}): another save may be writing into {storage.url!r}; save to a new "
             f"location, or delete that directory if no save runs there"
         ) from e
     if other is None:  # released between our attempt and this read: the other save committed or failed
         if storage.exists(METADATA_FILENAME):
-            raise CheckpointExistsError(f"{location_str(location)!r} was committed by another save meanwhile")
-        raise SaveConflictError(f"another save used {location_str(location)!r} meanwhile; save to a new location")
+            raise CheckpointExistsError(f"{storage.url!r} was committed by another save meanwhile")
+        raise SaveConflictError(f"another save used {storage.url!r} meanwhile; save to a new location")
     if not other.provably_dead():
         raise SaveConflictError(
-            f"{location_str(location)!r} is being written by {other.describe()}: two saves cannot share a location, "
+            f"{storage.url!r} is being written by {other.describe()}: two saves cannot share a location, "
             f"and this one is refused (nothing was written or deleted). Save to another location; if that save is "
             f"known to be dead (its job ended), delete {where} and the entries it lists ({list(other.owned)})"
         )
@@ -201,48 +207,46 @@ def _take_over(location: CheckpointLocation, storage: Storage, claim: SaveClaim)
         storage.put_if_absent(_TAKEOVER.format(other.save_id), claim.to_bytes())
     except ObjectExistsError as e:
         raise SaveConflictError(
-            f"another save is taking over {location_str(location)!r} from the interrupted {other.describe()}; "
+            f"another save is taking over {storage.url!r} from the interrupted {other.describe()}; "
             "save to a new location"
         ) from e
     logger.warning(
         "%s holds the files of the interrupted %s (its process is gone): deleting %s before saving",
-        location_str(location),
+        storage.url,
         other.describe(),
         list(other.owned),
     )
-    _delete_entries(location, other.owned)
+    _delete_entries(storage, other.owned)
     storage.write(IN_PROGRESS_FILENAME, claim.to_bytes())
     storage.delete(_TAKEOVER.format(other.save_id))
 
 
-def check_claim(location: CheckpointLocation, claim: SaveClaim) -> None:
-    """Raise :class:`SaveConflictError` unless ``location`` is still owned by ``claim`` (rank 0,
+def check_claim(storage: Storage, claim: SaveClaim) -> None:
+    """Raise :class:`SaveConflictError` unless ``storage`` is still owned by ``claim`` (rank 0,
     right before the commit)."""
-    storage = storage_of(location)
     found = _read_claim(storage)
     if found is None or found.save_id != claim.save_id:
         holder = "no save" if found is None else found.describe()
         raise SaveConflictError(
-            f"{location_str(location)!r} is no longer owned by this save (save {claim.save_id}; the record names "
+            f"{storage.url!r} is no longer owned by this save (save {claim.save_id}; the record names "
             f"{holder}): it is not committed. Save to a new location"
         )
 
 
-def release_claim(location: CheckpointLocation, claim: SaveClaim) -> None:
+def release_claim(storage: Storage, claim: SaveClaim) -> None:
     """Remove the in-progress record after the commit, if it is still ``claim``'s."""
-    _remove_if_ours(storage_of(location), claim)
+    _remove_if_ours(storage, claim)
 
 
-def abandon_claim(location: CheckpointLocation, claim: SaveClaim) -> None:
+def abandon_claim(storage: Storage, claim: SaveClaim) -> None:
     """After a failed save (every rank stopped writing): delete what the save wrote and its
     record -- only if the record is still ``claim``'s (proof that these files are ours).
     Never raises: the save's own error is what the caller reports."""
-    storage = storage_of(location)
     try:
         found = _read_claim(storage)
         if found is None or found.save_id != claim.save_id or storage.exists(METADATA_FILENAME):
             return
-        _delete_entries(location, claim.owned)
+        _delete_entries(storage, claim.owned)
         storage.delete(IN_PROGRESS_FILENAME)
     except Exception as e:  # noqa: BLE001 -- cleanup must not hide the save's error
-        logger.warning("could not remove the files of the failed save %s in %s: %s", claim.save_id, location, e)
+        logger.warning("could not remove the files of the failed save %s in %s: %s", claim.save_id, storage.url, e)

@@ -10,7 +10,7 @@ from dist_ckpt.engine.commit import HF_CONFIG, detect_config, read_integrity_rec
 from dist_ckpt.engine.distributed import get_rank
 from dist_ckpt.engine.registry import StrategyAction, StrategySpec, resolve_strategy
 from dist_ckpt.errors import IncompatibleStrategyError
-from dist_ckpt.storage.location import LocationLike, location_str, resolve_location
+from dist_ckpt.storage.location import LocationLike, resolve_location
 
 logger = logging.getLogger(__name__)
 
@@ -53,14 +53,14 @@ def verify_checkpoint_and_load_strategy(
             strategy.check_backend_compatibility(backend)
             strategy.check_version_compatibility(version)
         except IncompatibleStrategyError as e:
-            raise IncompatibleStrategyError(f"checkpoint {location_str(location)!r}: {e}") from e
+            raise IncompatibleStrategyError(f"checkpoint {location.url!r}: {e}") from e
         strategy.check_location(location)
     if config != HF_CONFIG and get_rank() == 0 and read_integrity_records(location) is None:
         logger.warning(
             "checkpoint %s was saved before dist_ckpt recorded its integrity records in metadata.json: its checksum "
             "manifests and index cannot be checked against the commit record, so it loads unverified (a deleted "
             "manifest would go unnoticed); save it again to protect it",
-            location_str(location),
+            location.url,
         )
     return sharded, common
 

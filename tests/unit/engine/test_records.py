@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import dist_ckpt as dc
+from dist_ckpt.cli import main
 from dist_ckpt.errors import ChecksumMismatchError, CorruptCheckpointError
 from dist_ckpt.model.sharded import ShardedObject, ShardedTensor
 
@@ -91,6 +92,7 @@ def test_a_damaged_record_fails_load_and_verify(ckpt, damage):
             _assert_loads(ckpt)
         report = dc.verify_checkpoint(ckpt)
         assert not report.ok and key in {p.path for p in report.problems}, report.problems
+        assert main(["verify", str(ckpt)]) == 1  # `dist-ckpt verify` exits 1
         path.write_bytes(original)
     _assert_loads(ckpt)
 

@@ -28,15 +28,17 @@ import pytest
 import dist_ckpt as dc
 from dist_ckpt.backends.safetensors.format import read_header_at
 from dist_ckpt.backends.safetensors.index import parse_index
-from dist_ckpt.backends.safetensors.load import tensors_metadata as safetensors_tensors_metadata
-from dist_ckpt.backends.zarr.layout import open_tensor_info
-from dist_ckpt.backends.zarr.layout import tensors_metadata as zarr_tensors_metadata
+from dist_ckpt.backends.safetensors.index import tensors_metadata as safetensors_tensors_metadata
+from dist_ckpt.backends.zarr.metadata import open_tensor_info
+from dist_ckpt.backends.zarr.metadata import tensors_metadata as zarr_tensors_metadata
 from dist_ckpt.engine.commit import read_config, read_integrity_records
 from dist_ckpt.engine.save_claim import IN_PROGRESS_FILENAME, SaveClaim
 from dist_ckpt.hf.index import load_shard_index
 from dist_ckpt.integrity.checksums import bytes_digest, crc_to_hex, parse_manifest_bytes
 from dist_ckpt.integrity.records import record_of
 from dist_ckpt.integrity.safe_json import loads
+from dist_ckpt.storage import LocalStorage
+from dist_ckpt.storage.object_path import ObjectPath
 
 from . import tally
 from .scenario import check_loads, state, strategy
@@ -151,19 +153,19 @@ def _parsers(saved: Dict[str, Path], scratch: Path) -> List[Tuple[str, bytes, Ca
         return read_config(scratch), read_integrity_records(scratch)
 
     def index_json(raw: bytes) -> Any:
-        return safetensors_tensors_metadata(parse_index(loads(raw, "index.json"), st / "safetensors" / "index.json"))
+        return safetensors_tensors_metadata(parse_index(loads(raw, "index.json"), LocalStorage(st / "safetensors")))
 
     def header(raw: bytes) -> Any:
         path = scratch / "x.safetensors"
         path.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + header_len :])
         return read_header_at(path)
 
-    root = scratch / "zarr"
-    shutil.copytree(zr / "zarr", root)
-    (root / "checksums.json").unlink()  # parsed without the manifest: the fuzz reaches the parser
+    shutil.copytree(zr / "zarr", scratch / "zarr")
+    (scratch / "zarr" / "checksums.json").unlink()  # parsed without the manifest: the fuzz reaches the parser
+    root = ObjectPath(LocalStorage(scratch)) / "zarr"
 
     def zarr_json(name: str) -> Callable[[bytes], Any]:
-        node = root / name / "zarr.json"
+        node = scratch / "zarr" / name / "zarr.json"
         original = node.read_bytes()
 
         def parse(raw: bytes) -> Any:
