@@ -18,7 +18,7 @@ import torch
 from dist_ckpt.backends.zarr.layout import ATTR, LAYOUT_CHUNKED, LAYOUT_FLATTENED
 from dist_ckpt.model.dtypes import dtype_info
 from dist_ckpt.model.sharded import ShardedTensor
-from dist_ckpt.storage import fsync_dir, fsync_file
+from dist_ckpt.storage.files import fsync_tree
 from dist_ckpt.storage.object_path import ObjectPath
 
 __all__ = [
@@ -127,22 +127,14 @@ def cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def fsync_written(paths: Sequence[ObjectPath], root: ObjectPath) -> None:
-    """Make the files an engine wrote by local path durable: fsync each, then every directory
-    from their parents up to ``root``, so that a crash after a save returns cannot lose them.
+    """Make the files an engine wrote by local path durable, with every directory from their
+    parents up to ``root``, so that a crash after a save returns cannot lose them: one
+    ``syncfs`` of the file system (:func:`~dist_ckpt.storage.files.fsync_tree`; a file and a
+    directory at a time where there is no ``syncfs``), not an fsync per chunk file.
 
     Only a storage with ``local_paths`` needs it: the engines write object stores through their
     own clients, and an object is durable when its PUT returns.
     """
     if not root.storage.local_paths:
         return
-    top = root.local_path()
-    dirs = {top}
-    for node in paths:
-        p = node.local_path()
-        fsync_file(p)
-        parent = p.parent
-        while parent != top and top in parent.parents:
-            dirs.add(parent)
-            parent = parent.parent
-    for d in sorted(dirs, key=lambda d: len(d.parts), reverse=True):
-        fsync_dir(d)
+    fsync_tree([node.local_path() for node in paths], root.local_path())
