@@ -36,7 +36,8 @@ import math
 import os
 import shutil
 import uuid
-from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Union
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
 
 import numpy as np
 import torch
@@ -119,6 +120,26 @@ _WRITE_EMPTY: Any = {"write_empty_chunks": True}
 
 
 _ENGINE = "the zarr backend (zarr-python)"
+
+#: tensors a rank reads or writes at a time through zarr-python (whose calls each wait on its
+#: event loop: one at a time, a cold load or a save waits on one chunk file after another)
+IO_THREADS = 8
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+def _in_threads(fn: Callable[[_T], _R], items: Sequence[_T]) -> List[_R]:
+    """``[fn(item) for item in items]``, :data:`IO_THREADS` at a time; the first failure (in
+    ``items``' order) is raised once the calls under way have ended."""
+    if len(items) <= 1:
+        return [fn(item) for item in items]
+    pool = ThreadPoolExecutor(min(IO_THREADS, len(items)), thread_name_prefix="dist_ckpt_zarr")
+    try:
+        futures = [pool.submit(fn, item) for item in items]
+        return [f.result() for f in futures]
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # after a failure: none of the rest starts
 
 
 class _Stores:
@@ -255,21 +276,26 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
         return [path / "zarr.json"] + chunk_files
 
     def _write_chunks(self, root: ObjectPath, shards: List[ShardedTensor], stores: _Stores) -> List[ObjectPath]:
-        arrays: Dict[str, Any] = {}
-        written: List[ObjectPath] = []
+        """Write every chunk of this rank, several at a time (:data:`IO_THREADS`: zarr-python's
+        per-array work and the writes overlap), then make them durable at once."""
+        by_key: Dict[str, List[ShardedTensor]] = {}
         for sh in shards:
-            if sh.flattened_range is not None or math.prod(sh.local_shape) == 0:
-                continue
-            assert sh.data is not None, f"{sh.key!r} has no data to save"
-            path = tensor_dir(root, sh.key)
-            if sh.key not in arrays:
-                store, name = stores.at(path)
-                arrays[sh.key] = zarr.open_array(store=store, path=name, mode="r+").with_config(_WRITE_EMPTY)
-            arr = arrays[sh.key]
-            local = tensor_to_numpy(cpu_contiguous(sh.data)).reshape(sh.full_local_shape)
-            region = tuple(slice(o, o + s) for o, s in zip(sh.global_offset, sh.full_local_shape))
-            arr[region] = local
-            written.append(path / arr.metadata.encode_chunk_key(sh.local_chunk_offset_in_global()))
+            if sh.flattened_range is None and math.prod(sh.local_shape) > 0:
+                assert sh.data is not None, f"{sh.key!r} has no data to save"
+                by_key.setdefault(sh.key, []).append(sh)
+
+        def write_key(group: List[ShardedTensor]) -> List[ObjectPath]:
+            path = tensor_dir(root, group[0].key)
+            store, name = stores.at(path)
+            arr = zarr.open_array(store=store, path=name, mode="r+").with_config(_WRITE_EMPTY)
+            chunks = []
+            for sh in group:
+                local = tensor_to_numpy(cpu_contiguous(sh.data)).reshape(sh.full_local_shape)  # type: ignore[arg-type]
+                arr[tuple(slice(o, o + s) for o, s in zip(sh.global_offset, sh.full_local_shape))] = local
+                chunks.append(path / arr.metadata.encode_chunk_key(sh.local_chunk_offset_in_global()))
+            return chunks
+
+        written = [chunk for chunks in _in_threads(write_key, list(by_key.values())) for chunk in chunks]
         fsync_written(written, root)
         return written
 
@@ -409,7 +435,13 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
                 self._copy(reader, op, dest, x, holder)
             return dest
 
-        return dict_list_map_inplace(load_one, sharded_state_dict)  # type: ignore[no-any-return]
+        # several tensors at a time: their reads are in flight together (a cold load waits on
+        # the disk, not on one chunk file after another)
+        tensors = [x for x in nested_values(sharded_state_dict) if isinstance(x, ShardedTensor)]
+        loaded = dict(zip(map(id, tensors), _in_threads(load_one, tensors)))
+        return dict_list_map_inplace(  # type: ignore[no-any-return]
+            lambda x: loaded[id(x)] if isinstance(x, ShardedTensor) else x, sharded_state_dict
+        )
 
     @staticmethod
     def _copy(reader: _ArrayReader, op: ReadOp, dest: torch.Tensor, sh: ShardedTensor, holder: Box) -> None:
