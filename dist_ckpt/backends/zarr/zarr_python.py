@@ -225,23 +225,28 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
             store, at = stores.at(root)
             zarr.create_group(store=store, path=at or None, overwrite=False)
             written.append(root / "zarr.json")
+
+        def create_array(sh: ShardedTensor) -> ObjectPath:
+            path = tensor_dir(root, sh.key)
+            store, name = stores.at(path)
+            zarr.create_array(
+                store=store,
+                name=name or None,
+                shape=sh.global_shape,
+                chunks=array_chunk_shape(sh),
+                dtype=dtype_info(sh.dtype).numpy_dtype,
+                attributes={ATTR: chunked_attributes(sh)},
+                overwrite=False,
+                config=_WRITE_EMPTY,
+                **_ARRAY_OPTIONS,
+            )
+            return path / "zarr.json"
+
+        # the arrays of the tensors saved as a grid of chunks, several at a time
+        written += _in_threads(create_array, [sh for sh in shards if sh.flattened_range is None and is_origin(sh)])
         for sh in shards:
             path = tensor_dir(root, sh.key)
             if sh.flattened_range is None:
-                if is_origin(sh):
-                    store, name = stores.at(path)
-                    zarr.create_array(
-                        store=store,
-                        name=name or None,
-                        shape=sh.global_shape,
-                        chunks=array_chunk_shape(sh),
-                        dtype=dtype_info(sh.dtype).numpy_dtype,
-                        attributes={ATTR: chunked_attributes(sh)},
-                        overwrite=False,
-                        config=_WRITE_EMPTY,
-                        **_ARRAY_OPTIONS,
-                    )
-                    written.append(path / "zarr.json")
                 continue
             if creates_flattened_group(sh):
                 store, name = stores.at(path)
