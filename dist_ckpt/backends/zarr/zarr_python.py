@@ -147,8 +147,9 @@ class _Stores:
     under one ``ObjectStore`` per S3 storage (one client, its connection pool shared by every
     array of the checkpoint).
 
-    A writable object store records the digest of every object it PUTs (``digests``, by node),
-    from the very bytes it sends, so that the checksum manifest needs no download."""
+    A writable store records the digest of every object it PUTs or file it writes (``digests``,
+    by node), from the very bytes it sends, so that the checksum manifest needs no download or
+    second read."""
 
     def __init__(self, read_only: bool) -> None:
         self.read_only = read_only
@@ -158,7 +159,9 @@ class _Stores:
     def at(self, node: ObjectPath) -> Tuple[Any, str]:
         """``(store, path)`` of ``node`` for ``zarr.open_array(store=..., path=...)``."""
         if node.storage.local_paths:
-            return str(node.local_path()), ""
+            if self.read_only:
+                return str(node.local_path()), ""
+            return _recording_local_store(node, self.digests), ""
         url = node.storage.url
         if url not in self._object_stores:
             obstore_store = s3_storage(node).obstore_store()
@@ -167,6 +170,19 @@ class _Stores:
             else:
                 self._object_stores[url] = _recording_store(obstore_store, ObjectPath(node.storage), self.digests)
         return self._object_stores[url], node.key
+
+
+def _recording_local_store(node: ObjectPath, digests: Dict[ObjectPath, FileDigest]) -> Any:
+    """A writable ``zarr.storage.LocalStore`` at ``node`` that records the digest of each file it
+    writes, from the bytes it writes: the checksum manifest then needs no second read of every
+    chunk (which cost a save as much as a read of the whole checkpoint from the page cache)."""
+
+    class _Recording(zarr.storage.LocalStore):
+        async def set(self, key: str, value: Any) -> None:
+            await super().set(key, value)
+            digests[node / key] = bytes_digest(value.as_numpy_array())
+
+    return _Recording(str(node.local_path()), read_only=False)
 
 
 def _recording_store(obstore_store: Any, root: ObjectPath, digests: Dict[ObjectPath, FileDigest]) -> Any:
