@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from dist_ckpt.backends.zarr.layout import CHECKSUMS_FILENAME, LAYOUT_CHUNKED, ZARR_DIR, chunk_coords, chunk_key
 from dist_ckpt.backends.zarr.metadata import damaged_chunks, list_tensor_names, open_tensor_info, read_zarr_json
+from dist_ckpt.backends.zarr.nodes import in_threads
 from dist_ckpt.engine.distributed import gather_json, get_rank, run_collectively
 from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.integrity.checksums import (
@@ -68,10 +69,14 @@ def commit_checksums(
 
         commit_checksums(ckpt / "zarr", files_this_rank_wrote)   # every rank, after the writes
     """
-    local = run_collectively(
-        "digesting zarr files",
-        lambda: {p.relative_to(root): _digest(p, known).to_json() for p in sorted(set(written), key=str)},
-    )
+
+    def digest_all() -> Dict[str, Any]:
+        paths = sorted(set(written), key=str)
+        # the files read back (TensorStore's, or written without a recording store) several at a time
+        digests = in_threads(lambda p: _digest(p, known), paths)
+        return {p.relative_to(root): d.to_json() for p, d in zip(paths, digests)}
+
+    local = run_collectively("digesting zarr files", digest_all)
     gathered = gather_json(local)
 
     def write() -> None:

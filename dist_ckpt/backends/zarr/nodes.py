@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Dict, Sequence, Tuple
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Dict, List, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -31,11 +32,20 @@ __all__ = [
     "flattened_attributes",
     "fragment_attributes",
     "fsync_written",
+    "in_threads",
     "is_origin",
     "write_group",
 ]
 
 Shape = Tuple[int, ...]
+
+#: files or tensors a rank reads or writes at a time where each one waits on its own I/O (a
+#: zarr-python call on its event loop, a checksum check reading a file): one at a time, a cold
+#: load waits on one chunk file after another
+IO_THREADS = 8
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 
 def is_origin(sh: ShardedTensor) -> bool:
@@ -138,3 +148,21 @@ def fsync_written(paths: Sequence[ObjectPath], root: ObjectPath) -> None:
     if not root.storage.local_paths:
         return
     fsync_tree([node.local_path() for node in paths], root.local_path())
+
+
+def in_threads(fn: Callable[[_T], _R], items: Sequence[_T]) -> List[_R]:
+    """``[fn(item) for item in items]``, :data:`IO_THREADS` at a time; the first failure (in
+    ``items``' order) is raised once the calls under way have ended, and no further call starts.
+
+    Example::
+
+        digests = in_threads(file_digest, paths)
+    """
+    if len(items) <= 1:
+        return [fn(item) for item in items]
+    pool = ThreadPoolExecutor(min(IO_THREADS, len(items)), thread_name_prefix="dist_ckpt_zarr")
+    try:
+        futures = [pool.submit(fn, item) for item in items]
+        return [f.result() for f in futures]
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)

@@ -81,6 +81,7 @@ from dist_ckpt.backends.zarr.nodes import (
     flattened_attributes,
     fragment_attributes,
     fsync_written,
+    in_threads,
     is_origin,
     write_group,
 )
@@ -508,12 +509,15 @@ def _check_touched_files(
         return
     root = checkpoint_dir / ZARR_DIR
     seen = set()
+    batches = []
     for sh in requested:
         for op in plans[id(sh)].ops:
             files = [op.array_path / "zarr.json", *chunk_files(op.array_path, op.region)]
             fresh = [f for f in files if f not in seen]
             seen.update(fresh)
-            check_files(root, fresh, manifest, sh.key)
+            batches.append((fresh, sh.key))
+    # several files at a time: a cold load's reads are in flight together
+    in_threads(lambda batch: check_files(root, batch[0], manifest, batch[1]), batches)
 
 
 def _read_error(sh: ShardedTensor, op: ReadOp, error: BaseException, more: int) -> CorruptCheckpointError:

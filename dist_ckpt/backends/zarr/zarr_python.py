@@ -36,8 +36,7 @@ import math
 import os
 import shutil
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -87,6 +86,7 @@ from dist_ckpt.backends.zarr.nodes import (
     flattened_attributes,
     fragment_attributes,
     fsync_written,
+    in_threads,
     is_origin,
 )
 from dist_ckpt.backends.zarr.read_plan import ReadOp, plan_request
@@ -120,26 +120,6 @@ _WRITE_EMPTY: Any = {"write_empty_chunks": True}
 
 
 _ENGINE = "the zarr backend (zarr-python)"
-
-#: tensors a rank reads or writes at a time through zarr-python (whose calls each wait on its
-#: event loop: one at a time, a cold load or a save waits on one chunk file after another)
-IO_THREADS = 8
-
-_T = TypeVar("_T")
-_R = TypeVar("_R")
-
-
-def _in_threads(fn: Callable[[_T], _R], items: Sequence[_T]) -> List[_R]:
-    """``[fn(item) for item in items]``, :data:`IO_THREADS` at a time; the first failure (in
-    ``items``' order) is raised once the calls under way have ended."""
-    if len(items) <= 1:
-        return [fn(item) for item in items]
-    pool = ThreadPoolExecutor(min(IO_THREADS, len(items)), thread_name_prefix="dist_ckpt_zarr")
-    try:
-        futures = [pool.submit(fn, item) for item in items]
-        return [f.result() for f in futures]
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)  # after a failure: none of the rest starts
 
 
 class _Stores:
@@ -259,7 +239,7 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
             return path / "zarr.json"
 
         # the arrays of the tensors saved as a grid of chunks, several at a time
-        written += _in_threads(create_array, [sh for sh in shards if sh.flattened_range is None and is_origin(sh)])
+        written += in_threads(create_array, [sh for sh in shards if sh.flattened_range is None and is_origin(sh)])
         for sh in shards:
             path = tensor_dir(root, sh.key)
             if sh.flattened_range is None:
@@ -316,7 +296,7 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
                 chunks.append(path / arr.metadata.encode_chunk_key(sh.local_chunk_offset_in_global()))
             return chunks
 
-        written = [chunk for chunks in _in_threads(write_key, list(by_key.values())) for chunk in chunks]
+        written = [chunk for chunks in in_threads(write_key, list(by_key.values())) for chunk in chunks]
         fsync_written(written, root)
         return written
 
@@ -459,7 +439,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         # several tensors at a time: their reads are in flight together (a cold load waits on
         # the disk, not on one chunk file after another)
         tensors = [x for x in nested_values(sharded_state_dict) if isinstance(x, ShardedTensor)]
-        loaded = dict(zip(map(id, tensors), _in_threads(load_one, tensors)))
+        loaded = dict(zip(map(id, tensors), in_threads(load_one, tensors)))
         return dict_list_map_inplace(  # type: ignore[no-any-return]
             lambda x: loaded[id(x)] if isinstance(x, ShardedTensor) else x, sharded_state_dict
         )
