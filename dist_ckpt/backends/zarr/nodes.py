@@ -2,7 +2,7 @@
 
 The zarr-python engine builds the same nodes with zarr-python's own API; an engine without group
 support (TensorStore) uses :func:`array_metadata` and :func:`write_group`. Which rank creates
-which node (:func:`is_origin`, :func:`creates_flattened_group`) and what every node's
+which node (:func:`creates_array`, :func:`creates_flattened_group`) and what every node's
 ``dist_ckpt`` attributes hold are decided here, once, so both engines write the same checkpoint.
 :func:`fsync_written` makes what an engine wrote by local path durable.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Sequence, Tuple, TypeVar
 
@@ -27,6 +28,7 @@ __all__ = [
     "array_metadata",
     "chunked_attributes",
     "cpu_contiguous",
+    "creates_array",
     "creates_flattened_group",
     "fill_value_json",
     "flattened_attributes",
@@ -51,6 +53,25 @@ _R = TypeVar("_R")
 def is_origin(sh: ShardedTensor) -> bool:
     """Whether ``sh`` is the tensor's first chunk: its holder creates the tensor's node."""
     return not any(sh.global_offset)
+
+
+def creates_array(sh: ShardedTensor) -> bool:
+    """Whether the holder of ``sh`` (a main replica, not flattened) creates its tensor's array.
+
+    One chunk of each tensor, picked by a hash of the key, so that the arrays' creation is spread
+    over the ranks (with tensor parallelism every tensor's first chunk is on rank 0, which then
+    created every array while the other ranks waited). Every holder computes the same pick: the
+    shards of a key have one local shape (the sharding check enforces it), hence one grid.
+    """
+    chunk = array_chunk_shape(sh)
+    grid = [-(-g // c) for g, c in zip(sh.global_shape, chunk)]
+    count = math.prod(grid)
+    if count == 0:  # an empty tensor: its only shard
+        return is_origin(sh)
+    index = 0
+    for off, c, n in zip(sh.global_offset, chunk, grid):
+        index = index * n + off // c
+    return index == zlib.crc32(sh.key.encode("utf-8")) % count
 
 
 def array_chunk_shape(sh: ShardedTensor) -> Shape:

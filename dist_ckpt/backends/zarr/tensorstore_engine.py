@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, ClassVar, Deque, Dict, List, Optional, Sequence, Tuple, Union
@@ -77,18 +78,18 @@ from dist_ckpt.backends.zarr.nodes import (
     array_metadata,
     chunked_attributes,
     cpu_contiguous,
+    creates_array,
     creates_flattened_group,
     flattened_attributes,
     fragment_attributes,
     fsync_written,
     in_threads,
-    is_origin,
     write_group,
 )
 from dist_ckpt.backends.zarr.read_plan import ReadOp, ReadPlan, plan_request
 from dist_ckpt.engine.distributed import get_rank, run_collectively
 from dist_ckpt.engine.registry import StrategyAction, register_default_strategy
-from dist_ckpt.integrity.checksums import IntegrityReport
+from dist_ckpt.integrity.checksums import FileDigest, IntegrityReport, bytes_digest
 from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
 from dist_ckpt.model.dtypes import numpy_to_tensor, tensor_to_numpy
 from dist_ckpt.model.geometry import Box, piece_view, sub_view
@@ -240,11 +241,12 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
             "creating zarr arrays (tensorstore)", lambda: self._create_nodes(root, shards, context)
         )
         # 2. every chunk, concurrently, then durable
+        digests: Dict[ObjectPath, FileDigest] = {}
         chunks = run_collectively(
-            "writing zarr chunks (tensorstore)", lambda: self._write_chunks(root, shards, context)
+            "writing zarr chunks (tensorstore)", lambda: self._write_chunks(root, shards, context, digests)
         )
         # 3. rank 0 records the checksum of every file written
-        commit_checksums(root, created + chunks)
+        commit_checksums(root, created + chunks, digests)
 
     @staticmethod
     def _create_nodes(root: ObjectPath, shards: List[ShardedTensor], context: "ts.Context") -> List[ObjectPath]:
@@ -256,7 +258,7 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
         for sh in shards:
             path = tensor_dir(root, sh.key)
             if sh.flattened_range is None:
-                if is_origin(sh):
+                if creates_array(sh):
                     meta = array_metadata(sh.global_shape, array_chunk_shape(sh), sh.dtype, chunked_attributes(sh))
                     pending.append(((sh.key, path), _create_array(path, meta, context)))
                 continue
@@ -279,7 +281,12 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
         return written
 
     @staticmethod
-    def _write_chunks(root: ObjectPath, shards: List[ShardedTensor], context: "ts.Context") -> List[ObjectPath]:
+    def _write_chunks(
+        root: ObjectPath, shards: List[ShardedTensor], context: "ts.Context", digests: Dict[ObjectPath, FileDigest]
+    ) -> List[ObjectPath]:
+        """Write every chunk, concurrently, and make them durable. A chunk of a tensor saved as a
+        grid is its shard's bytes exactly (uncompressed, little-endian), so its digest goes into
+        ``digests`` from memory: the manifest then needs no second read of the file."""
         targets: List[Tuple[ShardedTensor, ObjectPath, Tuple[slice, ...], np.ndarray, List[ObjectPath]]] = []
         for sh in shards:
             if sh.data is None:
@@ -292,6 +299,8 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
                 region = tuple(slice(o, o + s) for o, s in zip(sh.global_offset, sh.full_local_shape))
                 files = [path / chunk_key(sh.local_chunk_offset_in_global())]
                 targets.append((sh, path, region, data.reshape(sh.full_local_shape), files))
+                if sys.byteorder == "little":  # the bytes the file will hold
+                    digests[files[0]] = bytes_digest(data.reshape(-1).view(np.uint8))
                 continue
             length = sh.flattened_range.stop - sh.flattened_range.start
             if length == 0:

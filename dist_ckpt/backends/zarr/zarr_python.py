@@ -82,12 +82,12 @@ from dist_ckpt.backends.zarr.nodes import (
     array_chunk_shape,
     chunked_attributes,
     cpu_contiguous,
+    creates_array,
     creates_flattened_group,
     flattened_attributes,
     fragment_attributes,
     fsync_written,
     in_threads,
-    is_origin,
 )
 from dist_ckpt.backends.zarr.read_plan import ReadOp, plan_request
 from dist_ckpt.engine.distributed import get_rank, run_collectively
@@ -239,7 +239,7 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
             return path / "zarr.json"
 
         # the arrays of the tensors saved as a grid of chunks, several at a time
-        written += in_threads(create_array, [sh for sh in shards if sh.flattened_range is None and is_origin(sh)])
+        written += in_threads(create_array, [sh for sh in shards if sh.flattened_range is None and creates_array(sh)])
         for sh in shards:
             path = tensor_dir(root, sh.key)
             if sh.flattened_range is None:
