@@ -242,9 +242,13 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
         )
         # 2. every chunk, concurrently, then durable
         digests: Dict[ObjectPath, FileDigest] = {}
-        chunks = run_collectively(
-            "writing zarr chunks (tensorstore)", lambda: self._write_chunks(root, shards, context, digests)
-        )
+
+        def write() -> List[ObjectPath]:
+            chunks = self._write_chunks(root, shards, context, digests)
+            fsync_written(created + chunks, root)  # this rank's arrays and chunks: one syncfs
+            return chunks
+
+        chunks = run_collectively("writing zarr chunks (tensorstore)", write)
         # 3. rank 0 records the checksum of every file written
         commit_checksums(root, created + chunks, digests)
 
@@ -277,14 +281,13 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
                 + (f" ({len(failed) - 1} more arrays failed)" if len(failed) > 1 else "")
             ) from error
         written += [path / "zarr.json" for (_, path), _ in pending]
-        fsync_written(written, root)
-        return written
+        return written  # made durable with the chunks
 
     @staticmethod
     def _write_chunks(
         root: ObjectPath, shards: List[ShardedTensor], context: "ts.Context", digests: Dict[ObjectPath, FileDigest]
     ) -> List[ObjectPath]:
-        """Write every chunk, concurrently, and make them durable. A chunk of a tensor saved as a
+        """Write every chunk, concurrently (the caller makes them durable). A chunk of a tensor saved as a
         grid is its shard's bytes exactly (uncompressed, little-endian), so its digest goes into
         ``digests`` from memory: the manifest then needs no second read of the file."""
         targets: List[Tuple[ShardedTensor, ObjectPath, Tuple[slice, ...], np.ndarray, List[ObjectPath]]] = []
@@ -332,9 +335,7 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
                 f"[rank {get_rank()}] writing tensor {key!r} to {str(path)!r} failed: {error}"
                 + (f" ({len(failed) - 1} more writes failed)" if len(failed) > 1 else "")
             ) from error
-        written = [f for *_, files in targets for f in files]
-        fsync_written(written, root)
-        return written
+        return [f for *_, files in targets for f in files]
 
 
 def _create_array(path: ObjectPath, metadata: Dict[str, Any], context: "ts.Context") -> Any:

@@ -202,7 +202,13 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
         shards = main_replica_shards(sharded_state_dict)
         stores = _Stores(read_only=False)
         created = run_collectively("creating zarr arrays", lambda: self._create_nodes(root, shards, stores))
-        chunks = run_collectively("writing zarr chunks", lambda: self._write_chunks(root, shards, stores))
+
+        def write() -> List[ObjectPath]:
+            chunks = self._write_chunks(root, shards, stores)
+            fsync_written(created + chunks, root)  # this rank's arrays and chunks: one syncfs
+            return chunks
+
+        chunks = run_collectively("writing zarr chunks", write)
         commit_checksums(root, created + chunks, stores.digests)
 
     def begin_stream(self, checkpoint_dir: Storage, layout: Sequence[TensorLayout]) -> TensorStreamWriter:
@@ -252,8 +258,7 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
                 written.append(path / "zarr.json")
             if sh.flattened_range.stop > sh.flattened_range.start:
                 written += self._write_fragment(path / fragment_name(sh), sh, stores)
-        fsync_written(written, root)
-        return written
+        return written  # made durable with the chunks
 
     @staticmethod
     def _write_fragment(path: ObjectPath, sh: ShardedTensor, stores: _Stores) -> List[ObjectPath]:
@@ -277,8 +282,8 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
         return [path / "zarr.json"] + chunk_files
 
     def _write_chunks(self, root: ObjectPath, shards: List[ShardedTensor], stores: _Stores) -> List[ObjectPath]:
-        """Write every chunk of this rank, several at a time (:data:`IO_THREADS`: zarr-python's
-        per-array work and the writes overlap), then make them durable at once."""
+        """Write every chunk of this rank, several at a time (:data:`~.nodes.IO_THREADS`:
+        zarr-python's per-array work and the writes overlap); the caller makes them durable."""
         by_key: Dict[str, List[ShardedTensor]] = {}
         for sh in shards:
             if sh.flattened_range is None and math.prod(sh.local_shape) > 0:
@@ -296,9 +301,7 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
                 chunks.append(path / arr.metadata.encode_chunk_key(sh.local_chunk_offset_in_global()))
             return chunks
 
-        written = [chunk for chunks in in_threads(write_key, list(by_key.values())) for chunk in chunks]
-        fsync_written(written, root)
-        return written
+        return [chunk for chunks in in_threads(write_key, list(by_key.values())) for chunk in chunks]
 
 
 class _ZarrStreamWriter(TensorStreamWriter):
@@ -327,7 +330,7 @@ class _ZarrStreamWriter(TensorStreamWriter):
             raise CheckpointingException(
                 f"the stream into {self.root} finished after {self._added} of its {len(self.layout)} tensors"
             )
-        fsync_written([self.root / "zarr.json"], self.root)
+        fsync_written(self.written, self.root)  # every tensor's files at once
         commit_checksums(self.root, self.written, self._stores.digests)
 
 

@@ -4,8 +4,10 @@ read of the files), several tensors at a time, durable with one syncfs (see stor
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from dist_ckpt.backends.zarr import checksums as zarr_checksums
@@ -93,3 +95,27 @@ def test_tensorstore_saves_digest_chunks_from_memory_and_the_manifest_matches_th
     for name, entry in files.items():
         digest = real(root / name)
         assert (entry["size"], int(entry["crc32c"], 16)) == (digest.size, digest.crc32c), name
+
+
+def _many(n):
+    return {f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", torch.full((4, 4), float(i))) for i in range(n)}
+
+
+@pytest.mark.parametrize("engine", ["zarr-python", "tensorstore"])
+def test_a_save_syncs_a_bounded_number_of_times_whatever_the_number_of_tensors(tmp_path, monkeypatch, engine):
+    from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreSaveShardedStrategy
+    from dist_ckpt.storage import files
+
+    if files._syncfs() is None:
+        pytest.skip("no syncfs here: files are fsynced one by one")
+    strategy = ZarrSaveShardedStrategy if engine == "zarr-python" else TensorStoreSaveShardedStrategy
+    counts = []
+    for n in (3, 30):
+        syncs, fsyncs = [], []
+        real_syncfs, real_fsync = files._syncfs(), os.fsync
+        monkeypatch.setattr(files, "_syncfs", lambda: lambda fd: (syncs.append(fd), real_syncfs(fd))[1])
+        monkeypatch.setattr(os, "fsync", lambda fd: (fsyncs.append(fd), real_fsync(fd))[1])
+        strategy().save(_many(n), Path(tmp_path / f"n{n}"))
+        monkeypatch.undo()
+        counts.append((len(syncs), len(fsyncs)))
+    assert counts[0] == counts[1] and counts[0][0] == 1, counts  # one syncfs; the manifest's own fsyncs
