@@ -293,6 +293,26 @@ class LoadShardedStrategy(LoadStrategyBase):
             raise IncompatibleStrategyError(f"{self} handles ShardedObjects and must override load_sharded_metadata")
         return self.load_tensors_metadata(checkpoint_dir)
 
+    def with_dtype_cast(self, allow: bool) -> "LoadShardedStrategy":
+        """This strategy, configured to convert (``allow``) or to refuse requested dtypes that
+        differ from the stored ones (see :mod:`dist_ckpt.model.dtype_cast`): what
+        ``dist_ckpt.load(..., allow_dtype_cast=...)`` uses. Local; the caller's strategy is not
+        changed (a configured copy is returned when the setting differs).
+
+        The built-in loaders take the setting as an option (casting is their default) and
+        wrappers pass it to the strategy they wrap. The default raises
+        :class:`IncompatibleStrategyError`: a strategy that does not know the setting could
+        not honour it.
+
+        Example::
+
+            strict = SafetensorsLoadShardedStrategy().with_dtype_cast(False)
+        """
+        raise IncompatibleStrategyError(
+            f"{self} does not implement with_dtype_cast, so it cannot be told whether to cast dtypes on load; "
+            "leave load's allow_dtype_cast unset (the strategy decides) or configure the strategy itself"
+        )
+
     def remove_sharded_tensors(self, checkpoint_dir: CheckpointLocation, key_prefix: str) -> None:
         """Delete every stored tensor whose key starts with ``key_prefix``."""
         raise IncompatibleStrategyError(f"{self} cannot remove tensors from a checkpoint")

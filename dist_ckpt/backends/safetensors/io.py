@@ -12,8 +12,9 @@ turns them into read operations:
 * :class:`BounceRead` -- read the file span covering the intersection into a bounded bounce
   buffer, then copy the strided part out with torch. Used for short runs separated by short
   gaps (the disk reads whole pages anyway, and a system call per few bytes would dominate),
-  for non-contiguous destinations, and for destinations on other devices (the buffer is
-  pinned then).
+  for non-contiguous destinations, for destinations on other devices (the buffer is
+  pinned then), and for destinations of another dtype than the stored one: the buffer holds the
+  stored values and the copy out converts them (:func:`~dist_ckpt.model.dtype_cast.copy_cast`).
 
 A read may carry a :class:`ReadCheck` (see :mod:`.safetensors_blocks`): the read is then widened
 to whole checksum blocks -- the extra bytes before and after a direct read land in scratch
@@ -45,6 +46,7 @@ import numpy as np
 import torch
 
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
+from dist_ckpt.model.dtype_cast import copy_cast
 from dist_ckpt.model.geometry import Box
 from dist_ckpt.storage import RangeRead, Storage, TruncatedObjectError
 
@@ -94,6 +96,9 @@ class ReadOptions:
         object_store_small_run_bytes: ``small_run_bytes`` for object stores: a request costs
             about as much as downloading a few hundred KiB, so short runs separated by short
             gaps are fetched as one range (the gaps are downloaded and dropped).
+        allow_dtype_cast: a requested dtype may differ from the stored one: the stored values
+            are read through the bounce buffers and converted (see
+            :mod:`dist_ckpt.model.dtype_cast`); False raises ``LoadMismatchError`` instead.
     """
 
     thread_count: int = 4
@@ -104,6 +109,7 @@ class ReadOptions:
     checked_piece_bytes: int = 2 * 2**20
     object_store_threads: int = 16
     object_store_small_run_bytes: int = 256 * 2**10
+    allow_dtype_cast: bool = True
 
     def __post_init__(self) -> None:
         for name in (
@@ -120,6 +126,9 @@ class ReadOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise CheckpointingException(f"ReadOptions.{name} must be an int >= 0, got {value!r}")
+        for name in ("verify_checksums", "allow_dtype_cast"):
+            if not isinstance(getattr(self, name), bool):
+                raise CheckpointingException(f"ReadOptions.{name} must be a bool, got {getattr(self, name)!r}")
 
     def for_object_store(self) -> "ReadOptions":
         """These options with the object-store thread count and run threshold in effect.
@@ -330,7 +339,8 @@ class DirectRead:
 @dataclass(frozen=True)
 class BounceRead:
     """Copy ``inter`` from the row-major ``src_box`` stored at ``src_offset`` of ``fd`` into
-    ``target`` (a view of the destination holding exactly ``inter``), via a bounce buffer."""
+    ``target`` (a view of the destination holding exactly ``inter``), via a bounce buffer; the
+    stored values are of ``src_dtype`` (None: the target's dtype) and converted by the copy."""
 
     fd: ReadSource
     path: Union[str, Path]
@@ -340,6 +350,12 @@ class BounceRead:
     inter: Box
     target: torch.Tensor
     check: Optional[ReadCheck] = None
+    src_dtype: Optional[torch.dtype] = None
+
+    @property
+    def stored_dtype(self) -> torch.dtype:
+        """The dtype of the values in the file."""
+        return self.target.dtype if self.src_dtype is None else self.src_dtype
 
     @property
     def nbytes(self) -> int:
@@ -369,6 +385,7 @@ def plan_copy(
     target: torch.Tensor,
     options: ReadOptions,
     check: Optional[ReadCheck] = None,
+    src_dtype: Optional[torch.dtype] = None,
 ) -> List[ReadOp]:
     """The reads that copy ``inter`` from a stored box into a destination box.
 
@@ -383,6 +400,8 @@ def plan_copy(
         target: view of the destination holding exactly ``inter`` (for bounce reads).
         options: thresholds.
         check: sees the bytes of every read (see :class:`ReadCheck`).
+        src_dtype: the stored dtype, when it differs from ``target``'s: every byte then goes
+            through a bounce buffer and is converted on the way out.
 
     Example::
 
@@ -392,6 +411,8 @@ def plan_copy(
                         byte_view(dest), dest, ReadOptions())
         execute(ops, ReadOptions())
     """
+    if src_dtype is not None and src_dtype != target.dtype:
+        return [BounceRead(fd, path, key, src_offset, src_box, inter, target, check, src_dtype)]
     itemsize = target.element_size()
     src_off, dst_off, run = contiguous_runs(inter, src_box, dst_box)
     run_bytes = run * itemsize
@@ -521,7 +542,7 @@ class _Worker:
             check.after_read(piece_offset, piece)
 
     def _bounce(self, op: BounceRead) -> None:
-        itemsize = op.target.element_size()
+        itemsize = op.stored_dtype.itemsize
         limit = max(1, self.options.bounce_buffer_bytes // itemsize)
         strides = _strides(op.src_box.shape)
         pinned = op.target.is_cuda and torch.cuda.is_available()
@@ -538,9 +559,9 @@ class _Worker:
             else:
                 self._read_checked(op.fd, [whole.numpy().data], start, op.check)
             buf = whole[lo - start : lo - start + count * itemsize]
-            values = buf.view(op.target.dtype)
+            values = buf.view(op.stored_dtype)
             stored = values.as_strided(slab.shape, tuple(strides), values.storage_offset())
-            op.target[slab.slices_within(op.inter)].copy_(stored)
+            copy_cast(op.target[slab.slices_within(op.inter)], stored)
 
 
 def _pieces(buffers: Sequence[memoryview], offset: int, step: int) -> Iterator[Tuple[int, List[memoryview]]]:
