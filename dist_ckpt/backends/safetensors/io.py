@@ -34,6 +34,7 @@ reads, so tests can count what a load reads. :func:`execute` spreads the operati
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import queue
@@ -412,7 +413,7 @@ def plan_copy(
         execute(ops, ReadOptions())
     """
     if src_dtype is not None and src_dtype != target.dtype:
-        return [BounceRead(fd, path, key, src_offset, src_box, inter, target, check, src_dtype)]
+        return _cast_reads(fd, path, key, src_box, src_offset, inter, target, options, check, src_dtype)
     itemsize = target.element_size()
     src_off, dst_off, run = contiguous_runs(inter, src_box, dst_box)
     run_bytes = run * itemsize
@@ -426,6 +427,44 @@ def plan_copy(
     dst_bytes = ((dst_base + dst_off) * itemsize).tolist()
     reads = _direct_reads(fd, path, key, src_bytes, dst_bytes, run_bytes, dest_bytes, options.max_read_bytes, check)
     return list(reads)
+
+
+def _cast_reads(
+    fd: ReadSource,
+    path: Union[str, Path],
+    key: str,
+    src_box: Box,
+    src_offset: int,
+    inter: Box,
+    target: torch.Tensor,
+    options: ReadOptions,
+    check: Optional[ReadCheck],
+    src_dtype: torch.dtype,
+) -> List[ReadOp]:
+    """The reads of a copy into another dtype: through the bounce buffers, which hold the stored
+    values until the copy out converts them. Runs that a direct read would fetch one by one
+    (long runs, or long gaps between them) are bounced one by one too, so a cast reads the same
+    bytes as a load in the stored dtype; short runs with short gaps are read through as one span."""
+    itemsize = src_dtype.itemsize
+    src_off, _, run = contiguous_runs(inter, src_box, inter)
+    if (
+        len(src_off) < 2
+        or _read_through(src_off, run, itemsize, options.small_run_bytes)
+        or (check is not None and _gaps_inside_blocks(src_off, run, itemsize, check.block_bytes))
+    ):
+        return [BounceRead(fd, path, key, src_offset, src_box, inter, target, check, src_dtype)]
+    axis = len(inter.shape) - 1  # the first axis of a run: runs span the trailing axes from it
+    while axis > 0 and math.prod(inter.shape[axis:]) < run:
+        axis -= 1
+    reads: List[ReadOp] = []
+    for index in itertools.product(*(range(n) for n in inter.shape[:axis])):
+        box = Box(
+            tuple(o + i for o, i in zip(inter.offset, index)) + inter.offset[axis:], (1,) * axis + inter.shape[axis:]
+        )
+        reads.append(
+            BounceRead(fd, path, key, src_offset, src_box, box, target[box.slices_within(inter)], check, src_dtype)
+        )
+    return reads
 
 
 def _gaps_inside_blocks(src_off: np.ndarray, run: int, itemsize: int, block_bytes: int) -> bool:

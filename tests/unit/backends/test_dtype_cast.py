@@ -181,6 +181,35 @@ def test_safetensors_cast_uses_bounded_scratch_buffers(tmp_path: Path, monkeypat
     assert len(sizes) >= 16 and max(sizes) <= 64 << 10
 
 
+@pytest.mark.parametrize("columns", [1024, 8], ids=["long-runs", "short-runs"])
+def test_safetensors_cast_reads_what_a_load_in_the_stored_dtype_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, columns: int
+) -> None:
+    """A column slice cast to bf16 reads the same bytes as the same slice in fp32: long runs one
+    by one (not the gaps between them), short runs as one span."""
+    full = torch.randn(64, 4096)
+    SafetensorsSaveShardedStrategy().save({"w": ShardedTensor.from_rank_offsets("w", full)}, tmp_path)
+    read = {"bytes": 0}
+    real = safetensors_io.read_into
+
+    def counting(fd: Any, buffers: Any, offset: int) -> int:
+        n = real(fd, buffers, offset)
+        read["bytes"] += n
+        return n
+
+    monkeypatch.setattr(safetensors_io, "read_into", counting)
+    strategy = SafetensorsLoadShardedStrategy(SafetensorsLoadOptions(verify_checksums=False))
+    parts = 4096 // columns
+    counts = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        read["bytes"] = 0
+        sh = ShardedTensor.from_rank_offsets("w", torch.empty(64, columns, dtype=dtype), (1, 1, parts))
+        out = strategy.load({"x": sh}, tmp_path)["x"]
+        assert torch.equal(out, full[:, columns : 2 * columns].to(dtype))
+        counts[dtype] = read["bytes"]
+    assert counts[torch.bfloat16] == counts[torch.float32]
+
+
 def _flip_last_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
