@@ -181,13 +181,16 @@ def test_safetensors_cast_uses_bounded_scratch_buffers(tmp_path: Path, monkeypat
     assert len(sizes) >= 16 and max(sizes) <= 64 << 10
 
 
-@pytest.mark.parametrize("columns", [1024, 8], ids=["long-runs", "short-runs"])
+@pytest.mark.parametrize(
+    "width,columns", [(4096, 1024), (4096, 8), (16, 8)], ids=["long-runs", "long-gaps", "short-runs-and-gaps"]
+)
 def test_safetensors_cast_reads_what_a_load_in_the_stored_dtype_reads(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, columns: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, width: int, columns: int
 ) -> None:
-    """A column slice cast to bf16 reads the same bytes as the same slice in fp32: long runs one
-    by one (not the gaps between them), short runs as one span."""
-    full = torch.randn(64, 4096)
+    """A column slice cast to bf16 reads the same bytes as the same slice in fp32: runs that are
+    long or far apart one by one (not the gaps between them), short runs close together as one
+    span."""
+    full = torch.randn(64, width)
     SafetensorsSaveShardedStrategy().save({"w": ShardedTensor.from_rank_offsets("w", full)}, tmp_path)
     read = {"bytes": 0}
     real = safetensors_io.read_into
@@ -199,7 +202,7 @@ def test_safetensors_cast_reads_what_a_load_in_the_stored_dtype_reads(
 
     monkeypatch.setattr(safetensors_io, "read_into", counting)
     strategy = SafetensorsLoadShardedStrategy(SafetensorsLoadOptions(verify_checksums=False))
-    parts = 4096 // columns
+    parts = width // columns
     counts = {}
     for dtype in (torch.float32, torch.bfloat16):
         read["bytes"] = 0
