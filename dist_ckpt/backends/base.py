@@ -285,7 +285,9 @@ class LoadShardedStrategy(LoadStrategyBase):
 
     @abstractmethod
     def load_tensors_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
-        """``{key: ShardedTensor}`` for every stored tensor, unsharded and without data."""
+        """``{key: ShardedTensor}`` for every stored tensor, unsharded and without data, described
+        as it was saved (:func:`dist_ckpt.model.stored_metadata.stored_tensor_metadata`: a tensor
+        saved as flattened ranges as one flattened range covering all of it)."""
 
     def load_sharded_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
         """Metadata of stored ShardedTensors (and ShardedObjects, if this strategy handles them)."""

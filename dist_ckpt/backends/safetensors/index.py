@@ -26,6 +26,11 @@ Layout inside a checkpoint directory::
       }
     }
 
+A tensor saved as flattened ranges (distributed-optimizer state) has ``"flattened": true`` in its
+entry (absent otherwise), so its metadata describes it as saved even when none of its shards
+holds an element; indexes written before the field existed are read from the shards'
+``flat_range``.
+
 Version 2 adds crc32c checksums (see :mod:`dist_ckpt.integrity.checksums`); everything else is unchanged::
 
     {
@@ -83,6 +88,8 @@ INDEX_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 
 RankIndex = Dict[str, Any]  # {"files": {...}, "tensors": {...}} of one rank
+#: field of a tensor entry: the tensor was saved as flattened ranges
+FLATTENED = "flattened"
 
 
 def file_name(rank: int, writer: int) -> str:
@@ -159,6 +166,8 @@ def merge_rank_indexes(per_rank: Sequence[RankIndex], block_bytes: Optional[int]
                     f"tensor {key!r}: rank {rank} saves it as {entry['dtype']} {entry['global_shape']}, another rank "
                     f"as {merged['dtype']} {merged['global_shape']}; every rank must agree"
                 )
+            if entry.get(FLATTENED):
+                merged[FLATTENED] = True
             merged["shards"].extend(entry["shards"])
     doc: Dict[str, Any] = {"format": INDEX_FORMAT, "version": 1}
     if block_bytes is not None:
@@ -232,6 +241,9 @@ class _Parser:
         if not isinstance(shards, list):
             raise self.fail(f"'shards' must be a list, found {shards!r}", key)
         stored = [self.shard(s, key, len(shape), files) for s in shards]
+        flag = entry.get(FLATTENED, False)
+        if not isinstance(flag, bool):
+            raise self.fail(f"'{FLATTENED}' must be true or false, found {flag!r}", key)
         for s in stored:
             if any(o + c > g for o, c, g in zip(s.global_offset, s.chunk_shape, shape)):
                 raise self.fail(
@@ -244,7 +256,8 @@ class _Parser:
                     f"{numel * dtype.itemsize}",
                     key,
                 )
-        return StoredTensor(key, dtype, shape, stored)
+        flattened = flag or any(s.flat_range is not None for s in stored)
+        return StoredTensor(key, dtype, shape, stored, flattened=flattened)
 
 
 def _prod(shape: Sequence[int]) -> int:
@@ -355,6 +368,12 @@ def rank_index(
     return {"files": entries, "tensors": tensors}
 
 
-def tensor_entry(dtype_name: str, global_shape: Sequence[int], shards: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """The index entry of one tensor (one rank's shards of it)."""
-    return {"dtype": dtype_name, "global_shape": list(global_shape), "shards": shards}
+def tensor_entry(
+    dtype_name: str, global_shape: Sequence[int], shards: List[Dict[str, Any]], flattened: bool = False
+) -> Dict[str, Any]:
+    """The index entry of one tensor (one rank's shards of it); ``flattened``: saved as
+    flattened ranges."""
+    entry: Dict[str, Any] = {"dtype": dtype_name, "global_shape": list(global_shape), "shards": shards}
+    if flattened:
+        entry[FLATTENED] = True
+    return entry

@@ -57,6 +57,7 @@ from dist_ckpt.integrity.checksums import crc_to_hex
 from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
 from dist_ckpt.model.geometry import Box, ShardPiece, piece_view, shard_pieces, sub_view
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
+from dist_ckpt.model.stored_metadata import stored_tensor_metadata
 from dist_ckpt.storage import Storage
 
 __all__ = ["StoredShard", "StoredTensor", "TensorIndex", "load_from_index", "tensors_metadata"]
@@ -101,13 +102,15 @@ class StoredShard:
 
 @dataclass
 class StoredTensor:
-    """Everything stored about one global tensor."""
+    """Everything stored about one global tensor; ``flattened``: it was saved as flattened
+    ranges (distributed-optimizer state), which :func:`tensors_metadata` reports."""
 
     key: str
     dtype: torch.dtype
     global_shape: Shape
     shards: List[StoredShard] = field(default_factory=list)
     _grid: Optional[Dict[Shape, List[StoredShard]]] = field(default=None, repr=False)
+    flattened: bool = False
 
     @property
     def bounds(self) -> Box:
@@ -184,7 +187,9 @@ class TensorIndex:
 
 
 def tensors_metadata(index: TensorIndex) -> ShardedStateDict:
-    """``{key: ShardedTensor}`` (whole, unsharded, data on the meta device) for every tensor.
+    """``{key: ShardedTensor}`` (whole, unsharded, data on the meta device) for every tensor, as
+    it was saved: a tensor saved as flattened ranges is one flattened range covering all of it
+    (see :mod:`dist_ckpt.model.stored_metadata`).
 
     Example::
 
@@ -195,8 +200,7 @@ def tensors_metadata(index: TensorIndex) -> ShardedStateDict:
     for key in sorted(set(index.tensors) | set(index.aliases)):
         info = index.lookup(key)
         if info is not None:
-            meta = torch.empty(info.global_shape, dtype=info.dtype, device="meta")
-            out[key] = ShardedTensor.from_rank_offsets(key, meta)
+            out[key] = stored_tensor_metadata(key, info.dtype, info.global_shape, info.flattened)
     return out
 
 

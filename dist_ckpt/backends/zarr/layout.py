@@ -50,6 +50,7 @@ from dist_ckpt.integrity.checksums import read_manifest
 from dist_ckpt.model.dtypes import dtype_from_name, dtype_info, numpy_to_tensor
 from dist_ckpt.model.geometry import Box, ShardPiece, shard_pieces
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor
+from dist_ckpt.model.stored_metadata import stored_tensor_metadata
 from dist_ckpt.storage import encode_key, fsync_dir, fsync_file, write_bytes_atomic
 from dist_ckpt.storage.location import CheckpointLocation
 from dist_ckpt.storage.object_path import Node, ObjectPath, subdirs
@@ -286,13 +287,15 @@ def find_tensor_info(root: Node, key: str) -> Optional[StoredTensorInfo]:
 
 
 def tensors_metadata(root: Node) -> ShardedStateDict:
-    """``{key: ShardedTensor}`` (whole, unsharded, data on the meta device) for every tensor."""
+    """``{key: ShardedTensor}`` (whole, unsharded, data on the meta device) for every tensor, as
+    it was saved: a tensor of the flattened layout is one flattened range covering all of it
+    (see :mod:`dist_ckpt.model.stored_metadata`)."""
     out: ShardedStateDict = {}
     for name in list_tensor_names(root):
         info = open_tensor_info(root, name)
         if info is not None:
-            meta = torch.empty(info.global_shape, dtype=info.dtype, device="meta")
-            out[info.key] = ShardedTensor.from_rank_offsets(info.key, meta)
+            flattened = info.layout == LAYOUT_FLATTENED
+            out[info.key] = stored_tensor_metadata(info.key, info.dtype, info.global_shape, flattened)
     return out
 
 
