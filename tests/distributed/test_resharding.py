@@ -168,23 +168,53 @@ def _load_flat_at(rank_: int, world_size: int, ckpt: str, dp: int, combo_name: s
 
 
 def _load_single_process(ckpt: str, combo_name: str) -> bool:
-    """Runs in a fresh process with no process group at all."""
+    """Runs in a fresh process with no process group at all: whole tensors, and the metadata of
+    the flattened one as saved (Megatron-Core's load_tensors_metadata), which loads it flat."""
     import torch.distributed
 
     assert not torch.distributed.is_initialized()
+    strategy = combo_named(combo_name).load()
     full = full_tensor("opt.exp_avg", (24, 10), torch.float32)
-    plain = dc.load_plain_tensors(ckpt)
+    w = full_tensor("w", (8, 6))
     request = {"w": dc.ShardedTensor.from_rank_offsets("opt.exp_avg", torch.zeros(24, 10))}
-    loaded = dc.load(request, ckpt, sharded_strategy=combo_named(combo_name).load())
-    return bitwise_equal(plain["opt.exp_avg"], full) and bitwise_equal(loaded["w"], full)
+    loaded = dc.load(request, ckpt, sharded_strategy=strategy)
+    meta = dc.load_tensors_metadata(ckpt)
+    flat = meta["opt.exp_avg"]
+    described = (flat.local_shape, flat.global_shape, flat.flattened_range, meta["w"].flattened_range) == (
+        (24, 10),
+        (24, 10),
+        slice(0, 240),
+        None,
+    )
+    from_meta = dc.load(meta, ckpt, sharded_strategy=strategy)
+    plain = dc.load_plain_tensors(ckpt)
+    return (
+        bitwise_equal(loaded["w"], full)
+        and described
+        and all(bitwise_equal(out["opt.exp_avg"], full.flatten()) for out in (from_meta, plain))
+        and all(bitwise_equal(out["w"], w) for out in (from_meta, plain))
+    )
 
 
 @pytest.mark.parametrize("combo", COMBOS, ids=by_name)
 def test_flattened_ranges_saved_at_4_loaded_at_2_and_1(combo: StrategyCombo, shared_tmp_path: Path) -> None:
-    """Distributed-optimizer state (TP=2 x DP=2 flattened ranges) saved by 4 participants, loaded
-    by a 2-rank job (DP=2, other cut points; and as whole TP shards) and by one process."""
+    """Distributed-optimizer state (TP=2 x DP=2 flattened ranges) saved by 4 participants, beside
+    a TP-sharded weight, loaded by a 2-rank job (DP=2, other cut points; and as whole TP
+    shards), by one process (also through load_tensors_metadata, which describes the flattened
+    tensor as saved) and by every rank from that metadata."""
     full = full_tensor("opt.exp_avg", (24, 10), torch.float32)
-    dc.save(flat_shards("opt.exp_avg", full, 0, 2, 2, rank(), world()), shared_tmp_path, sharded_strategy=combo.save())
+    saved = flat_shards("opt.exp_avg", full, 0, 2, 2, rank(), world())
+    saved.update(tp_shards("w", full_tensor("w", (8, 6)), 1, 2, rank(), world()))
+    dc.save(saved, shared_tmp_path, sharded_strategy=combo.save())
+    meta = dc.load_tensors_metadata(shared_tmp_path)  # every rank, whole tensors, as in Megatron-Core's test
+    for sh in meta.values():
+        sh.replica_id = rank()
+    from_meta = dc.load(meta, shared_tmp_path, sharded_strategy=combo.load())
+    assert_on_all_ranks(
+        bitwise_equal(from_meta["opt.exp_avg"], full.flatten())
+        and bitwise_equal(from_meta["w"], full_tensor("w", (8, 6))),
+        "load of load_tensors_metadata differs",
+    )
     ok, detail = True, ""
     if rank() == 0:
         try:
