@@ -8,6 +8,7 @@ the result must equal ``stored.to(requested)`` elementwise, as Megatron-Core and
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
@@ -122,6 +123,21 @@ def test_strict_option_refuses_naming_key_rank_path_and_dtypes(tmp_path: Path, e
     assert "torch.float32" in msg and "torch.bfloat16" in msg and "allow_dtype_cast=False" in msg
     same = {"x": ShardedTensor.from_rank_offsets("f32", torch.empty(SHAPE))}
     assert torch.equal(loader(False).load(same, tmp_path)["x"], full_tensor("f32", SHAPE))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_casts_into_gpu_destinations(tmp_path: Path, engine: str) -> None:
+    """fp32 / int64 on disk into bf16 tensors on the GPU (Megatron-Core's everyday case)."""
+    save, loader = ENGINES[engine]
+    save(stored_tensors(), tmp_path)
+    sd = {
+        k: dataclasses.replace(sh, data=sh.data.cuda())
+        for k, sh in requests(torch.bfloat16).items()
+        if sh.flattened_range is None or not sh.allow_shape_mismatch
+    }
+    out = loader(True).load(dict(sd), tmp_path)
+    wrong = [k for k, sh in sd.items() if not torch.equal(out[k].cpu(), expected(sh, torch.bfloat16))]
+    assert not wrong
 
 
 def test_complex_to_real_is_refused_real_to_complex_and_bool_cast(tmp_path: Path, engine: str) -> None:
