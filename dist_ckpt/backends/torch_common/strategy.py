@@ -42,6 +42,7 @@ from dist_ckpt.backends.base import LoadCommonStrategy, SaveCommonStrategy
 from dist_ckpt.backends.torch_common.plain_types import plain_data_allowed
 from dist_ckpt.engine.distributed import gather_json, get_rank, run_collectively
 from dist_ckpt.errors import (
+    UNEXPECTED_KEYS,
     CheckpointingException,
     CorruptCheckpointError,
     KeyMismatchError,
@@ -324,8 +325,8 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         absent = sorted({o.key for o in requested if not was_saved(f"{OBJECTS_DIR}/{encode_key(o.key)}")})
         if absent:
             raise KeyMismatchError(
-                f"[rank {get_rank()}] ShardedObjects requested by load but absent from checkpoint "
-                f"{location_str(checkpoint_dir)!r}: {format_keys(absent)}",
+                f"[rank {get_rank()}] {UNEXPECTED_KEYS} (ShardedObjects requested by load but absent from checkpoint "
+                f"{location_str(checkpoint_dir)!r}): {format_keys(absent)}",
                 unexpected_keys=absent,
             )
 
