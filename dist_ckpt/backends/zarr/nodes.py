@@ -9,11 +9,13 @@ which node (:func:`creates_array`, :func:`creates_flattened_group`) and what eve
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, List, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -25,6 +27,7 @@ from dist_ckpt.storage.object_path import ObjectPath
 
 __all__ = [
     "array_chunk_shape",
+    "ByteBudget",
     "array_metadata",
     "chunked_attributes",
     "cpu_contiguous",
@@ -45,6 +48,11 @@ Shape = Tuple[int, ...]
 #: zarr-python call on its event loop, a checksum check reading a file): one at a time, a cold
 #: load waits on one chunk file after another
 IO_THREADS = 8
+
+#: bytes of tensors a rank reads at once through zarr-python, whose reads make temporary copies:
+#: several tensors at a time must not raise a load's peak memory above what the largest tensor
+#: alone needs (one larger than this is read alone)
+READ_BUDGET_BYTES = 64 * 2**20
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -187,3 +195,34 @@ def in_threads(fn: Callable[[_T], _R], items: Sequence[_T]) -> List[_R]:
         return [f.result() for f in futures]
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+class ByteBudget:
+    """At most ``limit`` bytes held at once by concurrent callers of :meth:`hold`; a caller that
+    asks for more than the limit waits until it is alone, then holds it all.
+
+    Example::
+
+        budget = ByteBudget(64 << 20)
+        with budget.hold(tensor_bytes):
+            read(tensor)
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._held = 0
+        self._changed = threading.Condition()
+
+    @contextlib.contextmanager
+    def hold(self, nbytes: int) -> Iterator[None]:
+        """Hold ``nbytes`` of the budget for the ``with`` block (waiting for room first)."""
+        with self._changed:
+            while self._held and self._held + nbytes > self._limit:
+                self._changed.wait()
+            self._held += nbytes
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._held -= nbytes
+                self._changed.notify_all()

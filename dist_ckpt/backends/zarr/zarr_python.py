@@ -79,6 +79,8 @@ from dist_ckpt.backends.zarr.megatron import (
 )
 from dist_ckpt.backends.zarr.metadata import describe_zarr, list_tensor_names, open_tensor_info
 from dist_ckpt.backends.zarr.nodes import (
+    READ_BUDGET_BYTES,
+    ByteBudget,
     array_chunk_shape,
     chunked_attributes,
     cpu_contiguous,
@@ -433,6 +435,8 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         manifest = read_checksums(node) if self.verify_checksums and requested else None
         reader = _ArrayReader(root, VerifyingStore(root, manifest) if manifest is not None else None)
 
+        budget = ByteBudget(READ_BUDGET_BYTES)
+
         def load_one(x: Any) -> Any:
             if not isinstance(x, ShardedTensor):
                 return x
@@ -441,8 +445,9 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
             plan = plans[id(x)]
             for piece, _ in plan.pad:
                 piece_view(dest, piece, x.prepend_axis_num, holder).zero_()
-            for op in plan.ops:
-                self._copy(reader, op, dest, x, holder, plan.stored_dtype)
+            with budget.hold(sum(op.region.numel for op in plan.ops) * plan.stored_dtype.itemsize):
+                for op in plan.ops:
+                    self._copy(reader, op, dest, x, holder, plan.stored_dtype)
             return dest
 
         # several tensors at a time: their reads are in flight together (a cold load waits on

@@ -119,3 +119,27 @@ def test_a_save_syncs_a_bounded_number_of_times_whatever_the_number_of_tensors(t
         monkeypatch.undo()
         counts.append((len(syncs), len(fsyncs)))
     assert counts[0] == counts[1] and counts[0][0] == 1, counts  # one syncfs; the manifest's own fsyncs
+
+
+def test_byte_budget_never_holds_more_than_its_limit_but_lets_a_large_item_through_alone():
+    import threading
+    import time
+
+    from dist_ckpt.backends.zarr.nodes import ByteBudget, in_threads
+
+    budget, lock = ByteBudget(10), threading.Lock()
+    holders = []  # sizes held now
+    bad = []
+
+    def work(n):
+        with budget.hold(n):
+            with lock:
+                holders.append(n)
+                if sum(holders) > 10 and len(holders) > 1:
+                    bad.append(list(holders))
+            time.sleep(0.01)
+            with lock:
+                holders.remove(n)
+
+    in_threads(work, [6, 6, 4, 20, 3, 3, 3, 6, 9, 1])
+    assert bad == []
