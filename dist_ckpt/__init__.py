@@ -11,6 +11,7 @@ Save a sharded state dict from N processes, load it back under another parallel 
 This module re-exports the public API; importing it imports no optional backend.
 """
 
+from ._version import __version__
 from .checkpointer import (
     CheckpointMetadata,
     Checkpointer,
@@ -85,7 +86,6 @@ from .unshard import iter_unsharded, unshard
 from .validation import StrictHandling, validate_sharding_integrity
 from .verify import VerifyReport, verify_checkpoint
 
-__version__ = "0.1.0"
 
 __all__ = [
     "AsyncCallsQueue",

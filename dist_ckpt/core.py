@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+from ._version import __version__
 from .errors import CheckpointExistsError, CheckpointingException, CorruptCheckpointError, NotACheckpointError
 from .storage import write_bytes_atomic
 from .storage.errors import ObjectExistsError, ObjectNotFoundError, StorageError
@@ -49,7 +50,7 @@ __all__ = [
 
 METADATA_FILENAME = "metadata.json"
 FORMAT_VERSION = 1
-LIBRARY_VERSION = "0.1.0"
+LIBRARY_VERSION = __version__  # the version of the dist_ckpt that writes metadata.json
 
 
 @dataclass(frozen=True)
