@@ -206,5 +206,5 @@ class StepMonitor:
         report.complete = True
         if report.rank == 0:
             logger.info("%s", report.summary())
-        logger.debug("rank %d: %d bytes in %.3f s (%.3g GB/s)", report.rank, report.nbytes, report.seconds, report.rank_gb_per_s)
+        logger.debug("rank %d: %d bytes in %.3f s (%.3g GiB/s)", report.rank, report.nbytes, report.seconds, report.rank_gib_per_s)
         return report

@@ -309,7 +309,7 @@ def save_with_report(
 
         result = save_with_report(sd, "ckpt/iter_10", progress=lambda e: print(e.phase, e.done))
         print(result.report.summary())
-        print(result.report.phase_seconds("saving sharded tensors"), result.report.gb_per_s)
+        print(result.report.phase_seconds("saving sharded tensors"), result.report.gib_per_s)
     """
     phases = ["preparing the save", "checking the state to save"]
     phases += ["validating the sharding"] if validate_access_integrity else []

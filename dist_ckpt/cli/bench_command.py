@@ -12,6 +12,7 @@ from .common import (
     BadPathError,
     CommandFailed,
     SubParsers,
+    add_engine_option,
     add_progress_option,
     backend_arg,
     even_ranks_arg,
@@ -49,6 +50,7 @@ def add_bench_command(subparsers: SubParsers, common: argparse.ArgumentParser) -
     p.add_argument("--backend", type=backend_arg, default=default_backend, metavar="NAME[:VERSION]",
                    help="sharded backend to measure (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print the measurements as one JSON document")
+    add_engine_option(p)
     add_progress_option(p)
     p.set_defaults(run=run_bench_command, parser=p)
 
@@ -75,7 +77,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
             bar.set_postfix_str(phase, refresh=True)
 
     try:
-        result = run_bench(BenchOptions(directory=args.dir, size_mib=args.size, ranks=args.ranks, backend=args.backend),
+        result = run_bench(BenchOptions(directory=args.dir, size_mib=args.size, ranks=args.ranks, backend=args.backend, engine=args.engine),
                            on_phase=on_phase)
         if bar is not None:
             bar.update(bar.total - bar.n)

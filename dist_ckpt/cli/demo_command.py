@@ -10,6 +10,7 @@ from .common import (
     EXIT_OK,
     CommandFailed,
     SubParsers,
+    add_engine_option,
     backend_arg,
     even_ranks_arg,
     format_table,
@@ -45,6 +46,7 @@ def add_demo_command(subparsers: SubParsers, common: argparse.ArgumentParser) ->
                    help="sharded backend to save with (default: %(default)s)")
     p.add_argument("--dir", type=Path, default=None, metavar="DIR",
                    help="create the checkpoint in a new subdirectory of DIR (default: the system temp dir)")
+    add_engine_option(p)
     p.add_argument("--keep", action="store_true", help="keep the checkpoint instead of deleting it")
     p.add_argument("--seed", type=int, default=1234,
                    help="seed of every saved value (default: %(default)s)")
@@ -56,12 +58,13 @@ def run_demo_command(args: argparse.Namespace) -> int:
     from ..demo import DemoOptions, run_demo  # keeps `dist-ckpt --help` fast
 
     result = run_demo(
-        DemoOptions(size_mib=args.size, ranks=args.ranks, backend=args.backend, directory=args.dir,
+        DemoOptions(size_mib=args.size, ranks=args.ranks, backend=args.backend, engine=args.engine, directory=args.dir,
                     keep=args.keep, seed=args.seed)
     )
     cfg = result.config
     fate = "kept" if result.kept else "deleted"
-    print(f"dist-ckpt demo: {result.ranks} ranks, backend {result.backend[0]}:{result.backend[1]}")
+    engine = f" ({result.engine})" if result.backend[0] == "zarr" else ""
+    print(f"dist-ckpt demo: {result.ranks} ranks, backend {result.backend[0]}:{result.backend[1]}{engine}")
     print(f"  model      GPT-like, hidden {cfg.hidden}, {cfg.layers} layers, vocab {cfg.vocab} (bf16)"
           f" + Adam exp_avg, exp_avg_sq (fp32, distributed optimizer)")
     print(f"  checkpoint {result.num_tensors} tensors in {result.num_shards} saved shards, "
