@@ -307,7 +307,8 @@ def _convert_steps(
         from .hf.export import export
 
         folder = require_local(dst, "a HuggingFace folder")
-        monitor.run(_COPY, lambda: export(src, folder, max_shard_size=max_shard_size, on_tensor=tensor_done))
+        monitor.run(_COPY, lambda: export(src, folder, max_shard_size=max_shard_size, include=["*"],  # every tensor
+                                          on_tensor=tensor_done))
         dropped = _dropped_by_hf(sharded, common, src)
         for note in dropped:
             logger.warning("converting %s to a HuggingFace folder drops %s", src, note)

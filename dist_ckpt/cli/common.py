@@ -146,7 +146,8 @@ def elide(text: str, width: int) -> str:
 def terminal_width() -> Optional[int]:
     """The width output lines should fit: ``$COLUMNS``, else the terminal's when stdout is one;
     None (no limit) when stdout is a pipe or a file, so ``| grep`` sees whole lines."""
-    if os.environ.get("COLUMNS", "").isdigit() or sys.stdout.isatty():
+    isatty = getattr(sys.stdout, "isatty", None)  # a replaced stdout may have none
+    if os.environ.get("COLUMNS", "").isdigit() or (isatty is not None and isatty()):
         return max(shutil.get_terminal_size().columns, 40)
     return None
 
