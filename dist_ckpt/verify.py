@@ -131,7 +131,9 @@ def verify_checkpoint(checkpoint_dir: LocationLike, progress: Optional[ProgressC
         report.problems.append(IntegrityProblem(METADATA_FILENAME, f"unreadable: {e}"))
     if config is None and not report.problems and not _holds_save_files(directory):
         report.found = False
-        report.problems.append(IntegrityProblem(".", f"no checkpoint here: no {METADATA_FILENAME} and no file a save writes"))
+        report.problems.append(IntegrityProblem(
+            METADATA_FILENAME, "missing, and so is every file a save writes: no checkpoint here (or a save that "
+            "had not started writing)"))
         return report
     if config is None and not report.problems:
         report.problems.append(
