@@ -20,17 +20,15 @@ Each launch runs in a fresh empty directory, so relative paths (``ckpt/iter_1000
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, List, Optional, Tuple
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.unit.torchrun import ROOT, run
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 #: at most this many blocks may be exempted with <!-- not-run: ... -->
 MAX_NOT_RUN = 3
@@ -52,7 +50,7 @@ class Program:
     line: int
     code: str
     not_run: Optional[str] = None
-    launches: List[Tuple[int, str]] = field(default_factory=list)  # (ranks, file name)
+    launches: List[Tuple[Optional[int], str]] = field(default_factory=list)  # (torchrun ranks or None, file)
 
     @property
     def name(self) -> str:
@@ -76,16 +74,17 @@ def _blocks(page: Path) -> Iterator[Tuple[int, str, str]]:
         i += 1
 
 
-def _launches(code: str) -> List[Tuple[int, str]]:
+def _launches(code: str) -> List[Tuple[Optional[int], str]]:
+    """``(ranks, file)`` of each launch the first line states: torchrun's ranks, or None for python."""
     first = code.lstrip().splitlines()[0] if code.strip() else ""
     if "run with:" not in first:
-        return [(1, "block.py")]
+        return [(None, "block.py")]
     command = first.split("run with:", 1)[1]
-    found = [(m.start(), int(m.group(1)), m.group(2)) for m in _TORCHRUN.finditer(command)]
+    found: List[Tuple[int, Optional[int], str]] = [(m.start(), int(m.group(1)), m.group(2)) for m in _TORCHRUN.finditer(command)]
     spans = [(m.start(), m.end()) for m in _TORCHRUN.finditer(command)]
     for m in _PYTHON.finditer(command):
         if not any(a <= m.start() < b for a, b in spans):
-            found.append((m.start(), 1, m.group(1)))
+            found.append((m.start(), None, m.group(1)))
     assert found, f"cannot read the launch in {first!r}"
     return [(ranks, name) for _, ranks, name in sorted(found)]
 
@@ -119,12 +118,6 @@ def test_the_pages_have_programs_and_few_exemptions():
     assert all(len(p.not_run or "") >= 10 for p in exempt), "each exemption says why"
 
 
-def _command(ranks: int, script: Path) -> List[str]:
-    if ranks == 1:
-        return [sys.executable, str(script)]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), str(script)]
-
-
 @pytest.fixture
 def s3_buckets(request: pytest.FixtureRequest) -> Any:
     """For a program that uses ``s3://``: the test server's environment, its buckets made empty."""
@@ -150,15 +143,16 @@ def s3_buckets(request: pytest.FixtureRequest) -> Any:
                          indirect=True)
 def test_code_block_runs_as_the_page_says(s3_buckets: Program, tmp_path: Path) -> None:
     program = s3_buckets
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     for i, (ranks, name) in enumerate(program.launches):
         workdir = tmp_path / f"launch{i}"
-        workdir.mkdir()
-        script = workdir / Path(name).name
-        script.write_text(program.code, encoding="utf-8")
-        proc = subprocess.run(_command(ranks, script), cwd=workdir, env=env, capture_output=True, text=True,
-                              timeout=600)  # a hang guard, not a timing check
+
+        def prepare() -> None:
+            shutil.rmtree(workdir, ignore_errors=True)
+            workdir.mkdir()
+            (workdir / Path(name).name).write_text(program.code, encoding="utf-8")
+
+        proc = run(workdir, ranks, Path(name).name, prepare=prepare)
         assert proc.returncode == 0, (
-            f"{program.name} ({ranks} rank{'s' if ranks > 1 else ''}, {name}) failed:\n"
+            f"{program.name} ({'python' if ranks is None else f'torchrun, {ranks} ranks'}, {name}) failed:\n"
             f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         )

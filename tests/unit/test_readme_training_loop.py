@@ -16,11 +16,9 @@ torchrun mid-save), then copies of its run directory are resumed at 2, 1 and 3 r
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -30,8 +28,7 @@ import torch
 import dist_ckpt as dc
 from dist_ckpt.checkpoints import find_latest_checkpoint
 from dist_ckpt.testing.layouts import bitwise_equal
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.unit.torchrun import ROOT, run
 
 pytestmark = pytest.mark.slow
 
@@ -58,13 +55,6 @@ def readme_train_py() -> str:
     return match.group(1)
 
 
-def torchrun(workdir: Path, ranks: int, *script: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *script]
-    return subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True,
-                          timeout=600)  # a hang guard, not a timing check
-
-
 def saved_steps(proc: subprocess.CompletedProcess[str]) -> List[int]:
     return [int(m) for m in re.findall(r"^step (\d+): loss", proc.stdout, re.M)]
 
@@ -89,16 +79,19 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
     """The uninterrupted reference run, and the run killed while saving step 30."""
     base = tmp_path_factory.mktemp("readme_loop")
     train = readme_train_py()
-    out: Dict[str, Path] = {}
-    for name in ("reference", "killed"):
-        (base / name).mkdir()
-        (base / name / "train.py").write_text(train, encoding="utf-8")
-        out[name] = base / name
-    reference = torchrun(out["reference"], 2, "train.py")
+    out = {"reference": base / "reference", "killed": base / "killed"}
+
+    def prepare(name: str) -> None:
+        shutil.rmtree(out[name], ignore_errors=True)
+        out[name].mkdir()
+        (out[name] / "train.py").write_text(train, encoding="utf-8")
+        (out[name] / "killer.py").write_text(KILLER, encoding="utf-8")
+
+    reference = run(out["reference"], 2, "train.py", prepare=lambda: prepare("reference"))
     assert reference.returncode == 0, reference.stderr[-5000:]
     assert saved_steps(reference) == [10, 20, 30, 40]
-    (out["killed"] / "killer.py").write_text(KILLER, encoding="utf-8")
-    killed = torchrun(out["killed"], 2, "killer.py", "train.py")
+    prepare("killed")
+    killed = run(out["killed"], 2, "killer.py", "train.py", retry_teardown_abort=False)
     assert killed.returncode != 0 and saved_steps(killed) == [10, 20], (killed.stdout, killed.stderr[-3000:])
     return out
 
@@ -113,8 +106,12 @@ def test_the_kill_leaves_no_complete_checkpoint_30(runs):
 @pytest.mark.parametrize("ranks", [2, 1, 3])
 def test_resume_from_the_latest_complete_checkpoint(runs, tmp_path, ranks):
     work = tmp_path / f"resume{ranks}"
-    shutil.copytree(runs["killed"], work)
-    proc = torchrun(work, ranks, "train.py")
+
+    def prepare() -> None:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.copytree(runs["killed"], work)
+
+    proc = run(work, ranks, "train.py", prepare=prepare)
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert saved_steps(proc) == [30, 40], proc.stdout  # resumed after step 20, not from scratch
     assert f"({ranks} ranks)" in proc.stdout
