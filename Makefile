@@ -11,7 +11,7 @@ endif
 endif
 export PYTHON
 
-.PHONY: install demo test
+.PHONY: install demo test check
 
 install:
 	@echo "make: using $(PYTHON)"
@@ -22,3 +22,9 @@ demo: install
 
 test: install
 	./scripts/run_tests.sh
+
+# Static checks CI runs beside the tests: lint and formatting (ruff, line length 120) and mypy --strict.
+check: install
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+	$(PYTHON) -m mypy

@@ -1,7 +1,7 @@
 """What asynchronous saves block, and what checksums cost, on the default (safetensors) backend.
 
 The state is the demo's GPT-like model (bf16) plus distributed-optimizer Adam moments (fp32)
-(:mod:`dist_ckpt.testing.gpt_state`), scaled to ``--size-gb`` GiB, TP=N over N spawned ranks,
+(:mod:`dist_ckpt.tools.gpt_state`), scaled to ``--size-gb`` GiB, TP=N over N spawned ranks,
 CPU tensors. Each rank keeps one save strategy object and one :class:`AsyncCallsQueue` for the
 whole run (a training job's situation: the snapshot buffer and the writer process are reused;
 both are set up by an untimed warm-up save). Then, ``--repeats`` times, interleaved so that a
@@ -40,18 +40,19 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from dist_ckpt.distributed import barrier, time_collectively
-from dist_ckpt.mapping import ShardedTensor
-from dist_ckpt.serialization import load, save
-from dist_ckpt.strategies.async_utils import AsyncCallsQueue
-from dist_ckpt.strategies.safetensors import (
+from dist_ckpt.async_save.queue import AsyncCallsQueue
+from dist_ckpt.backends.safetensors.strategy import (
     SafetensorsLoadOptions,
     SafetensorsLoadShardedStrategy,
     SafetensorsSaveOptions,
     SafetensorsSaveShardedStrategy,
 )
+from dist_ckpt.engine.distributed import barrier, time_collectively
+from dist_ckpt.engine.load import load
+from dist_ckpt.engine.save import save
+from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.testing import spawn_ranks
-from dist_ckpt.testing.gpt_state import (
+from dist_ckpt.tools.gpt_state import (
     DemoConfig,
     Layout,
     build_sharded_state_dict,
@@ -101,7 +102,8 @@ def _bad(sd: Dict[str, Any], seed: int) -> int:
     return sum(
         1
         for sh in sharded_tensors(sd)
-        if sh.data is not None and not torch.equal(sh.data.view(torch.uint8), expected_values(sh, seed).view(torch.uint8))
+        if sh.data is not None
+        and not torch.equal(sh.data.view(torch.uint8), expected_values(sh, seed).view(torch.uint8))
     )
 
 
@@ -119,7 +121,9 @@ def timing_job(rank: int, world: int, job: Job) -> Dict[str, List[float]]:
     tiny = {"warm": ShardedTensor.from_rank_offsets("warm", torch.ones(4), replica_id=rank)}
     save(tiny, root / "warm_sync", sharded_strategy=plain)
     load(tiny, root / "warm_sync")
-    queue.schedule_async_request(save(tiny, root / "warm_async", sharded_strategy=SafetensorsSaveShardedStrategy(), async_sharded_save=True))
+    queue.schedule_async_request(
+        save(tiny, root / "warm_async", sharded_strategy=SafetensorsSaveShardedStrategy(), async_sharded_save=True)
+    )
     queue.maybe_finalize_async_calls(blocking=True)
 
     sd = build_sharded_state_dict(job.cfg, Layout(world, 1), rank, fill=True)
@@ -131,14 +135,20 @@ def timing_job(rank: int, world: int, job: Job) -> Dict[str, List[float]]:
         out["save"].append(time_collectively(lambda: save(sd, root / f"default{i}", sharded_strategy=default)))
 
         def blocking() -> None:
-            queue.schedule_async_request(save(sd, root / f"async{i}", sharded_strategy=asynchronous, async_sharded_save=True))
+            queue.schedule_async_request(
+                save(sd, root / f"async{i}", sharded_strategy=asynchronous, async_sharded_save=True)
+            )
 
         block = time_collectively(blocking)
         out["async_first" if i == 0 else "async_block"].append(block)
         out["async_total"].append(block + time_collectively(lambda: queue.maybe_finalize_async_calls(blocking=True)))
         if i == 0:
             out["async_reserved"].append(
-                time_collectively(lambda: queue.schedule_async_request(save(sd, root / "reserved", sharded_strategy=reserved, async_sharded_save=True)))
+                time_collectively(
+                    lambda: queue.schedule_async_request(
+                        save(sd, root / "reserved", sharded_strategy=reserved, async_sharded_save=True)
+                    )
+                )
             )
             queue.maybe_finalize_async_calls(blocking=True)
             barrier()
@@ -181,7 +191,8 @@ def render(times: Dict[str, List[float]], nbytes: int) -> str:
             rows.append([label, f"{best:.3f}", f"{nbytes / 2**30 / best:.2f}", " ".join(f"{r:.3f}" for r in runs)])
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     table = "\n".join(
-        "  ".join(c.ljust(w) if i in (0, 3) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows
+        "  ".join(c.ljust(w) if i in (0, 3) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+        for r in rows
     )
 
     def ratio(a: str, b: str) -> str:
@@ -192,7 +203,8 @@ def render(times: Dict[str, List[float]], nbytes: int) -> str:
         "",
         "ratios (best runs):",
         f"  async blocking / sync save                 {ratio('async_block', 'save')}   (goal <= 0.1)",
-        f"    first save, fresh buffer / reserved      {ratio('async_first', 'save')} / {ratio('async_reserved', 'save')}",
+        f"    first save, fresh buffer / reserved      {ratio('async_first', 'save')} / "
+        f"{ratio('async_reserved', 'save')}",
         f"  sync save / sync save without checksums    {ratio('save', 'save_plain')}   (goal <= 1.1)",
         f"  load / load without verification, cold     {ratio('load_cold', 'load_plain_cold')}   (goal <= 1.1)",
         f"  load / load without verification, warm     {ratio('load_warm', 'load_plain_warm')}",
@@ -205,8 +217,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--size-gb", type=float, default=1.0, help="state size in GiB (default: %(default)s)")
     parser.add_argument("--ranks", type=int, default=2, help="ranks (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="runs (default: %(default)s)")
-    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()),
-                        help="directory on the storage to measure (default: %(default)s)")
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()),
+        help="directory on the storage to measure (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     cfg = DemoConfig.for_size(int(args.size_gb * 2**30), args.ranks)
     nbytes = state_bytes(cfg)
@@ -215,8 +231,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         per_rank = spawn_ranks(timing_job, args.ranks, Job(cfg, str(work), args.repeats), timeout_s=3600)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"async save and checksums benchmark: {nbytes / 2**30:.2f} GiB state (hidden {cfg.hidden}, {cfg.layers} "
-          f"layers), {args.ranks} ranks, CPU tensors, {args.repeats} runs, under {args.dir}\n")
+    print(
+        f"async save and checksums benchmark: {nbytes / 2**30:.2f} GiB state (hidden {cfg.hidden}, {cfg.layers} "
+        f"layers), {args.ranks} ranks, CPU tensors, {args.repeats} runs, under {args.dir}\n"
+    )
     print(render(_merge(per_rank), nbytes))
     bad = int(sum(r["bad"][0] for r in per_rank))
     if bad:

@@ -2,7 +2,7 @@
 next to the raw disk bandwidth measured in the same run, and the peak memory of loading ranks.
 
 The state is the demo's GPT-like model (bf16) plus distributed-optimizer Adam moments (fp32)
-(:mod:`dist_ckpt.testing.gpt_state`), scaled to ``--size-gb`` GiB and sharded TP=N over N spawned
+(:mod:`dist_ckpt.tools.gpt_state`), scaled to ``--size-gb`` GiB and sharded TP=N over N spawned
 ranks (gloo). For every system, in turns (so that slow and fast minutes of a noisy disk are
 shared fairly), ``--repeats`` times:
 
@@ -50,12 +50,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from dist_ckpt.bench import measure_disk
-from dist_ckpt.distributed import barrier, time_collectively
-from dist_ckpt.mapping import ShardedTensor, is_main_replica
-from dist_ckpt.serialization import load, save
+from dist_ckpt.engine.distributed import barrier, time_collectively
+from dist_ckpt.engine.load import load
+from dist_ckpt.engine.save import save
+from dist_ckpt.model.sharded import ShardedTensor, is_main_replica
 from dist_ckpt.testing import spawn_ranks
-from dist_ckpt.testing.gpt_state import (
+from dist_ckpt.tools.bench import measure_disk
+from dist_ckpt.tools.gpt_state import (
     DemoConfig,
     Layout,
     build_sharded_state_dict,
@@ -75,7 +76,7 @@ def measure_disk_parallel(directory: Path, nbytes: int, streams: int = 4) -> Tup
     storage gives to a writer that keeps it busy."""
     import threading
 
-    from dist_ckpt.strategies.safetensors_format import SequentialWriter
+    from dist_ckpt.backends.safetensors.format import SequentialWriter
 
     paths = [directory / f"bench_raw_{os.getpid()}_{i}.bin" for i in range(streams)]
     part = nbytes // streams
@@ -280,8 +281,9 @@ def _gib_s(nbytes: int, seconds: float) -> float:
     return nbytes / 2**30 / seconds
 
 
-def render(res: Results, nbytes: int, disk: Sequence[Tuple[float, float]], fast: Sequence[Tuple[float, float]],
-           ranks: int) -> str:
+def render(
+    res: Results, nbytes: int, disk: Sequence[Tuple[float, float]], fast: Sequence[Tuple[float, float]], ranks: int
+) -> str:
     plain_w, plain_r = min(d[0] for d in disk), min(d[1] for d in disk)
     fast_w, fast_r = min(d[0] for d in fast), min(d[1] for d in fast)
     write_s, read_s = min(plain_w, fast_w), min(plain_r, fast_r)  # the disk limit: the best seen
@@ -295,28 +297,48 @@ def render(res: Results, nbytes: int, disk: Sequence[Tuple[float, float]], fast:
         ("disk read, 4 streams, cold", fast_r, read_s),
     ):
         rows.append([label, f"{seconds:.3f}", f"{_gib_s(nbytes, seconds):.3f}", f"{limit / seconds:.2f}", "", ""])
-    labels = {"save": f"save TP={ranks}", "load": f"load TP={ranks}, cold", "reshard": f"load TP={ranks // 2} DP=2, cold"}
+    labels = {
+        "save": f"save TP={ranks}",
+        "load": f"load TP={ranks}, cold",
+        "reshard": f"load TP={ranks // 2} DP=2, cold",
+    }
     for system, ops in res.times.items():
         for op, runs in ops.items():
             best = min(runs)
             disk_gib = disk_w if op == "save" else disk_r
             vs_dcp = f"{min(dcp[op]) / best:.2f}x" if op in dcp and system != DCP else ""
             rate = _gib_s(nbytes, best)
-            rows.append([f"{system}: {labels[op]}", f"{best:.3f}", f"{rate:.3f}", f"{rate / disk_gib:.2f}", vs_dcp,
-                         " ".join(f"{r:.2f}" for r in runs)])
+            rows.append(
+                [
+                    f"{system}: {labels[op]}",
+                    f"{best:.3f}",
+                    f"{rate:.3f}",
+                    f"{rate / disk_gib:.2f}",
+                    vs_dcp,
+                    " ".join(f"{r:.2f}" for r in runs),
+                ]
+            )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    table = "\n".join("  ".join(c.ljust(w) if i in (0, 5) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
-                      for r in rows)
+    table = "\n".join(
+        "  ".join(c.ljust(w) if i in (0, 5) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+        for r in rows
+    )
     lines = [table, "", "peak RSS of each loading rank (fresh job, same layout): growth during the load vs its state"]
     for system, per_rank in res.memory.items():
-        parts = [f"rank {r}: +{(peak - before) / 2**20:.0f} MiB for {state / 2**20:.0f} MiB "
-                 f"({(peak - before) / state:.2f}x)" for r, (before, peak, state) in enumerate(per_rank)]
+        parts = [
+            f"rank {r}: +{(peak - before) / 2**20:.0f} MiB for {state / 2**20:.0f} MiB ({(peak - before) / state:.2f}x)"
+            for r, (before, peak, state) in enumerate(per_rank)
+        ]
         lines.append(f"  {system}: " + "; ".join(parts))
     lines.append("")
     for name, runs in (("1 stream", disk), ("4 streams", fast)):
-        lines.append(f"raw disk ({name}), before / after: write "
-                     + " / ".join(f"{_gib_s(nbytes, d[0]):.3f}" for d in runs)
-                     + " GiB/s, read " + " / ".join(f"{_gib_s(nbytes, d[1]):.3f}" for d in runs) + " GiB/s")
+        lines.append(
+            f"raw disk ({name}), before / after: write "
+            + " / ".join(f"{_gib_s(nbytes, d[0]):.3f}" for d in runs)
+            + " GiB/s, read "
+            + " / ".join(f"{_gib_s(nbytes, d[1]):.3f}" for d in runs)
+            + " GiB/s"
+        )
     lines.append("'vs disk' divides by the best raw figure of the run (write or read), whichever way it was measured")
     return "\n".join(lines)
 
@@ -325,12 +347,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-gb", type=float, default=1.0, help="state size in GiB (default: %(default)s)")
     parser.add_argument("--ranks", type=int, default=2, help="ranks; even (default: %(default)s)")
-    parser.add_argument("--backends", default="safetensors:1,zarr:1",
-                        help="comma-separated NAME:VERSION list (default: %(default)s)")
+    parser.add_argument(
+        "--backends", default="safetensors:1,zarr:1", help="comma-separated NAME:VERSION list (default: %(default)s)"
+    )
     parser.add_argument("--no-dcp", action="store_true", help="skip torch.distributed.checkpoint")
     parser.add_argument("--repeats", type=int, default=3, help="runs per system (default: %(default)s)")
-    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()),
-                        help="directory on the storage to measure (default: %(default)s)")
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()),
+        help="directory on the storage to measure (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     systems = [s for s in args.backends.split(",") if s] + ([] if args.no_dcp else [DCP])
     cfg = DemoConfig.for_size(int(args.size_gb * 2**30), args.ranks)
@@ -351,8 +378,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 shutil.rmtree(ckpt, ignore_errors=True)
     disk.append(measure_disk(args.dir, nbytes))
     fast.append(measure_disk_parallel(args.dir, nbytes))
-    print(f"backends benchmark: {nbytes / 2**30:.2f} GiB state (hidden {cfg.hidden}, {cfg.layers} layers, vocab "
-          f"{cfg.vocab}), {args.ranks} ranks, {args.repeats} runs each, under {args.dir}\n")
+    print(
+        f"backends benchmark: {nbytes / 2**30:.2f} GiB state (hidden {cfg.hidden}, {cfg.layers} layers, vocab "
+        f"{cfg.vocab}), {args.ranks} ranks, {args.repeats} runs each, under {args.dir}\n"
+    )
     print(render(res, nbytes, disk, fast, args.ranks))
     if res.bad:
         print(f"\nerror: {res.bad} loaded tensors differ from what was saved", file=sys.stderr)

@@ -34,14 +34,14 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 import dist_ckpt as dc
-from dist_ckpt.bench import measure_disk
-from dist_ckpt.distributed import barrier, time_collectively
-from dist_ckpt.strategies.base import StrategyAction, get_default_strategy
-from dist_ckpt.strategies.fully_parallel import FullyParallelLoadStrategyWrapper, FullyParallelSaveStrategyWrapper
-from dist_ckpt.strategies.tensorstore import TensorStoreLoadShardedStrategy
-from dist_ckpt.strategies.two_stage import TwoStageDataParallelLoadShardedStrategy
+from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreLoadShardedStrategy
+from dist_ckpt.engine.distributed import barrier, time_collectively
+from dist_ckpt.engine.registry import StrategyAction, get_default_strategy
+from dist_ckpt.parallel.fully_parallel import FullyParallelLoadStrategyWrapper, FullyParallelSaveStrategyWrapper
+from dist_ckpt.parallel.two_stage import TwoStageDataParallelLoadShardedStrategy
 from dist_ckpt.testing import spawn_ranks
 from dist_ckpt.testing.layouts import bitwise_equal, full_tensor
+from dist_ckpt.tools.bench import measure_disk
 
 SAVES = ("plain save", "fully-parallel save")
 LOADS = (
@@ -166,7 +166,8 @@ def crossover(dps: Sequence[int], speedups: Sequence[float]) -> str:
         return f"faster than plain at every measured DP ({', '.join(str(d) for d in dps)})"
     (d0, s0), (d1, s1) = pairs[-2] if len(pairs) > 1 else pairs[-1], pairs[-1]
     if len(pairs) > 1 and (s1 - s0) / (d1 - d0) > 0.02:
-        return f"slower at every measured DP; the trend reaches 1.0 at about DP={d1 + (1 - s1) * (d1 - d0) / (s1 - s0):.1f} (extrapolated)"
+        crossover = d1 + (1 - s1) * (d1 - d0) / (s1 - s0)
+        return f"slower at every measured DP; the trend reaches 1.0 at about DP={crossover:.1f} (extrapolated)"
     if len(pairs) > 1 and all(s < 1 for s in speedups):
         return "slower at every measured DP, with no clear trend towards a crossover"
     return "slower at the largest measured DP"
@@ -195,10 +196,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     gib = size / 2**30
     disk_w, disk_r = gib / write_s, gib / read_s
     print(
-        f"state: one replica of {args.size_mb} MiB in {args.tensors} tensors, held by every rank (pure DP); dir {args.dir}"
+        f"state: one replica of {args.size_mb} MiB in {args.tensors} tensors, held by every rank (pure DP); dir "
+        f"{args.dir}"
     )
     print(
-        f"raw disk: write {disk_w:.2f} GiB/s, cold read {disk_r:.2f} GiB/s (best of {len(raw)}: {[f'{gib / w:.2f}/{gib / r:.2f}' for w, r in raw]})"
+        f"raw disk: write {disk_w:.2f} GiB/s, cold read {disk_r:.2f} GiB/s (best of {len(raw)}: "
+        f"{[f'{gib / w:.2f}/{gib / r:.2f}' for w, r in raw]})"
     )
     print(
         "GiB/s = replica size / time; vs disk = that / raw bandwidth; speedup = plain time / this time (> 1: faster)\n"

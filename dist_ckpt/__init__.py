@@ -11,19 +11,31 @@ Save a sharded state dict from N processes, load it back under another parallel 
 This module re-exports the public API; importing it imports no optional backend.
 """
 
-from ._version import __version__
-from .checkpointer import (
-    CheckpointMetadata,
-    Checkpointer,
-    TensorMetadata,
-    load_model_and_optim_state,
-    save_model_and_optim_state,
-    unshard_model_state,
-    unshard_optim_state,
+from dist_ckpt._version import __version__
+from dist_ckpt.async_save.queue import AsyncCallsQueue, AsyncRequest
+from dist_ckpt.engine.checks.sharding import validate_sharding_integrity
+from dist_ckpt.engine.checks.strict import StrictHandling
+from dist_ckpt.engine.commit import CheckpointingConfig, check_is_distributed_checkpoint, maybe_load_config
+from dist_ckpt.engine.load import LoadResult, load, load_with_report
+from dist_ckpt.engine.load_parts import (
+    load_common_state_dict,
+    load_plain_tensors,
+    load_sharded_metadata,
+    load_sharded_objects,
+    load_tensors_metadata,
+    remove_sharded_tensors,
 )
-from .convert import ConvertResult, convert
-from .core import CheckpointingConfig, check_is_distributed_checkpoint, maybe_load_config
-from .errors import (
+from dist_ckpt.engine.registry import (
+    StrategyAction,
+    StrategyKey,
+    get_default_strategy,
+    register_default_strategy,
+    registered_strategies,
+)
+from dist_ckpt.engine.report import CheckpointReport, ProgressEvent
+from dist_ckpt.engine.save import SaveResult, save, save_with_report
+from dist_ckpt.engine.steps import Step
+from dist_ckpt.errors import (
     AsyncSaveError,
     CheckpointExistsError,
     CheckpointingException,
@@ -44,7 +56,8 @@ from .errors import (
     UnknownStrategyError,
     UnsafeObjectError,
 )
-from .mapping import (
+from dist_ckpt.integrity.verify import VerifyReport, verify_checkpoint
+from dist_ckpt.model.sharded import (
     LocalNonPersistentObject,
     LocalNonpersistentObject,
     LocalNonpersitentObject,
@@ -58,34 +71,18 @@ from .mapping import (
     apply_factory_merges,
     is_main_replica,
 )
-from .inspection import CheckpointInfo, TensorInfo, inspect_checkpoint
-from .report import CheckpointReport, ProgressEvent
-from .serialization import (
-    LoadResult,
-    SaveResult,
-    load,
-    load_common_state_dict,
-    load_plain_tensors,
-    load_sharded_metadata,
-    load_sharded_objects,
-    load_tensors_metadata,
-    load_with_report,
-    remove_sharded_tensors,
-    save,
-    save_with_report,
+from dist_ckpt.tools.convert import ConvertResult, convert
+from dist_ckpt.tools.inspection import CheckpointInfo, TensorInfo, inspect_checkpoint
+from dist_ckpt.tools.unshard import iter_unsharded, unshard
+from dist_ckpt.training.checkpointer import (
+    Checkpointer,
+    CheckpointMetadata,
+    TensorMetadata,
+    load_model_and_optim_state,
+    save_model_and_optim_state,
+    unshard_model_state,
+    unshard_optim_state,
 )
-from .strategies.base import (
-    StrategyAction,
-    StrategyKey,
-    get_default_strategy,
-    register_default_strategy,
-    registered_strategies,
-)
-from .strategies.async_utils import AsyncCallsQueue, AsyncRequest
-from .unshard import iter_unsharded, unshard
-from .validation import StrictHandling, validate_sharding_integrity
-from .verify import VerifyReport, verify_checkpoint
-
 
 __all__ = [
     "AsyncCallsQueue",
@@ -124,6 +121,7 @@ __all__ = [
     "ShardingIntegrityError",
     "StateDict",
     "StateDictStructureError",
+    "Step",
     "StrategyAction",
     "StrategyKey",
     "StrategyRegistrationError",

@@ -1,6 +1,6 @@
 """``python -m dist_ckpt``: the ``dist-ckpt`` command (see :mod:`dist_ckpt.cli`)."""
 
-from .cli import main
+from dist_ckpt.cli import main
 
 if __name__ == "__main__":  # spawned ranks re-import this module as __mp_main__: do not rerun
     raise SystemExit(main())

@@ -43,12 +43,7 @@ class KeyMismatchError(CheckpointingException, KeyError):
             "unexpected" keys).
     """
 
-    def __init__(
-        self,
-        message: str,
-        missing_keys: Iterable[str] = (),
-        unexpected_keys: Iterable[str] = (),
-    ) -> None:
+    def __init__(self, message: str, missing_keys: Iterable[str] = (), unexpected_keys: Iterable[str] = ()) -> None:
         super().__init__(message)
         self.message = message
         self.missing_keys = sorted(missing_keys)
@@ -85,7 +80,7 @@ class AsyncSaveError(CheckpointingException):
 
 
 class CheckpointManagementError(CheckpointingException, ValueError):
-    """A request to :mod:`dist_ckpt.checkpoints` cannot be carried out as asked.
+    """A request to :mod:`dist_ckpt.training.checkpoints` cannot be carried out as asked.
 
     For example a checkpoint name that carries no step, ``max_checkpoints < 1``, metrics that
     are not finite numbers, or symlinks asked for a checkpoint that has no HuggingFace weights.
@@ -132,6 +127,18 @@ class RankFailedError(CheckpointingException):
     every rank; anything else (an ``OSError``, a bug) arrives as this type, with the failing
     rank, the original type and its message.
     """
+
+
+#: how many problems an error message lists before "... and N more"
+MAX_REPORTED_PROBLEMS = 10
+
+
+def format_problems(problems: Sequence[str], separator: str = "; ") -> str:
+    """The first :data:`MAX_REPORTED_PROBLEMS` of ``problems`` joined, and how many more there are."""
+    shown = separator.join(problems[:MAX_REPORTED_PROBLEMS])
+    if len(problems) > MAX_REPORTED_PROBLEMS:
+        shown += f"{separator}... and {len(problems) - MAX_REPORTED_PROBLEMS} more"
+    return shown
 
 
 def format_keys(keys: Iterable[str], limit: int = 20) -> str:

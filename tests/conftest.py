@@ -5,7 +5,7 @@ import logging
 logging.getLogger("dist_ckpt").setLevel(logging.INFO)
 
 
-# -- a real S3 API server (moto) for the storage tests; see dist_ckpt.testing.s3_server ---------
+# -- a real S3 API server (moto) for the storage tests; see tests.s3_server ---------
 
 import os  # noqa: E402
 import uuid  # noqa: E402
@@ -28,7 +28,7 @@ def s3_server() -> Iterator[Any]:
             if os.environ.get("CI"):
                 raise
             pytest.skip(f"{module} is not installed (pip install 'dist_ckpt[test]')")
-    from dist_ckpt.testing.s3_server import S3TestServer
+    from tests.s3_server import S3TestServer
 
     with S3TestServer() as server:
         yield server

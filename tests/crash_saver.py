@@ -46,14 +46,19 @@ def state(rank: int, world: int) -> Dict[str, Any]:
 def full_tensors(world: int) -> Dict[str, torch.Tensor]:
     """The global tensors :func:`state` shards."""
     gen = torch.Generator().manual_seed(1234)
-    return {"w": torch.randn(256 * world, 2048, generator=gen), "e": torch.randint(-(2**40), 2**40, (128 * world, 1024), generator=gen)}
+    return {
+        "w": torch.randn(256 * world, 2048, generator=gen),
+        "e": torch.randint(-(2**40), 2**40, (128 * world, 1024), generator=gen),
+    }
 
 
 def slow_storage() -> None:
     """Slow down every data write and every atomic metadata write of this process."""
-    from dist_ckpt import checksums, core
+    from dist_ckpt.backends.safetensors import format as safetensors_format
+    from dist_ckpt.backends.safetensors import strategy as safetensors
+    from dist_ckpt.engine import commit as core
+    from dist_ckpt.integrity import checksums
     from dist_ckpt.storage import atomic_write
-    from dist_ckpt.strategies import safetensors, safetensors_format
 
     original = safetensors_format.SequentialWriter.write
 
@@ -97,7 +102,7 @@ def main(argv: list) -> None:
     ckpt, mode, side = Path(argv[3]), argv[4], Path(argv[5])
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import dist_ckpt as dc
-    from dist_ckpt.strategies.async_utils import AsyncCallsQueue
+    from dist_ckpt.async_save.queue import AsyncCallsQueue
     from dist_ckpt.testing import init_process_group
 
     slow_storage()
@@ -110,7 +115,9 @@ def main(argv: list) -> None:
     else:
         queue = AsyncCallsQueue()
         request = dc.save(sd, ckpt, async_sharded_save=True)
-        slowed = dataclasses.replace(request, async_fn=throttled_write, async_fn_args=(request.async_fn, *request.async_fn_args))
+        slowed = dataclasses.replace(
+            request, async_fn=throttled_write, async_fn_args=(request.async_fn, *request.async_fn_args)
+        )
         queue.schedule_async_request(slowed)
         (side / f"worker.{rank}").write_text(str(queue._worker.pid if queue._worker else ""))
         (side / f"scheduled.{rank}").write_text("")

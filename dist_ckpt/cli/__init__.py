@@ -32,12 +32,9 @@ import sys
 import traceback
 from typing import Optional, Sequence, Tuple
 
-from .. import __version__
-from ..errors import CheckpointExistsError, CheckpointingException, NotACheckpointError
-from ..storage.errors import BucketNotFoundError, StorageConfigError
-from ..testing import RankError
-from .bench_command import add_bench_command
-from .common import (
+from dist_ckpt import __version__
+from dist_ckpt.cli.bench_command import add_bench_command
+from dist_ckpt.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
@@ -47,11 +44,14 @@ from .common import (
     format_table,
     one_line,
 )
-from .convert_command import add_convert_command
-from .demo_command import add_demo_command
-from .export_hf_command import add_export_hf_command
-from .inspect_command import add_inspect_command
-from .verify_command import add_verify_command
+from dist_ckpt.cli.convert_command import add_convert_command
+from dist_ckpt.cli.demo_command import add_demo_command
+from dist_ckpt.cli.export_hf_command import add_export_hf_command
+from dist_ckpt.cli.inspect_command import add_inspect_command
+from dist_ckpt.cli.verify_command import add_verify_command
+from dist_ckpt.errors import CheckpointExistsError, CheckpointingException, NotACheckpointError
+from dist_ckpt.storage.errors import BucketNotFoundError, StorageConfigError
+from dist_ckpt.tools.launch import RankError
 
 __all__ = ["COMMANDS", "EXIT_FAILURE", "EXIT_OK", "EXIT_USAGE", "CommandFailed", "build_parser", "format_table", "main"]
 
@@ -74,12 +74,23 @@ def _common_options(suppress_defaults: bool) -> argparse.ArgumentParser:
     """Options accepted before and after the command (``dist-ckpt --debug demo``, ``demo --debug``)."""
     default = argparse.SUPPRESS if suppress_defaults else False
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--debug", action="store_true", default=default,
-                        help="show tracebacks and debug logging on failure")
-    common.add_argument("-v", "--verbose", action="store_true", default=default,
-                        help="log what the library does (INFO), e.g. each save's and load's report")
-    common.add_argument("-q", "--quiet", action="store_true", default=default,
-                        help="no progress bars (they are only drawn when stderr is a terminal anyway)")
+    common.add_argument(
+        "--debug", action="store_true", default=default, help="show tracebacks and debug logging on failure"
+    )
+    common.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=default,
+        help="log what the library does (INFO), e.g. each save's and load's report",
+    )
+    common.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        default=default,
+        help="no progress bars (they are only drawn when stderr is a terminal anyway)",
+    )
     return common
 
 

@@ -6,8 +6,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from ..serialization import DEFAULT_SHARDED_BACKEND
-from .common import (
+from dist_ckpt.cli.common import (
     EXIT_OK,
     BadPathError,
     CommandFailed,
@@ -20,6 +19,7 @@ from .common import (
     print_json,
     progress_enabled,
 )
+from dist_ckpt.engine.registry import DEFAULT_SHARDED_BACKEND
 
 __all__ = ["add_bench_command"]
 
@@ -41,14 +41,34 @@ def add_bench_command(subparsers: SubParsers, common: argparse.ArgumentParser) -
             "--size of memory. Exits 1 only if a loaded value differs from what was saved."
         ),
     )
-    p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()), metavar="DIR",
-                   help="a directory on the storage to measure (default: %(default)s)")
-    p.add_argument("--size", type=positive_float_arg, default=1024.0, metavar="MIB",
-                   help="size of the state in MiB (default: %(default)s)")
-    p.add_argument("--ranks", type=even_ranks_arg, default=2, metavar="N",
-                   help="ranks that save; even, >= 2 (default: %(default)s)")
-    p.add_argument("--backend", type=backend_arg, default=default_backend, metavar="NAME[:VERSION]",
-                   help="sharded backend to measure (default: %(default)s)")
+    p.add_argument(
+        "--dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()),
+        metavar="DIR",
+        help="a directory on the storage to measure (default: %(default)s)",
+    )
+    p.add_argument(
+        "--size",
+        type=positive_float_arg,
+        default=1024.0,
+        metavar="MIB",
+        help="size of the state in MiB (default: %(default)s)",
+    )
+    p.add_argument(
+        "--ranks",
+        type=even_ranks_arg,
+        default=2,
+        metavar="N",
+        help="ranks that save; even, >= 2 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--backend",
+        type=backend_arg,
+        default=default_backend,
+        metavar="NAME[:VERSION]",
+        help="sharded backend to measure (default: %(default)s)",
+    )
     p.add_argument("--json", action="store_true", help="print the measurements as one JSON document")
     add_engine_option(p)
     add_progress_option(p)
@@ -57,7 +77,7 @@ def add_bench_command(subparsers: SubParsers, common: argparse.ArgumentParser) -
 
 def run_bench_command(args: argparse.Namespace) -> int:
     """Run the benchmark and print its table (or JSON)."""
-    from ..bench import BenchOptions, render_table, run_bench  # keeps `dist-ckpt --help` fast
+    from dist_ckpt.tools.bench import BenchOptions, render_table, run_bench  # keeps `dist-ckpt --help` fast
 
     try:
         args.dir.mkdir(parents=True, exist_ok=True)
@@ -77,8 +97,12 @@ def run_bench_command(args: argparse.Namespace) -> int:
             bar.set_postfix_str(phase, refresh=True)
 
     try:
-        result = run_bench(BenchOptions(directory=args.dir, size_mib=args.size, ranks=args.ranks, backend=args.backend, engine=args.engine),
-                           on_phase=on_phase)
+        result = run_bench(
+            BenchOptions(
+                directory=args.dir, size_mib=args.size, ranks=args.ranks, backend=args.backend, engine=args.engine
+            ),
+            on_phase=on_phase,
+        )
         if bar is not None:
             bar.update(bar.total - bar.n)
     finally:

@@ -18,9 +18,9 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-from ..report import format_bytes, gib_per_s
-from ..strategies.base import StrategyAction, registered_strategies
-from ..testing import RankError
+from dist_ckpt.engine.registry import StrategyAction, registered_strategies
+from dist_ckpt.engine.report import format_bytes, gib_per_s
+from dist_ckpt.tools.launch import RankError
 
 __all__ = [
     "EXIT_FAILURE",
@@ -140,7 +140,7 @@ def elide(text: str, width: int) -> str:
         return text[:width]
     keep = width - len(_ELLIPSIS)
     head = (keep + 1) // 2
-    return text[:head] + _ELLIPSIS + text[len(text) - (keep - head):]
+    return text[:head] + _ELLIPSIS + text[len(text) - (keep - head) :]
 
 
 def terminal_width() -> Optional[int]:
@@ -258,7 +258,7 @@ def backend_arg(text: str) -> Tuple[str, int]:
 def engine_arg(text: str) -> str:
     """A zarr engine name (``zarr-python``, ``tensorstore``), case-insensitive, with a suggestion
     for a typo."""
-    from ..demo import ZARR_ENGINES  # the one list; imported only when --engine is given
+    from dist_ckpt.tools.demo import ZARR_ENGINES  # the one list; imported only when --engine is given
 
     name = text.strip().lower().replace("_", "-")
     if name in ("zarr", "zarrpython"):
@@ -271,15 +271,21 @@ def engine_arg(text: str) -> str:
 
 def add_engine_option(parser: argparse.ArgumentParser, help_text: str = "") -> None:
     """``--engine {zarr-python,tensorstore}``: which library reads and writes the zarr backend."""
-    parser.add_argument("--engine", type=engine_arg, default="zarr-python", metavar="ENGINE",
-                        help=help_text or "library that writes and reads the zarr backend: zarr-python (default) or "
-                        "tensorstore; both use the same on-disk layout (other backends ignore it)")
+    parser.add_argument(
+        "--engine",
+        type=engine_arg,
+        default="zarr-python",
+        metavar="ENGINE",
+        help=help_text
+        or "library that writes and reads the zarr backend: zarr-python (default) or "
+        "tensorstore; both use the same on-disk layout (other backends ignore it)",
+    )
 
 
 def use_engine(engine: str, include_save: bool = True) -> None:
     """Make ``engine`` the registered ``("zarr", 1)`` load (and with ``include_save``, save)
     strategy of this process."""
-    from ..demo import use_zarr_engine
+    from dist_ckpt.tools.demo import use_zarr_engine
 
     use_zarr_engine(engine, include_save)
 
@@ -297,8 +303,18 @@ def require_directory(text: str) -> None:
     raise BadPathError(f"{text!r} does not exist")
 
 
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*")
 
 
@@ -316,9 +332,13 @@ def size_arg(text: str) -> int:
 
 def add_progress_option(parser: argparse.ArgumentParser) -> None:
     """``--progress`` / ``--no-progress``: progress bars on stderr (default: when it is a terminal)."""
-    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                        help="force progress bars on stderr on or off (default: on when stderr is a terminal, "
-                        "unless --quiet or --json)")
+    parser.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="force progress bars on stderr on or off (default: on when stderr is a terminal, "
+        "unless --quiet or --json)",
+    )
 
 
 def progress_enabled(args: argparse.Namespace) -> bool:

@@ -6,7 +6,7 @@ import argparse
 import logging
 from typing import Tuple, Union
 
-from .common import (
+from dist_ckpt.cli.common import (
     EXIT_OK,
     SubParsers,
     add_engine_option,
@@ -25,7 +25,7 @@ __all__ = ["add_convert_command"]
 
 
 def _target(text: str) -> Union[str, Tuple[str, int]]:
-    from ..convert import HF_TARGET
+    from dist_ckpt.tools.convert import HF_TARGET
 
     return HF_TARGET if text.strip().lower() == HF_TARGET else backend_arg(text)
 
@@ -54,56 +54,88 @@ def add_convert_command(subparsers: SubParsers, common: argparse.ArgumentParser)
             "failed one removes what it wrote."
         ),
     )
-    p.add_argument("src", metavar="SRC", help="a committed checkpoint or a HuggingFace folder: a directory or "
-                   "s3://bucket/prefix")
-    p.add_argument("dst", metavar="DST", help="the new checkpoint: a directory that does not exist or is empty, or an "
-                   "empty s3://bucket/prefix (--to safetensors only)")
-    p.add_argument("--to", type=_target, required=True, metavar="BACKEND",
-                   help="target backend: safetensors, zarr, NAME:VERSION, or hf (case-insensitive)")
-    p.add_argument("--max-shard-size", type=size_arg, default=2**31, metavar="SIZE",
-                   help="with --to hf: most bytes per file, e.g. 5GB (default: 2GiB)")
-    p.add_argument("--allow-pickle", action="store_true",
-                   help="read a common state that needs full pickle (runs code from SRC: only for checkpoints you trust)")
+    p.add_argument(
+        "src", metavar="SRC", help="a committed checkpoint or a HuggingFace folder: a directory or s3://bucket/prefix"
+    )
+    p.add_argument(
+        "dst",
+        metavar="DST",
+        help="the new checkpoint: a directory that does not exist or is empty, or an "
+        "empty s3://bucket/prefix (--to safetensors only)",
+    )
+    p.add_argument(
+        "--to",
+        type=_target,
+        required=True,
+        metavar="BACKEND",
+        help="target backend: safetensors, zarr, NAME:VERSION, or hf (case-insensitive)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        type=size_arg,
+        default=2**31,
+        metavar="SIZE",
+        help="with --to hf: most bytes per file, e.g. 5GB (default: 2GiB)",
+    )
+    p.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="read a common state that needs full pickle (runs code from SRC: only for checkpoints you trust)",
+    )
     p.add_argument("--json", action="store_true", help="print what was done as one JSON document")
     # TensorStore's save strategy writes whole state dicts, not tensor by tensor: a zarr target
     # is written by zarr-python (the same layout), a zarr source is read by the engine chosen
-    add_engine_option(p, "library that reads a zarr SRC: zarr-python (default) or tensorstore; a zarr DST is "
-                      "written by zarr-python, tensor by tensor, in the layout both read")
+    add_engine_option(
+        p,
+        "library that reads a zarr SRC: zarr-python (default) or tensorstore; a zarr DST is "
+        "written by zarr-python, tensor by tensor, in the layout both read",
+    )
     add_progress_option(p)
     p.set_defaults(run=run_convert_command, parser=p)
 
 
 def run_convert_command(args: argparse.Namespace) -> int:
     """Convert, with a progress bar in bytes, and print what was written."""
-    from ..convert import convert  # keeps `dist-ckpt --help` fast
-    from .progress import ProgressBars
+    from dist_ckpt.cli.progress import ProgressBars
+    from dist_ckpt.tools.convert import convert  # keeps `dist-ckpt --help` fast
 
     require_directory(args.src)
     use_engine(args.engine, include_save=False)  # before convert picks the zarr load strategy
     common_strategy = None
     if args.allow_pickle:
-        from ..strategies.common import TorchCommonLoadStrategy
+        from dist_ckpt.backends.torch_common.strategy import TorchCommonLoadStrategy
 
         common_strategy = TorchCommonLoadStrategy(allow_pickle=True)
     quiet_notes = _DropNotesPrintedBelow()
-    convert_logger = logging.getLogger("dist_ckpt.convert")
+    convert_logger = logging.getLogger(convert.__module__)  # the logger of dist_ckpt.tools.convert
     convert_logger.addFilter(quiet_notes)
     try:
         with ProgressBars(progress_enabled(args), "converting") as bars:
-            result = convert(args.src, args.dst, args.to, max_shard_size=args.max_shard_size,
-                             common_strategy=common_strategy, progress=bars)
+            result = convert(
+                args.src,
+                args.dst,
+                args.to,
+                max_shard_size=args.max_shard_size,
+                common_strategy=common_strategy,
+                progress=bars,
+            )
     finally:
         convert_logger.removeFilter(quiet_notes)
     if args.json:
         print_json(result.to_json())
         return EXIT_OK
     report = result.report
-    carried = (f"; common state ({result.common_keys} keys) and {result.sharded_objects} ShardedObjects copied"
-               if result.target_backend != "hf" else "")
+    carried = (
+        f"; common state ({result.common_keys} keys) and {result.sharded_objects} ShardedObjects copied"
+        if result.target_backend != "hf"
+        else ""
+    )
     files = "" if report.files is None else f": {report.files} files, {human_bytes(report.file_bytes or 0)}"
     engine = f" (read with {args.engine})" if result.source_backend.startswith("zarr:") else ""
-    print(f"dist-ckpt convert: {result.tensors} tensors, {human_bytes(report.total_nbytes)}, "
-          f"{result.source_backend}{engine} -> {result.target_backend}")
+    print(
+        f"dist-ckpt convert: {result.tensors} tensors, {human_bytes(report.total_nbytes)}, "
+        f"{result.source_backend}{engine} -> {result.target_backend}"
+    )
     print(f"  from {result.source}")
     print(f"  to   {result.destination}{files}{carried}")
     print(f"  in {report.max_seconds:.2f} s ({human_rate(report.total_nbytes, report.max_seconds)})")

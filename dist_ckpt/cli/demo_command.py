@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..serialization import DEFAULT_SHARDED_BACKEND
-from .common import (
+from dist_ckpt.cli.common import (
     EXIT_OK,
     CommandFailed,
     SubParsers,
@@ -17,6 +16,7 @@ from .common import (
     mib,
     positive_float_arg,
 )
+from dist_ckpt.engine.registry import DEFAULT_SHARDED_BACKEND
 
 __all__ = ["add_demo_command"]
 
@@ -38,37 +38,67 @@ def add_demo_command(subparsers: SubParsers, common: argparse.ArgumentParser) ->
             "throughput; exits 1 if any value differs."
         ),
     )
-    p.add_argument("--size", type=positive_float_arg, default=64.0, metavar="MIB",
-                   help="target size of the saved state, model + optimizer, in MiB (default: %(default)s)")
-    p.add_argument("--ranks", type=even_ranks_arg, default=4, metavar="N",
-                   help="ranks that save; even, >= 2 (default: %(default)s)")
-    p.add_argument("--backend", type=backend_arg, default=default_backend, metavar="NAME[:VERSION]",
-                   help="sharded backend to save with (default: %(default)s)")
-    p.add_argument("--dir", type=Path, default=None, metavar="DIR",
-                   help="create the checkpoint in a new subdirectory of DIR (default: the system temp dir)")
+    p.add_argument(
+        "--size",
+        type=positive_float_arg,
+        default=64.0,
+        metavar="MIB",
+        help="target size of the saved state, model + optimizer, in MiB (default: %(default)s)",
+    )
+    p.add_argument(
+        "--ranks",
+        type=even_ranks_arg,
+        default=4,
+        metavar="N",
+        help="ranks that save; even, >= 2 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--backend",
+        type=backend_arg,
+        default=default_backend,
+        metavar="NAME[:VERSION]",
+        help="sharded backend to save with (default: %(default)s)",
+    )
+    p.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="create the checkpoint in a new subdirectory of DIR (default: the system temp dir)",
+    )
     add_engine_option(p)
     p.add_argument("--keep", action="store_true", help="keep the checkpoint instead of deleting it")
-    p.add_argument("--seed", type=int, default=1234,
-                   help="seed of every saved value (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=1234, help="seed of every saved value (default: %(default)s)")
     p.set_defaults(run=run_demo_command, parser=p)
 
 
 def run_demo_command(args: argparse.Namespace) -> int:
     """Run the demo and print its table."""
-    from ..demo import DemoOptions, run_demo  # keeps `dist-ckpt --help` fast
+    from dist_ckpt.tools.demo import DemoOptions, run_demo  # keeps `dist-ckpt --help` fast
 
     result = run_demo(
-        DemoOptions(size_mib=args.size, ranks=args.ranks, backend=args.backend, engine=args.engine, directory=args.dir,
-                    keep=args.keep, seed=args.seed)
+        DemoOptions(
+            size_mib=args.size,
+            ranks=args.ranks,
+            backend=args.backend,
+            engine=args.engine,
+            directory=args.dir,
+            keep=args.keep,
+            seed=args.seed,
+        )
     )
     cfg = result.config
     fate = "kept" if result.kept else "deleted"
     engine = f" ({result.engine})" if result.backend[0] == "zarr" else ""
     print(f"dist-ckpt demo: {result.ranks} ranks, backend {result.backend[0]}:{result.backend[1]}{engine}")
-    print(f"  model      GPT-like, hidden {cfg.hidden}, {cfg.layers} layers, vocab {cfg.vocab} (bf16)"
-          f" + Adam exp_avg, exp_avg_sq (fp32, distributed optimizer)")
-    print(f"  checkpoint {result.num_tensors} tensors in {result.num_shards} saved shards, "
-          f"{mib(result.state_bytes)}; {result.num_files} files, {mib(result.disk_bytes)} on disk")
+    print(
+        f"  model      GPT-like, hidden {cfg.hidden}, {cfg.layers} layers, vocab {cfg.vocab} (bf16)"
+        f" + Adam exp_avg, exp_avg_sq (fp32, distributed optimizer)"
+    )
+    print(
+        f"  checkpoint {result.num_tensors} tensors in {result.num_shards} saved shards, "
+        f"{mib(result.state_bytes)}; {result.num_files} files, {mib(result.disk_bytes)} on disk"
+    )
     print(f"             {result.checkpoint_dir} ({fate})")
     print()
     rows = []
@@ -81,8 +111,11 @@ def run_demo_command(args: argparse.Namespace) -> int:
             verified = f"bit-exact ({ph.checked} values)"
         timing = [f"{ph.seconds:.3f}", f"{ph.gib_per_s:.3g}"]
         rows.append([ph.name, ph.layout, str(ph.ranks), *timing, verified])
-    print(format_table(["step", "layout", "ranks", "time (s)", "GiB/s", "verified"], rows,
-                       [False, False, True, True, True, False]))
+    print(
+        format_table(
+            ["step", "layout", "ranks", "time (s)", "GiB/s", "verified"], rows, [False, False, True, True, True, False]
+        )
+    )
     if not result.ok:
         failed = sum(ph.failed for ph in result.phases)
         raise CommandFailed(

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from .common import (
+from dist_ckpt.cli.common import (
     EXIT_OK,
     SubParsers,
     add_progress_option,
@@ -45,20 +45,51 @@ def add_export_hf_command(subparsers: SubParsers, common: argparse.ArgumentParse
     )
     p.add_argument("src", metavar="SRC", help="a committed dist_ckpt checkpoint: a directory or s3://bucket/prefix")
     p.add_argument("dst", metavar="DST", help="the local folder to write (must not hold HF weights yet)")
-    p.add_argument("--max-shard-size", type=size_arg, default=2**31, metavar="SIZE",
-                   help="most bytes per file, e.g. 5GB or 2GiB (default: 2GiB)")
-    p.add_argument("--include", action="append", default=None, metavar="PATTERN",
-                   help="export the stored keys matching this shell pattern (repeatable), e.g. 'decoder.*'; "
-                   "replaces the default (every key but optimizer state); '*' exports everything")
-    p.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
-                   help="leave out the stored keys matching this shell pattern (repeatable), e.g. '*._extra_state'")
-    p.add_argument("--rename", action="append", default=[], type=_rename_arg, metavar="OLD=NEW",
-                   help="write keys starting with the dot-separated prefix OLD as NEW + the rest (repeatable; "
-                   "the longest OLD wins), e.g. model.= or decoder.=model.layers.")
-    p.add_argument("--rename-file", type=_rename_file_arg, default=None, metavar="JSON",
-                   help="a JSON object {OLD: NEW} of prefixes, as --rename (merged with it; --rename wins)")
-    p.add_argument("--config", type=_config_arg, default=None, metavar="PATH",
-                   help="the model's config.json, copied into DST as config.json (for from_pretrained)")
+    p.add_argument(
+        "--max-shard-size",
+        type=size_arg,
+        default=2**31,
+        metavar="SIZE",
+        help="most bytes per file, e.g. 5GB or 2GiB (default: 2GiB)",
+    )
+    p.add_argument(
+        "--include",
+        action="append",
+        default=None,
+        metavar="PATTERN",
+        help="export the stored keys matching this shell pattern (repeatable), e.g. 'decoder.*'; "
+        "replaces the default (every key but optimizer state); '*' exports everything",
+    )
+    p.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="leave out the stored keys matching this shell pattern (repeatable), e.g. '*._extra_state'",
+    )
+    p.add_argument(
+        "--rename",
+        action="append",
+        default=[],
+        type=_rename_arg,
+        metavar="OLD=NEW",
+        help="write keys starting with the dot-separated prefix OLD as NEW + the rest (repeatable; "
+        "the longest OLD wins), e.g. model.= or decoder.=model.layers.",
+    )
+    p.add_argument(
+        "--rename-file",
+        type=_rename_file_arg,
+        default=None,
+        metavar="JSON",
+        help="a JSON object {OLD: NEW} of prefixes, as --rename (merged with it; --rename wins)",
+    )
+    p.add_argument(
+        "--config",
+        type=_config_arg,
+        default=None,
+        metavar="PATH",
+        help="the model's config.json, copied into DST as config.json (for from_pretrained)",
+    )
     p.add_argument("--json", action="store_true", help="print what was written as one JSON document")
     add_progress_option(p)
     p.set_defaults(run=run_export_hf_command, parser=p)
@@ -104,14 +135,14 @@ def _rename_map(args: argparse.Namespace) -> Optional[Dict[str, str]]:
 
 def run_export_hf_command(args: argparse.Namespace) -> int:
     """Export, with a progress bar in bytes."""
-    from ..hf.export import export  # keeps `dist-ckpt --help` fast
-    from ..hf.select import select_keys
-    from ..unshard import unsharded_metadata
+    from dist_ckpt.hf.export import export  # keeps `dist-ckpt --help` fast
+    from dist_ckpt.hf.select import select_keys
+    from dist_ckpt.tools.unshard import unsharded_metadata
 
     require_directory(args.src)
     bar = None
     if progress_enabled(args):
-        from .progress import byte_bar
+        from dist_ckpt.cli.progress import byte_bar
 
         _, tensors = unsharded_metadata(args.src)
         chosen = select_keys(sorted(tensors), args.include, args.exclude)
@@ -125,29 +156,56 @@ def run_export_hf_command(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     try:
-        result = export(args.src, args.dst, max_shard_size=args.max_shard_size, include=args.include,
-                        exclude=args.exclude, rename=_rename_map(args), config=args.config, on_tensor=on_tensor)
+        result = export(
+            args.src,
+            args.dst,
+            max_shard_size=args.max_shard_size,
+            include=args.include,
+            exclude=args.exclude,
+            rename=_rename_map(args),
+            config=args.config,
+            on_tensor=on_tensor,
+        )
     finally:
         if bar is not None:
             bar.close()
     seconds = time.perf_counter() - start
     if args.json:
-        print_json({"source": str(args.src), "directory": str(result.directory), "files": list(result.files),
-                    "index": result.index, "config": result.config, "tensors": result.tensors,
-                    "nbytes": result.total_bytes, "seconds": seconds, "left_out": list(result.left_out),
-                    "renamed": result.names or {}})
+        print_json(
+            {
+                "source": str(args.src),
+                "directory": str(result.directory),
+                "files": list(result.files),
+                "index": result.index,
+                "config": result.config,
+                "tensors": result.tensors,
+                "nbytes": result.total_bytes,
+                "seconds": seconds,
+                "left_out": list(result.left_out),
+                "renamed": result.names or {},
+            }
+        )
         return EXIT_OK
     files = len(result.files)
     extra: List[str] = [result.index] if result.index else []
     extra += [result.config] if result.config else []
     print(f"dist-ckpt export-hf: {result.tensors} tensors, {human_bytes(result.total_bytes)}, from {args.src}")
-    print(f"  to {result.directory}: {files} file{'s' if files != 1 else ''}"
-          + "".join(f" + {name}" for name in extra) + f", in {seconds:.2f} s ({human_rate(result.total_bytes, seconds)})")
+    print(
+        f"  to {result.directory}: {files} file{'s' if files != 1 else ''}"
+        + "".join(f" + {name}" for name in extra)
+        + f", in {seconds:.2f} s ({human_rate(result.total_bytes, seconds)})"
+    )
     if result.names:
-        print(f"  renamed {len(result.names)} keys, e.g. {next(iter(result.names.items()))[0]} -> "
-              f"{next(iter(result.names.items()))[1]}")
+        print(
+            f"  renamed {len(result.names)} keys, e.g. {next(iter(result.names.items()))[0]} -> "
+            f"{next(iter(result.names.items()))[1]}"
+        )
     if result.left_out:
-        shown = ", ".join(result.left_out[:3]) + (f" and {len(result.left_out) - 3} more" if len(result.left_out) > 3 else "")
-        print(f"note: left out {len(result.left_out)} stored tensors (optimizer state, or by --include/--exclude): "
-              f"{shown}; the common state is never exported")
+        shown = ", ".join(result.left_out[:3]) + (
+            f" and {len(result.left_out) - 3} more" if len(result.left_out) > 3 else ""
+        )
+        print(
+            f"note: left out {len(result.left_out)} stored tensors (optimizer state, or by --include/--exclude): "
+            f"{shown}; the common state is never exported"
+        )
     return EXIT_OK

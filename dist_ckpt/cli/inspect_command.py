@@ -7,7 +7,16 @@ import fnmatch
 from dataclasses import replace
 from typing import List, Sequence
 
-from .common import EXIT_OK, SubParsers, elide, format_table, human_bytes, print_json, require_directory, terminal_width
+from dist_ckpt.cli.common import (
+    EXIT_OK,
+    SubParsers,
+    elide,
+    format_table,
+    human_bytes,
+    print_json,
+    require_directory,
+    terminal_width,
+)
 
 __all__ = ["add_inspect_command"]
 
@@ -27,12 +36,23 @@ def add_inspect_command(subparsers: SubParsers, common: argparse.ArgumentParser)
             "keys are shortened in the middle to fit its width; piped output and --json keep them whole."
         ),
     )
-    p.add_argument("dir", metavar="DIR", help="a committed checkpoint or a HuggingFace folder: a directory, or "
-                   "s3://bucket/prefix (credentials and endpoint from the AWS environment variables)")
-    p.add_argument("--keys", metavar="PATTERN", default=None,
-                   help="only tensors whose key matches this shell pattern, e.g. 'decoder.layers.0.*'")
-    p.add_argument("--shards", action="store_true",
-                   help="also list every stored shard: offset, shape or flattened range, file, bytes")
+    p.add_argument(
+        "dir",
+        metavar="DIR",
+        help="a committed checkpoint or a HuggingFace folder: a directory, or "
+        "s3://bucket/prefix (credentials and endpoint from the AWS environment variables)",
+    )
+    p.add_argument(
+        "--keys",
+        metavar="PATTERN",
+        default=None,
+        help="only tensors whose key matches this shell pattern, e.g. 'decoder.layers.0.*'",
+    )
+    p.add_argument(
+        "--shards",
+        action="store_true",
+        help="also list every stored shard: offset, shape or flattened range, file, bytes",
+    )
     p.add_argument("--json", action="store_true", help="print everything as one JSON document")
     p.set_defaults(run=run_inspect_command, parser=p)
 
@@ -43,7 +63,7 @@ def _shape(shape: Sequence[int]) -> str:
 
 def run_inspect_command(args: argparse.Namespace) -> int:
     """Inspect and print a summary, a table of tensors, the common keys and ShardedObjects."""
-    from ..inspection import inspect_checkpoint  # keeps `dist-ckpt --help` fast
+    from dist_ckpt.tools.inspection import inspect_checkpoint  # keeps `dist-ckpt --help` fast
 
     require_directory(args.dir)  # a file or a missing path: exit 2, saying which
     info = inspect_checkpoint(args.dir)
@@ -60,7 +80,8 @@ def run_inspect_command(args: argparse.Namespace) -> int:
         f"{info.path}: {'HuggingFace folder' if info.kind == 'huggingface' else 'dist_ckpt checkpoint'}",
         f"  backend   {info.sharded_backend} (common state: {info.common_backend})",
         f"  saved by  {saved_by}{writer}" if info.kind != "huggingface" else "  saved by  (not recorded)",
-        f"  tensors   {len(info.tensors)}{' matching ' + repr(args.keys) if args.keys else ''}, {human_bytes(info.nbytes)}{shards}",
+        f"  tensors   {len(info.tensors)}{' matching ' + repr(args.keys) if args.keys else ''}, "
+        f"{human_bytes(info.nbytes)}{shards}",
         f"  files     {files}",
     ]
     width = terminal_width()
@@ -70,14 +91,33 @@ def run_inspect_command(args: argparse.Namespace) -> int:
         rows = []
         for t in info.tensors:
             n_files = "?" if t.files is None else str(len(t.files))
-            rows.append([t.key, _shape(t.global_shape), t.dtype, human_bytes(t.nbytes), str(t.num_shards or "?"), t.layout, n_files])
+            rows.append(
+                [
+                    t.key,
+                    _shape(t.global_shape),
+                    t.dtype,
+                    human_bytes(t.nbytes),
+                    str(t.num_shards or "?"),
+                    t.layout,
+                    n_files,
+                ]
+            )
             if args.shards and t.shards:
                 for s in t.shards:
-                    where = _shape(s.global_offset) + (f" flat {s.flat_range[0]}:{s.flat_range[1]}" if s.flat_range else "")
+                    where = _shape(s.global_offset) + (
+                        f" flat {s.flat_range[0]}:{s.flat_range[1]}" if s.flat_range else ""
+                    )
                     rows.append([f"  @ {where}", _shape(s.shape), "", f"{s.nbytes:,} B", "", s.file, ""])
         print()
-        print(format_table(["key", "shape", "dtype", "size", "shards", "layout", "files"], rows,
-                           [False, False, False, True, True, False, True], max_width=width, shrink=[0, 5]))
+        print(
+            format_table(
+                ["key", "shape", "dtype", "size", "shards", "layout", "files"],
+                rows,
+                [False, False, False, True, True, False, True],
+                max_width=width,
+                shrink=[0, 5],
+            )
+        )
     if info.common_keys:
         print()
         print(f"common state ({len(info.common_keys)} keys):")

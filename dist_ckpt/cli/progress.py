@@ -1,6 +1,6 @@
 """Progress bars for long commands: library progress events drawn with tqdm, on stderr.
 
-The library reports progress through callbacks (:class:`~dist_ckpt.report.ProgressEvent`) and
+The library reports progress through callbacks (:class:`~dist_ckpt.engine.report.ProgressEvent`) and
 never draws anything; this module -- imported by the CLI only, so that importing dist_ckpt never
 imports tqdm -- turns the events into bars:
 
@@ -20,8 +20,8 @@ from __future__ import annotations
 from types import TracebackType
 from typing import Any, Dict, Optional, Type
 
-from ..report import ProgressEvent
-from .common import human_bytes, human_rate
+from dist_ckpt.cli.common import human_bytes, human_rate
+from dist_ckpt.engine.report import ProgressEvent
 
 __all__ = ["ProgressBars", "byte_bar"]
 
@@ -82,8 +82,13 @@ class ProgressBars:
                 bar.set_postfix_str(event.item, refresh=False)
             return
         if self._phases is None:
-            self._phases = tqdm(total=event.total, desc=self.description or event.operation.value, unit="step",
-                                leave=True, dynamic_ncols=True)
+            self._phases = tqdm(
+                total=event.total,
+                desc=self.description or event.operation.value,
+                unit="step",
+                leave=True,
+                dynamic_ncols=True,
+            )
         elif self._phases.total != event.total:  # an operation that learns how many phases it has
             self._phases.total = event.total
         if event.done:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import (
+from dist_ckpt.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
@@ -38,8 +38,12 @@ def add_verify_command(subparsers: SubParsers, common: argparse.ArgumentParser) 
             "Works on s3:// URLs too (every object is read once). Needs no process group."
         ),
     )
-    p.add_argument("dir", metavar="DIR", help="a checkpoint directory, or s3://bucket/prefix (credentials and endpoint "
-                   "from the AWS environment variables)")
+    p.add_argument(
+        "dir",
+        metavar="DIR",
+        help="a checkpoint directory, or s3://bucket/prefix (credentials and endpoint "
+        "from the AWS environment variables)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as one JSON document (exit status as above)")
     add_progress_option(p)
     p.set_defaults(run=run_verify_command, parser=p)
@@ -47,9 +51,9 @@ def add_verify_command(subparsers: SubParsers, common: argparse.ArgumentParser) 
 
 def run_verify_command(args: argparse.Namespace) -> int:
     """Verify and print one line per problem (or the JSON report)."""
-    from ..storage.location import resolve_location
-    from ..verify import verify_checkpoint  # keeps `dist-ckpt --help` fast
-    from .progress import ProgressBars
+    from dist_ckpt.cli.progress import ProgressBars
+    from dist_ckpt.integrity.verify import verify_checkpoint  # keeps `dist-ckpt --help` fast
+    from dist_ckpt.storage.location import resolve_location
 
     require_directory(args.dir)  # a bad path, not a damaged checkpoint: exit 2
     with ProgressBars(progress_enabled(args), "verifying") as bars:

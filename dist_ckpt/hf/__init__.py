@@ -24,8 +24,8 @@ Example::
     hf.export("ckpt/iter_1000", "hf/iter_1000", rename={"model.": ""}, config="config.json")
 """
 
-from .export import ExportResult, export
-from .index import (
+from dist_ckpt.hf.export import ExportResult, export
+from dist_ckpt.hf.index import (
     ShardIndex,
     SharingMetadataT,
     StateDictLike,
@@ -36,16 +36,16 @@ from .index import (
     retie_parameters,
     save_shard_index,
 )
-from .io import load_checkpoint, load_sharded_checkpoint, save_checkpoint, save_sharded_checkpoint
-from .partial import (
+from dist_ckpt.hf.io import load_checkpoint, load_sharded_checkpoint, save_checkpoint, save_sharded_checkpoint
+from dist_ckpt.hf.partial import (
     is_in_safetensors_format,
     load_sharded_state_dict,
     load_state_dict_to_shards,
     save_sharded_model,
     set_submodule,
 )
-from .select import is_optimizer_key, rename_keys, select_keys
-from .strategy import HFCommonLoadStrategy, HFLoadShardedStrategy
+from dist_ckpt.hf.select import is_optimizer_key, rename_keys, select_keys
+from dist_ckpt.hf.strategy import HFCommonLoadStrategy, HFLoadShardedStrategy
 
 __all__ = [
     "ExportResult",

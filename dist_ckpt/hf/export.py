@@ -1,7 +1,7 @@
 """Export any checkpoint to a HuggingFace folder, streaming one tensor at a time.
 
 Every stored tensor is assembled whole from its shards (by the checkpoint's own load strategy,
-see :mod:`dist_ckpt.unshard`) and written into ``model.safetensors`` -- or into shard files of
+see :mod:`dist_ckpt.tools.unshard`) and written into ``model.safetensors`` -- or into shard files of
 at most ``max_shard_size`` bytes plus ``model.safetensors.index.json`` -- then freed before the
 next one is read: memory for one tensor suffices, whatever the size of the state. Runs in one
 process without a process group; the CLI runs it as ``dist-ckpt export-hf SRC DST``. The source
@@ -28,14 +28,20 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from ..errors import CheckpointExistsError, CheckpointingException, KeyMismatchError
-from ..storage.local import write_bytes_atomic
-from ..storage.location import LocationLike, require_local, resolve_location
-from ..strategies.safetensors_format import SafetensorsFileWriter
-from ..unshard import iter_with, unsharded_metadata
-from .folder import has_hf_weights
-from .index import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, plan_shards, save_shard_index, shard_file_name
-from .select import rename_keys, select_keys
+from dist_ckpt.backends.safetensors.format import SafetensorsFileWriter
+from dist_ckpt.errors import CheckpointExistsError, CheckpointingException, KeyMismatchError
+from dist_ckpt.hf.folder import has_hf_weights
+from dist_ckpt.hf.index import (
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    plan_shards,
+    save_shard_index,
+    shard_file_name,
+)
+from dist_ckpt.hf.select import rename_keys, select_keys
+from dist_ckpt.storage.local import write_bytes_atomic
+from dist_ckpt.storage.location import LocationLike, require_local, resolve_location
+from dist_ckpt.tools.unshard import iter_with, unsharded_metadata
 
 #: the model configuration file ``from_pretrained`` reads beside the weights
 CONFIG_NAME = "config.json"
@@ -136,8 +142,9 @@ def export(
     if has_hf_weights(out):
         raise CheckpointExistsError(f"{str(out)!r} already holds HuggingFace weights; export to a new folder")
     if config_text is not None and (out / CONFIG_NAME).exists() and (out / CONFIG_NAME).read_text() != config_text:
-        raise CheckpointExistsError(f"{str(out / CONFIG_NAME)!r} exists and differs from the config to write; "
-                                    "export to a new folder")
+        raise CheckpointExistsError(
+            f"{str(out / CONFIG_NAME)!r} exists and differs from the config to write; export to a new folder"
+        )
     out.mkdir(parents=True, exist_ok=True)
     sizes = sorted((names[key], math.prod(tensors[key].global_shape) * tensors[key].dtype.itemsize) for key in keys)
     source_of = {name: key for key, name in names.items()}
@@ -176,18 +183,28 @@ def export(
     left_out = tuple(sorted(set(tensors) - set(keys)))
     renamed = {k: n for k, n in names.items() if k != n}
     written: List[str] = list(files)
-    return ExportResult(out, tuple(written), index_name, len(sizes), total, left_out, renamed,
-                        CONFIG_NAME if config_text is not None else None)
+    return ExportResult(
+        out,
+        tuple(written),
+        index_name,
+        len(sizes),
+        total,
+        left_out,
+        renamed,
+        CONFIG_NAME if config_text is not None else None,
+    )
 
 
-def _require_keys(keys: List[str], stored: List[str], include: Optional[Sequence[str]], exclude: Sequence[str],
-                  src: LocationLike) -> None:
+def _require_keys(
+    keys: List[str], stored: List[str], include: Optional[Sequence[str]], exclude: Sequence[str], src: LocationLike
+) -> None:
     """Refuse an export that would write no tensor although the checkpoint has some."""
     if keys or not stored:
         return
     chosen = f"include {list(include)}" if include is not None else "the default (model weights, no optimizer state)"
     raise KeyMismatchError(
-        f"no tensor of {str(src)!r} is selected by {chosen}" + (f" and exclude {list(exclude)}" if exclude else "")
+        f"no tensor of {str(src)!r} is selected by {chosen}"
+        + (f" and exclude {list(exclude)}" if exclude else "")
         + f"; stored keys include {stored[:5]}: adjust the patterns (include ['*'] exports everything)"
     )
 

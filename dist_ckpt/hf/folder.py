@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Union
 
-from ..errors import CorruptCheckpointError, KeyMismatchError, NotACheckpointError, format_keys
-from ..strategies.safetensors_format import SafetensorsHeader, read_header
-from ..strategies.safetensors_load import StoredShard, StoredTensor, TensorIndex
-from .index import (
+from dist_ckpt.backends.safetensors.format import SafetensorsHeader, read_header
+from dist_ckpt.backends.safetensors.load import StoredShard, StoredTensor, TensorIndex
+from dist_ckpt.errors import CorruptCheckpointError, KeyMismatchError, NotACheckpointError, format_keys
+from dist_ckpt.hf.index import (
     BIN_WEIGHTS_INDEX_NAME,
     BIN_WEIGHTS_NAME,
     SAFE_WEIGHTS_INDEX_NAME,
@@ -60,7 +60,9 @@ def single_file_metadata(header_metadata: Dict[str, str], path: Path) -> Dict[st
     try:
         value = json.loads(raw)
     except ValueError as e:
-        raise CorruptCheckpointError(f"{str(path)!r}: header entry {INDEX_METADATA_KEY!r} is not valid JSON: {e}") from e
+        raise CorruptCheckpointError(
+            f"{str(path)!r}: header entry {INDEX_METADATA_KEY!r} is not valid JSON: {e}"
+        ) from e
     if not isinstance(value, dict):
         raise CorruptCheckpointError(f"{str(path)!r}: header entry {INDEX_METADATA_KEY!r} must hold a JSON object")
     return value
@@ -147,7 +149,8 @@ class HFFolder:
             entry = headers[file].entries.get(name)
             if entry is None:
                 raise CorruptCheckpointError(
-                    f"tensor {name!r}: the index says it is in {str(self.directory / file)!r}, whose header does not list it"
+                    f"tensor {name!r}: the index says it is in {str(self.directory / file)!r}, whose header does not "
+                    "list it"
                 )
             offset = (0,) * len(entry.shape)
             shard = StoredShard(file, name, offset, entry.shape, None, (entry.begin, entry.end))
@@ -187,5 +190,6 @@ def open_folder(directory: Union[str, Path]) -> HFFolder:
         refuse_bin(False)
     if not d.is_dir():
         raise NotACheckpointError(f"{str(d)!r} does not exist")
-    raise NotACheckpointError(f"{str(d)!r} holds no HuggingFace weights ({SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME})")
-
+    raise NotACheckpointError(
+        f"{str(d)!r} holds no HuggingFace weights ({SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME})"
+    )

@@ -3,7 +3,8 @@
 A sharded HuggingFace checkpoint is a folder of safetensors files and an index,
 ``model.safetensors.index.json``::
 
-    {"metadata": {"total_size": 123456, ...}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors", ...}}
+    {"metadata": {"total_size": 123456, ...},
+     "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors", ...}}
 
 A checkpoint small enough for one file is just ``model.safetensors``. Tied parameters (e.g. the
 input embedding and the output projection) are stored once: only the first name of each sharing
@@ -28,8 +29,8 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 
-from ..errors import CheckpointingException, CorruptCheckpointError
-from ..storage import write_bytes_atomic
+from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
+from dist_ckpt.storage import write_bytes_atomic
 
 __all__ = [
     "PARAM_SHARING_KEY",
@@ -193,7 +194,9 @@ def validate_shard_index(index: Any, where: str) -> ShardIndex:
     if not isinstance(metadata, dict):
         raise CorruptCheckpointError(f"shard index {where}: 'metadata' must be an object")
     groups = metadata.get(PARAM_SHARING_KEY, [])
-    if not isinstance(groups, list) or not all(isinstance(g, list) and g and all(isinstance(n, str) for n in g) for g in groups):
+    if not isinstance(groups, list) or not all(
+        isinstance(g, list) and g and all(isinstance(n, str) for n in g) for g in groups
+    ):
         raise CorruptCheckpointError(f"shard index {where}: {PARAM_SHARING_KEY!r} must be a list of lists of names")
     return {"metadata": metadata, "weight_map": index["weight_map"]}
 

@@ -27,13 +27,12 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 
-from ..errors import CheckpointingException, KeyMismatchError, LoadMismatchError, format_keys
-from ..mapping import ShardedTensor
-from ..strategies.safetensors_format import write_safetensors_file
-from ..strategies.safetensors_io import ReadOptions
-from ..strategies.safetensors_load import load_from_index
-from .folder import INDEX_METADATA_KEY, HFFolder, open_folder
-from .index import (
+from dist_ckpt.backends.safetensors.format import write_safetensors_file
+from dist_ckpt.backends.safetensors.io import ReadOptions
+from dist_ckpt.backends.safetensors.load import load_from_index
+from dist_ckpt.errors import CheckpointingException, KeyMismatchError, LoadMismatchError, format_keys
+from dist_ckpt.hf.folder import INDEX_METADATA_KEY, HFFolder, open_folder
+from dist_ckpt.hf.index import (
     SAFE_WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_NAME,
     ShardIndex,
@@ -48,6 +47,7 @@ from .index import (
     sharing_groups,
     validate_shard_index,
 )
+from dist_ckpt.model.sharded import ShardedTensor
 
 __all__ = ["load_checkpoint", "load_sharded_checkpoint", "save_checkpoint", "save_sharded_checkpoint"]
 
@@ -109,7 +109,9 @@ def save_sharded_checkpoint(
     tied = {name for group in sharing_groups(index["metadata"]) for name in group[1:]}
     unknown = [n for n in state_dict if n not in index["weight_map"] and n not in tied]
     if unknown:
-        raise CheckpointingException(f"tensors {format_keys(unknown)} are not in the shard index; build it from this state dict")
+        raise CheckpointingException(
+            f"tensors {format_keys(unknown)} are not in the shard index; build it from this state dict"
+        )
     for file, names in _files_of(index["weight_map"]).items():
         present = [n for n in names if n in state_dict]
         if not present:
@@ -121,7 +123,9 @@ def save_sharded_checkpoint(
                 f"a shard file is written whole, by the caller that holds all of its tensors"
             )
         size, _ = write_safetensors_file(out / file, [(n, state_dict[n]) for n in names], {"format": "pt"}, atomic=True)
-        logger.log(logging.INFO if debug else logging.DEBUG, "wrote %s: %d tensors, %d bytes", out / file, len(names), size)
+        logger.log(
+            logging.INFO if debug else logging.DEBUG, "wrote %s: %d tensors, %d bytes", out / file, len(names), size
+        )
 
 
 def _remove_stale(out: Path, keep: Set[str]) -> None:
@@ -190,13 +194,21 @@ def save_checkpoint(
         save_sharded_checkpoint(out, index, state_dict, debug=debug)
         save_shard_index(index, out, SAFE_WEIGHTS_INDEX_NAME)
         _remove_stale(out, set(files) | {SAFE_WEIGHTS_INDEX_NAME})
-    logger.log(logging.INFO if debug else logging.DEBUG, "saved %d tensors in %d files to %s", len(index["weight_map"]), max(1, len(files)), out)
+    logger.log(
+        logging.INFO if debug else logging.DEBUG,
+        "saved %d tensors in %d files to %s",
+        len(index["weight_map"]),
+        max(1, len(files)),
+        out,
+    )
 
 
 # --------------------------------------------------------------------------- load
 
 
-def load_into_dict(folder: HFFolder, names: Iterable[str], device: Device, options: Optional[ReadOptions] = None) -> Dict[str, Tensor]:
+def load_into_dict(
+    folder: HFFolder, names: Iterable[str], device: Device, options: Optional[ReadOptions] = None
+) -> Dict[str, Tensor]:
     """``{name: tensor}`` for ``names``, read from ``folder``; tied names share one tensor."""
     wanted = list(dict.fromkeys(names))
     index = folder.tensor_index(wanted)
@@ -206,7 +218,9 @@ def load_into_dict(folder: HFFolder, names: Iterable[str], device: Device, optio
         stored = aliases.get(name, name)
         info = index.tensors[stored]
         if stored not in request:
-            request[stored] = ShardedTensor.from_rank_offsets(stored, torch.empty(info.global_shape, dtype=info.dtype, device=device))
+            request[stored] = ShardedTensor.from_rank_offsets(
+                stored, torch.empty(info.global_shape, dtype=info.dtype, device=device)
+            )
     loaded = load_from_index(request, index, options or ReadOptions())
     return {name: loaded[aliases.get(name, name)] for name in wanted}
 
@@ -237,7 +251,8 @@ def load_into_module(
         problems.append(f"the model has no {format_keys(unexpected)}")
     if problems:
         raise KeyMismatchError(
-            f"HuggingFace checkpoint {str(folder.directory)!r} does not match the model: " + "; ".join(problems)
+            f"HuggingFace checkpoint {str(folder.directory)!r} does not match the model: "
+            + "; ".join(problems)
             + " (pass strict=False to load the common part)",
             missing_keys=missing,
             unexpected_keys=unexpected,
@@ -273,15 +288,29 @@ def load_into_module(
 
 @overload
 def load_sharded_checkpoint(
-    model_dir: Union[str, Path], shard_index: ShardIndex, module: Module, device: Device = ..., safetensors: bool = ...,
-    strict: bool = ..., assign: bool = ..., debug: bool = ..., keys: Optional[Set[str]] = ...,
+    model_dir: Union[str, Path],
+    shard_index: ShardIndex,
+    module: Module,
+    device: Device = ...,
+    safetensors: bool = ...,
+    strict: bool = ...,
+    assign: bool = ...,
+    debug: bool = ...,
+    keys: Optional[Set[str]] = ...,
 ) -> Set[str]: ...
 
 
 @overload
 def load_sharded_checkpoint(
-    model_dir: Union[str, Path], shard_index: ShardIndex, module: None = ..., device: Device = ..., safetensors: bool = ...,
-    strict: bool = ..., assign: bool = ..., debug: bool = ..., keys: Optional[Set[str]] = ...,
+    model_dir: Union[str, Path],
+    shard_index: ShardIndex,
+    module: None = ...,
+    device: Device = ...,
+    safetensors: bool = ...,
+    strict: bool = ...,
+    assign: bool = ...,
+    debug: bool = ...,
+    keys: Optional[Set[str]] = ...,
 ) -> Dict[str, Tensor]: ...
 
 
@@ -324,14 +353,22 @@ def load_sharded_checkpoint(
 
 @overload
 def load_checkpoint(
-    model_dir: Union[str, Path], module: Module, device: Device = ..., strict: bool = ..., assign: bool = ...,
+    model_dir: Union[str, Path],
+    module: Module,
+    device: Device = ...,
+    strict: bool = ...,
+    assign: bool = ...,
     keys: Optional[Set[str]] = ...,
 ) -> None: ...
 
 
 @overload
 def load_checkpoint(
-    model_dir: Union[str, Path], module: None = ..., device: Device = ..., strict: bool = ..., assign: bool = ...,
+    model_dir: Union[str, Path],
+    module: None = ...,
+    device: Device = ...,
+    strict: bool = ...,
+    assign: bool = ...,
     keys: Optional[Set[str]] = ...,
 ) -> Dict[str, Tensor]: ...
 

@@ -22,10 +22,10 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 
-from ..errors import CheckpointingException, KeyMismatchError, LoadMismatchError, format_keys
-from ..strategies.safetensors_format import write_safetensors_file
-from .folder import has_hf_weights, open_folder
-from .io import as_state_dict, load_into_dict, load_into_module
+from dist_ckpt.backends.safetensors.format import write_safetensors_file
+from dist_ckpt.errors import CheckpointingException, KeyMismatchError, LoadMismatchError, format_keys
+from dist_ckpt.hf.folder import has_hf_weights, open_folder
+from dist_ckpt.hf.io import as_state_dict, load_into_dict, load_into_module
 
 __all__ = [
     "is_in_safetensors_format",
@@ -89,17 +89,22 @@ def load_state_dict_to_shards(
         if checkpoint_dir is None:
             raise CheckpointingException("load_state_dict_to_shards needs loaded_state_dict or checkpoint_dir")
         meta = any(t.device.type == "meta" for t in model_shard.state_dict().values())
-        load_into_module(open_folder(checkpoint_dir), model_shard, "cpu", meta, raise_missing=True, raise_unexpected=False)
+        load_into_module(
+            open_folder(checkpoint_dir), model_shard, "cpu", meta, raise_missing=True, raise_unexpected=False
+        )
         return
     own = model_shard.state_dict(keep_vars=True)
     absent = [k for k in own if k not in loaded_state_dict]
     if absent:
-        raise KeyMismatchError(f"the loaded state dict lacks the model shard's {format_keys(absent)}", missing_keys=absent)
+        raise KeyMismatchError(
+            f"the loaded state dict lacks the model shard's {format_keys(absent)}", missing_keys=absent
+        )
     for key, target in own.items():
         value = loaded_state_dict[key]
         if tuple(value.shape) != tuple(target.shape) or value.dtype != target.dtype:
             raise LoadMismatchError(
-                f"{key!r}: the model shard has {target.dtype} {tuple(target.shape)}, the state dict {value.dtype} {tuple(value.shape)}"
+                f"{key!r}: the model shard has {target.dtype} {tuple(target.shape)}, the state dict {value.dtype} "
+                f"{tuple(value.shape)}"
             )
     assign = any(t.device.type == "meta" for t in own.values())
     model_shard.load_state_dict({k: loaded_state_dict[k] for k in own}, strict=True, assign=assign)

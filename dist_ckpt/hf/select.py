@@ -26,7 +26,7 @@ from __future__ import annotations
 import fnmatch
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence
 
-from ..errors import InvalidKeyError
+from dist_ckpt.errors import InvalidKeyError
 
 __all__ = ["OPTIMIZER_PREFIXES", "OPTIMIZER_STATE_NAMES", "is_optimizer_key", "rename_keys", "select_keys"]
 
@@ -34,8 +34,16 @@ __all__ = ["OPTIMIZER_PREFIXES", "OPTIMIZER_STATE_NAMES", "is_optimizer_key", "r
 OPTIMIZER_PREFIXES = frozenset({"optimizer", "optim", "optimizer_state"})
 #: key parts that name an optimizer's per-parameter tensors
 OPTIMIZER_STATE_NAMES = frozenset(
-    {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "fp32_param", "fp32_from_fp16_params",
-     "master_param", "main_param"}
+    {
+        "exp_avg",
+        "exp_avg_sq",
+        "max_exp_avg_sq",
+        "momentum_buffer",
+        "fp32_param",
+        "fp32_from_fp16_params",
+        "master_param",
+        "main_param",
+    }
 )
 
 
@@ -59,6 +67,7 @@ def select_keys(keys: Iterable[str], include: Optional[Sequence[str]] = None, ex
 
         select_keys(keys, exclude=["*.extra_state", "rotary_pos_emb.*"])
     """
+
     def included(key: str) -> bool:
         if include is None:
             return not is_optimizer_key(key)
@@ -99,10 +108,12 @@ def rename_keys(keys: Iterable[str], rename: Optional[Mapping[str, str]] = None)
         name = key
         for old, new in by_length:
             if _matches(key, old):
-                name = new + key[len(old):]
+                name = new + key[len(old) :]
                 break
         if not name:
-            raise InvalidKeyError(f"renaming {key!r} with {dict(rename or {})} leaves an empty name; fix the rename map")
+            raise InvalidKeyError(
+                f"renaming {key!r} with {dict(rename or {})} leaves an empty name; fix the rename map"
+            )
         if name in owner:
             raise InvalidKeyError(
                 f"keys {owner[name]!r} and {key!r} would both be exported as {name!r}; fix the rename map "

@@ -1,7 +1,7 @@
 """Load strategies that let ``dist_ckpt.load`` read HuggingFace folders like any checkpoint.
 
 A folder with ``model.safetensors`` or ``model.safetensors.index.json`` and no ``metadata.json``
-is read with the built-in backend ``("hf", 1)`` (see :func:`dist_ckpt.core.detect_config`):
+is read with the built-in backend ``("hf", 1)`` (see :func:`dist_ckpt.engine.commit.detect_config`):
 each rank asks for the slices its ShardedTensors describe -- any TP split, flattened ranges,
 prepended axes -- and reads only those bytes, in place, from the files that hold them. The
 common state of such a checkpoint is empty, and it holds no ShardedObjects.
@@ -10,23 +10,24 @@ Example::
 
     sd = {"embed": ShardedTensor.from_rank_offsets("model.embed_tokens.weight", local, (0, tp_rank, tp))}
     dist_ckpt.load(sd, "Llama-3-8B")                       # reads this rank's rows only
-    dist_ckpt.load(sd, path, sharded_strategy=HFLoadShardedStrategy(aliases={"lm_head.weight": "model.embed_tokens.weight"}))
+    tied = HFLoadShardedStrategy(aliases={"lm_head.weight": "model.embed_tokens.weight"})
+    dist_ckpt.load(sd, path, sharded_strategy=tied)
 """
 
 from __future__ import annotations
 
 from typing import ClassVar, Dict, List, Mapping, Optional, Tuple
 
-from ..dict_utils import dict_list_map_inplace, nested_values
-from ..distributed import get_rank
-from ..errors import KeyMismatchError, format_keys
-from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
-from ..storage.location import CheckpointLocation, require_local
-from ..strategies.base import LoadCommonStrategy, LoadShardedStrategy
-from ..strategies.safetensors_io import ReadOptions
-from ..strategies.safetensors_load import load_from_index, tensors_metadata
-from ..strategies.stored_shards import StoredShardInfo, describe_tensor_index
-from .folder import HFFolder, open_folder
+from dist_ckpt.backends.base import LoadCommonStrategy, LoadShardedStrategy
+from dist_ckpt.backends.safetensors.io import ReadOptions
+from dist_ckpt.backends.safetensors.load import load_from_index, tensors_metadata
+from dist_ckpt.backends.stored_shards import StoredShardInfo, describe_tensor_index
+from dist_ckpt.engine.distributed import get_rank
+from dist_ckpt.errors import KeyMismatchError, format_keys
+from dist_ckpt.hf.folder import HFFolder, open_folder
+from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
+from dist_ckpt.model.sharded import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
+from dist_ckpt.storage.location import CheckpointLocation, require_local
 
 __all__ = ["HF_BACKEND", "HFCommonLoadStrategy", "HFLoadShardedStrategy"]
 
@@ -94,7 +95,9 @@ class HFCommonLoadStrategy(LoadCommonStrategy):
     def load_common(self, checkpoint_dir: CheckpointLocation) -> StateDict:
         return {}
 
-    def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> StateDict:
+    def load_sharded_objects(
+        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation
+    ) -> StateDict:
         requested = sorted({o.key for o in nested_values(sharded_objects_state_dict) if isinstance(o, ShardedObject)})
         if requested:
             raise KeyMismatchError(

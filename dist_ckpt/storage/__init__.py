@@ -8,7 +8,7 @@ obstore and is imported only when an ``s3://`` URL is opened. :func:`open_storag
 from a path or URL. ``paths.py`` turns checkpoint keys into safe names.
 """
 
-from .base import (
+from dist_ckpt.storage.base import (
     IOStats,
     ObjectInfo,
     ObjectWriter,
@@ -17,7 +17,7 @@ from .base import (
     open_storage,
     validate_object_key,
 )
-from .errors import (
+from dist_ckpt.storage.errors import (
     BucketNotFoundError,
     ObjectExistsError,
     ObjectNotFoundError,
@@ -27,8 +27,15 @@ from .errors import (
     StorageError,
     TruncatedObjectError,
 )
-from .local import LocalStorage, LocalStorageOptions, atomic_write, fsync_dir, fsync_file, write_bytes_atomic
-from .paths import decode_key, encode_key, is_shortened, safe_join, validate_key
+from dist_ckpt.storage.local import (
+    LocalStorage,
+    LocalStorageOptions,
+    atomic_write,
+    fsync_dir,
+    fsync_file,
+    write_bytes_atomic,
+)
+from dist_ckpt.storage.paths import decode_key, encode_key, is_shortened, safe_join, validate_key
 
 __all__ = [
     "BucketNotFoundError",

@@ -55,13 +55,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, ClassVar, Iterable, List, Optional, Sequence, Tuple, Type, Union
 
-from ..errors import InvalidKeyError
-from .errors import StorageConfigError
-from .paths import validate_key
+from dist_ckpt.errors import InvalidKeyError
+from dist_ckpt.storage.errors import StorageConfigError
+from dist_ckpt.storage.paths import validate_key
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .local import LocalStorageOptions
-    from .s3 import S3StorageOptions
+    from dist_ckpt.storage.local import LocalStorageOptions
+    from dist_ckpt.storage.s3 import S3StorageOptions
 
 __all__ = [
     "BufferLike",
@@ -245,7 +245,9 @@ def coalesce_ranges(reads: Sequence[RangeRead], max_bytes: int, max_gap: int = 0
         coalesce_ranges([RangeRead.into("k", 0, a), RangeRead.into("k", 4, b)], 1 << 20)
         # -> one RangeRead("k", 0, (a, b))
     """
-    pieces = sorted((p for r in reads for p in split_range(r, max_bytes) if p.length > 0), key=lambda p: (p.key, p.offset))
+    pieces = sorted(
+        (p for r in reads for p in split_range(r, max_bytes) if p.length > 0), key=lambda p: (p.key, p.offset)
+    )
     merged: List[RangeRead] = []
     for piece in pieces:
         if merged:
@@ -287,7 +289,15 @@ class IOCounters:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _totals: IOStats = field(default_factory=IOStats)
 
-    def add(self, *, bytes_read: int = 0, bytes_written: int = 0, read_requests: int = 0, objects_written: int = 0, metadata_requests: int = 0) -> None:
+    def add(
+        self,
+        *,
+        bytes_read: int = 0,
+        bytes_written: int = 0,
+        read_requests: int = 0,
+        objects_written: int = 0,
+        metadata_requests: int = 0,
+    ) -> None:
         """Add to the totals."""
         with self._lock:
             t = self._totals
@@ -340,7 +350,9 @@ class ObjectWriter(abc.ABC):
     def __enter__(self) -> "ObjectWriter":
         return self
 
-    def __exit__(self, exc_type: Optional[Type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:
+    def __exit__(
+        self, exc_type: Optional[Type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
+    ) -> None:
         if exc_type is None:
             self.commit()
         else:
@@ -540,7 +552,9 @@ class Storage(abc.ABC):
 StorageOptions = Union["LocalStorageOptions", "S3StorageOptions"]
 
 
-def open_storage(location: Union[str, "os.PathLike[str]", Storage], options: Optional[StorageOptions] = None) -> Storage:
+def open_storage(
+    location: Union[str, "os.PathLike[str]", Storage], options: Optional[StorageOptions] = None
+) -> Storage:
     """The storage for a local path or an ``s3://bucket/prefix`` URL.
 
     A :class:`Storage` is returned as given. ``file://`` URLs and plain paths are local. S3
@@ -568,12 +582,12 @@ def open_storage(location: Union[str, "os.PathLike[str]", Storage], options: Opt
     text = os.fspath(location)
     scheme, sep, rest = text.partition("://")
     if sep and scheme.lower() in ("s3", "s3a"):
-        from .s3 import S3Storage, S3StorageOptions
+        from dist_ckpt.storage.s3 import S3Storage, S3StorageOptions
 
         if options is not None and not isinstance(options, S3StorageOptions):
             raise StorageConfigError(f"open_storage({text!r}): expected S3StorageOptions, got {type(options).__name__}")
         return S3Storage.from_url(text, options)
-    from .local import LocalStorage, LocalStorageOptions
+    from dist_ckpt.storage.local import LocalStorage, LocalStorageOptions
 
     if options is not None and not isinstance(options, LocalStorageOptions):
         raise StorageConfigError(f"open_storage({text!r}): expected LocalStorageOptions, got {type(options).__name__}")

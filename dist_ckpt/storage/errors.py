@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..errors import CheckpointingException, CorruptCheckpointError
+from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
 
 __all__ = [
     "BucketNotFoundError",
@@ -68,7 +68,9 @@ class RetriesExhaustedError(StorageError):
             (connection refused, timeout).
     """
 
-    def __init__(self, message: str, *, url: str = "", operation: str = "", attempts: int = 0, last_status: Optional[int] = None) -> None:
+    def __init__(
+        self, message: str, *, url: str = "", operation: str = "", attempts: int = 0, last_status: Optional[int] = None
+    ) -> None:
         super().__init__(message, url=url, operation=operation)
         self.attempts = attempts
         self.last_status = last_status

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
-from .base import (
+from dist_ckpt.storage.base import (
     BufferLike,
     IOCounters,
     ObjectInfo,
@@ -32,8 +32,14 @@ from .base import (
     validate_object_key,
     validate_prefix,
 )
-from .errors import ObjectExistsError, ObjectNotFoundError, StorageConfigError, StorageError, TruncatedObjectError
-from .paths import safe_join
+from dist_ckpt.storage.errors import (
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StorageConfigError,
+    StorageError,
+    TruncatedObjectError,
+)
+from dist_ckpt.storage.paths import safe_join
 
 __all__ = ["LocalStorage", "LocalStorageOptions", "atomic_write", "fsync_dir", "fsync_file", "write_bytes_atomic"]
 
@@ -140,7 +146,11 @@ class _LocalWriter(ObjectWriter):
 
     def write(self, data: BufferLike) -> int:
         if self._file is None:
-            raise StorageError(f"write to {self._storage.url_of(self._key)} after commit/abort", url=self._storage.url_of(self._key), operation="write")
+            raise StorageError(
+                f"write to {self._storage.url_of(self._key)} after commit/abort",
+                url=self._storage.url_of(self._key),
+                operation="write",
+            )
         view = as_byte_view(data)
         self._file.write(view)
         self._written += len(view)
@@ -150,7 +160,11 @@ class _LocalWriter(ObjectWriter):
         if self._done:
             return
         if self._file is None:
-            raise StorageError(f"commit of {self._storage.url_of(self._key)} after abort", url=self._storage.url_of(self._key), operation="commit")
+            raise StorageError(
+                f"commit of {self._storage.url_of(self._key)} after abort",
+                url=self._storage.url_of(self._key),
+                operation="commit",
+            )
         fsync = self._storage.options.fsync
         try:
             self._file.flush()
@@ -199,7 +213,13 @@ class LocalStorage(Storage):
     multipart_upload = False
     local_paths = True
 
-    def __init__(self, root: Union[str, "os.PathLike[str]"], options: Optional[LocalStorageOptions] = None, *, counters: Optional[IOCounters] = None) -> None:
+    def __init__(
+        self,
+        root: Union[str, "os.PathLike[str]"],
+        options: Optional[LocalStorageOptions] = None,
+        *,
+        counters: Optional[IOCounters] = None,
+    ) -> None:
         super().__init__(counters)
         self.root = Path(root).absolute()
         self.options = options if options is not None else LocalStorageOptions()
@@ -322,7 +342,8 @@ class LocalStorage(Storage):
             if n == 0:
                 url = self.url_of(piece.key)
                 raise TruncatedObjectError(
-                    f"read {url}: the file ends at byte {offset}, but bytes {piece.offset}..{piece.offset + piece.length} "
+                    f"read {url}: the file ends at byte {offset}, but bytes "
+                    f"{piece.offset}..{piece.offset + piece.length} "
                     "were expected (the file was truncated, or the index describing it is wrong)"
                 )
             offset += n
@@ -345,7 +366,9 @@ class LocalStorage(Storage):
         except (FileNotFoundError, NotADirectoryError) as e:
             raise self._not_found(key, "size", e) from e
         if not stat.S_ISREG(st.st_mode):
-            raise ObjectNotFoundError(f"size {self.url_of(key)}: not a regular file", url=self.url_of(key), operation="size")
+            raise ObjectNotFoundError(
+                f"size {self.url_of(key)}: not a regular file", url=self.url_of(key), operation="size"
+            )
         return st.st_size
 
     def exists(self, key: str) -> bool:

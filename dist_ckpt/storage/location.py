@@ -24,10 +24,10 @@ import os
 from pathlib import Path
 from typing import Optional, Union
 
-from ..errors import IncompatibleStrategyError
-from .base import Storage, open_storage
-from .errors import StorageConfigError
-from .local import LocalStorage
+from dist_ckpt.errors import IncompatibleStrategyError
+from dist_ckpt.storage.base import Storage, open_storage
+from dist_ckpt.storage.errors import StorageConfigError
+from dist_ckpt.storage.local import LocalStorage
 
 __all__ = [
     "CheckpointLocation",
@@ -70,7 +70,9 @@ def resolve_location(location: LocationLike) -> CheckpointLocation:
         if isinstance(location, LocalStorage):
             return location.root
         if location.local_paths:
-            raise StorageConfigError(f"{location!r} declares local_paths but is not a LocalStorage; pass its directory instead")
+            raise StorageConfigError(
+                f"{location!r} declares local_paths but is not a LocalStorage; pass its directory instead"
+            )
         return location
     text = os.fspath(location)
     if isinstance(location, os.PathLike) and any(text.lower().startswith(f"{s}:/") for s in _OBJECT_SCHEMES):

@@ -1,6 +1,6 @@
 """A key under an object-store :class:`Storage`, usable where code walks a directory tree.
 
-The zarr layout (:mod:`dist_ckpt.strategies.zarr_layout`) and its checksums address nodes and
+The zarr layout (:mod:`dist_ckpt.backends.zarr.layout`) and its checksums address nodes and
 chunk files as paths: ``root / key / "zarr.json"``, ``read_bytes()``, ``stat().st_size``,
 listing a directory. :class:`ObjectPath` gives an object-store key that part of the
 :class:`pathlib.Path` interface, so the same layout code serves a local directory (a ``Path``)
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Union
 
-from .base import BufferLike, Storage
+from dist_ckpt.storage.base import BufferLike, Storage
 
 __all__ = ["Node", "ObjectPath", "ObjectStat", "node_files", "subdirs"]
 

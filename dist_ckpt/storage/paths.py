@@ -12,7 +12,7 @@ import hashlib
 from pathlib import Path
 from typing import Optional, Union
 
-from ..errors import InvalidKeyError, with_rank
+from dist_ckpt.errors import InvalidKeyError, with_rank
 
 _SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
 _MAX_NAME = 200  # well below the 255-byte limit of common file systems
@@ -30,7 +30,11 @@ def validate_key(key: str, rank: Optional[int] = None) -> None:
     elif any(ord(c) < 32 or ord(c) == 127 for c in key):
         problem = "keys must not contain control characters"
     if problem:
-        raise InvalidKeyError(with_rank(f"invalid checkpoint key {key!r}: {problem} (it would not stay inside the checkpoint directory)", rank))
+        raise InvalidKeyError(
+            with_rank(
+                f"invalid checkpoint key {key!r}: {problem} (it would not stay inside the checkpoint directory)", rank
+            )
+        )
 
 
 def encode_key(key: str) -> str:
@@ -45,7 +49,7 @@ def encode_key(key: str) -> str:
     name = "".join(out)
     if len(name) > _MAX_NAME:
         digest = hashlib.sha256(key.encode("utf-8")).hexdigest()[:16]
-        name = f"{name[:_MAX_NAME - 17]}~{digest}"
+        name = f"{name[: _MAX_NAME - 17]}~{digest}"
     return name
 
 

@@ -36,7 +36,7 @@ status), :class:`TruncatedObjectError` -- see :mod:`dist_ckpt.storage.errors`.
 Processes: obstore's runtime does not survive ``fork`` (a forked child hangs on its first
 request). A storage used in a forked child of a process that already made S3 requests raises a
 :class:`StorageError` instead of hanging; start workers with ``spawn`` (as
-:mod:`dist_ckpt.testing.launch` does).
+:mod:`dist_ckpt.tools.launch` does).
 
 Array libraries with their own S3 clients get the location from here:
 :meth:`S3Storage.obstore_store` for zarr-python 3 (``zarr.storage.ObjectStore``) and
@@ -56,7 +56,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
-from .base import (
+from dist_ckpt.storage.base import (
     BufferLike,
     IOCounters,
     ObjectInfo,
@@ -69,8 +69,15 @@ from .base import (
     validate_object_key,
     validate_prefix,
 )
-from .errors import ObjectNotFoundError, StorageError, TruncatedObjectError
-from .s3_client import S3Client, S3StorageOptions, check_process, import_obstore, parse_s3_url, translate_error
+from dist_ckpt.storage.errors import ObjectNotFoundError, StorageError, TruncatedObjectError
+from dist_ckpt.storage.s3_client import (
+    S3Client,
+    S3StorageOptions,
+    check_process,
+    import_obstore,
+    parse_s3_url,
+    translate_error,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from obstore.store import S3Store
@@ -118,7 +125,9 @@ class S3Storage(Storage):
         bucket, parsed = parse_s3_url(f"s3://{bucket}/{prefix}")
         self.bucket = bucket
         self.prefix = parsed
-        self.options = options if options is not None else (_client.options if _client is not None else S3StorageOptions())
+        self.options = (
+            options if options is not None else (_client.options if _client is not None else S3StorageOptions())
+        )
         self._client = _client if _client is not None else S3Client.create(bucket, self.options)
 
     @classmethod
@@ -226,8 +235,15 @@ class S3Storage(Storage):
             self._call("PUT", key, obstore.put, self._client.store, path, body, use_multipart=False)
         else:
             self._call(
-                "PUT (multipart)", key, obstore.put, self._client.store, path, iter(views),
-                use_multipart=True, chunk_size=opts.part_size, max_concurrency=opts.max_concurrency,
+                "PUT (multipart)",
+                key,
+                obstore.put,
+                self._client.store,
+                path,
+                iter(views),
+                use_multipart=True,
+                chunk_size=opts.part_size,
+                max_concurrency=opts.max_concurrency,
             )
         self._counters.add(bytes_written=total, objects_written=1)
 
@@ -237,7 +253,16 @@ class S3Storage(Storage):
     def put_if_absent(self, key: str, data: BufferLike) -> None:
         obstore = import_obstore()
         view = as_byte_view(data)
-        self._call("put_if_absent", key, obstore.put, self._client.store, self._path(key), view, mode="create", use_multipart=False)
+        self._call(
+            "put_if_absent",
+            key,
+            obstore.put,
+            self._client.store,
+            self._path(key),
+            view,
+            mode="create",
+            use_multipart=False,
+        )
         self._counters.add(bytes_written=len(view), objects_written=1)
 
     # -- reading -----------------------------------------------------------------------------
@@ -276,12 +301,21 @@ class S3Storage(Storage):
         """One ranged GET, copied into the request's buffers (the one copy out of the client)."""
         obstore = import_obstore()
         length = request.length
-        data = self._call("GET", request.key, obstore.get_range, self._client.store, self._path(request.key), start=request.offset, length=length)
+        data = self._call(
+            "GET",
+            request.key,
+            obstore.get_range,
+            self._client.store,
+            self._path(request.key),
+            start=request.offset,
+            length=length,
+        )
         view = memoryview(data)
         if len(view) != length:
             url = self.url_of(request.key)
             raise TruncatedObjectError(
-                f"GET {url}: bytes {request.offset}..{request.offset + length} were requested but the object ends at byte "
+                f"GET {url}: bytes {request.offset}..{request.offset + length} were requested but the object ends at "
+                "byte "
                 f"{request.offset + len(view)} (it was truncated, or the index describing it is wrong)"
             )
         position = 0
@@ -384,8 +418,13 @@ class _S3Writer(ObjectWriter):
         self._key = key
         opts = storage.options
         self._file: Any = storage._call(
-            "PUT (stream)", key, obstore.open_writer, storage._client.store, storage._path(key),
-            buffer_size=opts.part_size, max_concurrency=opts.max_concurrency,
+            "PUT (stream)",
+            key,
+            obstore.open_writer,
+            storage._client.store,
+            storage._path(key),
+            buffer_size=opts.part_size,
+            max_concurrency=opts.max_concurrency,
         )
         self._written = 0
         self._done = False

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Dict, Optional, Set, Tuple
 
-from ..errors import MissingDependencyError
-from .base import validate_object_key
-from .errors import (
+from dist_ckpt.errors import MissingDependencyError
+from dist_ckpt.storage.base import validate_object_key
+from dist_ckpt.storage.errors import (
     BucketNotFoundError,
     ObjectExistsError,
     ObjectNotFoundError,
@@ -83,7 +83,10 @@ class S3StorageOptions:
 
     def __post_init__(self) -> None:
         if not isinstance(self.part_size, int) or not _MIN_PART <= self.part_size <= _MAX_PART:
-            raise StorageConfigError(f"S3StorageOptions.part_size must be an int between 5 MiB and 5 GiB (S3's part limits), got {self.part_size!r}")
+            raise StorageConfigError(
+                "S3StorageOptions.part_size must be an int between 5 MiB and 5 GiB (S3's part limits), got "
+                f"{self.part_size!r}"
+            )
         for name in ("max_concurrency", "read_chunk_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -112,7 +115,8 @@ def parse_s3_url(url: str) -> Tuple[str, str]:
     bucket, _, prefix = rest.partition("/")
     if not _BUCKET_RE.match(bucket) or ".." in bucket:
         raise StorageConfigError(
-            f"S3 URL {url!r}: {bucket!r} is not a valid bucket name (3-63 characters: lowercase letters, digits, '.', '-')"
+            f"S3 URL {url!r}: {bucket!r} is not a valid bucket name (3-63 characters: lowercase letters, digits, '.', "
+            "'-')"
         )
     prefix = prefix.strip("/")
     if prefix:
@@ -132,7 +136,7 @@ def import_obstore() -> Any:
         import obstore
     except ImportError as e:
         raise MissingDependencyError(
-            "S3 storage (s3:// URLs) needs the obstore client library: pip install \"dist_ckpt[s3]\""
+            'S3 storage (s3:// URLs) needs the obstore client library: pip install "dist_ckpt[s3]"'
         ) from e
     return obstore
 
@@ -163,7 +167,8 @@ class _Boto3Credentials:
         credentials = session.get_credentials()
         if credentials is None:
             raise StorageAuthError(
-                "no AWS credentials found: set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or configure a profile (AWS_PROFILE)",
+                "no AWS credentials found: set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or configure a profile "
+                "(AWS_PROFILE)",
                 operation="credentials",
             )
         self._credentials = credentials
@@ -206,7 +211,11 @@ def _has_credential_source() -> bool:
 
 
 def _has_aws_profile() -> bool:
-    if os.environ.get("AWS_PROFILE") or os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or os.environ.get("AWS_CONFIG_FILE"):
+    if (
+        os.environ.get("AWS_PROFILE")
+        or os.environ.get("AWS_SHARED_CREDENTIALS_FILE")
+        or os.environ.get("AWS_CONFIG_FILE")
+    ):
         return True
     home = os.path.expanduser("~/.aws")
     return os.path.isfile(os.path.join(home, "credentials")) or os.path.isfile(os.path.join(home, "config"))
@@ -233,7 +242,14 @@ class S3Client:
 
         if _runtime_pid is not None and _runtime_pid != os.getpid():
             check_process()  # raises: creating a store in a forked child would hang later
-        secrets = {v for v in (os.environ.get(n) for n in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_TOKEN")) if v}
+        secrets = {
+            v
+            for v in (
+                os.environ.get(n)
+                for n in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_TOKEN")
+            )
+            if v
+        }
         endpoint = options.endpoint_url or _first_env("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
         region = options.region or _first_env("AWS_REGION", "AWS_DEFAULT_REGION")
         provider: Optional[_Boto3Credentials] = None
@@ -258,7 +274,11 @@ class S3Client:
         config: Dict[str, Any] = {"region": region or "us-east-1"}
         if endpoint:
             config["endpoint"] = endpoint
-        allow_http = options.allow_http if options.allow_http is not None else bool(endpoint and endpoint.lower().startswith("http://"))
+        allow_http = (
+            options.allow_http
+            if options.allow_http is not None
+            else bool(endpoint and endpoint.lower().startswith("http://"))
+        )
         client_options: Dict[str, Any] = {
             "allow_http": allow_http,
             "connect_timeout": timedelta(seconds=options.connect_timeout_s),
@@ -281,8 +301,19 @@ class S3Client:
         try:
             store = S3Store(bucket, **store_kwargs)
         except obstore.exceptions.BaseError as e:
-            raise StorageConfigError(_redact(f"cannot configure the S3 client for bucket {bucket!r}: {e}", secrets)) from e
-        return cls(bucket, options, endpoint or f"AWS S3 ({config['region']})", store, secrets, store_kwargs, config["region"], endpoint)
+            raise StorageConfigError(
+                _redact(f"cannot configure the S3 client for bucket {bucket!r}: {e}", secrets)
+            ) from e
+        return cls(
+            bucket,
+            options,
+            endpoint or f"AWS S3 ({config['region']})",
+            store,
+            secrets,
+            store_kwargs,
+            config["region"],
+            endpoint,
+        )
 
 
 def _redact(text: str, secrets: Set[str]) -> str:
@@ -299,7 +330,9 @@ _RETRIES_RE = re.compile(r"after (\d+) retries")
 _CONNECTION_HINTS = ("error sending request", "connection", "timed out", "timeout", "dns error", "broken pipe")
 
 
-def translate_error(error: BaseException, *, operation: str, url: str, bucket: str, client: S3Client) -> "StorageError | TruncatedObjectError":
+def translate_error(
+    error: BaseException, *, operation: str, url: str, bucket: str, client: S3Client
+) -> "StorageError | TruncatedObjectError":
     """A clear, redacted error for a failed request: what, where, which status, how to fix."""
     obstore = import_obstore()
     text = _redact(str(error), client.secrets)
@@ -309,7 +342,9 @@ def translate_error(error: BaseException, *, operation: str, url: str, bucket: s
     code = code_match.group(1) if code_match else ""
     message_match = _MESSAGE_RE.search(text)
     s3_message = message_match.group(1) if message_match else ""
-    detail = " ".join(p for p in (f"HTTP {status}" if status else "", code, f"({s3_message})" if s3_message else "") if p)
+    detail = " ".join(
+        p for p in (f"HTTP {status}" if status else "", code, f"({s3_message})" if s3_message else "") if p
+    )
     where = f"{operation} {url} (endpoint {client.endpoint})"
     exc = obstore.exceptions
     if isinstance(error, exc.AlreadyExistsError) or (status == 412 and operation == "put_if_absent"):

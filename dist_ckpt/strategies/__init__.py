@@ -1,10 +1,10 @@
 """Checkpoint formats (backends) and saving/loading algorithms (strategies).
 
 Importing this package imports no backend: built-ins are resolved lazily by
-:mod:`dist_ckpt.strategies.base`.
+:mod:`dist_ckpt.backends.base`.
 """
 
-from .base import (
+from dist_ckpt.backends.base import (
     AsyncSaveShardedStrategy,
     LoadCommonStrategy,
     LoadShardedStrategy,
@@ -12,17 +12,19 @@ from .base import (
     SaveCommonStrategy,
     SaveShardedStrategy,
     SaveStrategyBase,
-    StrategyAction,
-    StrategyKey,
     TensorLayout,
     TensorStreamWriter,
+)
+from dist_ckpt.backends.stored_shards import StoredShardInfo
+from dist_ckpt.engine.registry import (
+    StrategyAction,
+    StrategyKey,
     alternative_strategies,
     get_alternative_strategy,
     get_default_strategy,
     register_default_strategy,
     registered_strategies,
 )
-from .stored_shards import StoredShardInfo
 
 __all__ = [
     "AsyncSaveShardedStrategy",

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..mapping import ShardedTensor
+from dist_ckpt.model.sharded import ShardedTensor
 
 
 def full_tensor(key: str, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:

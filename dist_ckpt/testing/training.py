@@ -46,7 +46,9 @@ def make_model(seed: int) -> nn.Sequential:
     """Linear layers of awkward sizes (uneven and empty FSDP2 shards at 2 and 4 ranks) and a
     BatchNorm (float buffers and an int64 one)."""
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(13, 37), nn.BatchNorm1d(37), nn.Tanh(), nn.Linear(37, 11), nn.Tanh(), nn.Linear(11, 3))
+    return nn.Sequential(
+        nn.Linear(13, 37), nn.BatchNorm1d(37), nn.Tanh(), nn.Linear(37, 11), nn.Tanh(), nn.Linear(11, 3)
+    )
 
 
 def make_optimizer(name: str, model: nn.Module, lr_scale: float = 1.0) -> torch.optim.Optimizer:
@@ -99,7 +101,7 @@ def shard_with_fsdp2(model: nn.Module) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from ..distributed import get_world_size
+    from dist_ckpt.engine.distributed import get_world_size
 
     mesh = init_device_mesh("cpu", (get_world_size(),))
     for layer in model.children():

@@ -6,7 +6,7 @@ This file is the worked example of docs/backends/custom.md and is executed by th
 * a save strategy writes this rank's main-replica shards and returns once they are durable;
 * a load strategy declares the backends and versions it reads, checks the request before
   reading, and fills each requested shard from the stored shards it overlaps (any resharding,
-  via :mod:`dist_ckpt.geometry`);
+  via :mod:`dist_ckpt.model.geometry`);
 * both are registered under ``("rawbin", 1)``; ``dist_ckpt.save`` commits ``metadata.json``
   and ``dist_ckpt.load`` picks the loader from it.
 
@@ -24,12 +24,13 @@ from typing import Any, ClassVar, Dict, List, Tuple
 import torch
 
 import dist_ckpt as dc
-from dist_ckpt.dict_utils import dict_list_map_inplace, nested_values
-from dist_ckpt.distributed import get_rank
-from dist_ckpt.dtypes import dtype_from_name, dtype_to_name
-from dist_ckpt.geometry import Box, piece_view, shard_pieces, sub_view
+from dist_ckpt.backends.base import LoadShardedStrategy, SaveShardedStrategy
+from dist_ckpt.engine.distributed import get_rank
+from dist_ckpt.engine.registry import StrategyAction
+from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
+from dist_ckpt.model.dtypes import dtype_from_name, dtype_to_name
+from dist_ckpt.model.geometry import Box, piece_view, shard_pieces, sub_view
 from dist_ckpt.storage import write_bytes_atomic
-from dist_ckpt.strategies.base import LoadShardedStrategy, SaveShardedStrategy, StrategyAction
 
 DIR = "rawbin"
 
@@ -53,9 +54,17 @@ class RawBinSave(SaveShardedStrategy):
             data = sh.data.detach().cpu().contiguous().reshape(-1)
             write_bytes_atomic(root / name, data.view(torch.uint8).numpy().tobytes())  # fsynced
             rng = None if sh.flattened_range is None else [sh.flattened_range.start, sh.flattened_range.stop]
-            entries.append({"file": name, "key": sh.key, "dtype": dtype_to_name(sh.dtype),
-                            "global_shape": list(sh.global_shape), "global_offset": list(sh.global_offset),
-                            "chunk_shape": list(sh.full_local_shape), "flat_range": rng})
+            entries.append(
+                {
+                    "file": name,
+                    "key": sh.key,
+                    "dtype": dtype_to_name(sh.dtype),
+                    "global_shape": list(sh.global_shape),
+                    "global_offset": list(sh.global_offset),
+                    "chunk_shape": list(sh.full_local_shape),
+                    "flat_range": rng,
+                }
+            )
         write_bytes_atomic(root / f"{rank}.json", json.dumps(entries).encode())
 
 
@@ -82,7 +91,9 @@ class RawBinLoad(LoadShardedStrategy):
         def load_one(sh: Any) -> Any:
             if not isinstance(sh, dc.ShardedTensor):
                 return sh
-            shape = sh.local_shape if sh.flattened_range is None else (sh.flattened_range.stop - sh.flattened_range.start,)
+            shape = (
+                sh.local_shape if sh.flattened_range is None else (sh.flattened_range.stop - sh.flattened_range.start,)
+            )
             dest = torch.empty(shape, dtype=sh.dtype)
             holder = Box(sh.global_offset, sh.full_local_shape)
             rng = None if sh.flattened_range is None else (sh.flattened_range.start, sh.flattened_range.stop)
@@ -130,11 +141,15 @@ def main(workdir: str) -> None:
     register()
     full = torch.arange(48, dtype=torch.float32).reshape(8, 6)
     # one process may hold several shards of a tensor: here 4 row blocks, as 4 TP ranks would
-    saved = {f"w{i}": dc.ShardedTensor.from_rank_offsets("w", full[2 * i : 2 * i + 2].clone(), (0, i, 4)) for i in range(4)}
+    saved = {
+        f"w{i}": dc.ShardedTensor.from_rank_offsets("w", full[2 * i : 2 * i + 2].clone(), (0, i, 4)) for i in range(4)
+    }
     # distributed-optimizer style: the flattened tensor split into 3 uneven ranges
     flat = full.flatten()
     for i, (a, b) in enumerate([(0, 5), (5, 30), (30, 48)]):
-        saved[f"m{i}"] = dc.ShardedTensor.from_rank_offsets_flat("m", flat[a:b].clone(), (8, 6), flattened_range=slice(a, b))
+        saved[f"m{i}"] = dc.ShardedTensor.from_rank_offsets_flat(
+            "m", flat[a:b].clone(), (8, 6), flattened_range=slice(a, b)
+        )
     saved["step"] = 10
     ckpt = os.path.join(workdir, "iter_10")
     dc.save(saved, ckpt, sharded_strategy=("rawbin", 1))

@@ -7,8 +7,8 @@ through torch.distributed (gloo), the engine dist_ckpt supports.
 from __future__ import annotations
 
 import os
-import tempfile
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Iterator
 

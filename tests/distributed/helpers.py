@@ -9,9 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_ckpt.strategies.base import (
-    LoadShardedStrategy,
-    SaveShardedStrategy,
+from dist_ckpt.backends.base import LoadShardedStrategy, SaveShardedStrategy
+from dist_ckpt.engine.registry import (
     StrategyAction,
     alternative_strategies,
     get_alternative_strategy,
@@ -93,13 +92,18 @@ def _alternative(action: StrategyAction, backend: str, version: int, name: str) 
 
 
 def _wrappers(tag: str, save: Callable[[], object], load: Callable[[], object]) -> List[StrategyCombo]:
-    from dist_ckpt.strategies.fully_parallel import FullyParallelLoadStrategyWrapper, FullyParallelSaveStrategyWrapper
-    from dist_ckpt.strategies.two_stage import TwoStageDataParallelLoadShardedStrategy
+    from dist_ckpt.parallel.fully_parallel import FullyParallelLoadStrategyWrapper, FullyParallelSaveStrategyWrapper
+    from dist_ckpt.parallel.two_stage import TwoStageDataParallelLoadShardedStrategy
 
     return [
         # base_strategy=None: the two-stage loader wraps whatever is registered for the backend
         StrategyCombo(f"{tag}:default->two_stage", save, lambda: TwoStageDataParallelLoadShardedStrategy(None)),  # type: ignore[arg-type]
-        StrategyCombo(f"{tag}:fully_parallel->default", lambda: FullyParallelSaveStrategyWrapper(save()), load, any_replica_writes=True),  # type: ignore[arg-type]
+        StrategyCombo(
+            f"{tag}:fully_parallel->default",
+            lambda: FullyParallelSaveStrategyWrapper(save()),
+            load,
+            any_replica_writes=True,
+        ),  # type: ignore[arg-type]
         StrategyCombo(f"{tag}:default->fully_parallel", save, lambda: FullyParallelLoadStrategyWrapper(load())),  # type: ignore[arg-type]
     ]
 

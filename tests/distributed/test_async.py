@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 
 import dist_ckpt as dc
+from dist_ckpt.async_save.queue import AsyncCallsQueue
+from dist_ckpt.backends.safetensors.strategy import SafetensorsSaveOptions, SafetensorsSaveShardedStrategy
 from dist_ckpt.errors import AsyncSaveError, NotACheckpointError
-from dist_ckpt.mapping import ShardedObject
-from dist_ckpt.strategies.async_utils import AsyncCallsQueue
-from dist_ckpt.strategies.safetensors import SafetensorsSaveOptions, SafetensorsSaveShardedStrategy
+from dist_ckpt.model.sharded import ShardedObject
 from dist_ckpt.testing.layouts import bitwise_equal, full_tensor, tp_shards
 
 from .helpers import assert_on_all_ranks, raises_on_all_ranks, rank, slow_write, world
@@ -90,7 +90,11 @@ def test_ranks_finalize_only_when_every_writer_finished(shared_tmp_path: Path, q
     (nor commits) until rank 1's is done too."""
     request = dc.save(_state(tp=world()), shared_tmp_path / "c", async_sharded_save=True)
     delay = 1.5 if rank() == 1 else 0.0
-    queue.schedule_async_request(dataclasses.replace(request, async_fn=slow_write, async_fn_args=(delay, request.async_fn, *request.async_fn_args)))
+    queue.schedule_async_request(
+        dataclasses.replace(
+            request, async_fn=slow_write, async_fn_args=(delay, request.async_fn, *request.async_fn_args)
+        )
+    )
     early_polls = 0
     finished: list = []
     while not finished:
@@ -103,7 +107,7 @@ def test_ranks_finalize_only_when_every_writer_finished(shared_tmp_path: Path, q
 
 
 def test_fully_parallel_async_save_spreads_the_writing(shared_tmp_path: Path, queue) -> None:
-    from dist_ckpt.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+    from dist_ckpt.parallel.fully_parallel import FullyParallelSaveStrategyWrapper
 
     tp = world() // 2  # DP=2: every shard has a replica; the wrapper spreads who writes it
     strategy = FullyParallelSaveStrategyWrapper(SafetensorsSaveShardedStrategy())
@@ -140,7 +144,9 @@ def test_writer_failure_on_one_rank_surfaces_on_every_rank(shared_tmp_path: Path
     if rank() == victim:  # where this rank's writer must create its first file
         (shared_tmp_path / "c" / "safetensors" / f"rank{victim:05d}_0.safetensors").mkdir()
     queue.schedule_async_request(request)
-    err = raises_on_all_ranks(AsyncSaveError, lambda: queue.maybe_finalize_async_calls(blocking=True), f"[rank {victim}]")
+    err = raises_on_all_ranks(
+        AsyncSaveError, lambda: queue.maybe_finalize_async_calls(blocking=True), f"[rank {victim}]"
+    )
     assert_on_all_ranks("FileExistsError" in str(err), str(err))
     assert_on_all_ranks(not (shared_tmp_path / "c" / "metadata.json").exists(), "a failed save was committed")
     raises_on_all_ranks(NotACheckpointError, lambda: dc.load(_state(tp=world(), empty=True), shared_tmp_path / "c"))

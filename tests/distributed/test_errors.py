@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import dist_ckpt as dc
-from dist_ckpt.strategies.base import SaveShardedStrategy
+from dist_ckpt.backends.base import SaveShardedStrategy
 from dist_ckpt.testing.layouts import full_tensor, tp_shards
 
 from .helpers import assert_on_all_ranks, raises_on_all_ranks, rank, world
@@ -62,7 +62,10 @@ def test_wrong_dtype_and_shape_on_load(shared_tmp_path: Path) -> None:
     dc.save(state(), shared_tmp_path)
     wrong_dtype = state()
     if rank() == 1:  # only one rank asks for the wrong dtype
-        wrong_dtype = {k: dc.ShardedTensor.from_rank_offsets("w", v.data.double(), (0, rank(), world())) for k, v in wrong_dtype.items()}
+        wrong_dtype = {
+            k: dc.ShardedTensor.from_rank_offsets("w", v.data.double(), (0, rank(), world()))
+            for k, v in wrong_dtype.items()
+        }
     # ranks disagreeing on the dtype is an invalid request, caught before any read ...
     raises_on_all_ranks(dc.ShardingIntegrityError, lambda: dc.load(wrong_dtype, shared_tmp_path), "dtype differs")
     # ... and without validation the mismatch with the stored dtype is still caught, everywhere
@@ -99,9 +102,13 @@ def test_directory_without_metadata(shared_tmp_path: Path) -> None:
 
 
 def test_unknown_backend_or_version(shared_tmp_path: Path) -> None:
-    err = raises_on_all_ranks(dc.UnknownStrategyError, lambda: dc.save(state(), shared_tmp_path, sharded_strategy=("zarr", 99)))
+    err = raises_on_all_ranks(
+        dc.UnknownStrategyError, lambda: dc.save(state(), shared_tmp_path, sharded_strategy=("zarr", 99))
+    )
     assert_on_all_ranks("save_sharded:zarr:v1" in str(err), str(err))
-    raises_on_all_ranks(dc.UnknownStrategyError, lambda: dc.save(state(), shared_tmp_path, sharded_strategy=("nope", 1)))
+    raises_on_all_ranks(
+        dc.UnknownStrategyError, lambda: dc.save(state(), shared_tmp_path, sharded_strategy=("nope", 1))
+    )
     assert_nothing_committed(shared_tmp_path)
 
 
@@ -129,7 +136,9 @@ class _FailingOnRank1(SaveShardedStrategy):
 
 
 def test_io_failure_on_one_rank_raises_everywhere_and_commits_nothing(shared_tmp_path: Path) -> None:
-    err = raises_on_all_ranks(dc.RankFailedError, lambda: dc.save(state(), shared_tmp_path, sharded_strategy=_FailingOnRank1()))
+    err = raises_on_all_ranks(
+        dc.RankFailedError, lambda: dc.save(state(), shared_tmp_path, sharded_strategy=_FailingOnRank1())
+    )
     assert_on_all_ranks("[rank 1]" in str(err) and "No space left" in str(err), str(err))
     assert_nothing_committed(shared_tmp_path)
     raises_on_all_ranks(dc.NotACheckpointError, lambda: dc.load(state(), shared_tmp_path))
@@ -169,7 +178,7 @@ def test_common_state_difference_is_logged(shared_tmp_path: Path, caplog: pytest
 def test_error_exchanged_in_a_subgroup_still_reaches_the_world() -> None:
     """Ranks {0, 1} exchange an error in their own group; the enclosing world-level step must
     still raise it on ranks 2 and 3 instead of leaving them waiting."""
-    from dist_ckpt.distributed import new_group, run_collectively
+    from dist_ckpt.engine.distributed import new_group, run_collectively
 
     pair = new_group([0, 1])
 

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 import dist_ckpt as dc
+from dist_ckpt.backends.safetensors import io as safetensors_io
 from dist_ckpt.hf import export
-from dist_ckpt.strategies import safetensors_io
 from dist_ckpt.testing.layouts import bitwise_equal, expected_data, flat_shards, full_tensor, tp_shards
 
 from .helpers import assert_on_all_ranks, rank, world
@@ -38,12 +38,32 @@ def _state_of_4_participants() -> Dict[str, torch.Tensor]:
 def test_saved_by_4_exported_to_hf_equals_full_tensors(backend, shared_tmp_path: Path) -> None:
     fulls = _state_of_4_participants()
     sd: Dict[str, dc.ShardedTensor] = {}
-    sd.update(tp_shards("embedding.word_embeddings.weight", fulls["embedding.word_embeddings.weight"], 0, 4, rank(), world(), dp=1))
-    sd.update(tp_shards("decoder.layers.mlp.linear_fc2.weight", fulls["decoder.layers.mlp.linear_fc2.weight"], 1, 4,
-                        rank(), world(), dp=1))
-    sd.update(tp_shards("decoder.final_layernorm.weight", fulls["decoder.final_layernorm.weight"], 0, 1, rank(), world(), dp=4))
-    sd.update(flat_shards("optimizer.state.exp_avg.embedding", fulls["optimizer.state.exp_avg.embedding"], 0, 2, 2,
-                          rank(), world()))
+    sd.update(
+        tp_shards(
+            "embedding.word_embeddings.weight", fulls["embedding.word_embeddings.weight"], 0, 4, rank(), world(), dp=1
+        )
+    )
+    sd.update(
+        tp_shards(
+            "decoder.layers.mlp.linear_fc2.weight",
+            fulls["decoder.layers.mlp.linear_fc2.weight"],
+            1,
+            4,
+            rank(),
+            world(),
+            dp=1,
+        )
+    )
+    sd.update(
+        tp_shards(
+            "decoder.final_layernorm.weight", fulls["decoder.final_layernorm.weight"], 0, 1, rank(), world(), dp=4
+        )
+    )
+    sd.update(
+        flat_shards(
+            "optimizer.state.exp_avg.embedding", fulls["optimizer.state.exp_avg.embedding"], 0, 2, 2, rank(), world()
+        )
+    )
     dc.save(sd, shared_tmp_path / "ckpt", sharded_strategy=backend)
     ok, detail = True, ""
     if rank() == 0:  # one process, no collective: the export is a single-process tool
@@ -51,7 +71,11 @@ def test_saved_by_4_exported_to_hf_equals_full_tensors(backend, shared_tmp_path:
         stored: Dict[str, torch.Tensor] = {}
         for file in result.files:
             stored.update(load_file(str(shared_tmp_path / "hf" / file)))
-        ok = len(result.files) > 1 and stored.keys() == fulls.keys() and all(bitwise_equal(stored[k], fulls[k]) for k in fulls)
+        ok = (
+            len(result.files) > 1
+            and stored.keys() == fulls.keys()
+            and all(bitwise_equal(stored[k], fulls[k]) for k in fulls)
+        )
         detail = f"files {result.files}, keys {sorted(stored)}"
     assert_on_all_ranks(ok, f"exported tensors differ from the saved ones: {detail}")
 
@@ -80,8 +104,10 @@ def _write_hf_folder(path: Path) -> None:
     for file, keys in FILES.items():
         save_file({k: HF_FULL[k] for k in keys}, str(path / file), metadata={"format": "pt"})
     weight_map = {k: file for file, keys in FILES.items() for k in keys}
-    metadata = {"total_size": sum(t.numel() * t.element_size() for t in HF_FULL.values()),
-                "param_sharing_metadata": [["model.embed_tokens.weight", "lm_head.weight"]]}
+    metadata = {
+        "total_size": sum(t.numel() * t.element_size() for t in HF_FULL.values()),
+        "param_sharing_metadata": [["model.embed_tokens.weight", "lm_head.weight"]],
+    }
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": metadata, "weight_map": weight_map}))
 
 
@@ -94,16 +120,50 @@ def _tp_request(tp: int) -> Dict[str, dc.ShardedTensor]:
     column- and row-parallel MLP, a replicated norm, and distributed-optimizer-style flattened
     ranges of q_proj (uneven cuts over the ranks)."""
     sd: Dict[str, dc.ShardedTensor] = {}
-    sd.update(tp_shards("model.embed_tokens.weight", _full("model.embed_tokens.weight"), 0, tp, rank(), world(), empty=True))
-    sd.update({f"out/{k}": v for k, v in tp_shards("lm_head.weight", _full("lm_head.weight"), 0, tp, rank(), world(),
-                                                   empty=True).items()})
-    sd.update(tp_shards("model.layers.0.mlp.up_proj.weight", _full("model.layers.0.mlp.up_proj.weight"), 0, tp, rank(),
-                        world(), empty=True))
-    sd.update(tp_shards("model.layers.0.mlp.down_proj.weight", _full("model.layers.0.mlp.down_proj.weight"), 1, tp, rank(),
-                        world(), empty=True))
+    sd.update(
+        tp_shards("model.embed_tokens.weight", _full("model.embed_tokens.weight"), 0, tp, rank(), world(), empty=True)
+    )
+    sd.update(
+        {
+            f"out/{k}": v
+            for k, v in tp_shards("lm_head.weight", _full("lm_head.weight"), 0, tp, rank(), world(), empty=True).items()
+        }
+    )
+    sd.update(
+        tp_shards(
+            "model.layers.0.mlp.up_proj.weight",
+            _full("model.layers.0.mlp.up_proj.weight"),
+            0,
+            tp,
+            rank(),
+            world(),
+            empty=True,
+        )
+    )
+    sd.update(
+        tp_shards(
+            "model.layers.0.mlp.down_proj.weight",
+            _full("model.layers.0.mlp.down_proj.weight"),
+            1,
+            tp,
+            rank(),
+            world(),
+            empty=True,
+        )
+    )
     sd.update(tp_shards("model.norm.weight", _full("model.norm.weight"), 0, 1, rank(), world(), empty=True))
-    sd.update(flat_shards("model.layers.0.self_attn.q_proj.weight", _full("model.layers.0.self_attn.q_proj.weight"), 0, 1,
-                          world(), rank(), world(), empty=True))
+    sd.update(
+        flat_shards(
+            "model.layers.0.self_attn.q_proj.weight",
+            _full("model.layers.0.self_attn.q_proj.weight"),
+            0,
+            1,
+            world(),
+            rank(),
+            world(),
+            empty=True,
+        )
+    )
     return sd
 
 

@@ -18,13 +18,6 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from dist_ckpt.checkpointer import (
-    Checkpointer,
-    load_model_and_optim_state,
-    save_model_and_optim_state,
-    unshard_model_state,
-    unshard_optim_state,
-)
 from dist_ckpt.errors import KeyMismatchError
 from dist_ckpt.testing import spawn_ranks
 from dist_ckpt.testing.layouts import bitwise_equal
@@ -40,6 +33,13 @@ from dist_ckpt.testing.training import (
     shard_with_fsdp2,
     state_differences,
     train,
+)
+from dist_ckpt.training.checkpointer import (
+    Checkpointer,
+    load_model_and_optim_state,
+    save_model_and_optim_state,
+    unshard_model_state,
+    unshard_optim_state,
 )
 
 from .helpers import assert_on_all_ranks, raises_on_all_ranks, rank, world
@@ -121,7 +121,9 @@ def test_plain_replicated_model_continues_under_fsdp2_and_back(shared_tmp_path: 
     optim = make_optimizer("adamw", model)
     train(model, optim, range(N))
     save_model_and_optim_state(shared_tmp_path / "plain", model, optim)
-    sharded = _continue(shard_with_fsdp2(make_model(seed=1)), "adamw", str(shared_tmp_path / "plain"), exact_loss_scale(rank(), world()))
+    sharded = _continue(
+        shard_with_fsdp2(make_model(seed=1)), "adamw", str(shared_tmp_path / "plain"), exact_loss_scale(rank(), world())
+    )
 
     model = shard_with_fsdp2(make_model(seed=0))
     optim = make_optimizer("adamw", model)
@@ -168,10 +170,7 @@ def test_unshard_from_fsdp2_checkpoint(shared_tmp_path: Path) -> None:
 def _layouts() -> List[Any]:
     """(save placements, save mesh, load placements, load mesh) for this world size."""
     w = world()
-    layouts = [
-        ([Shard(0)], (w,), [Replicate()], (w,)),
-        ([Replicate()], (w,), [Shard(1)], (w,)),
-    ]
+    layouts = [([Shard(0)], (w,), [Replicate()], (w,)), ([Replicate()], (w,), [Shard(1)], (w,))]
     if w == 4:
         layouts.append(([Replicate(), Shard(0)], (2, 2), [Shard(0), Shard(1)], (2, 2)))
     return layouts

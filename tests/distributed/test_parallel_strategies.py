@@ -12,13 +12,15 @@ import torch
 import torch.distributed as dist
 
 import dist_ckpt as dc
-from dist_ckpt.dict_utils import nested_values
-from dist_ckpt.strategies import exchange
-from dist_ckpt.strategies.base import LoadShardedStrategy, SaveShardedStrategy, StrategyAction as A, get_default_strategy
-from dist_ckpt.strategies.exchange import shard_id, shard_nbytes
-from dist_ckpt.strategies.fully_parallel import FullyParallelLoadStrategyWrapper, FullyParallelSaveStrategyWrapper
-from dist_ckpt.strategies.tensorstore import TensorStoreLoadShardedStrategy
-from dist_ckpt.strategies.two_stage import TwoStageDataParallelLoadShardedStrategy
+from dist_ckpt.backends.base import LoadShardedStrategy, SaveShardedStrategy
+from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreLoadShardedStrategy
+from dist_ckpt.engine.registry import StrategyAction as A
+from dist_ckpt.engine.registry import get_default_strategy
+from dist_ckpt.model.dict_utils import nested_values
+from dist_ckpt.parallel import exchange
+from dist_ckpt.parallel.exchange import shard_id, shard_nbytes
+from dist_ckpt.parallel.fully_parallel import FullyParallelLoadStrategyWrapper, FullyParallelSaveStrategyWrapper
+from dist_ckpt.parallel.two_stage import TwoStageDataParallelLoadShardedStrategy
 from dist_ckpt.testing.layouts import bitwise_equal, full_tensor
 
 from .helpers import assert_on_all_ranks, raises_on_all_ranks, rank, world
@@ -61,7 +63,9 @@ class CountingSaver(SaveShardedStrategy):
 
     def save(self, sharded_state_dict: Any, checkpoint_dir: Path) -> None:
         self.main_bytes += sum(
-            shard_nbytes(s) for s in nested_values(sharded_state_dict) if isinstance(s, dc.ShardedTensor) and dc.is_main_replica(s.replica_id)
+            shard_nbytes(s)
+            for s in nested_values(sharded_state_dict)
+            if isinstance(s, dc.ShardedTensor) and dc.is_main_replica(s.replica_id)
         )
         self.inner.save(sharded_state_dict, checkpoint_dir)
 
@@ -74,13 +78,18 @@ def replicated_state(empty: bool = False, tp: int = 1) -> Dict[str, dc.ShardedTe
     for i, shape in enumerate(SIZES):
         full = full_tensor(f"t{i}", shape)
         local = full.chunk(tp)[t].clone()
-        sd[f"t{i}"] = dc.ShardedTensor.from_rank_offsets(f"t{i}", torch.zeros_like(local) if empty else local, (0, t, tp), replica_id=replica)
+        sd[f"t{i}"] = dc.ShardedTensor.from_rank_offsets(
+            f"t{i}", torch.zeros_like(local) if empty else local, (0, t, tp), replica_id=replica
+        )
     return sd
 
 
 def check_loaded(loaded: Dict[str, torch.Tensor], tp: int = 1) -> None:
-    bad = [k for i, k in enumerate(f"t{i}" for i in range(len(SIZES)))
-           if not bitwise_equal(loaded[k], full_tensor(k, SIZES[i]).chunk(tp)[rank() % tp])]
+    bad = [
+        k
+        for i, k in enumerate(f"t{i}" for i in range(len(SIZES)))
+        if not bitwise_equal(loaded[k], full_tensor(k, SIZES[i]).chunk(tp)[rank() % tp])
+    ]
     assert_on_all_ranks(not bad, f"wrong data for {bad}")
 
 
@@ -120,7 +129,9 @@ def test_each_chunk_read_once_per_data_parallel_group(engine, wrapper, tp, share
     groups = dp_groups(tp)
     group = groups[rank() % tp] if tp > 1 else None
     counting = CountingLoader(LOADERS[engine]())
-    loaded = dc.load(replicated_state(empty=True, tp=tp), shared_tmp_path, sharded_strategy=WRAPPERS[wrapper](counting, group))
+    loaded = dc.load(
+        replicated_state(empty=True, tp=tp), shared_tmp_path, sharded_strategy=WRAPPERS[wrapper](counting, group)
+    )
     check_loaded(loaded, tp)
 
     requested = sorted(shard_id(sh) for sh in replicated_state(empty=True, tp=tp).values())
@@ -148,7 +159,11 @@ def test_two_stage_mirrors_non_gloo_groups_with_gloo(shared_tmp_path: Path, monk
     loaded = dc.load(replicated_state(empty=True), shared_tmp_path, sharded_strategy=strategy)
     check_loaded(loaded)
     mirrored = strategy.data_parallel_group
-    ok = mirrored is not None and dist.get_process_group_ranks(mirrored) == list(range(world())) and dist.get_backend(mirrored) == "gloo"
+    ok = (
+        mirrored is not None
+        and dist.get_process_group_ranks(mirrored) == list(range(world()))
+        and dist.get_backend(mirrored) == "gloo"
+    )
     assert_on_all_ranks(ok, f"data-parallel group not mirrored: {mirrored}")
     # without cpu_transfer the group is used as given
     strategy = TwoStageDataParallelLoadShardedStrategy(None, cpu_transfer=False)
@@ -162,9 +177,14 @@ def test_two_stage_mirrors_non_gloo_groups_with_gloo(shared_tmp_path: Path, monk
 def test_fully_parallel_save_balances_bytes_and_writes_the_same_checkpoint(shared_tmp_path: Path) -> None:
     """Most bytes replicated over DP = world, a few held by one rank each: the bytes written
     per rank are balanced within 10 %, where a plain save puts them all on rank 0."""
+
     def state() -> Dict[str, dc.ShardedTensor]:
-        sd = {f"rep{i}": dc.ShardedTensor.from_rank_offsets(f"rep{i}", full_tensor(f"rep{i}", (32 + 8 * i, 64)), replica_id=rank())
-              for i in range(24)}
+        sd = {
+            f"rep{i}": dc.ShardedTensor.from_rank_offsets(
+                f"rep{i}", full_tensor(f"rep{i}", (32 + 8 * i, 64)), replica_id=rank()
+            )
+            for i in range(24)
+        }
         own = full_tensor("own", (16 * world(), 32)).chunk(world())[rank()].clone()
         sd["own"] = dc.ShardedTensor.from_rank_offsets("own", own, (0, rank(), world()))
         return sd
@@ -184,6 +204,7 @@ def test_fully_parallel_save_balances_bytes_and_writes_the_same_checkpoint(share
 
     same, detail = True, ""
     if rank() == 0:
+
         def files(root: Path) -> Dict[str, bytes]:
             return {str(p.relative_to(root)): p.read_bytes() for p in sorted((root / "zarr").rglob("*")) if p.is_file()}
 
@@ -197,7 +218,9 @@ def test_fully_parallel_save_balances_bytes_and_writes_the_same_checkpoint(share
 
 
 def test_fully_parallel_save_caches_its_distribution(shared_tmp_path: Path) -> None:
-    wrapper = FullyParallelSaveStrategyWrapper(get_default_strategy(A.SAVE_SHARDED, "zarr", 1), do_cache_distribution=True)  # type: ignore[arg-type]
+    wrapper = FullyParallelSaveStrategyWrapper(
+        get_default_strategy(A.SAVE_SHARDED, "zarr", 1), do_cache_distribution=True
+    )  # type: ignore[arg-type]
     first = wrapper.apply_saving_parallelization(replicated_state())
     cached = wrapper._cached
     second = wrapper.apply_saving_parallelization(replicated_state())
@@ -224,7 +247,10 @@ def test_missing_chunk_raises_the_same_error_everywhere(wrapper, shared_tmp_path
         os.unlink(chunk)
     dist.barrier()
     strategy = WRAPPERS[wrapper](LOADERS["tensorstore"](), None)
-    err = raises_on_all_ranks(dc.CorruptCheckpointError, lambda: dc.load(replicated_state(empty=True), shared_tmp_path, sharded_strategy=strategy))
+    err = raises_on_all_ranks(
+        dc.CorruptCheckpointError,
+        lambda: dc.load(replicated_state(empty=True), shared_tmp_path, sharded_strategy=strategy),
+    )
     assert_on_all_ranks("'t7'" in str(err) and str(chunk) in str(err) and "missing" in str(err), str(err))
 
 
@@ -232,7 +258,9 @@ def test_missing_chunk_raises_the_same_error_everywhere(wrapper, shared_tmp_path
 def test_read_failure_on_one_rank_raises_everywhere(wrapper, shared_tmp_path: Path) -> None:
     dc.save(replicated_state(), shared_tmp_path, sharded_strategy=("zarr", 1))
     strategy = WRAPPERS[wrapper](CountingLoader(LOADERS["zarr"](), fail_on_rank=1), None)
-    err = raises_on_all_ranks(dc.RankFailedError, lambda: dc.load(replicated_state(empty=True), shared_tmp_path, sharded_strategy=strategy))
+    err = raises_on_all_ranks(
+        dc.RankFailedError, lambda: dc.load(replicated_state(empty=True), shared_tmp_path, sharded_strategy=strategy)
+    )
     assert_on_all_ranks("[rank 1]" in str(err) and "injected" in str(err), str(err))
 
 
@@ -260,7 +288,9 @@ def test_mismatched_groups_raise_everywhere(kind, shared_tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize("side", ["_unpack", "_pack"])
-def test_rank_failing_mid_broadcast_raises_everywhere_and_keeps_ranks_in_step(side, shared_tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rank_failing_mid_broadcast_raises_everywhere_and_keeps_ranks_in_step(
+    side, shared_tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Rank 1 fails on its first packed bucket (receiving, or sending); it must keep taking part
     in the broadcasts that follow (or the others would hang), and all ranks raise its error."""
     dc.save(replicated_state(), shared_tmp_path, sharded_strategy=("zarr", 1))
@@ -279,10 +309,18 @@ def test_rank_failing_mid_broadcast_raises_everywhere_and_keeps_ranks_in_step(si
         monkeypatch.setattr(exchange, side, failing)
         monkeypatch.setattr(exchange, "broadcast_tensor", broadcast)
     strategy = TwoStageDataParallelLoadShardedStrategy(None, bucket_bytes=4096)  # several packed buckets per rank
-    err = raises_on_all_ranks(dc.RankFailedError, lambda: dc.load(replicated_state(empty=True), shared_tmp_path, sharded_strategy=strategy))
+    err = raises_on_all_ranks(
+        dc.RankFailedError, lambda: dc.load(replicated_state(empty=True), shared_tmp_path, sharded_strategy=strategy)
+    )
     assert_on_all_ranks("[rank 1]" in str(err) and f"injected failure in {side}" in str(err), str(err))
-    took_part = "failed" in events and "broadcast" in events[events.index("failed"):]
+    took_part = "failed" in events and "broadcast" in events[events.index("failed") :]
     assert_on_all_ranks(took_part if rank() == 1 else True, f"rank 1 did not broadcast after failing: {events}")
     monkeypatch.undo()
     # every rank left the broadcasts at the same point: the next collective load works
-    check_loaded(dc.load(replicated_state(empty=True), shared_tmp_path, sharded_strategy=TwoStageDataParallelLoadShardedStrategy(None, bucket_bytes=4096)))
+    check_loaded(
+        dc.load(
+            replicated_state(empty=True),
+            shared_tmp_path,
+            sharded_strategy=TwoStageDataParallelLoadShardedStrategy(None, bucket_bytes=4096),
+        )
+    )

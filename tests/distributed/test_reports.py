@@ -15,12 +15,12 @@ import pytest
 import torch.distributed as dist
 
 import dist_ckpt as dc
-from dist_ckpt.distributed import all_gather_json, run_collectively
-from dist_ckpt.mapping import ShardedObject, ShardedTensor, is_main_replica
-from dist_ckpt.report import Operation
-from dist_ckpt.strategies.async_utils import AsyncCallsQueue
-from dist_ckpt.strategies.base import SaveShardedStrategy
-from dist_ckpt.strategies.safetensors import SafetensorsSaveShardedStrategy
+from dist_ckpt.async_save.queue import AsyncCallsQueue
+from dist_ckpt.backends.base import SaveShardedStrategy
+from dist_ckpt.backends.safetensors.strategy import SafetensorsSaveShardedStrategy
+from dist_ckpt.engine.distributed import all_gather_json, run_collectively
+from dist_ckpt.engine.report import Operation
+from dist_ckpt.model.sharded import ShardedObject, ShardedTensor, is_main_replica
 from dist_ckpt.testing.layouts import full_tensor, tp_shards
 
 from .helpers import assert_on_all_ranks, rank, world
@@ -124,9 +124,9 @@ class _RankOneIsLate(SaveShardedStrategy):
 
 
 def test_watchdog_names_the_step_on_every_rank(shared_tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="dist_ckpt.watchdog"):
+    with caplog.at_level(logging.WARNING, logger="dist_ckpt.engine.watchdog"):
         dc.save(_state(tp=world()), shared_tmp_path / "w", sharded_strategy=_RankOneIsLate(1.0), watchdog_timeout_s=0.2)
-    warnings: List[str] = [r.getMessage() for r in caplog.records if r.name == "dist_ckpt.watchdog"]
+    warnings: List[str] = [r.getMessage() for r in caplog.records if r.name == "dist_ckpt.engine.watchdog"]
     expected = f"rank {rank()} has been in step 'saving sharded tensors' > 'a slow step' of the save of"
     assert_on_all_ranks(bool(warnings) and warnings[0].startswith(expected), f"watchdog said {warnings}")
     alive = [t.name for t in threading.enumerate() if t.name == "dist_ckpt_watchdog"]

@@ -135,7 +135,9 @@ def test_only_main_replicas_are_written(combo: StrategyCombo, shared_tmp_path: P
     dc.save(sd, shared_tmp_path, sharded_strategy=combo.save())
     written = _files_bytes(shared_tmp_path)
     expected = numel_bytes(full.shape, full.dtype)
-    assert_on_all_ranks(expected <= written < expected * 1.25, f"{written} bytes on disk for {expected} bytes of main replicas")
+    assert_on_all_ranks(
+        expected <= written < expected * 1.25, f"{written} bytes on disk for {expected} bytes of main replicas"
+    )
     request = tp_shards("w", full, 0, 1, rank(), world(), empty=True)
     loaded = dc.load(request, shared_tmp_path, sharded_strategy=combo.load())
     assert_on_all_ranks(all(bitwise_equal(loaded[k], full) for k in request), "replica data leaked into the checkpoint")

@@ -18,12 +18,12 @@ import torch
 import torch.distributed as dist
 
 import dist_ckpt as dc
-from dist_ckpt.checkpoints import find_latest_checkpoint, next_checkpoint_path
 from dist_ckpt.errors import CheckpointingException, NotACheckpointError
 from dist_ckpt.storage import BucketNotFoundError, StorageAuthError, open_storage
 from dist_ckpt.storage.s3 import S3StorageOptions
 from dist_ckpt.testing import spawn_ranks
 from dist_ckpt.testing.layouts import bitwise_equal, expected_data, full_tensor, tp_shards
+from dist_ckpt.training.checkpoints import find_latest_checkpoint, next_checkpoint_path
 
 from .helpers import assert_on_all_ranks, raises_on_all_ranks, rank, world
 
@@ -61,7 +61,7 @@ def s3(process_group: None) -> Iterator[Optional[Any]]:
     env: Optional[Dict[str, str]] = None
     error = None
     if rank() == 0:
-        from dist_ckpt.testing.s3_server import S3TestServer
+        from tests.s3_server import S3TestServer
 
         try:
             server = S3TestServer().start()
@@ -111,7 +111,11 @@ def _state(tp: int, empty: bool = False) -> Dict[str, dc.ShardedTensor]:
 
 
 def _mismatches(loaded: Dict[str, Any], request: Dict[str, dc.ShardedTensor]) -> List[str]:
-    return [k for k, sh in request.items() if not bitwise_equal(loaded[k], expected_data(sh, full_tensor(sh.key, sh.global_shape, sh.dtype)))]
+    return [
+        k
+        for k, sh in request.items()
+        if not bitwise_equal(loaded[k], expected_data(sh, full_tensor(sh.key, sh.global_shape, sh.dtype)))
+    ]
 
 
 def _backends() -> List[str]:
@@ -130,14 +134,14 @@ def _save_strategy(backend: str) -> Any:
         return None  # the default
     if backend == "zarr":
         return ("zarr", 1)
-    from dist_ckpt.strategies.tensorstore import TensorStoreSaveShardedStrategy
+    from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreSaveShardedStrategy
 
     return TensorStoreSaveShardedStrategy()
 
 
 def _load_strategy(backend: str) -> Any:
     if backend == "zarr":  # read zarr-python's checkpoint with TensorStore, and TensorStore's with zarr-python
-        from dist_ckpt.strategies.tensorstore import TensorStoreLoadShardedStrategy
+        from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreLoadShardedStrategy
 
         return TensorStoreLoadShardedStrategy()
     return None  # the default loader of the saved backend
@@ -170,7 +174,9 @@ def test_resharding_round_trip(url: str, backend: str, src_tp: int, dst_tp: int,
 
 def _slice_state(parts: int, empty: bool) -> Dict[str, dc.ShardedTensor]:
     """One 256 KiB-a-rank tensor (64 rows of 1024 float32 per rank), row-split in ``parts``."""
-    return tp_shards("big", full_tensor("big", (64 * world(), 1024), torch.float32), 0, parts, rank(), world(), dp=1, empty=empty)
+    return tp_shards(
+        "big", full_tensor("big", (64 * world(), 1024), torch.float32), 0, parts, rank(), world(), dp=1, empty=empty
+    )
 
 
 @pytest.mark.parametrize("checksums", ["verified-64KiB-blocks", "not-verified"])
@@ -180,15 +186,18 @@ def test_each_rank_downloads_about_its_slice(s3: Optional[Any], url: str, checks
 
     A verified load also reads the rest of every checksum block it touches (1 MiB by default):
     here the blocks are 64 KiB, and the slices are whole blocks, so no extra byte is needed."""
-    from dist_ckpt.strategies.safetensors import (
+    from dist_ckpt.backends.safetensors.strategy import (
         ReadOptions,
         SafetensorsLoadShardedStrategy,
         SafetensorsSaveOptions,
         SafetensorsSaveShardedStrategy,
     )
 
-    dc.save(_slice_state(world(), empty=False), url,
-            sharded_strategy=SafetensorsSaveShardedStrategy(SafetensorsSaveOptions(checksum_block_bytes=64 * KiB)))
+    dc.save(
+        _slice_state(world(), empty=False),
+        url,
+        sharded_strategy=SafetensorsSaveShardedStrategy(SafetensorsSaveOptions(checksum_block_bytes=64 * KiB)),
+    )
     request = _slice_state(2 * world(), empty=True)
     needed = sum(sh.local_shape[0] * sh.local_shape[1] * 4 for sh in request.values())
     if s3 is not None:
@@ -206,7 +215,9 @@ def test_each_rank_downloads_about_its_slice(s3: Optional[Any], url: str, checks
                 per_rank[r.user_agent] = per_rank.get(r.user_agent, 0) + r.bytes_sent
     per_rank = _broadcast(per_rank)
     downloaded = per_rank.get(f"dist-ckpt-test-rank{rank()}", 0)
-    print(f"[{checksums}] rank {rank()}: downloaded {downloaded} bytes of safetensors objects for a {needed}-byte slice")
+    print(
+        f"[{checksums}] rank {rank()}: downloaded {downloaded} bytes of safetensors objects for a {needed}-byte slice"
+    )
     assert_on_all_ranks(not bad, f"tensors differ: {bad}")
     assert_on_all_ranks(
         needed <= downloaded <= 1.1 * needed,
@@ -220,10 +231,15 @@ def test_each_rank_downloads_about_its_slice(s3: Optional[Any], url: str, checks
 
 def test_transient_errors_are_survived(s3: Optional[Any], url: str) -> None:
     """503s on uploads and 500s on downloads, answered before moto sees them, are retried."""
-    from dist_ckpt.testing.s3_server import FaultRule
+    from tests.s3_server import FaultRule
 
     if s3 is not None:
-        s3.inject_faults([FaultRule(status=503, count=3, method="PUT"), FaultRule(status=500, count=3, method="GET", path_contains=".safetensors")])
+        s3.inject_faults(
+            [
+                FaultRule(status=503, count=3, method="PUT"),
+                FaultRule(status=500, count=3, method="GET", path_contains=".safetensors"),
+            ]
+        )
     dist.barrier()
     storage = open_storage(url, S3StorageOptions(**FAST))
     dc.save(_state(world()), storage)
@@ -238,12 +254,12 @@ def test_transient_errors_are_survived(s3: Optional[Any], url: str) -> None:
 
 def _save_and_die_before_commit(rank_: int, world_: int, url: str) -> None:
     """A rank of a save that rank 0 kills (SIGKILL, itself) where it would write the commit marker."""
-    from dist_ckpt import serialization
+    from dist_ckpt.engine import save as save_module
 
     def killed(*args: Any, **kwargs: Any) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
-    serialization.save_config = killed  # type: ignore[assignment]
+    save_module.save_config = killed  # type: ignore[assignment]
     dc.save(_killed_state(rank_, world_), url)
 
 

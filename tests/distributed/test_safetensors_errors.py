@@ -37,5 +37,7 @@ def test_damaged_file_read_by_one_rank_raises_everywhere(damage, shared_tmp_path
             victim.unlink()
     dist.barrier()
     # in the saved layout only the last rank reads that file; every rank must raise, naming it
-    err = raises_on_all_ranks(dc.CorruptCheckpointError, lambda: dc.load(_state(empty=True), shared_tmp_path), victim.name)
+    err = raises_on_all_ranks(
+        dc.CorruptCheckpointError, lambda: dc.load(_state(empty=True), shared_tmp_path), victim.name
+    )
     assert f"[rank {world() - 1}]" in str(err)

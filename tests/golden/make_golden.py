@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Optional
 
-from dist_ckpt.serialization import save
+from dist_ckpt.engine.save import save
 from dist_ckpt.testing import spawn_ranks
 
 from .state import WORLD, sharded_state
@@ -27,7 +27,7 @@ from .state import WORLD, sharded_state
 def _save(rank: int, world: int, out: str, backend: str, version: int, block_bytes: Optional[int]) -> None:
     strategy: Any = (backend, version)
     if block_bytes is not None:
-        from dist_ckpt.strategies.safetensors import SafetensorsSaveOptions, SafetensorsSaveShardedStrategy
+        from dist_ckpt.backends.safetensors.strategy import SafetensorsSaveOptions, SafetensorsSaveShardedStrategy
 
         strategy = SafetensorsSaveShardedStrategy(SafetensorsSaveOptions(checksum_block_bytes=block_bytes))
     save(sharded_state(rank, world), out, sharded_strategy=strategy)

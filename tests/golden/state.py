@@ -13,7 +13,7 @@ from typing import Any, Dict
 
 import torch
 
-from dist_ckpt.mapping import ShardedObject, ShardedStateDict, ShardedTensor
+from dist_ckpt.model.sharded import ShardedObject, ShardedStateDict, ShardedTensor
 
 WORLD = 2
 COMMON = {"step": 7, "name": "golden", "lr": 0.5}
@@ -39,7 +39,9 @@ def sharded_state(rank: int, world: int = WORLD) -> ShardedStateDict:
     """What rank ``rank`` of ``world`` saves."""
     full = full_tensors()
     sd: ShardedStateDict = {
-        "layer.w": ShardedTensor.from_rank_offsets("layer.w", full["layer.w"].chunk(world, 0)[rank].clone(), (0, rank, world)),
+        "layer.w": ShardedTensor.from_rank_offsets(
+            "layer.w", full["layer.w"].chunk(world, 0)[rank].clone(), (0, rank, world)
+        ),
         "layer.b": ShardedTensor.from_rank_offsets("layer.b", full["layer.b"].clone(), replica_id=rank),
         "emb": ShardedTensor.from_rank_offsets("emb", full["emb"].chunk(world, 1)[rank].clone(), (1, rank, world)),
         "scalar": ShardedTensor.from_rank_offsets("scalar", full["scalar"].clone(), replica_id=rank),
@@ -58,9 +60,7 @@ def sharded_state(rank: int, world: int = WORLD) -> ShardedStateDict:
 def full_request() -> ShardedStateDict:
     """A one-process request for every tensor whole and every ShardedObject."""
     full = full_tensors()
-    sd: ShardedStateDict = {
-        key: ShardedTensor.from_rank_offsets(key, torch.zeros_like(t)) for key, t in full.items()
-    }
+    sd: ShardedStateDict = {key: ShardedTensor.from_rank_offsets(key, torch.zeros_like(t)) for key, t in full.items()}
     for r in range(WORLD):
         sd[f"rng{r}"] = ShardedObject("rng", None, (WORLD,), (r,))
     return sd

@@ -29,6 +29,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 import pytest
 
 from tests.unit.torchrun import ROOT, run
+
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 #: at most this many blocks may be exempted with <!-- not-run: ... -->
 MAX_NOT_RUN = 3
@@ -37,7 +38,9 @@ _FENCE = re.compile(r"^```python\s*$")
 _NOT_RUN = re.compile(r"^<!--\s*not-run:\s*(.*?)\s*-->$")
 _CONTINUES = re.compile(r"^<!--\s*continues\s*-->$")
 _SNIPPET = re.compile(r'^--8<--\s+"([^"]+)"\s*$')
-_TORCHRUN = re.compile(r"(?:torchrun|python3? -m torch\.distributed\.run)\s+--nproc[-_]per[-_]node[= ](\d+)\s+([\w./-]+\.py)")
+_TORCHRUN = re.compile(
+    r"(?:torchrun|python3? -m torch\.distributed\.run)\s+--nproc[-_]per[-_]node[= ](\d+)\s+([\w./-]+\.py)"
+)
 _PYTHON = re.compile(r"(?<![\w-])python3?\s+([\w./-]+\.py)")
 _S3_BUCKET = re.compile(r"s3://([a-z0-9][a-z0-9.-]+)")
 
@@ -80,7 +83,9 @@ def _launches(code: str) -> List[Tuple[Optional[int], str]]:
     if "run with:" not in first:
         return [(None, "block.py")]
     command = first.split("run with:", 1)[1]
-    found: List[Tuple[int, Optional[int], str]] = [(m.start(), int(m.group(1)), m.group(2)) for m in _TORCHRUN.finditer(command)]
+    found: List[Tuple[int, Optional[int], str]] = [
+        (m.start(), int(m.group(1)), m.group(2)) for m in _TORCHRUN.finditer(command)
+    ]
     spans = [(m.start(), m.end()) for m in _TORCHRUN.finditer(command)]
     for m in _PYTHON.finditer(command):
         if not any(a <= m.start() < b for a, b in spans):
@@ -139,8 +144,7 @@ def s3_buckets(request: pytest.FixtureRequest) -> Any:
     yield program
 
 
-@pytest.mark.parametrize("s3_buckets", [p for p in PROGRAMS if p.not_run is None], ids=lambda p: p.name,
-                         indirect=True)
+@pytest.mark.parametrize("s3_buckets", [p for p in PROGRAMS if p.not_run is None], ids=lambda p: p.name, indirect=True)
 def test_code_block_runs_as_the_page_says(s3_buckets: Program, tmp_path: Path) -> None:
     program = s3_buckets
     for i, (ranks, name) in enumerate(program.launches):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 
-from dist_ckpt.strategies.base import StrategyAction, unregister_strategy
+from dist_ckpt.engine.registry import StrategyAction, unregister_strategy
+from tests.paths import REPO_ROOT
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
+EXAMPLES = REPO_ROOT / "docs" / "examples"
 
 
 def _import(name: str):

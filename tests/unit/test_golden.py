@@ -13,10 +13,11 @@ import pytest
 import torch
 
 import dist_ckpt as dc
-from dist_ckpt.mapping import ShardedTensor
+from dist_ckpt.model.sharded import ShardedTensor
 from tests.golden.state import COMMON, WORLD, full_request, full_tensors, objects
+from tests.paths import GOLDEN_DIR
 
-GOLDEN = Path(__file__).resolve().parent.parent / "golden"
+GOLDEN = GOLDEN_DIR
 ALL = sorted(p.name for p in GOLDEN.iterdir() if (p / "metadata.json").is_file())
 
 
@@ -46,7 +47,7 @@ def test_goldens_verify_clean(golden: Path) -> None:
 @pytest.mark.parametrize("name", ["zarr_v1", "zarr_v1_checksums"])
 def test_zarr_goldens_load_with_tensorstore(name: str, tmp_path: Path) -> None:
     pytest.importorskip("tensorstore")
-    from dist_ckpt.strategies.tensorstore import TensorStoreLoadShardedStrategy
+    from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreLoadShardedStrategy
 
     shutil.copytree(GOLDEN / name, tmp_path / name)
     loaded = dc.load(full_request(), tmp_path / name, sharded_strategy=TensorStoreLoadShardedStrategy())
@@ -67,9 +68,7 @@ def test_loads_whole_tensors_objects_and_common(golden: Path) -> None:
 
 def test_loads_resharded(golden: Path) -> None:
     full = full_tensors()["layer.w"]
-    request = {
-        f"c{c}": ShardedTensor.from_rank_offsets("layer.w", torch.zeros(4, 2), (1, c, 3)) for c in range(3)
-    }
+    request = {f"c{c}": ShardedTensor.from_rank_offsets("layer.w", torch.zeros(4, 2), (1, c, 3)) for c in range(3)}
     loaded = dc.load(request, golden)
     for c in range(3):
         assert torch.equal(loaded[f"c{c}"], full[:, 2 * c : 2 * c + 2])

@@ -16,12 +16,16 @@ from typing import Dict, Optional
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "python_env.sh"
+from tests.paths import REPO_ROOT
+
+SCRIPT = REPO_ROOT / "scripts" / "python_env.sh"
 SYSTEM_PYTHON = Path("/usr/bin/python3")
 
 
 def _externally_managed(python: Path) -> bool:
-    code = "import os, sysconfig; print(os.path.exists(os.path.join(sysconfig.get_path('stdlib'), 'EXTERNALLY-MANAGED')))"
+    code = (
+        "import os, sysconfig; print(os.path.exists(os.path.join(sysconfig.get_path('stdlib'), 'EXTERNALLY-MANAGED')))"
+    )
     out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True).stdout
     return out.strip() == "True"
 
@@ -37,8 +41,10 @@ def _run(root: Path, path_dirs: str, extra: Optional[Dict[str, str]] = None) -> 
     return subprocess.run(["bash", str(scripts / SCRIPT.name)], env=env, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.skipif(not SYSTEM_PYTHON.exists() or not _externally_managed(SYSTEM_PYTHON),
-                    reason="needs an externally managed /usr/bin/python3 (Debian's)")
+@pytest.mark.skipif(
+    not SYSTEM_PYTHON.exists() or not _externally_managed(SYSTEM_PYTHON),
+    reason="needs an externally managed /usr/bin/python3 (Debian's)",
+)
 def test_an_externally_managed_python_gets_the_project_venv_once(tmp_path):
     first = _run(tmp_path, "/usr/bin:/bin")
     if first.returncode != 0 and "python3-venv" in first.stderr:
@@ -50,8 +56,9 @@ def test_an_externally_managed_python_gets_the_project_venv_once(tmp_path):
     again = _run(tmp_path, "/usr/bin:/bin")  # the venv is reused, silently
     assert again.returncode == 0 and again.stdout.strip() == str(venv_python) and again.stderr == ""
     # and once that venv is active, it is used as is
-    active = _run(tmp_path / "elsewhere", f"{venv_python.parent}:/usr/bin:/bin",
-                  {"VIRTUAL_ENV": str(venv_python.parent.parent)})
+    active = _run(
+        tmp_path / "elsewhere", f"{venv_python.parent}:/usr/bin:/bin", {"VIRTUAL_ENV": str(venv_python.parent.parent)}
+    )
     assert active.returncode == 0 and active.stdout.strip() == str(venv_python.parent / "python3")
 
 

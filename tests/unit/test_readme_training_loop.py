@@ -33,7 +33,7 @@ from tests.unit.torchrun import ROOT, run
 pytestmark = pytest.mark.slow
 
 #: started instead of train.py for the run that is killed: SIGKILL rank 1 at its 3rd save
-KILLER = '''
+KILLER = """
 import os, runpy, signal, sys
 import dist_ckpt
 real_save = dist_ckpt.save_model_and_optim_state
@@ -45,12 +45,14 @@ def save(path, *args, **kwargs):
     return real_save(path, *args, **kwargs)
 dist_ckpt.save_model_and_optim_state = save
 runpy.run_path(sys.argv[1], run_name="__main__")
-'''
+"""
 
 
 def readme_train_py() -> str:
     text = (ROOT / "README.md").read_text(encoding="utf-8")
-    match = re.search(r"```python\n(# train\.py -- run with: torchrun --nproc-per-node 2 train\.py\n.*?)```", text, re.S)
+    match = re.search(
+        r"```python\n(# train\.py -- run with: torchrun --nproc-per-node 2 train\.py\n.*?)```", text, re.S
+    )
     assert match, "README.md has no train.py block"
     return match.group(1)
 

@@ -16,7 +16,9 @@ import sys
 from pathlib import Path
 from typing import Callable, List, Optional
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.paths import REPO_ROOT
+
+ROOT = REPO_ROOT
 #: what a rank prints when std::terminate runs at interpreter exit (the torch teardown race)
 TEARDOWN_ABORT = "terminate called without an active exception"
 
@@ -29,8 +31,13 @@ def command(ranks: Optional[int], *script: str) -> List[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *script]
 
 
-def run(workdir: Path, ranks: Optional[int], *script: str, prepare: Optional[Callable[[], None]] = None,
-        retry_teardown_abort: bool = True) -> subprocess.CompletedProcess[str]:
+def run(
+    workdir: Path,
+    ranks: Optional[int],
+    *script: str,
+    prepare: Optional[Callable[[], None]] = None,
+    retry_teardown_abort: bool = True,
+) -> subprocess.CompletedProcess[str]:
     """Run ``script`` in ``workdir`` with this checkout on PYTHONPATH: with torchrun on ``ranks``
     ranks, or with plain ``python`` for ``ranks=None``.
 
@@ -38,13 +45,15 @@ def run(workdir: Path, ranks: Optional[int], *script: str, prepare: Optional[Cal
         prepare: lays out ``workdir`` (called before each attempt, on an emptied directory).
         retry_teardown_abort: retry once after the torch teardown abort (module docstring).
     """
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
     for attempt in range(2):
         if prepare is not None:
             prepare()
-        proc = subprocess.run(command(ranks, *script), cwd=workdir, env=env, capture_output=True, text=True,
-                              timeout=600)  # a hang guard, not a timing check
+        proc = subprocess.run(
+            command(ranks, *script), cwd=workdir, env=env, capture_output=True, text=True, timeout=600
+        )  # a hang guard, not a timing check
         if proc.returncode == 0 or not retry_teardown_abort or TEARDOWN_ABORT not in proc.stderr or attempt:
             return proc
     raise AssertionError("unreachable")

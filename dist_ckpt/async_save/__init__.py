@@ -1,0 +1,1 @@
+"""Asynchronous saves: the request queue, the background writer process and snapshots."""

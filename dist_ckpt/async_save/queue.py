@@ -1,0 +1,242 @@
+"""Asynchronous saves: the request, and the queue that runs requests in the background.
+
+An asynchronous save has three phases:
+
+1. **snapshot**, on the caller, inside ``AsyncSaveShardedStrategy.async_save``: the tensors'
+   bytes are copied (device-to-host, or memory to shared memory), so training may change its
+   tensors as soon as the call returns;
+2. **write**, in a background process, with no collectives: ``async_fn(*async_fn_args,
+   **async_fn_kwargs)`` of the returned :class:`AsyncRequest`;
+3. **finalize**, collective, once the write finished on *every* rank: the ranks first exchange
+   how their writes ended -- a failure on any rank raises
+   :class:`~dist_ckpt.errors.AsyncSaveError` on every rank, naming the rank and the cause, and
+   nothing is committed -- then run ``finalize_fns`` in order (e.g. gather the index, commit
+   ``metadata.json``).
+
+:class:`AsyncCallsQueue` follows Megatron-Core's ``dist_checkpointing.strategies.async_utils``::
+
+    queue = AsyncCallsQueue()
+    for step in range(steps):
+        train_step()
+        if step % 1000 == 0:
+            request = dc.save(sd, f"ckpt/iter_{step}", async_sharded_save=True)
+            queue.schedule_async_request(request)
+        queue.maybe_finalize_async_calls(blocking=False)   # every rank, every step
+    queue.close()                                          # waits for, and finalizes, the rest
+
+Every rank must schedule the same requests and call ``maybe_finalize_async_calls`` the same
+number of times: the ranks agree (one all-reduce) on which requests finished everywhere before
+any finalization runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+
+from dist_ckpt.async_save.worker import AsyncOutcome, AsyncWorker
+from dist_ckpt.engine.distributed import (
+    all_gather_json,
+    all_ranks_true,
+    get_rank,
+    get_world_size,
+    raise_if_any_rank_failed,
+)
+from dist_ckpt.errors import AsyncSaveError, CheckpointingException
+
+__all__ = ["AsyncCallsQueue", "AsyncOutcome", "AsyncRequest"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AsyncRequest:
+    """A save split into background work and collective finalization.
+
+    Args:
+        async_fn: the background work (None if there is nothing to write). It runs in another,
+            spawned process: it must be a module-level function, its arguments picklable
+            (tensors in shared memory are passed without copying), and it must not call
+            collectives.
+        async_fn_args: positional arguments of ``async_fn``.
+        finalize_fns: called in order, on every rank, after ``async_fn`` finished on every rank.
+        async_fn_kwargs: keyword arguments of ``async_fn``.
+        is_frozen: a frozen request accepts no more finalize functions.
+        outcome: how ``async_fn`` ended (its return value or error), filled in when it has;
+            finalize functions created with the request may read it. Shared by the request's
+            copies (:meth:`freeze`).
+
+    Example::
+
+        request = AsyncRequest(write_files, (root, parts), [commit])
+        request.execute_sync()    # or AsyncCallsQueue().schedule_async_request(request)
+    """
+
+    async_fn: Optional[Callable[..., Any]]
+    async_fn_args: Tuple[Any, ...]
+    finalize_fns: List[Callable[[], Any]] = field(default_factory=list)
+    async_fn_kwargs: Dict[str, Any] = field(default_factory=dict)
+    is_frozen: bool = False
+    outcome: AsyncOutcome = field(default_factory=AsyncOutcome, compare=False, repr=False)
+
+    def add_finalize_fn(self, fn: Callable[[], Any]) -> None:
+        """Append a finalization step (only before the request is frozen)."""
+        if self.is_frozen:
+            raise CheckpointingException("cannot add a finalize function to a frozen AsyncRequest")
+        self.finalize_fns.append(fn)
+
+    def execute_sync(self) -> None:
+        """Run the whole request in the calling process (collective: the synchronous fallback).
+
+        A failure of ``async_fn`` on any rank raises on every rank before any finalization.
+        """
+        error: Optional[BaseException] = None
+        try:
+            result = self.async_fn(*self.async_fn_args, **self.async_fn_kwargs) if self.async_fn is not None else None
+            self.outcome.succeed(result)
+        except Exception as e:  # noqa: BLE001 -- exchanged below, so that every rank raises
+            self.outcome.fail(e)
+            error = e
+        raise_if_any_rank_failed(error, "writing the checkpoint files")
+        for fn in self.finalize_fns:
+            fn()
+
+    def freeze(self) -> "AsyncRequest":
+        """A frozen copy, ready to be scheduled (sharing this request's outcome)."""
+        return replace(self, finalize_fns=list(self.finalize_fns), is_frozen=True)
+
+
+@dataclass
+class _ActiveCall:
+    idx: int
+    request: AsyncRequest
+    worker: AsyncWorker
+
+
+class AsyncCallsQueue:
+    """Runs scheduled :class:`AsyncRequest` s in a background process and finalizes them in order.
+
+    Args:
+        persistent: keep one worker process for every request (it is spawned at the first one,
+            which pays its start-up, then reused); False spawns a fresh process per request and
+            stops it once the request is finalized.
+
+    Example::
+
+        queue = AsyncCallsQueue()
+        queue.schedule_async_request(dc.save(sd, path, async_sharded_save=True))
+        finished = queue.maybe_finalize_async_calls(blocking=False)   # call indices finalized
+        queue.close()
+    """
+
+    def __init__(self, persistent: bool = True) -> None:
+        self.persistent = persistent
+        self._calls: Deque[_ActiveCall] = deque()
+        self._next_idx = 0
+        self._worker: Optional[AsyncWorker] = None
+
+    def _get_worker(self) -> AsyncWorker:
+        if not self.persistent:
+            return AsyncWorker(get_rank())
+        if self._worker is None:
+            self._worker = AsyncWorker(get_rank())
+        return self._worker
+
+    def schedule_async_request(self, async_request: AsyncRequest) -> int:
+        """Start the request's background work; return its call index (the same on every rank
+        when every rank schedules the same requests).
+
+        Raises:
+            AsyncSaveError: the work cannot be sent to the background process.
+        """
+        request = async_request.freeze()
+        idx = self._next_idx
+        self._next_idx += 1
+        worker = self._get_worker()
+        if request.async_fn is None:
+            request.outcome.succeed(None)
+        else:
+            worker.submit(idx, request.async_fn, request.async_fn_args, request.async_fn_kwargs, request.outcome)
+        self._calls.append(_ActiveCall(idx, request, worker))
+        logger.debug("scheduled async call %d", idx)
+        return idx
+
+    def get_num_unfinalized_calls(self) -> int:
+        """Requests scheduled and not finalized yet."""
+        return len(self._calls)
+
+    def maybe_finalize_async_calls(self, blocking: bool = False, no_dist: bool = False) -> List[int]:
+        """Finalize, oldest first, every request whose background work finished on every rank.
+
+        Collective (unless ``no_dist``): every rank must call it, equally often.
+
+        Args:
+            blocking: wait until every scheduled request finished, and finalize them all.
+            no_dist: decide from this rank's work only, without a collective (only for
+                requests whose finalize functions need no other rank, or a single process).
+
+        Returns:
+            The call indices finalized by this call.
+
+        Raises:
+            AsyncSaveError: the background work failed on some rank (raised on every rank, naming
+                it); the request is dropped and nothing of it is committed.
+        """
+        finalized: List[int] = []
+        while self._calls:
+            call = self._calls[0]
+            call.worker.poll()
+            if blocking:
+                call.worker.wait(call.request.outcome)
+            done = call.request.outcome.done
+            if not no_dist:
+                done = all_ranks_true(done)
+            if not done:
+                break
+            self._calls.popleft()
+            try:
+                self._finalize(call, no_dist)
+            finally:
+                if not self.persistent:
+                    call.worker.close()
+            finalized.append(call.idx)
+        return finalized
+
+    def _finalize(self, call: _ActiveCall, no_dist: bool) -> None:
+        if not no_dist and get_world_size() > 1:
+            indices = all_gather_json(call.idx)
+            if len(set(indices)) != 1:
+                raise AsyncSaveError(
+                    f"[rank {get_rank()}] ranks are finalizing different async calls {indices}: every rank must "
+                    f"schedule the same requests and call maybe_finalize_async_calls equally often"
+                )
+        error = call.request.outcome.error
+        if no_dist:
+            if error is not None:
+                raise error
+        else:
+            raise_if_any_rank_failed(error, f"the background save (async call {call.idx})")
+        for fn in call.request.finalize_fns:
+            fn()
+        logger.debug("finalized async call %d", call.idx)
+
+    def close(self, abort: bool = False) -> None:
+        """Finalize every scheduled request (collective) and stop the worker process.
+
+        Args:
+            abort: do not wait or finalize: kill the worker now (the pending saves are never
+                committed).
+        """
+        try:
+            if not abort:
+                self.maybe_finalize_async_calls(blocking=True)
+        finally:
+            workers = {id(c.worker): c.worker for c in self._calls}
+            if self._worker is not None:
+                workers[id(self._worker)] = self._worker
+            for worker in workers.values():
+                worker.close(abort=abort)
+            self._calls.clear()
+            self._worker = None

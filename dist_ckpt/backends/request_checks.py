@@ -1,0 +1,63 @@
+"""The checks every sharded loader makes before reading a byte.
+
+A load request names keys with a dtype and a global shape; the checkpoint must hold each key with
+the same dtype, and the same global shape unless ``allow_shape_mismatch`` is set. All problems
+are collected and raised at once, naming the keys, the rank and the checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from dist_ckpt.engine.distributed import get_rank
+from dist_ckpt.errors import KeyMismatchError, LoadMismatchError, format_keys, format_problems
+from dist_ckpt.model.sharded import ShardedTensor
+
+#: ``(dtype, global_shape)`` of a stored tensor, or None if the checkpoint lacks the key
+StoredLookup = Callable[[str], Optional[Tuple[torch.dtype, Tuple[int, ...]]]]
+
+
+def stored_mismatches(sh: ShardedTensor, dtype: torch.dtype, global_shape: Tuple[int, ...]) -> List[str]:
+    """Why ``sh`` cannot be loaded from a stored tensor of ``dtype`` and ``global_shape``."""
+    problems = []
+    if sh.dtype != dtype:
+        problems.append(f"{sh.key!r} is stored as {dtype}, requested as {sh.dtype}")
+    if len(sh.global_shape) != len(global_shape) or (sh.global_shape != global_shape and not sh.allow_shape_mismatch):
+        problems.append(
+            f"{sh.key!r} has global shape {global_shape} in the checkpoint, requested "
+            f"{sh.global_shape} (set allow_shape_mismatch=True to pad or crop)"
+        )
+    return problems
+
+
+def check_requested_tensors(requested: Sequence[ShardedTensor], lookup: StoredLookup, where: str) -> None:
+    """Raise before any read if a requested tensor is absent or does not match what is stored.
+
+    Args:
+        requested: this rank's requested shards.
+        lookup: the stored ``(dtype, global_shape)`` of a key, None if absent.
+        where: the checkpoint, as it should appear in messages.
+
+    Raises:
+        KeyMismatchError: keys requested but absent (Megatron-Core's "unexpected" keys).
+        LoadMismatchError: dtype or global-shape mismatches, one line per key.
+    """
+    rank = get_rank()
+    stored = {sh.key: lookup(sh.key) for sh in requested}
+    absent = {key for key, found in stored.items() if found is None}
+    if absent:
+        raise KeyMismatchError(
+            f"[rank {rank}] tensors requested by load but absent from checkpoint {where}: {format_keys(absent)}",
+            unexpected_keys=absent,
+        )
+    problems: List[str] = []
+    for sh in requested:
+        found = stored[sh.key]
+        assert found is not None
+        problems.extend(p for p in stored_mismatches(sh, *found) if p not in problems)
+    if problems:
+        raise LoadMismatchError(
+            f"[rank {rank}] checkpoint {where} does not match the requested tensors: {format_problems(problems)}"
+        )

@@ -1,0 +1,1 @@
+"""The ``safetensors`` sharded backend (version 1, the default): a few safetensors files per rank."""

@@ -1,0 +1,479 @@
+"""The safetensors file format: headers, zero-copy writes, and validated header reads.
+
+A safetensors file is an 8-byte little-endian header length ``N``, ``N`` bytes of JSON (padded
+with spaces so that the data starts at a multiple of 8), then the data section. The JSON maps
+each tensor name to ``{"dtype": "BF16", "shape": [...], "data_offsets": [begin, end]}`` with
+offsets relative to the data section, and may hold ``"__metadata__": {str: str}``. Tensors tile
+the data section exactly, without gaps, and the file ends where the last one ends.
+
+This module is shared by the ``safetensors`` backend and :mod:`dist_ckpt.hf`. It writes files that
+any safetensors reader opens, straight from each tensor's own memory (no serialized copy), and
+reads headers defensively: every field is checked before any tensor byte is read, so a truncated
+or damaged file raises :class:`~dist_ckpt.errors.CorruptCheckpointError` naming the file and the
+tensor instead of a raw ``json`` / ``struct`` / safetensors error.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, Union
+
+import torch
+
+from dist_ckpt.backends.safetensors import io as safetensors_io
+from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
+from dist_ckpt.integrity.checksums import crc32c
+from dist_ckpt.model.dtypes import dtype_from_safetensors_name, dtype_info
+from dist_ckpt.storage import fsync_dir
+
+__all__ = [
+    "HeaderEntry",
+    "SafetensorsFileWriter",
+    "SafetensorsHeader",
+    "SequentialWriter",
+    "StagingBuffer",
+    "encode_header",
+    "read_header",
+    "storage_layout",
+    "write_safetensors_file",
+]
+
+#: safetensors refuses headers larger than this; so do we, before allocating anything
+MAX_HEADER_BYTES = 100 * 2**20
+_ALIGN = 8
+_LEN = struct.Struct("<Q")
+#: the most one ``os.write`` call is asked to write (Linux writes at most ~2 GiB per call)
+_MAX_WRITE = 1 << 30
+
+Shape = Tuple[int, ...]
+
+
+def storage_layout(dtype: torch.dtype, shape: Sequence[int]) -> Tuple[str, Shape]:
+    """The safetensors dtype name and shape under which a tensor's bytes are stored.
+
+    Every dtype maps to its own safetensors name, except ``complex128``, which safetensors cannot
+    name: it is stored as ``F64`` with a trailing axis of 2 (real, imaginary), its exact bytes, so
+    the file stays readable by every safetensors reader.
+
+    Example::
+
+        storage_layout(torch.bfloat16, (4, 8))    # ("BF16", (4, 8))
+        storage_layout(torch.complex128, (3,))    # ("F64", (3, 2))
+    """
+    if dtype == torch.complex128:
+        return "F64", tuple(shape) + (2,)
+    return dtype_info(dtype).safetensors_name, tuple(shape)
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    """One tensor of a safetensors file.
+
+    Attributes:
+        name: tensor name in the file.
+        dtype: torch dtype of the stored name (``F64`` for a stored complex128).
+        shape: stored shape.
+        begin: absolute file offset of the first byte.
+        end: absolute file offset past the last byte.
+    """
+
+    name: str
+    dtype: torch.dtype
+    shape: Shape
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """A parsed, validated safetensors header.
+
+    Attributes:
+        path: the file (a path, or an object's URL).
+        data_start: absolute offset of the data section.
+        file_size: size of the file in bytes (equal to the end of the data section).
+        entries: tensors by name.
+        metadata: the ``__metadata__`` map (empty if absent).
+        prefix_crc: crc32c of the bytes before the data section (length and JSON header).
+    """
+
+    path: Union[str, Path]
+    data_start: int
+    file_size: int
+    entries: Dict[str, HeaderEntry]
+    metadata: Dict[str, str] = field(default_factory=dict)
+    prefix_crc: int = 0
+
+
+def encode_header(
+    tensors: Sequence[Tuple[str, str, Sequence[int], int]], metadata: Optional[Mapping[str, str]] = None
+) -> Tuple[bytes, List[Tuple[int, int]]]:
+    """The bytes before the data section, and each tensor's absolute byte range.
+
+    Args:
+        tensors: ``(name, safetensors dtype name, shape, nbytes)`` in data-section order.
+        metadata: the ``__metadata__`` map (strings only, as the format requires).
+
+    Example::
+
+        prefix, ranges = encode_header([("w", "F32", (2, 3), 24)])
+        # prefix = 8-byte length + JSON; ranges[0] == (len(prefix), len(prefix) + 24)
+    """
+    doc: Dict[str, object] = {}
+    if metadata:
+        doc["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    relative = []
+    for name, st_dtype, shape, nbytes in tensors:
+        if name in doc or name == "__metadata__":
+            raise CheckpointingException(f"tensor name {name!r} appears twice in one safetensors file")
+        doc[name] = {"dtype": st_dtype, "shape": [int(s) for s in shape], "data_offsets": [offset, offset + nbytes]}
+        relative.append((offset, offset + nbytes))
+        offset += nbytes
+    text = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-(len(text) + _LEN.size) % _ALIGN)
+    prefix = _LEN.pack(len(text)) + text
+    base = len(prefix)
+    return prefix, [(base + b, base + e) for b, e in relative]
+
+
+# --------------------------------------------------------------------------- reading headers
+
+
+def _corrupt(path: Union[str, Path], problem: str, name: Optional[str] = None) -> CorruptCheckpointError:
+    where = f"tensor {name!r} in " if name is not None else ""
+    return CorruptCheckpointError(f"{where}safetensors file {str(path)!r}: {problem}")
+
+
+def _entry(path: Union[str, Path], name: str, raw: object) -> Tuple[str, torch.dtype, Shape, int, int]:
+    if not isinstance(raw, dict):
+        raise _corrupt(path, f"header entry must be an object, found {raw!r}", name)
+    st_dtype, shape, offsets = raw.get("dtype"), raw.get("shape"), raw.get("data_offsets")
+    if not isinstance(st_dtype, str):
+        raise _corrupt(path, f"'dtype' must be a string, found {st_dtype!r}", name)
+    try:
+        dtype = dtype_from_safetensors_name(st_dtype)
+    except CheckpointingException:
+        raise _corrupt(path, f"unsupported dtype {st_dtype!r}", name) from None
+    if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+        raise _corrupt(path, f"'shape' must be a list of non-negative ints, found {shape!r}", name)
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise _corrupt(path, f"'data_offsets' must be [begin, end] with 0 <= begin <= end, found {offsets!r}", name)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if offsets[1] - offsets[0] != nbytes:
+        raise _corrupt(
+            path,
+            f"data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, but {st_dtype} {shape} needs {nbytes}",
+            name,
+        )
+    return st_dtype, dtype, tuple(shape), offsets[0], offsets[1]
+
+
+def read_header(fd: "safetensors_io.ReadSource", path: Union[str, Path]) -> SafetensorsHeader:
+    """Read and validate the header of the safetensors file open as ``fd`` (a descriptor, or an
+    :class:`~.safetensors_io.ObjectSource`: then two ranged reads and one size request).
+
+    Checks the length prefix, the JSON, every entry (dtype, shape, byte count), that the tensors
+    tile the data section without gaps or overlaps, and that the file is exactly as long as the
+    header says (a truncated file is caught here, before any tensor is read).
+
+    Raises:
+        CorruptCheckpointError: naming the file (and the tensor) on any inconsistency.
+
+    Example::
+
+        fd = os.open("model.safetensors", os.O_RDONLY)
+        header = read_header(fd, "model.safetensors")
+        entry = header.entries["lm_head.weight"]   # absolute byte range entry.begin:entry.end
+    """
+    file_size = safetensors_io.source_size(fd)
+    if file_size < _LEN.size:
+        raise _corrupt(path, f"the file has {file_size} bytes, too few for a safetensors header (truncated?)")
+    length_bytes = safetensors_io.read_bytes(fd, _LEN.size, 0)
+    (length,) = _LEN.unpack(length_bytes)
+    if length > MAX_HEADER_BYTES or _LEN.size + length > file_size:
+        raise _corrupt(
+            path, f"the header claims {length} bytes but the file has {file_size} (truncated or not a safetensors file)"
+        )
+    raw = safetensors_io.read_bytes(fd, length, _LEN.size)
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise _corrupt(path, f"the header is not valid JSON ({e})") from e
+    if not isinstance(doc, dict):
+        raise _corrupt(path, f"the header must be a JSON object, found {type(doc).__name__}")
+    metadata = doc.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise _corrupt(path, "'__metadata__' must map strings to strings")
+    data_start = _LEN.size + length
+    entries: Dict[str, HeaderEntry] = {}
+    spans = []
+    for name, value in doc.items():
+        _, dtype, shape, begin, end = _entry(path, name, value)
+        entries[name] = HeaderEntry(name, dtype, shape, data_start + begin, data_start + end)
+        spans.append((begin, end, name))
+    position = 0
+    for begin, end, name in sorted(spans):
+        if begin != position:
+            raise _corrupt(
+                path, f"data starts at byte {begin} of the data section, expected {position} (gap or overlap)", name
+            )
+        position = end
+    if data_start + position != file_size:
+        raise _corrupt(
+            path,
+            f"the header describes {data_start + position} bytes but the file has {file_size} "
+            f"({'truncated' if file_size < data_start + position else 'trailing garbage'})",
+        )
+    return SafetensorsHeader(path, data_start, file_size, entries, dict(metadata), crc32c(raw, crc32c(length_bytes)))
+
+
+def read_header_at(path: Union[str, Path]) -> SafetensorsHeader:
+    """:func:`read_header` of the file at ``path`` (opened and closed here)."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"safetensors file {str(path)!r} is missing") from None
+    try:
+        return read_header(fd, path)
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+class SequentialWriter:
+    """Appends to an open file with large ``write`` calls, optionally starting writeback early.
+
+    Example::
+
+        writer = SequentialWriter(fd, early_writeback=True)
+        writer.write(tensor_bytes(t))
+        writer.finish()   # fsync
+
+    With ``early_writeback`` the kernel is asked (``posix_fadvise(DONTNEED)``) to start writing
+    dirty pages to the disk after every ``chunk_bytes`` written, and to drop them from the page
+    cache once they are clean: the disk works while later tensors are still being copied, the
+    final fsync has little left to do, and a checkpoint (rarely read back soon) does not push
+    the training job's data out of the page cache. (On the test VM, 2 ranks saving 1 GiB: 16 MiB
+    chunks 0.29-0.32 s, 64 MiB 0.32-0.47 s, 256 MiB 0.44-0.82 s; without it about 1.7 s.)
+    """
+
+    def __init__(self, fd: int, early_writeback: bool = False, chunk_bytes: int = 16 * 2**20, start: int = 0) -> None:
+        self.fd = fd
+        self.early_writeback = early_writeback and hasattr(os, "posix_fadvise")
+        self.chunk_bytes = chunk_bytes
+        # the file offset ``fd`` is positioned at: a file may be written in parts, each part by
+        # its own writer (see safetensors_write)
+        self.position = start
+        self._advised = start
+
+    def write(self, data: memoryview) -> None:
+        """Write all of ``data`` at the end of what was written so far."""
+        view = data.cast("B") if data.format != "B" else data
+        limit = self.chunk_bytes if self.early_writeback else _MAX_WRITE
+        while len(view):
+            written = os.write(self.fd, view[:limit])
+            view = view[written:]
+            self.position += written
+            if self.early_writeback and self.position - self._advised >= self.chunk_bytes:
+                os.posix_fadvise(self.fd, 0, self.position, os.POSIX_FADV_DONTNEED)
+                self._advised = self.position
+
+    def finish(self) -> None:
+        """fsync the file (and drop its now clean pages from the cache with early writeback)."""
+        os.fsync(self.fd)
+        if self.early_writeback:
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+class ByteSink(Protocol):
+    """Anything bytes can be appended to (a :class:`SequentialWriter`, a storage ``ObjectWriter``)."""
+
+    def write(self, data: memoryview) -> Any:
+        """Append all of ``data``."""
+
+
+class StagingBuffer:
+    """A reusable pinned host buffer through which non-CPU tensors are written.
+
+    Device memory cannot be handed to ``os.write``; each GPU tensor is copied to this buffer in
+    pieces and written from there. Pinned memory makes the device-to-host copies fast; the buffer
+    is allocated on first use and reused for every tensor of a file.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._buffer: Optional[torch.Tensor] = None
+
+    def write_device_tensor(
+        self, writer: "ByteSink", tensor: torch.Tensor, observe: Optional[Callable[[memoryview], None]] = None
+    ) -> None:
+        """Write ``tensor`` (on any non-CPU device) through the pinned buffer; ``observe`` (e.g. a
+        checksum) sees every piece of host bytes after it is written. ``writer`` is a
+        :class:`SequentialWriter` or a storage's ``ObjectWriter`` (which copies what it is given,
+        so the buffer can be reused right away)."""
+        if self._buffer is None:
+            self._buffer = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        for start in range(0, flat.numel(), self.nbytes):
+            piece = flat[start : start + self.nbytes]
+            host = self._buffer[: piece.numel()]
+            host.copy_(piece)  # synchronous: the buffer is reused right after
+            writer.write(host.numpy().data)
+            if observe is not None:
+                observe(host.numpy().data)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a CPU tensor, from its own memory when it is contiguous (no copy)."""
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    return flat.numpy().data
+
+
+class SafetensorsFileWriter:
+    """Writes one safetensors file whose tensors are declared up front and supplied one by one.
+
+    The header needs every tensor's dtype and shape, not its data: with them declared, the
+    tensors can be produced one at a time (e.g. assembled from a sharded checkpoint) and each
+    freed once written, so writing a file needs memory for one tensor. Used as a context
+    manager: the file is complete, fsynced (and renamed into place if ``atomic``) on a clean
+    exit, and removed on an error.
+
+    Example::
+
+        layout = [("w", torch.float32, (2, 2)), ("b", torch.float32, (2,))]
+        with SafetensorsFileWriter("model.safetensors", layout, atomic=True) as writer:
+            writer.write(torch.ones(2, 2))
+            writer.write(torch.zeros(2))
+    """
+
+    def __init__(
+        self,
+        path: Union[str, Path],
+        layout: Sequence[Tuple[str, torch.dtype, Sequence[int]]],
+        metadata: Optional[Mapping[str, str]] = None,
+        *,
+        atomic: bool = False,
+        staging: Optional[StagingBuffer] = None,
+        early_writeback: bool = False,
+    ) -> None:
+        self.path = Path(path)
+        self.layout = [(name, dtype, tuple(int(s) for s in shape)) for name, dtype, shape in layout]
+        entries = [
+            (name, *storage_layout(dtype, shape), math.prod(shape) * dtype.itemsize)
+            for name, dtype, shape in self.layout
+        ]
+        self._prefix, self.ranges = encode_header(entries, metadata)
+        self.size = self.ranges[-1][1] if self.ranges else len(self._prefix)
+        self.atomic = atomic
+        self._staging = staging
+        self._early_writeback = early_writeback
+        self._target = (
+            self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}") if atomic else self.path
+        )
+        self._fd: Optional[int] = None
+        self._writer: Optional[SequentialWriter] = None
+        self._next = 0
+
+    def __enter__(self) -> "SafetensorsFileWriter":
+        self._fd = os.open(self._target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self._writer = SequentialWriter(self._fd, self._early_writeback)
+        self._writer.write(memoryview(self._prefix))
+        return self
+
+    def write(self, tensor: torch.Tensor) -> None:
+        """Write the next declared tensor's data (same dtype and shape as declared)."""
+        if self._writer is None:
+            raise CheckpointingException(f"{self.path}: write() outside the writer's 'with' block")
+        if self._next >= len(self.layout):
+            raise CheckpointingException(f"{self.path}: every declared tensor is already written")
+        name, dtype, shape = self.layout[self._next]
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise CheckpointingException(
+                f"{self.path}: tensor {name!r} was declared as {dtype} {list(shape)}, got {tensor.dtype} "
+                f"{list(tensor.shape)}"
+            )
+        if tensor.device.type == "cpu":
+            self._writer.write(tensor_bytes(tensor))
+        else:
+            if self._staging is None:
+                self._staging = StagingBuffer(64 * 2**20)
+            self._staging.write_device_tensor(self._writer, tensor)
+        self._next += 1
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        assert self._fd is not None and self._writer is not None
+        try:
+            if exc_type is None:
+                if self._next != len(self.layout):
+                    missing = [name for name, _, _ in self.layout[self._next :]]
+                    raise CheckpointingException(f"{self.path}: tensors {missing} were declared but not written")
+                self._writer.finish()
+        except BaseException:
+            exc_type = True
+            raise
+        finally:
+            os.close(self._fd)
+            self._fd = None
+            if exc_type is not None:
+                self._target.unlink(missing_ok=True)
+            elif self.atomic:
+                os.replace(self._target, self.path)
+                fsync_dir(self.path.parent)
+
+
+def write_safetensors_file(
+    path: Union[str, Path],
+    tensors: Sequence[Tuple[str, torch.Tensor]],
+    metadata: Optional[Mapping[str, str]] = None,
+    *,
+    atomic: bool = False,
+    staging: Optional[StagingBuffer] = None,
+    early_writeback: bool = False,
+) -> Tuple[int, List[Tuple[int, int]]]:
+    """Write ``tensors`` as one safetensors file, fsync it, and return its size and byte ranges.
+
+    The header is written first, then each tensor's bytes in order, each with as few large
+    ``write`` calls as possible, straight from the tensor's memory (CPU) or through ``staging``
+    (other devices). The file is fsynced before returning; without ``atomic`` the caller fsyncs
+    the directory.
+
+    Args:
+        path: the file to create.
+        tensors: ``(name, tensor)`` pairs in file order; names must be unique.
+        metadata: the ``__metadata__`` map.
+        atomic: write to a temporary name and rename it over ``path`` (the file appears whole
+            or not at all); otherwise ``path`` must not exist yet.
+        staging: the pinned buffer for non-CPU tensors (one is made if needed).
+        early_writeback: start writing to the disk while writing (see :class:`SequentialWriter`).
+
+    Returns:
+        ``(file size, [(begin, end) absolute byte range of each tensor])``.
+
+    Example::
+
+        size, ranges = write_safetensors_file("model.safetensors", [("w", torch.ones(2, 2))])
+    """
+    layout = [(name, t.dtype, tuple(t.shape)) for name, t in tensors]
+    with SafetensorsFileWriter(
+        path, layout, metadata, atomic=atomic, staging=staging, early_writeback=early_writeback
+    ) as writer:
+        for _, tensor in tensors:
+            writer.write(tensor)
+    return writer.size, writer.ranges

@@ -1,0 +1,360 @@
+"""The on-disk layout of ``safetensors``-backend checkpoints and its global index.
+
+Layout inside a checkpoint directory::
+
+    safetensors/index.json                      the global index (written last, by rank 0)
+    safetensors/rank<rank>_<i>.safetensors      rank's main-replica shards, one file per writer
+                                                thread (a valid safetensors file each)
+
+``index.json`` (version 1) says which file and byte range holds which shard of which key::
+
+    {
+      "format": "dist_ckpt.safetensors",
+      "version": 1,
+      "files": {"rank00000_0.safetensors": {"size": 1048704, "rank": 0}, ...},
+      "tensors": {
+        "decoder.w": {
+          "dtype": "bfloat16",                 # dist_ckpt.model.dtypes name
+          "global_shape": [1024, 512],
+          "shards": [
+            {"file": "rank00000_0.safetensors", "name": "decoder.w@0.0",
+             "global_offset": [0, 0], "chunk_shape": [512, 512],
+             "flat_range": null,               # or [start, stop] of the chunk's flattening
+             "byte_range": [128, 524416]}      # absolute offsets in the file
+          ]
+        }
+      }
+    }
+
+Version 2 adds crc32c checksums (see :mod:`dist_ckpt.integrity.checksums`); everything else is unchanged::
+
+    {
+      "format": "dist_ckpt.safetensors",
+      "version": 2,
+      "checksum": {"algorithm": "crc32c", "block_bytes": 1048576},
+      "files": {"rank00000_0.safetensors": {"size": 1048704, "rank": 0,
+                                            "header_crc32c": "1a2b3c4d"}, ...},   # the header bytes
+      "tensors": {"decoder.w": {..., "shards": [{..., "crc32c": "0f1e2d3c..."}]}}
+    }
+
+A shard's ``crc32c`` holds 8 hex digits per block of its ``byte_range``: block ``i`` covers bytes
+``begin + i * block_bytes`` up to the next block or the range's end, so a partial read verifies
+only the blocks it touches. Version 1 indexes (no checksums) are still read; a save without
+checksums (``SafetensorsSaveOptions(checksum_block_bytes=None)``) still writes version 1.
+
+Every file, tensor and shard entry is a JSON object, so later versions can add fields without
+changing the existing ones; readers ignore unknown fields. No pickle anywhere: the index is
+plain JSON and the files are safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+from dist_ckpt.backends.safetensors.load import StoredShard, StoredTensor, TensorIndex
+from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError, IncompatibleStrategyError
+from dist_ckpt.integrity.checksums import ALGORITHM, block_count, crc_from_hex, decode_block_crcs
+from dist_ckpt.model.dtypes import dtype_from_name
+from dist_ckpt.model.sharded import ShardedTensor
+from dist_ckpt.storage import Storage
+from dist_ckpt.storage.location import CheckpointLocation, location_str
+
+__all__ = [
+    "READABLE_VERSIONS",
+    "INDEX_FILENAME",
+    "INDEX_FORMAT",
+    "INDEX_VERSION",
+    "SAFETENSORS_DIR",
+    "encode_shard",
+    "file_name",
+    "merge_rank_indexes",
+    "parse_index",
+    "read_index",
+    "shard_name",
+]
+
+SAFETENSORS_DIR = "safetensors"
+INDEX_FILENAME = "index.json"
+INDEX_FORMAT = "dist_ckpt.safetensors"
+#: the version written with checksums; a save without them writes version 1
+INDEX_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+
+RankIndex = Dict[str, Any]  # {"files": {...}, "tensors": {...}} of one rank
+
+
+def file_name(rank: int, writer: int) -> str:
+    """Name of the file that writer thread ``writer`` of ``rank`` writes.
+
+    Example::
+
+        file_name(3, 1)   # "rank00003_1.safetensors"
+    """
+    return f"rank{rank:05d}_{writer}.safetensors"
+
+
+def shard_name(sh: ShardedTensor) -> str:
+    """Name of a shard inside its safetensors file: key, chunk offset and flat start.
+
+    Example::
+
+        shard_name(ShardedTensor.from_rank_offsets("w", torch.empty(2, 4), (0, 1, 2)))   # "w@2.0"
+    """
+    name = f"{sh.key}@{'.'.join(map(str, sh.global_offset))}"
+    if sh.flattened_range is not None:
+        name += f"+{sh.flattened_range.start}"
+    return name
+
+
+def encode_shard(
+    sh: ShardedTensor, file: str, byte_range: Tuple[int, int], crcs: Optional[str] = None
+) -> Dict[str, Any]:
+    """The index entry of one saved shard; ``crcs`` its encoded block checksums (version 2).
+
+    Example::
+
+        encode_shard(sh, "rank00000_0.safetensors", (128, 160))["byte_range"]   # [128, 160]
+    """
+    rng = sh.flattened_range
+    entry: Dict[str, Any] = {
+        "file": file,
+        "name": shard_name(sh),
+        "global_offset": list(sh.global_offset),
+        "chunk_shape": list(sh.full_local_shape),
+        "flat_range": None if rng is None else [rng.start, rng.stop],
+        "byte_range": [byte_range[0], byte_range[1]],
+    }
+    if crcs is not None:
+        entry[ALGORITHM] = crcs
+    return entry
+
+
+def merge_rank_indexes(per_rank: Sequence[RankIndex], block_bytes: Optional[int] = None) -> Dict[str, Any]:
+    """The global index document from every rank's part (runs on rank 0): version 2 with
+    checksums of ``block_bytes`` blocks, version 1 without (``block_bytes=None``).
+
+    Example::
+
+        doc = merge_rank_indexes(gather_json(local_part), block_bytes=1 << 20)   # on rank 0
+
+    Raises:
+        CheckpointingException: two ranks describe a key with different dtypes or global shapes,
+            or write the same file.
+    """
+    files: Dict[str, Any] = {}
+    tensors: Dict[str, Any] = {}
+    for rank, part in enumerate(per_rank):
+        for name, entry in part["files"].items():
+            if name in files:
+                raise CheckpointingException(f"ranks {files[name]['rank']} and {rank} both wrote {name!r}")
+            files[name] = entry
+        for key, entry in part["tensors"].items():
+            merged = tensors.setdefault(
+                key, {"dtype": entry["dtype"], "global_shape": entry["global_shape"], "shards": []}
+            )
+            if (merged["dtype"], merged["global_shape"]) != (entry["dtype"], entry["global_shape"]):
+                raise CheckpointingException(
+                    f"tensor {key!r}: rank {rank} saves it as {entry['dtype']} {entry['global_shape']}, another rank "
+                    f"as {merged['dtype']} {merged['global_shape']}; every rank must agree"
+                )
+            merged["shards"].extend(entry["shards"])
+    doc: Dict[str, Any] = {"format": INDEX_FORMAT, "version": 1}
+    if block_bytes is not None:
+        doc.update(version=INDEX_VERSION, checksum={"algorithm": ALGORITHM, "block_bytes": block_bytes})
+    doc.update(files=files, tensors=dict(sorted(tensors.items())))
+    return doc
+
+
+# --------------------------------------------------------------------------- reading
+
+
+class _Parser:
+    """Validates an index document field by field; every error names the index and the key."""
+
+    def __init__(self, path: Union[str, Path], block_bytes: Optional[int] = None) -> None:
+        self.path = path
+        self.block_bytes = block_bytes  # checksums are required per shard when set (version 2)
+
+    def fail(self, problem: str, key: Optional[str] = None) -> CorruptCheckpointError:
+        where = f" (tensor {key!r})" if key is not None else ""
+        return CorruptCheckpointError(f"safetensors index {str(self.path)!r}{where}: {problem}")
+
+    def obj(self, value: Any, what: str, key: Optional[str] = None) -> Dict[str, Any]:
+        if not isinstance(value, dict):
+            raise self.fail(f"{what} must be a JSON object, found {value!r}", key)
+        return value
+
+    def ints(self, value: Any, what: str, key: str, length: Optional[int] = None) -> Tuple[int, ...]:
+        if (
+            not isinstance(value, list)
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+            or (length is not None and len(value) != length)
+        ):
+            size = "" if length is None else f" of length {length}"
+            raise self.fail(f"{what} must be a list{size} of non-negative ints, found {value!r}", key)
+        return tuple(value)
+
+    def shard(self, raw: Any, key: str, ndim: int, files: Dict[str, int]) -> StoredShard:
+        entry = self.obj(raw, "a shard entry", key)
+        file, name = entry.get("file"), entry.get("name")
+        if not isinstance(file, str) or file not in files:
+            raise self.fail(f"shard names file {file!r}, which the index does not list", key)
+        if not isinstance(name, str):
+            raise self.fail(f"shard 'name' must be a string, found {name!r}", key)
+        offset = self.ints(entry.get("global_offset"), "global_offset", key, ndim)
+        chunk = self.ints(entry.get("chunk_shape"), "chunk_shape", key, ndim)
+        flat = entry.get("flat_range")
+        rng = None if flat is None else self.ints(flat, "flat_range", key, 2)
+        if rng is not None and not rng[0] <= rng[1] <= _prod(chunk):
+            raise self.fail(f"flat_range {list(rng)} does not fit a chunk of shape {list(chunk)}", key)
+        byte_range = self.ints(entry.get("byte_range"), "byte_range", key, 2)
+        if not byte_range[0] <= byte_range[1] <= files[file]:
+            raise self.fail(f"byte_range {list(byte_range)} lies outside {file!r} ({files[file]} bytes)", key)
+        flat_range = None if rng is None else (rng[0], rng[1])
+        crcs = None
+        if self.block_bytes is not None:
+            blocks = block_count(byte_range[1] - byte_range[0], self.block_bytes)
+            where = f"safetensors index {str(self.path)!r} (tensor {key!r}, shard {name!r})"
+            crcs = decode_block_crcs(entry.get(ALGORITHM), blocks, where)
+        return StoredShard(file, name, offset, chunk, flat_range, (byte_range[0], byte_range[1]), crcs)
+
+    def tensor(self, key: str, raw: Any, files: Dict[str, int]) -> StoredTensor:
+        entry = self.obj(raw, "a tensor entry", key)
+        dtype_name = entry.get("dtype")
+        try:
+            dtype = dtype_from_name(dtype_name if isinstance(dtype_name, str) else repr(dtype_name))
+        except CheckpointingException as e:
+            raise self.fail(str(e), key) from None
+        shape = self.ints(entry.get("global_shape"), "global_shape", key)
+        shards = entry.get("shards")
+        if not isinstance(shards, list):
+            raise self.fail(f"'shards' must be a list, found {shards!r}", key)
+        stored = [self.shard(s, key, len(shape), files) for s in shards]
+        for s in stored:
+            if any(o + c > g for o, c, g in zip(s.global_offset, s.chunk_shape, shape)):
+                raise self.fail(
+                    f"shard at {list(s.global_offset)} of shape {list(s.chunk_shape)} exceeds {list(shape)}", key
+                )
+            numel = _prod(s.stored_shape)
+            if s.byte_range[1] - s.byte_range[0] != numel * dtype.itemsize:
+                raise self.fail(
+                    f"shard {s.name!r} spans {s.byte_range[1] - s.byte_range[0]} bytes, expected "
+                    f"{numel * dtype.itemsize}",
+                    key,
+                )
+        return StoredTensor(key, dtype, shape, stored)
+
+
+def _prod(shape: Sequence[int]) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def parse_index(doc: Any, path: Path, storage: Optional[Storage] = None) -> TensorIndex:
+    """The :class:`TensorIndex` described by an index document; validates every field.
+
+    ``path`` is the index file; with ``storage`` (an object store rooted at the files'
+    directory) the files are its objects and messages name them by URL.
+
+    Raises:
+        CorruptCheckpointError: naming the index file and the key, for any malformed entry.
+        IncompatibleStrategyError: for an index of a newer version.
+
+    Example::
+
+        index = parse_index(json.loads(raw), ckpt / "safetensors" / "index.json")
+    """
+    p = _Parser(storage.url_of(INDEX_FILENAME) if storage is not None else path)
+    doc = p.obj(doc, "the index")
+    if doc.get("format") != INDEX_FORMAT:
+        raise p.fail(f"'format' is {doc.get('format')!r}, expected {INDEX_FORMAT!r}")
+    version = doc.get("version")
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
+        raise IncompatibleStrategyError(
+            f"safetensors index {str(p.path)!r} has version {version!r}; this dist_ckpt reads versions "
+            f"{list(READABLE_VERSIONS)}: upgrade dist_ckpt"
+        )
+    if version >= 2:
+        p.block_bytes = _checksum_spec(p, doc.get("checksum"))
+    files: Dict[str, int] = {}
+    header_crcs: Dict[str, int] = {}
+    for name, entry in p.obj(doc.get("files"), "'files'").items():
+        size = p.obj(entry, f"file entry {name!r}").get("size")
+        if "/" in name or name.startswith(".") or not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise p.fail(f"file entry {name!r} needs a plain file name and a non-negative 'size', found {entry!r}")
+        files[name] = size
+        if p.block_bytes is not None:
+            field = f"header_{ALGORITHM}"
+            header_crcs[name] = crc_from_hex(
+                entry.get(field), f"safetensors index {str(p.path)!r}, file entry {name!r} field {field!r}"
+            )
+    tensors = {key: p.tensor(key, raw, files) for key, raw in p.obj(doc.get("tensors"), "'tensors'").items()}
+    description = repr(storage.url.rsplit("/", 1)[0]) if storage is not None else repr(str(path.parent.parent))
+    return TensorIndex(
+        path.parent,
+        tensors,
+        file_sizes=files,
+        description=description,
+        block_bytes=p.block_bytes,
+        header_crcs=header_crcs,
+        storage=storage,
+    )
+
+
+def _checksum_spec(p: _Parser, raw: Any) -> int:
+    spec = p.obj(raw, "'checksum'")
+    if spec.get("algorithm") != ALGORITHM:
+        raise p.fail(f"'checksum' field 'algorithm' is {spec.get('algorithm')!r}, expected {ALGORITHM!r}")
+    block = spec.get("block_bytes")
+    if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+        raise p.fail(f"'checksum' field 'block_bytes' must be a positive int, found {block!r}")
+    return block
+
+
+def read_index(checkpoint_dir: CheckpointLocation) -> TensorIndex:
+    """Read and validate ``<checkpoint_dir>/safetensors/index.json`` (a directory or an object store).
+
+    Example::
+
+        index = read_index(Path("ckpt/iter_1000"))
+        index.tensors["decoder.w"].shards[0].file   # "rank00000_0.safetensors"
+    """
+    storage: Optional[Storage] = None
+    if isinstance(checkpoint_dir, Path):
+        path = checkpoint_dir / SAFETENSORS_DIR / INDEX_FILENAME
+        where = str(path)
+    else:  # an object store: the index names its files relative to safetensors/
+        storage = checkpoint_dir.child(SAFETENSORS_DIR)
+        path = Path(SAFETENSORS_DIR) / INDEX_FILENAME
+        where = storage.url_of(INDEX_FILENAME)
+    try:
+        raw = path.read_bytes() if storage is None else storage.read(INDEX_FILENAME)
+    except FileNotFoundError:  # ObjectNotFoundError is one
+        raise CorruptCheckpointError(
+            f"{where!r} is missing: the safetensors part of checkpoint {location_str(checkpoint_dir)!r} is incomplete"
+        ) from None
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CorruptCheckpointError(f"safetensors index {where!r} is not valid JSON: {e}") from e
+    return parse_index(doc, path, storage)
+
+
+def rank_index(
+    files: Dict[str, int], rank: int, tensors: Dict[str, Dict[str, Any]], header_crcs: Optional[Dict[str, str]] = None
+) -> RankIndex:
+    """One rank's part of the index, as sent to rank 0 (``header_crcs``: hex crc of each file's
+    header, with checksums)."""
+    entries: Dict[str, Dict[str, Any]] = {name: {"size": size, "rank": rank} for name, size in files.items()}
+    for name, crc in (header_crcs or {}).items():
+        entries[name][f"header_{ALGORITHM}"] = crc
+    return {"files": entries, "tensors": tensors}
+
+
+def tensor_entry(dtype_name: str, global_shape: Sequence[int], shards: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The index entry of one tensor (one rank's shards of it)."""
+    return {"dtype": dtype_name, "global_shape": list(global_shape), "shards": shards}

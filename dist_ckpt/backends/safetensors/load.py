@@ -1,0 +1,447 @@
+"""Load ShardedTensors from safetensors files described by a :class:`TensorIndex`.
+
+Both the ``safetensors`` backend (whose index is its ``index.json``) and HuggingFace checkpoints
+(whose index is built from the files' headers) describe where each stored shard lives: file,
+byte range, and which box (or flattened range of a box) of the global tensor it holds. Given that
+description, :func:`load_from_index` loads any sharding of the tensors:
+
+1. check every requested key, dtype and global shape against the index (one error listing
+   every problem, before anything is opened);
+2. plan: intersect each requested piece with the stored pieces it overlaps (looked up on the
+   stored chunk grid, not by scanning every shard), check that the stored data covers it;
+3. open each file the plan touches once and validate its header (size, dtype, shape and byte
+   range of every stored shard in it) -- still before any tensor byte is read;
+4. zero the parts outside the stored tensor (``allow_shape_mismatch``), then read, in place
+   where the destination allows it (see :mod:`.safetensors_io`), on a few threads;
+5. when the index records checksums (and ``ReadOptions.verify_checksums``), check the crc32c of
+   each file's header when it is opened and of every block as the reads complete (reads are
+   widened to whole blocks; see :mod:`.safetensors_blocks`).
+
+The files are local (``TensorIndex.directory``: opened once, read with ``os.preadv``) or objects of
+an object store (``TensorIndex.storage``: each read is a ranged GET straight into the same
+destination buffers, on ``ReadOptions.object_store_threads`` threads).
+
+No collective is called: the loader works in a single process without a process group.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from itertools import product
+from pathlib import Path, PurePosixPath
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
+
+import torch
+
+from dist_ckpt.backends.base import load_destination
+from dist_ckpt.backends.request_checks import check_requested_tensors
+from dist_ckpt.backends.safetensors.blocks import ShardCheck
+from dist_ckpt.backends.safetensors.format import SafetensorsHeader, read_header, storage_layout
+from dist_ckpt.backends.safetensors.io import (
+    ObjectSource,
+    ReadOp,
+    ReadOptions,
+    ReadSource,
+    byte_view,
+    execute,
+    plan_copy,
+    source_size,
+)
+from dist_ckpt.engine.distributed import get_rank
+from dist_ckpt.errors import ChecksumMismatchError, CorruptCheckpointError, format_keys
+from dist_ckpt.integrity.checksums import crc_to_hex
+from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
+from dist_ckpt.model.geometry import Box, ShardPiece, piece_view, shard_pieces, sub_view
+from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
+from dist_ckpt.storage import Storage
+
+__all__ = ["StoredShard", "StoredTensor", "TensorIndex", "load_from_index", "tensors_metadata"]
+
+Shape = Tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StoredShard:
+    """One stored shard: a box (or a flattened range of a box) of a global tensor in a file.
+
+    Attributes:
+        file: file name, relative to the index's directory.
+        name: tensor name inside the file.
+        global_offset: offset of the shard's box in the global tensor.
+        chunk_shape: shape of the shard's box (all global axes).
+        flat_range: ``(start, stop)`` of the box's row-major flattening held, or None for all.
+        byte_range: absolute ``(begin, end)`` byte offsets of the data in the file.
+        crcs: crc32c of each block of ``byte_range`` (see ``TensorIndex.block_bytes``), or None
+            when the checkpoint recorded none.
+    """
+
+    file: str
+    name: str
+    global_offset: Shape
+    chunk_shape: Shape
+    flat_range: Optional[Tuple[int, int]]
+    byte_range: Tuple[int, int]
+    crcs: Optional[Tuple[int, ...]] = None
+
+    @property
+    def stored_shape(self) -> Shape:
+        """Shape of the tensor as written in the file (before any dtype re-encoding)."""
+        if self.flat_range is not None:
+            return (self.flat_range[1] - self.flat_range[0],)
+        return self.chunk_shape
+
+    def pieces(self) -> List[ShardPiece]:
+        """The global boxes this shard holds; ``flat_offset`` is relative to its first element."""
+        return shard_pieces(self.global_offset, self.chunk_shape, 0, self.flat_range)
+
+
+@dataclass
+class StoredTensor:
+    """Everything stored about one global tensor."""
+
+    key: str
+    dtype: torch.dtype
+    global_shape: Shape
+    shards: List[StoredShard] = field(default_factory=list)
+    _grid: Optional[Dict[Shape, List[StoredShard]]] = field(default=None, repr=False)
+
+    @property
+    def bounds(self) -> Box:
+        return Box((0,) * len(self.global_shape), self.global_shape)
+
+    def overlapping(self, region: Box) -> Iterator[StoredShard]:
+        """Stored shards whose box overlaps ``region`` (via the chunk grid when it is regular)."""
+        if self._grid is None:
+            self._grid = _grid_of(self.shards)
+        if not self._grid:
+            yield from (s for s in self.shards if Box(s.global_offset, s.chunk_shape).intersect(region))
+            return
+        chunk = self.shards[0].chunk_shape
+        ranges = [range(o // c, (o + n - 1) // c + 1) for o, n, c in zip(region.offset, region.shape, chunk)]
+        for idx in product(*ranges):
+            yield from self._grid.get(tuple(idx), ())
+
+
+def _grid_of(shards: Sequence[StoredShard]) -> Dict[Shape, List[StoredShard]]:
+    """Shards by chunk index, or {} when the shards do not form a regular grid."""
+    if not shards:
+        return {}
+    chunk = shards[0].chunk_shape
+    grid: Dict[Shape, List[StoredShard]] = {}
+    for s in shards:
+        if s.chunk_shape != chunk or any(c == 0 or o % c for o, c in zip(s.global_offset, chunk)):
+            return {}
+        grid.setdefault(tuple(o // c for o, c in zip(s.global_offset, chunk)), []).append(s)
+    return grid
+
+
+#: checks an opened file against the index before any read; raises CorruptCheckpointError
+FileCheck = Callable[[SafetensorsHeader, Sequence[Tuple[str, StoredShard]]], None]
+
+
+@dataclass
+class TensorIndex:
+    """Where every stored tensor lives.
+
+    Attributes:
+        directory: the directory holding the files.
+        tensors: stored tensors by key.
+        aliases: keys served by another stored key (tied parameters stored once).
+        file_sizes: expected size of each file, when the index records it.
+        description: names the checkpoint in error messages.
+        from_headers: the index was built from the files' validated headers (HuggingFace
+            folders), so a load does not read and check them again.
+        block_bytes: block size of the shards' checksums (None: no checksums recorded).
+        header_crcs: crc32c of each file's header bytes, when recorded.
+        storage: when set, the files are objects of this storage (an object store rooted at
+            the files' directory) instead of files in ``directory``.
+    """
+
+    directory: Path
+    tensors: Dict[str, StoredTensor]
+    aliases: Dict[str, str] = field(default_factory=dict)
+    file_sizes: Dict[str, int] = field(default_factory=dict)
+    description: str = ""
+    from_headers: bool = False
+    block_bytes: Optional[int] = None
+    header_crcs: Dict[str, int] = field(default_factory=dict)
+    storage: Optional[Storage] = None
+
+    def file_location(self, name: str) -> Union[str, Path]:
+        """Where file ``name`` is, for messages: its path, or its object's URL."""
+        return self.storage.url_of(name) if self.storage is not None else self.directory / name
+
+    def lookup(self, key: str) -> Optional[StoredTensor]:
+        """The stored tensor for ``key`` (following an alias), or None."""
+        found = self.tensors.get(key)
+        if found is None and key in self.aliases:
+            found = self.tensors.get(self.aliases[key])
+        return found
+
+
+def tensors_metadata(index: TensorIndex) -> ShardedStateDict:
+    """``{key: ShardedTensor}`` (whole, unsharded, data on the meta device) for every tensor.
+
+    Example::
+
+        meta = tensors_metadata(read_index(ckpt))
+        meta["decoder.w"].global_shape, meta["decoder.w"].dtype
+    """
+    out: ShardedStateDict = {}
+    for key in sorted(set(index.tensors) | set(index.aliases)):
+        info = index.lookup(key)
+        if info is not None:
+            meta = torch.empty(info.global_shape, dtype=info.dtype, device="meta")
+            out[key] = ShardedTensor.from_rank_offsets(key, meta)
+    return out
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _check_requests(requested: Sequence[ShardedTensor], index: TensorIndex) -> None:
+    def lookup(key: str) -> Optional[Tuple[torch.dtype, Tuple[int, ...]]]:
+        info = index.lookup(key)
+        return None if info is None else (info.dtype, tuple(info.global_shape))
+
+    check_requested_tensors(requested, lookup, index.description)
+
+
+def default_file_check(index: TensorIndex) -> FileCheck:
+    """The check of a file against what the index says is in it (dtype, shape, byte range, size)."""
+
+    def check(header: SafetensorsHeader, shards: Sequence[Tuple[str, StoredShard]]) -> None:
+        expected_size = index.file_sizes.get(PurePosixPath(str(header.path)).name)
+        if expected_size is not None and expected_size != header.file_size:
+            raise CorruptCheckpointError(
+                f"[rank {get_rank()}] safetensors file {str(header.path)!r} (tensors "
+                f"{format_keys(sorted({k for k, _ in shards}))}) has {header.file_size} bytes, the "
+                f"index of {index.description} says {expected_size} (truncated or replaced)"
+            )
+        for key, shard in shards:
+            entry = header.entries.get(shard.name)
+            info = index.lookup(key)
+            assert info is not None
+            st_name, shape = storage_layout(info.dtype, shard.stored_shape)
+            found = None if entry is None else (entry.dtype, entry.shape, (entry.begin, entry.end))
+            wanted_dtype = torch.float64 if info.dtype == torch.complex128 else info.dtype
+            if found != (wanted_dtype, shape, shard.byte_range):
+                raise CorruptCheckpointError(
+                    f"[rank {get_rank()}] tensor {key!r}: safetensors file {str(header.path)!r} "
+                    + (
+                        f"has no tensor named {shard.name!r}"
+                        if entry is None
+                        else f"stores {shard.name!r} as {entry.dtype} {list(entry.shape)} at bytes "
+                        f"{entry.begin}:{entry.end}, the index says {st_name} {list(shape)} at "
+                        f"{shard.byte_range[0]}:{shard.byte_range[1]}"
+                    )
+                )
+
+    return check
+
+
+# --------------------------------------------------------------------------- planning
+
+
+@dataclass
+class _Planned:
+    """One requested piece's overlap with one stored piece."""
+
+    shard: StoredShard
+    key: str
+    src_box: Box
+    src_offset: int
+    inter: Box
+    dst_piece: ShardPiece
+
+
+class _OpenFiles:
+    """File descriptors (or objects) of the files a load touches, each opened and validated once."""
+
+    def __init__(self, index: TensorIndex, check: FileCheck, verify_header_crcs: bool) -> None:
+        self.index = index
+        self.check = check
+        self.verify_header_crcs = verify_header_crcs
+        self.fds: Dict[str, ReadSource] = {}
+
+    def _open(self, name: str) -> ReadSource:
+        if self.index.storage is not None:
+            source = ObjectSource(self.index.storage, name)
+            if self.index.from_headers:  # no header read below to find a missing object
+                source_size(source)
+            return source
+        return os.open(self.index.directory / name, os.O_RDONLY)
+
+    def open_all(self, by_file: Dict[str, List[Tuple[str, StoredShard]]]) -> None:
+        names = sorted(by_file)
+        if self.index.storage is None or len(names) <= 1:
+            for name in names:
+                self._open_checked(name, by_file[name])
+            return
+        # objects: each header costs a few round trips, so fetch them concurrently
+        with ThreadPoolExecutor(min(len(names), 16), thread_name_prefix="dist_ckpt_headers") as pool:
+            for future in [pool.submit(self._open_checked, name, by_file[name]) for name in names]:
+                future.result()
+
+    def _open_checked(self, name: str, shards: List[Tuple[str, StoredShard]]) -> None:
+        path = self.index.file_location(name)
+        keys = format_keys(sorted({k for k, _ in shards}))
+        try:
+            fd = self._open(name)
+            self.fds[name] = fd
+            header = None if self.index.from_headers else read_header(fd, path)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"[rank {get_rank()}] safetensors file {str(path)!r}, which holds tensors {keys} "
+                f"of {self.index.description}, is missing"
+            ) from None
+        except CorruptCheckpointError as exc:  # the header names the file, not what it holds
+            raise type(exc)(f"[rank {get_rank()}] tensors {keys}: {exc}") from None
+        if header is not None:
+            expected = self.index.header_crcs.get(name)
+            if self.verify_header_crcs and expected is not None and header.prefix_crc != expected:
+                raise ChecksumMismatchError(
+                    f"[rank {get_rank()}] the header of safetensors file {str(path)!r} (tensors "
+                    f"{keys}) has crc32c {crc_to_hex(header.prefix_crc)}, "
+                    f"the index of {self.index.description} recorded {crc_to_hex(expected)}: the file is corrupt"
+                )
+            self.check(header, shards)
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            if isinstance(fd, int):
+                os.close(fd)
+        self.fds.clear()
+
+
+def _plan_tensor(sh: ShardedTensor, info: StoredTensor, index: TensorIndex) -> Tuple[List[_Planned], List[ShardPiece]]:
+    rng = None if sh.flattened_range is None else (sh.flattened_range.start, sh.flattened_range.stop)
+    itemsize = sh.dtype.itemsize
+    planned: List[_Planned] = []
+    pad: List[ShardPiece] = []
+    expected = covered = 0
+    for piece in shard_pieces(sh.global_offset, sh.local_shape, sh.prepend_axis_num, rng):
+        region = piece.box.intersect(info.bounds)
+        if region != piece.box:
+            pad.append(piece)
+        if region is None:
+            continue
+        expected += region.numel
+        for shard in info.overlapping(region):
+            for sp in shard.pieces():
+                inter = region.intersect(sp.box)
+                if inter is None:
+                    continue
+                offset = shard.byte_range[0] + (sp.flat_offset or 0) * itemsize
+                planned.append(_Planned(shard, sh.key, sp.box, offset, inter, piece))
+                covered += inter.numel
+    if covered != expected:
+        raise CorruptCheckpointError(
+            f"[rank {get_rank()}] tensor {sh.key!r} in {index.description}: the stored shards cover {covered} of "
+            f"the {expected} requested elements (shards are missing from the index, or overlap)"
+        )
+    return planned, pad
+
+
+def load_from_index(
+    sharded_state_dict: ShardedStateDict, index: TensorIndex, options: ReadOptions, check: Optional[FileCheck] = None
+) -> StateDict:
+    """Replace every ShardedTensor of ``sharded_state_dict`` by its data, read from ``index``.
+
+    Tensors are filled in place when ``ShardedTensor.data`` is allocated with the right shape
+    (any device); otherwise new CPU tensors are returned. See the module docstring for the steps.
+
+    Args:
+        sharded_state_dict: the request; other leaves are returned unchanged.
+        index: where the stored tensors live.
+        options: read threads and buffer sizes.
+        check: validates each opened file against the index (default: :func:`default_file_check`).
+
+    Example::
+
+        index = TensorIndex(Path(ckpt), {"w": StoredTensor("w", torch.float32, (4,), [shard])})
+        loaded = load_from_index({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4))}, index, ReadOptions())
+    """
+    requested = [s for s in nested_values(sharded_state_dict) if isinstance(s, ShardedTensor)]
+    # 1. keys, dtypes, shapes
+    _check_requests(requested, index)
+    # 2. plan every overlap, checking coverage
+    plans: Dict[int, Tuple[torch.Tensor, List[_Planned], List[ShardPiece]]] = {}
+    by_file: Dict[str, List[Tuple[str, StoredShard]]] = {}
+    seen: Set[Tuple[str, str]] = set()
+    for sh in requested:
+        info = index.lookup(sh.key)
+        assert info is not None
+        planned, pad = _plan_tensor(sh, info, index)
+        plans[id(sh)] = (load_destination(sh), planned, pad)
+        for p in planned:
+            if (p.shard.file, p.shard.name) not in seen:
+                seen.add((p.shard.file, p.shard.name))
+                by_file.setdefault(p.shard.file, []).append((sh.key, p.shard))
+    # 3. open and validate every file the plan touches
+    verify = options.verify_checksums and index.block_bytes is not None
+    if index.storage is not None:
+        options = options.for_object_store()
+    files = _OpenFiles(index, check or default_file_check(index), verify)
+
+    def read_ops() -> Iterator[ReadOp]:
+        for sh in requested:
+            dest, planned, pad = plans[id(sh)]
+            holder = Box(sh.global_offset, sh.full_local_shape)
+            for piece in pad:  # zero-fill the parts the checkpoint does not have, before reading
+                piece_view(dest, piece, sh.prepend_axis_num, holder).zero_()
+            yield from _read_ops(sh, dest, holder, planned, files, index, options, verify)
+
+    try:
+        files.open_all(by_file)
+        # 4. and 5. read and check; the threads start on the first tensor while the next ones are planned
+        execute(read_ops(), options)
+    finally:
+        files.close()
+
+    def result(x: Any) -> Any:
+        return plans[id(x)][0] if isinstance(x, ShardedTensor) else x
+
+    return dict_list_map_inplace(result, sharded_state_dict)  # type: ignore[no-any-return]
+
+
+def _read_ops(
+    sh: ShardedTensor,
+    dest: torch.Tensor,
+    holder: Box,
+    planned: Sequence[_Planned],
+    files: _OpenFiles,
+    index: TensorIndex,
+    options: ReadOptions,
+    verify: bool,
+) -> List[ReadOp]:
+    dest_bytes = byte_view(dest)
+    ops: List[ReadOp] = []
+    for p in planned:
+        fd, path = files.fds[p.shard.file], index.file_location(p.shard.file)
+        shard_check = None
+        if verify and p.shard.crcs is not None and index.block_bytes is not None:
+            begin, end = p.shard.byte_range
+            shard_check = ShardCheck(path, sh.key, p.shard.name, begin, end, index.block_bytes, p.shard.crcs)
+        piece = p.dst_piece
+        dst_base = 0 if piece.flat_offset is None else piece.flat_offset
+        target = sub_view(piece_view(dest, piece, sh.prepend_axis_num, holder), piece.box, p.inter)
+        ops.extend(
+            plan_copy(
+                fd,
+                path,
+                sh.key,
+                p.src_box,
+                p.src_offset,
+                p.inter,
+                piece.box,
+                dst_base,
+                dest_bytes,
+                target,
+                options,
+                shard_check,
+            )
+        )
+    return ops

@@ -1,0 +1,594 @@
+"""The ``safetensors`` sharded backend (version 1): a few large safetensors files per rank.
+
+Each rank writes its main-replica shards into a constant number of files -- one per writer
+thread -- each a valid safetensors file that ``safetensors.safe_open`` reads. Rank 0 then writes
+``safetensors/index.json``, which says which file and byte range holds which shard of which key,
+with a crc32c per block of every shard (see :mod:`.safetensors_index`); ``dist_ckpt.save``
+commits ``metadata.json`` after it. Loads verify the blocks they read.
+
+Saves are synchronous (:meth:`SafetensorsSaveShardedStrategy.save`: straight from the tensors'
+memory) or asynchronous (:meth:`~SafetensorsSaveShardedStrategy.async_save`: snapshot into shared
+memory, write in a background process, gather the index at finalization; see
+:mod:`.async_utils`).
+
+On an object store (``s3://``; ``checkpoint_dir`` is then a :class:`~dist_ckpt.storage.Storage`)
+the layout is the same: each writer thread uploads its file as one object (multipart above the
+storage's part size, parts in parallel) straight from the tensors' memory, rank 0 writes the
+index object, and loads fetch only the byte ranges they need with concurrent ranged GETs into the
+destination tensors, verifying the blocks they read. An object cannot be written by two
+processes, so an asynchronous save with ``snapshot_budget_bytes`` snapshots whole files (those
+that fit) and uploads the others before returning.
+
+Why it is fast:
+
+* a save writes each main-replica byte once, from the tensor's own memory (no serialized copy),
+  in large sequential writes spread over ``thread_count`` files written in parallel, with one
+  fsync per file;
+* a load reads only the byte ranges that overlap the requested shards, with positional reads
+  straight into the destination tensors (see :mod:`.safetensors_io`);
+* the metadata exchanged is one small JSON document per rank, gathered once to rank 0.
+
+Example::
+
+    import dist_ckpt as dc
+    from dist_ckpt.backends.safetensors.strategy import SafetensorsSaveOptions, SafetensorsSaveShardedStrategy
+    dc.save(sd, "ckpt/iter_10", sharded_strategy=("safetensors", 1))
+    dc.save(sd, "ckpt/iter_20", sharded_strategy=SafetensorsSaveShardedStrategy(SafetensorsSaveOptions(thread_count=4)))
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from dist_ckpt.async_save.queue import AsyncOutcome, AsyncRequest
+from dist_ckpt.async_save.snapshot import SnapshotPool, snapshot_layout
+from dist_ckpt.backends.base import (
+    AsyncSaveShardedStrategy,
+    LoadShardedStrategy,
+    TensorLayout,
+    TensorStreamWriter,
+    main_replica_shards,
+)
+from dist_ckpt.backends.safetensors.format import StagingBuffer
+from dist_ckpt.backends.safetensors.index import (
+    INDEX_FILENAME,
+    SAFETENSORS_DIR,
+    RankIndex,
+    encode_shard,
+    file_name,
+    merge_rank_indexes,
+    rank_index,
+    read_index,
+    shard_name,
+    tensor_entry,
+)
+from dist_ckpt.backends.safetensors.io import ReadOptions
+from dist_ckpt.backends.safetensors.load import load_from_index, tensors_metadata
+from dist_ckpt.backends.safetensors.verify import verify_safetensors
+from dist_ckpt.backends.safetensors.write import (
+    PartResult,
+    PlannedFile,
+    SnapshotPart,
+    WritePart,
+    plan_file,
+    write_objects,
+    write_parts,
+    write_snapshot_objects,
+    write_snapshot_parts,
+)
+from dist_ckpt.backends.stored_shards import StoredShardInfo, describe_tensor_index
+from dist_ckpt.engine.distributed import gather_json, get_rank, run_collectively
+from dist_ckpt.errors import CheckpointingException, InvalidShardedTensorError
+from dist_ckpt.integrity.checksums import DEFAULT_BLOCK_BYTES, IntegrityReport
+from dist_ckpt.model.dtypes import dtype_to_name
+from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
+from dist_ckpt.storage import Storage, fsync_dir, write_bytes_atomic
+from dist_ckpt.storage.location import CheckpointLocation, resolve_location
+
+__all__ = [
+    "SafetensorsLoadOptions",
+    "deferred_starts",
+    "SafetensorsLoadShardedStrategy",
+    "SafetensorsSaveOptions",
+    "SafetensorsSaveShardedStrategy",
+]
+
+logger = logging.getLogger(__name__)
+
+#: options of :class:`SafetensorsLoadShardedStrategy` (threads and buffer sizes of the reads)
+SafetensorsLoadOptions = ReadOptions
+
+
+@dataclass(frozen=True)
+class SafetensorsSaveOptions:
+    """How :class:`SafetensorsSaveShardedStrategy` writes.
+
+    Attributes:
+        thread_count: writer threads per rank; each writes one file, so this is also the number
+            of files per rank (fewer if the rank has fewer shards).
+        staging_buffer_bytes: size of each writer's pinned host buffer for GPU tensors.
+        early_writeback: have the kernel write dirty pages to the disk while later ones are
+            still being written, and drop them from the page cache once clean (see
+            :class:`~.safetensors_format.SequentialWriter`); off, the save only fsyncs at the end.
+        checksum_block_bytes: record a crc32c per block of this many bytes of every shard
+            (index version 2); None records none (index version 1, readable by older dist_ckpt).
+        snapshot_budget_bytes: most bytes an asynchronous save copies into its snapshot. When a
+            rank's shards are larger, the save streams: the shards that do not fit are written
+            before :meth:`~SafetensorsSaveShardedStrategy.async_save` returns, straight from the
+            tensors' memory (so the call blocks longer), and only the rest is written in the
+            background. On an object store the choice is by whole files (an object is written
+            by one process). None: no bound, everything is snapshotted.
+    """
+
+    thread_count: int = 2
+    staging_buffer_bytes: int = 64 * 2**20
+    early_writeback: bool = True
+    checksum_block_bytes: Optional[int] = DEFAULT_BLOCK_BYTES
+    snapshot_budget_bytes: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        for name in ("thread_count", "staging_buffer_bytes", "checksum_block_bytes", "snapshot_budget_bytes"):
+            value = getattr(self, name)
+            if value is None and name in ("checksum_block_bytes", "snapshot_budget_bytes"):
+                continue
+            smallest = 0 if name == "snapshot_budget_bytes" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < smallest:
+                raise CheckpointingException(
+                    f"SafetensorsSaveOptions.{name} must be an int >= {smallest}, got {value!r}"
+                )
+
+
+def _nbytes(sh: ShardedTensor) -> int:
+    assert sh.data is not None
+    return sh.data.numel() * sh.data.element_size()
+
+
+def assign_writers(shards: List[ShardedTensor], writers: int) -> List[List[ShardedTensor]]:
+    """Split ``shards`` over at most ``writers`` files with balanced byte counts.
+
+    Largest first, each to the lightest file; every file keeps the shards' original order, so
+    the assignment is deterministic. Empty files are dropped.
+    """
+    bins: List[List[Tuple[int, ShardedTensor]]] = [[] for _ in range(max(1, min(writers, len(shards))))]
+    loads = [0] * len(bins)
+    for position, sh in sorted(enumerate(shards), key=lambda p: -_nbytes(p[1])):
+        lightest = loads.index(min(loads))
+        bins[lightest].append((position, sh))
+        loads[lightest] += _nbytes(sh)
+    return [[sh for _, sh in sorted(b, key=lambda p: p[0])] for b in bins if b]
+
+
+def deferred_starts(sizes: Sequence[Sequence[int]], budget: Optional[int]) -> List[int]:
+    """For each file (the byte sizes of its tensors, in file order), the index of the first
+    tensor an asynchronous save snapshots; the tensors before it are written right away.
+
+    The snapshot holds a suffix of each file, as many bytes as ``budget`` allows (all of every
+    file without a budget): files take turns adding their last not-yet-chosen tensor while it
+    fits.
+
+    Example::
+
+        deferred_starts([[8, 4], [6, 2]], budget=7)   # [1, 1]: the 4 and the 2 are snapshotted
+        deferred_starts([[8, 4], [6, 2]], budget=None) # [0, 0]
+    """
+    if budget is None:
+        return [0] * len(sizes)
+    starts = [len(s) for s in sizes]
+    used = 0
+    grew = True
+    while grew:
+        grew = False
+        for f, file_sizes in enumerate(sizes):
+            k = starts[f]
+            if k > 0 and used + file_sizes[k - 1] <= budget:
+                starts[f] = k - 1
+                used += file_sizes[k - 1]
+                grew = True
+    return starts
+
+
+def whole_file_starts(sizes: Sequence[Sequence[int]], budget: Optional[int]) -> List[int]:
+    """:func:`deferred_starts` for object stores, where a file is uploaded by one process: each
+    file is snapshotted whole (0) or written before the call returns (its length). Smaller files
+    are taken first while they fit the budget.
+
+    Example::
+
+        whole_file_starts([[8, 4], [6, 2]], budget=9)    # [2, 0]: the second file (8 bytes) fits
+    """
+    if budget is None:
+        return [0] * len(sizes)
+    starts = [len(s) for s in sizes]
+    used = 0
+    for f in sorted(range(len(sizes)), key=lambda f: sum(sizes[f])):
+        if used + sum(sizes[f]) <= budget:
+            starts[f] = 0
+            used += sum(sizes[f])
+    return starts
+
+
+_FILE_METADATA = {"format": "pt", "dist_ckpt": "safetensors backend v1; see index.json for the layout"}
+PlannedFiles = List[Tuple[PlannedFile, List[ShardedTensor]]]
+
+
+class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
+    """Writes each rank's main-replica shards into ``thread_count`` safetensors files.
+
+    Synchronous :meth:`save`, collective steps, each ending with an error exchange so that a
+    failure on one rank raises on all:
+
+    1. every rank writes and fsyncs its files (in parallel threads), computing the checksums
+       as the bytes pass (on an object store: uploads each file as one object);
+    2. the ranks' index parts are gathered to rank 0 (one small JSON document each);
+    3. rank 0 writes ``safetensors/index.json`` atomically and durably.
+
+    Asynchronous :meth:`async_save` (not collective) snapshots the shards and returns an
+    :class:`~.async_utils.AsyncRequest` whose background function writes the files (step 1) in
+    another process and whose finalization runs steps 2 and 3.
+
+    Args:
+        options: threads, buffer sizes, checksums, snapshot budget.
+        backend: format name recorded in ``metadata.json``.
+        version: format version.
+
+    Example::
+
+        strategy = SafetensorsSaveShardedStrategy(SafetensorsSaveOptions(thread_count=4))
+        dc.save(sharded_state_dict, "ckpt/iter_10", sharded_strategy=strategy)
+        request = dc.save(sd, "ckpt/iter_20", sharded_strategy=strategy, async_sharded_save=True)
+
+    Reuse one strategy object for every save: it keeps its pinned staging buffers and its
+    shared-memory snapshot buffer, which are slow to allocate.
+    """
+
+    owned_paths: ClassVar[Tuple[str, ...]] = (SAFETENSORS_DIR,)
+    object_storage: ClassVar[bool] = True
+    can_stream: ClassVar[bool] = True
+
+    def __init__(
+        self, options: Optional[SafetensorsSaveOptions] = None, backend: str = "safetensors", version: int = 1
+    ) -> None:
+        super().__init__(backend, version)
+        self.options = options or SafetensorsSaveOptions()
+        # one pinned buffer per writer thread, allocated at the first GPU tensor and kept for
+        # later saves with this strategy (pinning memory is slow)
+        self._staging = [StagingBuffer(self.options.staging_buffer_bytes) for _ in range(self.options.thread_count)]
+        self._snapshots = SnapshotPool()
+
+    # ----------------------------------------------------------------------- synchronous
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> None:
+        shards = main_replica_shards(sharded_state_dict)
+        # 1. write this rank's files, straight from the tensors' memory
+        local = run_collectively("writing safetensors files", lambda: self._write_files(checkpoint_dir, shards))
+        # 2. and 3. gather the index parts, rank 0 commits the index
+        self._commit_index(local, checkpoint_dir)
+
+    def _write_files(self, checkpoint_dir: CheckpointLocation, shards: List[ShardedTensor]) -> RankIndex:
+        files = self._plan(shards, smallest_last=False)
+        parts = [WritePart(plan, 0, tuple(_stored_view(sh) for sh in group)) for plan, group in files]
+        if not isinstance(checkpoint_dir, Path):
+            uploaded = write_objects(
+                checkpoint_dir.child(SAFETENSORS_DIR),
+                parts,
+                block_bytes=self.options.checksum_block_bytes,
+                staging=self._staging,
+            )
+            return self._rank_index(shards, files, uploaded)
+        root = checkpoint_dir / SAFETENSORS_DIR
+        root.mkdir(parents=True, exist_ok=True)
+        results = write_parts(
+            root,
+            parts,
+            block_bytes=self.options.checksum_block_bytes,
+            early_writeback=self.options.early_writeback,
+            staging=self._staging,
+        )
+        fsync_dir(root)
+        return self._rank_index(shards, files, results)
+
+    def _plan(self, shards: List[ShardedTensor], smallest_last: bool) -> PlannedFiles:
+        """Which shards go into which file, in which order, at which byte ranges."""
+        rank = get_rank()
+        to_write = []
+        for sh in shards:
+            if sh.data is None:
+                raise InvalidShardedTensorError(f"[rank {rank}] main replica of {sh.key!r} has no data to save")
+            if sh.data.numel():
+                to_write.append(sh)
+        groups = assign_writers(to_write, self.options.thread_count) if to_write else []
+        if smallest_last:  # more of each file fits a snapshot budget (which takes file ends)
+            groups = [sorted(g, key=lambda sh: -_nbytes(sh)) for g in groups]
+        layout = [[(shard_name(sh), sh.dtype, tuple(_stored_view(sh).shape)) for sh in group] for group in groups]
+        return [
+            (plan_file(file_name(rank, i), items, _FILE_METADATA), group)
+            for i, (items, group) in enumerate(zip(layout, groups))
+        ]
+
+    def _rank_index(self, shards: List[ShardedTensor], files: PlannedFiles, results: Sequence[PartResult]) -> RankIndex:
+        """This rank's part of the index, from the plan and the written parts' checksums."""
+        return _IndexPart(shards, files).with_checksums(results, self.options.checksum_block_bytes is not None)
+
+    def _commit_index(self, local: RankIndex, checkpoint_dir: CheckpointLocation) -> None:
+        gathered = gather_json(local)
+        block = self.options.checksum_block_bytes
+        run_collectively("writing the safetensors index", lambda: _write_index(gathered, checkpoint_dir, block))
+
+    def begin_stream(self, checkpoint_dir: CheckpointLocation, layout: Sequence[TensorLayout]) -> TensorStreamWriter:
+        """Write whole tensors one at a time (one process; see :mod:`.safetensors_stream`)."""
+        from dist_ckpt.backends.safetensors.stream import SafetensorsStreamWriter
+
+        return SafetensorsStreamWriter(_location(checkpoint_dir), layout, self.options)
+
+    # ----------------------------------------------------------------------- asynchronous
+
+    def reserve_snapshot(self, sharded_state_dict: ShardedStateDict, object_store: bool = False) -> int:
+        """Allocate (and touch) the shared-memory snapshot buffer for asynchronous saves of
+        ``sharded_state_dict`` now, e.g. at start-up, so that page faults of fresh memory do not
+        add to the first checkpoint's blocking time. Local (not collective). Returns its size.
+
+        With a ``snapshot_budget_bytes``, pass ``object_store=True`` for saves to an object store
+        (which snapshot whole files).
+
+        Example::
+
+            strategy = SafetensorsSaveShardedStrategy()
+            strategy.reserve_snapshot(model_sharded_state_dict)
+        """
+        shards = [sh for sh in main_replica_shards(sharded_state_dict) if sh.data is not None]
+        files = self._plan(shards, smallest_last=self.options.snapshot_budget_bytes is not None)
+        choose = whole_file_starts if object_store else deferred_starts
+        starts = choose([[_nbytes(sh) for sh in group] for _, group in files], self.options.snapshot_budget_bytes)
+        nbytes = snapshot_layout([_nbytes(sh) for (_, group), k in zip(files, starts) for sh in group[k:]])[1]
+        self._snapshots.reserve(nbytes)
+        return nbytes
+
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> AsyncRequest:
+        """Snapshot this rank's shards and return the request that writes them (not collective).
+
+        Steps:
+
+        1. Plan every file: which shards, in which order, at which byte ranges.
+        2. Choose what the snapshot holds: every shard, or with ``snapshot_budget_bytes`` the
+           ends of the files that fit (:func:`deferred_starts`; on an object store, the whole
+           files that fit: :func:`whole_file_starts`).
+        3. Write what the snapshot does not hold, now, straight from the tensors.
+        4. Copy the rest into shared memory (:class:`~.snapshot.SnapshotPool`).
+        5. Return the request: in the background, :func:`~.safetensors_write.write_snapshot_parts`
+           writes and fsyncs the files (:func:`~.safetensors_write.write_snapshot_objects`
+           uploads them, with the worker's own client); at finalization (collective) the index
+           parts are gathered and rank 0 writes ``index.json``.
+
+        The caller may change every tensor once this returns.
+        """
+        remote = remote_root = None
+        if isinstance(checkpoint_dir, Path):
+            root = checkpoint_dir / SAFETENSORS_DIR
+            root.mkdir(parents=True, exist_ok=True)
+        else:
+            remote = checkpoint_dir
+            remote_root = remote.child(SAFETENSORS_DIR)
+        shards = main_replica_shards(sharded_state_dict)
+        budget = self.options.snapshot_budget_bytes
+        block = self.options.checksum_block_bytes
+        # 1. plan
+        files = self._plan(shards, smallest_last=budget is not None and remote is None)
+        views = [[_stored_view(sh) for sh in group] for _, group in files]
+        # 2. what the snapshot holds
+        choose = deferred_starts if remote is None else whole_file_starts
+        starts = choose([[_nbytes(sh) for sh in group] for _, group in files], budget)
+        # 3. the rest, written now
+        if remote_root is None:
+            heads = [
+                WritePart(plan, 0, tuple(v[:k]), fsync=False) for (plan, _), v, k in zip(files, views, starts) if k > 0
+            ]
+            head_results = write_parts(
+                root, heads, block_bytes=block, early_writeback=self.options.early_writeback, staging=self._staging
+            )
+        else:
+            heads = [WritePart(plan, 0, tuple(v)) for (plan, _), v, k in zip(files, views, starts) if k > 0]
+            head_results = write_objects(remote_root, heads, block_bytes=block, staging=self._staging)
+        # 4. snapshot
+        outcome = AsyncOutcome()
+        deferred = [t for v, k in zip(views, starts) for t in v[k:]]
+        snapshot = self._snapshots.take(deferred, in_use=lambda: not outcome.done)
+        parts, slot = [], 0
+        for (plan, group), k in zip(files, starts):
+            if k < len(group) or remote_root is None:
+                parts.append(SnapshotPart(plan, k, tuple(range(slot, slot + len(group) - k))))
+            slot += len(group) - k
+        logger.debug(
+            "async save: %d bytes snapshotted, %d written before returning",
+            snapshot.nbytes,
+            sum(_nbytes(sh) for (_, group), k in zip(files, starts) for sh in group[:k]),
+        )
+
+        # 5. the request; its finalization needs the index entries, not the shards' data
+        part = _IndexPart(shards, files)
+        checksums = block is not None
+
+        def finalize() -> None:
+            local = run_collectively(
+                "indexing the files written in the background",
+                lambda: part.with_checksums(list(head_results) + list(outcome.result or []), checksums),
+            )
+            self._commit_index(local, checkpoint_dir)
+
+        if remote_root is not None:
+            return AsyncRequest(
+                write_snapshot_objects, (remote_root, parts, snapshot, block), [finalize], outcome=outcome
+            )
+        args = (str(root), parts, snapshot, block, self.options.early_writeback)
+        return AsyncRequest(write_snapshot_parts, args, [finalize], outcome=outcome)
+
+
+class _IndexPart:
+    """This rank's index entries, built from the plan (no tensor data kept), completed with the
+    checksums once the files are written."""
+
+    def __init__(self, shards: List[ShardedTensor], files: PlannedFiles) -> None:
+        self.rank = get_rank()
+        self.tensors: Dict[str, Dict[str, Any]] = {}
+        for sh in shards:  # keys with no bytes on any rank (0-size tensors) are still listed
+            self.tensors.setdefault(sh.key, tensor_entry(dtype_to_name(sh.dtype), sh.global_shape, []))
+        self.files: List[Tuple[str, List[Tuple[str, Dict[str, Any]]]]] = []
+        self.sizes = {plan.name: plan.size for plan, _ in files}
+        for plan, group in files:
+            entries = [(sh.key, encode_shard(sh, plan.name, byte_range)) for sh, byte_range in zip(group, plan.ranges)]
+            self.files.append((plan.name, entries))
+
+    def with_checksums(self, results: Sequence[PartResult], checksums: bool) -> RankIndex:
+        """The index part, with each shard's block crcs (and each header's) from ``results``."""
+        crcs: Dict[str, List[str]] = {}
+        header_crcs: Dict[str, str] = {}
+        for result in sorted(results, key=lambda r: (r.file, r.first)):
+            crcs.setdefault(result.file, []).extend(result.crcs)
+            if result.header_crc is not None:
+                header_crcs[result.file] = result.header_crc
+        tensors = {key: dict(entry, shards=[]) for key, entry in self.tensors.items()}
+        for name, entries in self.files:
+            written = crcs.get(name, [])
+            if len(written) != len(entries):
+                raise CheckpointingException(
+                    f"[rank {self.rank}] {name}: {len(written)} of its {len(entries)} tensors were written"
+                )
+            for (key, shard), crc in zip(entries, written):
+                tensors[key]["shards"].append(dict(shard, crc32c=crc) if checksums else shard)
+        return rank_index(self.sizes, self.rank, tensors, header_crcs if checksums else None)
+
+
+def _stored_view(sh: ShardedTensor) -> torch.Tensor:
+    """The shard as stored: a whole shard with the shape of its box (prepended axes included),
+    so the file alone says which part of the global tensor it holds; reshape is a view here."""
+    assert sh.data is not None
+    return sh.data if sh.flattened_range is not None else sh.data.reshape(sh.full_local_shape)
+
+
+def _write_index(gathered: Optional[List[Any]], checkpoint_dir: CheckpointLocation, block_bytes: Optional[int]) -> None:
+    if get_rank() != 0:
+        return
+    assert gathered is not None
+    doc = merge_rank_indexes(gathered, block_bytes)
+    data = json.dumps(doc, separators=(",", ":")).encode("utf-8")
+    if isinstance(checkpoint_dir, Path):
+        root = checkpoint_dir / SAFETENSORS_DIR
+        root.mkdir(parents=True, exist_ok=True)  # a save without any tensor bytes still gets an index
+        write_bytes_atomic(root / INDEX_FILENAME, data)
+        fsync_dir(checkpoint_dir)
+    else:
+        checkpoint_dir.write(f"{SAFETENSORS_DIR}/{INDEX_FILENAME}", data)
+    logger.debug(
+        "safetensors index: %d tensors, %d files, %d bytes of data",
+        len(doc["tensors"]),
+        len(doc["files"]),
+        sum(f["size"] for f in doc["files"].values()),
+    )
+
+
+class SafetensorsLoadShardedStrategy(LoadShardedStrategy):
+    """Loads ``safetensors``-backend checkpoints into any sharding.
+
+    Reads only the byte ranges that overlap the requested shards; fills ``ShardedTensor.data``
+    in place when it is allocated with the right shape (any device), else returns new CPU
+    tensors. Needs no process group (no collective is called).
+
+    Args:
+        options: read threads and buffer sizes.
+
+    Example::
+
+        strategy = SafetensorsLoadShardedStrategy(SafetensorsLoadOptions(thread_count=4))
+        dc.load(sd, "ckpt/iter_10", sharded_strategy=strategy)
+    """
+
+    supported_backends: ClassVar[Tuple[str, ...]] = ("safetensors",)
+    supported_versions: ClassVar[Tuple[int, ...]] = (1,)
+    object_storage: ClassVar[bool] = True
+
+    def __init__(self, options: Optional[ReadOptions] = None) -> None:
+        self.options = options or ReadOptions()
+
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> StateDict:
+        return load_from_index(sharded_state_dict, read_index(_location(checkpoint_dir)), self.options)
+
+    def load_tensors_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
+        return tensors_metadata(read_index(_location(checkpoint_dir)))
+
+    def verify_integrity(self, checkpoint_dir: CheckpointLocation) -> IntegrityReport:
+        """Every file the index lists, its header, and every checksum block of every shard."""
+        return verify_safetensors(_location(checkpoint_dir))
+
+    def describe_stored_shards(self, checkpoint_dir: CheckpointLocation) -> Optional[Dict[str, List[StoredShardInfo]]]:
+        """Every shard the index lists: box or flattened range, file, byte count."""
+        return describe_tensor_index(read_index(_location(checkpoint_dir)), f"{SAFETENSORS_DIR}/")
+
+    def remove_sharded_tensors(self, checkpoint_dir: CheckpointLocation, key_prefix: str) -> None:
+        """Delete every tensor whose key starts with ``key_prefix`` (one process calls it).
+
+        The index is rewritten atomically without those keys (each key goes whole or not at
+        all), then files that hold no remaining shard are deleted. The bytes of removed shards
+        in files that still hold other shards stay until the checkpoint is rewritten.
+        """
+        location = _location(checkpoint_dir)
+        read_index(location)  # validates the whole index before changing it
+        if not isinstance(location, Path):
+            _remove_from_objects(location.child(SAFETENSORS_DIR), key_prefix)
+            return
+        root = location / SAFETENSORS_DIR
+        doc = json.loads((root / INDEX_FILENAME).read_bytes())
+        removed, orphans = _without_keys(doc, key_prefix)
+        write_bytes_atomic(root / INDEX_FILENAME, json.dumps(doc, separators=(",", ":")).encode("utf-8"))
+        for name in orphans:
+            (root / name).unlink(missing_ok=True)
+        fsync_dir(root)
+        logger.info(
+            "removed %d tensors with prefix %r from %s; deleted %d files", len(removed), key_prefix, root, len(orphans)
+        )
+
+
+def _without_keys(doc: Dict[str, Any], key_prefix: str) -> Tuple[List[str], List[str]]:
+    """Drop the tensors whose key starts with ``key_prefix`` (and the files left without a
+    shard) from an index document; return (removed keys, orphaned files)."""
+    removed = [key for key in doc["tensors"] if key.startswith(key_prefix)]
+    for key in removed:
+        del doc["tensors"][key]
+    used = {shard["file"] for entry in doc["tensors"].values() for shard in entry["shards"]}
+    orphans = [name for name in doc["files"] if name not in used]
+    for name in orphans:
+        del doc["files"][name]
+    return removed, orphans
+
+
+def _remove_from_objects(root: Storage, key_prefix: str) -> None:
+    """:meth:`SafetensorsLoadShardedStrategy.remove_sharded_tensors` on an object store: the index
+    object is replaced whole (a PUT is atomic), then the orphaned file objects are deleted."""
+    doc = json.loads(root.read(INDEX_FILENAME))
+    removed, orphans = _without_keys(doc, key_prefix)
+    root.write(INDEX_FILENAME, json.dumps(doc, separators=(",", ":")).encode("utf-8"))
+    for name in orphans:
+        root.delete(name)
+    logger.info(
+        "removed %d tensors with prefix %r from %s; deleted %d objects",
+        len(removed),
+        key_prefix,
+        root.url,
+        len(orphans),
+    )
+
+
+def _location(checkpoint_dir: Any) -> CheckpointLocation:
+    """A strategy argument as a location (callers outside dist_ckpt may pass a str path)."""
+    return resolve_location(checkpoint_dir)
+
+
+def stored_bytes(checkpoint_dir: CheckpointLocation) -> int:
+    """Bytes of tensor data in a safetensors-backend checkpoint (from its index)."""
+    index = read_index(_location(checkpoint_dir))
+    return sum(math.prod(s.stored_shape) * t.dtype.itemsize for t in index.tensors.values() for s in t.shards)

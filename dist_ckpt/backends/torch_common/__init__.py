@@ -1,0 +1,1 @@
+"""The common-state backend (``torch``, version 1): ``common.pt`` and ShardedObject files."""

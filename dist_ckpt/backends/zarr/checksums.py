@@ -1,0 +1,332 @@
+"""crc32c checksums of zarr-format checkpoints, shared by both engines (zarr-python, TensorStore).
+
+At save time every rank digests the files it wrote (chunk files and ``zarr.json`` nodes: it
+reads them back once, from the page cache, since the bytes on disk are what the engine encoded),
+the digests are gathered to rank 0, and rank 0 writes ``zarr/checksums.json`` -- a checksum
+manifest (see :mod:`dist_ckpt.integrity.checksums`) of every file under ``zarr/``, by path relative to it.
+
+At load time:
+
+* the zarr-python engine sees the raw bytes of every file it reads: its store is a
+  :class:`VerifyingStore`, which checks each whole file it returns against the manifest, with
+  no extra I/O;
+* TensorStore decodes chunks in its own threads and never shows their bytes, so its loader reads
+  every chunk file a load touches once more, before TensorStore does (:func:`check_files`; the
+  page cache then serves TensorStore's read): a second pass over the bytes, which
+  ``TensorStoreLoadShardedStrategy(verify_checksums=False)`` skips.
+
+A checkpoint without the manifest (saved before checksums existed) loads without verification.
+:func:`verify_zarr` checks a whole checkpoint for ``dist-ckpt verify``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+from dist_ckpt.backends.zarr.layout import (
+    CHECKSUMS_FILENAME,
+    LAYOUT_CHUNKED,
+    ZARR_DIR,
+    chunk_coords,
+    chunk_key,
+    damaged_chunks,
+    list_tensor_names,
+    open_tensor_info,
+    read_zarr_json,
+)
+from dist_ckpt.engine.distributed import gather_json, get_rank, run_collectively
+from dist_ckpt.errors import CheckpointingException
+from dist_ckpt.integrity.checksums import (
+    FileDigest,
+    IntegrityReport,
+    check_file,
+    file_digest,
+    file_problem,
+    read_manifest,
+    relative,
+    write_manifest,
+)
+from dist_ckpt.model.dtypes import dtype_from_name, dtype_info
+from dist_ckpt.model.geometry import Box
+from dist_ckpt.storage.object_path import Node, ObjectPath, node_files
+
+__all__ = [
+    "CHECKSUMS_FILENAME",
+    "VerifyingStore",
+    "check_files",
+    "chunk_files",
+    "commit_checksums",
+    "drop_from_checksums",
+    "read_checksums",
+    "verify_zarr",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def commit_checksums(root: Node, written: Sequence[Node], known: Optional[Mapping[Node, FileDigest]] = None) -> None:
+    """Collective: digest the files this rank wrote under ``root`` (``zarr/``); rank 0 writes the
+    manifest of every rank's files. Files in ``known`` (digested as they were written) are not
+    read again.
+
+    Example::
+
+        commit_checksums(ckpt / "zarr", files_this_rank_wrote)   # every rank, after the writes
+    """
+    local = run_collectively(
+        "digesting zarr files",
+        lambda: {relative(p, root): _digest(p, known).to_json() for p in sorted(set(written), key=str)},
+    )
+    gathered = gather_json(local)
+
+    def write() -> None:
+        if get_rank() != 0:
+            return
+        assert gathered is not None
+        files: Dict[str, FileDigest] = {}
+        for part in gathered:
+            for name, entry in part.items():
+                files[name] = FileDigest(entry["size"], int(entry["crc32c"], 16))
+        write_manifest(root / CHECKSUMS_FILENAME, files)
+
+    run_collectively("writing zarr/checksums.json", write)
+
+
+def _digest(path: Node, known: Optional[Mapping[Node, FileDigest]]) -> FileDigest:
+    found = known.get(path) if known else None
+    return found if found is not None else file_digest(path)
+
+
+def read_checksums(checkpoint_dir: Node) -> Optional[Dict[str, FileDigest]]:
+    """The manifest of a zarr checkpoint, or None if it was saved without checksums.
+
+    Example::
+
+        manifest = read_checksums(Path("ckpt/iter_1000")) or {}
+    """
+    return read_manifest(checkpoint_dir / ZARR_DIR / CHECKSUMS_FILENAME)
+
+
+def drop_from_checksums(root: Node, tensor_dir_name: str) -> None:
+    """Remove a deleted tensor's files from the manifest (if there is one); one process calls it.
+
+    Example::
+
+        drop_from_checksums(ckpt / "zarr", tensor_dir_name("old.w"))
+    """
+    manifest = read_manifest(root / CHECKSUMS_FILENAME)
+    if manifest is not None:
+        kept = {name: d for name, d in manifest.items() if not name.startswith(f"{tensor_dir_name}/")}
+        write_manifest(root / CHECKSUMS_FILENAME, kept)
+
+
+def chunk_files(array_path: Node, region: Box) -> List[Node]:
+    """The chunk files of the array at ``array_path`` that hold ``region``.
+
+    Example::
+
+        chunk_files(ckpt / "zarr" / "w", Box((0, 0), (4, 8)))   # [.../w/c/0/0, ...]
+    """
+    doc = read_zarr_json(array_path)
+    if doc is None:
+        return []
+    try:
+        chunk_shape = [int(c) for c in doc["chunk_grid"]["configuration"]["chunk_shape"]]
+    except (KeyError, TypeError, ValueError):
+        return []  # the engine reports the damaged metadata when it opens the array
+    return [array_path / chunk_key(coords) for coords in chunk_coords(region, chunk_shape)]
+
+
+def check_files(root: Node, paths: Sequence[Node], manifest: Mapping[str, FileDigest], key: str) -> None:
+    """Check each file under ``root`` that the manifest lists against it (read once each).
+
+    Example::
+
+        check_files(ckpt / "zarr", chunk_files(array_path, region), manifest, "w")
+
+    Raises:
+        CorruptCheckpointError: a missing or resized file; ChecksumMismatchError: other bytes.
+    """
+    for path in paths:
+        expected = manifest.get(relative(path, root))
+        if expected is not None:
+            check_file(path, expected, f"[rank {get_rank()}] tensor {key!r}")
+
+
+class VerifyingStore:
+    """Builds zarr-python stores that check every whole file they return against the manifest.
+
+    A factory instead of a class at import time: zarr is an optional dependency, imported only
+    by the zarr engine that calls :meth:`open`.
+    """
+
+    def __init__(self, root: Node, manifest: Mapping[str, FileDigest]) -> None:
+        self.root = root
+        self.manifest = manifest
+        self._cls: Any = None
+
+    def open(self, array_path: Path) -> Any:
+        """A read-only ``LocalStore`` subclass rooted at ``array_path`` (under a local root)."""
+        assert isinstance(self.root, Path), "open_objects serves object stores"
+        if self._cls is None:
+            self._cls = _store_class()
+        return self._cls(array_path, self.root, self.manifest)
+
+    def open_objects(self, obstore_store: Any, url: str) -> Any:
+        """A read-only ``zarr.storage.ObjectStore`` subclass over ``obstore_store``, which must be
+        rooted at ``zarr/`` (an S3 checkpoint's ``self.root``; ``url`` names it in errors):
+        arrays are opened by their path under it, and every key is one the manifest lists."""
+        from zarr.storage import ObjectStore
+
+        manifest = self.manifest
+
+        class _Objects(ObjectStore):  # type: ignore[type-arg]
+            async def get(self, key: str, prototype: Any = None, byte_range: Any = None) -> Any:
+                buf = await super().get(key, prototype, byte_range)
+                expected = manifest.get(key)
+                if buf is not None and byte_range is None and expected is not None:
+                    check_file(f"{url}/{key}", expected, f"[rank {get_rank()}] zarr object", buf.as_numpy_array())
+                return buf
+
+        return _Objects(obstore_store, read_only=True)
+
+
+def _store_class() -> Any:
+    from zarr.storage import LocalStore
+
+    class _Store(LocalStore):
+        def __init__(self, path: Path, root: Path, manifest: Mapping[str, FileDigest]) -> None:
+            super().__init__(str(path), read_only=True)
+            self._prefix = relative(path, root)
+            self._manifest = manifest
+
+        async def get(self, key: str, prototype: Any = None, byte_range: Any = None) -> Any:
+            buf = await super().get(key, prototype, byte_range)
+            expected = self._manifest.get(f"{self._prefix}/{key}")
+            if buf is not None and byte_range is None and expected is not None:
+                check_file(Path(str(self.root)) / key, expected, f"[rank {get_rank()}] zarr file", buf.as_numpy_array())
+            return buf
+
+    return _Store
+
+
+def verify_zarr(checkpoint_dir: Node) -> IntegrityReport:
+    """Check every file of a zarr-format checkpoint; never raises for a damaged one.
+
+    With a manifest: every listed file must exist with its size and crc. Without (older
+    checkpoints): every tensor's metadata must parse and every chunk file must exist with the
+    size its array implies.
+
+    Example::
+
+        for problem in verify_zarr(Path("ckpt/iter_1000")).problems: print(problem)
+    """
+    checkpoint_dir = checkpoint_dir if isinstance(checkpoint_dir, ObjectPath) else Path(checkpoint_dir)
+    root = checkpoint_dir / ZARR_DIR
+    report = IntegrityReport()
+    manifest_rel = f"{ZARR_DIR}/{CHECKSUMS_FILENAME}"
+    try:
+        manifest = read_checksums(checkpoint_dir)
+    except CheckpointingException as e:
+        report.add(manifest_rel, str(e))
+        return report
+    if manifest is None:
+        report.notes.append(f"{manifest_rel} is absent (saved without checksums): only the structure was checked")
+        _verify_structure(root, checkpoint_dir, report)
+        return report
+    report.files_checked += 1
+    present = {
+        name
+        for name in (relative(p, root) for p in node_files(root))
+        if not any(part.startswith(".") for part in name.split("/"))
+    }
+    for name in sorted(present - set(manifest) - {CHECKSUMS_FILENAME}):
+        report.add(
+            f"{ZARR_DIR}/{name}",
+            f"not listed in {manifest_rel} (written after the save, or left by another one)",
+            _key_of(root, name),
+        )
+    for name, expected in sorted(manifest.items()):
+        found = file_problem(root / name, expected)
+        if found is not None:
+            report.add(f"{ZARR_DIR}/{name}", found[0], _key_of(root, name))
+        report.files_checked += 1
+        report.bytes_checked += expected.size
+    return report
+
+
+def _key_of(root: Node, name: str) -> Optional[str]:
+    """The key of the tensor whose directory holds the file ``name`` (None if unknown)."""
+    tensor_dir, sep, _ = name.partition("/")
+    if not sep:
+        return None
+    try:
+        info = open_tensor_info(root, tensor_dir)
+    except CheckpointingException:
+        return None
+    return None if info is None else info.key
+
+
+def _verify_structure(root: Node, checkpoint_dir: Node, report: IntegrityReport) -> None:
+    try:
+        names = list_tensor_names(root)
+    except CheckpointingException as e:
+        report.add(ZARR_DIR, str(e))
+        return
+    for name in names:
+        try:
+            info = open_tensor_info(root, name)
+        except CheckpointingException as e:
+            report.add(relative(root / name / "zarr.json", checkpoint_dir), str(e))
+            continue
+        if info is None:
+            continue
+        report.files_checked += 1
+        arrays = (
+            [(info.path, info.bounds)]
+            if info.layout == LAYOUT_CHUNKED
+            else [(f.path, Box((0,), (f.flat_range[1] - f.flat_range[0],))) for f in info.fragments]
+        )
+        for path, region in arrays:
+            if region.numel == 0:
+                continue
+            expected = _chunk_bytes(path)
+            if expected is None:
+                for problem in damaged_chunks(path, region):  # names the damaged metadata
+                    report.add(relative(path / "zarr.json", checkpoint_dir), problem, info.key)
+                continue
+            for chunk in chunk_files(path, region):
+                report.files_checked += 1
+                try:
+                    size = chunk.stat().st_size
+                except FileNotFoundError:
+                    report.add(relative(chunk, checkpoint_dir), "missing", info.key)
+                    continue
+                if size != expected:
+                    report.add(
+                        relative(chunk, checkpoint_dir),
+                        f"has {size} bytes, its array's chunks have {expected}",
+                        info.key,
+                    )
+
+
+def _chunk_bytes(array_path: Node) -> Optional[int]:
+    """Size of every chunk file of an uncompressed array (None if its metadata is unusable)."""
+    doc = read_zarr_json(array_path)
+    try:
+        chunk_shape = [int(c) for c in _field(doc, "chunk_grid", "configuration", "chunk_shape")]
+        itemsize = dtype_info(dtype_from_name(str(_field(doc, "data_type")))).numpy_dtype.itemsize
+    except (CheckpointingException, TypeError, ValueError):
+        return None
+    return math.prod(chunk_shape) * itemsize
+
+
+def _field(doc: Any, *names: str) -> Any:
+    for name in names:
+        if not isinstance(doc, dict):
+            raise TypeError(f"no field {name!r}")
+        doc = doc.get(name)
+    return doc

@@ -1,0 +1,535 @@
+"""The TensorStore engine for the zarr backend (``zarr``, version 1).
+
+It reads and writes exactly the layout of :mod:`.zarr_layout` -- zarr v3, one chunk per saved
+shard, one 1-D fragment array per flattened shard, the same ``dist_ckpt`` attributes -- with
+TensorStore instead of zarr-python, so a checkpoint written by either engine loads with the
+other, bit for bit, for every dtype of :mod:`dist_ckpt.model.dtypes`.
+
+Why a second engine: TensorStore runs I/O on its own thread pool and returns futures. A rank
+issues all its reads (or writes) before waiting for any, so they proceed concurrently, and a
+whole-chunk read lands directly in the destination tensor without a staging copy.
+
+Missing data is never read as zeros: arrays are opened with ``fill_missing_data_reads=False``
+(a missing chunk fails the read), and a failed read is reported as a
+:class:`~dist_ckpt.errors.CorruptCheckpointError` naming the key and the damaged chunk file.
+
+Checksums: saves end with ``zarr/checksums.json``, like the zarr-python engine's. TensorStore
+decodes chunks in its own threads without showing their bytes, so the loader checks every chunk
+file a load touches by reading it once before TensorStore does (a second pass over those bytes,
+the second one from the page cache); ``verify_checksums=False`` skips it (see
+:mod:`.zarr_checksums`).
+
+Object stores: an ``s3://`` checkpoint is written and read by TensorStore's own ``s3`` kvstore
+driver, configured from the checkpoint's ``S3Storage``
+(:meth:`~dist_ckpt.storage.s3.S3Storage.tensorstore_kvstore`: bucket, path, region, endpoint,
+retries; credentials from the same AWS environment). Chunks are PUT whole
+(``store_data_equal_to_fill_value=True``: an all-zero chunk is written, never deleted), nothing
+is fsynced, and -- since TensorStore never shows the bytes -- both the save's digests and the
+load's checksum verification download each chunk object once more (pass
+``verify_checksums=False`` to load without the second download).
+
+Selecting it (the zarr-python engine stays the registered default)::
+
+    from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreLoadShardedStrategy
+    dc.load(sd, "ckpt", sharded_strategy=TensorStoreLoadShardedStrategy())
+    register_default_tensorstore_strategies()  # or: make it the default loader, as Megatron does
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Deque, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+
+from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError, LoadMismatchError, MissingDependencyError
+
+try:
+    import tensorstore as ts
+except ImportError as _e:  # pragma: no cover -- exercised in a subprocess without tensorstore
+    raise MissingDependencyError(
+        f"the TensorStore engine of the 'zarr' backend needs the 'tensorstore' package ({_e}): "
+        f"pip install 'dist_ckpt[tensorstore]'"
+    ) from _e
+
+from dist_ckpt.backends.base import LoadShardedStrategy, SaveShardedStrategy, loaded_shape, main_replica_shards
+from dist_ckpt.backends.stored_shards import StoredShardInfo, describe_zarr
+from dist_ckpt.backends.zarr.checksums import check_files, chunk_files, commit_checksums, read_checksums, verify_zarr
+from dist_ckpt.backends.zarr.layout import (
+    ATTR,
+    ZARR_DIR,
+    ReadOp,
+    ReadPlan,
+    array_chunk_shape,
+    array_metadata,
+    checkpoint_node,
+    chunk_key,
+    chunked_attributes,
+    cpu_contiguous,
+    creates_flattened_group,
+    damaged_chunks,
+    flattened_attributes,
+    fragment_attributes,
+    fragment_chunk_elements,
+    fragment_name,
+    fsync_written,
+    is_origin,
+    load_zarr_based_sharded_metadata,
+    make_dirs,
+    plan_request,
+    tensor_dir,
+    write_group,
+)
+from dist_ckpt.engine.distributed import get_rank, run_collectively
+from dist_ckpt.engine.registry import StrategyAction, register_default_strategy
+from dist_ckpt.integrity.checksums import IntegrityReport
+from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
+from dist_ckpt.model.dtypes import numpy_to_tensor, tensor_to_numpy
+from dist_ckpt.model.geometry import Box, piece_view, sub_view
+from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
+from dist_ckpt.storage.location import CheckpointLocation
+from dist_ckpt.storage.object_path import Node, ObjectPath
+
+__all__ = [
+    "TensorStoreLoadShardedStrategy",
+    "TensorStoreSaveShardedStrategy",
+    "merge_global_slice_with_shape",
+    "open_ts_array",
+    "register_default_tensorstore_strategies",
+]
+
+logger = logging.getLogger(__name__)
+
+#: staged (fragment) reads in flight are capped at this many bytes, bounding extra memory
+DEFAULT_MAX_STAGED_BYTES = 256 << 20
+
+
+def _context(concurrency: Optional[int]) -> "ts.Context":
+    """A TensorStore context without a chunk cache (every byte is read once, into its
+    destination) and, if given, a cap on concurrent file operations."""
+    spec: Dict[str, Any] = {"cache_pool": {"total_bytes_limit": 0}}
+    if concurrency is not None:
+        spec["file_io_concurrency"] = {"limit": int(concurrency)}
+        spec["data_copy_concurrency"] = {"limit": int(concurrency)}
+    return ts.Context(spec)
+
+
+_ENGINE = "the TensorStore engine"
+
+
+def _spec(arr_path: Node) -> Dict[str, Any]:
+    if isinstance(arr_path, ObjectPath):  # checkpoint_node made sure it is an S3Storage
+        return {"driver": "zarr3", "kvstore": arr_path.storage.tensorstore_kvstore(arr_path.key)}  # type: ignore[attr-defined]
+    return {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(arr_path)}}
+
+
+def open_ts_array(arr_path: Node, context: Optional["ts.Context"] = None) -> "ts.TensorStore":
+    """Open the zarr v3 array at ``arr_path`` for reading with TensorStore.
+
+    Missing chunks make reads fail (``fill_missing_data_reads=False``) instead of returning the
+    fill value, so a damaged checkpoint is never loaded as zeros.
+
+    Example::
+
+        arr = open_ts_array(Path("ckpt/zarr/layer.weight"))
+        first_rows = arr[0:4].read().result()   # numpy array
+    """
+    spec = dict(_spec(arr_path), fill_missing_data_reads=False)
+    try:
+        return ts.open(spec, open=True, read=True, context=context or _context(None)).result()
+    except Exception as e:  # noqa: BLE001 -- unreadable metadata means a damaged checkpoint
+        raise CorruptCheckpointError(
+            f"[rank {get_rank()}] cannot open zarr array {str(arr_path)!r} with TensorStore: {e}"
+        ) from e
+
+
+def merge_global_slice_with_shape(
+    global_slice: Sequence[Union[int, slice]], actual_shape: Sequence[int], key: str
+) -> Tuple[Union[int, slice], ...]:
+    """Intersect a shard's global index with the stored tensor's shape (no overflow).
+
+    With ``allow_shape_mismatch`` a requested shard may extend past the stored tensor; its
+    index must be cut to the stored shape before indexing the array. Integer entries (prepended
+    axes) and slice starts must lie inside the stored tensor.
+
+    Example::
+
+        merge_global_slice_with_shape((0, slice(4, 12)), (2, 10), "w")  # -> (0, slice(4, 10))
+
+    Raises:
+        LoadMismatchError: the index has another number of axes, or starts outside the tensor.
+    """
+    if len(global_slice) != len(actual_shape):
+        raise LoadMismatchError(
+            f"{key!r}: index {tuple(global_slice)} has {len(global_slice)} axes, the stored tensor "
+            f"has shape {tuple(actual_shape)}"
+        )
+    merged: List[Union[int, slice]] = []
+    for axis, (index, size) in enumerate(zip(global_slice, actual_shape)):
+        if isinstance(index, slice):
+            start = 0 if index.start is None else index.start
+            if not 0 <= start < size:
+                raise LoadMismatchError(
+                    f"{key!r}: along axis {axis} the requested range starts at {start}, outside the "
+                    f"stored size {size}; nothing of this shard is stored"
+                )
+            stop = size if index.stop is None else min(index.stop, size)
+            merged.append(slice(start, stop, index.step))
+        else:
+            if not 0 <= index < size:
+                raise LoadMismatchError(f"{key!r}: index {index} along axis {axis} is outside the stored size {size}")
+            merged.append(index)
+    return tuple(merged)
+
+
+def _wait_all(pending: Sequence[Tuple[Any, Any]]) -> List[Tuple[Any, BaseException]]:
+    """Wait for every future (never leave I/O running into memory we hand back); return the
+    ``(tag, error)`` of those that failed."""
+    failed: List[Tuple[Any, BaseException]] = []
+    for tag, future in pending:
+        try:
+            future.result()
+        except Exception as e:  # noqa: BLE001 -- collected and reported with context
+            failed.append((tag, e))
+    return failed
+
+
+# --------------------------------------------------------------------------- save
+
+
+class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
+    """Writes each main-replica shard as one zarr chunk (one fragment array if flattened).
+
+    Two collective steps, each ending with an error exchange: (1) the holder of each tensor's
+    first chunk creates its array (or group), flattened shards create their fragment arrays;
+    (2) every rank issues the writes of all its chunks at once, waits for them, and fsyncs the
+    files and directories it wrote. Each chunk is written once, whole, by one rank.
+    """
+
+    owned_paths: ClassVar[Tuple[str, ...]] = (ZARR_DIR,)
+    object_storage: ClassVar[bool] = True
+
+    def __init__(self, backend: str = "zarr", version: int = 1, *, concurrency: Optional[int] = None) -> None:
+        if (backend, version) != ("zarr", 1):
+            raise CheckpointingException(
+                f"TensorStoreSaveShardedStrategy writes backend ('zarr', 1) only, got ({backend!r}, {version})"
+            )
+        super().__init__(backend, version)
+        self.concurrency = concurrency
+
+    def check_location(self, checkpoint_dir: CheckpointLocation) -> None:
+        """Local directories and S3 (TensorStore's s3 driver); other object stores are refused."""
+        checkpoint_node(checkpoint_dir, _ENGINE)
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> None:
+        root = checkpoint_node(checkpoint_dir, _ENGINE) / ZARR_DIR
+        shards = main_replica_shards(sharded_state_dict)
+        context = _context(self.concurrency)
+        # 1. tensor nodes exist before any rank writes into them
+        created = run_collectively(
+            "creating zarr arrays (tensorstore)", lambda: self._create_nodes(root, shards, context)
+        )
+        # 2. every chunk, concurrently, then durable
+        chunks = run_collectively(
+            "writing zarr chunks (tensorstore)", lambda: self._write_chunks(root, shards, context)
+        )
+        # 3. rank 0 records the checksum of every file written
+        commit_checksums(root, created + chunks)
+
+    @staticmethod
+    def _create_nodes(root: Node, shards: List[ShardedTensor], context: "ts.Context") -> List[Node]:
+        make_dirs(root)
+        written: List[Node] = []
+        if get_rank() == 0:
+            written.append(write_group(root, {}))
+        pending: List[Tuple[Tuple[str, Node], Any]] = []
+        for sh in shards:
+            path = tensor_dir(root, sh.key)
+            if sh.flattened_range is None:
+                if is_origin(sh):
+                    meta = array_metadata(sh.global_shape, array_chunk_shape(sh), sh.dtype, chunked_attributes(sh))
+                    pending.append(((sh.key, path), _create_array(path, meta, context)))
+                continue
+            if creates_flattened_group(sh):
+                written.append(write_group(path, {ATTR: flattened_attributes(sh)}))
+            length = sh.flattened_range.stop - sh.flattened_range.start
+            if length > 0:
+                frag = path / fragment_name(sh)
+                meta = array_metadata((length,), (fragment_chunk_elements(length),), sh.dtype, fragment_attributes(sh))
+                pending.append(((sh.key, frag), _create_array(frag, meta, context)))
+        failed = _wait_all(pending)
+        if failed:
+            (key, path), error = failed[0]
+            raise CheckpointingException(
+                f"[rank {get_rank()}] cannot create the zarr array of {key!r} at {str(path)!r}: {error}"
+                + (f" ({len(failed) - 1} more arrays failed)" if len(failed) > 1 else "")
+            ) from error
+        written += [path / "zarr.json" for (_, path), _ in pending]
+        fsync_written(written, root)
+        return written
+
+    @staticmethod
+    def _write_chunks(root: Node, shards: List[ShardedTensor], context: "ts.Context") -> List[Node]:
+        targets: List[Tuple[ShardedTensor, Node, Tuple[slice, ...], np.ndarray, List[Node]]] = []
+        for sh in shards:
+            if sh.data is None:
+                raise CheckpointingException(f"[rank {get_rank()}] main replica of {sh.key!r} has no data to save")
+            data = tensor_to_numpy(cpu_contiguous(sh.data))
+            if sh.flattened_range is None:
+                if math.prod(sh.local_shape) == 0:
+                    continue
+                path = tensor_dir(root, sh.key)
+                region = tuple(slice(o, o + s) for o, s in zip(sh.global_offset, sh.full_local_shape))
+                files = [path / chunk_key(sh.local_chunk_offset_in_global())]
+                targets.append((sh, path, region, data.reshape(sh.full_local_shape), files))
+                continue
+            length = sh.flattened_range.stop - sh.flattened_range.start
+            if length == 0:
+                continue
+            path = tensor_dir(root, sh.key) / fragment_name(sh)
+            chunk = fragment_chunk_elements(length)
+            files = [path / chunk_key((i,)) for i in range(math.ceil(length / chunk))]
+            targets.append((sh, path, (slice(0, length),), data, files))
+        # open every array concurrently, then issue every write before waiting for any
+        opened: Dict[Node, Any] = {}
+        for _, path, _, _, _ in targets:
+            if path not in opened:
+                opened[path] = ts.open(
+                    dict(_spec(path), store_data_equal_to_fill_value=True), open=True, write=True, context=context
+                )
+        pending: List[Tuple[Tuple[str, Node], Any]] = []
+        open_failed = []
+        for sh, path, region, data, _ in targets:
+            try:
+                array = opened[path].result()
+            except Exception as e:  # noqa: BLE001 -- reported below with the key
+                open_failed.append(((sh.key, path), e))
+                continue
+            pending.append(((sh.key, path), array[region].write(data)))
+        failed = open_failed + _wait_all(pending)
+        if failed:
+            (key, path), error = failed[0]
+            raise CheckpointingException(
+                f"[rank {get_rank()}] writing tensor {key!r} to {str(path)!r} failed: {error}"
+                + (f" ({len(failed) - 1} more writes failed)" if len(failed) > 1 else "")
+            ) from error
+        written = [f for *_, files in targets for f in files]
+        fsync_written(written, root)
+        return written
+
+
+def _create_array(path: Node, metadata: Dict[str, Any], context: "ts.Context") -> Any:
+    # store_data_equal_to_fill_value: an all-zero chunk must still exist on disk, so that a
+    # missing chunk can be told apart from a zero one
+    spec = dict(_spec(path), metadata=metadata, store_data_equal_to_fill_value=True)
+    return ts.open(spec, create=True, context=context)
+
+
+# --------------------------------------------------------------------------- load
+
+
+@dataclass
+class _Target:
+    """Where one requested ShardedTensor is loaded: ``dest`` (on the CPU), then ``result``."""
+
+    sh: ShardedTensor
+    dest: torch.Tensor
+    result: torch.Tensor
+    holder: Box
+
+
+class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
+    """Loads zarr checkpoints with TensorStore into any sharding, reading only the chunks each
+    requested shard overlaps, all reads of a rank in flight at once.
+
+    Every check happens before the first read: each requested key must be stored, dtype and
+    global shape must match (``allow_shape_mismatch`` pads or crops), and the stored chunks or
+    fragments must cover the request (:func:`~dist_ckpt.backends.zarr.layout.plan_reads`).
+
+    Args:
+        load_directly_on_device: where a ShardedTensor's ``data`` is allocated off the CPU (a
+            GPU), load into it (through a CPU staging tensor) and return it; otherwise return
+            a new CPU tensor for such shards and leave ``data`` alone. CPU ``data`` of the right
+            shape is always filled in place.
+        concurrency: cap on concurrent file operations (TensorStore's default: one per core).
+        max_staged_bytes: cap on the bytes of fragment reads (flattened tensors) held in
+            staging buffers at once; whole-chunk reads need no staging.
+        verify_checksums: check every chunk file a load touches against ``zarr/checksums.json``
+            (when the checkpoint has one) before reading it.
+    """
+
+    supported_backends: ClassVar[Tuple[str, ...]] = ("zarr",)
+    supported_versions: ClassVar[Tuple[int, ...]] = (1,)
+
+    def __init__(
+        self,
+        load_directly_on_device: bool = False,
+        *,
+        concurrency: Optional[int] = None,
+        max_staged_bytes: int = DEFAULT_MAX_STAGED_BYTES,
+        verify_checksums: bool = True,
+    ) -> None:
+        self.load_directly_on_device = load_directly_on_device
+        self.concurrency = concurrency
+        self.max_staged_bytes = max_staged_bytes
+        self.verify_checksums = verify_checksums
+
+    def check_location(self, checkpoint_dir: CheckpointLocation) -> None:
+        """Local directories and S3 (TensorStore's s3 driver); other object stores are refused."""
+        checkpoint_node(checkpoint_dir, _ENGINE)
+
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> StateDict:
+        local = checkpoint_node(checkpoint_dir, _ENGINE)
+        requested = [s for s in nested_values(sharded_state_dict) if isinstance(s, ShardedTensor)]
+        # 1. metadata, dtype/shape checks and coverage, before any data is read
+        plans = plan_request(requested, local)
+        if self.verify_checksums:
+            _check_touched_files(requested, plans, local)
+        # 2. destinations: in place where possible; padding zero-filled first
+        targets = {id(sh): self._target(sh) for sh in requested}
+        for sh in requested:
+            t = targets[id(sh)]
+            for piece, _ in plans[id(sh)].pad:
+                piece_view(t.dest, piece, sh.prepend_axis_num, t.holder).zero_()
+        # 3. every read issued before any is awaited
+        self._read_all(requested, plans, targets)
+        # 4. device copies
+        for t in targets.values():
+            if t.result is not t.dest:
+                t.result.copy_(t.dest)
+
+        def result_of(x: Any) -> Any:
+            return targets[id(x)].result if isinstance(x, ShardedTensor) else x
+
+        return dict_list_map_inplace(result_of, sharded_state_dict)  # type: ignore[no-any-return]
+
+    def _target(self, sh: ShardedTensor) -> _Target:
+        shape = loaded_shape(sh)
+        holder = Box(sh.global_offset, sh.full_local_shape)
+        data = sh.data
+        if data is None or data.device.type == "meta" or tuple(data.shape) != tuple(shape) or data.dtype != sh.dtype:
+            fresh = torch.empty(shape, dtype=sh.dtype)
+            return _Target(sh, fresh, fresh, holder)
+        if data.device.type == "cpu":
+            return _Target(sh, data, data, holder)
+        staging = torch.empty(shape, dtype=sh.dtype)
+        return _Target(sh, staging, data if self.load_directly_on_device else staging, holder)
+
+    def _read_all(
+        self, requested: List[ShardedTensor], plans: Dict[int, ReadPlan], targets: Dict[int, _Target]
+    ) -> None:
+        context = _context(self.concurrency)
+        paths = {op.array_path for plan in plans.values() for op in plan.ops}
+        opening = {
+            p: ts.open(dict(_spec(p), fill_missing_data_reads=False), open=True, read=True, context=context)
+            for p in sorted(paths, key=str)
+        }
+        arrays: Dict[Node, Any] = {}
+        for path, future in opening.items():
+            try:
+                arrays[path] = future.result()
+            except Exception as e:  # noqa: BLE001 -- a damaged zarr.json
+                key = next(sh.key for sh in requested for op in plans[id(sh)].ops if op.array_path == path)
+                raise CorruptCheckpointError(
+                    f"[rank {get_rank()}] cannot open zarr array {str(path)!r} of tensor {key!r} with TensorStore: {e}"
+                ) from e
+        direct: List[Tuple[Tuple[ShardedTensor, ReadOp], Any]] = []
+        staged: Deque[Tuple[Tuple[ShardedTensor, ReadOp], Any, torch.Tensor]] = deque()
+        staged_bytes = 0
+        failed: List[Tuple[Tuple[ShardedTensor, ReadOp], BaseException]] = []
+        try:
+            for sh in requested:
+                t = targets[id(sh)]
+                for op in plans[id(sh)].ops:
+                    view = sub_view(piece_view(t.dest, op.dst, sh.prepend_axis_num, t.holder), op.dst.box, op.inter)
+                    source = arrays[op.array_path][
+                        tuple(slice(o, o + s) for o, s in zip(op.region.offset, op.region.shape))
+                    ]
+                    if op.src_box == op.inter and op.region.shape == op.inter.shape:
+                        # a box of a chunked array: TensorStore copies straight into the destination
+                        memory = ts.array(tensor_to_numpy(view), copy=False, write=True)
+                        direct.append(((sh, op), memory.write(source)))
+                        continue
+                    staged.append(((sh, op), source.read(), view))
+                    staged_bytes += op.region.numel * sh.dtype.itemsize
+                    while staged_bytes > self.max_staged_bytes and len(staged) > 1:
+                        staged_bytes -= self._finish_staged(staged.popleft(), failed)
+        finally:  # even when issuing failed: no read may still be writing into our tensors
+            while staged:
+                self._finish_staged(staged.popleft(), failed)
+            failed += _wait_all(direct)
+        if failed:
+            (sh, op), error = failed[0]
+            raise _read_error(sh, op, error, len(failed) - 1)
+
+    @staticmethod
+    def _finish_staged(item: Tuple[Tuple[ShardedTensor, ReadOp], Any, torch.Tensor], failed: List[Any]) -> int:
+        (sh, op), future, view = item
+        try:
+            data = numpy_to_tensor(np.asarray(future.result()), sh.dtype).view(op.src_box.shape)
+            view.copy_(sub_view(data, op.src_box, op.inter))
+        except Exception as e:  # noqa: BLE001 -- reported with the damaged file
+            failed.append(((sh, op), e))
+        return op.region.numel * sh.dtype.itemsize
+
+    def load_tensors_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
+        context = _context(self.concurrency)
+
+        def shape_dtype(path: Union[str, ObjectPath]) -> Tuple[Tuple[int, ...], np.dtype]:
+            array = open_ts_array(path if isinstance(path, ObjectPath) else Path(path), context)
+            return tuple(int(n) for n in array.shape), np.dtype(array.dtype.numpy_dtype)
+
+        return load_zarr_based_sharded_metadata(checkpoint_node(checkpoint_dir, _ENGINE), shape_dtype)
+
+    def verify_integrity(self, checkpoint_dir: CheckpointLocation) -> IntegrityReport:
+        """Every file of ``zarr/`` against ``zarr/checksums.json`` (see :mod:`.zarr_checksums`)."""
+        return verify_zarr(checkpoint_node(checkpoint_dir, _ENGINE))
+
+    def describe_stored_shards(self, checkpoint_dir: CheckpointLocation) -> Optional[Dict[str, List[StoredShardInfo]]]:
+        """Every chunk (a saved shard) or fragment (a saved flattened range), from the metadata."""
+        return describe_zarr(checkpoint_node(checkpoint_dir, _ENGINE))
+
+
+def _check_touched_files(requested: List[ShardedTensor], plans: Dict[int, ReadPlan], checkpoint_dir: Node) -> None:
+    """Check every file the plans read (array metadata and chunks) against the manifest."""
+    manifest = read_checksums(checkpoint_dir)
+    if manifest is None or not requested:
+        return
+    root = checkpoint_dir / ZARR_DIR
+    seen = set()
+    for sh in requested:
+        for op in plans[id(sh)].ops:
+            files = [op.array_path / "zarr.json", *chunk_files(op.array_path, op.region)]
+            fresh = [f for f in files if f not in seen]
+            seen.update(fresh)
+            check_files(root, fresh, manifest, sh.key)
+
+
+def _read_error(sh: ShardedTensor, op: ReadOp, error: BaseException, more: int) -> CorruptCheckpointError:
+    damage = damaged_chunks(op.array_path, op.region)
+    cause = "; ".join(damage) if damage else f"TensorStore: {error}"
+    return CorruptCheckpointError(
+        f"[rank {get_rank()}] cannot read tensor {sh.key!r} from {str(op.array_path)!r} (region offset "
+        f"{op.region.offset}, shape {op.region.shape}): {cause}; the checkpoint is incomplete or damaged"
+        + (f" ({more} more reads failed)" if more else "")
+    )
+
+
+def register_default_tensorstore_strategies(include_save: bool = False) -> None:
+    """Make TensorStore the default loader of the zarr backend ``("zarr", 1)``, as Megatron-Core
+    does (``override=True``: it replaces the zarr-python loader); with ``include_save`` also the
+    default saver.
+
+    Example::
+
+        register_default_tensorstore_strategies()
+        dc.load(sd, "ckpt")          # now reads with TensorStore
+    """
+    register_default_strategy(StrategyAction.LOAD_SHARDED, "zarr", 1, TensorStoreLoadShardedStrategy, override=True)
+    if include_save:
+        register_default_strategy(StrategyAction.SAVE_SHARDED, "zarr", 1, TensorStoreSaveShardedStrategy, override=True)

@@ -1,0 +1,470 @@
+"""The Zarr backend (``zarr``, version 1): zarr v3 arrays written with zarr-python 3.
+
+Layout inside a checkpoint directory (every node is plain zarr v3, uncompressed little-endian
+``bytes`` codec, so TensorStore and any zarr v3 reader open it)::
+
+    zarr/zarr.json                          root group
+    zarr/<key>/zarr.json                    a tensor saved as a regular grid of shards:
+    zarr/<key>/c/<i>/<j>...                   one zarr chunk per saved shard
+    zarr/<key>/zarr.json                    a tensor saved as flattened ranges (distributed
+    zarr/<key>/<chunk>_<start>/...            optimizer): a group of 1-D fragment arrays
+
+A chunk is exactly one main-replica shard, so each chunk file is written once, by one rank, with
+no read-modify-write. Flattened shards cannot be chunk-aligned (their boundaries are arbitrary),
+so each becomes its own 1-D array. Array attributes carry ``{"dist_ckpt": {...}}``: the key,
+the dtype name, and for fragments their global offset and flat range.
+
+Loads read only the chunks that overlap the requested shard. zarr-python returns the fill value
+for a missing chunk; the loader checks that every chunk it reads exists, so a deleted chunk is
+reported instead of silently read as zeros.
+
+Checksums: the save ends with ``zarr/checksums.json``, a crc32c of every file under ``zarr/``
+(see :mod:`.zarr_checksums`); the loader checks every file it reads against it, from the bytes
+zarr-python reads (no extra I/O).
+
+Object stores: an ``s3://`` checkpoint is written and read by zarr-python itself, through
+``zarr.storage.ObjectStore`` over the obstore client of the checkpoint's ``S3Storage`` (same
+endpoint, credentials, retries): each chunk is one object, PUT once by one rank. Nothing is
+fsynced there (an object is durable when its PUT returns), and the save digests each object from
+the bytes zarr-python hands the store (:class:`_Stores`), not by downloading it again.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+import zarr
+from zarr.codecs import BytesCodec
+
+from dist_ckpt.backends.base import (
+    LoadShardedStrategy,
+    SaveShardedStrategy,
+    TensorLayout,
+    TensorStreamWriter,
+    check_stream_entry,
+    load_destination,
+    main_replica_shards,
+)
+from dist_ckpt.backends.stored_shards import StoredShardInfo, describe_zarr
+from dist_ckpt.backends.zarr.checksums import (
+    VerifyingStore,
+    commit_checksums,
+    drop_from_checksums,
+    read_checksums,
+    verify_zarr,
+)
+from dist_ckpt.backends.zarr.dtypes import register_extension_dtypes
+from dist_ckpt.backends.zarr.layout import (
+    ATTR,
+    ZARR_DIR,
+    ReadOp,
+    array_chunk_shape,
+    checkpoint_node,
+    chunk_coords,
+    chunked_attributes,
+    cpu_contiguous,
+    creates_flattened_group,
+    flatten_range,
+    flattened_attributes,
+    fragment_attributes,
+    fragment_chunk_elements,
+    fragment_name,
+    fsync_written,
+    is_origin,
+    list_tensor_names,
+    load_zarr_based_sharded_metadata,
+    make_dirs,
+    open_tensor_info,
+    pad_to_expected_shape,
+    plan_request,
+    postprocess_numpy_array,
+    tensor_dir,
+)
+from dist_ckpt.engine.distributed import get_rank, run_collectively
+from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
+from dist_ckpt.integrity.checksums import FileDigest, IntegrityReport, bytes_digest
+from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
+from dist_ckpt.model.dtypes import dtype_info, numpy_to_tensor, tensor_to_numpy
+from dist_ckpt.model.geometry import Box, piece_view, sub_view
+from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
+from dist_ckpt.storage import fsync_dir
+from dist_ckpt.storage.location import CheckpointLocation, require_local
+from dist_ckpt.storage.object_path import Node, ObjectPath
+
+__all__ = [
+    "ZarrLoadShardedStrategy",
+    "ZarrSaveShardedStrategy",
+    "flatten_range",
+    "load_zarr_based_sharded_metadata",
+    "pad_to_expected_shape",
+    "postprocess_numpy_array",
+    "register_default_zarr_strategies",
+]
+
+logger = logging.getLogger(__name__)
+
+_ARRAY_OPTIONS: Dict[str, Any] = {"serializer": BytesCodec(), "compressors": None, "fill_value": 0}
+# zarr skips chunks equal to the fill value by default; every chunk must exist on disk so that a
+# missing chunk can be told apart from an all-zero one (zarr reads both as zeros)
+_WRITE_EMPTY: Any = {"write_empty_chunks": True}
+
+
+_ENGINE = "the zarr backend (zarr-python)"
+
+
+class _Stores:
+    """Where zarr-python finds a node: a local path, or a path under one ``ObjectStore`` per
+    S3 storage (one client, its connection pool shared by every array of the checkpoint).
+
+    A writable object store records the digest of every object it PUTs (``digests``, by node),
+    from the very bytes it sends, so that the checksum manifest needs no download."""
+
+    def __init__(self, read_only: bool) -> None:
+        self.read_only = read_only
+        self.digests: Dict[Node, FileDigest] = {}
+        self._object_stores: Dict[str, Any] = {}
+
+    def at(self, node: Node) -> Tuple[Any, str]:
+        """``(store, path)`` of ``node`` for ``zarr.open_array(store=..., path=...)``."""
+        if isinstance(node, Path):
+            return str(node), ""
+        url = node.storage.url
+        if url not in self._object_stores:
+            obstore_store = node.storage.obstore_store()  # type: ignore[attr-defined]
+            if self.read_only:
+                self._object_stores[url] = zarr.storage.ObjectStore(obstore_store, read_only=True)
+            else:
+                self._object_stores[url] = _recording_store(obstore_store, ObjectPath(node.storage), self.digests)
+        return self._object_stores[url], node.key
+
+
+def _recording_store(obstore_store: Any, root: ObjectPath, digests: Dict[Node, FileDigest]) -> Any:
+    """A writable ``zarr.storage.ObjectStore`` that records the digest of each object it PUTs."""
+
+    class _Recording(zarr.storage.ObjectStore):  # type: ignore[type-arg]
+        async def set(self, key: str, value: Any) -> None:
+            await super().set(key, value)
+            digests[root / key] = bytes_digest(value.as_numpy_array())
+
+    return _Recording(obstore_store, read_only=False)
+
+
+class ZarrSaveShardedStrategy(SaveShardedStrategy):
+    """Writes each main-replica shard as one zarr chunk (or one fragment array if flattened).
+
+    Three collective steps: (1) the rank holding the first chunk of each tensor creates its array
+    (or group) and flattened fragments are written; (2) every rank writes its chunks into the
+    arrays; (3) the ranks digest the files they wrote and rank 0 writes ``zarr/checksums.json``.
+    Each step ends with an error exchange, so a failure on one rank raises everywhere.
+    """
+
+    owned_paths: ClassVar[Tuple[str, ...]] = (ZARR_DIR,)
+    object_storage: ClassVar[bool] = True
+    can_stream: ClassVar[bool] = True
+
+    def __init__(self, backend: str = "zarr", version: int = 1) -> None:
+        super().__init__(backend, version)
+        register_extension_dtypes()
+
+    def check_location(self, checkpoint_dir: CheckpointLocation) -> None:
+        """Local directories and S3 (through zarr-python's ObjectStore); other object stores are refused."""
+        checkpoint_node(checkpoint_dir, _ENGINE)
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> None:
+        root = checkpoint_node(checkpoint_dir, _ENGINE) / ZARR_DIR
+        shards = main_replica_shards(sharded_state_dict)
+        stores = _Stores(read_only=False)
+        created = run_collectively("creating zarr arrays", lambda: self._create_nodes(root, shards, stores))
+        chunks = run_collectively("writing zarr chunks", lambda: self._write_chunks(root, shards, stores))
+        commit_checksums(root, created + chunks, stores.digests)
+
+    def begin_stream(self, checkpoint_dir: CheckpointLocation, layout: Sequence[TensorLayout]) -> TensorStreamWriter:
+        """Write whole tensors one at a time, each one chunk (one process): the checkpoint a
+        one-rank save of whole tensors writes, ``zarr/checksums.json`` included."""
+        return _ZarrStreamWriter(
+            self, require_local(checkpoint_dir, "streaming into the zarr backend") / ZARR_DIR, layout
+        )
+
+    def _create_nodes(
+        self, root: Node, shards: List[ShardedTensor], stores: _Stores, create_root: bool = True
+    ) -> List[Node]:
+        make_dirs(root)
+        written: List[Node] = []
+        if get_rank() == 0 and create_root:
+            store, at = stores.at(root)
+            zarr.create_group(store=store, path=at or None, overwrite=False)
+            written.append(root / "zarr.json")
+        for sh in shards:
+            path = tensor_dir(root, sh.key)
+            if sh.flattened_range is None:
+                if is_origin(sh):
+                    store, name = stores.at(path)
+                    zarr.create_array(
+                        store=store,
+                        name=name or None,
+                        shape=sh.global_shape,
+                        chunks=array_chunk_shape(sh),
+                        dtype=dtype_info(sh.dtype).numpy_dtype,
+                        attributes={ATTR: chunked_attributes(sh)},
+                        overwrite=False,
+                        config=_WRITE_EMPTY,
+                        **_ARRAY_OPTIONS,
+                    )
+                    written.append(path / "zarr.json")
+                continue
+            if creates_flattened_group(sh):
+                store, name = stores.at(path)
+                zarr.create_group(
+                    store=store, path=name or None, attributes={ATTR: flattened_attributes(sh)}, overwrite=False
+                )
+                written.append(path / "zarr.json")
+            if sh.flattened_range.stop > sh.flattened_range.start:
+                written += self._write_fragment(path / fragment_name(sh), sh, stores)
+        fsync_written(written, root)
+        return written
+
+    @staticmethod
+    def _write_fragment(path: Node, sh: ShardedTensor, stores: _Stores) -> List[Node]:
+        assert sh.flattened_range is not None and sh.data is not None
+        length = sh.flattened_range.stop - sh.flattened_range.start
+        chunk = fragment_chunk_elements(length)
+        store, name = stores.at(path)
+        arr = zarr.create_array(
+            store=store,
+            name=name or None,
+            shape=(length,),
+            chunks=(chunk,),
+            dtype=dtype_info(sh.dtype).numpy_dtype,
+            attributes={ATTR: fragment_attributes(sh)},
+            overwrite=False,
+            config=_WRITE_EMPTY,
+            **_ARRAY_OPTIONS,
+        )
+        arr[:] = tensor_to_numpy(cpu_contiguous(sh.data))
+        chunk_files = [path / arr.metadata.encode_chunk_key((i,)) for i in range(math.ceil(length / chunk))]
+        return [path / "zarr.json"] + chunk_files
+
+    def _write_chunks(self, root: Node, shards: List[ShardedTensor], stores: _Stores) -> List[Node]:
+        arrays: Dict[str, Any] = {}
+        written: List[Node] = []
+        for sh in shards:
+            if sh.flattened_range is not None or math.prod(sh.local_shape) == 0:
+                continue
+            assert sh.data is not None, f"{sh.key!r} has no data to save"
+            path = tensor_dir(root, sh.key)
+            if sh.key not in arrays:
+                store, name = stores.at(path)
+                arrays[sh.key] = zarr.open_array(store=store, path=name, mode="r+").with_config(_WRITE_EMPTY)
+            arr = arrays[sh.key]
+            local = tensor_to_numpy(cpu_contiguous(sh.data)).reshape(sh.full_local_shape)
+            region = tuple(slice(o, o + s) for o, s in zip(sh.global_offset, sh.full_local_shape))
+            arr[region] = local
+            written.append(path / arr.metadata.encode_chunk_key(sh.local_chunk_offset_in_global()))
+        fsync_written(written, root)
+        return written
+
+
+class _ZarrStreamWriter(TensorStreamWriter):
+    """Creates the root group, then each tensor's array and its one chunk as it is added; the
+    checksum manifest at :meth:`finish` (see :meth:`ZarrSaveShardedStrategy.begin_stream`)."""
+
+    def __init__(self, strategy: ZarrSaveShardedStrategy, root: Path, layout: Sequence[TensorLayout]) -> None:
+        self.strategy, self.root, self.layout = strategy, root, list(layout)
+        root.mkdir(parents=True, exist_ok=False)
+        zarr.create_group(store=str(root), overwrite=False)
+        self.written: List[Node] = [root / "zarr.json"]
+        self._stores = _Stores(read_only=False)
+        self._added = 0
+
+    def add(self, key: str, tensor: torch.Tensor) -> None:
+        check_stream_entry(self.layout, self._added, key, tensor)
+        self._added += 1
+        sh = [ShardedTensor.from_rank_offsets(key, tensor.detach())]
+        self.written += self.strategy._create_nodes(self.root, sh, self._stores, create_root=False)
+        self.written += self.strategy._write_chunks(self.root, sh, self._stores)
+
+    def finish(self) -> None:
+        if self._added != len(self.layout):
+            raise CheckpointingException(
+                f"the stream into {self.root} finished after {self._added} of its {len(self.layout)} tensors"
+            )
+        fsync_written([self.root / "zarr.json"], self.root)
+        commit_checksums(self.root, self.written, self._stores.digests)
+
+
+class _ArrayReader:
+    """Reads regions of zarr arrays with zarr-python, refusing missing or short chunk files and,
+    with ``stores``, files whose checksum differs from the manifest."""
+
+    def __init__(self, root: Node, stores: Optional[VerifyingStore] = None) -> None:
+        self._arrays: Dict[Node, Any] = {}
+        self._stores = stores
+        self._plain = _Stores(read_only=True)
+        self._verifying: Any = None
+        if isinstance(root, ObjectPath) and stores is not None:  # one verifying store at zarr/
+            self._verifying = stores.open_objects(root.storage.child(root.key).obstore_store(), str(root))  # type: ignore[attr-defined]
+        self._root = root
+
+    def _store_of(self, path: Node) -> Tuple[Any, str]:
+        if isinstance(path, Path):
+            return (self._stores.open(path) if self._stores is not None else str(path)), ""
+        if self._verifying is not None:
+            assert isinstance(self._root, ObjectPath)
+            return self._verifying, path.relative_to(self._root)
+        return self._plain.at(path)
+
+    def read(self, path: Node, region: Box, key: str) -> np.ndarray:
+        array: Any = self._arrays.get(path)
+        if array is None:
+            store, name = self._store_of(path)
+            try:
+                array = self._arrays[path] = zarr.open_array(store=store, path=name, mode="r")
+            except CheckpointingException:
+                raise
+            except Exception as e:  # noqa: BLE001 -- unreadable metadata means a damaged checkpoint
+                raise CorruptCheckpointError(
+                    f"[rank {get_rank()}] cannot open zarr array {str(path)!r} of tensor {key!r}: {e}"
+                ) from e
+        chunk_shape = array.metadata.chunk_grid.chunk_shape
+        chunk_bytes = math.prod(chunk_shape) * array.dtype.itemsize
+        for coords in chunk_coords(region, chunk_shape):
+            chunk_file = path / array.metadata.encode_chunk_key(coords)
+            try:
+                size = chunk_file.stat().st_size
+            except FileNotFoundError:
+                raise CorruptCheckpointError(
+                    f"[rank {get_rank()}] chunk file {str(chunk_file)!r} of tensor {key!r} is missing; the checkpoint "
+                    "is incomplete"
+                ) from None
+            if size != chunk_bytes:
+                raise CorruptCheckpointError(
+                    f"[rank {get_rank()}] chunk file {str(chunk_file)!r} of tensor {key!r} has {size} bytes, "
+                    f"expected {chunk_bytes}: it is truncated or damaged"
+                )
+        try:
+            return np.asarray(array[tuple(slice(o, o + s) for o, s in zip(region.offset, region.shape))])
+        except CheckpointingException as e:  # e.g. a checksum mismatch, which names the file
+            if repr(key) in str(e):
+                raise
+            raise type(e)(f"[rank {get_rank()}] tensor {key!r}: {e}") from None
+        except Exception as e:  # noqa: BLE001 -- a decode failure means a damaged chunk
+            raise CorruptCheckpointError(
+                f"[rank {get_rank()}] cannot read tensor {key!r} from {str(path)!r} (region offset "
+                f"{region.offset}, shape {region.shape}): {type(e).__name__}: {e}"
+            ) from e
+
+
+class ZarrLoadShardedStrategy(LoadShardedStrategy):
+    """Loads zarr checkpoints into any sharding, reading only the chunks each shard overlaps.
+
+    Tensors are loaded in place into ``ShardedTensor.data`` when it is allocated with the right
+    shape (any device); otherwise new CPU tensors are returned.
+
+    Args:
+        verify_checksums: check every file read against ``zarr/checksums.json`` (when the
+            checkpoint has one).
+    """
+
+    supported_backends: ClassVar[Tuple[str, ...]] = ("zarr",)
+    supported_versions: ClassVar[Tuple[int, ...]] = (1,)
+    object_storage: ClassVar[bool] = True
+
+    def __init__(self, verify_checksums: bool = True) -> None:
+        register_extension_dtypes()
+        self.verify_checksums = verify_checksums
+
+    def check_location(self, checkpoint_dir: CheckpointLocation) -> None:
+        """Local directories and S3 (through zarr-python's ObjectStore); other object stores are refused."""
+        checkpoint_node(checkpoint_dir, _ENGINE)
+
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> StateDict:
+        node = checkpoint_node(checkpoint_dir, _ENGINE)
+        requested = [s for s in nested_values(sharded_state_dict) if isinstance(s, ShardedTensor)]
+        plans = plan_request(requested, node)  # every check happens before any read
+        root = node / ZARR_DIR
+        manifest = read_checksums(node) if self.verify_checksums and requested else None
+        reader = _ArrayReader(root, VerifyingStore(root, manifest) if manifest is not None else None)
+
+        def load_one(x: Any) -> Any:
+            if not isinstance(x, ShardedTensor):
+                return x
+            dest = load_destination(x)
+            holder = Box(x.global_offset, x.full_local_shape)
+            plan = plans[id(x)]
+            for piece, _ in plan.pad:
+                piece_view(dest, piece, x.prepend_axis_num, holder).zero_()
+            for op in plan.ops:
+                self._copy(reader, op, dest, x, holder)
+            return dest
+
+        return dict_list_map_inplace(load_one, sharded_state_dict)  # type: ignore[no-any-return]
+
+    @staticmethod
+    def _copy(reader: _ArrayReader, op: ReadOp, dest: torch.Tensor, sh: ShardedTensor, holder: Box) -> None:
+        data = numpy_to_tensor(reader.read(op.array_path, op.region, sh.key), sh.dtype).view(op.src_box.shape)
+        target = piece_view(dest, op.dst, sh.prepend_axis_num, holder)
+        sub_view(target, op.dst.box, op.inter).copy_(sub_view(data, op.src_box, op.inter))
+
+    def load_tensors_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
+        stores = _Stores(read_only=True)
+
+        def shape_dtype(path: Union[str, ObjectPath]) -> Tuple[Tuple[int, ...], np.dtype]:
+            store, name = stores.at(path) if isinstance(path, ObjectPath) else (path, "")
+            array = zarr.open_array(store=store, path=name, mode="r")
+            return tuple(array.shape), np.dtype(array.dtype)
+
+        return load_zarr_based_sharded_metadata(checkpoint_node(checkpoint_dir, _ENGINE), shape_dtype)
+
+    def verify_integrity(self, checkpoint_dir: CheckpointLocation) -> IntegrityReport:
+        """Every file of ``zarr/`` against ``zarr/checksums.json`` (see :mod:`.zarr_checksums`)."""
+        return verify_zarr(checkpoint_node(checkpoint_dir, _ENGINE))
+
+    def describe_stored_shards(self, checkpoint_dir: CheckpointLocation) -> Optional[Dict[str, List[StoredShardInfo]]]:
+        """Every chunk (a saved shard) or fragment (a saved flattened range), from the metadata."""
+        return describe_zarr(checkpoint_node(checkpoint_dir, _ENGINE))
+
+    def remove_sharded_tensors(self, checkpoint_dir: CheckpointLocation, key_prefix: str) -> None:
+        """Delete tensors whose key starts with ``key_prefix``; each key goes whole or not at all
+        (on an object store, which cannot rename: its ``zarr.json`` goes first, and from then on
+        the key is absent)."""
+        node = checkpoint_node(checkpoint_dir, _ENGINE)
+        if isinstance(node, ObjectPath):
+            remove_tensor_objects(node / ZARR_DIR, key_prefix)
+            return
+        root = node / ZARR_DIR
+        for name in list_tensor_names(root):
+            info = open_tensor_info(root, name)
+            if info is not None and info.key.startswith(key_prefix):
+                trash = root / f".removing-{uuid.uuid4().hex}"
+                os.replace(root / name, trash)  # atomic: the key disappears in one step
+                fsync_dir(root)
+                drop_from_checksums(root, name)
+                shutil.rmtree(trash)
+
+
+def remove_tensor_objects(root: ObjectPath, key_prefix: str) -> None:
+    """:meth:`ZarrLoadShardedStrategy.remove_sharded_tensors` on an object store (either engine's
+    checkpoints: the layout is the same)."""
+    zarr_dir = root.storage.child(root.key)
+    for name in list_tensor_names(root):
+        info = open_tensor_info(root, name)
+        if info is not None and info.key.startswith(key_prefix):
+            zarr_dir.delete(f"{name}/zarr.json")  # the key is gone from here on
+            drop_from_checksums(root, name)
+            zarr_dir.delete_prefix(name)
+
+
+def register_default_zarr_strategies() -> None:
+    """Make the Zarr strategies the defaults for ``("zarr", 1)`` (they already are, lazily)."""
+    from dist_ckpt.engine.registry import StrategyAction, register_default_strategy
+
+    register_default_strategy(StrategyAction.SAVE_SHARDED, "zarr", 1, ZarrSaveShardedStrategy, override=True)
+    register_default_strategy(StrategyAction.LOAD_SHARDED, "zarr", 1, ZarrLoadShardedStrategy, override=True)

@@ -1,0 +1,223 @@
+"""Checkpoint configuration and the ``metadata.json`` commit record.
+
+``metadata.json`` is the last file of a save, written by rank 0 after every rank has flushed its
+files. Its presence (with valid content) is what makes a directory (or an object-store prefix) a
+checkpoint. Schema (format version 1)::
+
+    {
+      "sharded_backend": "zarr",          # str: format of the sharded tensors
+      "sharded_backend_version": 1,       # int
+      "common_backend": "torch",          # str: format of the common (non-sharded) state
+      "common_backend_version": 1,        # int
+      "dist_ckpt": {                      # optional; written by dist_ckpt
+        "format_version": 1,
+        "library_version": "0.1.0",
+        "world_size": 4,
+        "save_id": "3f2a..."              # random id of the save that committed it
+      }
+    }
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from dist_ckpt._version import __version__
+from dist_ckpt.errors import CheckpointExistsError, CheckpointingException, CorruptCheckpointError, NotACheckpointError
+from dist_ckpt.storage import write_bytes_atomic
+from dist_ckpt.storage.errors import ObjectExistsError, ObjectNotFoundError, StorageError
+from dist_ckpt.storage.location import LocationLike, location_str, resolve_location
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CheckpointingConfig",
+    "CheckpointingException",
+    "METADATA_FILENAME",
+    "HF_CONFIG",
+    "check_is_distributed_checkpoint",
+    "detect_config",
+    "maybe_load_config",
+    "new_save_id",
+    "read_config",
+    "save_config",
+]
+
+METADATA_FILENAME = "metadata.json"
+FORMAT_VERSION = 1
+LIBRARY_VERSION = __version__  # the version of the dist_ckpt that writes metadata.json
+
+
+@dataclass(frozen=True)
+class CheckpointingConfig:
+    """The backends (formats) a checkpoint was written with.
+
+    The version describes the on-disk format of a backend, not the checkpoint's content.
+    """
+
+    sharded_backend: str
+    sharded_backend_version: int = 1
+    common_backend: str = "torch"
+    common_backend_version: int = 1
+
+
+_FIELD_TYPES = {
+    "sharded_backend": str,
+    "sharded_backend_version": int,
+    "common_backend": str,
+    "common_backend_version": int,
+}
+
+
+def new_save_id() -> str:
+    """A random identifier of one save, recorded in ``metadata.json`` (see :func:`save_config`)."""
+    return uuid.uuid4().hex
+
+
+def save_config(
+    config: CheckpointingConfig,
+    checkpoint_dir: LocationLike,
+    world_size: Optional[int] = None,
+    save_id: Optional[str] = None,
+) -> None:
+    """Write ``metadata.json`` atomically and durably: the commit of a checkpoint (rank 0 only).
+
+    A local directory gets it by atomic rename (temporary file, fsync, rename, fsync of the
+    directory). An object store gets it with a create-if-absent put (``If-None-Match: *``), so a
+    commit never overwrites another save's marker. If that put finds an object already there --
+    e.g. the server applied a first attempt whose response was lost, and the client retried --
+    the marker is read back and accepted only if it carries this save's ``save_id``; otherwise
+    :class:`~dist_ckpt.errors.CheckpointExistsError` is raised.
+
+    Example::
+
+        save_config(CheckpointingConfig("safetensors"), "s3://bucket/ckpt/iter_10", world_size=8)
+    """
+    location = resolve_location(checkpoint_dir)
+    record: Dict[str, Any] = asdict(config)
+    record["dist_ckpt"] = {"format_version": FORMAT_VERSION, "library_version": LIBRARY_VERSION}
+    if world_size is not None:
+        record["dist_ckpt"]["world_size"] = world_size
+    save_id = save_id or new_save_id()
+    record["dist_ckpt"]["save_id"] = save_id
+    data = json.dumps(record, indent=2, sort_keys=True).encode("utf-8")
+    if isinstance(location, Path):
+        write_bytes_atomic(location / METADATA_FILENAME, data)
+        return
+    try:
+        location.put_if_absent(METADATA_FILENAME, data)
+    except ObjectExistsError as e:
+        try:
+            found = json.loads(location.read(METADATA_FILENAME).decode("utf-8")).get("dist_ckpt", {}).get("save_id")
+        except (ValueError, AttributeError, CheckpointingException):
+            found = None
+        if found != save_id:
+            raise CheckpointExistsError(
+                f"{location.url_of(METADATA_FILENAME)} was committed by another save while this one was running "
+                f"(its save_id is {found!r}, ours {save_id!r}); this save is not committed: save to a new location"
+            ) from e
+        logger.info(
+            "%s: the commit marker is ours (a retried put had already landed)", location.url_of(METADATA_FILENAME)
+        )
+
+
+def _parse_config(raw: bytes, where: str) -> CheckpointingConfig:
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptCheckpointError(f"{where} is not valid JSON ({e}); the checkpoint metadata is corrupt") from e
+    if not isinstance(record, dict):
+        raise CorruptCheckpointError(f"{where} must hold a JSON object, found {type(record).__name__}")
+    values: Dict[str, Any] = {}
+    for name, expected in _FIELD_TYPES.items():
+        if name not in record:
+            if name == "sharded_backend":
+                raise CorruptCheckpointError(f"{where} has no {name!r} field")
+            continue
+        value = record[name]
+        if not isinstance(value, expected) or isinstance(value, bool):
+            raise CorruptCheckpointError(
+                f"{where}: field {name!r} must be {expected.__name__}, found {type(value).__name__} ({value!r})"
+            )
+        values[name] = value
+    return CheckpointingConfig(
+        sharded_backend=str(values["sharded_backend"]),
+        sharded_backend_version=int(values.get("sharded_backend_version", 1)),
+        common_backend=str(values.get("common_backend", "torch")),
+        common_backend_version=int(values.get("common_backend_version", 1)),
+    )
+
+
+def maybe_load_config(checkpoint_dir: LocationLike) -> Optional[CheckpointingConfig]:
+    """The checkpoint's config, or None if ``checkpoint_dir`` holds no ``metadata.json``.
+
+    Raises:
+        CorruptCheckpointError: if ``metadata.json`` exists but is not a valid config.
+        StorageError: an object store refused the request (credentials, missing bucket, ...).
+    """
+    location = resolve_location(checkpoint_dir)
+    if isinstance(location, Path):
+        path = location / METADATA_FILENAME
+        if not path.is_file():
+            return None
+        return _parse_config(path.read_bytes(), str(path))
+    try:
+        raw = location.read(METADATA_FILENAME)
+    except ObjectNotFoundError:
+        return None
+    return _parse_config(raw, location.url_of(METADATA_FILENAME))
+
+
+def read_config(checkpoint_dir: LocationLike) -> CheckpointingConfig:
+    """The checkpoint's config; raises a clear error if the location is not a checkpoint."""
+    location = resolve_location(checkpoint_dir)
+    if isinstance(location, Path) and not location.is_dir():
+        raise NotACheckpointError(f"checkpoint directory {str(location)!r} does not exist")
+    config = maybe_load_config(location)
+    if config is None:
+        where = "directory" if isinstance(location, Path) else "location"
+        raise NotACheckpointError(
+            f"{location_str(location)!r} is not a committed dist_ckpt checkpoint: {METADATA_FILENAME} is missing "
+            f"(the save did not finish, or this is not a checkpoint {where})"
+        )
+    return config
+
+
+#: how a HuggingFace folder (safetensors weights and no metadata.json) is loaded: with the
+#: built-in read-only "hf" strategies (dist_ckpt.hf.strategy)
+HF_CONFIG = CheckpointingConfig("hf", 1, "hf", 1)
+_HF_WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors")
+
+
+def detect_config(checkpoint_dir: LocationLike) -> CheckpointingConfig:
+    """The config to load ``checkpoint_dir`` with: its ``metadata.json``, or :data:`HF_CONFIG` for
+    a local folder without one that holds HuggingFace weights (``model.safetensors`` or its index).
+
+    An HF folder is not a committed dist_ckpt checkpoint (:func:`check_is_distributed_checkpoint`
+    stays False); this only lets ``load`` read it. HF folders are read from local disks only.
+    """
+    location = resolve_location(checkpoint_dir)
+    if isinstance(location, Path):
+        if not (location / METADATA_FILENAME).exists() and any((location / f).is_file() for f in _HF_WEIGHT_FILES):
+            return HF_CONFIG
+    return read_config(location)
+
+
+def check_is_distributed_checkpoint(checkpoint_dir: LocationLike) -> bool:
+    """True if ``checkpoint_dir`` holds a ``metadata.json`` with a valid config.
+
+    A damaged ``metadata.json`` gives False; on an object store, a refused request (wrong
+    credentials, missing bucket, retries exhausted) raises its :class:`StorageError` instead of
+    passing for "no checkpoint".
+    """
+    try:
+        return maybe_load_config(checkpoint_dir) is not None
+    except StorageError:
+        raise
+    except CheckpointingException:
+        return False

@@ -1,0 +1,337 @@
+"""The only module of dist_ckpt that calls ``torch.distributed``.
+
+Everything else asks here for the rank, the world size, and for collectives that carry small
+JSON documents (never pickles). With no process group initialized, the world is a single rank
+and every collective is a local no-op, so single-process users need no process group.
+
+Errors must never leave the other ranks hanging: :func:`raise_if_any_rank_failed` exchanges a
+success flag after each step that could fail on some ranks only, and raises the same
+:class:`~dist_ckpt.errors.CheckpointingException` on every rank, naming the rank that failed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from dist_ckpt import errors
+from dist_ckpt.errors import CheckpointingException, KeyMismatchError, RankFailedError
+from dist_ckpt.storage import errors as storage_errors
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+ProcessGroup = Any  # torch.distributed.ProcessGroup, kept loose for older torch versions
+
+
+def is_distributed() -> bool:
+    """True when a torch.distributed process group is initialized."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank(group: Optional[ProcessGroup] = None) -> int:
+    """This process's rank in ``group`` (0 without a process group)."""
+    return dist.get_rank(group) if is_distributed() else 0
+
+
+def get_world_size(group: Optional[ProcessGroup] = None) -> int:
+    """Number of ranks in ``group`` (1 without a process group)."""
+    return dist.get_world_size(group) if is_distributed() else 1
+
+
+def global_rank_of(group: Optional[ProcessGroup], group_rank: int) -> int:
+    """Global rank of ``group_rank`` within ``group``."""
+    if group is None or not is_distributed():
+        return group_rank
+    return int(dist.get_global_rank(group, group_rank))
+
+
+def group_ranks(group: Optional[ProcessGroup] = None) -> List[int]:
+    """Global ranks of the members of ``group``, in group-rank order."""
+    if not is_distributed():
+        return [0]
+    if group is None:
+        return list(range(dist.get_world_size()))
+    return [int(r) for r in dist.get_process_group_ranks(group)]
+
+
+def init_gloo_process_group(rank: int, world_size: int, init_method: str, timeout_s: float = 120.0) -> None:
+    """Initialize a CPU (gloo) process group; for launchers, tests and the demo."""
+    dist.init_process_group(
+        backend="gloo",
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def destroy_process_group() -> None:
+    """Tear down the default process group, if any."""
+    if is_distributed():
+        dist.destroy_process_group()
+
+
+def group_backend(group: Optional[ProcessGroup] = None) -> str:
+    """Name of ``group``'s torch.distributed backend (``"gloo"``, ``"nccl"``); ``"none"`` without
+    a process group."""
+    return str(dist.get_backend(group)) if is_distributed() else "none"
+
+
+def new_group(ranks: Sequence[int], backend: Optional[str] = None) -> ProcessGroup:
+    """Create a process group of the global ``ranks`` (collective over the default group: every
+    rank must call it with the same arguments, in the same order)."""
+    return dist.new_group(ranks=list(ranks), backend=backend)
+
+
+def barrier(group: Optional[ProcessGroup] = None) -> None:
+    """Wait for every rank of ``group``."""
+    if get_world_size(group) > 1:
+        dist.barrier(group=group)
+
+
+def time_collectively(fn: Callable[[], Any], group: Optional[ProcessGroup] = None) -> float:
+    """Seconds ``fn`` takes on the slowest rank of ``group``: wall time between a barrier before
+    and one after (what demos and benchmarks report for a collective save or load)."""
+    barrier(group)
+    start = time.perf_counter()
+    fn()
+    barrier(group)
+    return time.perf_counter() - start
+
+
+def comm_device(group: Optional[ProcessGroup] = None) -> torch.device:
+    """Device for collective buffers: the current CUDA device for NCCL, else the CPU."""
+    if is_distributed() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _encode(obj: Any) -> torch.Tensor:
+    data = json.dumps(obj, separators=(",", ":")).encode("utf-8")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def _decode(buf: torch.Tensor, length: int) -> Any:
+    return json.loads(bytes(buf[:length].cpu().numpy().tobytes()).decode("utf-8"))
+
+
+def _padded_payload(obj: Any, group: Optional[ProcessGroup]) -> tuple[torch.Tensor, List[int]]:
+    device = comm_device(group)
+    payload = _encode(obj)
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(get_world_size(group))]
+    dist.all_gather(sizes, size, group=group)
+    lengths = [int(s.item()) for s in sizes]
+    padded = torch.zeros(max(max(lengths), 1), dtype=torch.uint8, device=device)
+    padded[: payload.numel()] = payload.to(device)
+    return padded, lengths
+
+
+def all_gather_json(obj: Any, group: Optional[ProcessGroup] = None) -> List[Any]:
+    """Every rank's JSON-serializable ``obj``, in group-rank order, on every rank."""
+    if get_world_size(group) == 1:
+        return [json.loads(json.dumps(obj))]
+    padded, lengths = _padded_payload(obj, group)
+    out = [torch.empty_like(padded) for _ in lengths]
+    dist.all_gather(out, padded, group=group)
+    return [_decode(buf, n) for buf, n in zip(out, lengths)]
+
+
+def gather_json(obj: Any, dst: int = 0, group: Optional[ProcessGroup] = None) -> Optional[List[Any]]:
+    """Every rank's ``obj`` on group rank ``dst`` (None elsewhere): O(world) memory on one rank only."""
+    if get_world_size(group) == 1:
+        return [json.loads(json.dumps(obj))]
+    padded, lengths = _padded_payload(obj, group)
+    is_dst = get_rank(group) == dst
+    out = [torch.empty_like(padded) for _ in lengths] if is_dst else None
+    dist.gather(padded, out, dst=global_rank_of(group, dst), group=group)
+    if out is None:
+        return None
+    return [_decode(buf, n) for buf, n in zip(out, lengths)]
+
+
+def broadcast_json(obj: Any, src: int = 0, group: Optional[ProcessGroup] = None) -> Any:
+    """Group rank ``src``'s ``obj`` on every rank."""
+    if get_world_size(group) == 1:
+        return obj
+    device = comm_device(group)
+    payload = _encode(obj) if get_rank(group) == src else torch.empty(0, dtype=torch.uint8)
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    src_global = global_rank_of(group, src)
+    dist.broadcast(size, src=src_global, group=group)
+    buf = (
+        payload.to(device)
+        if get_rank(group) == src
+        else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    )
+    dist.broadcast(buf, src=src_global, group=group)
+    return _decode(buf, int(size.item()))
+
+
+def broadcast_tensor(
+    tensor: torch.Tensor, src: int, group: Optional[ProcessGroup] = None, what: str = "a tensor"
+) -> None:
+    """Broadcast ``tensor`` in place from group rank ``src`` to every rank of ``group``.
+
+    ``tensor`` must be contiguous, live on :func:`comm_device` and have the same shape and dtype
+    on every rank. Only call it once every rank knows the source succeeded (exchange a success
+    flag first): a broadcast cannot report a failure of its source. A failure of the transport
+    itself (a peer rank exited, a timeout) raises :class:`RankFailedError` naming ``what``,
+    the source and this rank; the other ranks see the same transport failure.
+    """
+    if get_world_size(group) == 1:
+        return
+    try:
+        dist.broadcast(tensor, src=global_rank_of(group, src), group=group)
+    except RuntimeError as e:
+        raise RankFailedError(
+            f"[rank {get_rank()}] broadcast of {what} from group rank {src} (global rank "
+            f"{global_rank_of(group, src)}) failed: {e}; a peer rank probably exited or timed out"
+        ) from e
+
+
+def _any_rank_true(flag: bool, group: Optional[ProcessGroup]) -> bool:
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=comm_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
+
+
+def all_ranks_true(flag: bool, group: Optional[ProcessGroup] = None) -> bool:
+    """Collective: whether ``flag`` is True on every rank of ``group`` (one small all-reduce).
+
+    Example::
+
+        if all_ranks_true(my_write_finished):   # every rank agrees on the answer
+            finalize()
+    """
+    if get_world_size(group) == 1:
+        return flag
+    return not _any_rank_true(not flag, group)
+
+
+_SYNCED = "_dist_ckpt_synced"
+
+
+def _describe(error: BaseException, rank: int, step: str) -> dict[str, Any]:
+    info: dict[str, Any] = {"rank": rank, "type": type(error).__name__, "message": str(error), "step": step}
+    if isinstance(error, KeyMismatchError):
+        info["missing_keys"] = list(error.missing_keys)
+        info["unexpected_keys"] = list(error.unexpected_keys)
+    return info
+
+
+def _rebuild(info: dict[str, Any], failed_ranks: List[int]) -> CheckpointingException:
+    rank = info["rank"]
+    message = info["message"]
+    if not message.startswith(f"[rank {rank}]"):
+        message = f"[rank {rank}] {message}"
+    others = [r for r in failed_ranks if r != rank]
+    if others:
+        message += f" (ranks {others} failed too)"
+    # the family lives in errors.py, and the storage layer's members in storage/errors.py
+    cls = getattr(errors, info["type"], None) or getattr(storage_errors, info["type"], None)
+    if isinstance(cls, type) and issubclass(cls, CheckpointingException):
+        if cls is KeyMismatchError:
+            return KeyMismatchError(message, info.get("missing_keys", ()), info.get("unexpected_keys", ()))
+        try:
+            return cls(message)
+        except TypeError:  # a subclass with a different constructor
+            pass
+    return RankFailedError(f"{message} [{info['type']} while {info['step']}]")
+
+
+def raise_if_any_rank_failed(error: Optional[BaseException], step: str, group: Optional[ProcessGroup] = None) -> None:
+    """Collective: if ``error`` is set on any rank, raise one equal error on every rank.
+
+    Every rank of ``group`` must call this with its own outcome of ``step`` (None for success).
+    Errors of the CheckpointingException family keep their type; others become
+    :class:`RankFailedError`. The error of the lowest failing rank is reported. Without a process
+    group the local error is re-raised unchanged.
+
+    Steps nest (a strategy's steps run inside ``save``'s). Every exchange has the same message
+    pattern, so a rank failing in an outer step pairs with ranks inside an inner step; an error
+    that has been exchanged is marked with the ranks it reached and is not exchanged again over
+    the same group on its way out. An enclosing step over a larger group exchanges it again, so
+    the ranks outside the inner group learn about it too.
+    """
+    members = frozenset(group_ranks(group))
+    if error is not None and getattr(error, _SYNCED, None) == members:
+        raise error
+    if get_world_size(group) == 1:
+        if error is not None:
+            raise error
+        return
+    if not _any_rank_true(error is not None, group):
+        return
+    rank = get_rank(group)
+    infos = all_gather_json(None if error is None else _describe(error, global_rank_of(group, rank), step), group)
+    failures = [i for i in infos if i is not None]
+    failed_ranks = [i["rank"] for i in failures]
+    exc = _rebuild(failures[0], failed_ranks)
+    setattr(exc, _SYNCED, members)
+    if error is not None:
+        raise exc from error
+    raise exc
+
+
+# The steps each thread is in, outermost first, for diagnostics only: the watchdog
+# (dist_ckpt.engine.watchdog), running on its own thread, reads them to say where a stuck rank is.
+_active_steps: Dict[int, List[str]] = {}
+_active_steps_lock = threading.Lock()
+
+
+def active_steps(thread_id: Optional[int] = None) -> Tuple[str, ...]:
+    """The :func:`run_collectively` steps that thread ``thread_id`` (default: the calling thread)
+    is in right now, outermost first.
+
+    Example::
+
+        active_steps()   # ('saving sharded tensors', 'writing safetensors files') inside a save
+    """
+    with _active_steps_lock:
+        return tuple(_active_steps.get(threading.get_ident() if thread_id is None else thread_id, ()))
+
+
+def _enter_step(step: str) -> None:
+    with _active_steps_lock:
+        _active_steps.setdefault(threading.get_ident(), []).append(step)
+
+
+def _leave_step() -> None:
+    thread = threading.get_ident()
+    with _active_steps_lock:
+        steps = _active_steps.get(thread)
+        if steps:
+            steps.pop()
+        if not steps:
+            _active_steps.pop(thread, None)
+
+
+def run_collectively(step: str, fn: Callable[[], T], group: Optional[ProcessGroup] = None) -> T:
+    """Run ``fn`` on every rank; if it raises on any rank, raise on every rank.
+
+    While it runs, ``step`` is listed by :func:`active_steps` (for the watchdog's messages).
+
+    Example::
+
+        run_collectively("writing common.pt", lambda: strategy.save_common(common, ckpt_dir))
+    """
+    _enter_step(step)
+    try:
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 -- every failure must reach the other ranks
+            raise_if_any_rank_failed(e, step, group)
+            raise  # unreachable: the call above always raises when given an error
+        raise_if_any_rank_failed(None, step, group)
+        return result
+    finally:
+        _leave_step()

@@ -1,0 +1,229 @@
+"""Instrumentation of the numbered steps of ``save`` and ``load``: timings, progress, watchdog.
+
+``dist_ckpt.save`` and ``dist_ckpt.load`` are sequences of named collective steps
+(:func:`~dist_ckpt.engine.distributed.run_collectively`). A :class:`StepMonitor` runs each of them
+instead, adding three things around it, without any change to the backends:
+
+* the seconds of the step, into a :class:`~dist_ckpt.engine.report.CheckpointReport`;
+* ``progress`` callbacks when the step starts and ends (inside the step, so a callback that
+  raises fails the step on every rank instead of leaving the others waiting);
+* the step's name for the :class:`~dist_ckpt.engine.watchdog.Watchdog`, whose thread runs while the
+  monitor is entered.
+
+:meth:`StepMonitor.finish` then completes the report (collective: one small gather of every
+rank's bytes and time; rank 0 lists the checkpoint's files) and logs it.
+
+Example::
+
+    monitor = StepMonitor(Operation.SAVE, "ckpt/iter_10", [Step.SAVE_SHARDED, Step.COMMIT], progress=None)
+    with monitor:
+        monitor.run(Step.SAVE_SHARDED, write_files)
+        monitor.run(Step.COMMIT, commit)
+    report = monitor.finish(count_files=True)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tuple, Type, TypeVar, Union
+
+from dist_ckpt.engine.distributed import all_gather_json, get_rank, get_world_size, run_collectively
+from dist_ckpt.engine.report import CheckpointReport, Operation, PhaseTiming, ProgressCallback, ProgressEvent
+from dist_ckpt.engine.steps import Step
+from dist_ckpt.engine.watchdog import Watchdog
+from dist_ckpt.model.dict_utils import nested_values
+from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, is_main_replica
+from dist_ckpt.storage.base import Storage, open_storage
+
+__all__ = ["StepMonitor", "count_files", "main_replica_bytes", "requested_bytes"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def main_replica_bytes(sharded_state_dict: ShardedStateDict) -> int:
+    """Tensor bytes a rank saves: the data of its main-replica ShardedTensors.
+
+    Example::
+
+        main_replica_bytes({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4))})   # 16
+    """
+    return sum(
+        sh.data.numel() * sh.data.element_size()
+        for sh in nested_values(sharded_state_dict)
+        if isinstance(sh, ShardedTensor) and sh.data is not None and is_main_replica(sh.replica_id)
+    )
+
+
+def requested_bytes(sharded_state_dict: ShardedStateDict) -> int:
+    """Tensor bytes a rank loads: every ShardedTensor it requests, replicas included (a flattened
+    one counts its range).
+
+    Example::
+
+        requested_bytes({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4))})   # 16
+    """
+    total = 0
+    for sh in nested_values(sharded_state_dict):
+        if isinstance(sh, ShardedTensor):
+            rng = sh.flattened_range
+            numel = rng.stop - rng.start if rng is not None else math.prod(sh.local_shape)
+            total += numel * sh.dtype.itemsize
+    return total
+
+
+def count_files(checkpoint_dir: Union[str, Path, Storage]) -> Tuple[Optional[int], Optional[int]]:
+    """``(files, bytes)`` of the checkpoint at ``checkpoint_dir`` as its storage lists them, or
+    ``(None, None)`` if it cannot be listed (a report is no reason to fail a save).
+
+    Example::
+
+        files, nbytes = count_files("ckpt/iter_10")
+    """
+    try:
+        objects = open_storage(checkpoint_dir).list()
+    except Exception as e:  # noqa: BLE001 -- any listing failure only leaves the count unknown
+        logger.debug("cannot list %s for the report: %s", checkpoint_dir, e)
+        return None, None
+    return len(objects), sum(o.size for o in objects)
+
+
+class StepMonitor:
+    """Runs the steps of one save or load on this rank, timing and reporting them.
+
+    Args:
+        operation: what the steps do.
+        checkpoint_dir: the checkpoint: a path, or an object-store storage.
+        phases: the names of the steps that will run, in order (for the progress events'
+            ``index`` / ``total``; a step not listed is numbered after them).
+        progress: called with a :class:`~dist_ckpt.engine.report.ProgressEvent` when a step starts and
+            when it ends.
+        watchdog_timeout_s: log a WARNING when a step lasts longer (None: no watchdog).
+    """
+
+    def __init__(
+        self,
+        operation: Operation,
+        checkpoint_dir: Union[str, Path, Storage],
+        phases: Sequence[Step],
+        progress: Optional[ProgressCallback] = None,
+        watchdog_timeout_s: Optional[float] = None,
+    ) -> None:
+        if watchdog_timeout_s is not None:
+            Watchdog(watchdog_timeout_s)  # validates the timeout before anything runs
+        self.location = checkpoint_dir
+        name = checkpoint_dir.url if isinstance(checkpoint_dir, Storage) else str(checkpoint_dir)
+        self.report = CheckpointReport(operation, name, get_rank(), get_world_size())
+        self.phases: List[Step] = list(phases)
+        self.progress = progress
+        self.watchdog_timeout_s = watchdog_timeout_s
+        self._started = time.perf_counter()
+        self._watchdog: Optional[Watchdog] = None
+
+    # ----------------------------------------------------------------------- watchdog
+
+    def __enter__(self) -> "StepMonitor":
+        if self.watchdog_timeout_s is not None:
+            what = f"the {self.report.operation.value} of {self.report.checkpoint_dir}"
+            self._watchdog = Watchdog(self.watchdog_timeout_s, what).__enter__()
+        return self
+
+    def __exit__(
+        self, exc_type: Optional[Type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
+    ) -> None:
+        if self._watchdog is not None:
+            self._watchdog.__exit__(exc_type, exc, tb)
+            self._watchdog = None
+
+    # ----------------------------------------------------------------------- steps
+
+    def elapsed(self) -> float:
+        """Seconds since the operation started."""
+        return time.perf_counter() - self._started
+
+    def notify(
+        self, phase: Step, done: bool, item: Optional[str] = None, bytes_done: int = 0, bytes_total: int = 0
+    ) -> None:
+        """Send a progress event for ``phase`` (nothing without a callback)."""
+        if self.progress is None:
+            return
+        index = self.phases.index(phase) + 1 if phase in self.phases else len(self.phases) + 1
+        total = max(len(self.phases), index)
+        self.progress(
+            ProgressEvent(
+                self.report.operation,
+                self.report.checkpoint_dir,
+                phase.value,
+                index,
+                total,
+                done,
+                self.elapsed(),
+                item,
+                bytes_done,
+                bytes_total,
+            )
+        )
+
+    def heartbeat(self) -> None:
+        """The current step made progress: restart its watchdog clock (see :meth:`Watchdog.touch`)."""
+        if self._watchdog is not None:
+            self._watchdog.touch()
+
+    def run(self, phase: Step, fn: Callable[[], T]) -> T:
+        """Run ``fn`` as the collective step ``phase`` (see
+        :func:`~dist_ckpt.engine.distributed.run_collectively`), timed and reported."""
+
+        def body() -> T:
+            self.notify(phase, done=False)
+            result = fn()
+            self.notify(phase, done=True)
+            return result
+
+        start = time.perf_counter()
+        guard: ContextManager[Any] = self._watchdog.step(phase.value) if self._watchdog is not None else nullcontext()
+        try:
+            with guard:
+                return run_collectively(phase.value, body)
+        finally:
+            self.report.phases.append(PhaseTiming(phase.value, time.perf_counter() - start))
+
+    def add_phase(self, phase: Step, seconds: float) -> None:
+        """Record a phase that ran outside :meth:`run` (e.g. an async save's background write)."""
+        self.report.phases.append(PhaseTiming(phase.value, seconds))
+
+    # ----------------------------------------------------------------------- the end
+
+    def finish(self, nbytes: int, count_checkpoint_files: bool = True) -> CheckpointReport:
+        """Complete the report and log it (collective: every rank calls it once its steps ended).
+
+        Args:
+            nbytes: tensor bytes this rank wrote or read.
+            count_checkpoint_files: have rank 0 list the checkpoint's files.
+        """
+        report = self.report
+        report.nbytes = int(nbytes)
+        report.seconds = self.elapsed()
+        files: Tuple[Optional[int], Optional[int]] = (None, None)
+        if count_checkpoint_files and report.rank == 0:
+            files = count_files(self.location)
+        gathered = all_gather_json([report.nbytes, report.seconds, files[0], files[1]])
+        report.total_nbytes = sum(int(g[0]) for g in gathered)
+        report.max_seconds = max(float(g[1]) for g in gathered)
+        report.files, report.file_bytes = gathered[0][2], gathered[0][3]
+        report.complete = True
+        if report.rank == 0:
+            logger.info("%s", report.summary())
+        logger.debug(
+            "rank %d: %d bytes in %.3f s (%.3g GiB/s)",
+            report.rank,
+            report.nbytes,
+            report.seconds,
+            report.rank_gib_per_s,
+        )
+        return report

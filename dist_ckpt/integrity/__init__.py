@@ -1,0 +1,1 @@
+"""crc32c checksums of stored bytes and the whole-checkpoint verifier."""

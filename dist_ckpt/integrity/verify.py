@@ -1,0 +1,230 @@
+"""Check a whole checkpoint directory: which files are missing, damaged or uncommitted.
+
+:func:`verify_checkpoint` is what ``dist-ckpt verify DIR`` runs, on a local directory or an
+``s3://bucket/prefix`` (reading every object once). One process, no process group:
+
+1. read ``metadata.json``: missing means the save never committed (a partial checkpoint that
+   ``load`` refuses); unreadable means the commit record is damaged;
+2. pick the load strategies of the recorded backends -- or, without a usable ``metadata.json``,
+   those of the backend whose directory is present (``safetensors/`` or ``zarr/``), so that a
+   partial checkpoint's files are checked too;
+3. let each strategy check its files against the checksums recorded at save time
+   (``LoadStrategyBase.verify_integrity``): every safetensors block, every zarr file, common.pt
+   and every ShardedObject file.
+
+Every problem is one :class:`~dist_ckpt.integrity.checksums.IntegrityProblem` (file, key, what is wrong);
+nothing raises for a damaged checkpoint.
+
+Example::
+
+    report = verify_checkpoint("ckpt/iter_1000")
+    if not report.ok:
+        for problem in report.problems:
+            print(problem)          # "safetensors/rank00001_0.safetensors (key 'w'): bytes ..."
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from dist_ckpt.backends.base import LoadStrategyBase
+from dist_ckpt.engine.commit import METADATA_FILENAME, CheckpointingConfig, maybe_load_config
+from dist_ckpt.engine.registry import StrategyAction, get_default_strategy
+from dist_ckpt.engine.report import Operation, ProgressCallback, ProgressEvent
+from dist_ckpt.errors import CheckpointingException
+from dist_ckpt.integrity.checksums import IntegrityProblem, IntegrityReport
+from dist_ckpt.storage.errors import StorageError
+from dist_ckpt.storage.location import CheckpointLocation, LocationLike, location_str, resolve_location
+
+__all__ = ["VerifyReport", "verify_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+#: directory of each built-in sharded backend, to check the files of an uncommitted checkpoint
+_BACKEND_DIRS: Tuple[Tuple[str, str, int], ...] = (("safetensors", "safetensors", 1), ("zarr", "zarr", 1))
+
+
+@dataclass
+class VerifyReport:
+    """The outcome of :func:`verify_checkpoint`.
+
+    Attributes:
+        checkpoint_dir: the directory (or ``s3://`` URL) checked.
+        committed: whether it holds a valid ``metadata.json``.
+        backends: the ``backend:version`` of each part checked.
+        problems: every problem found; empty means healthy.
+        files_checked: files checked.
+        bytes_checked: bytes whose checksums were recomputed.
+        notes: remarks that are not problems (e.g. parts saved without checksums).
+        found: False when the location holds neither ``metadata.json`` nor any file a save
+            writes (not a checkpoint at all, e.g. a run directory): then nothing was checked.
+    """
+
+    checkpoint_dir: str
+    committed: bool = False
+    backends: List[str] = field(default_factory=list)
+    problems: List[IntegrityProblem] = field(default_factory=list)
+    files_checked: int = 0
+    bytes_checked: int = 0
+    notes: List[str] = field(default_factory=list)
+    found: bool = True
+
+    @property
+    def ok(self) -> bool:
+        """A committed checkpoint with no problem."""
+        return self.committed and not self.problems
+
+    def to_json(self) -> Dict[str, Any]:
+        """The report as a JSON-serializable dict (``dist-ckpt verify --json``)."""
+        return {
+            "checkpoint": self.checkpoint_dir,
+            "ok": self.ok,
+            "found": self.found,
+            "committed": self.committed,
+            "backends": self.backends,
+            "problems": [p.to_json() for p in self.problems],
+            "files_checked": self.files_checked,
+            "bytes_checked": self.bytes_checked,
+            "notes": self.notes,
+        }
+
+
+def verify_checkpoint(checkpoint_dir: LocationLike, progress: Optional[ProgressCallback] = None) -> VerifyReport:
+    """Check every file of the checkpoint at ``checkpoint_dir`` (see the module docstring).
+
+    ``progress`` is called with a :class:`~dist_ckpt.engine.report.ProgressEvent` as the check of each
+    part (the commit record, then each backend's files) starts and ends.
+
+    Example::
+
+        report = verify_checkpoint("ckpt/iter_1000")
+        assert report.ok, "\\n".join(map(str, report.problems))
+
+    Raises:
+        StorageError: an object store refused the requests (wrong credentials, a missing
+            bucket, retries exhausted) -- a problem of access, not of the checkpoint.
+        StorageConfigError: a malformed location (an unknown scheme, an invalid bucket name).
+    """
+    directory = resolve_location(checkpoint_dir)
+    report = VerifyReport(location_str(directory))
+    if isinstance(directory, Path) and not directory.is_dir():
+        report.problems.append(IntegrityProblem(".", "the checkpoint directory does not exist"))
+        return report
+    started = time.perf_counter()
+
+    def notify(phase: str, index: int, total: int, done: bool) -> None:
+        if progress is not None:
+            progress(
+                ProgressEvent(
+                    Operation.VERIFY, report.checkpoint_dir, phase, index, total, done, time.perf_counter() - started
+                )
+            )
+
+    notify(f"checking {METADATA_FILENAME}", 1, 1, False)  # the parts to check are known after it
+    # 1. the commit record
+    config: Optional[CheckpointingConfig] = None
+    try:
+        config = maybe_load_config(directory)
+    except StorageError:
+        raise  # refused credentials, a missing bucket: not a property of the checkpoint
+    except CheckpointingException as e:
+        report.problems.append(IntegrityProblem(METADATA_FILENAME, f"unreadable: {e}"))
+    if config is None and not report.problems and not _holds_save_files(directory):
+        report.found = False
+        report.problems.append(
+            IntegrityProblem(
+                METADATA_FILENAME,
+                "missing, and so is every file a save writes: no checkpoint here (or a save that "
+                "had not started writing)",
+            )
+        )
+        return report
+    if config is None and not report.problems:
+        report.problems.append(
+            IntegrityProblem(
+                METADATA_FILENAME,
+                "missing: the save never committed (interrupted, or still running); load refuses this directory",
+            )
+        )
+    report.committed = config is not None
+    # 2. the strategies
+    strategies = _strategies(directory, config, report)
+    notify(f"checking {METADATA_FILENAME}", 1, 1 + len(strategies), True)
+    # 3. every part's files
+    for i, (name, strategy) in enumerate(strategies, start=2):
+        notify(f"checking the {name} files", i, 1 + len(strategies), False)
+        try:
+            part = strategy.verify_integrity(directory)
+        except CheckpointingException as e:  # a strategy that could not even start
+            part = IntegrityReport()
+            part.add(".", f"{name}: {e}")
+        report.backends.append(name)
+        report.problems.extend(part.problems)
+        report.files_checked += part.files_checked
+        report.bytes_checked += part.bytes_checked
+        report.notes.extend(part.notes)
+        notify(f"checking the {name} files", i, 1 + len(strategies), True)
+    _note_leftovers(directory, report)
+    logger.info("verified %s: %d problems, %d files", directory, len(report.problems), report.files_checked)
+    return report
+
+
+def _strategies(
+    directory: CheckpointLocation, config: Optional[CheckpointingConfig], report: VerifyReport
+) -> List[Tuple[str, LoadStrategyBase]]:
+    if config is not None:
+        wanted = [
+            (StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version),
+            (StrategyAction.LOAD_COMMON, config.common_backend, config.common_backend_version),
+        ]
+    else:  # uncommitted: check the files that are there
+        present = _top_level_names(directory)
+        wanted = [(StrategyAction.LOAD_SHARDED, b, v) for d, b, v in _BACKEND_DIRS if d in present]
+        wanted.append((StrategyAction.LOAD_COMMON, "torch", 1))
+    out: List[Tuple[str, LoadStrategyBase]] = []
+    for action, backend, version in wanted:
+        try:
+            strategy = get_default_strategy(action, backend, version)
+        except CheckpointingException as e:
+            report.problems.append(IntegrityProblem(METADATA_FILENAME, f"cannot check the {backend!r} part: {e}"))
+            continue
+        assert isinstance(strategy, LoadStrategyBase)
+        try:
+            strategy.check_location(directory)
+        except CheckpointingException as e:
+            report.problems.append(IntegrityProblem(".", f"cannot check the {backend!r} part: {e}"))
+            continue
+        out.append((f"{backend}:{version}", strategy))
+    return out
+
+
+def _holds_save_files(directory: CheckpointLocation) -> bool:
+    """Whether anything a save writes is at the top of ``directory``: a backend's directory or a
+    name the common-state strategy owns (``common.pt``, ``objects/``, ...)."""
+    common = get_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1)
+    names = {d for d, _, _ in _BACKEND_DIRS} | set(getattr(common, "owned_paths", ()))
+    if isinstance(directory, Path):
+        return any((directory / name).exists() for name in names)
+    return bool(names & set(directory.list_dirs())) or any(directory.exists(name) for name in names)
+
+
+def _top_level_names(directory: CheckpointLocation) -> List[str]:
+    """Names of the entries directly in the checkpoint (directories, or first key components)."""
+    if isinstance(directory, Path):
+        return [p.name for p in directory.iterdir() if p.is_dir()]
+    return sorted({o.key.split("/", 1)[0] for o in directory.list() if "/" in o.key})
+
+
+def _note_leftovers(directory: CheckpointLocation, report: VerifyReport) -> None:
+    """Temporary files of interrupted atomic writes are harmless; say they can go (an object
+    store has none: an interrupted upload never becomes an object)."""
+    if not isinstance(directory, Path):
+        return
+    leftovers = sorted(str(p.relative_to(directory)) for p in directory.rglob(".*.tmp-*"))
+    if leftovers:
+        shown = ", ".join(leftovers[:5]) + (f" and {len(leftovers) - 5} more" if len(leftovers) > 5 else "")
+        report.notes.append(f"temporary files of an interrupted write can be deleted: {shown}")

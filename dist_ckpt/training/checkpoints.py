@@ -1,0 +1,645 @@
+"""Checkpoint directories over time: the latest complete one, rotation, best, metrics.
+
+A training run writes its checkpoints into one directory, ``model_dir``::
+
+    model_dir/
+      checkpoint-1000/     complete dist_ckpt checkpoint (its metadata.json is committed)
+      checkpoint-2000/     complete HuggingFace-format checkpoint (model.safetensors)
+      checkpoint-3000/     a save in progress or a crashed one (no commit marker): not complete
+      model.safetensors -> checkpoint-2000/model.safetensors    (create_pretrained_symlinks)
+
+The functions here are single-process utilities: call them from one process (e.g. rank 0),
+never from every rank at once, and not while another process rotates the same ``model_dir``.
+
+**Names.** The name of a checkpoint directory carries its step. Recognised names
+(:data:`CHECKPOINT_NAME_PATTERNS`, ``N`` = decimal digits, leading zeros allowed):
+``checkpoint-N`` (HuggingFace Trainer; what :func:`next_checkpoint_path` creates),
+``checkpoint_N``, ``iter_N`` (Megatron, ``iter_0001000``), ``step-N``, ``step_N`` and
+``global_stepN`` (DeepSpeed). Any other entry of ``model_dir`` (files, ``runs/``, ``final/``,
+hidden names) is not managed: never returned as the latest checkpoint, never counted or deleted
+by rotation. Unlike the reference, checkpoints live directly in ``model_dir`` (Megatron's
+layout), not in a ``checkpoints/`` subdirectory.
+
+**Order.** Checkpoints are ordered by ``(step, name)``: by step, never by modification time
+(copies, restores and coarse clocks reorder mtimes); two names with the same step
+(``checkpoint-1000`` and ``iter_0001000``) are ordered by their names as strings.
+
+**Completeness.** Completeness is decided by each format's commit marker, nothing else. A
+directory is a *complete* checkpoint iff
+
+* it is a committed dist_ckpt checkpoint: its ``metadata.json`` is valid
+  (:func:`dist_ckpt.engine.commit.maybe_load_config`), or
+* it holds HuggingFace weights, looked for in this order: ``model.safetensors.index.json``,
+  ``model.safetensors``, ``pytorch_model.bin.index.json``, ``pytorch_model.bin`` (the first
+  one present decides). An index must hold a non-empty ``weight_map`` whose every shard file
+  exists in the directory and is whole; a safetensors file is whole when its size is exactly
+  what its header says (a truncated copy is not); a torch zip file is whole when its central
+  directory can be found.
+
+A directory that holds dist_ckpt files (``metadata.json``, even a corrupt one, or
+``common.pt``) is judged as dist_ckpt only: HF-named files in it never make it complete, so an
+uncommitted dist_ckpt save of HF-style files cannot pass for a finished HF checkpoint. Anything
+else (no marker, a corrupt ``metadata.json``, an index with a missing shard) is *partial*:
+ignored by :func:`find_latest_checkpoint`, never counted as complete.
+
+**Deletion.** A directory is deleted so that no crash can leave a half-deleted one that looks
+complete: (1) it is atomically renamed to a hidden trash name (``.dist_ckpt-trash-...``) that
+no pattern recognises, (2) ``model_dir`` is fsynced so the rename is durable before any file
+goes, (3) its commit markers are removed, (4) the rest is removed. Trash left by a crash is
+removed by the next :func:`maybe_delete_oldest_checkpoint`.
+
+**Object stores.** ``model_dir`` and checkpoint paths may be ``s3://bucket/run`` URLs or an
+object-store :class:`~dist_ckpt.storage.base.Storage`: the same rules apply through the storage
+(:mod:`dist_ckpt.training.object_store_runs` says how deletion stays crash-safe without renames);
+returned paths are then URLs. Object stores have no symlinks, so
+:func:`create_pretrained_symlinks` refuses them.
+
+The structural checks of HF weight files live in :mod:`dist_ckpt.training.hf_weights`, the metrics
+file in :mod:`dist_ckpt.training.metrics` (its functions are re-exported here).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Iterable, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
+
+from dist_ckpt.backends.torch_common.strategy import COMMON_STATE_FNAME
+from dist_ckpt.engine.commit import METADATA_FILENAME, CheckpointingConfig, maybe_load_config
+from dist_ckpt.errors import (
+    CheckpointingException,
+    CheckpointManagementError,
+    NotACheckpointError,
+    SymlinkConflictError,
+)
+from dist_ckpt.storage import Storage, fsync_dir
+from dist_ckpt.storage.location import remote_storage, require_local, resolve_location
+from dist_ckpt.training import object_store_runs as objects
+from dist_ckpt.training.hf_weights import index_shards, weights_file_whole
+from dist_ckpt.training.metrics import METRICS_FILENAME, load_checkpoint_metrics, save_checkpoint_metrics
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CHECKPOINT_NAME_PATTERNS",
+    "METRICS_FILENAME",
+    "CheckpointFormat",
+    "CheckpointMeta",
+    "create_pretrained_symlinks",
+    "find_latest_checkpoint",
+    "get_checkpoint_metadata",
+    "load_checkpoint_metrics",
+    "maybe_delete_oldest_checkpoint",
+    "next_checkpoint_path",
+    "parse_checkpoint_step",
+    "save_checkpoint_metrics",
+    "validate_checkpoint",
+]
+
+PathLike = Union[str, "os.PathLike[str]", Storage]
+
+#: Regular expressions (matched against the whole directory name) whose group is the step.
+CHECKPOINT_NAME_PATTERNS: Tuple[str, ...] = (
+    r"checkpoint-([0-9]+)",
+    r"checkpoint_([0-9]+)",
+    r"iter_([0-9]+)",
+    r"step-([0-9]+)",
+    r"step_([0-9]+)",
+    r"global_step([0-9]+)",
+)
+_NAME_RES = tuple(re.compile(p) for p in CHECKPOINT_NAME_PATTERNS)
+
+
+# HuggingFace file names; the order get_checkpoint_metadata looks for them in is _HF_FILES
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+SAFE_WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
+WEIGHTS_NAME = "pytorch_model.bin"
+_HF_FILES = objects.HF_FILES  # (file name, is_index, safetensors)
+# symlinks that create_pretrained_symlinks may have made (and so may replace or remove)
+_HF_LINK_RE = re.compile(
+    r"model(-[0-9]+-of-[0-9]+)?\.safetensors(\.index\.json)?|pytorch_model(-[0-9]+-of-[0-9]+)?\.bin(\.index\.json)?"
+)
+_TRASH_PREFIX = ".dist_ckpt-trash-"
+
+
+class CheckpointFormat(str, Enum):
+    """On-disk format of a checkpoint directory (compares equal to its string value)."""
+
+    DIST_CKPT = "dist_ckpt"
+    HF = "hf"
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    """What :func:`get_checkpoint_metadata` found in a directory.
+
+    Attributes:
+        file_name: HF: the index file if there is one, else the weights file; dist_ckpt:
+            ``"metadata.json"``.
+        is_index: ``file_name`` is an HF index of shard files (always False for dist_ckpt).
+        safetensors: the HF weights are safetensors, else torch pickles (False for dist_ckpt).
+        format: ``CheckpointFormat.DIST_CKPT`` or ``CheckpointFormat.HF``.
+        complete: the checkpoint is committed (see the module docstring); False for a corrupt
+            ``metadata.json`` or an index whose shards are missing or truncated.
+        step: the step parsed from the directory name, or None if the name carries none.
+        backend / backend_version: the sharded backend recorded in ``metadata.json`` (dist_ckpt).
+        config: the whole record of ``metadata.json`` (complete dist_ckpt checkpoints only).
+    """
+
+    file_name: str
+    is_index: bool
+    safetensors: bool
+    format: CheckpointFormat
+    complete: bool
+    step: Optional[int] = None
+    backend: Optional[str] = None
+    backend_version: Optional[int] = None
+    config: Optional[CheckpointingConfig] = None
+
+
+class _Entry(NamedTuple):
+    step: int
+    name: str
+    is_symlink: bool
+
+
+# --------------------------------------------------------------------------- names
+
+
+def _object_store(location: PathLike) -> Optional[Storage]:
+    """The object store of an ``s3://`` URL or storage, or None for a local path."""
+    return remote_storage(resolve_location(location))
+
+
+def _local(location: PathLike) -> Union[str, "os.PathLike[str]"]:
+    """``location`` for the local code paths: as given, or a LocalStorage's directory."""
+    return require_local(resolve_location(location), "this function") if isinstance(location, Storage) else location
+
+
+def parse_checkpoint_step(name: str) -> Optional[int]:
+    """The step a checkpoint directory name carries, or None if it matches no pattern.
+
+    Example::
+
+        parse_checkpoint_step("iter_0001000")   # 1000
+        parse_checkpoint_step("final")          # None
+    """
+    for pattern in _NAME_RES:
+        match = pattern.fullmatch(name)
+        if match:
+            return int(match.group(1))
+    return None
+
+
+def next_checkpoint_path(model_dir: PathLike, checkpoint_id: Union[int, str]) -> str:
+    """The directory to save the checkpoint of a step (or of a given name) into.
+
+    Creates nothing. An int (or a string of digits) gives ``model_dir/checkpoint-<step>``; any
+    other string must be a recognised checkpoint name and is used as it is.
+
+    Example::
+
+        path = next_checkpoint_path("runs/gpt", 1000)        # "runs/gpt/checkpoint-1000"
+        dist_ckpt.save(sharded_state_dict, path)
+        next_checkpoint_path("runs/gpt", "iter_0001000")     # "runs/gpt/iter_0001000"
+
+    Raises:
+        CheckpointManagementError: a negative step, or a name that carries no step (it would
+            be invisible to find_latest_checkpoint and rotation).
+    """
+    if isinstance(checkpoint_id, bool) or not isinstance(checkpoint_id, (int, str)):
+        raise CheckpointManagementError(
+            f"checkpoint_id must be a step (int) or a checkpoint name (str), got {checkpoint_id!r}"
+        )
+    if isinstance(checkpoint_id, str) and checkpoint_id.isascii() and checkpoint_id.isdigit():
+        checkpoint_id = int(checkpoint_id)
+    if isinstance(checkpoint_id, int):
+        if checkpoint_id < 0:
+            raise CheckpointManagementError(f"checkpoint step must be >= 0, got {checkpoint_id}")
+        name = f"checkpoint-{checkpoint_id}"
+    elif parse_checkpoint_step(checkpoint_id) is not None:
+        name = checkpoint_id
+    else:
+        raise CheckpointManagementError(
+            f"checkpoint name {checkpoint_id!r} carries no step: use a step or a name matching one of "
+            f"{', '.join(CHECKPOINT_NAME_PATTERNS)} (other names are not managed checkpoints)"
+        )
+    store = _object_store(model_dir)
+    if store is not None:
+        return store.url_of(name)
+    return os.path.join(os.fspath(_local(model_dir)), name)
+
+
+def _scan(model_dir: Path) -> List[_Entry]:
+    """The directories of ``model_dir`` whose names carry a step (sorted oldest first)."""
+    if not model_dir.is_dir():
+        return []
+    entries = []
+    with os.scandir(model_dir) as it:
+        for entry in it:
+            step = parse_checkpoint_step(entry.name)
+            if step is not None and entry.is_dir():
+                entries.append(_Entry(step, entry.name, entry.is_symlink()))
+    return sorted(entries)
+
+
+# --------------------------------------------------------------------------- completeness
+
+
+def _hf_meta(directory: Path, step: Optional[int]) -> Optional[CheckpointMeta]:
+    for file_name, is_index, safetensors in _HF_FILES:
+        file = directory / file_name
+        if not file.is_file():
+            continue
+        if is_index:
+            shards = index_shards(file)
+            complete = shards is not None and all(weights_file_whole(directory / s) for s in shards)
+        else:
+            complete = weights_file_whole(file)
+        return CheckpointMeta(file_name, is_index, safetensors, CheckpointFormat.HF, complete, step)
+    return None
+
+
+def get_checkpoint_metadata(path: PathLike) -> Optional[CheckpointMeta]:
+    """Detect the format of a checkpoint directory and whether it is complete.
+
+    A ``metadata.json`` makes a dist_ckpt checkpoint (complete if it is valid); otherwise HF
+    weight files are looked for (see the module docstring). A directory with neither is no
+    checkpoint (None), and so is a dist_ckpt save that has not committed yet (``common.pt`` but
+    no ``metadata.json``).
+
+    Example::
+
+        meta = get_checkpoint_metadata("runs/gpt/checkpoint-1000")
+        if meta is not None and meta.complete and meta.format == "hf":
+            print(meta.file_name, meta.is_index, meta.safetensors)
+        get_checkpoint_metadata("s3://bucket/runs/gpt/checkpoint-1000")   # the same on S3
+
+    Returns:
+        A :class:`CheckpointMeta` (``complete=False`` for a corrupt ``metadata.json`` or an HF
+        folder with missing or truncated weights), or None for a missing directory or one that
+        is no checkpoint.
+    """
+    store = _object_store(path)
+    if store is not None:
+        return _object_meta(store)
+    directory = Path(_local(path))
+    if not directory.is_dir():
+        return None
+    step = parse_checkpoint_step(Path(os.path.abspath(directory)).name)
+    try:
+        config = maybe_load_config(directory)
+    except CheckpointingException as e:
+        logger.debug("%s is not committed: %s", directory, e)
+        return CheckpointMeta(METADATA_FILENAME, False, False, CheckpointFormat.DIST_CKPT, False, step)
+    if config is not None:
+        return CheckpointMeta(
+            METADATA_FILENAME,
+            False,
+            False,
+            CheckpointFormat.DIST_CKPT,
+            True,
+            step,
+            config.sharded_backend,
+            config.sharded_backend_version,
+            config,
+        )
+    if (directory / COMMON_STATE_FNAME).exists():
+        return None  # a dist_ckpt save that has not committed: no checkpoint yet
+    return _hf_meta(directory, step)
+
+
+def _object_meta(store: Storage) -> Optional[CheckpointMeta]:
+    found = objects.inspect_checkpoint(store, COMMON_STATE_FNAME)
+    if found is None:
+        return None
+    step = parse_checkpoint_step(store.url.rstrip("/").rsplit("/", 1)[-1])
+    fmt = CheckpointFormat.HF if found.hf else CheckpointFormat.DIST_CKPT
+    config = found.config
+    return CheckpointMeta(
+        found.file_name,
+        found.is_index,
+        found.safetensors,
+        fmt,
+        found.complete,
+        step,
+        config.sharded_backend if config else None,
+        config.sharded_backend_version if config else None,
+        config,
+    )
+
+
+def validate_checkpoint(checkpoint_path: PathLike) -> bool:
+    """Whether ``checkpoint_path`` is a complete (committed) checkpoint directory.
+
+    Example::
+
+        if not validate_checkpoint("runs/gpt/checkpoint-1000"):
+            raise SystemExit("that save did not finish")
+    """
+    meta = get_checkpoint_metadata(checkpoint_path)
+    return meta is not None and meta.complete
+
+
+def find_latest_checkpoint(model_dir: PathLike) -> Optional[str]:
+    """The complete checkpoint of ``model_dir`` with the highest step, or None.
+
+    Partial directories (a save in progress or a crashed one) are skipped, whatever their step
+    or modification time; ties on the step go to the greater name (module docstring).
+
+    Example::
+
+        latest = find_latest_checkpoint("runs/gpt")
+        if latest is not None:
+            state = dist_ckpt.load(sharded_state_dict, latest)
+    """
+    store = _object_store(model_dir)
+    if store is not None:
+        for step, name in reversed(objects.checkpoint_names(store, parse_checkpoint_step)):
+            if validate_checkpoint(store.child(name)):
+                logger.debug("latest complete checkpoint in %s: %s (step %d)", store.url, name, step)
+                return store.url_of(name)
+            logger.info("skipping %s: not a complete checkpoint (no valid commit marker)", store.url_of(name))
+        return None
+    root = Path(_local(model_dir))
+    for entry in reversed(_scan(root)):
+        path = os.path.join(os.fspath(_local(model_dir)), entry.name)
+        if validate_checkpoint(path):
+            logger.debug("latest complete checkpoint in %s: %s (step %d)", root, entry.name, entry.step)
+            return path
+        logger.info("skipping %s: not a complete checkpoint (no valid commit marker)", path)
+    return None
+
+
+# --------------------------------------------------------------------------- rotation
+
+
+def _remove_tree(path: Path) -> None:
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        if os.path.lexists(path):
+            raise
+
+
+def _delete_checkpoint_dir(root: Path, name: str) -> None:
+    """Delete ``root/name`` so that a crash never leaves it looking complete (module docstring)."""
+    trash = root / f"{_TRASH_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
+    os.rename(root / name, trash)
+    fsync_dir(root)
+    for marker in (METADATA_FILENAME, *(file_name for file_name, _, _ in _HF_FILES)):
+        try:
+            (trash / marker).unlink()
+        except FileNotFoundError:
+            pass
+    _remove_tree(trash)
+
+
+def _remove_trash(root: Path) -> None:
+    with os.scandir(root) as it:
+        leftovers = [e.path for e in it if e.name.startswith(_TRASH_PREFIX) and e.is_dir(follow_symlinks=False)]
+    for leftover in leftovers:
+        logger.info("removing %s, left by an interrupted checkpoint deletion", leftover)
+        _remove_tree(Path(leftover))
+
+
+def _protected_names(root: Path, entries: Sequence[_Entry], paths: Iterable[PathLike]) -> Set[str]:
+    """Names of ``entries`` that ``paths`` designate (a bare name is relative to ``root``)."""
+    by_real = {os.path.realpath(root / e.name): e.name for e in entries}
+    names = set()
+    for p in paths:
+        text = p.url if isinstance(p, Storage) else os.fspath(p)
+        candidate = root / text if os.sep not in text and "/" not in text else Path(text)
+        name = by_real.get(os.path.realpath(candidate))
+        if name is None:
+            logger.warning("preserved checkpoint %s is not a checkpoint directory of %s", text, root)
+        else:
+            names.add(name)
+    return names
+
+
+def _linked_names(root: Path, entries: Sequence[_Entry]) -> Set[str]:
+    """Names of ``entries`` that a symlink directly in ``root`` points into (e.g. our HF links)."""
+    by_real = {os.path.realpath(root / e.name): e.name for e in entries}
+    names = set()
+    with os.scandir(root) as it:
+        links = [e.path for e in it if e.is_symlink()]
+    for link in links:
+        target = os.path.realpath(link)
+        for real, name in by_real.items():
+            if target == real or target.startswith(real + os.sep):
+                names.add(name)
+    return names
+
+
+def maybe_delete_oldest_checkpoint(
+    model_dir: PathLike,
+    max_checkpoints: int,
+    best_checkpoint: Optional[PathLike] = None,
+    preserved_checkpoints: Optional[Sequence[PathLike]] = None,
+    *,
+    delete_partial: bool = True,
+) -> None:
+    """Keep at most ``max_checkpoints`` complete checkpoints in ``model_dir``, deleting the oldest.
+
+    Complete checkpoints are deleted oldest step first, never one of these: the newest complete
+    checkpoint (so the only complete one survives too), ``best_checkpoint``, any of
+    ``preserved_checkpoints``, a checkpoint that a symlink directly in ``model_dir`` points into
+    (e.g. the links of :func:`create_pretrained_symlinks`, which would dangle). Kept checkpoints
+    count towards ``max_checkpoints``, so fewer others may remain.
+
+    With ``delete_partial``, partial directories with a step *below* the newest complete one are
+    removed as leftovers of crashed saves; a partial directory with the same or a higher step is
+    never removed (it may be a save in progress). Pass ``delete_partial=False`` when a run was
+    rolled back and is saving again at steps below an existing checkpoint. Symlinked checkpoint
+    directories are neither counted nor deleted. Deletion is crash-safe (module docstring).
+
+    Example::
+
+        dist_ckpt.save(sharded_state_dict, next_checkpoint_path("runs/gpt", step))
+        maybe_delete_oldest_checkpoint("runs/gpt", max_checkpoints=3,
+                                       best_checkpoint="runs/gpt/checkpoint-2000")
+
+    Args:
+        model_dir: the run's directory of checkpoints.
+        max_checkpoints: how many complete checkpoints to keep, >= 1.
+        best_checkpoint: path (or bare name in ``model_dir``) of a checkpoint to keep.
+        preserved_checkpoints: paths (or bare names) of more checkpoints to keep.
+        delete_partial: also remove partial directories older than the newest complete one.
+
+    Raises:
+        CheckpointManagementError: ``max_checkpoints`` is not an int >= 1.
+    """
+    if isinstance(max_checkpoints, bool) or not isinstance(max_checkpoints, int) or max_checkpoints < 1:
+        raise CheckpointManagementError(
+            f"max_checkpoints must be an int >= 1 (the newest complete checkpoint is always kept), "
+            f"got {max_checkpoints!r}"
+        )
+    if isinstance(preserved_checkpoints, (str, os.PathLike, Storage)):
+        preserved_checkpoints = [preserved_checkpoints]  # a single path, not a sequence of characters
+    wanted: List[PathLike] = list(preserved_checkpoints or [])
+    if best_checkpoint is not None:
+        wanted.append(best_checkpoint)
+    store = _object_store(model_dir)
+    if store is not None:
+        _rotate_objects(store, max_checkpoints, wanted, delete_partial)
+        return
+    root = Path(_local(model_dir))
+    if not root.is_dir():
+        logger.debug("no checkpoint directory %s; nothing to delete", root)
+        return
+    _remove_trash(root)
+    entries = [e for e in _scan(root) if not e.is_symlink]
+    complete = [e for e in entries if validate_checkpoint(root / e.name)]
+    if not complete:
+        logger.debug("no complete checkpoint in %s; deleting nothing", root)
+        return
+    newest = complete[-1]
+    kept = _protected_names(root, entries, wanted) | _linked_names(root, entries) | {newest.name}
+
+    excess = len(complete) - max_checkpoints
+    doomed = [e for e in complete if e.name not in kept][: max(excess, 0)]
+    if delete_partial:
+        complete_names = {e.name for e in complete}
+        doomed += [e for e in entries if e.name not in complete_names and e.name not in kept and e.step < newest.step]
+    for entry in doomed:
+        state = "complete" if entry in complete else "partial (leftover of a crashed save)"
+        logger.info("deleting %s checkpoint %s (step %d); kept: %s", state, root / entry.name, entry.step, sorted(kept))
+        _delete_checkpoint_dir(root, entry.name)
+
+
+def _rotate_objects(store: Storage, max_checkpoints: int, wanted: Sequence[PathLike], delete_partial: bool) -> None:
+    """maybe_delete_oldest_checkpoint on an object store (no symlinks, no trash: markers go first)."""
+    entries = objects.checkpoint_names(store, parse_checkpoint_step)
+    complete = [(step, name) for step, name in entries if validate_checkpoint(store.child(name))]
+    if not complete:
+        logger.debug("no complete checkpoint in %s; deleting nothing", store.url)
+        return
+    newest_step, newest = complete[-1]
+    kept = objects.protected_names(
+        store, [n for _, n in entries], [w.url if isinstance(w, Storage) else os.fspath(w) for w in wanted]
+    )
+    kept.add(newest)
+    excess = len(complete) - max_checkpoints
+    doomed = [e for e in complete if e[1] not in kept][: max(excess, 0)]
+    if delete_partial:
+        complete_names = {n for _, n in complete}
+        doomed += [e for e in entries if e[1] not in complete_names and e[1] not in kept and e[0] < newest_step]
+    for step, name in doomed:
+        state = "complete" if (step, name) in complete else "partial (leftover of a crashed save)"
+        logger.info("deleting %s checkpoint %s (step %d); kept: %s", state, store.url_of(name), step, sorted(kept))
+        objects.delete_checkpoint(store, name)
+
+
+# --------------------------------------------------------------------------- HF symlinks
+
+
+def _symlink_replace(target: str, link: Path) -> None:
+    """Point ``link`` at ``target``, replacing what is there in one atomic rename."""
+    tmp = link.with_name(f".{link.name}.tmp-link-{uuid.uuid4().hex[:8]}")
+    os.symlink(target, tmp)
+    try:
+        os.replace(tmp, link)
+    except BaseException:
+        tmp.unlink()
+        raise
+
+
+def _stale_links(root: Path, keep: Set[str]) -> List[Path]:
+    """Symlinks named like HF weight files, not in ``keep``, that point into a checkpoint of ``root``."""
+    stale = []
+    with os.scandir(root) as it:
+        links = [Path(e.path) for e in it if e.is_symlink() and _HF_LINK_RE.fullmatch(e.name) and e.name not in keep]
+    for link in links:
+        target = os.readlink(link)
+        parts = Path(os.path.normpath(target)).parts
+        if not os.path.isabs(target) and len(parts) >= 2 and parse_checkpoint_step(parts[0]) is not None:
+            stale.append(link)
+    return sorted(stale)
+
+
+def create_pretrained_symlinks(model_dir: PathLike, force_overwrite: bool = False, dry_run: bool = False) -> List[str]:
+    """Link the weights of the latest complete checkpoint into ``model_dir`` for ``from_pretrained``.
+
+    Creates relative symlinks ``model_dir/<file> -> <checkpoint>/<file>`` for the HF weights
+    file, or for the index and every shard it lists, replacing each existing symlink atomically.
+    Our older links that the new set does not include (e.g. the shards of a sharded checkpoint
+    when the latest one is a single file) are removed, so ``from_pretrained`` cannot pick stale
+    weights. Conflicts are checked before anything changes.
+
+    Example::
+
+        links = create_pretrained_symlinks("runs/gpt")
+        model = AutoModelForCausalLM.from_pretrained("runs/gpt")   # config.json is in runs/gpt
+
+    Args:
+        model_dir: the run's directory of checkpoints.
+        force_overwrite: replace regular files in the way (directories are never replaced).
+        dry_run: change nothing; log what would be done.
+
+    Returns:
+        The link paths that point (or, with ``dry_run``, would point) to the latest weights.
+
+    Raises:
+        NotACheckpointError: ``model_dir`` holds no complete checkpoint.
+        CheckpointManagementError: ``model_dir`` is on an object store (no symlinks there), or the latest
+            complete checkpoint is not in HF format (a dist_ckpt checkpoint has no weight files
+            ``from_pretrained`` can read).
+        SymlinkConflictError: a regular file (without ``force_overwrite``) or a directory is in
+            the way of a link.
+    """
+    store = _object_store(model_dir)
+    if store is not None:
+        raise CheckpointManagementError(
+            f"cannot link pretrained weights in {store.url}: object stores have no symlinks; load the latest "
+            f"checkpoint from its URL (find_latest_checkpoint) or download its HF files into a local directory"
+        )
+    root = Path(_local(model_dir))
+    latest = find_latest_checkpoint(root)
+    if latest is None:
+        raise NotACheckpointError(f"no complete checkpoint in {str(root)!r}; nothing to link")
+    meta = get_checkpoint_metadata(latest)
+    if meta is None or meta.format is not CheckpointFormat.HF:
+        raise CheckpointManagementError(
+            f"the latest complete checkpoint {latest!r} is a dist_ckpt checkpoint, not HuggingFace weights; "
+            f"from_pretrained cannot read it (save an HF copy of the model to link it)"
+        )
+    names = [meta.file_name]
+    if meta.is_index:
+        names += index_shards(Path(latest) / meta.file_name) or []
+    plan = [(root / name, os.path.relpath(os.path.join(latest, name), root)) for name in names]
+
+    conflicts = []
+    for link, _ in plan:
+        if link.is_symlink() or not os.path.lexists(link):
+            continue
+        if link.is_dir():
+            conflicts.append(f"{link} (a directory)")
+        elif not force_overwrite:
+            conflicts.append(f"{link} (a regular file)")
+    if conflicts:
+        raise SymlinkConflictError(
+            f"cannot link the weights of {latest!r}: {', '.join(conflicts)} in the way; pass force_overwrite=True "
+            f"to replace regular files (directories are never replaced)"
+        )
+    stale = _stale_links(root, set(names))
+    prefix = "DRY RUN: would " if dry_run else ""
+    for link, target in plan:
+        action = "replace regular file" if os.path.lexists(link) and not link.is_symlink() else "link"
+        logger.info("%s%s %s -> %s", prefix, action, link, target)
+        if not dry_run:
+            _symlink_replace(target, link)
+    for link in stale:
+        logger.info("%sremove stale link %s -> %s", prefix, link, os.readlink(link))
+        if not dry_run:
+            link.unlink()
+    if not dry_run:
+        fsync_dir(root)
+    return [str(link) for link, _ in plan]

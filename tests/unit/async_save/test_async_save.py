@@ -1,0 +1,288 @@
+"""Asynchronous saves in one process: snapshot semantics, the queue, failures, the byte budget.
+
+The background writer is a spawned process; one queue (one worker) serves most tests, so the
+worker's start-up is paid once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Dict
+
+import pytest
+import torch
+
+import dist_ckpt as dc
+from dist_ckpt.async_save.queue import AsyncCallsQueue, AsyncRequest
+from dist_ckpt.async_save.snapshot import SnapshotPool, snapshot_layout
+from dist_ckpt.backends.safetensors.strategy import (
+    SafetensorsSaveOptions,
+    SafetensorsSaveShardedStrategy,
+    deferred_starts,
+)
+from dist_ckpt.errors import AsyncSaveError, CheckpointingException, NotACheckpointError
+from dist_ckpt.model.sharded import ShardedTensor
+
+
+def _state(seed: int = 0) -> Dict[str, object]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "w": ShardedTensor.from_rank_offsets("w", torch.randn(256, 64, generator=gen)),
+        "b": ShardedTensor.from_rank_offsets("b", torch.randn(64, generator=gen).to(torch.bfloat16)),
+        "i": ShardedTensor.from_rank_offsets("i", torch.randint(0, 1 << 40, (33,), generator=gen)),
+        "flat0": ShardedTensor.from_rank_offsets_flat(
+            "flat", torch.randn(7, generator=gen), (4, 5), flattened_range=slice(0, 7)
+        ),
+        "flat1": ShardedTensor.from_rank_offsets_flat(
+            "flat", torch.randn(13, generator=gen), (4, 5), flattened_range=slice(7, 20)
+        ),
+        "empty": ShardedTensor.from_rank_offsets("empty", torch.empty(0, 3)),
+        "step": 7,
+    }
+
+
+def _request(sd: Dict[str, object]) -> Dict[str, object]:
+    out: Dict[str, object] = {}
+    for k, v in sd.items():
+        if isinstance(v, ShardedTensor):
+            out[k] = (
+                ShardedTensor.from_rank_offsets_flat(
+                    v.key, torch.empty_like(v.data), v.local_shape, flattened_range=v.flattened_range
+                )
+                if v.flattened_range is not None
+                else ShardedTensor.from_rank_offsets(v.key, torch.empty_like(v.data))
+            )
+    return out
+
+
+def _values(sd: Dict[str, object]) -> Dict[str, torch.Tensor]:
+    return {k: v.data.clone() for k, v in sd.items() if isinstance(v, ShardedTensor)}
+
+
+def _assert_loads(path: Path, expected: Dict[str, torch.Tensor], sd: Dict[str, object]) -> None:
+    loaded = dc.load(_request(sd), path)
+    for key, value in expected.items():
+        assert torch.equal(
+            loaded[key].view(torch.uint8) if value.dtype == torch.bfloat16 else loaded[key],
+            value.view(torch.uint8) if value.dtype == torch.bfloat16 else value,
+        ), key
+
+
+@pytest.fixture(scope="module")
+def queue():
+    q = AsyncCallsQueue()
+    yield q
+    q.close()
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+def test_snapshot_layout_aligns_every_tensor():
+    slots, total = snapshot_layout([10, 0, 70, 1])
+    assert slots == [(0, 10), (64, 0), (64, 70), (192, 1)] and total == 193
+    assert snapshot_layout([]) == ([], 0)
+
+
+def test_deferred_starts_takes_file_ends_within_the_budget():
+    assert deferred_starts([[8, 4], [6, 2]], None) == [0, 0]
+    assert deferred_starts([[8, 4], [6, 2]], 0) == [2, 2]
+    assert deferred_starts([[8, 4], [6, 2]], 7) == [1, 1]
+    assert deferred_starts([[8, 4], [6, 2]], 12) == [1, 0]  # 4 + 2 + 6: the 8 does not fit
+    assert deferred_starts([[8, 4], [6, 2]], 20) == [0, 0]
+    assert deferred_starts([[5], []], 4) == [1, 0]
+
+
+def test_snapshot_pool_reuses_its_buffer_only_when_free():
+    pool = SnapshotPool()
+    busy = [True]
+    a = pool.take([torch.arange(10.0)], in_use=lambda: busy[0])
+    b = pool.take([torch.arange(5.0)], in_use=lambda: False)
+    assert a.buffer.data_ptr() != b.buffer.data_ptr()  # a's buffer was in use
+    assert torch.equal(a.view(0).view(torch.float32), torch.arange(10.0))  # and is intact
+    c = pool.take([torch.ones(3)], in_use=lambda: False)
+    assert c.buffer.data_ptr() == b.buffer.data_ptr() and c.buffer.is_shared()
+    scalar = pool.take([torch.tensor(2.5, dtype=torch.float64)], in_use=lambda: False)
+    assert scalar.view(0).view(torch.float64).item() == 2.5
+
+
+# --------------------------------------------------------------------------- the request and the queue
+
+
+def test_values_at_the_time_of_the_call(tmp_path, queue):
+    """Training changes every tensor right after async save returns; the checkpoint holds the
+    values the tensors had when save was called."""
+    sd = _state()
+    expected = _values(sd)
+    request = dc.save(sd, tmp_path / "c", async_sharded_save=True)
+    idx = queue.schedule_async_request(request)
+    for v in sd.values():
+        if isinstance(v, ShardedTensor):
+            v.data.add_(1)
+    assert not (tmp_path / "c" / "metadata.json").exists()  # committed at finalization only
+    assert queue.maybe_finalize_async_calls(blocking=True) == [idx]
+    assert (tmp_path / "c" / "metadata.json").exists()
+    _assert_loads(tmp_path / "c", expected, _state())
+    assert dc.verify_checkpoint(tmp_path / "c").ok
+
+
+def test_non_blocking_finalize_waits_for_the_write(tmp_path, queue):
+    sd = _state(1)
+    expected = _values(sd)
+    idx = queue.schedule_async_request(dc.save(sd, tmp_path / "c", async_sharded_save=True))
+    finished = []
+    while not finished:
+        finished = queue.maybe_finalize_async_calls(blocking=False)
+    assert finished == [idx] and queue.get_num_unfinalized_calls() == 0
+    _assert_loads(tmp_path / "c", expected, sd)
+
+
+def test_requests_finalize_in_order(tmp_path, queue):
+    order = []
+    requests = []
+    for i in range(3):
+        request = dc.save(_state(i), tmp_path / f"c{i}", async_sharded_save=True)
+        request.add_finalize_fn(lambda i=i: order.append(i))
+        requests.append(queue.schedule_async_request(request))
+    assert queue.get_num_unfinalized_calls() == 3
+    assert queue.maybe_finalize_async_calls(blocking=True) == requests
+    assert order == [0, 1, 2]
+    for i in range(3):
+        _assert_loads(tmp_path / f"c{i}", _values(_state(i)), _state(i))
+
+
+def test_frozen_request_takes_no_more_finalize_fns():
+    request = AsyncRequest(None, ()).freeze()
+    with pytest.raises(CheckpointingException, match="frozen"):
+        request.add_finalize_fn(lambda: None)
+
+
+def test_execute_sync_runs_the_same_request(tmp_path):
+    sd = _state(2)
+    expected = _values(sd)
+    request = dc.save(sd, tmp_path / "c", async_sharded_save=True)
+    request.execute_sync()
+    _assert_loads(tmp_path / "c", expected, sd)
+
+
+def test_worker_failure_surfaces_at_finalize_and_nothing_is_committed(tmp_path, queue):
+    request = dc.save(_state(), tmp_path / "c", async_sharded_save=True)
+    # an obstacle where the worker must create a file: its os.open(O_EXCL) fails
+    (tmp_path / "c" / "safetensors" / "rank00000_0.safetensors").mkdir(parents=True)
+    queue.schedule_async_request(request)
+    with pytest.raises(AsyncSaveError) as info:
+        queue.maybe_finalize_async_calls(blocking=True)
+    assert "[rank 0]" in str(info.value) and "FileExistsError" in str(info.value)
+    assert not (tmp_path / "c" / "metadata.json").exists()
+    with pytest.raises(NotACheckpointError):
+        dc.load(_request(_state()), tmp_path / "c")
+    assert queue.get_num_unfinalized_calls() == 0
+    # the queue keeps working after a failed request
+    queue.schedule_async_request(dc.save(_state(3), tmp_path / "d", async_sharded_save=True))
+    queue.maybe_finalize_async_calls(blocking=True)
+    _assert_loads(tmp_path / "d", _values(_state(3)), _state(3))
+
+
+def test_killed_worker_fails_the_request_and_is_replaced(tmp_path):
+    queue = AsyncCallsQueue()
+    try:
+        request = dc.save(_state(), tmp_path / "c", async_sharded_save=True)
+        queue.schedule_async_request(request)
+        os.kill(queue._worker.pid, signal.SIGKILL)  # type: ignore[union-attr]
+        with pytest.raises(AsyncSaveError, match="killed by signal 9"):
+            queue.maybe_finalize_async_calls(blocking=True)
+        assert not (tmp_path / "c" / "metadata.json").exists()
+        queue.schedule_async_request(dc.save(_state(4), tmp_path / "d", async_sharded_save=True))
+        queue.maybe_finalize_async_calls(blocking=True)
+        _assert_loads(tmp_path / "d", _values(_state(4)), _state(4))
+    finally:
+        queue.close()
+
+
+def test_unpicklable_work_is_refused_when_scheduled(queue):
+    with pytest.raises(AsyncSaveError, match="cannot be sent"):
+        queue.schedule_async_request(AsyncRequest(lambda: None, ()))
+    assert queue.get_num_unfinalized_calls() == 0
+
+
+def test_close_with_abort_commits_nothing(tmp_path):
+    queue = AsyncCallsQueue(persistent=False)
+    queue.schedule_async_request(dc.save(_state(), tmp_path / "c", async_sharded_save=True))
+    queue.close(abort=True)
+    assert not (tmp_path / "c" / "metadata.json").exists()
+    assert queue.get_num_unfinalized_calls() == 0
+
+
+def test_non_persistent_queue_uses_a_process_per_request(tmp_path):
+    queue = AsyncCallsQueue(persistent=False)
+    try:
+        queue.schedule_async_request(dc.save(_state(5), tmp_path / "c", async_sharded_save=True))
+        worker = queue._calls[0].worker
+        assert queue.maybe_finalize_async_calls(blocking=True) == [0]
+        assert worker.pid is None  # stopped once finalized
+        _assert_loads(tmp_path / "c", _values(_state(5)), _state(5))
+    finally:
+        queue.close()
+
+
+# --------------------------------------------------------------------------- the byte budget
+
+
+@pytest.mark.parametrize("budget", [0, 3000, 20000, None])
+def test_snapshot_budget_streams_the_rest(tmp_path, queue, budget, caplog):
+    """With a budget the snapshot holds at most that many bytes; the rest is written before
+    async_save returns; the checkpoint is the same."""
+    strategy = SafetensorsSaveShardedStrategy(SafetensorsSaveOptions(snapshot_budget_bytes=budget, thread_count=2))
+    sd = _state(6)
+    expected = _values(sd)
+    total = sum(t.numel() * t.element_size() for t in expected.values())
+    request = dc.save(sd, tmp_path / "c", sharded_strategy=strategy, async_sharded_save=True)
+    snapshot = request.async_fn_args[2]
+    assert snapshot.nbytes <= (total if budget is None else budget)
+    if budget is None:
+        assert snapshot.nbytes == total
+    files = list((tmp_path / "c" / "safetensors").glob("*.safetensors"))
+    if budget == 0:  # everything was written before returning
+        assert sum(f.stat().st_size for f in files) >= total
+    for v in sd.values():
+        if isinstance(v, ShardedTensor):
+            v.data.zero_()
+    queue.schedule_async_request(request)
+    queue.maybe_finalize_async_calls(blocking=True)
+    _assert_loads(tmp_path / "c", expected, _state(6))
+    assert dc.verify_checkpoint(tmp_path / "c").ok
+    doc = json.loads((tmp_path / "c" / "safetensors" / "index.json").read_text())
+    assert doc["version"] == 2 and len(doc["files"]) == 2
+
+
+def test_snapshot_buffer_is_reused_across_saves(tmp_path, queue):
+    strategy = SafetensorsSaveShardedStrategy()
+    pointers = []
+    for i in range(3):
+        request = dc.save(_state(i), tmp_path / f"c{i}", sharded_strategy=strategy, async_sharded_save=True)
+        pointers.append(request.async_fn_args[2].buffer.data_ptr())
+        queue.schedule_async_request(request)
+        queue.maybe_finalize_async_calls(blocking=True)
+    assert pointers[0] == pointers[1] == pointers[2]
+
+
+def test_reserved_snapshot_buffer_serves_the_first_save(tmp_path, queue):
+    strategy = SafetensorsSaveShardedStrategy()
+    sd = _state(7)
+    nbytes = strategy.reserve_snapshot(sd)
+    assert nbytes >= sum(t.numel() * t.element_size() for t in _values(sd).values())
+    reserved = strategy._snapshots._buffer
+    assert reserved is not None and reserved.numel() == nbytes and reserved.is_shared()
+    request = dc.save(sd, tmp_path / "c", sharded_strategy=strategy, async_sharded_save=True)
+    assert request.async_fn_args[2].buffer.data_ptr() == reserved.data_ptr()
+    queue.schedule_async_request(request)
+    queue.maybe_finalize_async_calls(blocking=True)
+    _assert_loads(tmp_path / "c", _values(_state(7)), _state(7))
+
+
+def test_async_needs_an_async_capable_strategy(tmp_path):
+    with pytest.raises(CheckpointingException, match="AsyncSaveShardedStrategy"):
+        dc.save(_state(), tmp_path / "c", sharded_strategy=("zarr", 1), async_sharded_save=True)

@@ -1,0 +1,87 @@
+"""Unit tests of dist_ckpt.engine.distributed without a process group (a world of one rank)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_ckpt.engine.distributed import (
+    all_gather_json,
+    barrier,
+    broadcast_json,
+    broadcast_tensor,
+    gather_json,
+    get_rank,
+    get_world_size,
+    group_backend,
+    group_ranks,
+    is_distributed,
+    raise_if_any_rank_failed,
+    run_collectively,
+)
+from dist_ckpt.errors import LoadMismatchError
+
+
+@pytest.fixture(autouse=True)
+def no_process_group():
+    assert not (dist.is_available() and dist.is_initialized())
+
+
+def test_world_of_one():
+    assert is_distributed() is False
+    assert get_rank() == 0 and get_world_size() == 1
+    assert group_ranks() == [0]
+    barrier()
+
+
+def test_json_collectives():
+    obj = {"a": [1, 2.5, None, "x"], "b": {"c": True}}
+    assert all_gather_json(obj) == [obj]
+    assert gather_json(obj) == [obj]
+    assert broadcast_json(obj) == obj
+    gathered = all_gather_json(obj)[0]
+    gathered["a"].append(3)
+    assert obj["a"] == [1, 2.5, None, "x"]  # a copy, as if it came over the wire
+    with pytest.raises(TypeError):
+        all_gather_json({"not json": object()})
+
+
+def test_run_collectively():
+    assert run_collectively("step", lambda: 42) == 42
+    original = LoadMismatchError("'k' differs")
+    with pytest.raises(LoadMismatchError) as info:
+        run_collectively("step", lambda: (_ for _ in ()).throw(original))
+    assert info.value is original  # re-raised unchanged without a process group
+    with pytest.raises(OSError, match="disk"):
+        run_collectively("step", lambda: (_ for _ in ()).throw(OSError("disk")))
+
+
+def test_raise_if_any_rank_failed():
+    raise_if_any_rank_failed(None, "step")
+    with pytest.raises(KeyError):
+        raise_if_any_rank_failed(KeyError("x"), "step")
+
+
+def test_tensor_broadcast_and_backend_without_process_group():
+    t = torch.arange(4)
+    broadcast_tensor(t, 0, what="'w'")  # a world of one: nothing to send, tensor unchanged
+    assert torch.equal(t, torch.arange(4))
+    assert group_backend() == "none"
+
+
+def test_storage_errors_keep_their_type_on_every_rank() -> None:
+    """What another rank receives: the storage layer's errors are rebuilt with their own type
+    (callers catch BucketNotFoundError or StorageAuthError, not a generic RankFailedError)."""
+    from dist_ckpt.engine.distributed import _describe, _rebuild
+    from dist_ckpt.errors import RankFailedError
+    from dist_ckpt.storage import BucketNotFoundError, RetriesExhaustedError, StorageAuthError
+
+    for error in (
+        BucketNotFoundError("bucket 'b' does not exist"),
+        StorageAuthError("refused"),
+        RetriesExhaustedError("gave up", attempts=3),
+    ):
+        rebuilt = _rebuild(_describe(error, 1, "saving"), [1, 0])
+        assert type(rebuilt) is type(error) and "[rank 1]" in str(rebuilt) and "ranks [0] failed too" in str(rebuilt)
+    assert type(_rebuild(_describe(OSError("disk"), 0, "saving"), [0])) is RankFailedError

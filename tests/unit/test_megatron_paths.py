@@ -1,0 +1,127 @@
+"""Megatron-Core's module paths keep working: every name its documentation lists imports from the same path.
+
+Code written against ``megatron.core.dist_checkpointing`` runs with the import replaced by ``dist_ckpt``
+(the names below are those of the reference documentation in ``shared/reference/``). The modules are thin
+re-exports of the real ones, so the objects must be the very same.
+"""
+
+import importlib
+
+import pytest
+
+MEGATRON_NAMES = {
+    "core": ["CheckpointingConfig", "CheckpointingException", "maybe_load_config", "save_config"],
+    "dict_utils": [
+        "dict_list_map_inplace",
+        "dict_list_map_outplace",
+        "dict_map",
+        "dict_map_with_key",
+        "diff",
+        "extract_matching_values",
+        "inspect_types",
+        "map_reduce",
+        "merge",
+        "nested_items_iter",
+        "nested_values",
+    ],
+    "mapping": [
+        "LocalNonpersitentObject",
+        "ShardedBase",
+        "ShardedObject",
+        "ShardedTensor",
+        "ShardedTensorFactory",
+        "apply_factories",
+        "apply_factory_merges",
+        "is_main_replica",
+    ],
+    "optimizer": [
+        "get_optim_param_to_id_map",
+        "get_param_id_to_sharded_param_map",
+        "make_sharded_optimizer_tensor",
+        "optim_state_to_sharding_state",
+    ],
+    "serialization": [
+        "load",
+        "load_common_state_dict",
+        "load_plain_tensors",
+        "load_sharded_objects",
+        "load_tensors_metadata",
+        "save",
+        "validate_sharding_integrity",
+    ],
+    "strategies.async_utils": ["AsyncRequest"],
+    "strategies.base": [
+        "AsyncSaveShardedStrategy",
+        "LoadCommonStrategy",
+        "LoadShardedStrategy",
+        "LoadStrategyBase",
+        "SaveCommonStrategy",
+        "SaveShardedStrategy",
+        "SaveStrategyBase",
+        "StrategyAction",
+        "get_default_strategy",
+        "register_default_strategy",
+    ],
+    "strategies.tensorstore": [
+        "TensorStoreLoadShardedStrategy",
+        "merge_global_slice_with_shape",
+        "open_ts_array",
+        "register_default_tensorstore_strategies",
+    ],
+    "strategies.two_stage": [
+        "TwoStageDataParallelLoadShardedStrategy",
+        "_ShardedTensorMetadata",
+        "sharded_tensor_chunk_id",
+        "timed",
+    ],
+    "strategies.zarr": [
+        "ZarrLoadShardedStrategy",
+        "ZarrSaveShardedStrategy",
+        "flatten_range",
+        "load_zarr_based_sharded_metadata",
+        "pad_to_expected_shape",
+        "postprocess_numpy_array",
+        "register_default_zarr_strategies",
+    ],
+    "utils": [
+        "add_prefix_for_sharding",
+        "apply_prefix_mapping",
+        "extract_nonpersistent",
+        "extract_sharded_base",
+        "extract_sharded_tensors",
+        "extract_sharded_tensors_and_factories",
+        "extract_sharded_tensors_or_nonpersistent",
+        "replace_prefix_for_sharding",
+    ],
+}
+
+
+@pytest.mark.parametrize("module", sorted(MEGATRON_NAMES))
+def test_megatron_module_path_exports_its_documented_names(module: str) -> None:
+    mod = importlib.import_module(f"dist_ckpt.{module}")
+    missing = [name for name in MEGATRON_NAMES[module] if not hasattr(mod, name)]
+    assert missing == []
+
+
+def test_megatron_paths_are_the_real_objects() -> None:
+    from dist_ckpt.engine.load import load
+    from dist_ckpt.engine.registry import get_default_strategy
+    from dist_ckpt.model.sharded import ShardedTensor
+
+    assert importlib.import_module("dist_ckpt.mapping").ShardedTensor is ShardedTensor
+    assert importlib.import_module("dist_ckpt.serialization").load is load
+    assert importlib.import_module("dist_ckpt.strategies.base").get_default_strategy is get_default_strategy
+
+
+def test_importing_a_megatron_path_imports_no_optional_backend() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import dist_ckpt.mapping, dist_ckpt.serialization, dist_ckpt.validation, dist_ckpt.core\n"
+        "import dist_ckpt.strategies.base, dist_ckpt.strategies.two_stage, dist_ckpt.strategies.fully_parallel\n"
+        "print(sorted(m for m in ('zarr', 'tensorstore') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
