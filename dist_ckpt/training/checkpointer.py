@@ -4,6 +4,9 @@
   or sharded with DTensor / FSDP2 ``fully_shard``) and its ``torch.optim`` optimizer, saved at
   one world size and loaded in place at another. Keys are parameter names (see
   :mod:`dist_ckpt.training.model_state`), so the optimizer continues exactly where it stopped.
+  Names are those of the unwrapped model, as ``torch.distributed.checkpoint``'s
+  ``get_state_dict`` makes them: save a ``DistributedDataParallel`` or ``torch.compile`` model
+  and load into the plain one, or the reverse.
 * :func:`unshard_model_state` / :func:`unshard_optim_state` -- whole tensors in one process.
 * :class:`Checkpointer` -- the same for a flat ``{key: tensor}`` dict, plus metadata.
 
@@ -49,7 +52,9 @@ from dist_ckpt.training.load_targets import LoadTarget, fill_for_validation, fin
 from dist_ckpt.training.model_state import (
     MODEL_PREFIX,
     OPTIM_STATE_PREFIX,
+    ModelEntries,
     OptimStateDict,
+    model_entries,
     model_optim_state_dict,
     plan_model_load,
     plan_optim_load,
@@ -374,7 +379,7 @@ def _remove_committed(path: Path) -> None:
 def save_model_and_optim_state(
     dir: PathOrStr,
     model: torch.nn.Module,
-    optim: torch.optim.Optimizer,
+    optim: Optional[torch.optim.Optimizer],
     save_overwrite: bool = False,
     *,
     save_strategy: StrategySpec = None,
@@ -382,13 +387,16 @@ def save_model_and_optim_state(
     """Save ``model``'s and ``optim``'s state (collective) to load at any world size.
 
     ``model`` may be plain (replicated on every rank; rank 0 writes it) or sharded with DTensor
-    / FSDP2 (each rank writes its shard). Keys are parameter names (see
-    :mod:`dist_ckpt.training.model_state`).
+    / FSDP2 (each rank writes its shard), and wrapped or not: keys are parameter names without
+    the ``module.`` of DDP, the ``_orig_mod.`` of ``torch.compile`` or the wrapper attributes of
+    FSDP1 and activation checkpointing (see :mod:`dist_ckpt.training.model_state`), for the
+    optimizer state too. An FSDP1 model is saved with ``optim=None`` only.
 
     Args:
         dir: checkpoint directory.
         model: the model.
-        optim: its optimizer (every parameter must belong to ``model``).
+        optim: its optimizer (every parameter must belong to ``model``), or None to save the model
+            alone.
         save_overwrite: replace a committed checkpoint in ``dir``.
         save_strategy: sharded save strategy (None: dist_ckpt's default backend).
 
@@ -421,7 +429,8 @@ def load_model_and_optim_state(
 
     Args:
         dir: the checkpoint directory.
-        model: the model to load into (plain, or sharded with DTensor / FSDP2).
+        model: the model to load into (plain, or sharded with DTensor / FSDP2; wrapped in DDP,
+            ``torch.compile`` or FSDP1 or not, whatever the saved model was).
         optim: its optimizer, or None to load the model only.
         validate: check that every floating-point element was loaded (see
             :mod:`dist_ckpt.training.load_targets`; integer tensors are not NaN-checked).
@@ -449,15 +458,18 @@ def load_model_and_optim_state(
     tensors_metadata, common = run_collectively("reading the checkpoint metadata", read)
 
     # 2. match and allocate
-    def plan() -> Tuple[List[LoadTarget], Any]:
-        targets = plan_model_load(model, tensors_metadata, common, path)
+    def plan() -> Tuple[List[LoadTarget], Any, ModelEntries]:
+        entries = model_entries(model)
+        targets = plan_model_load(model, tensors_metadata, common, path, entries)
         optim_plan = None if optim is None else plan_optim_load(model, optim, tensors_metadata, common, path)
-        return targets + ([] if optim_plan is None else optim_plan.targets), optim_plan
+        return targets + ([] if optim_plan is None else optim_plan.targets), optim_plan, entries
 
-    targets, optim_plan = run_collectively("matching the model and optimizer with the checkpoint", plan)
+    targets, optim_plan, entries = run_collectively("matching the model and optimizer with the checkpoint", plan)
 
-    # 3. tensors
+    # 3. tensors (an FSDP1 model's state-dict tensors are copies: handed to its load_state_dict)
     checkpointer.load_targets(path, targets, validate=validate)
+    if entries.copies:
+        run_collectively("loading the model state into FSDP1", lambda: entries.give_back(model))
 
     # 4. optimizer state and hyperparameters
     if optim is not None and optim_plan is not None:
