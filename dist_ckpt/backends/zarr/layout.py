@@ -17,7 +17,14 @@ Layout::
 
 Attributes under ``"dist_ckpt"``: ``key``, ``dtype`` and ``layout`` on each tensor; for the
 flattened layout also ``global_shape`` and ``chunk_shape``, and on each fragment its
-``global_offset`` and ``flat_range``.
+``dtype``, ``global_offset`` and ``flat_range``.
+
+Data types: an array's ``data_type`` is the tensor's dtype, except for the dtypes zarr-python 3
+has no data type for (bfloat16 and the float8 types), which are stored as the unsigned integers
+of their width holding the raw bits (``uint16``, ``uint8``) so that any zarr v3 reader opens
+them; the ``dtype`` attribute names the tensor's dtype (:func:`stored_numpy_dtype`). Readers
+take the dtype from the attribute and view the bits, so checkpoints written with the
+zarr-extensions names (``"data_type": "bfloat16"``) load as well.
 
 Locations: every function here takes a :data:`~dist_ckpt.storage.object_path.Node` -- a local
 :class:`~pathlib.Path` or an :class:`~dist_ckpt.storage.object_path.ObjectPath` under an S3
@@ -499,9 +506,14 @@ def flattened_attributes(sh: ShardedTensor) -> Dict[str, Any]:
 
 
 def fragment_attributes(sh: ShardedTensor) -> Dict[str, Any]:
-    """The ``dist_ckpt`` attributes of one fragment array (a flattened shard)."""
+    """The ``dist_ckpt`` attributes of one fragment array (a flattened shard); ``dtype`` too, so
+    that a reader of the fragment alone knows how to view its raw bits."""
     assert sh.flattened_range is not None
-    return {"global_offset": list(sh.global_offset), "flat_range": [sh.flattened_range.start, sh.flattened_range.stop]}
+    return {
+        "dtype": dtype_info(sh.dtype).name,
+        "global_offset": list(sh.global_offset),
+        "flat_range": [sh.flattened_range.start, sh.flattened_range.stop],
+    }
 
 
 def creates_flattened_group(sh: ShardedTensor) -> bool:
@@ -512,8 +524,31 @@ def creates_flattened_group(sh: ShardedTensor) -> bool:
     return is_origin(sh) and start == 0 and (stop > 0 or math.prod(sh.local_shape) == 0)
 
 
+def stored_numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """The numpy dtype of the zarr array that stores tensors of ``dtype``: the tensor's own, or
+    for a dtype numpy lacks (bfloat16, float8: ml_dtypes types, which zarr-python 3 cannot name)
+    the unsigned integer of the same width, holding the raw bits.
+
+    Example::
+
+        stored_numpy_dtype(torch.bfloat16)   # dtype('uint16')
+        stored_numpy_dtype(torch.float32)    # dtype('float32')
+    """
+    info = dtype_info(dtype)
+    if info.bits_dtype is None:
+        return info.numpy_dtype
+    return np.dtype(f"uint{8 * info.numpy_dtype.itemsize}")
+
+
+def as_stored(array: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """``array`` (holding ``dtype``'s values) viewed as :func:`stored_numpy_dtype`, no copy."""
+    return array.view(stored_numpy_dtype(dtype))
+
+
 def fill_value_json(dtype: torch.dtype) -> Any:
-    """The zarr v3 ``fill_value`` (zero) of ``dtype`` in its JSON form."""
+    """The zarr v3 ``fill_value`` (zero) of ``dtype``'s stored array in its JSON form."""
+    if dtype_info(dtype).bits_dtype is not None:
+        return 0  # raw bits in an unsigned integer array
     if dtype == torch.bool:
         return False
     if dtype.is_complex:
@@ -527,15 +562,15 @@ def array_metadata(
     shape: Sequence[int], chunk_shape: Sequence[int], dtype: torch.dtype, attributes: Dict[str, Any]
 ) -> Dict[str, Any]:
     """zarr v3 metadata of an uncompressed little-endian array, as the zarr backend writes it."""
-    info = dtype_info(dtype)
+    stored = stored_numpy_dtype(dtype)
     bytes_codec: Dict[str, Any] = {"name": "bytes"}
-    if info.numpy_dtype.itemsize > 1:
+    if stored.itemsize > 1:
         bytes_codec["configuration"] = {"endian": "little"}
     return {
         "zarr_format": 3,
         "node_type": "array",
         "shape": list(shape),
-        "data_type": info.name,
+        "data_type": stored.name if dtype_info(dtype).bits_dtype is not None else dtype_info(dtype).name,
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk_shape)}},
         "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
         "fill_value": fill_value_json(dtype),

@@ -67,6 +67,7 @@ from dist_ckpt.backends.zarr.layout import (
     ReadPlan,
     array_chunk_shape,
     array_metadata,
+    as_stored,
     checkpoint_node,
     chunk_key,
     chunked_attributes,
@@ -132,12 +133,15 @@ def open_ts_array(arr_path: Node, context: Optional["ts.Context"] = None) -> "ts
     """Open the zarr v3 array at ``arr_path`` for reading with TensorStore.
 
     Missing chunks make reads fail (``fill_missing_data_reads=False``) instead of returning the
-    fill value, so a damaged checkpoint is never loaded as zeros.
+    fill value, so a damaged checkpoint is never loaded as zeros. The array has its stored data
+    type: raw bits (``uint16``, ``uint8``) for bfloat16 and float8 tensors (see
+    :mod:`dist_ckpt.backends.zarr.layout`); :func:`postprocess_numpy_array` makes the tensor.
 
     Example::
 
         arr = open_ts_array(Path("ckpt/zarr/layer.weight"))
         first_rows = arr[0:4].read().result()   # numpy array
+        tensor = postprocess_numpy_array(first_rows, sharded_tensor)   # its dtype, e.g. bfloat16
     """
     spec = dict(_spec(arr_path), fill_missing_data_reads=False)
     try:
@@ -279,7 +283,7 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
         for sh in shards:
             if sh.data is None:
                 raise CheckpointingException(f"[rank {get_rank()}] main replica of {sh.key!r} has no data to save")
-            data = tensor_to_numpy(cpu_contiguous(sh.data))
+            data = as_stored(tensor_to_numpy(cpu_contiguous(sh.data)), sh.dtype)
             if sh.flattened_range is None:
                 if math.prod(sh.local_shape) == 0:
                     continue
@@ -451,8 +455,11 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
                         tuple(slice(o, o + s) for o, s in zip(op.region.offset, op.region.shape))
                     ]
                     if op.src_box == op.inter and op.region.shape == op.inter.shape:
-                        # a box of a chunked array: TensorStore copies straight into the destination
-                        memory = ts.array(tensor_to_numpy(view), copy=False, write=True)
+                        # a box of a chunked array: TensorStore copies straight into the destination,
+                        # viewed as the array's data type (raw bits for bfloat16 and float8, or
+                        # the zarr-extensions type of older checkpoints): a copy, never a conversion
+                        stored = np.dtype(source.dtype.numpy_dtype)
+                        memory = ts.array(tensor_to_numpy(view).view(stored), copy=False, write=True)
                         direct.append(((sh, op), memory.write(source)))
                         continue
                     staged.append(((sh, op), source.read(), view))

@@ -67,6 +67,7 @@ from dist_ckpt.backends.zarr.layout import (
     ZARR_DIR,
     ReadOp,
     array_chunk_shape,
+    as_stored,
     checkpoint_node,
     chunk_coords,
     chunked_attributes,
@@ -86,13 +87,14 @@ from dist_ckpt.backends.zarr.layout import (
     pad_to_expected_shape,
     plan_request,
     postprocess_numpy_array,
+    stored_numpy_dtype,
     tensor_dir,
 )
 from dist_ckpt.engine.distributed import get_rank, run_collectively
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
 from dist_ckpt.integrity.checksums import FileDigest, IntegrityReport, bytes_digest
 from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
-from dist_ckpt.model.dtypes import dtype_info, numpy_to_tensor, tensor_to_numpy
+from dist_ckpt.model.dtypes import numpy_to_tensor, tensor_to_numpy
 from dist_ckpt.model.geometry import Box, piece_view, sub_view
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
 from dist_ckpt.storage import fsync_dir
@@ -171,8 +173,7 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
     can_stream: ClassVar[bool] = True
 
     def __init__(self, backend: str = "zarr", version: int = 1) -> None:
-        super().__init__(backend, version)
-        register_extension_dtypes()
+        super().__init__(backend, version)  # bfloat16 and float8 are written as raw bits (layout.stored_numpy_dtype)
 
     def check_location(self, checkpoint_dir: CheckpointLocation) -> None:
         """Local directories and S3 (through zarr-python's ObjectStore); other object stores are refused."""
@@ -212,7 +213,7 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
                         name=name or None,
                         shape=sh.global_shape,
                         chunks=array_chunk_shape(sh),
-                        dtype=dtype_info(sh.dtype).numpy_dtype,
+                        dtype=stored_numpy_dtype(sh.dtype),
                         attributes={ATTR: chunked_attributes(sh)},
                         overwrite=False,
                         config=_WRITE_EMPTY,
@@ -242,13 +243,13 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
             name=name or None,
             shape=(length,),
             chunks=(chunk,),
-            dtype=dtype_info(sh.dtype).numpy_dtype,
+            dtype=stored_numpy_dtype(sh.dtype),
             attributes={ATTR: fragment_attributes(sh)},
             overwrite=False,
             config=_WRITE_EMPTY,
             **_ARRAY_OPTIONS,
         )
-        arr[:] = tensor_to_numpy(cpu_contiguous(sh.data))
+        arr[:] = as_stored(tensor_to_numpy(cpu_contiguous(sh.data)), sh.dtype)
         chunk_files = [path / arr.metadata.encode_chunk_key((i,)) for i in range(math.ceil(length / chunk))]
         return [path / "zarr.json"] + chunk_files
 
@@ -264,7 +265,7 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
                 store, name = stores.at(path)
                 arrays[sh.key] = zarr.open_array(store=store, path=name, mode="r+").with_config(_WRITE_EMPTY)
             arr = arrays[sh.key]
-            local = tensor_to_numpy(cpu_contiguous(sh.data)).reshape(sh.full_local_shape)
+            local = as_stored(tensor_to_numpy(cpu_contiguous(sh.data)), sh.dtype).reshape(sh.full_local_shape)
             region = tuple(slice(o, o + s) for o, s in zip(sh.global_offset, sh.full_local_shape))
             arr[region] = local
             written.append(path / arr.metadata.encode_chunk_key(sh.local_chunk_offset_in_global()))
@@ -378,7 +379,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
     object_storage: ClassVar[bool] = True
 
     def __init__(self, verify_checksums: bool = True) -> None:
-        register_extension_dtypes()
+        register_extension_dtypes()  # checkpoints that stored "data_type": "bfloat16" (before raw bits)
         self.verify_checksums = verify_checksums
 
     def check_location(self, checkpoint_dir: CheckpointLocation) -> None:
