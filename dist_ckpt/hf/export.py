@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from dist_ckpt.backends.safetensors.format import SafetensorsFileWriter
+from dist_ckpt.backends.safetensors import SafetensorsFileWriter
 from dist_ckpt.errors import CheckpointExistsError, CheckpointingException, KeyMismatchError
 from dist_ckpt.hf.folder import has_hf_weights
 from dist_ckpt.hf.index import (
@@ -39,7 +39,7 @@ from dist_ckpt.hf.index import (
     shard_file_name,
 )
 from dist_ckpt.hf.select import rename_keys, select_keys
-from dist_ckpt.storage.local import write_bytes_atomic
+from dist_ckpt.storage import write_bytes_atomic
 from dist_ckpt.storage.location import LocationLike, require_local, resolve_location
 from dist_ckpt.tools.unshard import iter_with, unsharded_metadata
 
