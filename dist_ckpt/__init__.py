@@ -74,10 +74,9 @@ from dist_ckpt.model.sharded import (
 from dist_ckpt.tools.convert import ConvertResult, convert
 from dist_ckpt.tools.inspection import CheckpointInfo, TensorInfo, inspect_checkpoint
 from dist_ckpt.tools.unshard import iter_unsharded, unshard
-from dist_ckpt.training.checkpointer import (
-    Checkpointer,
-    CheckpointMetadata,
-    TensorMetadata,
+from dist_ckpt.training.checkpointer import Checkpointer, CheckpointMetadata, TensorMetadata
+from dist_ckpt.training.model_optim import (
+    async_save_model_and_optim_state,
     load_model_and_optim_state,
     save_model_and_optim_state,
     unshard_model_state,
@@ -134,6 +133,7 @@ __all__ = [
     "__version__",
     "apply_factories",
     "apply_factory_merges",
+    "async_save_model_and_optim_state",
     "check_is_distributed_checkpoint",
     "convert",
     "get_default_strategy",

@@ -30,7 +30,7 @@ from dist_ckpt.testing.training import (
     state_differences,
     train,
 )
-from dist_ckpt.training.checkpointer import load_model_and_optim_state, save_model_and_optim_state
+from dist_ckpt.training.model_optim import load_model_and_optim_state, save_model_and_optim_state
 
 from .helpers import assert_on_all_ranks, raises_on_all_ranks, rank, world
 
