@@ -4,7 +4,8 @@ Conventions of the pages (docs/index.md says them to contributors too):
 
 * A block is a whole program. Its first line may say how to launch it:
   ``# train.py -- run with: torchrun --nproc-per-node 2 train.py`` (several launches may be
-  listed, e.g. ``python first.py, or torchrun --nproc-per-node 2 first.py``; each is run).
+  listed, e.g. ``python first.py, or torchrun --nproc-per-node 2 first.py``; each is run, with
+  the ``--flags`` it names after the file, e.g. ``train.py --async-save``).
   ``torchrun`` / ``python -m torch.distributed.run`` start N ranks (``--standalone`` is added so
   that parallel runs do not share a port); a block without a launch runs as ``python block.py``.
 * ``<!-- continues -->`` on the line before a fence: the block continues the previous block of
@@ -40,8 +41,9 @@ _CONTINUES = re.compile(r"^<!--\s*continues\s*-->$")
 _SNIPPET = re.compile(r'^--8<--\s+"([^"]+)"\s*$')
 _TORCHRUN = re.compile(
     r"(?:torchrun|python3? -m torch\.distributed\.run)\s+--nproc[-_]per[-_]node[= ](\d+)\s+([\w./-]+\.py)"
+    r"((?:\s+--[\w-]+)*)"
 )
-_PYTHON = re.compile(r"(?<![\w-])python3?\s+([\w./-]+\.py)")
+_PYTHON = re.compile(r"(?<![\w-])python3?\s+([\w./-]+\.py)((?:\s+--[\w-]+)*)")
 _S3_BUCKET = re.compile(r"s3://([a-z0-9][a-z0-9.-]+)")
 
 
@@ -53,7 +55,8 @@ class Program:
     line: int
     code: str
     not_run: Optional[str] = None
-    launches: List[Tuple[Optional[int], str]] = field(default_factory=list)  # (torchrun ranks or None, file)
+    #: (torchrun ranks or None for python, file, arguments)
+    launches: List[Tuple[Optional[int], str, Tuple[str, ...]]] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -77,21 +80,22 @@ def _blocks(page: Path) -> Iterator[Tuple[int, str, str]]:
         i += 1
 
 
-def _launches(code: str) -> List[Tuple[Optional[int], str]]:
-    """``(ranks, file)`` of each launch the first line states: torchrun's ranks, or None for python."""
+def _launches(code: str) -> List[Tuple[Optional[int], str, Tuple[str, ...]]]:
+    """``(ranks, file, arguments)`` of each launch the first line states: torchrun's ranks, or
+    None for python."""
     first = code.lstrip().splitlines()[0] if code.strip() else ""
     if "run with:" not in first:
-        return [(None, "block.py")]
+        return [(None, "block.py", ())]
     command = first.split("run with:", 1)[1]
-    found: List[Tuple[int, Optional[int], str]] = [
-        (m.start(), int(m.group(1)), m.group(2)) for m in _TORCHRUN.finditer(command)
+    found: List[Tuple[int, Optional[int], str, Tuple[str, ...]]] = [
+        (m.start(), int(m.group(1)), m.group(2), tuple(m.group(3).split())) for m in _TORCHRUN.finditer(command)
     ]
     spans = [(m.start(), m.end()) for m in _TORCHRUN.finditer(command)]
     for m in _PYTHON.finditer(command):
         if not any(a <= m.start() < b for a, b in spans):
-            found.append((m.start(), None, m.group(1)))
+            found.append((m.start(), None, m.group(1), tuple(m.group(2).split())))
     assert found, f"cannot read the launch in {first!r}"
-    return [(ranks, name) for _, ranks, name in sorted(found)]
+    return [(ranks, name, args) for _, ranks, name, args in sorted(found)]
 
 
 def programs() -> List[Program]:
@@ -147,7 +151,7 @@ def s3_buckets(request: pytest.FixtureRequest) -> Any:
 @pytest.mark.parametrize("s3_buckets", [p for p in PROGRAMS if p.not_run is None], ids=lambda p: p.name, indirect=True)
 def test_code_block_runs_as_the_page_says(s3_buckets: Program, tmp_path: Path) -> None:
     program = s3_buckets
-    for i, (ranks, name) in enumerate(program.launches):
+    for i, (ranks, name, args) in enumerate(program.launches):
         workdir = tmp_path / f"launch{i}"
 
         def prepare() -> None:
@@ -155,8 +159,9 @@ def test_code_block_runs_as_the_page_says(s3_buckets: Program, tmp_path: Path) -
             workdir.mkdir()
             (workdir / Path(name).name).write_text(program.code, encoding="utf-8")
 
-        proc = run(workdir, ranks, Path(name).name, prepare=prepare)
+        proc = run(workdir, ranks, Path(name).name, *args, prepare=prepare)
         assert proc.returncode == 0, (
-            f"{program.name} ({'python' if ranks is None else f'torchrun, {ranks} ranks'}, {name}) failed:\n"
+            f"{program.name} ({'python' if ranks is None else f'torchrun, {ranks} ranks'}, {name} {' '.join(args)}) "
+            f"failed:\n"
             f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         )
