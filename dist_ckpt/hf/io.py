@@ -365,6 +365,8 @@ def load_checkpoint(
     strict: bool = ...,
     assign: bool = ...,
     keys: Optional[Set[str]] = ...,
+    *,
+    allow_dtype_cast: bool = ...,
 ) -> None: ...
 
 
@@ -376,6 +378,8 @@ def load_checkpoint(
     strict: bool = ...,
     assign: bool = ...,
     keys: Optional[Set[str]] = ...,
+    *,
+    allow_dtype_cast: bool = ...,
 ) -> Dict[str, Tensor]: ...
 
 
@@ -386,13 +390,18 @@ def load_checkpoint(
     strict: bool = True,
     assign: bool = False,
     keys: Optional[Set[str]] = None,
+    *,
+    allow_dtype_cast: bool = True,
 ) -> Optional[Dict[str, Tensor]]:
     """Load a HuggingFace checkpoint folder (index + shards, or ``model.safetensors``).
 
     Module mode loads into ``module`` (in place, or assigned on ``device`` with ``assign``),
     re-ties tied parameters, and returns None; with ``strict`` any name missing on either side
-    raises :class:`KeyMismatchError` before anything is read. Dict mode (``module=None``)
-    returns ``{name: tensor}`` on ``device``, restricted to ``keys`` if given.
+    raises :class:`KeyMismatchError` before anything is read. Parameters in another dtype than
+    the stored one are filled converted, as ``Module.load_state_dict`` does
+    (``allow_dtype_cast=False`` raises :class:`LoadMismatchError` instead; see
+    :mod:`dist_ckpt.model.dtype_cast`). Dict mode (``module=None``) returns ``{name: tensor}``
+    on ``device`` in the stored dtypes, restricted to ``keys`` if given.
 
     Example::
 
@@ -404,5 +413,6 @@ def load_checkpoint(
         return load_into_dict(folder, folder.names() if keys is None else keys, device)
     if keys is not None:
         raise CheckpointingException("keys= applies to dict mode (module=None) only")
-    load_into_module(folder, module, device, assign, raise_missing=strict, raise_unexpected=strict)
+    options = ReadOptions(allow_dtype_cast=allow_dtype_cast)
+    load_into_module(folder, module, device, assign, raise_missing=strict, raise_unexpected=strict, options=options)
     return None

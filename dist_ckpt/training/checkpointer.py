@@ -48,6 +48,7 @@ from dist_ckpt.engine.save import save
 from dist_ckpt.engine.watchdog import DEFAULT_WATCHDOG_TIMEOUT_S
 from dist_ckpt.errors import CheckpointingException, LoadMismatchError, ShardingIntegrityError, format_keys
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
+from dist_ckpt.model.stored_metadata import shaped
 from dist_ckpt.storage.location import resolve_location
 from dist_ckpt.training.async_saves import PendingSaves
 from dist_ckpt.training.dtensor_shards import to_sharded_tensor
@@ -421,7 +422,8 @@ class Checkpointer:
             if rank0_only and not no_dist and get_rank() != 0:
                 return {}
             strategy, _ = verify_checkpoint_and_load_strategy(location, self.load_strategy)
-            request = {k: sh for k, sh in strategy.load_tensors_metadata(location).items() if select(k)}
+            stored = strategy.load_tensors_metadata(location)
+            request = {k: shaped(sh) for k, sh in stored.items() if isinstance(sh, ShardedTensor) and select(k)}
             loaded = strategy.load(request, location) if request else {}
             return {k: v if device is None else v.to(device) for k, v in sorted(loaded.items())}
 
