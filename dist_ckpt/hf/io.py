@@ -45,6 +45,7 @@ from dist_ckpt.hf.index import (
     sharing_groups,
     validate_shard_index,
 )
+from dist_ckpt.model.module_names import canonical_state_dict, has_fsdp1
 from dist_ckpt.model.sharded import ShardedTensor
 
 __all__ = ["load_checkpoint", "load_sharded_checkpoint", "save_checkpoint", "save_sharded_checkpoint"]
@@ -55,9 +56,11 @@ Device = Union[str, torch.device]
 
 
 def as_state_dict(module: StateDictLike) -> Dict[str, Tensor]:
-    """The tensors to save: ``module.state_dict()`` for a module, the dict itself otherwise."""
+    """The tensors to save: ``module.state_dict()`` for a module, by the names of the unwrapped
+    model (no ``module.`` of DDP, ``_orig_mod.`` of ``torch.compile``, ...: see
+    :mod:`dist_ckpt.model.module_names`), the dict itself otherwise."""
     if isinstance(module, Module):
-        return module.state_dict()
+        return canonical_state_dict(module)[0]
     if isinstance(module, dict):
         return module
     raise CheckpointingException(f"expected an nn.Module or a dict of tensors, got {type(module).__name__}")
@@ -236,9 +239,12 @@ def load_into_module(
 
     Without ``assign`` the values are read in place into the module's existing tensors (any
     device); with ``assign`` new tensors are made on ``device`` and assigned (for modules on the
-    meta device). Key problems are checked before anything is read.
+    meta device). Key problems are checked before anything is read. Names are those of the
+    unwrapped model (a DDP or ``torch.compile`` wrapper loads the same folder as the plain
+    model); an FSDP1 model, whose ``state_dict()`` holds copies, gets them through its
+    ``load_state_dict``.
     """
-    targets = module.state_dict(keep_vars=True)
+    targets, raw_names = canonical_state_dict(module, keep_vars=True)
     available = set(folder.weight_map) | set(folder.aliases)
     missing = {n for n in targets if n not in available}
     unexpected = {n for n in folder.weight_map if n not in targets}
@@ -258,7 +264,7 @@ def load_into_module(
     names = [n for n in targets if n in available]
     if assign:
         loaded = load_into_dict(folder, names, device, options)
-        module.load_state_dict(loaded, strict=False, assign=True)
+        module.load_state_dict({raw_names[n]: t for n, t in loaded.items()}, strict=False, assign=True)
     else:
         index = folder.tensor_index(names)
         aliases = folder.aliases
@@ -279,6 +285,8 @@ def load_into_module(
                 )
             request[name] = ShardedTensor.from_rank_offsets(stored, dest)
         load_from_index(request, index, options or ReadOptions())
+        if has_fsdp1(module):  # the targets were copies
+            module.load_state_dict({raw_names[n]: targets[n] for n in names}, strict=False)
     groups = [g for g in folder.sharing if all(n in targets for n in g)]
     retie_parameters(module, groups)
     return missing, unexpected

@@ -68,7 +68,7 @@ def test_saved_by_4_exported_to_hf_equals_full_tensors(backend, shared_tmp_path:
     dc.save(sd, shared_tmp_path / "ckpt", sharded_strategy=backend)
     ok, detail = True, ""
     if rank() == 0:  # one process, no collective: the export is a single-process tool
-        result = export(shared_tmp_path / "ckpt", shared_tmp_path / "hf", max_shard_size=9000)
+        result = export(shared_tmp_path / "ckpt", shared_tmp_path / "hf", max_shard_size=9000, include=["*"])
         stored: Dict[str, torch.Tensor] = {}
         for file in result.files:
             stored.update(load_file(str(shared_tmp_path / "hf" / file)))

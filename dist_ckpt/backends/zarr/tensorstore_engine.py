@@ -76,6 +76,7 @@ from dist_ckpt.backends.zarr.metadata import damaged_chunks, describe_zarr
 from dist_ckpt.backends.zarr.nodes import (
     array_chunk_shape,
     array_metadata,
+    as_stored,
     chunked_attributes,
     cpu_contiguous,
     creates_array,
@@ -139,12 +140,15 @@ def open_ts_array(
     """Open the zarr v3 array at ``arr_path`` for reading with TensorStore.
 
     Missing chunks make reads fail (``fill_missing_data_reads=False``) instead of returning the
-    fill value, so a damaged checkpoint is never loaded as zeros.
+    fill value, so a damaged checkpoint is never loaded as zeros. The array has its stored data
+    type: raw bits (``uint16``, ``uint8``) for bfloat16 and float8 tensors (see
+    :mod:`dist_ckpt.backends.zarr.layout`); :func:`postprocess_numpy_array` makes the tensor.
 
     Example::
 
         arr = open_ts_array("ckpt/zarr/layer.weight")          # a local path, or a node of any storage
         first_rows = arr[0:4].read().result()   # numpy array
+        tensor = postprocess_numpy_array(first_rows, sharded_tensor)   # its dtype, e.g. bfloat16
     """
     spec = dict(_spec(ObjectPath.of(arr_path)), fill_missing_data_reads=False)
     try:
@@ -295,7 +299,7 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
         for sh in shards:
             if sh.data is None:
                 raise CheckpointingException(f"[rank {get_rank()}] main replica of {sh.key!r} has no data to save")
-            data = tensor_to_numpy(cpu_contiguous(sh.data))
+            data = as_stored(tensor_to_numpy(cpu_contiguous(sh.data)), sh.dtype)
             if sh.flattened_range is None:
                 if math.prod(sh.local_shape) == 0:
                     continue
@@ -474,8 +478,11 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
                         tuple(slice(o, o + s) for o, s in zip(op.region.offset, op.region.shape))
                     ]
                     if op.src_box == op.inter and op.region.shape == op.inter.shape and stored == sh.dtype:
-                        # a box of a chunked array: TensorStore copies straight into the destination
-                        memory = ts.array(tensor_to_numpy(view), copy=False, write=True)
+                        # a box of a chunked array: TensorStore copies straight into the destination,
+                        # viewed as the array's data type (raw bits for bfloat16 and float8, or
+                        # the zarr-extensions type of older checkpoints): a copy, never a conversion
+                        array_type = np.dtype(source.dtype.numpy_dtype)
+                        memory = ts.array(tensor_to_numpy(view).view(array_type), copy=False, write=True)
                         direct.append(((sh, op), memory.write(source)))
                         continue
                     staged.append(((sh, op), source.read(), view, stored))

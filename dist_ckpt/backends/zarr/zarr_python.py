@@ -82,6 +82,7 @@ from dist_ckpt.backends.zarr.nodes import (
     READ_BUDGET_BYTES,
     ByteBudget,
     array_chunk_shape,
+    as_stored,
     chunked_attributes,
     cpu_contiguous,
     creates_array,
@@ -90,6 +91,7 @@ from dist_ckpt.backends.zarr.nodes import (
     fragment_attributes,
     fsync_written,
     in_threads,
+    stored_numpy_dtype,
 )
 from dist_ckpt.backends.zarr.read_plan import ReadOp, plan_request
 from dist_ckpt.engine.distributed import get_rank, run_collectively
@@ -97,7 +99,7 @@ from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
 from dist_ckpt.integrity.checksums import FileDigest, IntegrityReport, bytes_digest
 from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
 from dist_ckpt.model.dtype_cast import copy_cast
-from dist_ckpt.model.dtypes import dtype_info, numpy_to_tensor, tensor_to_numpy
+from dist_ckpt.model.dtypes import numpy_to_tensor, tensor_to_numpy
 from dist_ckpt.model.geometry import Box, piece_view, sub_view
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
 from dist_ckpt.storage import Storage, fsync_dir
@@ -193,8 +195,7 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
     can_stream: ClassVar[bool] = True
 
     def __init__(self, backend: str = "zarr", version: int = 1) -> None:
-        super().__init__(backend, version)
-        register_extension_dtypes()
+        super().__init__(backend, version)  # bfloat16 and float8 are written as raw bits (nodes.stored_numpy_dtype)
 
     def check_location(self, checkpoint_dir: Storage) -> None:
         """Local directories and S3 (through zarr-python's ObjectStore); other object stores are refused."""
@@ -239,7 +240,7 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
                 name=name or None,
                 shape=sh.global_shape,
                 chunks=array_chunk_shape(sh),
-                dtype=dtype_info(sh.dtype).numpy_dtype,
+                dtype=stored_numpy_dtype(sh.dtype),
                 attributes={ATTR: chunked_attributes(sh)},
                 overwrite=False,
                 config=_WRITE_EMPTY,
@@ -274,13 +275,13 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
             name=name or None,
             shape=(length,),
             chunks=(chunk,),
-            dtype=dtype_info(sh.dtype).numpy_dtype,
+            dtype=stored_numpy_dtype(sh.dtype),
             attributes={ATTR: fragment_attributes(sh)},
             overwrite=False,
             config=_WRITE_EMPTY,
             **_ARRAY_OPTIONS,
         )
-        arr[:] = tensor_to_numpy(cpu_contiguous(sh.data))
+        arr[:] = as_stored(tensor_to_numpy(cpu_contiguous(sh.data)), sh.dtype)
         chunk_files = [path / arr.metadata.encode_chunk_key((i,)) for i in range(math.ceil(length / chunk))]
         return [path / "zarr.json"] + chunk_files
 
@@ -299,7 +300,8 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
             arr = zarr.open_array(store=store, path=name, mode="r+").with_config(_WRITE_EMPTY)
             chunks = []
             for sh in group:
-                local = tensor_to_numpy(cpu_contiguous(sh.data)).reshape(sh.full_local_shape)  # type: ignore[arg-type]
+                data = tensor_to_numpy(cpu_contiguous(sh.data))  # type: ignore[arg-type]
+                local = as_stored(data, sh.dtype).reshape(sh.full_local_shape)
                 arr[tuple(slice(o, o + s) for o, s in zip(sh.global_offset, sh.full_local_shape))] = local
                 chunks.append(path / arr.metadata.encode_chunk_key(sh.local_chunk_offset_in_global()))
             return chunks
@@ -419,7 +421,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
     object_storage: ClassVar[bool] = True
 
     def __init__(self, verify_checksums: bool = True, allow_dtype_cast: bool = True) -> None:
-        register_extension_dtypes()
+        register_extension_dtypes()  # checkpoints that stored "data_type": "bfloat16" (before raw bits)
         self.verify_checksums = verify_checksums
         self.allow_dtype_cast = allow_dtype_cast
 
