@@ -39,20 +39,28 @@ Version 2 adds crc32c checksums (see :mod:`dist_ckpt.integrity.checksums`); ever
 
 A shard's ``crc32c`` holds 8 hex digits per block of its ``byte_range``: block ``i`` covers bytes
 ``begin + i * block_bytes`` up to the next block or the range's end, so a partial read verifies
-only the blocks it touches. Version 1 indexes (no checksums) are still read; a save without
-checksums (``SafetensorsSaveOptions(checksum_block_bytes=None)``) still writes version 1.
+only the blocks it touches.
 
-Every file, tensor and shard entry is a JSON object, so later versions can add fields without
-changing the existing ones; readers ignore unknown fields. No pickle anywhere: the index is
-plain JSON and the files are safetensors.
+Version 3 (what a save writes, with or without checksums) keeps ``index.json`` small -- the files,
+and per tensor its dtype, global shape and where its shards are -- and stores the shards as rows
+of a binary table, ``index.<crc>.bin``, so that a rank loading a checkpoint of a million shards
+reads and checks only the rows of the tensors it loads (see :mod:`.index_v3`). Versions 1 and 2
+are still read.
+
+Every file, tensor and shard entry of versions 1 and 2 is a JSON object, so later versions can
+add fields without changing the existing ones; readers ignore unknown fields. No pickle anywhere:
+the index is plain JSON (and, from version 3, a table of little-endian integers) and the files are
+safetensors.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
+from dist_ckpt.backends.safetensors import index_v3
+from dist_ckpt.backends.safetensors.index_parts import MergedIndex
 from dist_ckpt.backends.safetensors.load import StoredShard, StoredTensor, TensorIndex
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError, IncompatibleStrategyError
 from dist_ckpt.integrity.checksums import ALGORITHM, block_count, crc_from_hex, decode_block_crcs
@@ -67,9 +75,8 @@ __all__ = [
     "INDEX_FORMAT",
     "INDEX_VERSION",
     "SAFETENSORS_DIR",
-    "encode_shard",
     "file_name",
-    "merge_rank_indexes",
+    "index_files",
     "parse_index",
     "read_index",
     "shard_name",
@@ -78,11 +85,9 @@ __all__ = [
 SAFETENSORS_DIR = "safetensors"
 INDEX_FILENAME = "index.json"
 INDEX_FORMAT = "dist_ckpt.safetensors"
-#: the version written with checksums; a save without them writes version 1
-INDEX_VERSION = 2
-READABLE_VERSIONS = (1, 2)
-
-RankIndex = Dict[str, Any]  # {"files": {...}, "tensors": {...}} of one rank
+#: the version a save writes (with or without block checksums)
+INDEX_VERSION = index_v3.VERSION
+READABLE_VERSIONS = (1, 2, 3)
 
 
 def file_name(rank: int, writer: int) -> str:
@@ -108,63 +113,16 @@ def shard_name(sh: ShardedTensor) -> str:
     return name
 
 
-def encode_shard(
-    sh: ShardedTensor, file: str, byte_range: Tuple[int, int], crcs: Optional[str] = None
-) -> Dict[str, Any]:
-    """The index entry of one saved shard; ``crcs`` its encoded block checksums (version 2).
+def index_files(merged: MergedIndex, block_bytes: Optional[int]) -> Tuple[bytes, bytes, str]:
+    """``(index.json bytes, shard table bytes, shard table file name)`` of the current version
+    for a merged index (block checksums of ``block_bytes``, or none).
 
     Example::
 
-        encode_shard(sh, "rank00000_0.safetensors", (128, 160))["byte_range"]   # [128, 160]
+        doc, table, table_name = index_files(merge_index_parts(gather_bytes(part)), 1 << 20)   # rank 0
     """
-    rng = sh.flattened_range
-    entry: Dict[str, Any] = {
-        "file": file,
-        "name": shard_name(sh),
-        "global_offset": list(sh.global_offset),
-        "chunk_shape": list(sh.full_local_shape),
-        "flat_range": None if rng is None else [rng.start, rng.stop],
-        "byte_range": [byte_range[0], byte_range[1]],
-    }
-    if crcs is not None:
-        entry[ALGORITHM] = crcs
-    return entry
-
-
-def merge_rank_indexes(per_rank: Sequence[RankIndex], block_bytes: Optional[int] = None) -> Dict[str, Any]:
-    """The global index document from every rank's part (runs on rank 0): version 2 with
-    checksums of ``block_bytes`` blocks, version 1 without (``block_bytes=None``).
-
-    Example::
-
-        doc = merge_rank_indexes(gather_json(local_part), block_bytes=1 << 20)   # on rank 0
-
-    Raises:
-        CheckpointingException: two ranks describe a key with different dtypes or global shapes,
-            or write the same file.
-    """
-    files: Dict[str, Any] = {}
-    tensors: Dict[str, Any] = {}
-    for rank, part in enumerate(per_rank):
-        for name, entry in part["files"].items():
-            if name in files:
-                raise CheckpointingException(f"ranks {files[name]['rank']} and {rank} both wrote {name!r}")
-            files[name] = entry
-        for key, entry in part["tensors"].items():
-            merged = tensors.setdefault(
-                key, {"dtype": entry["dtype"], "global_shape": entry["global_shape"], "shards": []}
-            )
-            if (merged["dtype"], merged["global_shape"]) != (entry["dtype"], entry["global_shape"]):
-                raise CheckpointingException(
-                    f"tensor {key!r}: rank {rank} saves it as {entry['dtype']} {entry['global_shape']}, another rank "
-                    f"as {merged['dtype']} {merged['global_shape']}; every rank must agree"
-                )
-            merged["shards"].extend(entry["shards"])
-    doc: Dict[str, Any] = {"format": INDEX_FORMAT, "version": 1}
-    if block_bytes is not None:
-        doc.update(version=INDEX_VERSION, checksum={"algorithm": ALGORITHM, "block_bytes": block_bytes})
-    doc.update(files=files, tensors=dict(sorted(tensors.items())))
-    return doc
+    doc, table, name = index_v3.v3_document(merged, block_bytes, {"format": INDEX_FORMAT, "version": INDEX_VERSION})
+    return json.dumps(doc, separators=(",", ":")).encode("utf-8"), table, name
 
 
 # --------------------------------------------------------------------------- reading
@@ -278,6 +236,10 @@ def parse_index(doc: Any, path: Path, storage: Optional[Storage] = None) -> Tens
             f"safetensors index {str(p.path)!r} has version {version!r}; this dist_ckpt reads versions "
             f"{list(READABLE_VERSIONS)}: upgrade dist_ckpt"
         )
+    description = repr(storage.url.rsplit("/", 1)[0]) if storage is not None else repr(str(path.parent.parent))
+    if version == index_v3.VERSION:
+        block = None if doc.get("checksum") is None else _checksum_spec(p, doc.get("checksum"))
+        return index_v3.parse_v3(doc, path.parent, storage, str(p.path), block, description)
     if version >= 2:
         p.block_bytes = _checksum_spec(p, doc.get("checksum"))
     files: Dict[str, int] = {}
@@ -293,7 +255,6 @@ def parse_index(doc: Any, path: Path, storage: Optional[Storage] = None) -> Tens
                 entry.get(field), f"safetensors index {str(p.path)!r}, file entry {name!r} field {field!r}"
             )
     tensors = {key: p.tensor(key, raw, files) for key, raw in p.obj(doc.get("tensors"), "'tensors'").items()}
-    description = repr(storage.url.rsplit("/", 1)[0]) if storage is not None else repr(str(path.parent.parent))
     return TensorIndex(
         path.parent,
         tensors,
@@ -342,19 +303,3 @@ def read_index(checkpoint_dir: CheckpointLocation) -> TensorIndex:
     except (UnicodeDecodeError, ValueError) as e:
         raise CorruptCheckpointError(f"safetensors index {where!r} is not valid JSON: {e}") from e
     return parse_index(doc, path, storage)
-
-
-def rank_index(
-    files: Dict[str, int], rank: int, tensors: Dict[str, Dict[str, Any]], header_crcs: Optional[Dict[str, str]] = None
-) -> RankIndex:
-    """One rank's part of the index, as sent to rank 0 (``header_crcs``: hex crc of each file's
-    header, with checksums)."""
-    entries: Dict[str, Dict[str, Any]] = {name: {"size": size, "rank": rank} for name, size in files.items()}
-    for name, crc in (header_crcs or {}).items():
-        entries[name][f"header_{ALGORITHM}"] = crc
-    return {"files": entries, "tensors": tensors}
-
-
-def tensor_entry(dtype_name: str, global_shape: Sequence[int], shards: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """The index entry of one tensor (one rank's shards of it)."""
-    return {"dtype": dtype_name, "global_shape": list(global_shape), "shards": shards}

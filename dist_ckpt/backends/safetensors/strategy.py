@@ -26,7 +26,9 @@ Why it is fast:
   fsync per file;
 * a load reads only the byte ranges that overlap the requested shards, with positional reads
   straight into the destination tensors (see :mod:`.safetensors_io`);
-* the metadata exchanged is one small JSON document per rank, gathered once to rank 0.
+* the metadata exchanged is one compact binary index part per rank, gathered once to rank 0,
+  which merges them with numpy into index version 3: a small ``index.json`` and a binary table
+  of shards, so that a load reads only the rows of the tensors it requests.
 
 Example::
 
@@ -59,16 +61,14 @@ from dist_ckpt.backends.base import (
 from dist_ckpt.backends.safetensors.format import StagingBuffer
 from dist_ckpt.backends.safetensors.index import (
     INDEX_FILENAME,
+    INDEX_VERSION,
     SAFETENSORS_DIR,
-    RankIndex,
-    encode_shard,
     file_name,
-    merge_rank_indexes,
-    rank_index,
     read_index,
     shard_name,
-    tensor_entry,
 )
+from dist_ckpt.backends.safetensors.index_parts import IndexPart
+from dist_ckpt.backends.safetensors.index_write import remove_from_v3, write_index
 from dist_ckpt.backends.safetensors.io import ReadOptions
 from dist_ckpt.backends.safetensors.load import load_from_index, tensors_metadata
 from dist_ckpt.backends.safetensors.verify import verify_safetensors
@@ -84,12 +84,11 @@ from dist_ckpt.backends.safetensors.write import (
     write_snapshot_parts,
 )
 from dist_ckpt.backends.stored_shards import StoredShardInfo, describe_tensor_index
-from dist_ckpt.engine.distributed import gather_json, get_rank, run_collectively
+from dist_ckpt.engine.distributed import gather_bytes, get_rank, run_collectively
 from dist_ckpt.errors import CheckpointingException, InvalidShardedTensorError
 from dist_ckpt.integrity.checksums import DEFAULT_BLOCK_BYTES, IntegrityReport
-from dist_ckpt.model.dtypes import dtype_to_name
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
-from dist_ckpt.storage import Storage, fsync_dir, write_bytes_atomic
+from dist_ckpt.storage import fsync_dir, write_bytes_atomic
 from dist_ckpt.storage.location import CheckpointLocation, resolve_location
 
 __all__ = [
@@ -118,7 +117,7 @@ class SafetensorsSaveOptions:
             still being written, and drop them from the page cache once clean (see
             :class:`~.safetensors_format.SequentialWriter`); off, the save only fsyncs at the end.
         checksum_block_bytes: record a crc32c per block of this many bytes of every shard
-            (index version 2); None records none (index version 1, readable by older dist_ckpt).
+            (recorded in the index); None records none.
         snapshot_budget_bytes: most bytes an asynchronous save copies into its snapshot. When a
             rank's shards are larger, the save streams: the shards that do not fit are written
             before :meth:`~SafetensorsSaveShardedStrategy.async_save` returns, straight from the
@@ -226,8 +225,8 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     1. every rank writes and fsyncs its files (in parallel threads), computing the checksums
        as the bytes pass (on an object store: uploads each file as one object);
-    2. the ranks' index parts are gathered to rank 0 (one small JSON document each);
-    3. rank 0 writes ``safetensors/index.json`` atomically and durably.
+    2. the ranks' index parts are gathered to rank 0 (compact bytes, see :mod:`.index_parts`);
+    3. rank 0 writes the shard table and ``safetensors/index.json`` atomically and durably.
 
     Asynchronous :meth:`async_save` (not collective) snapshots the shards and returns an
     :class:`~.async_utils.AsyncRequest` whose background function writes the files (step 1) in
@@ -271,7 +270,7 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
         # 2. and 3. gather the index parts, rank 0 commits the index
         self._commit_index(local, checkpoint_dir)
 
-    def _write_files(self, checkpoint_dir: CheckpointLocation, shards: List[ShardedTensor]) -> RankIndex:
+    def _write_files(self, checkpoint_dir: CheckpointLocation, shards: List[ShardedTensor]) -> bytes:
         files = self._plan(shards, smallest_last=False)
         parts = [WritePart(plan, 0, tuple(_stored_view(sh) for sh in group)) for plan, group in files]
         if not isinstance(checkpoint_dir, Path):
@@ -312,12 +311,13 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
             for i, (items, group) in enumerate(zip(layout, groups))
         ]
 
-    def _rank_index(self, shards: List[ShardedTensor], files: PlannedFiles, results: Sequence[PartResult]) -> RankIndex:
+    def _rank_index(self, shards: List[ShardedTensor], files: PlannedFiles, results: Sequence[PartResult]) -> bytes:
         """This rank's part of the index, from the plan and the written parts' checksums."""
-        return _IndexPart(shards, files).with_checksums(results, self.options.checksum_block_bytes is not None)
+        part = IndexPart(get_rank(), shards, files)
+        return part.encode(results, self.options.checksum_block_bytes is not None)
 
-    def _commit_index(self, local: RankIndex, checkpoint_dir: CheckpointLocation) -> None:
-        gathered = gather_json(local)
+    def _commit_index(self, local: bytes, checkpoint_dir: CheckpointLocation) -> None:
+        gathered = gather_bytes(local)
         block = self.options.checksum_block_bytes
         run_collectively("writing the safetensors index", lambda: _write_index(gathered, checkpoint_dir, block))
 
@@ -411,13 +411,13 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
         )
 
         # 5. the request; its finalization needs the index entries, not the shards' data
-        part = _IndexPart(shards, files)
+        part = IndexPart(get_rank(), shards, files)
         checksums = block is not None
 
         def finalize() -> None:
             local = run_collectively(
                 "indexing the files written in the background",
-                lambda: part.with_checksums(list(head_results) + list(outcome.result or []), checksums),
+                lambda: part.encode(list(head_results) + list(outcome.result or []), checksums),
             )
             self._commit_index(local, checkpoint_dir)
 
@@ -429,41 +429,6 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
         return AsyncRequest(write_snapshot_parts, args, [finalize], outcome=outcome)
 
 
-class _IndexPart:
-    """This rank's index entries, built from the plan (no tensor data kept), completed with the
-    checksums once the files are written."""
-
-    def __init__(self, shards: List[ShardedTensor], files: PlannedFiles) -> None:
-        self.rank = get_rank()
-        self.tensors: Dict[str, Dict[str, Any]] = {}
-        for sh in shards:  # keys with no bytes on any rank (0-size tensors) are still listed
-            self.tensors.setdefault(sh.key, tensor_entry(dtype_to_name(sh.dtype), sh.global_shape, []))
-        self.files: List[Tuple[str, List[Tuple[str, Dict[str, Any]]]]] = []
-        self.sizes = {plan.name: plan.size for plan, _ in files}
-        for plan, group in files:
-            entries = [(sh.key, encode_shard(sh, plan.name, byte_range)) for sh, byte_range in zip(group, plan.ranges)]
-            self.files.append((plan.name, entries))
-
-    def with_checksums(self, results: Sequence[PartResult], checksums: bool) -> RankIndex:
-        """The index part, with each shard's block crcs (and each header's) from ``results``."""
-        crcs: Dict[str, List[str]] = {}
-        header_crcs: Dict[str, str] = {}
-        for result in sorted(results, key=lambda r: (r.file, r.first)):
-            crcs.setdefault(result.file, []).extend(result.crcs)
-            if result.header_crc is not None:
-                header_crcs[result.file] = result.header_crc
-        tensors = {key: dict(entry, shards=[]) for key, entry in self.tensors.items()}
-        for name, entries in self.files:
-            written = crcs.get(name, [])
-            if len(written) != len(entries):
-                raise CheckpointingException(
-                    f"[rank {self.rank}] {name}: {len(written)} of its {len(entries)} tensors were written"
-                )
-            for (key, shard), crc in zip(entries, written):
-                tensors[key]["shards"].append(dict(shard, crc32c=crc) if checksums else shard)
-        return rank_index(self.sizes, self.rank, tensors, header_crcs if checksums else None)
-
-
 def _stored_view(sh: ShardedTensor) -> torch.Tensor:
     """The shard as stored: a whole shard with the shape of its box (prepended axes included),
     so the file alone says which part of the global tensor it holds; reshape is a view here."""
@@ -471,25 +436,13 @@ def _stored_view(sh: ShardedTensor) -> torch.Tensor:
     return sh.data if sh.flattened_range is not None else sh.data.reshape(sh.full_local_shape)
 
 
-def _write_index(gathered: Optional[List[Any]], checkpoint_dir: CheckpointLocation, block_bytes: Optional[int]) -> None:
-    if get_rank() != 0:
-        return
-    assert gathered is not None
-    doc = merge_rank_indexes(gathered, block_bytes)
-    data = json.dumps(doc, separators=(",", ":")).encode("utf-8")
-    if isinstance(checkpoint_dir, Path):
-        root = checkpoint_dir / SAFETENSORS_DIR
-        root.mkdir(parents=True, exist_ok=True)  # a save without any tensor bytes still gets an index
-        write_bytes_atomic(root / INDEX_FILENAME, data)
-        fsync_dir(checkpoint_dir)
-    else:
-        checkpoint_dir.write(f"{SAFETENSORS_DIR}/{INDEX_FILENAME}", data)
-    logger.debug(
-        "safetensors index: %d tensors, %d files, %d bytes of data",
-        len(doc["tensors"]),
-        len(doc["files"]),
-        sum(f["size"] for f in doc["files"].values()),
-    )
+def _write_index(
+    gathered: Optional[List[bytes]], checkpoint_dir: CheckpointLocation, block_bytes: Optional[int]
+) -> None:
+    """Rank 0: merge every rank's index part and write the index (see :mod:`.index_write`)."""
+    if get_rank() == 0:
+        assert gathered is not None
+        write_index(gathered, checkpoint_dir, block_bytes)
 
 
 class SafetensorsLoadShardedStrategy(LoadShardedStrategy):
@@ -538,16 +491,22 @@ class SafetensorsLoadShardedStrategy(LoadShardedStrategy):
         """
         location = _location(checkpoint_dir)
         read_index(location)  # validates the whole index before changing it
-        if not isinstance(location, Path):
-            _remove_from_objects(location.child(SAFETENSORS_DIR), key_prefix)
-            return
-        root = location / SAFETENSORS_DIR
-        doc = json.loads((root / INDEX_FILENAME).read_bytes())
-        removed, orphans = _without_keys(doc, key_prefix)
-        write_bytes_atomic(root / INDEX_FILENAME, json.dumps(doc, separators=(",", ":")).encode("utf-8"))
-        for name in orphans:
-            (root / name).unlink(missing_ok=True)
-        fsync_dir(root)
+        root = location / SAFETENSORS_DIR if isinstance(location, Path) else location.child(SAFETENSORS_DIR)
+        raw = root.joinpath(INDEX_FILENAME).read_bytes() if isinstance(root, Path) else root.read(INDEX_FILENAME)
+        doc = json.loads(raw)
+        if doc["version"] == INDEX_VERSION:  # a binary shard table: rewritten without the keys
+            removed, orphans = remove_from_v3(location, key_prefix)
+        elif isinstance(root, Path):
+            removed, orphans = _without_keys(doc, key_prefix)
+            write_bytes_atomic(root / INDEX_FILENAME, json.dumps(doc, separators=(",", ":")).encode("utf-8"))
+            for name in orphans:
+                (root / name).unlink(missing_ok=True)
+            fsync_dir(root)
+        else:  # an object store: the index object is replaced whole (a PUT is atomic)
+            removed, orphans = _without_keys(doc, key_prefix)
+            root.write(INDEX_FILENAME, json.dumps(doc, separators=(",", ":")).encode("utf-8"))
+            for name in orphans:
+                root.delete(name)
         logger.info(
             "removed %d tensors with prefix %r from %s; deleted %d files", len(removed), key_prefix, root, len(orphans)
         )
@@ -564,23 +523,6 @@ def _without_keys(doc: Dict[str, Any], key_prefix: str) -> Tuple[List[str], List
     for name in orphans:
         del doc["files"][name]
     return removed, orphans
-
-
-def _remove_from_objects(root: Storage, key_prefix: str) -> None:
-    """:meth:`SafetensorsLoadShardedStrategy.remove_sharded_tensors` on an object store: the index
-    object is replaced whole (a PUT is atomic), then the orphaned file objects are deleted."""
-    doc = json.loads(root.read(INDEX_FILENAME))
-    removed, orphans = _without_keys(doc, key_prefix)
-    root.write(INDEX_FILENAME, json.dumps(doc, separators=(",", ":")).encode("utf-8"))
-    for name in orphans:
-        root.delete(name)
-    logger.info(
-        "removed %d tensors with prefix %r from %s; deleted %d objects",
-        len(removed),
-        key_prefix,
-        root.url,
-        len(orphans),
-    )
 
 
 def _location(checkpoint_dir: Any) -> CheckpointLocation:

@@ -3,8 +3,8 @@
 What ``dist-ckpt convert --to safetensors`` writes with: the same checkpoint a one-rank
 :meth:`~.safetensors.SafetensorsSaveShardedStrategy.save` of whole tensors produces -- one file,
 ``safetensors/rank00000_0.safetensors``, each tensor one shard covering all of it, and
-``safetensors/index.json`` with the crc32c of every block (index version 2, or version 1 when the
-strategy's options record no checksums) -- but written tensor by tensor:
+``safetensors/index.json`` (index version 3, with the crc32c of every block unless the strategy's
+options record no checksums) -- but written tensor by tensor:
 
 1. at :meth:`~dist_ckpt.backends.base.SaveShardedStrategy.begin_stream`, the file's header is
    planned from the layout (dtypes and shapes: no data needed);
@@ -39,6 +39,8 @@ import torch
 
 from dist_ckpt.backends.base import TensorLayout, TensorStreamWriter, check_stream_entry
 from dist_ckpt.backends.safetensors.index import SAFETENSORS_DIR, file_name, shard_name
+from dist_ckpt.backends.safetensors.index_parts import IndexPart
+from dist_ckpt.backends.safetensors.index_write import write_index
 from dist_ckpt.backends.safetensors.write import PartResult, WritePart, plan_file, stream_tensor, write_part
 from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.integrity.checksums import crc32c, crc_to_hex
@@ -150,11 +152,6 @@ class SafetensorsStreamWriter(TensorStreamWriter):
 
     def finish(self) -> None:
         """fsync the directory and write ``safetensors/index.json`` (rank 0's, the only one)."""
-        from dist_ckpt.backends.safetensors.strategy import (  # the index the backend's own save writes
-            _IndexPart,
-            _write_index,
-        )
-
         if self._added != len(self.layout):
             missing = [k for k, _, _ in self.layout[self._added :]]
             raise CheckpointingException(
@@ -167,8 +164,8 @@ class SafetensorsStreamWriter(TensorStreamWriter):
         if self.storage is None:
             fsync_dir(self.root)
         block = self.options.checksum_block_bytes
-        local = _IndexPart(self.shards, self.files).with_checksums(self.results, block is not None)
-        _write_index([local], self.checkpoint_dir, block)
+        local = IndexPart(0, self.shards, self.files).encode(self.results, block is not None)
+        write_index([local], self.checkpoint_dir, block)
         logger.debug(
             "streamed %d tensors, %d bytes into %s",
             len(self.layout),

@@ -1,0 +1,426 @@
+"""Version 3 of the safetensors index: a small JSON document and a binary table of shards.
+
+A checkpoint of a thousand ranks holds a million shards; versions 1 and 2 describe each shard as
+a JSON object, so every loading rank would parse hundreds of megabytes of JSON and build a
+million Python objects to plan its own few reads. Version 3 keeps ``index.json`` small -- the
+files, and per tensor its dtype, global shape and where its rows are -- and stores the shards in
+``index.<crc>.bin``, one fixed-size row of little-endian int64 per shard, each tensor's rows
+contiguous, followed by the block crcs (uint32) of every shard, each tensor's contiguous too::
+
+    {
+      "format": "dist_ckpt.safetensors",
+      "version": 3,
+      "checksum": {"algorithm": "crc32c", "block_bytes": 1048576},     # absent: no block crcs
+      "files": [{"name": "rank00000_0.safetensors", "size": 1048704, "rank": 0,
+                 "header_crc32c": "1a2b3c4d"}, ...],                   # a row's "file" indexes this list
+      "shard_table": {"file": "index.0f1e2d3c.bin", "size": 200, "rows": 2, "ndim": 2, "blocks": 2,
+                      "columns": ["file", "flat_start", "flat_stop", "byte_begin", "byte_end",
+                                  "offset", "chunk"]},
+      "tensors": {"decoder.w": {"dtype": "bfloat16", "global_shape": [1024, 512],
+                                "rows": [0, 2], "blocks": [0, 2], "table_crc32c": "9a71bb4c"}}
+    }
+
+A row holds, for ``D = ndim``: the file id, the flattened range (``-1, -1`` for a whole chunk),
+the absolute byte range in the file, the ``D`` offsets and the ``D`` chunk sizes of the shard's
+box (a tensor of fewer axes leaves the rest 0). The shard's name inside its safetensors file is
+not stored: it is ``<key>@<offsets joined by ".">`` (``+<flat start>`` for a flattened range),
+as every writer of this backend names it. ``table_crc32c`` covers the tensor's rows and then
+its block crcs, so a reader checks exactly the bytes it uses.
+
+A loading rank reads ``index.json`` (O(tensors)) and, for each tensor it requests, only that
+tensor's rows (memory-mapped from a local file; an object store's table is fetched once), checks
+them with numpy and builds Python objects only for the shards that overlap what it reads.
+
+Example::
+
+    doc, table, name = v3_document(merged, block_bytes=1 << 20, header={"format": ..., "version": 3})
+    index = parse_v3(json.loads(raw), directory, storage=None, where="ckpt/safetensors/index.json")
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from dist_ckpt.backends.safetensors.index_parts import COLUMNS, MergedIndex
+from dist_ckpt.backends.safetensors.load import StoredShard, StoredTensor, TensorIndex
+from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
+from dist_ckpt.integrity.checksums import ALGORITHM, crc32c, crc_from_hex, crc_to_hex
+from dist_ckpt.model.dtypes import dtype_from_name
+from dist_ckpt.model.geometry import Box
+from dist_ckpt.storage import Storage
+
+__all__ = ["VERSION", "TableTensor", "parse_v3", "table_file_name", "v3_document"]
+
+VERSION = 3
+_TABLE_PREFIX = "index."
+_TABLE_SUFFIX = ".bin"
+_ROW = np.dtype("<i8")
+_CRC = np.dtype("<u4")
+
+
+def table_file_name(crc: int) -> str:
+    """Name of the shard table whose bytes have crc32c ``crc`` (new content, new name: the
+    table is never overwritten in place, so ``index.json`` and its table change atomically)."""
+    return f"{_TABLE_PREFIX}{crc_to_hex(crc)}{_TABLE_SUFFIX}"
+
+
+def is_table_file(name: str) -> bool:
+    """Whether ``name`` is a shard table's name."""
+    return name.startswith(_TABLE_PREFIX) and name.endswith(_TABLE_SUFFIX) and len(name) == 18
+
+
+def v3_document(
+    merged: MergedIndex, block_bytes: Optional[int], header: Dict[str, Any]
+) -> Tuple[Dict[str, Any], bytes, str]:
+    """``(index.json document, shard table bytes, table file name)`` of a merged index.
+
+    ``header`` holds the leading fields (format and version); ``block_bytes`` is recorded when
+    the shards have block crcs.
+    """
+    rows = np.ascontiguousarray(merged.rows, dtype=_ROW)
+    crcs = np.ascontiguousarray(merged.crcs, dtype=_CRC)
+    row_bytes, crc_bytes = rows.tobytes(), crcs.tobytes()
+    width = rows.shape[1] * _ROW.itemsize
+    tensors: Dict[str, Any] = {}
+    for i, key in enumerate(merged.keys):
+        (r0, rn), (b0, bn) = (int(v) for v in merged.key_rows[i]), (int(v) for v in merged.key_blocks[i])
+        crc = crc32c(crc_bytes[b0 * 4 : (b0 + bn) * 4], crc32c(row_bytes[r0 * width : (r0 + rn) * width]))
+        tensors[key] = {
+            "dtype": merged.dtypes[i],
+            "global_shape": list(merged.shapes[i]),
+            "rows": [r0, rn],
+            "blocks": [b0, bn],
+            "table_crc32c": crc_to_hex(crc),
+        }
+    table = row_bytes + crc_bytes
+    name = table_file_name(crc32c(table))
+    doc = dict(header)
+    if block_bytes is not None and merged.checksums:
+        doc["checksum"] = {"algorithm": ALGORITHM, "block_bytes": block_bytes}
+    doc["files"] = [
+        {"name": n, "size": size, "rank": rank, **({} if crc is None else {f"header_{ALGORITHM}": crc_to_hex(crc)})}
+        for n, size, rank, crc in merged.files
+    ]
+    doc["shard_table"] = {
+        "file": name,
+        "size": len(table),
+        "rows": int(rows.shape[0]),
+        "ndim": merged.ndim,
+        "blocks": int(crcs.shape[0]),
+        "columns": [*COLUMNS, "offset", "chunk"],
+    }
+    doc["tensors"] = tensors
+    return doc, table, name
+
+
+# --------------------------------------------------------------------------- reading
+
+
+class _Fail:
+    """Errors naming the index file (and the tensor)."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def __call__(self, problem: str, key: Optional[str] = None) -> CorruptCheckpointError:
+        tensor = "" if key is None else f" (tensor {key!r})"
+        return CorruptCheckpointError(f"safetensors index {self.where!r}{tensor}: {problem}")
+
+
+def _int(value: Any) -> Optional[int]:
+    """``value`` if it is a non-negative JSON int, else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _ints(value: Any, length: Optional[int] = None) -> Optional[Tuple[int, ...]]:
+    """``value`` as a tuple if it is a list of non-negative ints (of ``length``), else None."""
+    if not isinstance(value, list) or (length is not None and len(value) != length):
+        return None
+    out = tuple(_int(v) for v in value)
+    return None if any(v is None for v in out) else out  # type: ignore[return-value]
+
+
+class ShardTableFile:
+    """The binary shard table, opened on first use: memory-mapped when local, fetched whole from
+    an object store."""
+
+    def __init__(self, spec: Dict[str, Any], directory: Path, storage: Optional[Storage], fail: _Fail) -> None:
+        self.fail = fail
+        name = spec.get("file")
+        if not isinstance(name, str) or not is_table_file(name):
+            raise fail(f"'shard_table' field 'file' must name an index.<crc>.bin file, found {name!r}")
+        for field in ("size", "rows", "ndim", "blocks"):
+            if _int(spec.get(field)) is None:
+                raise fail(f"'shard_table' field {field!r} must be a non-negative int, found {spec.get(field)!r}")
+        self.name, self.nrows, self.ndim, self.nblocks = name, spec["rows"], spec["ndim"], spec["blocks"]
+        self.columns = len(COLUMNS) + 2 * self.ndim
+        if spec.get("columns") != [*COLUMNS, "offset", "chunk"]:
+            raise fail(
+                f"'shard_table' field 'columns' is {spec.get('columns')!r}, expected {[*COLUMNS, 'offset', 'chunk']}"
+            )
+        if spec["size"] != self.nrows * self.columns * _ROW.itemsize + self.nblocks * _CRC.itemsize:
+            raise fail(
+                f"'shard_table' size {spec['size']} does not match its {self.nrows} rows and {self.nblocks} crcs"
+            )
+        self.size = spec["size"]
+        self.directory, self.storage = directory, storage
+        self._rows: Optional[np.ndarray] = None
+        self._crcs: Optional[np.ndarray] = None
+
+    def _open(self) -> Tuple[np.ndarray, np.ndarray]:
+        if self._rows is None or self._crcs is None:
+            where = self.storage.url_of(self.name) if self.storage is not None else str(self.directory / self.name)
+            try:
+                if self.storage is not None:
+                    raw = np.frombuffer(self.storage.read(self.name), dtype=np.uint8)
+                elif self.size == 0:
+                    raw = np.zeros(0, dtype=np.uint8)
+                else:
+                    raw = np.memmap(self.directory / self.name, dtype=np.uint8, mode="r")
+            except FileNotFoundError:
+                raise self.fail(f"its shard table {where!r} is missing") from None
+            if raw.shape[0] != self.size:
+                raise self.fail(f"its shard table {where!r} has {raw.shape[0]} bytes, the index says {self.size}")
+            split = self.nrows * self.columns * _ROW.itemsize
+            self._rows = raw[:split].view(_ROW).reshape(self.nrows, self.columns)
+            self._crcs = raw[split:].view(_CRC)
+        return self._rows, self._crcs
+
+    def block(self, rows: Tuple[int, int], blocks: Tuple[int, int]) -> Tuple[np.ndarray, np.ndarray, int]:
+        """A tensor's rows and crcs (copies), and the crc32c of their bytes."""
+        all_rows, all_crcs = self._open()
+        r = np.array(all_rows[rows[0] : rows[0] + rows[1]])
+        c = np.array(all_crcs[blocks[0] : blocks[0] + blocks[1]])
+        return r, c, crc32c(c.tobytes(), crc32c(r.tobytes()))
+
+
+class TableTensor(StoredTensor):
+    """A stored tensor of an index v3: its shards come from the shard table, on first use.
+
+    :meth:`overlapping` checks the tensor's rows once (numpy) and builds a :class:`StoredShard`
+    only for the rows that overlap the region asked for; :attr:`shards` builds all of them.
+    """
+
+    def __init__(self, key: str, dtype: torch.dtype, global_shape: Tuple[int, ...], table: "_TensorRows") -> None:
+        self.key, self.dtype, self.global_shape = key, dtype, global_shape
+        self._grid = None
+        self._table = table
+        self._all: Optional[List[StoredShard]] = None
+        self._made: Dict[int, StoredShard] = {}
+
+    @property
+    def shards(self) -> List[StoredShard]:
+        if self._all is None:
+            self._all = [self._shard(i) for i in range(self._table.rows(self).shape[0])]
+        return self._all
+
+    @shards.setter
+    def shards(self, value: List[StoredShard]) -> None:
+        self._all = list(value)
+
+    def _shard(self, i: int) -> StoredShard:
+        made = self._made.get(i)
+        if made is None:
+            made = self._table.shard(self, i)
+            self._made[i] = made
+        return made
+
+    def overlapping(self, region: Box) -> Iterator[StoredShard]:
+        if self._all is not None:  # replaced or built already
+            yield from super().overlapping(region)
+            return
+        rows = self._table.rows(self)
+        d = len(self.global_shape)
+        lo, hi = np.asarray(region.offset, dtype=np.int64), np.asarray(region.stop, dtype=np.int64)
+        off = rows[:, len(COLUMNS) : len(COLUMNS) + d]
+        end = off + rows[:, len(COLUMNS) + self._table.ndim : len(COLUMNS) + self._table.ndim + d]
+        hit = (np.maximum(off, lo) < np.minimum(end, hi)).all(axis=1)
+        for i in np.flatnonzero(hit):
+            yield self._shard(int(i))
+
+
+class _TensorRows:
+    """Reads and checks each tensor's rows of the shard table, once."""
+
+    def __init__(
+        self,
+        table: ShardTableFile,
+        files: List[str],
+        sizes: np.ndarray,
+        block_bytes: Optional[int],
+        entries: Dict[str, Tuple[Tuple[int, int], Tuple[int, int], int]],
+        fail: _Fail,
+    ) -> None:
+        self.table, self.files, self.sizes, self.block_bytes, self.entries, self.fail = (
+            table,
+            files,
+            sizes,
+            block_bytes,
+            entries,
+            fail,
+        )
+        self.ndim = table.ndim
+        self._checked: Dict[str, Tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def rows(self, t: TableTensor) -> np.ndarray:
+        return self._load(t)[0]
+
+    def _load(self, t: TableTensor) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        found = self._checked.get(t.key)
+        if found is None:
+            rows_at, blocks_at, crc = self.entries[t.key]
+            rows, crcs, actual = self.table.block(rows_at, blocks_at)
+            if actual != crc:
+                raise self.fail(
+                    f"its rows of the shard table have crc32c {crc_to_hex(actual)}, the index recorded "
+                    f"{crc_to_hex(crc)} (the table is damaged)",
+                    t.key,
+                )
+            ends = np.cumsum(self._check(t, rows, len(crcs)))
+            found = (rows, crcs, ends)
+            self._checked[t.key] = found
+        return found
+
+    def _check(self, t: TableTensor, rows: np.ndarray, crc_count: int) -> np.ndarray:
+        """Every row's fields against the tensor and the files (vectorized); the block count of each row."""
+        d, width, key = len(t.global_shape), self.ndim, t.key
+        file, start, stop, begin, end = (rows[:, i] for i in range(len(COLUMNS)))
+        off = rows[:, len(COLUMNS) : len(COLUMNS) + d]
+        chunk = rows[:, len(COLUMNS) + width : len(COLUMNS) + width + d]
+        shape = np.asarray(t.global_shape, dtype=np.int64)
+        numel = np.prod(chunk, axis=1)
+        flat = start >= 0
+        stored = np.where(flat, stop - start, numel)
+        known = np.clip(file, 0, max(len(self.files) - 1, 0))
+        file_size = self.sizes[known] if len(self.files) else np.zeros(len(rows), dtype=np.int64)
+        problems = [
+            ((file < 0) | (file >= len(self.files)), "names a file the index does not list"),
+            (
+                ((off < 0) | (chunk < 0) | (off + chunk > shape)).any(axis=1),
+                f"has a box outside {list(t.global_shape)}",
+            ),
+            (
+                (flat & ((stop < start) | (stop > numel))) | (~flat & ((start != -1) | (stop != -1))),
+                "has a bad flat range",
+            ),
+            ((begin < 0) | (end < begin) | (end > file_size), "has a byte range outside its file"),
+            (
+                end - begin != stored * t.dtype.itemsize,
+                f"spans a byte count that is not its elements times {t.dtype.itemsize}",
+            ),
+        ]
+        for bad, what in problems:
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise self.fail(f"shard row {i} ({[int(v) for v in rows[i]]}) {what}", key)
+        blocks = np.zeros(len(rows), dtype=np.int64)
+        if self.block_bytes is not None:
+            blocks = -(-(end - begin) // self.block_bytes)
+        if int(blocks.sum()) != crc_count:
+            raise self.fail(f"its shards need {int(blocks.sum())} block crcs, the shard table holds {crc_count}", key)
+        return blocks
+
+    def shard(self, t: TableTensor, i: int) -> StoredShard:
+        rows, crcs, ends = self._load(t)
+        row = [int(v) for v in rows[i]]
+        d = len(t.global_shape)
+        offset = tuple(row[len(COLUMNS) : len(COLUMNS) + d])
+        chunk = tuple(row[len(COLUMNS) + self.ndim : len(COLUMNS) + self.ndim + d])
+        file, start, stop, begin, end = row[: len(COLUMNS)]
+        name = f"{t.key}@{'.'.join(map(str, offset))}" + (f"+{start}" if start >= 0 else "")
+        shard_crcs = None
+        if self.block_bytes is not None:
+            first = int(ends[i - 1]) if i else 0
+            shard_crcs = tuple(int(c) for c in crcs[first : int(ends[i])])
+        flat = (start, stop) if start >= 0 else None
+        return StoredShard(self.files[file], name, offset, chunk, flat, (begin, end), shard_crcs)
+
+
+def _files(doc: Dict[str, Any], fail: _Fail, checksums: bool) -> Tuple[List[str], List[int], Dict[str, int]]:
+    raw = doc.get("files")
+    if not isinstance(raw, list):
+        raise fail(f"'files' must be a list, found {raw!r}")
+    names: List[str] = []
+    sizes: List[int] = []
+    header_crcs: Dict[str, int] = {}
+    for entry in raw:
+        name = entry.get("name") if isinstance(entry, dict) else None
+        size = _int(entry.get("size")) if isinstance(entry, dict) else None
+        if not isinstance(name, str) or "/" in name or name.startswith(".") or size is None:
+            raise fail(f"file entry {entry!r} needs a plain file name and a non-negative 'size'")
+        names.append(name)
+        sizes.append(size)
+        if checksums:
+            field = f"header_{ALGORITHM}"
+            header_crcs[name] = crc_from_hex(entry.get(field), f"{fail.where!r}, file entry {name!r} field {field!r}")
+    if len(set(names)) != len(names):
+        raise fail("'files' lists a file twice")
+    return names, sizes, header_crcs
+
+
+def _tensor_entry(
+    key: str, entry: Any, table: ShardTableFile, fail: _Fail
+) -> Tuple[torch.dtype, Tuple[int, ...], Tuple[int, int], Tuple[int, int], int]:
+    """(dtype, global shape, rows, blocks, table crc) of a tensor entry, checked."""
+    if not isinstance(entry, dict):
+        raise fail(f"a tensor entry must be a JSON object, found {entry!r}", key)
+    name = entry.get("dtype")
+    try:
+        dtype = dtype_from_name(name if isinstance(name, str) else repr(name))
+    except CheckpointingException as e:
+        raise fail(str(e), key) from None
+    shape, at, blocks = _ints(entry.get("global_shape")), _ints(entry.get("rows"), 2), _ints(entry.get("blocks"), 2)
+    if shape is None or at is None or blocks is None or len(shape) > table.ndim:
+        raise fail("'global_shape', 'rows' and 'blocks' must be lists of non-negative ints", key)
+    if at[0] + at[1] > table.nrows or blocks[0] + blocks[1] > table.nblocks:
+        raise fail(f"rows {list(at)} or blocks {list(blocks)} lie outside the shard table", key)
+    crc = crc_from_hex(entry.get("table_crc32c"), f"{fail.where!r} (tensor {key!r}) field 'table_crc32c'")
+    return dtype, shape, (at[0], at[1]), (blocks[0], blocks[1]), crc
+
+
+def parse_v3(
+    doc: Dict[str, Any],
+    directory: Path,
+    storage: Optional[Storage],
+    where: str,
+    block_bytes: Optional[int],
+    description: str,
+) -> TensorIndex:
+    """The :class:`TensorIndex` of a version-3 index document (format and version already
+    checked; ``block_bytes`` parsed from its ``checksum``, or None).
+
+    Checks the document and the table's size now, each tensor's rows when a load first needs
+    them (see :class:`TableTensor`).
+
+    Raises:
+        CorruptCheckpointError: naming the index file (and the key), for any malformed entry.
+    """
+    fail = _Fail(where)
+    names, sizes, header_crcs = _files(doc, fail, block_bytes is not None)
+    spec = doc.get("shard_table")
+    if not isinstance(spec, dict):
+        raise fail(f"'shard_table' must be a JSON object, found {spec!r}")
+    table = ShardTableFile(spec, directory, storage, fail)
+    raw_tensors = doc.get("tensors")
+    if not isinstance(raw_tensors, dict):
+        raise fail(f"'tensors' must be a JSON object, found {raw_tensors!r}")
+    entries: Dict[str, Tuple[Tuple[int, int], Tuple[int, int], int]] = {}
+    tensors: Dict[str, StoredTensor] = {}
+    rows = _TensorRows(table, names, np.asarray(sizes, dtype=np.int64), block_bytes, entries, fail)
+    for key, entry in raw_tensors.items():
+        dtype, shape, at, blocks, crc = _tensor_entry(key, entry, table, fail)
+        entries[key] = (at, blocks, crc)
+        tensors[key] = TableTensor(key, dtype, shape, rows)
+    return TensorIndex(
+        directory,
+        tensors,
+        file_sizes=dict(zip(names, sizes)),
+        description=description,
+        block_bytes=block_bytes,
+        header_crcs=header_crcs,
+        storage=storage,
+    )
