@@ -34,13 +34,19 @@ def golden(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
 
 
 def test_goldens_exist() -> None:
-    assert {"safetensors_index_v1", "safetensors_index_v2", "zarr_v1", "zarr_v1_checksums"} <= set(ALL)
+    assert {
+        "safetensors_index_v1",
+        "safetensors_index_v2",
+        "safetensors_index_v3",
+        "zarr_v1",
+        "zarr_v1_checksums",
+    } <= set(ALL)
 
 
 def test_goldens_verify_clean(golden: Path) -> None:
     report = dc.verify_checkpoint(golden)
     assert report.ok, report.problems
-    with_checksums = golden.name in ("safetensors_index_v2", "zarr_v1_checksums")
+    with_checksums = golden.name in ("safetensors_index_v2", "safetensors_index_v3", "zarr_v1_checksums")
     assert (not report.notes) == with_checksums, report.notes
 
 
