@@ -365,7 +365,41 @@ def _files(doc: Dict[str, Any], fail: _Fail, checksums: bool) -> Tuple[List[str]
 def _tensor_entry(
     key: str, entry: Any, table: ShardTableFile, fail: _Fail
 ) -> Tuple[torch.dtype, Tuple[int, ...], Tuple[int, int], Tuple[int, int], int]:
-    """(dtype, global shape, rows, blocks, table crc) of a tensor entry, checked."""
+    """(dtype, global shape, rows, blocks, table crc) of a tensor entry, checked.
+
+    Runs once per tensor of the checkpoint on every loading rank, so a well-formed entry takes a
+    fast path; anything else gets the checks that word the error.
+    """
+    try:
+        shape, at, blocks, crc_text = entry["global_shape"], entry["rows"], entry["blocks"], entry["table_crc32c"]
+        if (
+            type(shape) is list
+            and type(at) is list
+            and type(blocks) is list
+            and len(at) == len(blocks) == 2
+            and len(shape) <= table.ndim
+            and all(type(v) is int and v >= 0 for v in (*shape, *at, *blocks))
+            and at[0] + at[1] <= table.nrows
+            and blocks[0] + blocks[1] <= table.nblocks
+            and type(crc_text) is str
+            and len(crc_text) == 8
+        ):
+            return (
+                dtype_from_name(entry["dtype"]),
+                tuple(shape),
+                (at[0], at[1]),
+                (blocks[0], blocks[1]),
+                int(crc_text, 16),
+            )
+    except (KeyError, TypeError, ValueError, CheckpointingException):
+        pass
+    return _checked_tensor_entry(key, entry, table, fail)
+
+
+def _checked_tensor_entry(
+    key: str, entry: Any, table: ShardTableFile, fail: _Fail
+) -> Tuple[torch.dtype, Tuple[int, ...], Tuple[int, int], Tuple[int, int], int]:
+    """:func:`_tensor_entry`'s slow path: raises naming what is wrong."""
     if not isinstance(entry, dict):
         raise fail(f"a tensor entry must be a JSON object, found {entry!r}", key)
     name = entry.get("dtype")

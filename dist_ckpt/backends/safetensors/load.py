@@ -57,7 +57,7 @@ from dist_ckpt.model.geometry import Box, ShardPiece, piece_view, shard_pieces, 
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
 from dist_ckpt.storage import Storage
 
-__all__ = ["StoredShard", "StoredTensor", "TensorIndex", "load_from_index", "tensors_metadata"]
+__all__ = ["StoredShard", "StoredTensor", "TensorIndex", "load_from_index", "plan_reads", "tensors_metadata"]
 
 Shape = Tuple[int, ...]
 
@@ -345,6 +345,35 @@ def _plan_tensor(sh: ShardedTensor, info: StoredTensor, index: TensorIndex) -> T
     return planned, pad
 
 
+PlannedReads = Dict[int, Tuple[List[_Planned], List[ShardPiece]]]
+
+
+def plan_reads(
+    requested: Sequence[ShardedTensor], index: TensorIndex
+) -> Tuple[PlannedReads, Dict[str, List[Tuple[str, StoredShard]]]]:
+    """Steps 1 and 2 of :func:`load_from_index`, without any I/O: check the requests against the
+    index, and intersect each with the stored shards it overlaps (checking that they cover it).
+
+    Returns the overlaps and zero-filled pieces of each request (by ``id``), and the stored shards
+    to read, by file. Only the index entries of the requested tensors are looked at, so a rank's
+    planning costs O(its requests + the entries they need) whatever the size of the checkpoint.
+    """
+    _check_requests(requested, index)
+    plans: PlannedReads = {}
+    by_file: Dict[str, List[Tuple[str, StoredShard]]] = {}
+    seen: Set[Tuple[str, str]] = set()
+    for sh in requested:
+        info = index.lookup(sh.key)
+        assert info is not None
+        planned, pad = _plan_tensor(sh, info, index)
+        plans[id(sh)] = (planned, pad)
+        for p in planned:
+            if (p.shard.file, p.shard.name) not in seen:
+                seen.add((p.shard.file, p.shard.name))
+                by_file.setdefault(p.shard.file, []).append((sh.key, p.shard))
+    return plans, by_file
+
+
 def load_from_index(
     sharded_state_dict: ShardedStateDict, index: TensorIndex, options: ReadOptions, check: Optional[FileCheck] = None
 ) -> StateDict:
@@ -365,21 +394,9 @@ def load_from_index(
         loaded = load_from_index({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4))}, index, ReadOptions())
     """
     requested = [s for s in nested_values(sharded_state_dict) if isinstance(s, ShardedTensor)]
-    # 1. keys, dtypes, shapes
-    _check_requests(requested, index)
-    # 2. plan every overlap, checking coverage
-    plans: Dict[int, Tuple[torch.Tensor, List[_Planned], List[ShardPiece]]] = {}
-    by_file: Dict[str, List[Tuple[str, StoredShard]]] = {}
-    seen: Set[Tuple[str, str]] = set()
-    for sh in requested:
-        info = index.lookup(sh.key)
-        assert info is not None
-        planned, pad = _plan_tensor(sh, info, index)
-        plans[id(sh)] = (load_destination(sh), planned, pad)
-        for p in planned:
-            if (p.shard.file, p.shard.name) not in seen:
-                seen.add((p.shard.file, p.shard.name))
-                by_file.setdefault(p.shard.file, []).append((sh.key, p.shard))
+    # 1. and 2. keys, dtypes, shapes; every overlap, checking coverage
+    planned_reads, by_file = plan_reads(requested, index)
+    plans = {id(sh): (load_destination(sh), *planned_reads[id(sh)]) for sh in requested}
     # 3. open and validate every file the plan touches
     verify = options.verify_checksums and index.block_bytes is not None
     if index.storage is not None:
