@@ -211,7 +211,10 @@ class _Builder:
     """
 
     def __init__(self, shards: Sequence[ShardedBase]) -> None:
-        rows = [_TENSOR_FIELDS(sh) if type(sh) is ShardedTensor else _fields(sh) for sh in shards]
+        if all(type(sh) is ShardedTensor for sh in shards):  # the common case: one C-level pass
+            rows = list(map(_TENSOR_FIELDS, shards))
+        else:
+            rows = [_fields(sh) for sh in shards]
         self.n = len(rows)
         columns = list(zip(*rows)) if rows else [()] * 10
         keys, dtypes, prepend, allow, glob, local, fragm, offsets, flat, replica = columns
