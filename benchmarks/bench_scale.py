@@ -275,6 +275,7 @@ def real(tensors: int, rounds: int, directory: Optional[str]) -> None:
     import dist_ckpt as dc
     from dist_ckpt.engine.checks.verdict_cache import VERDICTS
     from dist_ckpt.engine.distributed import barrier, broadcast_json, get_rank, get_world_size
+    from dist_ckpt.engine.steps import Step
     from dist_ckpt.testing import free_port, init_process_group
 
     comm = MPI.COMM_WORLD
@@ -301,7 +302,7 @@ def real(tensors: int, rounds: int, directory: Optional[str]) -> None:
             barrier()
             times[name].append(time.perf_counter() - t0)
             if validate:
-                phase[name].append(result.report.phase_seconds("validating the sharding"))
+                phase[name].append(result.report.phase_seconds(Step.VALIDATE_SHARDING))
             if rank == 0:
                 shutil.rmtree(target)
     if rank == 0:
