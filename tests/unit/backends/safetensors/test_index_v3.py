@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, List
+from typing import Any, Dict, List
 
 import numpy as np
 import pytest
@@ -229,3 +229,22 @@ def test_merge_refuses_disagreeing_ranks() -> None:
     d = _part(1, [ShardedTensor.from_rank_offsets("w", torch.zeros(2), (0, 1, 2))], checksums=True)
     with pytest.raises(CheckpointingException, match="checksums"):
         merge_index_parts([a, d])
+
+
+def test_on_an_object_store(s3_url: str, s3_env: Any) -> None:
+    """The table is an object beside the files; a removal writes a new table object and deletes the old."""
+    import dist_ckpt as dc
+    from dist_ckpt.storage import open_storage
+
+    dc.save(many_tensors(3), s3_url, sharded_strategy=("safetensors", 1))
+    storage = open_storage(s3_url)
+    tables = [o.key for o in storage.list("safetensors") if o.key.endswith(".bin")]
+    assert len(tables) == 1
+    request = {"x": ShardedTensor.from_rank_offsets("t2", torch.empty(8, 3))}
+    assert torch.equal(dc.load(request, s3_url)["x"], torch.arange(24, dtype=torch.float32).reshape(8, 3) + 2)
+    dc.remove_sharded_tensors(s3_url, "t1")
+    after = [o.key for o in storage.list("safetensors") if o.key.endswith(".bin")]
+    assert len(after) == 1 and after != tables
+    assert set(dc.load_tensors_metadata(s3_url)) == {"t0", "t2"}
+    assert torch.equal(dc.load(request, s3_url)["x"], torch.arange(24, dtype=torch.float32).reshape(8, 3) + 2)
+    assert dc.verify_checkpoint(s3_url).ok
