@@ -33,6 +33,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import tracemalloc
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -186,7 +187,12 @@ def simulate(world: int, tensors: int, flat_fraction: float, plan_ranks: Sequenc
     clock.stop("validate")
     if problems:
         raise SystemExit(f"the simulated layout is invalid: {problems[:3]}")
-    del blobs, table
+    del table
+    tracemalloc.start()  # again, for the peak memory of rank 0's decode + validate (numpy is traced)
+    find_table_problems(decode_tables(blobs))
+    row.bytes["rank0_peak"] = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    del blobs
     ckpt = tmp / f"w{world}_t{tensors}"
     clock.start()
     merged = merge_index_parts(parts)
@@ -246,7 +252,8 @@ def report(rows: List[Row]) -> None:
             print(f"{r.world:>5} {r.tensors:>5} {r.bytes['shards']:>9} | {cells}")
     print()
     print(f"{'W':>5} {'T':>5} | {'gathered':>10} {'padded':>10} {'/shard':>7} | {'idx parts':>10} {'idx rows':>9} "
-          f"{'index.json':>10} {'table':>10} | {'rank0 s':>8} {'growth':>7} | {'load s':>7} {'planned':>7}")  # fmt: skip  # noqa: E501
+          f"{'index.json':>10} {'table':>10} | {'rank0 s':>8} {'growth':>7} | {'load s':>7} {'planned':>7} | "
+          f"{'r0 peak':>9}")  # fmt: skip
     previous: Dict[int, Row] = {}
     for r in rows:
         rank0 = r.seconds["decode"] + r.seconds["validate"]
@@ -257,12 +264,14 @@ def report(rows: List[Row]) -> None:
             f"{r.world:>5} {r.tensors:>5} | {b['gathered'] / 1e6:>8.2f}MB {b['gathered_padded'] / 1e6:>8.2f}MB "
             f"{b['gathered'] / b['shards']:>7.1f} | {b['index_parts'] / 1e6:>8.2f}MB {b['index_rows']:>9} "
             f"{b['index_json'] / 1e6:>8.2f}MB {b['index_table'] / 1e6:>8.2f}MB | {rank0:>8.3f} {growth:>7} | "
-            f"{r.seconds['read_index'] + r.seconds['plan']:>7.3f} {b['planned_shards']:>7}"
+            f"{r.seconds['read_index'] + r.seconds['plan']:>7.3f} {b['planned_shards']:>7} | "
+            f"{b['rank0_peak'] / 1e6:>7.1f}MB"
         )
         previous[r.tensors] = r
     print(
         "rank0 s = decode + validate, wall (what a save's validation costs rank 0), growth vs the previous W at this T;"
-        "\nload s = read index + plan, wall, the slowest of 3 loading ranks; planned = stored shards it reads"
+        "\nload s = read index + plan, wall, the slowest of 3 loading ranks; planned = stored shards it reads;"
+        "\nr0 peak = peak memory allocated by rank 0's decode + validate (tracemalloc)"
     )
 
 
