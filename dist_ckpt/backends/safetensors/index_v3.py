@@ -40,7 +40,7 @@ Example::
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -171,7 +171,8 @@ class ShardTableFile:
         self._rows: Optional[np.ndarray] = None
         self._crcs: Optional[np.ndarray] = None
 
-    def _open(self) -> Tuple[np.ndarray, np.ndarray]:
+    def open(self) -> Tuple[np.ndarray, np.ndarray]:
+        """The rows ``(rows, columns)`` and the crcs, memory-mapped (local) or in memory."""
         if self._rows is None or self._crcs is None:
             where = self.storage.url_of(self.name) if self.storage is not None else str(self.directory / self.name)
             try:
@@ -190,32 +191,32 @@ class ShardTableFile:
             self._crcs = raw[split:].view(_CRC)
         return self._rows, self._crcs
 
-    def block(self, rows: Tuple[int, int], blocks: Tuple[int, int]) -> Tuple[np.ndarray, np.ndarray, int]:
-        """A tensor's rows and crcs (copies), and the crc32c of their bytes."""
-        all_rows, all_crcs = self._open()
-        r = np.array(all_rows[rows[0] : rows[0] + rows[1]])
-        c = np.array(all_crcs[blocks[0] : blocks[0] + blocks[1]])
-        return r, c, crc32c(c.tobytes(), crc32c(r.tobytes()))
-
 
 class TableTensor(StoredTensor):
     """A stored tensor of an index v3: its shards come from the shard table, on first use.
 
-    :meth:`overlapping` checks the tensor's rows once (numpy) and builds a :class:`StoredShard`
-    only for the rows that overlap the region asked for; :attr:`shards` builds all of them.
+    :meth:`overlapping` checks the tensor's rows once and builds a :class:`StoredShard` only for
+    the rows that overlap the region asked for; :attr:`shards` builds all of them.
     """
 
-    def __init__(self, key: str, dtype: torch.dtype, global_shape: Tuple[int, ...], table: "_TensorRows") -> None:
+    #: at most this many rows are searched in Python (cheaper than numpy's per-call overhead)
+    PYTHON_SEARCH_ROWS = 16
+
+    def __init__(
+        self, key: str, dtype: torch.dtype, global_shape: Tuple[int, ...], table: "_TensorRows", ordinal: int
+    ) -> None:
+        # few objects per tensor: an index of many tensors is read by every loading rank
         self.key, self.dtype, self.global_shape = key, dtype, global_shape
         self._grid = None
         self._table = table
+        self.ordinal = ordinal  # its entry in the table's per-tensor arrays
         self._all: Optional[List[StoredShard]] = None
-        self._made: Dict[int, StoredShard] = {}
+        self._made: Optional[Dict[int, StoredShard]] = None
 
     @property
     def shards(self) -> List[StoredShard]:
         if self._all is None:
-            self._all = [self._shard(i) for i in range(self._table.rows(self).shape[0])]
+            self._all = [self._shard(i) for i in range(len(self._table.load(self).rows))]
         return self._all
 
     @shards.setter
@@ -223,6 +224,8 @@ class TableTensor(StoredTensor):
         self._all = list(value)
 
     def _shard(self, i: int) -> StoredShard:
+        if self._made is None:
+            self._made = {}
         made = self._made.get(i)
         if made is None:
             made = self._table.shard(self, i)
@@ -233,18 +236,45 @@ class TableTensor(StoredTensor):
         if self._all is not None:  # replaced or built already
             yield from super().overlapping(region)
             return
-        rows = self._table.rows(self)
-        d = len(self.global_shape)
-        lo, hi = np.asarray(region.offset, dtype=np.int64), np.asarray(region.stop, dtype=np.int64)
-        off = rows[:, len(COLUMNS) : len(COLUMNS) + d]
-        end = off + rows[:, len(COLUMNS) + self._table.ndim : len(COLUMNS) + self._table.ndim + d]
-        hit = (np.maximum(off, lo) < np.minimum(end, hi)).all(axis=1)
-        for i in np.flatnonzero(hit):
-            yield self._shard(int(i))
+        rows = self._table.load(self)
+        d, first = len(self.global_shape), len(COLUMNS)
+        size = first + self._table.ndim  # where the chunk sizes start
+        lo, hi = region.offset, region.stop
+        if len(rows.rows) <= self.PYTHON_SEARCH_ROWS:
+            for i, row in enumerate(rows.values()):
+                if all(max(row[first + a], lo[a]) < min(row[first + a] + row[size + a], hi[a]) for a in range(d)):
+                    yield self._shard(i)
+            return
+        off = rows.rows[:, first : first + d]
+        end = off + rows.rows[:, size : size + d]
+        hit = (np.maximum(off, np.asarray(lo, dtype=np.int64)) < np.minimum(end, np.asarray(hi, dtype=np.int64))).all(1)
+        for position in np.flatnonzero(hit):
+            yield self._shard(int(position))
+
+
+class _Checked:
+    """One tensor's rows of the shard table, checked: the rows, their block crcs, and where each
+    row's crcs end."""
+
+    def __init__(self, rows: np.ndarray, crcs: np.ndarray, crc_ends: np.ndarray) -> None:
+        self.rows, self.crcs, self.crc_ends = rows, crcs, crc_ends
+        self._values: Optional[List[List[int]]] = None
+
+    def values(self) -> List[List[int]]:
+        """The rows as Python ints."""
+        if self._values is None:
+            self._values = self.rows.tolist()
+        return self._values
+
+
+def _ranges(first: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(f, f + c) for f, c in zip(first, count)])``, vectorized."""
+    starts = np.cumsum(count) - count
+    return np.repeat(first - starts, count) + np.arange(int(count.sum()), dtype=np.int64)
 
 
 class _TensorRows:
-    """Reads and checks each tensor's rows of the shard table, once."""
+    """Reads and checks the rows of the shard table, once per tensor, for many tensors at a time."""
 
     def __init__(
         self,
@@ -252,7 +282,7 @@ class _TensorRows:
         files: List[str],
         sizes: np.ndarray,
         block_bytes: Optional[int],
-        entries: Dict[str, Tuple[Tuple[int, int], Tuple[int, int], int]],
+        entries: np.ndarray,
         fail: _Fail,
     ) -> None:
         self.table, self.files, self.sizes, self.block_bytes, self.entries, self.fail = (
@@ -264,78 +294,116 @@ class _TensorRows:
             fail,
         )
         self.ndim = table.ndim
-        self._checked: Dict[str, Tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self.tensors: Dict[str, TableTensor] = {}
+        self._checked: Dict[str, _Checked] = {}
 
-    def rows(self, t: TableTensor) -> np.ndarray:
-        return self._load(t)[0]
-
-    def _load(self, t: TableTensor) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def load(self, t: TableTensor) -> _Checked:
         found = self._checked.get(t.key)
         if found is None:
-            rows_at, blocks_at, crc = self.entries[t.key]
-            rows, crcs, actual = self.table.block(rows_at, blocks_at)
-            if actual != crc:
-                raise self.fail(
-                    f"its rows of the shard table have crc32c {crc_to_hex(actual)}, the index recorded "
-                    f"{crc_to_hex(crc)} (the table is damaged)",
-                    t.key,
-                )
-            ends = np.cumsum(self._check(t, rows, len(crcs)))
-            found = (rows, crcs, ends)
-            self._checked[t.key] = found
+            self.prefetch([t.key])
+            found = self._checked[t.key]
         return found
 
-    def _check(self, t: TableTensor, rows: np.ndarray, crc_count: int) -> np.ndarray:
-        """Every row's fields against the tensor and the files (vectorized); the block count of each row."""
-        d, width, key = len(t.global_shape), self.ndim, t.key
-        file, start, stop, begin, end = (rows[:, i] for i in range(len(COLUMNS)))
-        off = rows[:, len(COLUMNS) : len(COLUMNS) + d]
-        chunk = rows[:, len(COLUMNS) + width : len(COLUMNS) + width + d]
-        shape = np.asarray(t.global_shape, dtype=np.int64)
-        numel = np.prod(chunk, axis=1)
+    def prefetch(self, keys: Sequence[str]) -> None:
+        """Read and check the rows of every tensor of ``keys`` not read yet (unknown keys are
+        ignored), all at once: what a load plans next."""
+        todo = [self.tensors[k] for k in dict.fromkeys(keys) if k in self.tensors and k not in self._checked]
+        if not todo:
+            return
+        entries = self.entries[np.array([t.ordinal for t in todo], dtype=np.int64)]
+        at, blocks_at = entries[:, 0:2], entries[:, 2:4]
+        all_rows, all_crcs = self.table.open()
+        rows = np.take(all_rows, _ranges(at[:, 0], at[:, 1]), axis=0)
+        crcs = np.take(all_crcs, _ranges(blocks_at[:, 0], blocks_at[:, 1]))
+        row_end, crc_end = np.cumsum(at[:, 1]), np.cumsum(blocks_at[:, 1])
+        self._check_crcs(todo, rows, crcs, row_end, crc_end)
+        blocks = self._check_rows(todo, rows, at[:, 1], blocks_at[:, 1])
+        for i, t in enumerate(todo):
+            r0, c0 = int(row_end[i] - at[i, 1]), int(crc_end[i] - blocks_at[i, 1])
+            ends = np.cumsum(blocks[r0 : int(row_end[i])])
+            self._checked[t.key] = _Checked(rows[r0 : int(row_end[i])], crcs[c0 : int(crc_end[i])], ends)
+
+    def _check_crcs(
+        self, todo: List[TableTensor], rows: np.ndarray, crcs: np.ndarray, row_end: np.ndarray, crc_end: np.ndarray
+    ) -> None:
+        row_bytes = np.ascontiguousarray(rows).view(np.uint8).reshape(-1)
+        crc_bytes = np.ascontiguousarray(crcs).view(np.uint8).reshape(-1)
+        width = rows.shape[1] * _ROW.itemsize
+        r0 = c0 = 0
+        for i, t in enumerate(todo):
+            r1, c1 = int(row_end[i]) * width, int(crc_end[i]) * _CRC.itemsize
+            actual = crc32c(crc_bytes[c0:c1], crc32c(row_bytes[r0:r1]))
+            expected = int(self.entries[t.ordinal, 4])
+            if actual != expected:
+                raise self.fail(
+                    f"its rows of the shard table have crc32c {crc_to_hex(actual)}, the index recorded "
+                    f"{crc_to_hex(expected)} (the table is damaged)",
+                    t.key,
+                )
+            r0, c0 = r1, c1
+
+    def _check_rows(
+        self, todo: List[TableTensor], rows: np.ndarray, counts: np.ndarray, crc_counts: np.ndarray
+    ) -> np.ndarray:
+        """Every row's fields against its tensor and the files (vectorized); the block count of each row."""
+        width, first = self.ndim, len(COLUMNS)
+        tid = np.repeat(np.arange(len(todo)), counts)
+        shapes = np.zeros((len(todo), width), dtype=np.int64)
+        for i, t in enumerate(todo):
+            shapes[i, : len(t.global_shape)] = t.global_shape
+        axes = np.arange(width) < np.array([len(t.global_shape) for t in todo], dtype=np.int64)[tid][:, None]
+        itemsize = np.array([t.dtype.itemsize for t in todo], dtype=np.int64)[tid]
+        file, start, stop, begin, end = (rows[:, i] for i in range(first))
+        off, chunk = rows[:, first : first + width], rows[:, first + width :]
+        numel = np.where(axes, chunk, 1).prod(axis=1)
         flat = start >= 0
-        stored = np.where(flat, stop - start, numel)
         known = np.clip(file, 0, max(len(self.files) - 1, 0))
         file_size = self.sizes[known] if len(self.files) else np.zeros(len(rows), dtype=np.int64)
-        problems = [
-            ((file < 0) | (file >= len(self.files)), "names a file the index does not list"),
+        problems: List[Tuple[np.ndarray, Callable[[TableTensor], str]]] = [
+            ((file < 0) | (file >= len(self.files)), lambda t: "names a file the index does not list"),
             (
-                ((off < 0) | (chunk < 0) | (off + chunk > shape)).any(axis=1),
-                f"has a box outside {list(t.global_shape)}",
+                (axes & ((off < 0) | (chunk < 0) | (off + chunk > shapes[tid]))).any(axis=1),
+                lambda t: f"has a box outside {list(t.global_shape)}",
             ),
             (
                 (flat & ((stop < start) | (stop > numel))) | (~flat & ((start != -1) | (stop != -1))),
-                "has a bad flat range",
+                lambda t: "has a bad flat range",
             ),
-            ((begin < 0) | (end < begin) | (end > file_size), "has a byte range outside its file"),
+            ((begin < 0) | (end < begin) | (end > file_size), lambda t: "has a byte range outside its file"),
             (
-                end - begin != stored * t.dtype.itemsize,
-                f"spans a byte count that is not its elements times {t.dtype.itemsize}",
+                end - begin != np.where(flat, stop - start, numel) * itemsize,
+                lambda t: f"spans a byte count that is not its elements times {t.dtype.itemsize}",
             ),
         ]
         for bad, what in problems:
             if bad.any():
                 i = int(np.flatnonzero(bad)[0])
-                raise self.fail(f"shard row {i} ({[int(v) for v in rows[i]]}) {what}", key)
+                t = todo[int(tid[i])]
+                row = i - int((np.cumsum(counts) - counts)[tid[i]])
+                raise self.fail(f"shard row {row} ({[int(v) for v in rows[i]]}) {what(t)}", t.key)
         blocks = np.zeros(len(rows), dtype=np.int64)
         if self.block_bytes is not None:
             blocks = -(-(end - begin) // self.block_bytes)
-        if int(blocks.sum()) != crc_count:
-            raise self.fail(f"its shards need {int(blocks.sum())} block crcs, the shard table holds {crc_count}", key)
+        needed = np.bincount(tid, weights=blocks, minlength=len(todo)).astype(np.int64)
+        if (needed != crc_counts).any():
+            i = int(np.flatnonzero(needed != crc_counts)[0])
+            raise self.fail(
+                f"its shards need {int(needed[i])} block crcs, the shard table holds {int(crc_counts[i])}", todo[i].key
+            )
         return blocks
 
     def shard(self, t: TableTensor, i: int) -> StoredShard:
-        rows, crcs, ends = self._load(t)
-        row = [int(v) for v in rows[i]]
-        d = len(t.global_shape)
-        offset = tuple(row[len(COLUMNS) : len(COLUMNS) + d])
-        chunk = tuple(row[len(COLUMNS) + self.ndim : len(COLUMNS) + self.ndim + d])
-        file, start, stop, begin, end = row[: len(COLUMNS)]
+        checked = self.load(t)
+        row = checked.values()[i]
+        d, first = len(t.global_shape), len(COLUMNS)
+        offset = tuple(row[first : first + d])
+        chunk = tuple(row[first + self.ndim : first + self.ndim + d])
+        file, start, stop, begin, end = row[:first]
         name = f"{t.key}@{'.'.join(map(str, offset))}" + (f"+{start}" if start >= 0 else "")
         shard_crcs = None
         if self.block_bytes is not None:
-            first = int(ends[i - 1]) if i else 0
-            shard_crcs = tuple(int(c) for c in crcs[first : int(ends[i])])
+            lo = int(checked.crc_ends[i - 1]) if i else 0
+            shard_crcs = tuple(checked.crcs[lo : int(checked.crc_ends[i])].tolist())
         flat = (start, stop) if start >= 0 else None
         return StoredShard(self.files[file], name, offset, chunk, flat, (begin, end), shard_crcs)
 
@@ -442,13 +510,14 @@ def parse_v3(
     raw_tensors = doc.get("tensors")
     if not isinstance(raw_tensors, dict):
         raise fail(f"'tensors' must be a JSON object, found {raw_tensors!r}")
-    entries: Dict[str, Tuple[Tuple[int, int], Tuple[int, int], int]] = {}
+    spans: List[Tuple[int, int, int, int, int]] = []  # rows first, count; blocks first, count; crc
     tensors: Dict[str, StoredTensor] = {}
-    rows = _TensorRows(table, names, np.asarray(sizes, dtype=np.int64), block_bytes, entries, fail)
+    rows = _TensorRows(table, names, np.asarray(sizes, dtype=np.int64), block_bytes, np.zeros((0, 5)), fail)
     for key, entry in raw_tensors.items():
         dtype, shape, at, blocks, crc = _tensor_entry(key, entry, table, fail)
-        entries[key] = (at, blocks, crc)
-        tensors[key] = TableTensor(key, dtype, shape, rows)
+        tensors[key] = rows.tensors[key] = TableTensor(key, dtype, shape, rows, len(spans))
+        spans.append((*at, *blocks, crc))
+    rows.entries = np.array(spans, dtype=np.int64).reshape(len(spans), 5)
     return TensorIndex(
         directory,
         tensors,
@@ -457,4 +526,5 @@ def parse_v3(
         block_bytes=block_bytes,
         header_crcs=header_crcs,
         storage=storage,
+        prefetch=rows.prefetch,
     )

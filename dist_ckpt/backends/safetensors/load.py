@@ -157,6 +157,8 @@ class TensorIndex:
         header_crcs: crc32c of each file's header bytes, when recorded.
         storage: when set, the files are objects of this storage (an object store rooted at
             the files' directory) instead of files in ``directory``.
+        prefetch: for an index read lazily (version 3), reads what it holds about the given keys
+            before they are planned, all at once.
     """
 
     directory: Path
@@ -168,6 +170,7 @@ class TensorIndex:
     block_bytes: Optional[int] = None
     header_crcs: Dict[str, int] = field(default_factory=dict)
     storage: Optional[Storage] = None
+    prefetch: Optional[Callable[[Sequence[str]], None]] = None
 
     def file_location(self, name: str) -> Union[str, Path]:
         """Where file ``name`` is, for messages: its path, or its object's URL."""
@@ -359,6 +362,8 @@ def plan_reads(
     planning costs O(its requests + the entries they need) whatever the size of the checkpoint.
     """
     _check_requests(requested, index)
+    if index.prefetch is not None:
+        index.prefetch([sh.key for sh in requested])
     plans: PlannedReads = {}
     by_file: Dict[str, List[Tuple[str, StoredShard]]] = {}
     seen: Set[Tuple[str, str]] = set()
