@@ -200,7 +200,7 @@ class TableTensor(StoredTensor):
     """
 
     #: at most this many rows are searched in Python (cheaper than numpy's per-call overhead)
-    PYTHON_SEARCH_ROWS = 16
+    PYTHON_SEARCH_ROWS = 8
 
     def __init__(
         self, key: str, dtype: torch.dtype, global_shape: Tuple[int, ...], table: "_TensorRows", ordinal: int
@@ -233,23 +233,51 @@ class TableTensor(StoredTensor):
         return made
 
     def overlapping(self, region: Box) -> Iterator[StoredShard]:
+        """Shards whose box overlaps ``region`` and, for a flattened range, whose range reaches the
+        part of the row-major flattening of the box between the region's first and last element
+        (others cannot hold an element of ``region``)."""
         if self._all is not None:  # replaced or built already
             yield from super().overlapping(region)
             return
         rows = self._table.load(self)
-        d, first = len(self.global_shape), len(COLUMNS)
-        size = first + self._table.ndim  # where the chunk sizes start
-        lo, hi = region.offset, region.stop
         if len(rows.rows) <= self.PYTHON_SEARCH_ROWS:
             for i, row in enumerate(rows.values()):
-                if all(max(row[first + a], lo[a]) < min(row[first + a] + row[size + a], hi[a]) for a in range(d)):
+                if self._row_overlaps(row, region):
                     yield self._shard(i)
             return
-        off = rows.rows[:, first : first + d]
-        end = off + rows.rows[:, size : size + d]
-        hit = (np.maximum(off, np.asarray(lo, dtype=np.int64)) < np.minimum(end, np.asarray(hi, dtype=np.int64))).all(1)
+        d, first = len(self.global_shape), len(COLUMNS)
+        size = first + self._table.ndim  # where the chunk sizes start
+        off, chunk = rows.rows[:, first : first + d], rows.rows[:, size : size + d]
+        lo = np.maximum(off, np.asarray(region.offset, dtype=np.int64))
+        hi = np.minimum(off + chunk, np.asarray(region.stop, dtype=np.int64))
+        hit = (lo < hi).all(axis=1)
+        start, stop = rows.rows[:, 1], rows.rows[:, 2]
+        if d and (start >= 0).any():  # flattened ranges: where the region starts and ends in the flattening
+            strides = np.ones_like(chunk)
+            strides[:, :-1] = np.cumprod(chunk[:, :0:-1], axis=1)[:, ::-1]
+            begin = ((lo - off) * strides).sum(axis=1)
+            last = ((hi - 1 - off) * strides).sum(axis=1)
+            hit &= (start < 0) | ((start <= last) & (stop > begin))
         for position in np.flatnonzero(hit):
             yield self._shard(int(position))
+
+    def _row_overlaps(self, row: List[int], region: Box) -> bool:
+        """:meth:`overlapping`'s test for one row, in Python."""
+        first = len(COLUMNS)
+        size = first + self._table.ndim
+        begin = last = 0
+        for a in range(len(self.global_shape) - 1, -1, -1):  # last axis first: the strides grow
+            o, c = row[first + a], row[size + a]
+            lo, hi = max(o, region.offset[a]), min(o + c, region.offset[a] + region.shape[a])
+            if lo >= hi:
+                return False
+            stride = 1
+            for b in range(a + 1, len(self.global_shape)):
+                stride *= row[size + b]
+            begin += (lo - o) * stride
+            last += (hi - 1 - o) * stride
+        start, stop = row[1], row[2]
+        return start < 0 or (start <= last and stop > begin)
 
 
 class _Checked:
@@ -394,7 +422,7 @@ class _TensorRows:
 
     def shard(self, t: TableTensor, i: int) -> StoredShard:
         checked = self.load(t)
-        row = checked.values()[i]
+        row: List[int] = checked.rows[i].tolist()
         d, first = len(t.global_shape), len(COLUMNS)
         offset = tuple(row[first : first + d])
         chunk = tuple(row[first + self.ndim : first + self.ndim + d])

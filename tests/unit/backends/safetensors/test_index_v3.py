@@ -248,3 +248,36 @@ def test_on_an_object_store(s3_url: str, s3_env: Any) -> None:
     assert set(dc.load_tensors_metadata(s3_url)) == {"t0", "t2"}
     assert torch.equal(dc.load(request, s3_url)["x"], torch.arange(24, dtype=torch.float32).reshape(8, 3) + 2)
     assert dc.verify_checkpoint(s3_url).ok
+
+
+@pytest.mark.parametrize("pieces", [3, 12])  # searched in Python (few rows) and with numpy (many)
+def test_flattened_ranges_reshard_exactly(tmp_path: Path, pieces: int) -> None:
+    """Stored flattened ranges are found by box and by range; any other cut loads the same values."""
+    rng = np.random.default_rng(pieces)
+    full = torch.arange(2 * 6 * 5, dtype=torch.float32).reshape(2, 6, 5)  # two chunks of (6, 5) along axis 0
+
+    def cuts(n: int) -> List[int]:
+        return [0, *sorted(rng.choice(np.arange(1, 30), n - 1, replace=False).tolist()), 30]
+
+    def flat_state(parts: int, empty: bool) -> Dict[str, ShardedTensor]:
+        sd = {}
+        for c in range(2):
+            chunk = full[c].flatten()
+            points = cuts(parts)
+            for i, (a, b) in enumerate(zip(points[:-1], points[1:])):
+                data = torch.zeros(b - a) if empty else chunk[a:b].clone()
+                sd[f"{c}.{i}"] = ShardedTensor.from_rank_offsets_flat(
+                    "f", data, (1, 6, 5), (0, c, 2), flattened_range=slice(a, b)
+                )
+        return sd
+
+    save(flat_state(pieces, empty=False), tmp_path)
+    for _ in range(5):
+        request = flat_state(int(rng.integers(1, 6)), empty=True)
+        ranges = {name: sh.flattened_range for name, sh in request.items()}
+        out = load(request, tmp_path)  # (replaces the request's values by tensors)
+        for name, rng_slice in ranges.items():
+            c = int(name.split(".")[0])
+            assert torch.equal(out[name], full[c].flatten()[rng_slice]), name
+    whole = load({"w": ShardedTensor.from_rank_offsets("f", torch.empty(2, 6, 5))}, tmp_path)
+    assert torch.equal(whole["w"], full)
