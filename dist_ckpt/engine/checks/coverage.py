@@ -288,7 +288,7 @@ class _Checker:
 
     def flat_groups(self, rows: np.ndarray, comb: np.ndarray, key: np.ndarray, lin: np.ndarray) -> None:
         start, stop = self.t.flat[rows, 0].astype(np.int64), self.t.flat[rows, 1].astype(np.int64)
-        order = np.lexsort((self.t.rank[rows], stop, start, comb))
+        order = np.lexsort((stop, start, comb))  # stable: ties stay in row order, which is rank order
         rows, comb, key, lin, start, stop = rows[order], comb[order], key[order], lin[order], start[order], stop[order]
         groups = _Groups.of(rows, comb, key, lin)
         self.groups.append(groups)
@@ -325,7 +325,9 @@ class _Checker:
         for groups in self.groups:
             owners += np.bincount(groups.key.astype(np.int64), minlength=len(owners))
             first_missing.update(_first_missing(groups))
-        for key in keys:
+        total64 = np.prod(self.grid[keys], axis=1)  # exact where the grid is not huge
+        short = keys[self.huge[keys] | (owners[keys] < total64)]  # only these can have a gap
+        for key in short:
             k = int(key)
             grid = self.shape(self.grid, k)
             total = 1
