@@ -36,12 +36,14 @@ __all__ = [
     "KIND_OBJECT",
     "KIND_TENSOR",
     "SIG",
+    "ShardFields",
     "ShardTable",
     "concat_tables",
     "decode_table",
     "dtype_from_token",
     "dtype_token",
     "encode_table",
+    "shard_fields",
 ]
 
 KIND_TENSOR = 0
@@ -124,17 +126,17 @@ class ShardTable:
     @classmethod
     def from_shards(cls, shards: Sequence[ShardedBase], rank: int = 0) -> "ShardTable":
         """The table of one rank's shards (data is ignored)."""
-        return _Builder(shards).table(rank)
+        return _Builder(shard_fields(shards)).table(rank)
+
+    @classmethod
+    def from_fields(cls, fields: Sequence[ShardFields], rank: int = 0) -> "ShardTable":
+        """The table of one rank's :func:`shard_fields`."""
+        return _Builder(fields).table(rank)
 
     @classmethod
     def from_global(cls, global_metadata: Sequence[Sequence[ShardedBase]]) -> "ShardTable":
         """The table of every rank's shards (``global_metadata[r]`` is rank r's list)."""
         return concat_tables([cls.from_shards(shards, rank) for rank, shards in enumerate(global_metadata)])
-
-    def column_bytes(self) -> List[bytes]:
-        """The bytes of every column, for fingerprints (same table, same bytes)."""
-        arrays = (self.sigs, self.key, self.sig, self.offset, self.flat, self.main, self.replica_len, self.replica)
-        return [np.ascontiguousarray(a, dtype=np.int64).tobytes() for a in arrays]
 
     def to_shards(self, world_size: int) -> List[List[ShardedBase]]:
         """Per rank, the ShardedTensors and ShardedObjects (``data=None``) of the table's rows.
@@ -193,13 +195,33 @@ _TENSOR_FIELDS = attrgetter(
 )
 
 
-def _fields(sh: ShardedBase) -> Tuple[Any, ...]:
+#: what :func:`shard_fields` returns per shard: immutable values (str, ints, tuples, a dtype, a slice)
+ShardFields = Tuple[Any, ...]
+
+
+def _fields(sh: ShardedBase) -> ShardFields:
     """The fields of a shard in :data:`_TENSOR_FIELDS` order; an object has dtype None."""
     if isinstance(sh, ShardedTensor):
         return _TENSOR_FIELDS(sh)
     if isinstance(sh, ShardedObject):
         return (sh.key, None, 0, False, sh.global_shape, (), None, sh.global_offset, None, sh.replica_id)
     raise TypeError(f"cannot describe {type(sh).__name__} ({getattr(sh, 'key', sh)!r}) as shard metadata")
+
+
+def shard_fields(shards: Sequence[ShardedBase]) -> List[ShardFields]:
+    """Every field of every shard that the sharding check depends on, as one tuple per shard.
+
+    Two lists are equal exactly when the shards have the same keys, kinds, dtypes, shapes,
+    offsets, axis fragmentations, replica ids, prepended axes, shape-mismatch flags and
+    flattened ranges, in the same order (what the check of an unchanged structure compares).
+    When every shard is a ShardedTensor this is one C-level pass.
+
+    Raises:
+        TypeError: a shard is neither a ShardedTensor nor a ShardedObject.
+    """
+    if all(type(sh) is ShardedTensor for sh in shards):
+        return list(map(_TENSOR_FIELDS, shards))
+    return [_fields(sh) for sh in shards]
 
 
 class _Builder:
@@ -210,11 +232,7 @@ class _Builder:
     is done per distinct key and signature.
     """
 
-    def __init__(self, shards: Sequence[ShardedBase]) -> None:
-        if all(type(sh) is ShardedTensor for sh in shards):  # the common case: one C-level pass
-            rows = list(map(_TENSOR_FIELDS, shards))
-        else:
-            rows = [_fields(sh) for sh in shards]
+    def __init__(self, rows: Sequence[ShardFields]) -> None:
         self.n = len(rows)
         columns = list(zip(*rows)) if rows else [()] * 10
         keys, dtypes, prepend, allow, glob, local, fragm, offsets, flat, replica = columns

@@ -4,7 +4,7 @@ Pure functions over per-rank metadata, and the collective check a save runs: eac
 shard metadata to rank 0 once, as a compact binary table (:mod:`dist_ckpt.engine.shard_metadata`),
 rank 0 checks every rank's table at once (:mod:`dist_ckpt.engine.checks.coverage`), and the
 verdict reaches every rank. A save whose shard metadata is unchanged since the last passing check
-skips the gather (:mod:`dist_ckpt.engine.checks.verdict_cache`): one all-reduce of 3 ints.
+skips the gather (:mod:`dist_ckpt.engine.checks.verdict_cache`): one all-reduce of 4 ints.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from dist_ckpt.engine.checks.common_state import validate_common_state_dict
 from dist_ckpt.engine.checks.coverage import find_table_problems
-from dist_ckpt.engine.checks.verdict_cache import VERDICTS, Agreement, fingerprint
+from dist_ckpt.engine.checks.verdict_cache import VERDICTS, Agreement
 from dist_ckpt.engine.distributed import (
     ProcessGroup,
     gather_bytes,
@@ -24,7 +24,7 @@ from dist_ckpt.engine.distributed import (
     run_collectively,
 )
 from dist_ckpt.engine.shard_metadata import all_gather_metadata, decode_tables
-from dist_ckpt.engine.shard_table import ShardTable, encode_table
+from dist_ckpt.engine.shard_table import ShardFields, ShardTable, encode_table, shard_fields
 from dist_ckpt.errors import CheckpointingException, ShardingIntegrityError, format_problems
 from dist_ckpt.model.dict_utils import nested_values
 from dist_ckpt.model.sharded import ShardedBase, ShardedStateDict
@@ -97,35 +97,33 @@ def gather_and_validate_sharding(local_metadata: Sequence[ShardedBase], group: O
 
     Steps:
 
-    1. this rank's metadata becomes a :class:`~dist_ckpt.engine.shard_table.ShardTable` and its
-       fingerprint;
-    2. one all-reduce: if every rank's fingerprint is the one of the last passing check over
-       ``group``, stop here (the structure is unchanged, the verdict is known);
+    1. this rank's metadata becomes one tuple of fields per shard (one C-level pass);
+    2. one all-reduce: if every rank's fields equal the ones it kept at the same passing check
+       over ``group``, stop here (the structure is unchanged, the verdict is known);
     3. the tables are gathered to rank 0 (bytes, not JSON objects), which checks them all at once;
-    4. the verdict is exchanged: the same ShardingIntegrityError on every rank, or a pass, which
-       every rank records with its fingerprint.
+    4. the verdict is exchanged: the same ShardingIntegrityError on every rank, or a pass, after
+       which every rank records its fields.
     """
     try:
-        local = ShardTable.from_shards(local_metadata, get_rank(group))
-        fp: Optional[bytes] = fingerprint(local, group)
+        fields: Optional[List[ShardFields]] = shard_fields(local_metadata)
         error: Optional[Exception] = None
     except Exception as e:  # noqa: BLE001 -- the other ranks are in the all-reduce below
-        fp, error = None, e
-    agreement = VERDICTS.agree(fp, group)
-    if agreement is Agreement.FAILED:
+        fields, error = None, e
+    agreement = VERDICTS.agree(fields, group)
+    if agreement is Agreement.FAILED or fields is None:
         raise_if_any_rank_failed(error, "describing the shards", group)
     if agreement is Agreement.HIT:
         logger.debug("sharding unchanged since the last passing check; not checked again")
         return
-    blobs = gather_bytes(encode_table(local), group=group)
+    assert fields is not None  # FAILED raised above
+    blobs = gather_bytes(encode_table(ShardTable.from_fields(fields, get_rank(group))), group=group)
 
     def check() -> None:
         if blobs is not None:
             check_shard_table(decode_tables(blobs), get_world_size(group))
 
     run_collectively("validating the sharding", check, group)
-    if fp is not None:  # always: FAILED raised above
-        VERDICTS.record(fp, group)
+    VERDICTS.record(fields, group)
 
 
 __all__ = [

@@ -8,26 +8,26 @@ import pytest
 import torch
 
 from dist_ckpt.engine.checks import sharding, verdict_cache
-from dist_ckpt.engine.checks.verdict_cache import Agreement, VerdictCache, fingerprint
-from dist_ckpt.engine.shard_table import ShardTable
+from dist_ckpt.engine.checks.verdict_cache import Agreement, VerdictCache
+from dist_ckpt.engine.shard_table import shard_fields
 from dist_ckpt.errors import ShardingIntegrityError
-from dist_ckpt.model.sharded import ShardedTensor
+from dist_ckpt.model.sharded import ShardedObject, ShardedTensor
 
 
 def shards(key: str = "w", rows: int = 2, replica: int = 0) -> List[ShardedTensor]:
     return [ShardedTensor.from_rank_offsets(key, torch.zeros(rows, 3), replica_id=replica).without_data()]
 
 
-def test_hit_only_for_the_recorded_fingerprint():
+def test_hit_only_for_the_recorded_structure():
     cache = VerdictCache()
-    a, b = fingerprint(ShardTable.from_shards(shards())), fingerprint(ShardTable.from_shards(shards(rows=3)))
-    assert a != b and len(a) == 32
+    a, b = shard_fields(shards()), shard_fields(shards(rows=3))
+    assert a != b
     assert cache.agree(a) is Agreement.MISS
     cache.record(a)
-    assert cache.agree(a) is Agreement.HIT
+    assert cache.agree(shard_fields(shards())) is Agreement.HIT  # other objects, equal fields
     assert cache.agree(b) is Agreement.MISS
     cache.record(b)
-    assert cache.agree(a) is Agreement.MISS  # one verdict per group: the last one
+    assert cache.agree(a) is Agreement.MISS  # one record per group: the last one
     assert cache.agree(None) is Agreement.FAILED
     cache.clear()
     assert cache.agree(b) is Agreement.MISS and len(cache) == 0
@@ -43,45 +43,67 @@ def test_hit_only_for_the_recorded_fingerprint():
         [ShardedTensor.from_rank_offsets("w", torch.zeros(2, 3), (0, 1, 2))],
         [ShardedTensor.from_rank_offsets_flat("w", torch.zeros(4), (2, 3), flattened_range=slice(2, 6))],
         [ShardedTensor.from_rank_offsets("w", torch.zeros(2, 3), replica_id=(0, 0))],
+        [ShardedTensor.from_rank_offsets("w", torch.zeros(1, 2, 3), prepend_axis_num=0)],
+        [ShardedTensor.from_rank_offsets("w", torch.zeros(2, 3), allow_shape_mismatch=True)],
+        [ShardedObject("w", None, (1,), (0,))],
         shards() + shards(key="x"),
+        [],
     ],
-    ids=["key", "shape", "replica_id", "dtype", "offset", "flattened_range", "replica_form", "more_shards"],
+    ids=[
+        "key",
+        "shape",
+        "replica_id",
+        "dtype",
+        "offset",
+        "flattened_range",
+        "replica_form",
+        "ndim",
+        "shape_mismatch_flag",
+        "object",
+        "more_shards",
+        "no_shards",
+    ],
 )
-def test_every_change_changes_the_fingerprint(other):
-    assert fingerprint(ShardTable.from_shards(other)) != fingerprint(ShardTable.from_shards(shards()))
-    assert fingerprint(ShardTable.from_shards(other)) == fingerprint(ShardTable.from_shards(list(other)))
+def test_every_change_is_a_miss(other):
+    cache = VerdictCache()
+    cache.agree(shard_fields(shards()))
+    cache.record(shard_fields(shards()))
+    assert cache.agree(shard_fields(other)) is Agreement.MISS
+    cache.record(shard_fields(other))
+    assert cache.agree(shard_fields(list(other))) is Agreement.HIT
 
 
-def test_the_rank_and_the_group_are_part_of_the_fingerprint(monkeypatch):
-    table = ShardTable.from_shards(shards())
-    base = fingerprint(table)
+def test_another_rank_in_the_same_group_is_a_miss(monkeypatch):
+    """Ranks that swap places keep their own shards, but the global order changes."""
+    cache = VerdictCache()
+    cache.agree(shard_fields(shards()))
+    cache.record(shard_fields(shards()))
     monkeypatch.setattr(verdict_cache, "get_rank", lambda group=None: 1)
-    assert fingerprint(table) != base
-    monkeypatch.setattr(verdict_cache, "get_rank", lambda group=None: 0)
-    monkeypatch.setattr(verdict_cache, "group_identity", lambda group=None: (2, 0, 1))
-    assert fingerprint(table) != base
+    assert cache.agree(shard_fields(shards())) is Agreement.MISS
 
 
 def test_groups_are_bounded_least_recently_used_first(monkeypatch):
     cache = VerdictCache(max_groups=2)
     group = [(1, 0)]
     monkeypatch.setattr(verdict_cache, "group_identity", lambda g=None: group[0])
+    x = shard_fields(shards())
     for g in [(3, 0), (3, 1), (3, 2)]:
         group[0] = g
-        cache.agree(b"x")
-        cache.record(b"x")
+        cache.agree(x)
+        cache.record(x)
     assert len(cache) == 2
     group[0] = (3, 0)
-    assert cache.agree(b"x") is Agreement.MISS  # dropped
+    assert cache.agree(x) is Agreement.MISS  # dropped
     group[0] = (3, 2)
-    assert cache.agree(b"x") is Agreement.HIT
+    assert cache.agree(x) is Agreement.HIT
 
 
 def test_generations_must_agree(monkeypatch):
     """A rank whose entry comes from another check than the others' forces a full check."""
     cache = VerdictCache()
-    cache.agree(b"x")
-    cache.record(b"x")
+    x = shard_fields(shards())
+    cache.agree(x)
+    cache.record(x)
     reduced = []
 
     def fake_all_reduce_max(values, group=None):
@@ -90,10 +112,10 @@ def test_generations_must_agree(monkeypatch):
         return [failed, miss, gen + 1, minus_gen]  # another rank holds a newer generation
 
     monkeypatch.setattr(verdict_cache, "all_reduce_max", fake_all_reduce_max)
-    assert cache.agree(b"x") is Agreement.MISS
+    assert cache.agree(x) is Agreement.MISS
     assert reduced == [[0, 0, 1, -1]]
-    cache.record(b"x")  # after the full check: the newest generation + 1, the same on every rank
-    assert cache._entries[(1, 0)].generation == 3
+    cache.record(x)  # after the full check: the newest generation + 1, the same on every rank
+    assert cache._records[(1, 0)].generation == 3
 
 
 def test_one_rank_save_path_skips_a_repeated_check_and_never_remembers_a_failure(monkeypatch):
