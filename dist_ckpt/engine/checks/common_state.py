@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import pickle
 from typing import Any, Dict, Iterable, List, Sequence, Tuple
@@ -10,7 +11,7 @@ from typing import Any, Dict, Iterable, List, Sequence, Tuple
 import numpy as np
 import torch
 
-from dist_ckpt.engine.distributed import gather_json
+from dist_ckpt.engine.distributed import all_reduce_max, gather_json, get_world_size
 from dist_ckpt.errors import format_problems
 
 logger = logging.getLogger(__name__)
@@ -77,9 +78,18 @@ def validate_common_state_dict(common_state_dict: Dict[str, Any]) -> None:
     """Collective: log at WARNING (on rank 0) how the ranks' common states differ.
 
     Only rank 0's common state is saved, so a difference usually means a bug (or rank-specific
-    state that belongs in a ShardedObject). Fingerprints, not the objects, are gathered.
+    state that belongs in a ShardedObject). Fingerprints, not the objects, are gathered -- and
+    only when they differ: one all-reduce of a digest of them tells every rank whether all ranks
+    hold the same, the usual case at every save.
     """
-    gathered = gather_json(common_state_fingerprints(common_state_dict))
+    fingerprints = common_state_fingerprints(common_state_dict)
+    if get_world_size() > 1:
+        text = json.dumps(fingerprints, sort_keys=True).encode("utf-8")
+        digest = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1  # fits an int64
+        newest, minus_oldest = all_reduce_max([digest, -digest])
+        if newest == -minus_oldest:
+            return
+    gathered = gather_json(fingerprints)
     if gathered is None:
         return
     differences = find_common_state_differences(gathered)
