@@ -113,10 +113,14 @@ def main(argv: list) -> None:
     elif mode == "zarr":
         dc.save(sd, ckpt, sharded_strategy=("zarr", 1))
     else:
+        # the writer imports async_fn's module and never the script run as __main__ (this one):
+        # refer to the function through this module's importable name
+        from tests.crash_saver import throttled_write as importable_throttled_write
+
         queue = AsyncCallsQueue()
         request = dc.save(sd, ckpt, async_sharded_save=True)
         slowed = dataclasses.replace(
-            request, async_fn=throttled_write, async_fn_args=(request.async_fn, *request.async_fn_args)
+            request, async_fn=importable_throttled_write, async_fn_args=(request.async_fn, *request.async_fn_args)
         )
         queue.schedule_async_request(slowed)
         (side / f"worker.{rank}").write_text(str(queue._worker.pid if queue._worker else ""))

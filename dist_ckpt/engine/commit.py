@@ -176,7 +176,8 @@ def read_config(checkpoint_dir: LocationLike) -> CheckpointingConfig:
     """The checkpoint's config; raises a clear error if the location is not a checkpoint."""
     location = resolve_location(checkpoint_dir)
     if isinstance(location, Path) and not location.is_dir():
-        raise NotACheckpointError(f"checkpoint directory {str(location)!r} does not exist")
+        # unquoted, as Megatron-Core words it: callers match on "directory <path> does not exist"
+        raise NotACheckpointError(f"checkpoint directory {location} does not exist; pass a committed checkpoint")
     config = maybe_load_config(location)
     if config is None:
         where = "directory" if isinstance(location, Path) else "location"

@@ -38,6 +38,7 @@ import torch
 from dist_ckpt.backends.base import LoadCommonStrategy, SaveCommonStrategy
 from dist_ckpt.engine.distributed import gather_json, get_rank, run_collectively
 from dist_ckpt.errors import (
+    UNEXPECTED_KEYS,
     CheckpointingException,
     CorruptCheckpointError,
     KeyMismatchError,
@@ -300,8 +301,8 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         absent = sorted({o.key for o in requested if not was_saved(f"{OBJECTS_DIR}/{encode_key(o.key)}")})
         if absent:
             raise KeyMismatchError(
-                f"[rank {get_rank()}] ShardedObjects requested by load but absent from checkpoint "
-                f"{location_str(checkpoint_dir)!r}: {format_keys(absent)}",
+                f"[rank {get_rank()}] {UNEXPECTED_KEYS} (ShardedObjects requested by load but absent from checkpoint "
+                f"{location_str(checkpoint_dir)!r}): {format_keys(absent)}",
                 unexpected_keys=absent,
             )
 

@@ -35,10 +35,12 @@ import numpy as np
 
 from dist_ckpt.engine.shard_table import KIND_OBJECT, SIG, ShardTable, dtype_from_token
 
-__all__ = ["find_table_problems"]
+__all__ = ["FLATTENED_GAP", "find_table_problems"]
 
 #: bound on products and combined sort keys computed in int64
 _SAFE = 1 << 62
+#: Megatron-Core's words for a gap between flattened ranges (spelling included): callers match on them
+FLATTENED_GAP = "Flattened ranges dont cover the whole shard"
 
 
 def _ints(values: np.ndarray) -> Tuple[int, ...]:
@@ -308,12 +310,15 @@ class _Checker:
                     f"holds [{a}, {b}) but elements up to {pos} are already held"
                 )
             else:
-                text = f"{self.name(k)}: no rank holds flat elements [{pos}, {a}) of {where}"
+                text = f"{self.name(k)}: {FLATTENED_GAP}: no rank holds flat elements [{pos}, {a}) of {where}"
             events.append((g, int(i), k, text))
         for tail in np.flatnonzero(end < numel):
             k = int(groups.key[tail])
             where = f"the chunk at global offset {self.chunk_offset(k, self.position(groups, int(tail)))}"
-            text = f"{self.name(k)}: no rank holds flat elements [{int(end[tail])}, {int(numel[tail])}) of {where}"
+            text = (
+                f"{self.name(k)}: {FLATTENED_GAP}: no rank holds flat elements [{int(end[tail])}, "
+                f"{int(numel[tail])}) of {where}"
+            )
             events.append((int(tail), len(rows), k, text))
         for _, _, k, text in sorted(events, key=lambda e: (e[0], e[1])):
             self.report(k, text)

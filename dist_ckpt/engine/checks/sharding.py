@@ -13,7 +13,7 @@ import logging
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from dist_ckpt.engine.checks.common_state import validate_common_state_dict
-from dist_ckpt.engine.checks.coverage import find_table_problems
+from dist_ckpt.engine.checks.coverage import FLATTENED_GAP, find_table_problems
 from dist_ckpt.engine.checks.verdict_cache import VERDICTS, Agreement
 from dist_ckpt.engine.distributed import (
     ProcessGroup,
@@ -127,6 +127,7 @@ def gather_and_validate_sharding(local_metadata: Sequence[ShardedBase], group: O
 
 
 __all__ = [
+    "FLATTENED_GAP",
     "GlobalMetadata",
     "check_shard_table",
     "check_sharding_integrity",

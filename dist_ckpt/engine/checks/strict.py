@@ -10,7 +10,7 @@ from dist_ckpt.engine.checks.sharding import check_shard_table
 from dist_ckpt.engine.distributed import broadcast_json, gather_bytes, get_rank, run_collectively
 from dist_ckpt.engine.shard_metadata import decode_tables
 from dist_ckpt.engine.shard_table import ShardTable, encode_table
-from dist_ckpt.errors import CheckpointingException, KeyMismatchError, format_keys
+from dist_ckpt.errors import MISSING_KEYS, UNEXPECTED_KEYS, CheckpointingException, KeyMismatchError, format_keys
 from dist_ckpt.model.dict_utils import extract_matching_values, nested_values
 from dist_ckpt.model.sharded import ShardedBase, ShardedStateDict
 
@@ -94,9 +94,9 @@ def maybe_report_missing_and_unexpected_keys(
         return
     parts = []
     if unexpected:
-        parts.append(f"keys requested by load but absent from the checkpoint: {format_keys(unexpected)}")
+        parts.append(f"{UNEXPECTED_KEYS} (requested by load but absent from the checkpoint): {format_keys(unexpected)}")
     if missing:
-        parts.append(f"keys in the checkpoint that no rank requested: {format_keys(missing)}")
+        parts.append(f"{MISSING_KEYS} (in the checkpoint but requested by no rank): {format_keys(missing)}")
     message = f"[rank {get_rank()}] " + "; ".join(parts)
     if raise_error:
         raise KeyMismatchError(message, missing, unexpected)

@@ -13,6 +13,9 @@ import numpy as np
 
 from dist_ckpt.model.sharded import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
 
+#: Megatron-Core's words for a gap between flattened ranges, as the per-shard check wrote them
+FLATTENED_GAP = "Flattened ranges dont cover the whole shard"
+
 
 def _first_difference(key: str, shards: List[Tuple[int, ShardedTensor]]) -> Optional[str]:
     ref_rank, ref = shards[0]
@@ -78,12 +81,14 @@ def _tensor_problems(key: str, shards: List[Tuple[int, ShardedTensor]]) -> List[
                 )
             elif start > pos:
                 problems.append(
-                    f"{key!r}: no rank holds flat elements [{pos}, {start}) of the chunk at global offset {offset}"
+                    f"{key!r}: {FLATTENED_GAP}: no rank holds flat elements [{pos}, {start}) of the chunk at "
+                    f"global offset {offset}"
                 )
             pos = max(pos, stop)
         if pos < chunk_numel:
             problems.append(
-                f"{key!r}: no rank holds flat elements [{pos}, {chunk_numel}) of the chunk at global offset {offset}"
+                f"{key!r}: {FLATTENED_GAP}: no rank holds flat elements [{pos}, {chunk_numel}) of the chunk at "
+                f"global offset {offset}"
             )
     total = math.prod(grid)
     if len(owners) < total:
