@@ -50,6 +50,7 @@ from dist_ckpt.engine.checks.coverage import find_table_problems
 from dist_ckpt.engine.shard_metadata import decode_tables
 from dist_ckpt.engine.shard_table import ShardTable, encode_table, shard_fields
 from dist_ckpt.model.sharded import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
+from dist_ckpt.storage import LocalStorage
 
 LAYOUTS = {8: (2, 2, 2), 64: (4, 4, 4), 256: (8, 4, 8), 1024: (8, 8, 16)}
 BLOCK = 1 << 20
@@ -201,7 +202,7 @@ def simulate(world: int, tensors: int, flat_fraction: float, plan_ranks: Sequenc
     clock.start()
     merged = merge_index_parts(parts)
     clock.stop("index_merge")
-    write_merged(merged, ckpt, BLOCK)
+    write_merged(merged, LocalStorage(ckpt), BLOCK)
     clock.stop("index_write")
     root = ckpt / "safetensors"
     row.bytes.update(

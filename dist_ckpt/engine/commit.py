@@ -24,21 +24,24 @@ import json
 import logging
 import uuid
 from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from dist_ckpt.errors import CheckpointExistsError, CheckpointingException, CorruptCheckpointError, NotACheckpointError
-from dist_ckpt.storage import write_bytes_atomic
 from dist_ckpt.storage.errors import ObjectExistsError, ObjectNotFoundError, StorageError
-from dist_ckpt.storage.location import LocationLike, location_str, resolve_location
+from dist_ckpt.storage.location import LocationLike, resolve_location
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "BIN_WEIGHTS_INDEX_NAME",
+    "BIN_WEIGHTS_NAME",
     "CheckpointingConfig",
     "CheckpointingException",
     "METADATA_FILENAME",
     "HF_CONFIG",
+    "HF_WEIGHT_FILES",
+    "SAFE_WEIGHTS_INDEX_NAME",
+    "SAFE_WEIGHTS_NAME",
     "check_is_distributed_checkpoint",
     "detect_config",
     "maybe_load_config",
@@ -86,12 +89,13 @@ def save_config(
 ) -> None:
     """Write ``metadata.json`` atomically and durably: the commit of a checkpoint (rank 0 only).
 
-    A local directory gets it by atomic rename (temporary file, fsync, rename, fsync of the
-    directory). An object store gets it with a create-if-absent put (``If-None-Match: *``), so a
-    commit never overwrites another save's marker. If that put finds an object already there --
-    e.g. the server applied a first attempt whose response was lost, and the client retried --
-    the marker is read back and accepted only if it carries this save's ``save_id``; otherwise
-    :class:`~dist_ckpt.errors.CheckpointExistsError` is raised.
+    The marker is created only if absent (:meth:`~dist_ckpt.storage.base.Storage.put_if_absent`:
+    on a local disk a fsynced temporary file hard-linked into place, then the directory fsynced;
+    on an object store a put with ``If-None-Match: *``), so a commit never overwrites another
+    save's marker. If the marker is already there -- e.g. the server applied a first attempt
+    whose response was lost, and the client retried -- it is read back and accepted only if it
+    carries this save's ``save_id``; otherwise :class:`~dist_ckpt.errors.CheckpointExistsError`
+    is raised.
 
     Example::
 
@@ -105,9 +109,6 @@ def save_config(
     save_id = save_id or new_save_id()
     record["dist_ckpt"]["save_id"] = save_id
     data = json.dumps(record, indent=2, sort_keys=True).encode("utf-8")
-    if isinstance(location, Path):
-        write_bytes_atomic(location / METADATA_FILENAME, data)
-        return
     try:
         location.put_if_absent(METADATA_FILENAME, data)
     except ObjectExistsError as e:
@@ -160,11 +161,6 @@ def maybe_load_config(checkpoint_dir: LocationLike) -> Optional[CheckpointingCon
         StorageError: an object store refused the request (credentials, missing bucket, ...).
     """
     location = resolve_location(checkpoint_dir)
-    if isinstance(location, Path):
-        path = location / METADATA_FILENAME
-        if not path.is_file():
-            return None
-        return _parse_config(path.read_bytes(), str(path))
     try:
         raw = location.read(METADATA_FILENAME)
     except ObjectNotFoundError:
@@ -175,14 +171,16 @@ def maybe_load_config(checkpoint_dir: LocationLike) -> Optional[CheckpointingCon
 def read_config(checkpoint_dir: LocationLike) -> CheckpointingConfig:
     """The checkpoint's config; raises a clear error if the location is not a checkpoint."""
     location = resolve_location(checkpoint_dir)
-    if isinstance(location, Path) and not location.is_dir():
-        # unquoted, as Megatron-Core words it: callers match on "directory <path> does not exist"
-        raise NotACheckpointError(f"checkpoint directory {location} does not exist; pass a committed checkpoint")
     config = maybe_load_config(location)
     if config is None:
-        where = "directory" if isinstance(location, Path) else "location"
+        if location.local_paths and not location.dir_exists():
+            # unquoted, as Megatron-Core words it: callers match on "directory <path> does not exist"
+            raise NotACheckpointError(
+                f"checkpoint directory {location.url} does not exist; pass a committed checkpoint"
+            )
+        where = "directory" if location.local_paths else "location"
         raise NotACheckpointError(
-            f"{location_str(location)!r} is not a committed dist_ckpt checkpoint: {METADATA_FILENAME} is missing "
+            f"{location.url!r} is not a committed dist_ckpt checkpoint: {METADATA_FILENAME} is missing "
             f"(the save did not finish, or this is not a checkpoint {where})"
         )
     return config
@@ -191,7 +189,21 @@ def read_config(checkpoint_dir: LocationLike) -> CheckpointingConfig:
 #: how a HuggingFace folder (safetensors weights and no metadata.json) is loaded: with the
 #: built-in read-only "hf" strategies (dist_ckpt.hf.strategy)
 HF_CONFIG = CheckpointingConfig("hf", 1, "hf", 1)
-_HF_WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors")
+
+# HuggingFace weight file names (transformers' names), defined here, where a location is told
+# to be a dist_ckpt checkpoint or an HF folder, for every package above (hf/, training/)
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+BIN_WEIGHTS_NAME = "pytorch_model.bin"
+BIN_WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
+#: ``(file name, is_index, safetensors)`` of every HF weight file, in the order that decides a
+#: directory's format (the first one present)
+HF_WEIGHT_FILES: Tuple[Tuple[str, bool, bool], ...] = (
+    (SAFE_WEIGHTS_INDEX_NAME, True, True),
+    (SAFE_WEIGHTS_NAME, False, True),
+    (BIN_WEIGHTS_INDEX_NAME, True, False),
+    (BIN_WEIGHTS_NAME, False, False),
+)
 
 
 def detect_config(checkpoint_dir: LocationLike) -> CheckpointingConfig:
@@ -199,11 +211,12 @@ def detect_config(checkpoint_dir: LocationLike) -> CheckpointingConfig:
     a local folder without one that holds HuggingFace weights (``model.safetensors`` or its index).
 
     An HF folder is not a committed dist_ckpt checkpoint (:func:`check_is_distributed_checkpoint`
-    stays False); this only lets ``load`` read it. HF folders are read from local disks only.
+    stays False); this only lets ``load`` read it. HF folders are read from local disks only
+    (storages with ``local_paths``).
     """
     location = resolve_location(checkpoint_dir)
-    if isinstance(location, Path):
-        if not (location / METADATA_FILENAME).exists() and any((location / f).is_file() for f in _HF_WEIGHT_FILES):
+    if location.local_paths and not location.exists(METADATA_FILENAME):
+        if any(location.exists(f) for f in (SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME)):
             return HF_CONFIG
     return read_config(location)
 

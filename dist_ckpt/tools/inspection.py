@@ -37,7 +37,8 @@ from dist_ckpt.engine.monitor import count_files
 from dist_ckpt.errors import CheckpointingException, UnsafeObjectError
 from dist_ckpt.model.dtypes import dtype_to_name
 from dist_ckpt.model.sharded import ShardedTensor
-from dist_ckpt.storage.location import CheckpointLocation, LocationLike, location_str, resolve_location, storage_of
+from dist_ckpt.storage import Storage
+from dist_ckpt.storage.location import LocationLike, resolve_location
 
 __all__ = ["CheckpointInfo", "TensorInfo", "inspect_checkpoint"]
 
@@ -210,7 +211,7 @@ def inspect_checkpoint(checkpoint_dir: LocationLike) -> CheckpointInfo:
         )
     files, file_bytes = count_files(directory)
     return CheckpointInfo(
-        path=location_str(directory),
+        path=directory.url,
         kind="huggingface" if config == HF_CONFIG else "dist_ckpt",
         sharded_backend=f"{config.sharded_backend}:{config.sharded_backend_version}",
         common_backend=f"{config.common_backend}:{config.common_backend_version}",
@@ -225,7 +226,7 @@ def inspect_checkpoint(checkpoint_dir: LocationLike) -> CheckpointInfo:
     )
 
 
-def _read_record(directory: CheckpointLocation) -> Tuple[CheckpointingConfig, Dict[str, Any]]:
+def _read_record(directory: Storage) -> Tuple[CheckpointingConfig, Dict[str, Any]]:
     """The config (HF_CONFIG for a HuggingFace folder) and the ``"dist_ckpt"`` entry of
     ``metadata.json`` (who wrote it), which ``core`` does not parse."""
     from dist_ckpt.engine.commit import detect_config
@@ -234,7 +235,7 @@ def _read_record(directory: CheckpointLocation) -> Tuple[CheckpointingConfig, Di
     if config == HF_CONFIG:
         return config, {}
     try:
-        record = json.loads(storage_of(directory).read(METADATA_FILENAME))
+        record = json.loads(directory.read(METADATA_FILENAME))
         writer = record.get("dist_ckpt") if isinstance(record, dict) else None
     except (OSError, ValueError):  # storage errors are OSErrors
         writer = None
@@ -249,7 +250,7 @@ def _read_record(directory: CheckpointLocation) -> Tuple[CheckpointingConfig, Di
 
 
 def _stored_shards(
-    strategy: LoadShardedStrategy, directory: CheckpointLocation, notes: List[str]
+    strategy: LoadShardedStrategy, directory: Storage, notes: List[str]
 ) -> Optional[Dict[str, List[StoredShardInfo]]]:
     layout = strategy.describe_stored_shards(directory)
     if layout is None:
@@ -283,7 +284,7 @@ def _flatten(value: Any, prefix: str, out: Dict[str, str]) -> None:
         out[prefix or "<root>"] = describe_value(value)
 
 
-def _common_keys(strategy: LoadCommonStrategy, directory: CheckpointLocation, notes: List[str]) -> Dict[str, str]:
+def _common_keys(strategy: LoadCommonStrategy, directory: Storage, notes: List[str]) -> Dict[str, str]:
     try:
         state = strategy.load_common(directory)
     except UnsafeObjectError as e:
@@ -295,7 +296,7 @@ def _common_keys(strategy: LoadCommonStrategy, directory: CheckpointLocation, no
 
 
 def _sharded_objects(
-    sharded: LoadShardedStrategy, common: LoadCommonStrategy, directory: CheckpointLocation, notes: List[str]
+    sharded: LoadShardedStrategy, common: LoadCommonStrategy, directory: Storage, notes: List[str]
 ) -> Tuple[str, ...]:
     holder = sharded if sharded.can_handle_sharded_objects else common
     try:

@@ -1,8 +1,16 @@
-"""The on-disk layout of ``safetensors``-backend checkpoints and its global index.
+"""The safetensors backend's index: ``index.json`` (and, from version 3, its shard table).
+
+:func:`read_index` reads it into a :class:`~.tensor_index.TensorIndex` (the data model every
+safetensors reader shares: where every stored tensor lives -- file, byte range, box of the global
+tensor), from which one loader reads any sharding (:mod:`.load`). Dependencies point one way:
+:mod:`.format` <- :mod:`.write` <- :mod:`.index_parts` <- :mod:`.index_v3` (with
+:mod:`.tensor_index`) <- this module <- :mod:`.index_write`, :mod:`.load`, :mod:`.verify` <-
+:mod:`.strategy`.
 
 Layout inside a checkpoint directory::
 
     safetensors/index.json                      the global index (written last, by rank 0)
+    safetensors/index.<crc>.bin                 its shard table (version 3, written just before)
     safetensors/rank<rank>_<i>.safetensors      rank's main-replica shards, one file per writer
                                                 thread (a valid safetensors file each)
 
@@ -56,30 +64,40 @@ safetensors.
 from __future__ import annotations
 
 import json
-from pathlib import Path
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from dist_ckpt.backends.safetensors import index_v3
 from dist_ckpt.backends.safetensors.index_parts import MergedIndex
-from dist_ckpt.backends.safetensors.load import StoredShard, StoredTensor, TensorIndex
+from dist_ckpt.backends.safetensors.tensor_index import (
+    StoredShard,
+    StoredTensor,
+    TensorIndex,
+    describe_tensor_index,
+    tensors_metadata,
+)
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError, IncompatibleStrategyError
 from dist_ckpt.integrity.checksums import ALGORITHM, block_count, crc_from_hex, decode_block_crcs
 from dist_ckpt.model.dtypes import dtype_from_name
 from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.storage import Storage
-from dist_ckpt.storage.location import CheckpointLocation, location_str
+from dist_ckpt.storage.location import LocationLike, resolve_location
 
 __all__ = [
-    "READABLE_VERSIONS",
     "INDEX_FILENAME",
     "INDEX_FORMAT",
     "INDEX_VERSION",
+    "READABLE_VERSIONS",
     "SAFETENSORS_DIR",
+    "StoredShard",
+    "StoredTensor",
+    "TensorIndex",
+    "describe_tensor_index",
     "file_name",
     "index_files",
     "parse_index",
     "read_index",
     "shard_name",
+    "tensors_metadata",
 ]
 
 SAFETENSORS_DIR = "safetensors"
@@ -88,6 +106,9 @@ INDEX_FORMAT = "dist_ckpt.safetensors"
 #: the version a save writes (with or without block checksums)
 INDEX_VERSION = index_v3.VERSION
 READABLE_VERSIONS = (1, 2, 3)
+
+
+# --------------------------------------------------------------------------- writing the document
 
 
 def file_name(rank: int, writer: int) -> str:
@@ -131,13 +152,13 @@ def index_files(merged: MergedIndex, block_bytes: Optional[int]) -> Tuple[bytes,
 class _Parser:
     """Validates an index document field by field; every error names the index and the key."""
 
-    def __init__(self, path: Union[str, Path], block_bytes: Optional[int] = None) -> None:
+    def __init__(self, path: str, block_bytes: Optional[int] = None) -> None:
         self.path = path
         self.block_bytes = block_bytes  # checksums are required per shard when set (version 2)
 
     def fail(self, problem: str, key: Optional[str] = None) -> CorruptCheckpointError:
         where = f" (tensor {key!r})" if key is not None else ""
-        return CorruptCheckpointError(f"safetensors index {str(self.path)!r}{where}: {problem}")
+        return CorruptCheckpointError(f"safetensors index {self.path!r}{where}: {problem}")
 
     def obj(self, value: Any, what: str, key: Optional[str] = None) -> Dict[str, Any]:
         if not isinstance(value, dict):
@@ -174,7 +195,7 @@ class _Parser:
         crcs = None
         if self.block_bytes is not None:
             blocks = block_count(byte_range[1] - byte_range[0], self.block_bytes)
-            where = f"safetensors index {str(self.path)!r} (tensor {key!r}, shard {name!r})"
+            where = f"safetensors index {self.path!r} (tensor {key!r}, shard {name!r})"
             crcs = decode_block_crcs(entry.get(ALGORITHM), blocks, where)
         return StoredShard(file, name, offset, chunk, flat_range, (byte_range[0], byte_range[1]), crcs)
 
@@ -212,11 +233,11 @@ def _prod(shape: Sequence[int]) -> int:
     return out
 
 
-def parse_index(doc: Any, path: Path, storage: Optional[Storage] = None) -> TensorIndex:
+def parse_index(doc: Any, storage: Storage) -> TensorIndex:
     """The :class:`TensorIndex` described by an index document; validates every field.
 
-    ``path`` is the index file; with ``storage`` (an object store rooted at the files'
-    directory) the files are its objects and messages name them by URL.
+    ``storage`` is rooted at the files' directory (``<checkpoint>/safetensors``, which holds the
+    index itself); messages name the index by its path or URL.
 
     Raises:
         CorruptCheckpointError: naming the index file and the key, for any malformed entry.
@@ -224,22 +245,22 @@ def parse_index(doc: Any, path: Path, storage: Optional[Storage] = None) -> Tens
 
     Example::
 
-        index = parse_index(json.loads(raw), ckpt / "safetensors" / "index.json")
+        index = parse_index(json.loads(raw), LocalStorage("ckpt/iter_10/safetensors"))
     """
-    p = _Parser(storage.url_of(INDEX_FILENAME) if storage is not None else path)
+    p = _Parser(storage.url_of(INDEX_FILENAME))
     doc = p.obj(doc, "the index")
     if doc.get("format") != INDEX_FORMAT:
         raise p.fail(f"'format' is {doc.get('format')!r}, expected {INDEX_FORMAT!r}")
     version = doc.get("version")
     if version not in READABLE_VERSIONS or isinstance(version, bool):
         raise IncompatibleStrategyError(
-            f"safetensors index {str(p.path)!r} has version {version!r}; this dist_ckpt reads versions "
+            f"safetensors index {p.path!r} has version {version!r}; this dist_ckpt reads versions "
             f"{list(READABLE_VERSIONS)}: upgrade dist_ckpt"
         )
-    description = repr(storage.url.rsplit("/", 1)[0]) if storage is not None else repr(str(path.parent.parent))
+    description = repr(storage.url.rsplit("/", 1)[0])
     if version == index_v3.VERSION:
         block = None if doc.get("checksum") is None else _checksum_spec(p, doc.get("checksum"))
-        return index_v3.parse_v3(doc, path.parent, storage, str(p.path), block, description)
+        return index_v3.parse_v3(doc, storage, p.path, block, description)
     if version >= 2:
         p.block_bytes = _checksum_spec(p, doc.get("checksum"))
     files: Dict[str, int] = {}
@@ -250,19 +271,13 @@ def parse_index(doc: Any, path: Path, storage: Optional[Storage] = None) -> Tens
             raise p.fail(f"file entry {name!r} needs a plain file name and a non-negative 'size', found {entry!r}")
         files[name] = size
         if p.block_bytes is not None:
-            field = f"header_{ALGORITHM}"
+            field_name = f"header_{ALGORITHM}"
             header_crcs[name] = crc_from_hex(
-                entry.get(field), f"safetensors index {str(p.path)!r}, file entry {name!r} field {field!r}"
+                entry.get(field_name), f"safetensors index {p.path!r}, file entry {name!r} field {field_name!r}"
             )
     tensors = {key: p.tensor(key, raw, files) for key, raw in p.obj(doc.get("tensors"), "'tensors'").items()}
     return TensorIndex(
-        path.parent,
-        tensors,
-        file_sizes=files,
-        description=description,
-        block_bytes=p.block_bytes,
-        header_crcs=header_crcs,
-        storage=storage,
+        storage, tensors, file_sizes=files, description=description, block_bytes=p.block_bytes, header_crcs=header_crcs
     )
 
 
@@ -276,30 +291,25 @@ def _checksum_spec(p: _Parser, raw: Any) -> int:
     return block
 
 
-def read_index(checkpoint_dir: CheckpointLocation) -> TensorIndex:
+def read_index(checkpoint_dir: LocationLike) -> TensorIndex:
     """Read and validate ``<checkpoint_dir>/safetensors/index.json`` (a directory or an object store).
 
     Example::
 
-        index = read_index(Path("ckpt/iter_1000"))
+        index = read_index("ckpt/iter_1000")
         index.tensors["decoder.w"].shards[0].file   # "rank00000_0.safetensors"
     """
-    storage: Optional[Storage] = None
-    if isinstance(checkpoint_dir, Path):
-        path = checkpoint_dir / SAFETENSORS_DIR / INDEX_FILENAME
-        where = str(path)
-    else:  # an object store: the index names its files relative to safetensors/
-        storage = checkpoint_dir.child(SAFETENSORS_DIR)
-        path = Path(SAFETENSORS_DIR) / INDEX_FILENAME
-        where = storage.url_of(INDEX_FILENAME)
+    location = resolve_location(checkpoint_dir)
+    storage = location.child(SAFETENSORS_DIR)  # the index names its files relative to safetensors/
+    where = storage.url_of(INDEX_FILENAME)
     try:
-        raw = path.read_bytes() if storage is None else storage.read(INDEX_FILENAME)
+        raw = storage.read(INDEX_FILENAME)
     except FileNotFoundError:  # ObjectNotFoundError is one
         raise CorruptCheckpointError(
-            f"{where!r} is missing: the safetensors part of checkpoint {location_str(checkpoint_dir)!r} is incomplete"
+            f"{where!r} is missing: the safetensors part of checkpoint {location.url!r} is incomplete"
         ) from None
     try:
         doc = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
         raise CorruptCheckpointError(f"safetensors index {where!r} is not valid JSON: {e}") from e
-    return parse_index(doc, path, storage)
+    return parse_index(doc, storage)

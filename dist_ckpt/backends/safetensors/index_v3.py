@@ -28,25 +28,25 @@ as every writer of this backend names it. ``table_crc32c`` covers the tensor's r
 its block crcs, so a reader checks exactly the bytes it uses.
 
 A loading rank reads ``index.json`` (O(tensors)) and, for each tensor it requests, only that
-tensor's rows (memory-mapped from a local file; an object store's table is fetched once), checks
-them with numpy and builds Python objects only for the shards that overlap what it reads.
+tensor's rows (memory-mapped where the storage has ``local_paths``; elsewhere the table is
+fetched once), checks them with numpy and builds Python objects only for the shards that overlap
+what it reads.
 
 Example::
 
     doc, table, name = v3_document(merged, block_bytes=1 << 20, header={"format": ..., "version": 3})
-    index = parse_v3(json.loads(raw), directory, storage=None, where="ckpt/safetensors/index.json")
+    index = parse_v3(json.loads(raw), LocalStorage("ckpt/safetensors"), "ckpt/safetensors/index.json", 1 << 20, "")
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from dist_ckpt.backends.safetensors.index_parts import COLUMNS, MergedIndex
-from dist_ckpt.backends.safetensors.load import StoredShard, StoredTensor, TensorIndex
+from dist_ckpt.backends.safetensors.tensor_index import StoredShard, StoredTensor, TensorIndex
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
 from dist_ckpt.integrity.checksums import ALGORITHM, crc32c, crc_from_hex, crc_to_hex
 from dist_ckpt.model.dtypes import dtype_from_name
@@ -145,10 +145,10 @@ def _ints(value: Any, length: Optional[int] = None) -> Optional[Tuple[int, ...]]
 
 
 class ShardTableFile:
-    """The binary shard table, opened on first use: memory-mapped when local, fetched whole from
-    an object store."""
+    """The binary shard table, opened on first use: memory-mapped where the storage has local
+    files (``local_paths``: pages are read only for the rows used), fetched whole otherwise."""
 
-    def __init__(self, spec: Dict[str, Any], directory: Path, storage: Optional[Storage], fail: _Fail) -> None:
+    def __init__(self, spec: Dict[str, Any], storage: Storage, fail: _Fail) -> None:
         self.fail = fail
         name = spec.get("file")
         if not isinstance(name, str) or not is_table_file(name):
@@ -167,22 +167,22 @@ class ShardTableFile:
                 f"'shard_table' size {spec['size']} does not match its {self.nrows} rows and {self.nblocks} crcs"
             )
         self.size = spec["size"]
-        self.directory, self.storage = directory, storage
+        self.storage = storage
         self._rows: Optional[np.ndarray] = None
         self._crcs: Optional[np.ndarray] = None
 
     def open(self) -> Tuple[np.ndarray, np.ndarray]:
         """The rows ``(rows, columns)`` and the crcs, memory-mapped (local) or in memory."""
         if self._rows is None or self._crcs is None:
-            where = self.storage.url_of(self.name) if self.storage is not None else str(self.directory / self.name)
+            where = self.storage.url_of(self.name)
             try:
-                if self.storage is not None:
+                if not self.storage.local_paths:
                     raw = np.frombuffer(self.storage.read(self.name), dtype=np.uint8)
-                elif self.size == 0:
+                elif self.size == 0:  # np.memmap refuses an empty file
                     raw = np.zeros(0, dtype=np.uint8)
                 else:
-                    raw = np.memmap(self.directory / self.name, dtype=np.uint8, mode="r")
-            except FileNotFoundError:
+                    raw = np.memmap(self.storage.local_path(self.name), dtype=np.uint8, mode="r")
+            except FileNotFoundError:  # ObjectNotFoundError is one
                 raise self.fail(f"its shard table {where!r} is missing") from None
             if raw.shape[0] != self.size:
                 raise self.fail(f"its shard table {where!r} has {raw.shape[0]} bytes, the index says {self.size}")
@@ -513,15 +513,11 @@ def _checked_tensor_entry(
 
 
 def parse_v3(
-    doc: Dict[str, Any],
-    directory: Path,
-    storage: Optional[Storage],
-    where: str,
-    block_bytes: Optional[int],
-    description: str,
+    doc: Dict[str, Any], storage: Storage, where: str, block_bytes: Optional[int], description: str
 ) -> TensorIndex:
     """The :class:`TensorIndex` of a version-3 index document (format and version already
-    checked; ``block_bytes`` parsed from its ``checksum``, or None).
+    checked; ``block_bytes`` parsed from its ``checksum``, or None). ``storage`` is rooted at the
+    files' directory, which holds the shard table; ``where`` names the index in messages.
 
     Checks the document and the table's size now, each tensor's rows when a load first needs
     them (see :class:`TableTensor`).
@@ -534,7 +530,7 @@ def parse_v3(
     spec = doc.get("shard_table")
     if not isinstance(spec, dict):
         raise fail(f"'shard_table' must be a JSON object, found {spec!r}")
-    table = ShardTableFile(spec, directory, storage, fail)
+    table = ShardTableFile(spec, storage, fail)
     raw_tensors = doc.get("tensors")
     if not isinstance(raw_tensors, dict):
         raise fail(f"'tensors' must be a JSON object, found {raw_tensors!r}")
@@ -547,12 +543,11 @@ def parse_v3(
         spans.append((*at, *blocks, crc))
     rows.entries = np.array(spans, dtype=np.int64).reshape(len(spans), 5)
     return TensorIndex(
-        directory,
+        storage,
         tensors,
         file_sizes=dict(zip(names, sizes)),
         description=description,
         block_bytes=block_bytes,
         header_crcs=header_crcs,
-        storage=storage,
         prefetch=rows.prefetch,
     )

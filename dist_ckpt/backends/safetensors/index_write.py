@@ -1,19 +1,20 @@
 """Writing the safetensors index (rank 0, after every rank's files are durable), and rewriting a
 version-3 index without some tensors.
 
-The shard table (``index.<crc>.bin``) is written first, then ``index.json``, each atomically and
-durably; since a table's name is the crc of its content, a rewritten index never changes the
-table an older ``index.json`` names, and a crash leaves either the old pair or the new one.
+The shard table (``index.<crc>.bin``) is written first, then ``index.json``, each whole or not
+at all (:meth:`~dist_ckpt.storage.base.Storage.write`: a durable rename on a local disk, a PUT
+on an object store); since a table's name is the crc of its content, a rewritten index never
+changes the table an older ``index.json`` names, and a crash leaves either the old pair or the
+new one.
 
 Example::
 
-    write_index(gather_bytes(part.encode(results, True)), Path("ckpt/iter_10"), block_bytes=1 << 20)
+    write_index(gather_bytes(part.encode(results, True)), LocalStorage("ckpt/iter_10"), block_bytes=1 << 20)
 """
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -21,34 +22,41 @@ import numpy as np
 from dist_ckpt.backends.safetensors.index import INDEX_FILENAME, SAFETENSORS_DIR, index_files, read_index
 from dist_ckpt.backends.safetensors.index_parts import COLUMNS, MergedIndex, merge_index_parts
 from dist_ckpt.backends.safetensors.index_v3 import is_table_file
-from dist_ckpt.backends.safetensors.load import TensorIndex
+from dist_ckpt.backends.safetensors.tensor_index import TensorIndex
+from dist_ckpt.engine.distributed import get_rank
 from dist_ckpt.model.dtypes import dtype_to_name
-from dist_ckpt.storage import Storage, fsync_dir, write_bytes_atomic
-from dist_ckpt.storage.location import CheckpointLocation
+from dist_ckpt.storage import Storage
 
 __all__ = ["merged_from_index", "remove_from_v3", "write_index", "write_merged"]
 
 logger = logging.getLogger(__name__)
 
 
-def write_index(gathered: Sequence[bytes], checkpoint_dir: CheckpointLocation, block_bytes: Optional[int]) -> None:
-    """Merge every rank's index part (``gathered[r]`` from rank r) and write the index (rank 0)."""
+def write_index(gathered: Optional[Sequence[bytes]], checkpoint_dir: Storage, block_bytes: Optional[int]) -> None:
+    """Rank 0: merge every rank's index part (``gathered[r]`` from rank r) and write the index
+    (the other ranks return at once).
+
+    Example::
+
+        write_index(gather_bytes(local_part), storage, 1 << 20)
+    """
+    if get_rank() != 0:
+        return
+    assert gathered is not None, "gather_bytes gives rank 0 every rank's part"
     write_merged(merge_index_parts(gathered), checkpoint_dir, block_bytes)
 
 
-def write_merged(merged: MergedIndex, checkpoint_dir: CheckpointLocation, block_bytes: Optional[int]) -> str:
-    """Write the shard table, then ``index.json``; returns the table's file name."""
+def write_merged(merged: MergedIndex, checkpoint_dir: Storage, block_bytes: Optional[int]) -> str:
+    """Write the shard table, then ``index.json`` (a save without tensor bytes gets both too);
+    returns the table's file name.
+
+    Example::
+
+        write_merged(merge_index_parts(parts), LocalStorage("ckpt/iter_10"), None)   # "index.1a2b3c4d.bin"
+    """
     doc, table, table_name = index_files(merged, block_bytes)
-    if isinstance(checkpoint_dir, Path):
-        root = checkpoint_dir / SAFETENSORS_DIR
-        root.mkdir(parents=True, exist_ok=True)  # a save without any tensor bytes still gets an index
-        write_bytes_atomic(root / table_name, table)
-        write_bytes_atomic(root / INDEX_FILENAME, doc)
-        fsync_dir(root)
-        fsync_dir(checkpoint_dir)
-    else:
-        checkpoint_dir.write(f"{SAFETENSORS_DIR}/{table_name}", table)
-        checkpoint_dir.write(f"{SAFETENSORS_DIR}/{INDEX_FILENAME}", doc)
+    checkpoint_dir.write(f"{SAFETENSORS_DIR}/{table_name}", table)
+    checkpoint_dir.write(f"{SAFETENSORS_DIR}/{INDEX_FILENAME}", doc)
     logger.debug(
         "safetensors index: %d tensors, %d files, %d shards, %d bytes of data, %d + %d index bytes",
         len(merged.keys),
@@ -108,10 +116,15 @@ def _file_ranks(index: TensorIndex) -> Dict[str, int]:
     return ranks
 
 
-def remove_from_v3(location: CheckpointLocation, key_prefix: str) -> Tuple[List[str], List[str]]:
+def remove_from_v3(location: Storage, key_prefix: str) -> Tuple[List[str], List[str]]:
     """Rewrite a version-3 index without the tensors whose key starts with ``key_prefix``, then
     delete the files no remaining shard uses and the old shard table. Returns (removed keys,
-    deleted files)."""
+    deleted files).
+
+    Example::
+
+        removed, deleted = remove_from_v3(LocalStorage("ckpt/iter_10"), "optimizer.")
+    """
     index = read_index(location)
     for tensor in index.tensors.values():
         tensor.shards  # noqa: B018 -- reads and checks every tensor's rows before anything changes
@@ -122,24 +135,12 @@ def remove_from_v3(location: CheckpointLocation, key_prefix: str) -> Tuple[List[
     used = {name for name, _, _, _ in merged.files}
     orphans = [name for name in index.file_sizes if name not in used]
     stale = [name for name in old_tables if name != new_table]
-    if isinstance(location, Path):
-        root = location / SAFETENSORS_DIR
-        for name in orphans + stale:
-            (root / name).unlink(missing_ok=True)
-        fsync_dir(root)
-    else:
-        storage: Storage = location.child(SAFETENSORS_DIR)
-        for name in orphans + stale:
-            storage.delete(name)
+    root = location.child(SAFETENSORS_DIR)
+    for name in orphans + stale:
+        root.delete(name)
     return removed, orphans
 
 
-def _table_files(location: CheckpointLocation) -> List[str]:
-    if isinstance(location, Path):
-        root = location / SAFETENSORS_DIR
-        return sorted(p.name for p in root.iterdir() if is_table_file(p.name))
-    return sorted(
-        o.key.rsplit("/", 1)[-1]
-        for o in location.child(SAFETENSORS_DIR).list()
-        if is_table_file(o.key.rsplit("/", 1)[-1])
-    )
+def _table_files(location: Storage) -> List[str]:
+    """The shard tables in ``safetensors/`` (the current one and any left by an interrupted rewrite)."""
+    return sorted(o.key for o in location.child(SAFETENSORS_DIR).list() if is_table_file(o.key))

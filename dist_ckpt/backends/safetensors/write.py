@@ -14,6 +14,12 @@ The synchronous and the asynchronous save of the ``safetensors`` backend share t
 * :func:`write_snapshot_parts` is the function a background worker runs: :func:`write_parts` with
   tensors that are views of a shared-memory :class:`~.snapshot.Snapshot`.
 
+What was written is then described to rank 0 by :mod:`.index_parts` and indexed by
+:mod:`.index_write`.
+
+Local files are written by path (the storage's ``local_paths`` capability): a file can be written
+in parts by two processes at planned offsets, with early writeback and one fsync per file.
+
 On an object store a file is one object, written whole by one process: :func:`write_objects`
 uploads each planned file from its tensors' memory (a multipart upload, parts in parallel, when
 it is larger than the storage's part size), one file per thread, with the same checksums;
@@ -46,11 +52,15 @@ from dist_ckpt.backends.safetensors.format import (
 )
 from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.integrity.checksums import BlockChecksums, crc32c, crc_to_hex, encode_block_crcs
+from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.storage import ObjectWriter, Storage, fsync_dir
 
 __all__ = [
+    "FILE_METADATA",
     "PartResult",
     "PlannedFile",
+    "PlannedFiles",
+    "SnapshotPart",
     "WritePart",
     "plan_file",
     "stream_tensor",
@@ -67,6 +77,8 @@ logger = logging.getLogger(__name__)
 #: bytes handed to one ``os.write`` (and one crc update) at a time: large enough for few system
 #: calls, small enough that the crc reads bytes the write just brought into the CPU cache
 _PIECE_BYTES = 16 << 20
+#: the ``__metadata__`` of every file the backend writes (safetensors readers see a ``"pt"`` file)
+FILE_METADATA = {"format": "pt", "dist_ckpt": "safetensors backend v1; see index.json for the layout"}
 
 
 @dataclass(frozen=True)
@@ -104,6 +116,10 @@ def plan_file(
     entries = [(n, *storage_layout(dtype, shape), math.prod(shape) * dtype.itemsize) for n, dtype, shape in tensors]
     prefix, ranges = encode_header(entries, metadata)
     return PlannedFile(name, prefix, tuple(n for n, _, _ in tensors), tuple(ranges))
+
+
+#: each planned file with the shards it holds, in file order
+PlannedFiles = List[Tuple[PlannedFile, List[ShardedTensor]]]
 
 
 @dataclass(frozen=True)

@@ -206,7 +206,7 @@ def test_flattened_ranges_sweep() -> None:
             "'f': flattened ranges overlap in the chunk at global offset (0, 0): rank 1 holds [1, 4) but elements up "
             "to 2 are already held",
             "'f': Flattened ranges dont cover the whole shard: no rank holds flat elements [4, 5) of the chunk at "
-        "global offset (0, 0)",
+            "global offset (0, 0)",
         ]
         == reference_sharding_problems(meta)
     )
