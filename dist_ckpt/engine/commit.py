@@ -26,6 +26,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Optional, Tuple
 
+from dist_ckpt._version import __version__
 from dist_ckpt.errors import CheckpointExistsError, CheckpointingException, CorruptCheckpointError, NotACheckpointError
 from dist_ckpt.storage.errors import ObjectExistsError, ObjectNotFoundError, StorageError
 from dist_ckpt.storage.location import LocationLike, resolve_location
@@ -52,7 +53,7 @@ __all__ = [
 
 METADATA_FILENAME = "metadata.json"
 FORMAT_VERSION = 1
-LIBRARY_VERSION = "0.1.0"
+LIBRARY_VERSION = __version__  # the version of the dist_ckpt that writes metadata.json
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,17 @@ def test_loads_whole_tensors_objects_and_common(golden: Path) -> None:
         assert loaded[key] == value
 
 
+def test_metadata_describes_tensors_as_saved(golden: Path) -> None:
+    """Every format answers load_tensors_metadata alike: the flattened tensor as one flat range."""
+    meta = dc.load_tensors_metadata(golden)
+    full = full_tensors()
+    assert set(meta) == set(full)
+    for key, sh in meta.items():
+        assert sh.global_shape == tuple(full[key].shape) and sh.dtype == full[key].dtype, key
+        flat = slice(0, full[key].numel()) if key == "opt.exp_avg" else None
+        assert sh.flattened_range == flat, key
+
+
 def test_loads_resharded(golden: Path) -> None:
     full = full_tensors()["layer.w"]
     request = {f"c{c}": ShardedTensor.from_rank_offsets("layer.w", torch.zeros(4, 2), (1, c, 3)) for c in range(3)}

@@ -34,6 +34,11 @@ Layout inside a checkpoint directory::
       }
     }
 
+A tensor saved as flattened ranges (distributed-optimizer state) has ``"flattened": true`` in its
+entry (absent otherwise), so its metadata describes it as saved even when none of its shards
+holds an element; indexes of versions 1 and 2 written before the field existed are read from the
+shards' ``flat_range`` (version 3 records it from the start).
+
 Version 2 adds crc32c checksums (see :mod:`dist_ckpt.integrity.checksums`); everything else is unchanged::
 
     {
@@ -69,6 +74,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 from dist_ckpt.backends.safetensors import index_v3
 from dist_ckpt.backends.safetensors.index_parts import MergedIndex
 from dist_ckpt.backends.safetensors.tensor_index import (
+    FLATTENED,
     StoredShard,
     StoredTensor,
     TensorIndex,
@@ -83,6 +89,7 @@ from dist_ckpt.storage import Storage
 from dist_ckpt.storage.location import LocationLike, resolve_location
 
 __all__ = [
+    "FLATTENED",
     "INDEX_FILENAME",
     "INDEX_FORMAT",
     "INDEX_VERSION",
@@ -211,6 +218,9 @@ class _Parser:
         if not isinstance(shards, list):
             raise self.fail(f"'shards' must be a list, found {shards!r}", key)
         stored = [self.shard(s, key, len(shape), files) for s in shards]
+        flag = entry.get(FLATTENED, False)
+        if not isinstance(flag, bool):
+            raise self.fail(f"'{FLATTENED}' must be true or false, found {flag!r}", key)
         for s in stored:
             if any(o + c > g for o, c, g in zip(s.global_offset, s.chunk_shape, shape)):
                 raise self.fail(
@@ -223,7 +233,8 @@ class _Parser:
                     f"{numel * dtype.itemsize}",
                     key,
                 )
-        return StoredTensor(key, dtype, shape, stored)
+        flattened = flag or any(s.flat_range is not None for s in stored)
+        return StoredTensor(key, dtype, shape, stored, flattened=flattened)
 
 
 def _prod(shape: Sequence[int]) -> int:

@@ -1,12 +1,13 @@
 """Each rank's part of the safetensors index, as compact bytes, and rank 0's merge of them.
 
 After writing its files, each rank describes what it wrote -- its files (name, size, header
-crc), its tensors (dtype, global shape) and one row per shard (file, box, flattened range, byte
-range, block crcs) -- as one column blob (:mod:`dist_ckpt.model.columns`), a few dozen bytes per
-shard. Rank 0 gathers the blobs and merges them with numpy into a :class:`MergedIndex`: the
-tensors sorted by key, each tensor's shard rows contiguous, its block crcs contiguous too; that
-is what index version 3 stores (:mod:`.index_v3`). Nothing here is per-shard Python work on
-rank 0, so a million shards merge in well under a second.
+crc), its tensors (dtype, global shape, whether saved as flattened ranges) and one row per shard
+(file, box, flattened range, byte range, block crcs) -- as one column blob
+(:mod:`dist_ckpt.model.columns`), a few dozen bytes per shard. Rank 0 gathers the blobs and
+merges them with numpy into a :class:`MergedIndex`: the tensors sorted by key, each tensor's
+shard rows contiguous, its block crcs contiguous too; that is what index version 3 stores
+(:mod:`.index_v3`). Nothing here is per-shard Python work on rank 0, so a million shards merge
+in well under a second.
 
 Example::
 
@@ -31,7 +32,7 @@ from dist_ckpt.model.sharded import ShardedTensor
 __all__ = ["COLUMNS", "IndexPart", "MergedIndex", "merge_index_parts"]
 
 _FORMAT = "dist_ckpt.safetensors.index_part"
-_VERSION = 1
+_VERSION = 2  # 2: each tensor says whether it was saved as flattened ranges
 #: the integer columns of a shard row, before the ``ndim`` offsets and ``ndim`` chunk sizes
 COLUMNS = ("file", "flat_start", "flat_stop", "byte_begin", "byte_end")
 NO_CRC = -1
@@ -46,6 +47,7 @@ class MergedIndex:
         keys: tensor keys, sorted.
         dtypes: dtype name of each tensor.
         shapes: global shape of each tensor.
+        flattened: whether each tensor was saved as flattened ranges (by any rank).
         ndim: ``D``, the widest global shape.
         rows: ``(R, 5 + 2 * D)`` int64 shard rows (:data:`COLUMNS`, offsets, chunk sizes),
             the rows of each tensor contiguous, tensors in key order.
@@ -59,6 +61,7 @@ class MergedIndex:
     keys: List[str]
     dtypes: List[str]
     shapes: List[Tuple[int, ...]]
+    flattened: List[bool]
     ndim: int
     rows: np.ndarray
     key_rows: np.ndarray
@@ -89,11 +92,15 @@ class IndexPart:
         dtype_ids: Dict[str, int] = {}
         self.t_dtype: List[int] = []
         self.t_shape: List[Tuple[int, ...]] = []
+        self.t_flat: List[bool] = []
         for sh in shards:  # keys with no bytes on any rank (0-size tensors) are still listed
             if sh.key not in key_ids:
                 key_ids[sh.key] = len(key_ids)
                 self.t_dtype.append(dtype_ids.setdefault(dtype_to_name(sh.dtype), len(dtype_ids)))
                 self.t_shape.append(sh.global_shape)
+                self.t_flat.append(False)
+            if sh.flattened_range is not None:
+                self.t_flat[key_ids[sh.key]] = True
         self.keys, self.dtypes = list(key_ids), list(dtype_ids)
         self.files = [(plan.name, plan.size, len(group)) for plan, group in files]
         self.rows: List[Tuple[int, ...]] = []
@@ -136,6 +143,7 @@ class IndexPart:
             "t_dtype": np.asarray(self.t_dtype, dtype=np.int64),
             "t_ndim": np.asarray([len(s) for s in self.t_shape], dtype=np.int64),
             "t_shape": shape,
+            "t_flat": np.asarray(self.t_flat, dtype=np.int64),
             "f_size": np.asarray([size for _, size, _ in self.files], dtype=np.int64),
             "f_header_crc": np.asarray([header_crcs.get(n, NO_CRC) if checksums else NO_CRC for n, _, _ in self.files]),
             "rows": np.asarray(self.rows, dtype=np.int64).reshape(len(self.rows), 6),
@@ -251,9 +259,11 @@ def _merge_rows(
     """The shard rows of every part, grouped by key in sorted key order, with their crcs."""
     key_list = list(keys)
     rows, crcs, nblocks, file_base = [], [], [], 0
+    flat = np.zeros(len(key_list), dtype=bool)
     for p in parts:
         c = p.c
         key_map = np.fromiter((keys[k] for k in p.keys), np.int64, len(p.keys))
+        flat[key_map[c["t_flat"] != 0]] = True
         r = c["rows"].astype(np.int64)
         block = np.empty((len(r), 1 + len(COLUMNS) + 2 * width), dtype=np.int64)
         block[:, 0] = key_map[r[:, 0]] if len(r) else 0
@@ -290,6 +300,7 @@ def _merge_rows(
         keys=[key_list[k] for k in sorted_keys],
         dtypes=[dtype_names[int(desc[k, 0])] for k in sorted_keys],
         shapes=[tuple(int(v) for v in desc[k, 2 : 2 + int(desc[k, 1])]) for k in sorted_keys],
+        flattened=flat[sorted_keys].tolist(),
         ndim=width,
         rows=np.ascontiguousarray(sorted_rows[:, 1:]),
         key_rows=ranges(per_key),

@@ -17,7 +17,8 @@ contiguous, followed by the block crcs (uint32) of every shard, each tensor's co
                       "columns": ["file", "flat_start", "flat_stop", "byte_begin", "byte_end",
                                   "offset", "chunk"]},
       "tensors": {"decoder.w": {"dtype": "bfloat16", "global_shape": [1024, 512],
-                                "rows": [0, 2], "blocks": [0, 2], "table_crc32c": "9a71bb4c"}}
+                                "rows": [0, 2], "blocks": [0, 2], "table_crc32c": "9a71bb4c"},
+                  "optimizer.exp_avg": {..., "flattened": true}}    # saved as flattened ranges
     }
 
 A row holds, for ``D = ndim``: the file id, the flattened range (``-1, -1`` for a whole chunk),
@@ -25,7 +26,9 @@ the absolute byte range in the file, the ``D`` offsets and the ``D`` chunk sizes
 box (a tensor of fewer axes leaves the rest 0). The shard's name inside its safetensors file is
 not stored: it is ``<key>@<offsets joined by ".">`` (``+<flat start>`` for a flattened range),
 as every writer of this backend names it. ``table_crc32c`` covers the tensor's rows and then
-its block crcs, so a reader checks exactly the bytes it uses.
+its block crcs, so a reader checks exactly the bytes it uses. ``"flattened": true`` marks a tensor
+saved as flattened ranges (absent otherwise), as in versions 1 and 2, so that its metadata
+describes it as saved without reading its rows.
 
 A loading rank reads ``index.json`` (O(tensors)) and, for each tensor it requests, only that
 tensor's rows (memory-mapped where the storage has ``local_paths``; elsewhere the table is
@@ -46,7 +49,7 @@ import numpy as np
 import torch
 
 from dist_ckpt.backends.safetensors.index_parts import COLUMNS, MergedIndex
-from dist_ckpt.backends.safetensors.tensor_index import StoredShard, StoredTensor, TensorIndex
+from dist_ckpt.backends.safetensors.tensor_index import FLATTENED, StoredShard, StoredTensor, TensorIndex
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
 from dist_ckpt.integrity.checksums import ALGORITHM, crc32c, crc_from_hex, crc_to_hex
 from dist_ckpt.model.dtypes import dtype_from_name
@@ -60,6 +63,9 @@ _TABLE_PREFIX = "index."
 _TABLE_SUFFIX = ".bin"
 _ROW = np.dtype("<i8")
 _CRC = np.dtype("<u4")
+#: a tensor entry, checked: dtype, global shape, rows (first, count), blocks (first, count),
+#: crc32c of its rows and blocks, saved as flattened ranges
+_Entry = Tuple[torch.dtype, Tuple[int, ...], Tuple[int, int], Tuple[int, int], int, bool]
 
 
 def table_file_name(crc: int) -> str:
@@ -96,6 +102,8 @@ def v3_document(
             "blocks": [b0, bn],
             "table_crc32c": crc_to_hex(crc),
         }
+        if merged.flattened[i]:
+            tensors[key][FLATTENED] = True
     table = row_bytes + crc_bytes
     name = table_file_name(crc32c(table))
     doc = dict(header)
@@ -203,10 +211,16 @@ class TableTensor(StoredTensor):
     PYTHON_SEARCH_ROWS = 8
 
     def __init__(
-        self, key: str, dtype: torch.dtype, global_shape: Tuple[int, ...], table: "_TensorRows", ordinal: int
+        self,
+        key: str,
+        dtype: torch.dtype,
+        global_shape: Tuple[int, ...],
+        table: "_TensorRows",
+        ordinal: int,
+        flattened: bool = False,
     ) -> None:
         # few objects per tensor: an index of many tensors is read by every loading rank
-        self.key, self.dtype, self.global_shape = key, dtype, global_shape
+        self.key, self.dtype, self.global_shape, self.flattened = key, dtype, global_shape, flattened
         self._grid = None
         self._table = table
         self.ordinal = ordinal  # its entry in the table's per-tensor arrays
@@ -458,18 +472,18 @@ def _files(doc: Dict[str, Any], fail: _Fail, checksums: bool) -> Tuple[List[str]
     return names, sizes, header_crcs
 
 
-def _tensor_entry(
-    key: str, entry: Any, table: ShardTableFile, fail: _Fail
-) -> Tuple[torch.dtype, Tuple[int, ...], Tuple[int, int], Tuple[int, int], int]:
-    """(dtype, global shape, rows, blocks, table crc) of a tensor entry, checked.
+def _tensor_entry(key: str, entry: Any, table: ShardTableFile, fail: _Fail) -> _Entry:
+    """(dtype, global shape, rows, blocks, table crc, flattened) of a tensor entry, checked.
 
     Runs once per tensor of the checkpoint on every loading rank, so a well-formed entry takes a
     fast path; anything else gets the checks that word the error.
     """
     try:
         shape, at, blocks, crc_text = entry["global_shape"], entry["rows"], entry["blocks"], entry["table_crc32c"]
+        flat = entry.get(FLATTENED, False)
         if (
-            type(shape) is list
+            type(flat) is bool
+            and type(shape) is list
             and type(at) is list
             and type(blocks) is list
             and len(at) == len(blocks) == 2
@@ -486,15 +500,14 @@ def _tensor_entry(
                 (at[0], at[1]),
                 (blocks[0], blocks[1]),
                 int(crc_text, 16),
+                flat,
             )
     except (KeyError, TypeError, ValueError, CheckpointingException):
         pass
     return _checked_tensor_entry(key, entry, table, fail)
 
 
-def _checked_tensor_entry(
-    key: str, entry: Any, table: ShardTableFile, fail: _Fail
-) -> Tuple[torch.dtype, Tuple[int, ...], Tuple[int, int], Tuple[int, int], int]:
+def _checked_tensor_entry(key: str, entry: Any, table: ShardTableFile, fail: _Fail) -> _Entry:
     """:func:`_tensor_entry`'s slow path: raises naming what is wrong."""
     if not isinstance(entry, dict):
         raise fail(f"a tensor entry must be a JSON object, found {entry!r}", key)
@@ -509,7 +522,10 @@ def _checked_tensor_entry(
     if at[0] + at[1] > table.nrows or blocks[0] + blocks[1] > table.nblocks:
         raise fail(f"rows {list(at)} or blocks {list(blocks)} lie outside the shard table", key)
     crc = crc_from_hex(entry.get("table_crc32c"), f"{fail.where!r} (tensor {key!r}) field 'table_crc32c'")
-    return dtype, shape, (at[0], at[1]), (blocks[0], blocks[1]), crc
+    flat = entry.get(FLATTENED, False)
+    if not isinstance(flat, bool):
+        raise fail(f"'{FLATTENED}' must be true or false, found {flat!r}", key)
+    return dtype, shape, (at[0], at[1]), (blocks[0], blocks[1]), crc, flat
 
 
 def parse_v3(
@@ -538,8 +554,8 @@ def parse_v3(
     tensors: Dict[str, StoredTensor] = {}
     rows = _TensorRows(table, names, np.asarray(sizes, dtype=np.int64), block_bytes, np.zeros((0, 5)), fail)
     for key, entry in raw_tensors.items():
-        dtype, shape, at, blocks, crc = _tensor_entry(key, entry, table, fail)
-        tensors[key] = rows.tensors[key] = TableTensor(key, dtype, shape, rows, len(spans))
+        dtype, shape, at, blocks, crc, flat = _tensor_entry(key, entry, table, fail)
+        tensors[key] = rows.tensors[key] = TableTensor(key, dtype, shape, rows, len(spans), flat)
         spans.append((*at, *blocks, crc))
     rows.entries = np.array(spans, dtype=np.int64).reshape(len(spans), 5)
     return TensorIndex(

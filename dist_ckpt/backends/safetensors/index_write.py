@@ -97,6 +97,7 @@ def merged_from_index(index: TensorIndex, keep: Callable[[str], bool]) -> Merged
         keys=keys,
         dtypes=[dtype_to_name(index.tensors[k].dtype) for k in keys],
         shapes=[tuple(index.tensors[k].global_shape) for k in keys],
+        flattened=[index.tensors[k].flattened for k in keys],
         ndim=width,
         rows=np.asarray(rows, dtype=np.int64).reshape(len(rows), len(COLUMNS) + 2 * width),
         key_rows=np.asarray(key_rows, dtype=np.int64).reshape(len(keys), 2),

@@ -12,7 +12,9 @@ description, :func:`load_from_index` loads any sharding of the tensors:
 3. open each file the plan touches once and validate its header (size, dtype, shape and byte
    range of every stored shard in it) -- still before any tensor byte is read;
 4. zero the parts outside the stored tensor (``allow_shape_mismatch``), then read, in place
-   where the destination allows it (see :mod:`.safetensors_io`), on a few threads;
+   where the destination allows it (see :mod:`.safetensors_io`), on a few threads; a request
+   in another dtype than the stored one is read through the bounce buffers and converted
+   (``ReadOptions.allow_dtype_cast``; see :mod:`dist_ckpt.model.dtype_cast`);
 5. when the index records checksums (and ``ReadOptions.verify_checksums``), check the crc32c of
    each file's header when it is opened and of every block as the reads complete (reads are
    widened to whole blocks; see :mod:`.safetensors_blocks`).
@@ -58,12 +60,12 @@ FileCheck = Callable[[SafetensorsHeader, Sequence[Tuple[str, StoredShard]]], Non
 # --------------------------------------------------------------------------- checks
 
 
-def _check_requests(requested: Sequence[ShardedTensor], index: TensorIndex) -> None:
+def _check_requests(requested: Sequence[ShardedTensor], index: TensorIndex, allow_dtype_cast: bool) -> None:
     def lookup(key: str) -> Optional[Tuple[torch.dtype, Tuple[int, ...]]]:
         info = index.lookup(key)
         return None if info is None else (info.dtype, tuple(info.global_shape))
 
-    check_requested_tensors(requested, lookup, index.description)
+    check_requested_tensors(requested, lookup, index.description, allow_dtype_cast)
 
 
 def default_file_check(index: TensorIndex) -> FileCheck:
@@ -176,7 +178,7 @@ class _OpenFiles:
 
 def _plan_tensor(sh: ShardedTensor, info: StoredTensor, index: TensorIndex) -> Tuple[List[_Planned], List[ShardPiece]]:
     rng = None if sh.flattened_range is None else (sh.flattened_range.start, sh.flattened_range.stop)
-    itemsize = sh.dtype.itemsize
+    itemsize = info.dtype.itemsize  # of the stored values, whatever the requested dtype
     planned: List[_Planned] = []
     pad: List[ShardPiece] = []
     expected = covered = 0
@@ -207,10 +209,11 @@ PlannedReads = Dict[int, Tuple[List[_Planned], List[ShardPiece]]]
 
 
 def plan_reads(
-    requested: Sequence[ShardedTensor], index: TensorIndex
+    requested: Sequence[ShardedTensor], index: TensorIndex, allow_dtype_cast: bool = False
 ) -> Tuple[PlannedReads, Dict[str, List[Tuple[str, StoredShard]]]]:
     """Steps 1 and 2 of :func:`load_from_index`, without any I/O: check the requests against the
-    index, and intersect each with the stored shards it overlaps (checking that they cover it).
+    index (a request in another dtype than the stored one is refused unless ``allow_dtype_cast``),
+    and intersect each with the stored shards it overlaps (checking that they cover it).
 
     Returns the overlaps and zero-filled pieces of each request (by ``id``), and the stored shards
     to read, by file. Only the index entries of the requested tensors are looked at, so a rank's
@@ -220,7 +223,7 @@ def plan_reads(
 
         plans, by_file = plan_reads([ShardedTensor.from_rank_offsets("w", torch.empty(4))], read_index(ckpt))
     """
-    _check_requests(requested, index)
+    _check_requests(requested, index, allow_dtype_cast)
     if index.prefetch is not None:
         index.prefetch([sh.key for sh in requested])
     plans: PlannedReads = {}
@@ -258,8 +261,8 @@ def load_from_index(
         loaded = load_from_index({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4))}, index, ReadOptions())
     """
     requested = [s for s in nested_values(sharded_state_dict) if isinstance(s, ShardedTensor)]
-    # 1. and 2. keys, dtypes, shapes; every overlap, checking coverage
-    planned_reads, by_file = plan_reads(requested, index)
+    # 1. and 2. keys, dtypes (cast or refused, per options.allow_dtype_cast), shapes; every overlap, checking coverage
+    planned_reads, by_file = plan_reads(requested, index, options.allow_dtype_cast)
     plans = {id(sh): (load_destination(sh), *planned_reads[id(sh)]) for sh in requested}
     # 3. open and validate every file the plan touches
     verify = options.verify_checksums and index.block_bytes is not None
@@ -299,6 +302,8 @@ def _read_ops(
     verify: bool,
 ) -> List[ReadOp]:
     dest_bytes = byte_view(dest)
+    info = index.lookup(sh.key)
+    assert info is not None
     ops: List[ReadOp] = []
     for p in planned:
         fd, path = files.fds[p.shard.file], index.file_location(p.shard.file)
@@ -323,6 +328,7 @@ def _read_ops(
                 target,
                 options,
                 shard_check,
+                info.dtype,
             )
         )
     return ops

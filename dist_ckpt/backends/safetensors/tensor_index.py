@@ -23,10 +23,15 @@ import torch
 
 from dist_ckpt.backends.stored_shards import StoredShardInfo
 from dist_ckpt.model.geometry import Box, ShardPiece, shard_pieces
-from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor
+from dist_ckpt.model.sharded import ShardedStateDict
+from dist_ckpt.model.stored_metadata import stored_tensor_metadata
 from dist_ckpt.storage import Storage
 
-__all__ = ["StoredShard", "StoredTensor", "TensorIndex", "describe_tensor_index", "tensors_metadata"]
+__all__ = ["FLATTENED", "StoredShard", "StoredTensor", "TensorIndex", "describe_tensor_index", "tensors_metadata"]
+
+#: field of a tensor entry of the safetensors index (every version): the tensor was saved as
+#: flattened ranges (:attr:`StoredTensor.flattened`)
+FLATTENED = "flattened"
 
 Shape = Tuple[int, ...]
 
@@ -68,13 +73,15 @@ class StoredShard:
 
 @dataclass
 class StoredTensor:
-    """Everything stored about one global tensor."""
+    """Everything stored about one global tensor; ``flattened``: it was saved as flattened
+    ranges (distributed-optimizer state), which :func:`tensors_metadata` reports."""
 
     key: str
     dtype: torch.dtype
     global_shape: Shape
     shards: List[StoredShard] = field(default_factory=list)
     _grid: Optional[Dict[Shape, List[StoredShard]]] = field(default=None, repr=False)
+    flattened: bool = False
 
     @property
     def bounds(self) -> Box:
@@ -152,7 +159,9 @@ class TensorIndex:
 
 
 def tensors_metadata(index: TensorIndex) -> ShardedStateDict:
-    """``{key: ShardedTensor}`` (whole, unsharded, data on the meta device) for every tensor.
+    """``{key: ShardedTensor}`` (whole, unsharded, data on the meta device) for every tensor, as
+    it was saved: a tensor saved as flattened ranges is one flattened range covering all of it
+    (see :mod:`dist_ckpt.model.stored_metadata`).
 
     Example::
 
@@ -163,8 +172,7 @@ def tensors_metadata(index: TensorIndex) -> ShardedStateDict:
     for key in sorted(set(index.tensors) | set(index.aliases)):
         info = index.lookup(key)
         if info is not None:
-            meta = torch.empty(info.global_shape, dtype=info.dtype, device="meta")
-            out[key] = ShardedTensor.from_rank_offsets(key, meta)
+            out[key] = stored_tensor_metadata(key, info.dtype, info.global_shape, info.flattened)
     return out
 
 

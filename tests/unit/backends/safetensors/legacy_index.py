@@ -42,6 +42,8 @@ def legacy_document(checkpoint: Path) -> Dict[str, Any]:
                 shard["crc32c"] = encode_block_crcs(s.crcs or ())
             shards.append(shard)
         tensors[key] = {"dtype": dtype_to_name(t.dtype), "global_shape": list(t.global_shape), "shards": shards}
+        if t.flattened:
+            tensors[key]["flattened"] = True
     doc: Dict[str, Any] = {"format": "dist_ckpt.safetensors", "version": 2 if checksums else 1}
     if checksums:
         doc["checksum"] = {"algorithm": "crc32c", "block_bytes": index.block_bytes}

@@ -213,6 +213,34 @@ def test_merge_orders_tensors_by_key_and_rows_by_rank() -> None:
     assert [f[0] for f in merged.files] == ["rank00000_0.safetensors", "rank00001_0.safetensors"]
 
 
+def test_merge_records_a_tensor_saved_as_flattened_ranges_by_any_rank() -> None:
+    """A rank whose main replicas of a flattened tensor hold no element still lists the key; the
+    merged index marks the tensor flattened when any rank saved it so."""
+    whole = [ShardedTensor.from_rank_offsets("w", torch.zeros(2), (0, r, 2)) for r in range(2)]
+    flat = [
+        ShardedTensor.from_rank_offsets_flat("f", torch.zeros(n), (2, 2), flattened_range=slice(a, a + n))
+        for a, n in ((0, 4), (4, 0))
+    ]
+    merged = merge_index_parts([_part(r, [whole[r], flat[r]]) for r in range(2)])
+    assert merged.keys == ["f", "w"] and merged.flattened == [True, False]
+
+
+def test_flattened_mark_survives_a_removal(tmp_path: Path) -> None:
+    flat = torch.arange(24, dtype=torch.float32)
+    sd = {
+        "f0": ShardedTensor.from_rank_offsets_flat("f", flat[:7].clone(), (4, 6), flattened_range=slice(0, 7)),
+        "f1": ShardedTensor.from_rank_offsets_flat("f", flat[7:].clone(), (4, 6), flattened_range=slice(7, 24)),
+        "w": ShardedTensor.from_rank_offsets("w", torch.ones(2, 3)),
+        "x": ShardedTensor.from_rank_offsets("x", torch.ones(3)),
+    }
+    save(sd, tmp_path)
+    assert [k for k, t in doc_of(tmp_path)["tensors"].items() if t.get("flattened")] == ["f"]
+    SafetensorsLoadShardedStrategy().remove_sharded_tensors(tmp_path, "x")
+    index = read_index(tmp_path)
+    assert sorted(index.tensors) == ["f", "w"] and index.tensors["f"].flattened and not index.tensors["w"].flattened
+    assert [k for k, t in doc_of(tmp_path)["tensors"].items() if t.get("flattened")] == ["f"]
+
+
 def test_merge_refuses_disagreeing_ranks() -> None:
     a = _part(0, [ShardedTensor.from_rank_offsets("w", torch.zeros(2), (0, 0, 2))])
     b = _part(1, [ShardedTensor.from_rank_offsets("w", torch.zeros(3), (0, 1, 2))])
