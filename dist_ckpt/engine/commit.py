@@ -34,6 +34,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+from dist_ckpt._version import __version__
 from dist_ckpt.errors import CheckpointExistsError, CheckpointingException, CorruptCheckpointError, NotACheckpointError
 from dist_ckpt.integrity.records import RECORDS_FIELD, IntegrityRecord, parse_records, records_json
 from dist_ckpt.integrity.safe_json import MAX_SMALL_JSON_BYTES, loads, want_object
@@ -64,7 +65,7 @@ __all__ = [
 
 METADATA_FILENAME = "metadata.json"
 FORMAT_VERSION = 1
-LIBRARY_VERSION = "0.1.0"
+LIBRARY_VERSION = __version__  # the version of the dist_ckpt that writes metadata.json
 
 
 @dataclass(frozen=True)

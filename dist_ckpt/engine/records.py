@@ -100,13 +100,17 @@ def read_recorded(checkpoint_dir: Union[Storage, ObjectPath], key: str) -> Optio
 
 def refresh_record(storage: Storage, key: str) -> None:
     """Update the entry of record ``key`` in ``metadata.json`` after a tool rewrote the record
-    (one process). Nothing to do for a checkpoint saved before records existed.
+    (one process). Nothing to do for a checkpoint saved before records existed, or without
+    ``metadata.json``.
 
     Example::
 
         refresh_record(LocalStorage("ckpt"), "safetensors/index.json")   # after remove_sharded_tensors
     """
-    raw = storage.read(METADATA_FILENAME)
+    try:
+        raw = storage.read(METADATA_FILENAME)
+    except ObjectNotFoundError:  # not a committed checkpoint: no record to update
+        return
     doc = want_object(loads(raw, storage.url_of(METADATA_FILENAME), MAX_SMALL_JSON_BYTES), METADATA_FILENAME)
     if RECORDS_FIELD not in doc:
         return

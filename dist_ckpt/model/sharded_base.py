@@ -50,6 +50,10 @@ def _as_int(value: Any, what: str, key: str) -> int:
 
 
 def _as_int_tuple(value: Any, what: str, key: str) -> Tuple[int, ...]:
+    # the common case first -- already a tuple of non-negative ints (every shard of every save
+    # and load passes here several times, and every decoded peer shard too): no conversion
+    if type(value) is tuple and all(type(v) is int and v >= 0 for v in value):
+        return value
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise InvalidShardedTensorError(f"{what} of {key!r} must be a sequence of ints, got {value!r}")
     try:

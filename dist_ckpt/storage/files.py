@@ -15,10 +15,14 @@ functions also serve the local fast paths that write files by path (a storage wi
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import functools
 import os
+import sys
 import uuid
 from pathlib import Path
-from typing import IO, ClassVar, Iterator, Optional, Sequence, Union
+from typing import IO, Callable, ClassVar, Dict, Iterable, Iterator, Optional, Sequence, Union
 
 from dist_ckpt.storage.base import ObjectReader
 from dist_ckpt.storage.errors import ObjectNotFoundError, TruncatedObjectError
@@ -30,7 +34,9 @@ __all__ = [
     "atomic_write",
     "fsync_dir",
     "fsync_file",
+    "fsync_tree",
     "is_temp_name",
+    "sync_filesystem",
     "make_dirs",
     "preadv_into",
     "replace_durably",
@@ -59,6 +65,76 @@ def fsync_dir(path: Union[str, Path]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@functools.lru_cache(maxsize=None)
+def _syncfs() -> Optional[Callable[[int], int]]:
+    """Linux's ``syncfs(2)`` (not in the ``os`` module), or None where there is none."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def sync_filesystem(path: Union[str, Path]) -> bool:
+    """Flush everything written to the file system holding ``path`` -- file data, inodes and
+    directory entries -- with one ``syncfs(2)`` (Linux); return False where it is not available
+    (then the caller fsyncs file by file).
+
+    One call replaces an fsync per file and per directory: a zarr save writes a file per saved
+    shard and per array, and fsyncing each one cost a journal commit each (1,655 files and 4,741
+    fsyncs for 660 tensors). It also flushes what other processes wrote to the same file system,
+    which costs time, not correctness. Linux >= 5.8 reports writeback errors of the file system
+    through it, as fsync does.
+
+    Raises:
+        OSError: the flush failed (an I/O error, a full disk).
+    """
+    syncfs = _syncfs()
+    if syncfs is None:
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if syncfs(fd) != 0:
+            code = ctypes.get_errno()
+            if code == errno.ENOSYS:
+                return False
+            raise OSError(code, f"syncfs of the file system holding {path} failed: {os.strerror(code)}")
+    finally:
+        os.close(fd)
+    return True
+
+
+def fsync_tree(files: Iterable[Union[str, Path]], top: Union[str, Path]) -> None:
+    """Make new ``files`` under the directory ``top`` durable, with the directories between them
+    and ``top`` (``top`` included): one :func:`sync_filesystem` per file system they are on, or
+    where that is unavailable an fsync of each file, then of each directory, deepest first.
+
+    Example::
+
+        fsync_tree([ckpt / "zarr/w/c/0/0", ckpt / "zarr/w/zarr.json"], ckpt / "zarr")
+    """
+    top = Path(top)
+    paths = [Path(f) for f in files]
+    by_device: Dict[int, Path] = {os.stat(top).st_dev: top}
+    for p in paths:
+        by_device.setdefault(os.stat(p).st_dev, p.parent)
+    if all(sync_filesystem(where) for where in by_device.values()):
+        return
+    dirs = {top}
+    for p in paths:
+        fsync_file(p)
+        parent = p.parent
+        while parent != top and top in parent.parents:
+            dirs.add(parent)
+            parent = parent.parent
+    for d in sorted(dirs, key=lambda d: len(d.parts), reverse=True):
+        fsync_dir(d)
 
 
 def make_dirs(path: Union[str, Path], *, fsync: bool = True) -> None:

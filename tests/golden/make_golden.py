@@ -4,10 +4,12 @@ Run once, when a format version is introduced, and commit the result::
 
     PYTHONPATH=. python -m tests.golden.make_golden tests/golden/safetensors_index_v1 safetensors 1
     PYTHONPATH=. python -m tests.golden.make_golden tests/golden/safetensors_index_v2 safetensors 1 --block-bytes 32
+    PYTHONPATH=. python -m tests.golden.make_golden tests/golden/safetensors_index_v3 safetensors 1 --block-bytes 32
     PYTHONPATH=. python -m tests.golden.make_golden tests/golden/safetensors_records safetensors 1 --block-bytes 32
     PYTHONPATH=. python -m tests.golden.make_golden tests/golden/zarr_records zarr 1
 
-(``*_records``: metadata.json lists the integrity records, issue 15.)
+(``*_records``: metadata.json lists the integrity records, issue 15; ``safetensors_records`` was
+made when the index was at version 2.)
 
 (``--block-bytes``: a small checksum block, so that shards span several blocks.)
 

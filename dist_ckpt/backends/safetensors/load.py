@@ -12,7 +12,9 @@ description, :func:`load_from_index` loads any sharding of the tensors:
 3. open each file the plan touches once and validate its header (size, dtype, shape and byte
    range of every stored shard in it) -- still before any tensor byte is read;
 4. zero the parts outside the stored tensor (``allow_shape_mismatch``), then read, in place
-   where the destination allows it (see :mod:`.safetensors_io`), on a few threads;
+   where the destination allows it (see :mod:`.safetensors_io`), on a few threads; a request
+   in another dtype than the stored one is read through the bounce buffers and converted
+   (``ReadOptions.allow_dtype_cast``; see :mod:`dist_ckpt.model.dtype_cast`);
 5. when the index records checksums (and ``ReadOptions.verify_checksums``), check the crc32c of
    each file's header when it is opened and of every block as the reads complete (reads are
    widened to whole blocks; see :mod:`.safetensors_blocks`).
@@ -38,8 +40,8 @@ from dist_ckpt.backends.base import load_destination
 from dist_ckpt.backends.request_checks import check_requested_tensors
 from dist_ckpt.backends.safetensors.blocks import ShardCheck
 from dist_ckpt.backends.safetensors.format import SafetensorsHeader, read_header, storage_layout
-from dist_ckpt.backends.safetensors.index import StoredShard, StoredTensor, TensorIndex
 from dist_ckpt.backends.safetensors.io import ReadOp, ReadOptions, byte_view, execute, plan_copy
+from dist_ckpt.backends.safetensors.tensor_index import StoredShard, StoredTensor, TensorIndex
 from dist_ckpt.engine.distributed import get_rank
 from dist_ckpt.errors import ChecksumMismatchError, CorruptCheckpointError, format_keys
 from dist_ckpt.integrity.checksums import crc_to_hex
@@ -48,7 +50,7 @@ from dist_ckpt.model.geometry import Box, ShardPiece, piece_view, shard_pieces, 
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
 from dist_ckpt.storage import ObjectReader
 
-__all__ = ["FileCheck", "default_file_check", "load_from_index"]
+__all__ = ["FileCheck", "PlannedReads", "default_file_check", "load_from_index", "plan_reads"]
 
 
 #: checks an opened file against the index before any read; raises CorruptCheckpointError
@@ -58,12 +60,12 @@ FileCheck = Callable[[SafetensorsHeader, Sequence[Tuple[str, StoredShard]]], Non
 # --------------------------------------------------------------------------- checks
 
 
-def _check_requests(requested: Sequence[ShardedTensor], index: TensorIndex) -> None:
+def _check_requests(requested: Sequence[ShardedTensor], index: TensorIndex, allow_dtype_cast: bool) -> None:
     def lookup(key: str) -> Optional[Tuple[torch.dtype, Tuple[int, ...]]]:
         info = index.lookup(key)
         return None if info is None else (info.dtype, tuple(info.global_shape))
 
-    check_requested_tensors(requested, lookup, index.description)
+    check_requested_tensors(requested, lookup, index.description, allow_dtype_cast)
 
 
 def default_file_check(index: TensorIndex) -> FileCheck:
@@ -176,7 +178,7 @@ class _OpenFiles:
 
 def _plan_tensor(sh: ShardedTensor, info: StoredTensor, index: TensorIndex) -> Tuple[List[_Planned], List[ShardPiece]]:
     rng = None if sh.flattened_range is None else (sh.flattened_range.start, sh.flattened_range.stop)
-    itemsize = sh.dtype.itemsize
+    itemsize = info.dtype.itemsize  # of the stored values, whatever the requested dtype
     planned: List[_Planned] = []
     pad: List[ShardPiece] = []
     expected = covered = 0
@@ -203,6 +205,42 @@ def _plan_tensor(sh: ShardedTensor, info: StoredTensor, index: TensorIndex) -> T
     return planned, pad
 
 
+PlannedReads = Dict[int, Tuple[List[_Planned], List[ShardPiece]]]
+
+
+def plan_reads(
+    requested: Sequence[ShardedTensor], index: TensorIndex, allow_dtype_cast: bool = False
+) -> Tuple[PlannedReads, Dict[str, List[Tuple[str, StoredShard]]]]:
+    """Steps 1 and 2 of :func:`load_from_index`, without any I/O: check the requests against the
+    index (a request in another dtype than the stored one is refused unless ``allow_dtype_cast``),
+    and intersect each with the stored shards it overlaps (checking that they cover it).
+
+    Returns the overlaps and zero-filled pieces of each request (by ``id``), and the stored shards
+    to read, by file. Only the index entries of the requested tensors are looked at, so a rank's
+    planning costs O(its requests + the entries they need) whatever the size of the checkpoint.
+
+    Example::
+
+        plans, by_file = plan_reads([ShardedTensor.from_rank_offsets("w", torch.empty(4))], read_index(ckpt))
+    """
+    _check_requests(requested, index, allow_dtype_cast)
+    if index.prefetch is not None:
+        index.prefetch([sh.key for sh in requested])
+    plans: PlannedReads = {}
+    by_file: Dict[str, List[Tuple[str, StoredShard]]] = {}
+    seen: Set[Tuple[str, str]] = set()
+    for sh in requested:
+        info = index.lookup(sh.key)
+        assert info is not None
+        planned, pad = _plan_tensor(sh, info, index)
+        plans[id(sh)] = (planned, pad)
+        for p in planned:
+            if (p.shard.file, p.shard.name) not in seen:
+                seen.add((p.shard.file, p.shard.name))
+                by_file.setdefault(p.shard.file, []).append((sh.key, p.shard))
+    return plans, by_file
+
+
 def load_from_index(
     sharded_state_dict: ShardedStateDict, index: TensorIndex, options: ReadOptions, check: Optional[FileCheck] = None
 ) -> StateDict:
@@ -223,22 +261,9 @@ def load_from_index(
         loaded = load_from_index({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4))}, index, ReadOptions())
     """
     requested = [s for s in nested_values(sharded_state_dict) if isinstance(s, ShardedTensor)]
-    # 1. keys, dtypes, shapes
-    _check_requests(requested, index)
-    # 2. plan every overlap, checking coverage
-    plans: Dict[int, Tuple[List[_Planned], List[ShardPiece]]] = {}
-    dests: Dict[int, torch.Tensor] = {}
-    by_file: Dict[str, List[Tuple[str, StoredShard]]] = {}
-    seen: Set[Tuple[str, str]] = set()
-    for sh in requested:
-        info = index.lookup(sh.key)
-        assert info is not None
-        planned, pad = _plan_tensor(sh, info, index)
-        plans[id(sh)] = (planned, pad)
-        for p in planned:
-            if (p.shard.file, p.shard.name) not in seen:
-                seen.add((p.shard.file, p.shard.name))
-                by_file.setdefault(p.shard.file, []).append((sh.key, p.shard))
+    # 1. and 2. keys, dtypes (cast or refused, per options.allow_dtype_cast), shapes; every overlap, checking coverage
+    plans, by_file = plan_reads(requested, index, options.allow_dtype_cast)
+    dests: Dict[int, torch.Tensor] = {}  # allocated once the files are open (see below)
     # 3. open and validate every file the plan touches
     verify = options.verify_checksums and index.block_bytes is not None
     if not index.storage.positional_reads:  # every read is a request: more in flight, fewer small ones
@@ -280,6 +305,8 @@ def _read_ops(
     verify: bool,
 ) -> List[ReadOp]:
     dest_bytes = byte_view(dest)
+    info = index.lookup(sh.key)
+    assert info is not None
     ops: List[ReadOp] = []
     for p in planned:
         fd, path = files.fds[p.shard.file], index.file_location(p.shard.file)
@@ -304,6 +331,7 @@ def _read_ops(
                 target,
                 options,
                 shard_check,
+                info.dtype,
             )
         )
     return ops

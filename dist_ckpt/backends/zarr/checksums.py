@@ -34,6 +34,7 @@ from dist_ckpt.backends.zarr.metadata import (
     open_tensor_info,
     read_zarr_json,
 )
+from dist_ckpt.backends.zarr.nodes import in_threads
 from dist_ckpt.engine.distributed import gather_json, get_rank, run_collectively
 from dist_ckpt.engine.records import location_of_node, read_recorded, refresh_record
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
@@ -77,10 +78,14 @@ def commit_checksums(
 
         commit_checksums(ckpt / "zarr", files_this_rank_wrote)   # every rank, after the writes
     """
-    local = run_collectively(
-        "digesting zarr files",
-        lambda: {p.relative_to(root): _digest(p, known).to_json() for p in sorted(set(written), key=str)},
-    )
+
+    def digest_all() -> Dict[str, Any]:
+        paths = sorted(set(written), key=str)
+        # the files read back (TensorStore's, or written without a recording store) several at a time
+        digests = in_threads(lambda p: _digest(p, known), paths)
+        return {p.relative_to(root): d.to_json() for p, d in zip(paths, digests)}
+
+    local = run_collectively("digesting zarr files", digest_all)
     gathered = gather_json(local)
 
     def write() -> None:

@@ -33,7 +33,8 @@ from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError, for
 from dist_ckpt.integrity.safe_json import MAX_SMALL_JSON_BYTES, check_tensor_bytes, loads, shown, want_object
 from dist_ckpt.model.dtypes import dtype_from_name, dtype_info
 from dist_ckpt.model.geometry import Box, ShardPiece, shard_pieces
-from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor
+from dist_ckpt.model.sharded import ShardedStateDict
+from dist_ckpt.model.stored_metadata import stored_tensor_metadata
 from dist_ckpt.storage import encode_key
 from dist_ckpt.storage.object_path import ObjectPath, subdirs
 
@@ -262,7 +263,9 @@ def find_tensor_info(root: ObjectPath, key: str, check: JsonCheck = None) -> Opt
 def tensors_metadata(
     root: ObjectPath, check: JsonCheck = None, manifest: Optional[Mapping[str, Any]] = None
 ) -> ShardedStateDict:
-    """``{key: ShardedTensor}`` (whole, unsharded, data on the meta device) for every tensor.
+    """``{key: ShardedTensor}`` (whole, unsharded, data on the meta device) for every tensor, as
+    it was saved: a tensor of the flattened layout is one flattened range covering all of it
+    (see :mod:`dist_ckpt.model.stored_metadata`).
 
     Every tensor directory is listed or raises: a directory without its ``zarr.json`` is damage
     (:func:`open_tensor_info`); on an object store, whose "directories" exist only through their
@@ -278,8 +281,8 @@ def tensors_metadata(
                 "read; the checkpoint is damaged"
             )
         if info is not None:
-            meta = torch.empty(info.global_shape, dtype=info.dtype, device="meta")
-            out[info.key] = ShardedTensor.from_rank_offsets(info.key, meta)
+            flattened = info.layout == LAYOUT_FLATTENED
+            out[info.key] = stored_tensor_metadata(info.key, info.dtype, info.global_shape, flattened)
     return out
 
 

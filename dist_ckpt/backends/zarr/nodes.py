@@ -2,7 +2,7 @@
 
 The zarr-python engine builds the same nodes with zarr-python's own API; an engine without group
 support (TensorStore) uses :func:`array_metadata` and :func:`write_group`. Which rank creates
-which node (:func:`is_origin`, :func:`creates_flattened_group`) and what every node's
+which node (:func:`creates_array`, :func:`creates_flattened_group`) and what every node's
 ``dist_ckpt`` attributes hold are decided here, once, so both engines write the same checkpoint.
 :func:`fsync_written` makes what an engine wrote by local path durable. A save writes its tree
 into :func:`writing_root` and gives it its final name with :func:`publish_written` once every
@@ -11,41 +11,84 @@ rank is done, so a failed save leaves no data under the names a checkpoint uses.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
-from typing import Any, Dict, Sequence, Tuple
+import threading
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple, TypeVar
 
+import numpy as np
 import torch
 
 from dist_ckpt.backends.zarr.layout import ATTR, LAYOUT_CHUNKED, LAYOUT_FLATTENED, PARTIAL_ZARR_DIR, ZARR_DIR
 from dist_ckpt.model.dtypes import dtype_info
 from dist_ckpt.model.sharded import ShardedTensor
-from dist_ckpt.storage import fsync_dir, fsync_file
+from dist_ckpt.storage import fsync_dir
+from dist_ckpt.storage.files import fsync_tree
 from dist_ckpt.storage.object_path import ObjectPath
 
 __all__ = [
     "array_chunk_shape",
+    "ByteBudget",
     "array_metadata",
+    "as_stored",
     "chunked_attributes",
     "cpu_contiguous",
+    "creates_array",
     "creates_flattened_group",
     "fill_value_json",
     "flattened_attributes",
     "fragment_attributes",
     "fsync_written",
+    "in_threads",
     "is_origin",
     "publish_written",
+    "stored_numpy_dtype",
     "write_group",
     "writing_root",
 ]
 
 Shape = Tuple[int, ...]
 
+#: files or tensors a rank reads or writes at a time where each one waits on its own I/O (a
+#: zarr-python call on its event loop, a checksum check reading a file): one at a time, a cold
+#: load waits on one chunk file after another
+IO_THREADS = 8
+
+#: bytes of tensors a rank reads at once through zarr-python, whose reads make temporary copies:
+#: several tensors at a time must not raise a load's peak memory above what the largest tensor
+#: alone needs (one larger than this is read alone)
+READ_BUDGET_BYTES = 64 * 2**20
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
 
 def is_origin(sh: ShardedTensor) -> bool:
     """Whether ``sh`` is the tensor's first chunk: its holder creates the tensor's node."""
     return not any(sh.global_offset)
+
+
+def creates_array(sh: ShardedTensor) -> bool:
+    """Whether the holder of ``sh`` (a main replica, not flattened) creates its tensor's array.
+
+    One chunk of each tensor, picked by a hash of the key, so that the arrays' creation is spread
+    over the ranks (with tensor parallelism every tensor's first chunk is on rank 0, which then
+    created every array while the other ranks waited). Every holder computes the same pick: the
+    shards of a key have one local shape (the sharding check enforces it), hence one grid.
+    """
+    chunk = array_chunk_shape(sh)
+    grid = [-(-g // c) for g, c in zip(sh.global_shape, chunk)]
+    count = math.prod(grid)
+    if count == 0:  # an empty tensor: its only shard
+        return is_origin(sh)
+    index = 0
+    for off, c, n in zip(sh.global_offset, chunk, grid):
+        index = index * n + off // c
+    return index == zlib.crc32(sh.key.encode("utf-8")) % count
 
 
 def array_chunk_shape(sh: ShardedTensor) -> Shape:
@@ -70,9 +113,14 @@ def flattened_attributes(sh: ShardedTensor) -> Dict[str, Any]:
 
 
 def fragment_attributes(sh: ShardedTensor) -> Dict[str, Any]:
-    """The ``dist_ckpt`` attributes of one fragment array (a flattened shard)."""
+    """The ``dist_ckpt`` attributes of one fragment array (a flattened shard); ``dtype`` too, so
+    that a reader of the fragment alone knows how to view its raw bits."""
     assert sh.flattened_range is not None
-    return {"global_offset": list(sh.global_offset), "flat_range": [sh.flattened_range.start, sh.flattened_range.stop]}
+    return {
+        "dtype": dtype_info(sh.dtype).name,
+        "global_offset": list(sh.global_offset),
+        "flat_range": [sh.flattened_range.start, sh.flattened_range.stop],
+    }
 
 
 def creates_flattened_group(sh: ShardedTensor) -> bool:
@@ -83,8 +131,31 @@ def creates_flattened_group(sh: ShardedTensor) -> bool:
     return is_origin(sh) and start == 0 and (stop > 0 or math.prod(sh.local_shape) == 0)
 
 
+def stored_numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """The numpy dtype of the zarr array that stores tensors of ``dtype``: the tensor's own, or
+    for a dtype numpy lacks (bfloat16, float8: ml_dtypes types, which zarr-python 3 cannot name)
+    the unsigned integer of the same width, holding the raw bits.
+
+    Example::
+
+        stored_numpy_dtype(torch.bfloat16)   # dtype('uint16')
+        stored_numpy_dtype(torch.float32)    # dtype('float32')
+    """
+    info = dtype_info(dtype)
+    if info.bits_dtype is None:
+        return info.numpy_dtype
+    return np.dtype(f"uint{8 * info.numpy_dtype.itemsize}")
+
+
+def as_stored(array: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """``array`` (holding ``dtype``'s values) viewed as :func:`stored_numpy_dtype`, no copy."""
+    return array.view(stored_numpy_dtype(dtype))
+
+
 def fill_value_json(dtype: torch.dtype) -> Any:
-    """The zarr v3 ``fill_value`` (zero) of ``dtype`` in its JSON form."""
+    """The zarr v3 ``fill_value`` (zero) of ``dtype``'s stored array in its JSON form."""
+    if dtype_info(dtype).bits_dtype is not None:
+        return 0  # raw bits in an unsigned integer array
     if dtype == torch.bool:
         return False
     if dtype.is_complex:
@@ -98,15 +169,15 @@ def array_metadata(
     shape: Sequence[int], chunk_shape: Sequence[int], dtype: torch.dtype, attributes: Dict[str, Any]
 ) -> Dict[str, Any]:
     """zarr v3 metadata of an uncompressed little-endian array, as the zarr backend writes it."""
-    info = dtype_info(dtype)
+    stored = stored_numpy_dtype(dtype)
     bytes_codec: Dict[str, Any] = {"name": "bytes"}
-    if info.numpy_dtype.itemsize > 1:
+    if stored.itemsize > 1:
         bytes_codec["configuration"] = {"endian": "little"}
     return {
         "zarr_format": 3,
         "node_type": "array",
         "shape": list(shape),
-        "data_type": info.name,
+        "data_type": stored.name if dtype_info(dtype).bits_dtype is not None else dtype_info(dtype).name,
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk_shape)}},
         "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
         "fill_value": fill_value_json(dtype),
@@ -132,25 +203,66 @@ def cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def fsync_written(paths: Sequence[ObjectPath], root: ObjectPath) -> None:
-    """Make the files an engine wrote by local path durable: fsync each, then every directory
-    from their parents up to ``root``, so that a crash after a save returns cannot lose them.
+    """Make the files an engine wrote by local path durable, with every directory from their
+    parents up to ``root``, so that a crash after a save returns cannot lose them: one
+    ``syncfs`` of the file system (:func:`~dist_ckpt.storage.files.fsync_tree`; a file and a
+    directory at a time where there is no ``syncfs``), not an fsync per chunk file.
 
     Only a storage with ``local_paths`` needs it: the engines write object stores through their
     own clients, and an object is durable when its PUT returns.
     """
     if not root.storage.local_paths:
         return
-    top = root.local_path()
-    dirs = {top}
-    for node in paths:
-        p = node.local_path()
-        fsync_file(p)
-        parent = p.parent
-        while parent != top and top in parent.parents:
-            dirs.add(parent)
-            parent = parent.parent
-    for d in sorted(dirs, key=lambda d: len(d.parts), reverse=True):
-        fsync_dir(d)
+    fsync_tree([node.local_path() for node in paths], root.local_path())
+
+
+def in_threads(fn: Callable[[_T], _R], items: Sequence[_T]) -> List[_R]:
+    """``[fn(item) for item in items]``, :data:`IO_THREADS` at a time; the first failure (in
+    ``items``' order) is raised once the calls under way have ended, and no further call starts.
+
+    Example::
+
+        digests = in_threads(file_digest, paths)
+    """
+    if len(items) <= 1:
+        return [fn(item) for item in items]
+    pool = ThreadPoolExecutor(min(IO_THREADS, len(items)), thread_name_prefix="dist_ckpt_zarr")
+    try:
+        futures = [pool.submit(fn, item) for item in items]
+        return [f.result() for f in futures]
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+class ByteBudget:
+    """At most ``limit`` bytes held at once by concurrent callers of :meth:`hold`; a caller that
+    asks for more than the limit waits until it is alone, then holds it all.
+
+    Example::
+
+        budget = ByteBudget(64 << 20)
+        with budget.hold(tensor_bytes):
+            read(tensor)
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._held = 0
+        self._changed = threading.Condition()
+
+    @contextlib.contextmanager
+    def hold(self, nbytes: int) -> Iterator[None]:
+        """Hold ``nbytes`` of the budget for the ``with`` block (waiting for room first)."""
+        with self._changed:
+            while self._held and self._held + nbytes > self._limit:
+                self._changed.wait()
+            self._held += nbytes
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._held -= nbytes
+                self._changed.notify_all()
 
 
 def writing_root(checkpoint: ObjectPath) -> ObjectPath:

@@ -83,15 +83,20 @@ from dist_ckpt.backends.zarr.megatron import (
 )
 from dist_ckpt.backends.zarr.metadata import describe_zarr, list_tensor_names, open_tensor_info
 from dist_ckpt.backends.zarr.nodes import (
+    READ_BUDGET_BYTES,
+    ByteBudget,
     array_chunk_shape,
+    as_stored,
     chunked_attributes,
     cpu_contiguous,
+    creates_array,
     creates_flattened_group,
     flattened_attributes,
     fragment_attributes,
     fsync_written,
-    is_origin,
+    in_threads,
     publish_written,
+    stored_numpy_dtype,
     writing_root,
 )
 from dist_ckpt.backends.zarr.read_plan import ReadOp, plan_request
@@ -99,7 +104,8 @@ from dist_ckpt.engine.distributed import get_rank, run_collectively
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
 from dist_ckpt.integrity.checksums import FileDigest, IntegrityReport, bytes_digest
 from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
-from dist_ckpt.model.dtypes import dtype_info, numpy_to_tensor, tensor_to_numpy
+from dist_ckpt.model.dtype_cast import copy_cast
+from dist_ckpt.model.dtypes import numpy_to_tensor, tensor_to_numpy
 from dist_ckpt.model.geometry import Box, piece_view, sub_view
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
 from dist_ckpt.storage import Storage, fsync_dir
@@ -132,8 +138,9 @@ class _Stores:
     under one ``ObjectStore`` per S3 storage (one client, its connection pool shared by every
     array of the checkpoint).
 
-    A writable object store records the digest of every object it PUTs (``digests``, by node),
-    from the very bytes it sends, so that the checksum manifest needs no download."""
+    A writable store records the digest of every object it PUTs or file it writes (``digests``,
+    by node), from the very bytes it sends, so that the checksum manifest needs no download or
+    second read."""
 
     def __init__(self, read_only: bool) -> None:
         self.read_only = read_only
@@ -143,7 +150,9 @@ class _Stores:
     def at(self, node: ObjectPath) -> Tuple[Any, str]:
         """``(store, path)`` of ``node`` for ``zarr.open_array(store=..., path=...)``."""
         if node.storage.local_paths:
-            return str(node.local_path()), ""
+            if self.read_only:
+                return str(node.local_path()), ""
+            return _recording_local_store(node, self.digests), ""
         url = node.storage.url
         if url not in self._object_stores:
             obstore_store = s3_storage(node).obstore_store()
@@ -181,6 +190,19 @@ def _typed(node: ObjectPath, operation: str) -> Iterator[None]:
         raise typed from e
 
 
+def _recording_local_store(node: ObjectPath, digests: Dict[ObjectPath, FileDigest]) -> Any:
+    """A writable ``zarr.storage.LocalStore`` at ``node`` that records the digest of each file it
+    writes, from the bytes it writes: the checksum manifest then needs no second read of every
+    chunk (which cost a save as much as a read of the whole checkpoint from the page cache)."""
+
+    class _Recording(zarr.storage.LocalStore):
+        async def set(self, key: str, value: Any) -> None:
+            await super().set(key, value)
+            digests[node / key] = bytes_digest(value.as_numpy_array())
+
+    return _Recording(str(node.local_path()), read_only=False)
+
+
 def _recording_store(obstore_store: Any, root: ObjectPath, digests: Dict[ObjectPath, FileDigest]) -> Any:
     """A writable ``zarr.storage.ObjectStore`` that records the digest of each object it PUTs."""
 
@@ -207,8 +229,7 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
     integrity_records: ClassVar[Tuple[str, ...]] = (MANIFEST_KEY,)
 
     def __init__(self, backend: str = "zarr", version: int = 1) -> None:
-        super().__init__(backend, version)
-        register_extension_dtypes()
+        super().__init__(backend, version)  # bfloat16 and float8 are written as raw bits (nodes.stored_numpy_dtype)
 
     def check_location(self, checkpoint_dir: Storage) -> None:
         """Local directories and S3 (through zarr-python's ObjectStore); other object stores are refused."""
@@ -221,7 +242,13 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
         stores = _Stores(read_only=False)
         with _typed(root, "writing"):
             created = run_collectively("creating zarr arrays", lambda: self._create_nodes(root, shards, stores))
-            chunks = run_collectively("writing zarr chunks", lambda: self._write_chunks(root, shards, stores))
+
+            def write() -> List[ObjectPath]:
+                chunks = self._write_chunks(root, shards, stores)
+                fsync_written(created + chunks, root)  # this rank's arrays and chunks: one syncfs
+                return chunks
+
+            chunks = run_collectively("writing zarr chunks", write)
         commit_checksums(root, created + chunks, stores.digests)
         run_collectively("publishing the zarr tree", lambda: publish_written(node) if get_rank() == 0 else None)
 
@@ -241,23 +268,28 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
             store, at = stores.at(root)
             zarr.create_group(store=store, path=at or None, overwrite=False)
             written.append(root / "zarr.json")
+
+        def create_array(sh: ShardedTensor) -> ObjectPath:
+            path = tensor_dir(root, sh.key)
+            store, name = stores.at(path)
+            zarr.create_array(
+                store=store,
+                name=name or None,
+                shape=sh.global_shape,
+                chunks=array_chunk_shape(sh),
+                dtype=stored_numpy_dtype(sh.dtype),
+                attributes={ATTR: chunked_attributes(sh)},
+                overwrite=False,
+                config=_WRITE_EMPTY,
+                **_ARRAY_OPTIONS,
+            )
+            return path / "zarr.json"
+
+        # the arrays of the tensors saved as a grid of chunks, several at a time
+        written += in_threads(create_array, [sh for sh in shards if sh.flattened_range is None and creates_array(sh)])
         for sh in shards:
             path = tensor_dir(root, sh.key)
             if sh.flattened_range is None:
-                if is_origin(sh):
-                    store, name = stores.at(path)
-                    zarr.create_array(
-                        store=store,
-                        name=name or None,
-                        shape=sh.global_shape,
-                        chunks=array_chunk_shape(sh),
-                        dtype=dtype_info(sh.dtype).numpy_dtype,
-                        attributes={ATTR: chunked_attributes(sh)},
-                        overwrite=False,
-                        config=_WRITE_EMPTY,
-                        **_ARRAY_OPTIONS,
-                    )
-                    written.append(path / "zarr.json")
                 continue
             if creates_flattened_group(sh):
                 store, name = stores.at(path)
@@ -267,8 +299,7 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
                 written.append(path / "zarr.json")
             if sh.flattened_range.stop > sh.flattened_range.start:
                 written += self._write_fragment(path / fragment_name(sh), sh, stores)
-        fsync_written(written, root)
-        return written
+        return written  # made durable with the chunks
 
     @staticmethod
     def _write_fragment(path: ObjectPath, sh: ShardedTensor, stores: _Stores) -> List[ObjectPath]:
@@ -281,34 +312,38 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
             name=name or None,
             shape=(length,),
             chunks=(chunk,),
-            dtype=dtype_info(sh.dtype).numpy_dtype,
+            dtype=stored_numpy_dtype(sh.dtype),
             attributes={ATTR: fragment_attributes(sh)},
             overwrite=False,
             config=_WRITE_EMPTY,
             **_ARRAY_OPTIONS,
         )
-        arr[:] = tensor_to_numpy(cpu_contiguous(sh.data))
+        arr[:] = as_stored(tensor_to_numpy(cpu_contiguous(sh.data)), sh.dtype)
         chunk_files = [path / arr.metadata.encode_chunk_key((i,)) for i in range(math.ceil(length / chunk))]
         return [path / "zarr.json"] + chunk_files
 
     def _write_chunks(self, root: ObjectPath, shards: List[ShardedTensor], stores: _Stores) -> List[ObjectPath]:
-        arrays: Dict[str, Any] = {}
-        written: List[ObjectPath] = []
+        """Write every chunk of this rank, several at a time (:data:`~.nodes.IO_THREADS`:
+        zarr-python's per-array work and the writes overlap); the caller makes them durable."""
+        by_key: Dict[str, List[ShardedTensor]] = {}
         for sh in shards:
-            if sh.flattened_range is not None or math.prod(sh.local_shape) == 0:
-                continue
-            assert sh.data is not None, f"{sh.key!r} has no data to save"
-            path = tensor_dir(root, sh.key)
-            if sh.key not in arrays:
-                store, name = stores.at(path)
-                arrays[sh.key] = zarr.open_array(store=store, path=name, mode="r+").with_config(_WRITE_EMPTY)
-            arr = arrays[sh.key]
-            local = tensor_to_numpy(cpu_contiguous(sh.data)).reshape(sh.full_local_shape)
-            region = tuple(slice(o, o + s) for o, s in zip(sh.global_offset, sh.full_local_shape))
-            arr[region] = local
-            written.append(path / arr.metadata.encode_chunk_key(sh.local_chunk_offset_in_global()))
-        fsync_written(written, root)
-        return written
+            if sh.flattened_range is None and math.prod(sh.local_shape) > 0:
+                assert sh.data is not None, f"{sh.key!r} has no data to save"
+                by_key.setdefault(sh.key, []).append(sh)
+
+        def write_key(group: List[ShardedTensor]) -> List[ObjectPath]:
+            path = tensor_dir(root, group[0].key)
+            store, name = stores.at(path)
+            arr = zarr.open_array(store=store, path=name, mode="r+").with_config(_WRITE_EMPTY)
+            chunks = []
+            for sh in group:
+                data = tensor_to_numpy(cpu_contiguous(sh.data))  # type: ignore[arg-type]
+                local = as_stored(data, sh.dtype).reshape(sh.full_local_shape)
+                arr[tuple(slice(o, o + s) for o, s in zip(sh.global_offset, sh.full_local_shape))] = local
+                chunks.append(path / arr.metadata.encode_chunk_key(sh.local_chunk_offset_in_global()))
+            return chunks
+
+        return [chunk for chunks in in_threads(write_key, list(by_key.values())) for chunk in chunks]
 
 
 class _ZarrStreamWriter(TensorStreamWriter):
@@ -337,7 +372,7 @@ class _ZarrStreamWriter(TensorStreamWriter):
             raise CheckpointingException(
                 f"the stream into {self.root} finished after {self._added} of its {len(self.layout)} tensors"
             )
-        fsync_written([self.root / "zarr.json"], self.root)
+        fsync_written(self.written, self.root)  # every tensor's files at once
         commit_checksums(self.root, self.written, self._stores.digests)
 
 
@@ -413,20 +448,25 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
     """Loads zarr checkpoints into any sharding, reading only the chunks each shard overlaps.
 
     Tensors are loaded in place into ``ShardedTensor.data`` when it is allocated with the right
-    shape (any device); otherwise new CPU tensors are returned.
+    shape (any device); otherwise new CPU tensors are returned. Each region read (one chunk's
+    worth at most) is decoded in its stored dtype and converted while copied into place when the
+    request asks for another dtype.
 
     Args:
         verify_checksums: check every file read against ``zarr/checksums.json`` (when the
             checkpoint has one).
+        allow_dtype_cast: a requested dtype may differ from the stored one (see
+            :mod:`dist_ckpt.model.dtype_cast`); False raises ``LoadMismatchError`` instead.
     """
 
     supported_backends: ClassVar[Tuple[str, ...]] = ("zarr",)
     supported_versions: ClassVar[Tuple[int, ...]] = (1,)
     object_storage: ClassVar[bool] = True
 
-    def __init__(self, verify_checksums: bool = True) -> None:
-        register_extension_dtypes()
+    def __init__(self, verify_checksums: bool = True, allow_dtype_cast: bool = True) -> None:
+        register_extension_dtypes()  # checkpoints that stored "data_type": "bfloat16" (before raw bits)
         self.verify_checksums = verify_checksums
+        self.allow_dtype_cast = allow_dtype_cast
 
     def check_location(self, checkpoint_dir: Storage) -> None:
         """Local directories and S3 (through zarr-python's ObjectStore); other object stores are refused."""
@@ -437,8 +477,10 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         requested = [s for s in nested_values(sharded_state_dict) if isinstance(s, ShardedTensor)]
         root = node / ZARR_DIR
         manifest = read_checksums(node) if self.verify_checksums and requested else None
-        plans = plan_request(requested, node, manifest_check(root, manifest))  # every check before any read
+        plans = plan_request(requested, node, self.allow_dtype_cast, manifest_check(root, manifest))  # checks first
         reader = _ArrayReader(root, VerifyingStore(root, manifest) if manifest is not None else None)
+
+        budget = ByteBudget(READ_BUDGET_BYTES)
 
         def load_one(x: Any) -> Any:
             if not isinstance(x, ShardedTensor):
@@ -448,17 +490,32 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
             plan = plans[id(x)]
             for piece, _ in plan.pad:
                 piece_view(dest, piece, x.prepend_axis_num, holder).zero_()
-            for op in plan.ops:
-                self._copy(reader, op, dest, x, holder)
+            with budget.hold(sum(op.region.numel for op in plan.ops) * plan.stored_dtype.itemsize):
+                for op in plan.ops:
+                    self._copy(reader, op, dest, x, holder, plan.stored_dtype)
             return dest
 
-        return dict_list_map_inplace(load_one, sharded_state_dict)  # type: ignore[no-any-return]
+        # several tensors at a time: their reads are in flight together (a cold load waits on
+        # the disk, not on one chunk file after another)
+        tensors = [x for x in nested_values(sharded_state_dict) if isinstance(x, ShardedTensor)]
+        loaded = dict(zip(map(id, tensors), in_threads(load_one, tensors)))
+        return dict_list_map_inplace(  # type: ignore[no-any-return]
+            lambda x: loaded[id(x)] if isinstance(x, ShardedTensor) else x, sharded_state_dict
+        )
 
     @staticmethod
-    def _copy(reader: _ArrayReader, op: ReadOp, dest: torch.Tensor, sh: ShardedTensor, holder: Box) -> None:
-        data = numpy_to_tensor(reader.read(op.array_path, op.region, sh.key), sh.dtype).view(op.src_box.shape)
+    def _copy(
+        reader: _ArrayReader, op: ReadOp, dest: torch.Tensor, sh: ShardedTensor, holder: Box, stored: torch.dtype
+    ) -> None:
+        data = numpy_to_tensor(reader.read(op.array_path, op.region, sh.key), stored).view(op.src_box.shape)
         target = piece_view(dest, op.dst, sh.prepend_axis_num, holder)
-        sub_view(target, op.dst.box, op.inter).copy_(sub_view(data, op.src_box, op.inter))
+        copy_cast(sub_view(target, op.dst.box, op.inter), sub_view(data, op.src_box, op.inter))
+
+    def with_dtype_cast(self, allow: bool) -> "ZarrLoadShardedStrategy":
+        """This loader with ``allow_dtype_cast`` set to ``allow``."""
+        if self.allow_dtype_cast == allow:
+            return self
+        return ZarrLoadShardedStrategy(self.verify_checksums, allow)
 
     def load_tensors_metadata(self, checkpoint_dir: Storage) -> ShardedStateDict:
         stores = _Stores(read_only=True)

@@ -14,9 +14,11 @@ import pytest
 import torch
 
 import dist_ckpt as dc
+from dist_ckpt.backends.safetensors.index import INDEX_VERSION
 from dist_ckpt.cli import main
 from dist_ckpt.errors import ChecksumMismatchError, CorruptCheckpointError
 from dist_ckpt.model.sharded import ShardedObject, ShardedTensor
+from tests.unit.backends.safetensors.legacy_index import downgrade_index_to_v1
 
 RECORDS = {
     "safetensors": ["safetensors/index.json", "common.checksums.json", "objects/checksums.json"],
@@ -69,7 +71,7 @@ def test_metadata_lists_every_record_the_save_wrote(pristine, backend):
     assert sorted(doc["integrity_records"]) == sorted(RECORDS[backend])
     for key, entry in doc["integrity_records"].items():
         assert entry["size"] == (pristine[backend] / key).stat().st_size
-        assert entry["version"] == (2 if key == "safetensors/index.json" else 1)
+        assert entry["version"] == (INDEX_VERSION if key == "safetensors/index.json" else 1)
     assert not (pristine[backend] / "save_in_progress.json").exists()  # the claim is released
 
 
@@ -99,21 +101,12 @@ def test_a_damaged_record_fails_load_and_verify(ckpt, damage):
 
 @pytest.mark.parametrize("ckpt", ["safetensors"], indirect=True)
 def test_an_index_rewritten_as_version_1_is_a_downgrade(ckpt):
-    path = ckpt / "safetensors" / "index.json"
-    doc = json.loads(path.read_text())
-    doc["version"] = 1
-    del doc["checksum"]
-    for entry in doc["files"].values():
-        del entry["header_crc32c"]
-    for tensor in doc["tensors"].values():
-        for shard in tensor["shards"]:
-            del shard["crc32c"]
-    path.write_text(json.dumps(doc))
+    downgrade_index_to_v1(ckpt)
     data = next((ckpt / "safetensors").glob("*.safetensors"))
     raw = bytearray(data.read_bytes())
     raw[-1] ^= 0x40  # tamper with the data the dropped checksums protected
     data.write_bytes(bytes(raw))
-    with pytest.raises(CorruptCheckpointError, match="version 1, but metadata.json recorded version 2"):
+    with pytest.raises(CorruptCheckpointError, match=f"version 1, but metadata.json recorded version {INDEX_VERSION}"):
         _assert_loads(ckpt)
     problems = dc.verify_checkpoint(ckpt).problems
     assert "safetensors/index.json" in {p.path for p in problems}

@@ -30,14 +30,15 @@ def _die_at(where: str, rank: int, victim: int) -> None:
     def die(*args: Any, **kwargs: Any) -> Any:
         os._exit(9)
 
-    if where == "write":
-        safetensors_strategy.SafetensorsSaveShardedStrategy._write_files = die  # type: ignore[method-assign]
-    elif where == "gather":
-        sharding.gather_metadata = die  # type: ignore[attr-defined]
-    elif where == "commit":
-        engine_save.save_config = die  # type: ignore[attr-defined]
-    elif where == "load":
-        TensorIndex.lookup = die  # type: ignore[method-assign]
+    target, name = {
+        "write": (safetensors_strategy.SafetensorsSaveShardedStrategy, "_write_files"),
+        "gather": (sharding, "gather_bytes"),
+        "commit": (engine_save, "save_config"),
+        "load": (TensorIndex, "lookup"),
+    }[where]
+    if not hasattr(target, name):  # the library moved: patching nothing would let the victim live
+        raise AttributeError(f"{target!r} has no {name!r} to replace; update rank_worker")
+    setattr(target, name, die)
 
 
 def main(rank: int, world: int, port: int, ckpt: str, victim: int, where: str, out: str) -> None:

@@ -14,6 +14,7 @@ import dist_ckpt as dc
 from dist_ckpt.cli import main
 from dist_ckpt.integrity.records import record_of
 from dist_ckpt.model.sharded import ShardedTensor
+from tests.unit.backends.safetensors.legacy_index import downgrade_index_to_v1
 
 
 def _save(path: Path, backend: str = "safetensors") -> Path:
@@ -32,7 +33,7 @@ def test_a_global_shape_that_overflows_is_corruption_and_fails_verify(tmp_path):
     ckpt = _save(tmp_path / "c")
     index = ckpt / "safetensors" / "index.json"
     doc = json.loads(index.read_text())
-    doc["tensors"]["w"]["global_shape"] = [2**62, 2**62]  # torch: "Storage size calculation overflowed"
+    doc["tensors"]["w"]["global_shape"] = [2**62]  # x 4 bytes; torch: "Storage size calculation overflowed"
     index.write_text(json.dumps(doc))
     _resign(ckpt, "safetensors/index.json")
     for read in (dc.load_tensors_metadata, dc.load_plain_tensors):
@@ -68,6 +69,8 @@ def test_a_forged_index_cannot_make_a_load_allocate_more_than_the_files_hold(tmp
     """An index (consistently re-signed) that claims a 4 TiB tensor in a file it says is 4 TiB:
     the file's real size is checked before any destination is allocated."""
     ckpt = _save(tmp_path / "c")
+    downgrade_index_to_v1(ckpt)  # shards as JSON objects, to forge
+    _resign(ckpt, "safetensors/index.json")
     index = ckpt / "safetensors" / "index.json"
     doc = json.loads(index.read_text())
     (file_name,) = doc["files"]

@@ -121,6 +121,16 @@ class TestShardedTensorFields:
 
 
 class TestShardedTensorValidation:
+    @pytest.mark.parametrize(
+        "field, value",
+        [("local_shape", (2, True)), ("global_offset", (2, -1)), ("global_shape", (4, 3.0))],
+        ids=["bool", "negative", "float"],
+    )
+    def test_plain_tuples_are_checked_like_any_sequence(self, field, value):
+        # tuples of ints take a fast path; a bool, a negative or a float in a tuple must not
+        with pytest.raises(InvalidShardedTensorError, match=field):
+            make_st(**{field: value})
+
     @pytest.mark.parametrize("key", ["", None, 5])
     def test_bad_key(self, key):
         with pytest.raises(InvalidShardedTensorError, match="non-empty str"):

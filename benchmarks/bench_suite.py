@@ -1,0 +1,355 @@
+"""The performance suite of issue 17, in one command: the raw disk, dist_ckpt's backends and its
+peers, on one GPT-like state (fp32 parameters + Adam moments, ~3 GB by default) at N ranks.
+
+Systems (``--systems``): ``safetensors``, ``zarr`` (zarr-python engine), ``zarr-ts`` (TensorStore
+engine), ``dc-torch_dist`` (dist_ckpt's torch_dist backend, where this checkout has it),
+``dcp`` (torch.distributed.checkpoint with DTensors) and ``mcore`` (Megatron-Core's
+``dist_checkpointing`` with its default torch_dist backend, run with ``--mcore-python``, the
+interpreter of a virtualenv holding megatron-core). A system that is not installed is skipped
+with a note.
+
+Per repeat, for every system in turn (interleaved, so a slow minute of the disk hits them alike):
+
+1. the raw disk (:func:`raw_disk`): N streams (one thread each, like N ranks) write the state's
+   bytes with 64 MiB writes and an fsync per file, then read them back from a cold page cache;
+2. a 2N-rank job saves the state (TP=2N): the checkpoint the resharded loads read;
+3. an N-rank job (TP=N): a memcpy of each rank's bytes into allocated memory (the reference for
+   async saves); *save* (files durable, checkpoint committed; peak RSS over the base); *cold
+   load* of the same layout (peak RSS over the base); *warm load* (again, page cache warm); an
+   untimed first async save, then a timed one: *blocking* (until the call returns) and *total*
+   (until durable and finalized); *resharded cold load* 2N -> N;
+4. a 1-rank job: *resharded cold load* 2N -> 1.
+
+Each job first saves and loads a tiny state untimed (imports, first collectives). Times are
+between barriers (the slowest rank). The table shows medians over the repeats (and min-max), GB/s
+of the whole state (10**9 bytes), ratios to the raw disk of the run and to dist_ckpt's
+safetensors backend. Every loaded tensor is compared bit-exactly with what was saved; nothing
+about time is asserted (the exit status is 1 only if a value is wrong or a system failed).
+
+Cold caches: ``--drop drop_caches`` writes ``/proc/sys/vm/drop_caches`` after ``os.sync()``
+(needs root; evicts the whole machine's page cache), ``--drop fadvise`` fsyncs and
+``posix_fadvise(DONTNEED)``s every file of the checkpoint; ``auto`` (the default) takes the
+first when it is allowed.
+
+Usage::
+
+    python benchmarks/bench_suite.py                                   # 3.15 GB, 2 ranks, 3 repeats
+    python benchmarks/bench_suite.py --size-gb 0.3 --repeats 1 --systems safetensors,dcp
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import suite_state as S  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+BLOCK = 64 * 2**20
+ALL_SYSTEMS = "safetensors,zarr,zarr-ts,dc-torch_dist,dcp,mcore"
+GB = 1e9
+
+
+# --------------------------------------------------------------------------- the raw disk
+
+
+def _drop_method(wanted: str) -> str:
+    if wanted != "auto":
+        return wanted
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+        return "drop_caches"
+    except OSError:
+        return "fadvise"
+
+
+def _evict(paths: Sequence[Path], how: str) -> None:
+    if how == "drop_caches":
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+        return
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _threads(fn: Callable[[Path], None], paths: Sequence[Path]) -> float:
+    threads = [threading.Thread(target=fn, args=(p,)) for p in paths]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - start
+
+
+def raw_disk(directory: Path, nbytes: int, streams: int, how: str) -> Tuple[float, float]:
+    """Seconds for ``streams`` threads to write ``nbytes`` in all (64 MiB writes, fsync per file),
+    and to read them back from a cold page cache."""
+    paths = [directory / f"raw_{os.getpid()}_{i}.bin" for i in range(streams)]
+    part = nbytes // streams
+    data = memoryview(os.urandom(BLOCK))
+
+    def write(path: Path) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            left = part
+            while left > 0:
+                left -= os.write(fd, data[: min(BLOCK, left)])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def read(path: Path) -> None:
+        buf = bytearray(BLOCK)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            while os.readv(fd, [buf]) > 0:
+                pass
+        finally:
+            os.close(fd)
+
+    try:
+        write_s = _threads(write, paths)
+        _evict(paths, how)
+        read_s = _threads(read, paths)
+    finally:
+        for p in paths:
+            p.unlink(missing_ok=True)
+    return write_s, read_s
+
+
+# --------------------------------------------------------------------------- the systems' jobs
+
+
+def _available(system: str, mcore_python: str) -> Optional[str]:
+    """Why ``system`` cannot run here, or None."""
+    if system == "mcore":
+        if not Path(mcore_python).exists():
+            return f"no {mcore_python}"
+        probe = subprocess.run([mcore_python, "-c", "import megatron.core.dist_checkpointing"], capture_output=True)
+        return None if probe.returncode == 0 else "megatron-core does not import"
+    if system == "dc-torch_dist":
+        try:
+            from dist_ckpt.engine.registry import StrategyAction, get_default_strategy
+
+            get_default_strategy(StrategyAction.SAVE_SHARDED, "torch_dist", 1)
+        except Exception as e:  # noqa: BLE001 -- any failure means: not in this checkout
+            return f"dist_ckpt has no torch_dist backend here ({type(e).__name__})"
+    return None
+
+
+def _job(args: Dict[str, Any], python: str) -> List[Dict[str, Any]]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    proc = subprocess.run(
+        [python, str(HERE / "suite_ranks.py"), json.dumps(args)], capture_output=True, text=True, env=env
+    )
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return list(json.loads(line[len("RESULT ") :]))
+    raise RuntimeError(f"{args['system']} {args['job']} failed:\n{proc.stderr[-4000:]}")
+
+
+def run_system(system: str, model: S.Model, ranks: int, directory: Path, how: str, python: str) -> Dict[str, Any]:
+    """One repeat of one system: the 2N-rank save, the N-rank job, the 1-rank load."""
+    work = Path(tempfile.mkdtemp(prefix=f"suite_{system}_", dir=directory))
+    common = {"system": system, "model": asdict(model), "drop": how}
+    try:
+        src = str(work / "src")
+        saved = _job({**common, "job": "save", "world": 2 * ranks, "dir": src}, python)
+        main = _job(
+            {**common, "job": "main", "world": ranks, "dir": str(work / "ckpt"), "src": src, "async": True}, python
+        )
+        one = _job(
+            {**common, "job": "load", "world": 1, "dir": str(work / "one"), "src": src, "op": "reshard1"}, python
+        )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    out: Dict[str, Any] = {"save_2n": max(r["save"] for r in saved), "reshard1": one[0]["reshard1"]}
+    for key in ("memcpy", "save", "load", "warm", "async_block", "async_total", "reshard"):
+        if key in main[0]:
+            out[key] = max(r[key] for r in main)
+    for key in ("save_rss", "load_rss"):
+        out[key] = max(r[key] for r in main)
+    out["async_error"] = main[0].get("async_error")
+    out["bad"] = [b for r in saved + main + one for b in r["bad"]]
+    return out
+
+
+# --------------------------------------------------------------------------- the table
+
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _fmt_range(values: Sequence[float], digits: int = 2) -> str:
+    return f"{min(values):.{digits}f}-{max(values):.{digits}f}" if len(values) > 1 else ""
+
+
+def render(results: Dict[str, List[Dict[str, Any]]], raw: List[Tuple[float, float]], nbytes: int, ranks: int) -> str:
+    """The table: medians (GB/s or seconds), the range over repeats, ratios to disk and safetensors."""
+    raw_w = _median([nbytes / GB / w for w, _ in raw])
+    raw_r = _median([nbytes / GB / r for _, r in raw])
+    base = results.get("safetensors")
+
+    def med(system: str, key: str) -> float:
+        return _median([r[key] for r in results[system] if r.get(key) is not None])
+
+    rows = [["system", "measure", "median", "range", "vs raw disk", "vs safetensors"]]
+    rows.append(
+        [
+            "raw disk",
+            f"write, {ranks} streams, fsync'd, GB/s",
+            f"{raw_w:.2f}",
+            _fmt_range([nbytes / GB / w for w, _ in raw]),
+            "1.00",
+            "",
+        ]
+    )
+    rows.append(
+        [
+            "raw disk",
+            f"cold read, {ranks} streams, GB/s",
+            f"{raw_r:.2f}",
+            _fmt_range([nbytes / GB / r for _, r in raw]),
+            "1.00",
+            "",
+        ]
+    )
+    measures = [
+        ("save", "durable save, GB/s", True, raw_w),
+        ("load", "cold load, GB/s", True, raw_r),
+        ("warm", "warm load, GB/s", True, None),
+        ("reshard", f"resharded cold load {2 * ranks} -> {ranks}, s", False, None),
+        ("reshard1", f"resharded cold load {2 * ranks} -> 1, s", False, None),
+        ("async_block", "async save: caller blocks, s", False, None),
+        ("async_total", "async save: total, s", False, None),
+        ("memcpy", "memcpy of the rank's bytes, s", False, None),
+        ("save_2n", f"save at {2 * ranks} ranks, s", False, None),
+    ]
+    for system in results:
+        for key, label, rate, disk in measures:
+            runs = [r[key] for r in results[system] if r.get(key) is not None]
+            if not runs:
+                continue
+            value = [nbytes / GB / t for t in runs] if rate else runs
+            m = _median(value)
+            vs_disk = f"{m / disk:.2f}" if disk else ""
+            vs_base = ""
+            if base is not None and system != "safetensors" and key not in ("memcpy", "save_2n"):
+                b = med("safetensors", key)
+                if b == b:
+                    vs_base = f"{m / (nbytes / GB / b):.2f}" if rate else f"{b / m:.2f}" if m else ""
+            rows.append([system, label, f"{m:.3f}", _fmt_range(value, 3), vs_disk, vs_base])
+        blocks = [r["async_block"] / r["memcpy"] for r in results[system] if r.get("async_block") and r.get("memcpy")]
+        if blocks:
+            rows.append([system, "async blocking / memcpy", f"{_median(blocks):.2f}", _fmt_range(blocks), "", ""])
+        for key, label in (
+            ("save_rss", "peak RSS over base, save, MiB"),
+            ("load_rss", "peak RSS over base, load, MiB"),
+        ):
+            mib = [r[key] / 2**20 for r in results[system]]
+            rows.append([system, label, f"{_median(mib):.0f}", _fmt_range(mib, 0), "", ""])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows
+    ]
+    lines.append("")
+    lines.append(
+        "raw disk per measurement, in run order (write / read GB/s): "
+        + ", ".join(f"{nbytes / GB / w:.2f}/{nbytes / GB / r:.2f}" for w, r in raw)
+    )
+    lines.append(
+        "'vs safetensors': this system's rate / safetensors' rate, or safetensors' time / this time (> 1: faster)"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--size-gb", type=float, default=3.15, help="state size in GB (default: %(default)s)")
+    parser.add_argument("--ranks", type=int, default=2, help="ranks of the main jobs (default: %(default)s)")
+    parser.add_argument("--layers", type=int, default=16, help="transformer layers (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default: %(default)s)")
+    parser.add_argument("--systems", default=ALL_SYSTEMS, help="comma-separated (default: %(default)s)")
+    parser.add_argument("--drop", choices=("auto", "drop_caches", "fadvise"), default="auto")
+    parser.add_argument("--mcore-python", default="/opt/mcore-venv/bin/python")
+    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
+    parser.add_argument("--json", type=Path, help="also write every measurement here")
+    args = parser.parse_args(argv)
+    model = S.Model.for_size(int(args.size_gb * GB), args.layers, multiple=2 * args.ranks)
+    nbytes = model.nbytes()
+    args.dir.mkdir(parents=True, exist_ok=True)
+    how = _drop_method(args.drop)
+    systems = []
+    for system in [s for s in args.systems.split(",") if s]:
+        why = _available(system, args.mcore_python)
+        if why:
+            print(f"skipping {system}: {why}")
+        else:
+            systems.append(system)
+    print(
+        f"suite: {nbytes / GB:.2f} GB state ({model}, {len(model.specs())} tensors, fp32), {args.ranks} ranks, "
+        f"{args.repeats} repeats, under {args.dir}, cold caches by {how}, load average {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
+    results: Dict[str, List[Dict[str, Any]]] = {s: [] for s in systems}
+    raw: List[Tuple[float, float]] = []
+    failed = 0
+    for i in range(args.repeats):
+        for system in systems:
+            raw.append(raw_disk(args.dir, nbytes, args.ranks, how))
+            python = args.mcore_python if system == "mcore" else sys.executable
+            try:
+                res = run_system(system, model, args.ranks, args.dir, how, python)
+            except RuntimeError as e:
+                print(f"{system}: {e}", file=sys.stderr)
+                failed += 1
+                continue
+            results[system].append(res)
+            print(
+                f"  repeat {i + 1} {system}: "
+                + ", ".join(f"{k} {v:.3f}" for k, v in res.items() if isinstance(v, float)),
+                flush=True,
+            )
+    raw.append(raw_disk(args.dir, nbytes, args.ranks, how))
+    print(f"\nload average at the end {os.getloadavg()[0]:.1f}\n")
+    results = {s: r for s, r in results.items() if r}
+    print(render(results, raw, nbytes, args.ranks))
+    for system, runs in results.items():
+        for r in runs:
+            if r.get("async_error"):
+                print(f"\n{system}: no async save: {r['async_error'].strip().splitlines()[-1]}")
+                break
+    if args.json:
+        args.json.write_text(json.dumps({"raw": raw, "results": results, "bytes": nbytes}, indent=1))
+    bad = [f"{s}: {b}" for s, runs in results.items() for r in runs for b in r["bad"]]
+    if bad:
+        print(f"\nerror: {len(bad)} loaded tensors differ from what was saved: {bad[:5]}", file=sys.stderr)
+    else:
+        print("\nevery loaded tensor verified bit-exact")
+    return 1 if bad or failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

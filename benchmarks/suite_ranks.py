@@ -1,0 +1,426 @@
+"""One timed job of the benchmark suite, on N spawned ranks of one checkpointing system.
+
+Run by ``bench_suite.py`` as a subprocess, with the Python of the system's environment (dist_ckpt's,
+or ``/opt/mcore-venv`` for Megatron-Core)::
+
+    python benchmarks/suite_ranks.py '{"job": "main", "system": "safetensors", "world": 2, ...}'
+
+Torch-only at import: the system's library is imported in the ranks. The last line of stdout is
+``RESULT <json>``: per rank, the measured seconds and bytes, and the keys that did not load
+bit-exactly. Jobs:
+
+* ``save``: save the TP=world state (timed) -- the 2N-rank checkpoint the resharded loads read;
+* ``main``: memcpy of the rank's bytes (the async reference); save (timed, peak RSS); cold load
+  (timed, peak RSS) and warm load of the same layout; an async save (blocking part and total,
+  after an untimed first one); a cold load of the ``src`` checkpoint (resharded, TP=world);
+* ``load``: a cold load of the ``src`` checkpoint at TP=world (e.g. 4 -> 1).
+
+Cold: before a timed cold load, rank 0 drops the checkpoint from the page cache -- ``os.sync()``
+then ``/proc/sys/vm/drop_caches`` (``drop: "drop_caches"``), or fsync + ``posix_fadvise(DONTNEED)``
+on every file (``"fadvise"``). Loads go into allocated, touched tensors (a live model's).
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import suite_state as S  # noqa: E402  (a plain module: this script also runs outside the dist_ckpt tree)
+
+# --------------------------------------------------------------------------- measuring
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    """Wall seconds of ``fn`` between barriers: the slowest rank's time."""
+    barrier()
+    start = time.perf_counter()
+    fn()
+    barrier()
+    return time.perf_counter() - start
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def reset_peak() -> int:
+    """Reset the kernel's peak-RSS mark (VmHWM); return the RSS now (the base)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return rss()
+
+
+def peak() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def drop_cache(directory: str, how: str) -> None:
+    """Evict ``directory``'s files from the page cache (rank 0, between barriers)."""
+    barrier()
+    if dist.get_rank() == 0:
+        if how == "drop_caches":
+            os.sync()
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3")
+        else:
+            for root, _, names in os.walk(directory):
+                for name in names:
+                    fd = os.open(os.path.join(root, name), os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    finally:
+                        os.close(fd)
+    barrier()
+
+
+# --------------------------------------------------------------------------- systems
+
+
+class System(abc.ABC):
+    """How one checkpointing system saves and loads the suite's tensors."""
+
+    name = ""
+
+    @abc.abstractmethod
+    def save(self, pieces: List[S.Shard], tensors: Dict[str, torch.Tensor], directory: str) -> None: ...
+
+    @abc.abstractmethod
+    def load(self, pieces: List[S.Shard], tensors: Dict[str, torch.Tensor], directory: str) -> Dict[str, Any]:
+        """Load into ``tensors`` (in place where the system does); return what holds the values."""
+        ...
+
+    @abc.abstractmethod
+    def async_save(self, pieces: List[S.Shard], tensors: Dict[str, torch.Tensor], directory: str) -> Callable[[], None]:
+        """Start an async save; return what waits for it to be durable and finalized."""
+        ...
+
+
+class DistCkpt(System):
+    """dist_ckpt with one of its sharded backends; one strategy object per job, as in training."""
+
+    def __init__(self, name: str) -> None:
+        from dist_ckpt.async_save.queue import AsyncCallsQueue
+        from dist_ckpt.engine.registry import StrategyAction, get_default_strategy
+
+        self.name = name
+        if name == "zarr-ts":
+            from dist_ckpt.backends.zarr.tensorstore_engine import (
+                TensorStoreLoadShardedStrategy,
+                TensorStoreSaveShardedStrategy,
+            )
+
+            self.saver: Any = TensorStoreSaveShardedStrategy()
+            self.loader: Any = TensorStoreLoadShardedStrategy()
+        else:
+            backend = {"safetensors": "safetensors", "zarr": "zarr", "dc-torch_dist": "torch_dist"}[name]
+            self.saver = get_default_strategy(StrategyAction.SAVE_SHARDED, backend, 1)
+            self.loader = get_default_strategy(StrategyAction.LOAD_SHARDED, backend, 1)
+        self.queue = AsyncCallsQueue()
+
+    @staticmethod
+    def _sd(pieces: List[S.Shard], tensors: Dict[str, torch.Tensor]) -> Dict[str, Any]:
+        from dist_ckpt.model.sharded import ShardedTensor
+
+        rank = dist.get_rank()
+        out = {}
+        for p in pieces:
+            axes = [(p.spec.tp_axis, p.tp_rank, p.tp)] if p.spec.tp_axis is not None else []
+            out[p.spec.key] = ShardedTensor.from_rank_offsets(
+                p.spec.key, tensors[p.spec.key], *axes, replica_id=0 if p.main else rank
+            )
+        return out
+
+    def save(self, pieces: List[S.Shard], tensors: Dict[str, torch.Tensor], directory: str) -> None:
+        from dist_ckpt.engine.save import save
+
+        save(self._sd(pieces, tensors), directory, sharded_strategy=self.saver)
+
+    def load(self, pieces: List[S.Shard], tensors: Dict[str, torch.Tensor], directory: str) -> Dict[str, Any]:
+        from dist_ckpt.engine.load import load
+
+        return dict(load(self._sd(pieces, tensors), directory, sharded_strategy=self.loader))
+
+    def async_save(self, pieces: List[S.Shard], tensors: Dict[str, torch.Tensor], directory: str) -> Callable[[], None]:
+        from dist_ckpt.engine.save import save
+
+        request = save(self._sd(pieces, tensors), directory, sharded_strategy=self.saver, async_sharded_save=True)
+        self.queue.schedule_async_request(request)
+        return lambda: self.queue.maybe_finalize_async_calls(blocking=True)
+
+
+class DCP(System):
+    """torch.distributed.checkpoint with DTensors on a CPU mesh (it reshards DTensors)."""
+
+    name = "dcp"
+
+    def __init__(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        # async saves run collectives in a background thread: on a group of their own, or they
+        # would interleave with the caller's collectives on the default group and deadlock
+        self.async_group = dist.new_group(backend="gloo")
+
+    def _sd(self, pieces: List[S.Shard], tensors: Dict[str, torch.Tensor]) -> Dict[str, Any]:
+        from torch.distributed.tensor import DTensor, Replicate
+        from torch.distributed.tensor import Shard as DShard
+
+        out = {}
+        for p in pieces:
+            placement = DShard(p.spec.tp_axis) if p.spec.tp_axis is not None else Replicate()
+            out[p.spec.key] = DTensor.from_local(tensors[p.spec.key], self.mesh, [placement], run_check=False)
+        return out
+
+    def save(self, pieces: List[S.Shard], tensors: Dict[str, torch.Tensor], directory: str) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._sd(pieces, tensors), storage_writer=dcp.FileSystemWriter(directory, thread_count=2))
+
+    def load(self, pieces: List[S.Shard], tensors: Dict[str, torch.Tensor], directory: str) -> Dict[str, Any]:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(self._sd(pieces, tensors), storage_reader=dcp.FileSystemReader(directory))
+        return tensors
+
+    def async_save(self, pieces: List[S.Shard], tensors: Dict[str, torch.Tensor], directory: str) -> Callable[[], None]:
+        import torch.distributed.checkpoint as dcp
+
+        future = dcp.async_save(
+            self._sd(pieces, tensors),
+            storage_writer=dcp.FileSystemWriter(directory, thread_count=2),
+            process_group=self.async_group,
+        )
+        return lambda: future.result()
+
+
+class MCore(System):
+    """Megatron-Core's dist_checkpointing, torch_dist backend (run in its own virtualenv)."""
+
+    name = "mcore"
+
+    def __init__(self) -> None:
+        # the two CUDA calls megatron-core makes unconditionally while saving raise on CPU-only torch
+        torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+        torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self.queue = AsyncCallsQueue()
+
+    @staticmethod
+    def _sd(pieces: List[S.Shard], tensors: Dict[str, torch.Tensor]) -> Dict[str, Any]:
+        from megatron.core.dist_checkpointing import ShardedTensor
+
+        rank = dist.get_rank()
+        out = {}
+        for p in pieces:
+            axes = [(p.spec.tp_axis, p.tp_rank, p.tp)] if p.spec.tp_axis is not None else []
+            out[p.spec.key] = ShardedTensor.from_rank_offsets(
+                p.spec.key, tensors[p.spec.key], *axes, replica_id=0 if p.main else rank
+            )
+        return out
+
+    @staticmethod
+    def _mkdir(directory: str) -> None:
+        if dist.get_rank() == 0:
+            os.makedirs(directory, exist_ok=True)
+        barrier()
+
+    def save(self, pieces: List[S.Shard], tensors: Dict[str, torch.Tensor], directory: str) -> None:
+        from megatron.core import dist_checkpointing as mdc
+
+        self._mkdir(directory)
+        mdc.save(self._sd(pieces, tensors), directory)
+
+    def load(self, pieces: List[S.Shard], tensors: Dict[str, torch.Tensor], directory: str) -> Dict[str, Any]:
+        from megatron.core import dist_checkpointing as mdc
+
+        return dict(mdc.load(self._sd(pieces, tensors), directory))
+
+    def async_save(self, pieces: List[S.Shard], tensors: Dict[str, torch.Tensor], directory: str) -> Callable[[], None]:
+        from megatron.core import dist_checkpointing as mdc
+
+        self._mkdir(directory)
+        request = mdc.save(self._sd(pieces, tensors), directory, async_sharded_save=True)
+        self.queue.schedule_async_request(request)
+        return lambda: self.queue.maybe_finalize_async_calls(blocking=True)
+
+
+def make_system(name: str) -> System:
+    if name == "dcp":
+        return DCP()
+    if name == "mcore":
+        return MCore()
+    return DistCkpt(name)
+
+
+# --------------------------------------------------------------------------- jobs
+
+
+def _warm_up(system: System, directory: str) -> None:
+    """An untimed tiny save and load: imports and first collectives are paid once per job."""
+    tiny = S.Model(hidden=8, layers=1, vocab=16)
+    pieces = S.shards(tiny, dist.get_world_size(), dist.get_rank())
+    system.save(pieces, S.fill(pieces), directory)
+    system.load(pieces, S.zeros(pieces), directory)
+
+
+def _cold_load(system: System, pieces: List[S.Shard], directory: str, how: str, out: Dict[str, Any], op: str) -> None:
+    request = S.zeros(pieces)
+    drop_cache(directory, how)
+    got: Dict[str, Any] = {}
+    out[op] = timed(lambda: got.update(system.load(pieces, request, directory)))
+    out["bad"] += [f"{op}: {k}" for k in S.mismatches(pieces, {k: _local(v) for k, v in got.items()})]
+
+
+def _local(value: Any) -> torch.Tensor:
+    """The plain tensor of a loaded value (a DTensor's local shard, or a ShardedTensor's data)."""
+    local = getattr(value, "to_local", None)
+    value = local() if local is not None else value
+    return value.data if not isinstance(value, torch.Tensor) else value
+
+
+def job_save(system: System, args: Dict[str, Any], out: Dict[str, Any]) -> None:
+    model, world, rank = S.Model(**args["model"]), dist.get_world_size(), dist.get_rank()
+    pieces = S.shards(model, world, rank)
+    tensors = S.fill(pieces)
+    out["save"] = timed(lambda: system.save(pieces, tensors, args["dir"]))
+
+
+def job_load(system: System, args: Dict[str, Any], out: Dict[str, Any]) -> None:
+    model, world, rank = S.Model(**args["model"]), dist.get_world_size(), dist.get_rank()
+    _cold_load(system, S.shards(model, world, rank), args["src"], args["drop"], out, args["op"])
+
+
+def job_main(system: System, args: Dict[str, Any], out: Dict[str, Any]) -> None:
+    model, world, rank = S.Model(**args["model"]), dist.get_world_size(), dist.get_rank()
+    pieces = S.shards(model, world, rank)
+    tensors = S.fill(pieces)
+    out["rank_bytes"] = sum(p.nbytes for p in pieces)
+    copies = S.zeros(pieces)
+    out["memcpy"] = timed(lambda: [copies[k].copy_(t) for k, t in tensors.items()])
+    copies.clear()  # free them before the save
+    base = reset_peak()
+    out["save"] = timed(lambda: system.save(pieces, tensors, args["dir"]))
+    out["save_rss"] = peak() - base
+    request = S.zeros(pieces)
+    drop_cache(args["dir"], args["drop"])
+    base = reset_peak()
+    got: Dict[str, Any] = {}
+    out["load"] = timed(lambda: got.update(system.load(pieces, request, args["dir"])))
+    out["load_rss"] = peak() - base
+    out["bad"] += [f"load: {k}" for k in S.mismatches(pieces, {k: _local(v) for k, v in got.items()})]
+    got.clear()
+    out["warm"] = timed(lambda: got.update(system.load(pieces, request, args["dir"])))
+    out["bad"] += [f"warm: {k}" for k in S.mismatches(pieces, {k: _local(v) for k, v in got.items()})]
+    request.clear()
+    got.clear()
+    if args.get("async"):
+        _async(system, pieces, tensors, args, out)
+    if args.get("src"):
+        _cold_load(system, pieces, args["src"], args["drop"], out, "reshard")
+
+
+def _async(
+    system: System, pieces: List[S.Shard], tensors: Dict[str, torch.Tensor], args: Dict[str, Any], out: Dict[str, Any]
+) -> None:
+    """An untimed first async save (fresh snapshot buffers, a writer to start), then a timed one:
+    what the caller blocks for, and the total until it is durable and finalized."""
+    try:
+        timed(system.async_save(pieces, tensors, args["dir"] + "_async0"))
+    except Exception:  # noqa: BLE001 -- a system without async saves: reported, not fatal
+        out["async_error"] = traceback.format_exc(limit=3)
+        return
+    waits: List[Callable[[], None]] = []
+    block = timed(lambda: waits.append(system.async_save(pieces, tensors, args["dir"] + "_async")))
+    out["async_block"] = block
+    out["async_total"] = block + timed(waits[0])
+    got = system.load(pieces, S.zeros(pieces), args["dir"] + "_async")
+    out["bad"] += [f"async: {k}" for k in S.mismatches(pieces, {k: _local(v) for k, v in got.items()})]
+
+
+JOBS = {"save": job_save, "load": job_load, "main": job_main}
+
+
+def _rank(rank: int, world: int, port: int, args: Dict[str, Any], queue: Any) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        system = make_system(args["system"])
+        _warm_up(system, args["dir"] + f"_warmup_w{world}")
+        out: Dict[str, Any] = {"bad": []}
+        JOBS[args["job"]](system, args, out)
+        barrier()
+        queue.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 -- report everything to the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run(args: Dict[str, Any], timeout_s: float = 1800.0) -> List[Dict[str, Any]]:
+    """Spawn ``args["world"]`` ranks running ``args["job"]``; return each rank's measurements."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    world = args["world"]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: Dict[int, Any] = {}
+    errors: List[str] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) + len(errors) < world and time.monotonic() < deadline:
+            try:
+                rank, ok, value = queue.get(timeout=1.0)
+            except Exception:  # noqa: BLE001 -- queue.Empty: check for dead ranks
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    errors.append("a rank died without reporting")
+                    break
+                continue
+            (results.__setitem__(rank, value) if ok else errors.append(f"rank {rank}:\n{value}"))
+    finally:
+        for p in procs:
+            p.join(timeout=0 if errors else 60)
+            if p.is_alive():
+                p.kill()
+    if errors or len(results) < world:
+        raise RuntimeError("\n".join(errors) or "timed out")
+    return [results[r] for r in range(world)]
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = json.loads((argv or sys.argv[1:])[0])
+    print("RESULT " + json.dumps(run(args)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""How the zarr-python engine's save does its I/O: digests from the bytes it writes (no second
+read of the files), several tensors at a time, durable with one syncfs (see storage.files)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_ckpt.backends.zarr import checksums as zarr_checksums
+from dist_ckpt.backends.zarr.nodes import creates_array
+from dist_ckpt.backends.zarr.zarr_python import ZARR_DIR, ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
+from dist_ckpt.integrity.checksums import file_digest
+from dist_ckpt.model.sharded import ShardedTensor
+from dist_ckpt.storage.location import resolve_location
+from dist_ckpt.storage.object_path import ObjectPath
+from dist_ckpt.testing.layouts import bits
+
+
+def _state():
+    sd = {
+        f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", torch.arange(12.0 * (i + 1)).reshape(3, -1)) for i in range(5)
+    }
+    # a tensor saved as flattened ranges (fragment arrays) and a bf16 one
+    sd["flat"] = ShardedTensor.from_rank_offsets_flat("flat", torch.arange(6.0), (2, 3), flattened_range=slice(0, 6))
+    sd["bf16"] = ShardedTensor.from_rank_offsets("bf16", torch.arange(8.0).to(torch.bfloat16))
+    return sd
+
+
+def test_the_manifest_is_digested_from_the_written_bytes_without_reading_files(tmp_path, monkeypatch):
+    read_back = []
+    monkeypatch.setattr(zarr_checksums, "file_digest", lambda path: read_back.append(path))
+    ZarrSaveShardedStrategy().save(_state(), Path(tmp_path))
+    assert read_back == []
+    manifest = json.loads((tmp_path / ZARR_DIR / "checksums.json").read_text())
+    files = manifest.get("files", manifest)
+    root = ObjectPath(resolve_location(tmp_path)) / ZARR_DIR
+    on_disk = sorted(
+        p.relative_to(tmp_path / ZARR_DIR).as_posix() for p in (tmp_path / ZARR_DIR).rglob("*") if p.is_file()
+    )
+    assert sorted(files) == [name for name in on_disk if name != "checksums.json"]
+    for name, entry in files.items():
+        digest = file_digest(root / name)
+        assert (entry["size"], int(entry["crc32c"], 16)) == (digest.size, digest.crc32c), name
+
+
+def test_loads_of_a_save_written_several_tensors_at_a_time_are_exact(tmp_path):
+    saved = _state()
+    ZarrSaveShardedStrategy().save(saved, Path(tmp_path))
+    request = {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v.data)) for k, v in saved.items() if k != "flat"}
+    loaded = ZarrLoadShardedStrategy().load(request, Path(tmp_path))
+    for k, v in loaded.items():
+        assert torch.equal(bits(v), bits(saved[k].data)), k
+
+
+def _grid_shards(key, grid, chunk=(2, 3)):
+    shape = tuple(g * c for g, c in zip(grid, chunk))
+    out = []
+    for i in range(grid[0]):
+        for j in range(grid[1]):
+            out.append(
+                ShardedTensor.from_rank_offsets(key, torch.zeros(chunk), (0, i, grid[0]), (1, j, grid[1]))
+                if grid != (1, 1)
+                else ShardedTensor.from_rank_offsets(key, torch.zeros(chunk))
+            )
+            assert out[-1].global_shape == shape
+    return out
+
+
+def test_exactly_one_shard_of_each_tensor_creates_its_array_and_not_always_the_first():
+    picks = set()
+    for n, grid in enumerate([(1, 1), (4, 1), (1, 3), (2, 3), (3, 2)] * 4):
+        key = f"layer.{n}.weight"
+        creators = [i for i, sh in enumerate(_grid_shards(key, grid)) if creates_array(sh)]
+        assert len(creators) == 1, (key, grid, creators)
+        picks.add(creators[0])
+    assert len(picks) > 1  # spread over the chunks (hence the ranks), not always the origin's holder
+
+
+def test_tensorstore_saves_digest_chunks_from_memory_and_the_manifest_matches_the_files(tmp_path, monkeypatch):
+    from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreSaveShardedStrategy
+
+    read_back = []
+    real = zarr_checksums.file_digest
+    monkeypatch.setattr(zarr_checksums, "file_digest", lambda path: (read_back.append(path), real(path))[1])
+    TensorStoreSaveShardedStrategy().save(_state(), Path(tmp_path))
+    # only metadata and the fragments of flattened tensors are read back, not the chunks
+    assert read_back and all(p.key.endswith("zarr.json") or "flat" in p.key for p in read_back)
+    manifest = json.loads((tmp_path / ZARR_DIR / "checksums.json").read_text())
+    files = manifest.get("files", manifest)
+    root = ObjectPath(resolve_location(tmp_path)) / ZARR_DIR
+    for name, entry in files.items():
+        digest = real(root / name)
+        assert (entry["size"], int(entry["crc32c"], 16)) == (digest.size, digest.crc32c), name
+
+
+def _many(n):
+    return {f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", torch.full((4, 4), float(i))) for i in range(n)}
+
+
+@pytest.mark.parametrize("engine", ["zarr-python", "tensorstore"])
+def test_a_save_syncs_a_bounded_number_of_times_whatever_the_number_of_tensors(tmp_path, monkeypatch, engine):
+    from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreSaveShardedStrategy
+    from dist_ckpt.storage import files
+
+    if files._syncfs() is None:
+        pytest.skip("no syncfs here: files are fsynced one by one")
+    strategy = ZarrSaveShardedStrategy if engine == "zarr-python" else TensorStoreSaveShardedStrategy
+    counts = []
+    for n in (3, 30):
+        syncs, fsyncs = [], []
+        real_syncfs, real_fsync = files._syncfs(), os.fsync
+        monkeypatch.setattr(files, "_syncfs", lambda: lambda fd: (syncs.append(fd), real_syncfs(fd))[1])
+        monkeypatch.setattr(os, "fsync", lambda fd: (fsyncs.append(fd), real_fsync(fd))[1])
+        strategy().save(_many(n), Path(tmp_path / f"n{n}"))
+        monkeypatch.undo()
+        counts.append((len(syncs), len(fsyncs)))
+    assert counts[0] == counts[1] and counts[0][0] == 1, counts  # one syncfs; the manifest's own fsyncs
+
+
+def test_byte_budget_never_holds_more_than_its_limit_but_lets_a_large_item_through_alone():
+    import threading
+    import time
+
+    from dist_ckpt.backends.zarr.nodes import ByteBudget, in_threads
+
+    budget, lock = ByteBudget(10), threading.Lock()
+    holders = []  # sizes held now
+    bad = []
+
+    def work(n):
+        with budget.hold(n):
+            with lock:
+                holders.append(n)
+                if sum(holders) > 10 and len(holders) > 1:
+                    bad.append(list(holders))
+            time.sleep(0.01)
+            with lock:
+                holders.remove(n)
+
+    in_threads(work, [6, 6, 4, 20, 3, 3, 3, 6, 9, 1])
+    assert bad == []
