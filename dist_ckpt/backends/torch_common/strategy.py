@@ -25,6 +25,7 @@ disks and on S3 alike; the files are small and each is written and read whole.
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import logging
@@ -68,17 +69,36 @@ COMMON_CHECKSUMS_FNAME = "common.checksums.json"
 OBJECTS_CHECKSUMS_FNAME = "checksums.json"  # inside objects/
 _SAFE_LEAF_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
 _OPT_IN = "common_strategy=TorchCommonLoadStrategy(allow_pickle=True)"
+#: plain standard-library classes whose pickles rebuild data without running code from the file,
+#: admitted by every ``weights_only`` load of dist_ckpt: Megatron-LM keeps its arguments in the
+#: common state as an ``argparse.Namespace``, Transformer Engine its extra state as ``io.BytesIO``
+PLAIN_DATA_GLOBALS: Tuple[type, ...] = (argparse.Namespace, io.BytesIO)
+
+
+def safe_torch_load(data: bytes, allow_pickle: bool = False) -> Any:
+    """``torch.load`` of ``data`` onto the CPU: ``weights_only`` (plus :data:`PLAIN_DATA_GLOBALS`,
+    for this call only) unless ``allow_pickle``.
+
+    Raises:
+        pickle.UnpicklingError: ``data`` needs a class ``weights_only`` refuses.
+
+    Example::
+
+        safe_torch_load(storage.read("common.pt"))
+    """
+    safe_globals = getattr(torch.serialization, "safe_globals", None)
+    if allow_pickle or safe_globals is None:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=not allow_pickle)
+    with safe_globals(list(PLAIN_DATA_GLOBALS)):
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
 def _needs_pickle(value: Any) -> Optional[str]:
     """Type name of ``value`` if ``torch.load(weights_only=True)`` cannot restore it, else None."""
     if type(value) in _SAFE_LEAF_TYPES or type(value) in (torch.Tensor, torch.nn.Parameter):
         return None
-    buf = io.BytesIO()
-    torch.save(value, buf)
-    buf.seek(0)
     try:
-        torch.load(buf, weights_only=True)
+        safe_torch_load(_torch_bytes(value))
     except Exception:  # noqa: BLE001 -- any failure means weights_only cannot load it
         return f"{type(value).__module__}.{type(value).__qualname__}"
     return None
@@ -246,7 +266,7 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         if expected is not None:
             check_file(where, expected, what, data)
         try:
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=not self.allow_pickle)
+            return safe_torch_load(data, self.allow_pickle)
         except pickle.UnpicklingError as e:
             unsafe = self._unsafe_globals(data)
             if unsafe:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import collections
+import io
 import json
 import logging
 import os
@@ -92,6 +94,17 @@ class TestCommonState:
         loaded = TorchCommonLoadStrategy(allow_pickle=True).load_common(tmp_path)
         np.testing.assert_array_equal(loaded["arr"], np.arange(4))
         assert loaded["deep"]["obj"] == Custom(3) and loaded["ok"] == 1
+
+    def test_plain_data_loads_without_pickle(self, tmp_path):
+        """Megatron-LM keeps its arguments as an argparse.Namespace in common.pt and Transformer
+        Engine its extra state as io.BytesIO: both rebuild plain data, so they load by default."""
+        state = {"args": argparse.Namespace(lr=0.1, name="gpt"), "extra": io.BytesIO(b"te")}
+        allowed = list(torch.serialization.get_safe_globals())
+        TorchCommonSaveStrategy().save_common(state, tmp_path)
+        assert not (tmp_path / UNSAFE_KEYS_FNAME).exists()
+        loaded = TorchCommonLoadStrategy().load_common(tmp_path)
+        assert loaded["args"] == argparse.Namespace(lr=0.1, name="gpt") and loaded["extra"].getvalue() == b"te"
+        assert torch.serialization.get_safe_globals() == allowed  # the allow-list was scoped to the load
 
     def test_missing_file(self, tmp_path):
         with pytest.raises(CorruptCheckpointError, match="missing") as info:
