@@ -270,14 +270,7 @@ def object_value(name: str, spec: ObjectSpec) -> Any:
 
 
 def _param_group() -> Dict[str, Any]:
-    return {
-        "lr": 0.0003,
-        "betas": (0.9, 0.95),
-        "eps": 1e-08,
-        "weight_decay": 0.1,
-        "params": [0, 1, 2],
-        "step": 5,
-    }
+    return {"lr": 0.0003, "betas": (0.9, 0.95), "eps": 1e-08, "weight_decay": 0.1, "params": [0, 1, 2], "step": 5}
 
 
 def _args(name: str, tp: int, pp: int, dp: int) -> Dict[str, Any]:
@@ -302,19 +295,12 @@ def expected_common(name: str) -> Dict[str, Any]:
             "checkpoint_version": 3.0,
             "args": _args(name, 2, 1, 1),
             "num_floating_point_operations_so_far": 123456789,
-            "content_metadata": {
-                "format": "golden-tp2",
-                "distrib_optim_sharding_type": "dp_reshardable",
-            },
+            "content_metadata": {"format": "golden-tp2", "distrib_optim_sharding_type": "dp_reshardable"},
         }
     if name == "pp2":
         return {"iteration": 20, "checkpoint_version": 3.0, "args": _args(name, 1, 2, 1)}
     if name == "tp2pp2":
-        return {
-            "iteration": 30,
-            "checkpoint_version": 3.0,
-            "args": argparse.Namespace(**_args(name, 2, 2, 1)),
-        }
+        return {"iteration": 30, "checkpoint_version": 3.0, "args": argparse.Namespace(**_args(name, 2, 2, 1))}
     if name == "dist_opt":
         return {"optimizer": {"param_state_sharding_type": "dp_reshardable"}, "iteration": 5}
     if name == "flat_legacy_mcore015":
@@ -421,18 +407,14 @@ Holders = Tuple[Tuple[int, int, Tuple[int, ...]], ...]
 """``(rank, tp_rank, global layers)`` for every rank that holds layers of a stacked tensor."""
 
 
-def _tp_split(
-    key: str, shape: Tuple[int, ...], dtype: torch.dtype, axis: int, ranks: Tuple[int, ...]
-) -> TensorSpec:
+def _tp_split(key: str, shape: Tuple[int, ...], dtype: torch.dtype, axis: int, ranks: Tuple[int, ...]) -> TensorSpec:
     """Split on ``axis`` over TP; ``ranks[tp]`` is the global rank of TP rank ``tp``."""
     tps = len(ranks)
     pieces = tuple(Piece(r, ((axis, tp, tps),), replica_id=(0, 0, 0)) for tp, r in enumerate(ranks))
     return TensorSpec(key, shape, dtype, pieces)
 
 
-def _tp_replicated(
-    key: str, shape: Tuple[int, ...], dtype: torch.dtype, ranks: Tuple[int, ...]
-) -> TensorSpec:
+def _tp_replicated(key: str, shape: Tuple[int, ...], dtype: torch.dtype, ranks: Tuple[int, ...]) -> TensorSpec:
     """Whole on every TP rank, replica id (0, tp, 0): TP rank 0's copy is stored."""
     pieces = tuple(Piece(r, (), replica_id=(0, tp, 0)) for tp, r in enumerate(ranks))
     return TensorSpec(key, shape, dtype, pieces)
@@ -443,12 +425,7 @@ def _whole(key: str, shape: Tuple[int, ...], dtype: torch.dtype, rank: int) -> T
 
 
 def _stacked(
-    key: str,
-    shape: Tuple[int, ...],
-    dtype: torch.dtype,
-    holders: Holders,
-    tps: int = 1,
-    tp_axis: Optional[int] = None,
+    key: str, shape: Tuple[int, ...], dtype: torch.dtype, holders: Holders, tps: int = 1, tp_axis: Optional[int] = None
 ) -> TensorSpec:
     """A layer-stacked tensor (leading layer axis prepended to each local layer's chunk).
 
@@ -514,9 +491,7 @@ def _pp2() -> Fixture:
 
 def _tp2pp2() -> Fixture:
     # global rank = pp * 2 + tp; stage pp holds layers 2 * pp and 2 * pp + 1
-    holders: Holders = tuple(
-        (pp * 2 + tp, tp, (2 * pp, 2 * pp + 1)) for pp in range(2) for tp in range(2)
-    )
+    holders: Holders = tuple((pp * 2 + tp, tp, (2 * pp, 2 * pp + 1)) for pp in range(2) for tp in range(2))
     first, last = (0, 1), (2, 3)
     qkv, proj = "linear_qkv.weight", "linear_proj.weight"
     attn = "decoder.layers.self_attention."
@@ -531,9 +506,7 @@ def _tp2pp2() -> Fixture:
     objects = tuple(
         ObjectSpec("rng_state", pp * 2 + tp, (2, 2), (pp, tp)) for pp in range(2) for tp in range(2)
     ) + tuple(
-        ObjectSpec(_EXTRA, (layer // 2) * 2 + tp, (4,), (layer,), (0, tp, 0))
-        for layer in range(4)
-        for tp in range(2)
+        ObjectSpec(_EXTRA, (layer // 2) * 2 + tp, (4,), (layer,), (0, tp, 0)) for layer in range(4) for tp in range(2)
     )
     return Fixture("tp2pp2", 4, MCORE_VERSION, tensors, objects)
 
@@ -555,10 +528,7 @@ def _dist_opt() -> Fixture:
             f"{_BUCKET_KEY}.{state}",
             (160,),
             FP32,
-            tuple(
-                Piece(rank, replica_id=(0, 0, 0), offset=off, length=n)
-                for rank, off, n in DIST_OPT_BUCKET_PIECES
-            ),
+            tuple(Piece(rank, replica_id=(0, 0, 0), offset=off, length=n) for rank, off, n in DIST_OPT_BUCKET_PIECES),
         )
         for state in ("param", "exp_avg", "exp_avg_sq")
     )
@@ -601,11 +571,7 @@ def _flat_legacy() -> Fixture:
         qkv: ((0, 0, 0, 96), (1, 0, 0, 20), (1, 1, 20, 96)),
     }
     shapes = {fc1w: (16, 8), fc1b: (16,), qkv: (2, 24, 8)}
-    tensors = [
-        model(fc1w, shapes[fc1w], False),
-        model(fc1b, shapes[fc1b], False),
-        model(qkv, shapes[qkv], True),
-    ]
+    tensors = [model(fc1w, shapes[fc1w], False), model(fc1b, shapes[fc1b], False), model(qkv, shapes[qkv], True)]
     for state in ("fp32_param", "exp_avg"):
         for key in (fc1w, fc1b, qkv):
             pieces = []
@@ -616,23 +582,13 @@ def _flat_legacy() -> Fixture:
                         prepend = 0
                     else:
                         offs, prepend = ((0, layer, 2), (1, tp, 2)), 1
-                    pieces.append(
-                        Piece(dp * 2 + tp, offs, prepend, (0, 0, 0), flattened_range=(start, stop))
-                    )
-            tensors.append(
-                TensorSpec(f"optimizer.state.{state}.{key}", shapes[key], FP32, tuple(pieces))
-            )
-    objects = tuple(
-        ObjectSpec("rng_state", dp * 2 + tp, (1, 2), (0, tp), dp)
-        for dp in range(2)
-        for tp in range(2)
-    )
+                    pieces.append(Piece(dp * 2 + tp, offs, prepend, (0, 0, 0), flattened_range=(start, stop)))
+            tensors.append(TensorSpec(f"optimizer.state.{state}.{key}", shapes[key], FP32, tuple(pieces)))
+    objects = tuple(ObjectSpec("rng_state", dp * 2 + tp, (1, 2), (0, tp), dp) for dp in range(2) for tp in range(2))
     return Fixture("flat_legacy_mcore015", 4, LEGACY_MCORE_VERSION, tuple(tensors), objects)
 
 
-FIXTURES: Dict[str, Fixture] = {
-    f.name: f for f in (_tp2(), _pp2(), _tp2pp2(), _dist_opt(), _flat_legacy())
-}
+FIXTURES: Dict[str, Fixture] = {f.name: f for f in (_tp2(), _pp2(), _tp2pp2(), _dist_opt(), _flat_legacy())}
 """Every golden torch_dist fixture by directory name."""
 
 
@@ -643,9 +599,7 @@ def expected_tensors(name: str) -> Dict[str, torch.Tensor]:
 
 def expected_objects(name: str) -> Dict[str, Any]:
     """Every stored ShardedObject value (main replicas only) by unique key."""
-    return {
-        o.unique_key: object_value(name, o) for o in FIXTURES[name].objects if o.is_main_replica
-    }
+    return {o.unique_key: object_value(name, o) for o in FIXTURES[name].objects if o.is_main_replica}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -71,11 +71,7 @@ def _sharded_tensor(spec: E.TensorSpec, piece: E.Piece, data: Any) -> Any:
         )
     else:
         sh = ShardedTensor.from_rank_offsets(
-            spec.key,
-            data,
-            *piece.rank_offsets,
-            replica_id=piece.replica_id,
-            prepend_axis_num=piece.prepend_axis_num,
+            spec.key, data, *piece.rank_offsets, replica_id=piece.replica_id, prepend_axis_num=piece.prepend_axis_num
         )
     got = (sh.global_shape, sh.global_offset, sh.local_shape, sh.axis_fragmentations)
     want = (
@@ -138,20 +134,12 @@ def _collect(loaded: Dict[str, Any], fixture: E.Fixture, rank: int) -> None:
         for i, piece in enumerate(spec.pieces):
             if piece.rank != rank:
                 continue
-            group = (
-                loaded["optimizer"]["param_state"]
-                if spec.key.startswith("optimizer.")
-                else loaded["model"]
-            )
-            E.assert_same(
-                group[f"{spec.key}#{i}"], E.local_data(spec, piece), f"rank {rank} {spec.key}#{i}"
-            )
+            group = loaded["optimizer"]["param_state"] if spec.key.startswith("optimizer.") else loaded["model"]
+            E.assert_same(group[f"{spec.key}#{i}"], E.local_data(spec, piece), f"rank {rank} {spec.key}#{i}")
     stored = E.expected_objects(fixture.name)  # a replica loads what its main replica stored
     for o in fixture.objects:
         if o.rank == rank:
-            E.assert_same(
-                loaded["rng"][o.unique_key], stored[o.unique_key], f"rank {rank} {o.unique_key}"
-            )
+            E.assert_same(loaded["rng"][o.unique_key], stored[o.unique_key], f"rank {rank} {o.unique_key}")
 
 
 def _verify(fixture: E.Fixture, rank: int, ckpt: str) -> None:
@@ -181,11 +169,7 @@ def _rank_main(rank: int, fixture: E.Fixture, out: str, port: int) -> None:
     if rank == 0:
         os.makedirs(fixture.name)
     dist.barrier()
-    dc.save(
-        sharded_state(fixture, rank, for_load=False),
-        fixture.name,
-        content_metadata=fixture.content_metadata,
-    )
+    dc.save(sharded_state(fixture, rank, for_load=False), fixture.name, content_metadata=fixture.content_metadata)
     dist.barrier()
     _verify(fixture, rank, fixture.name)
     dist.barrier()
@@ -201,13 +185,9 @@ def _free_port() -> int:
 def main(argv: List[str]) -> None:
     from importlib.metadata import version
 
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path, help="directory that receives <name>/ per fixture")
-    parser.add_argument(
-        "names", nargs="*", help="fixtures to write (default: all for this megatron-core)"
-    )
+    parser.add_argument("names", nargs="*", help="fixtures to write (default: all for this megatron-core)")
     args = parser.parse_args(argv)
     mcore = version("megatron-core")
     names = args.names or [f.name for f in E.FIXTURES.values() if f.mcore_version == mcore]
@@ -216,14 +196,10 @@ def main(argv: List[str]) -> None:
     for name in names:
         fixture = E.FIXTURES[name]
         if fixture.mcore_version != mcore:
-            raise SystemExit(
-                f"{name} is made with megatron-core {fixture.mcore_version}, not {mcore}"
-            )
+            raise SystemExit(f"{name} is made with megatron-core {fixture.mcore_version}, not {mcore}")
         if (args.out / name).exists():
             raise SystemExit(f"{args.out / name} exists; golden checkpoints are never rewritten")
-        mp.spawn(
-            _rank_main, args=(fixture, str(args.out.resolve()), _free_port()), nprocs=fixture.world
-        )
+        mp.spawn(_rank_main, args=(fixture, str(args.out.resolve()), _free_port()), nprocs=fixture.world)
         files = sorted(p for p in (args.out / name).rglob("*") if p.is_file())
         total = sum(p.stat().st_size for p in files)
         made_by = f"megatron-core {mcore}, torch {torch.__version__}"

@@ -18,12 +18,7 @@ from typing import Any, Dict, Tuple
 
 import pytest
 import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
 from tests.golden.torch_dist import expected as E
 
@@ -111,14 +106,10 @@ def test_legacy_metadata_records_reformulated_shapes() -> None:
     assert isinstance(md, _LegacyMetadata)
     for spec in fixture.tensors:
         if any(p.flattened_range for p in spec.pieces):
-            assert md.mcore_data[spec.key] == {
-                "nd_reformulated_orig_global_shape": spec.global_shape
-            }
+            assert md.mcore_data[spec.key] == {"nd_reformulated_orig_global_shape": spec.global_shape}
 
 
-def _expected_chunk(
-    spec: E.TensorSpec, offsets: Tuple[int, ...], sizes: Tuple[int, ...]
-) -> torch.Tensor:
+def _expected_chunk(spec: E.TensorSpec, offsets: Tuple[int, ...], sizes: Tuple[int, ...]) -> torch.Tensor:
     """The content of the stored chunk at ``offsets``: a slice of the (reformulated) tensor."""
     whole = E.full_tensor(spec.key, spec.global_shape, spec.dtype)
     flat = [p for p in spec.pieces if p.flattened_range is not None]
@@ -128,9 +119,7 @@ def _expected_chunk(
         loc = E.local_shape(spec, flat[0])
         prepend = flat[0].prepend_axis_num
         block = tuple(
-            slice(i, i + 1)
-            if axis < prepend
-            else slice(i * loc[axis - prepend], (i + 1) * loc[axis - prepend])
+            slice(i, i + 1) if axis < prepend else slice(i * loc[axis - prepend], (i + 1) * loc[axis - prepend])
             for axis, i in enumerate(offsets[:-1])
         )
         start = offsets[-1]
