@@ -16,6 +16,12 @@ checkpoint. Schema (format version 1)::
         "save_id": "3f2a..."              # random id of the save that committed it
       }
     }
+
+Megatron-Core reads ``metadata.json`` with ``CheckpointingConfig(**json)`` and refuses any key it
+does not know. For the backends Megatron-Core loads (:data:`MEGATRON_BACKENDS`: ``torch_dist``)
+``metadata.json`` therefore holds exactly its four keys, as Megatron-Core writes them, and the
+``"dist_ckpt"`` record goes to ``dist_ckpt.json`` (:data:`RECORD_FILENAME`) beside it, written
+before the commit; :func:`read_save_record` finds it in either place.
 """
 
 from __future__ import annotations
@@ -30,24 +36,32 @@ from typing import Any, Dict, Optional
 from dist_ckpt.errors import CheckpointExistsError, CheckpointingException, CorruptCheckpointError, NotACheckpointError
 from dist_ckpt.storage import write_bytes_atomic
 from dist_ckpt.storage.errors import ObjectExistsError, ObjectNotFoundError, StorageError
-from dist_ckpt.storage.location import LocationLike, location_str, resolve_location
+from dist_ckpt.storage.location import CheckpointLocation, LocationLike, location_str, resolve_location
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "CheckpointingConfig",
     "CheckpointingException",
+    "DCP_CONFIG",
+    "MEGATRON_BACKENDS",
     "METADATA_FILENAME",
     "HF_CONFIG",
+    "RECORD_FILENAME",
     "check_is_distributed_checkpoint",
     "detect_config",
     "maybe_load_config",
     "new_save_id",
     "read_config",
+    "read_save_record",
     "save_config",
 ]
 
 METADATA_FILENAME = "metadata.json"
+#: where dist_ckpt's record of a save goes when ``metadata.json`` must hold Megatron-Core's keys only
+RECORD_FILENAME = "dist_ckpt.json"
+#: sharded backends whose ``metadata.json`` Megatron-Core reads (and refuses with unknown keys)
+MEGATRON_BACKENDS = frozenset({"torch_dist"})
 FORMAT_VERSION = 1
 LIBRARY_VERSION = "0.1.0"
 
@@ -98,13 +112,19 @@ def save_config(
         save_config(CheckpointingConfig("safetensors"), "s3://bucket/ckpt/iter_10", world_size=8)
     """
     location = resolve_location(checkpoint_dir)
-    record: Dict[str, Any] = asdict(config)
-    record["dist_ckpt"] = {"format_version": FORMAT_VERSION, "library_version": LIBRARY_VERSION}
+    writer: Dict[str, Any] = {"format_version": FORMAT_VERSION, "library_version": LIBRARY_VERSION}
     if world_size is not None:
-        record["dist_ckpt"]["world_size"] = world_size
+        writer["world_size"] = world_size
     save_id = save_id or new_save_id()
-    record["dist_ckpt"]["save_id"] = save_id
-    data = json.dumps(record, indent=2, sort_keys=True).encode("utf-8")
+    writer["save_id"] = save_id
+    record: Dict[str, Any] = asdict(config)
+    beside = config.sharded_backend in MEGATRON_BACKENDS
+    if beside:  # Megatron-Core's exact metadata.json; the record in its own file, before the commit
+        data = json.dumps(record).encode("utf-8")
+        _write_record(location, json.dumps({"dist_ckpt": writer}, indent=2, sort_keys=True).encode("utf-8"))
+    else:
+        record["dist_ckpt"] = writer
+        data = json.dumps(record, indent=2, sort_keys=True).encode("utf-8")
     if isinstance(location, Path):
         write_bytes_atomic(location / METADATA_FILENAME, data)
         return
@@ -112,7 +132,7 @@ def save_config(
         location.put_if_absent(METADATA_FILENAME, data)
     except ObjectExistsError as e:
         try:
-            found = json.loads(location.read(METADATA_FILENAME).decode("utf-8")).get("dist_ckpt", {}).get("save_id")
+            found = read_save_record(location).get("save_id")
         except (ValueError, AttributeError, CheckpointingException):
             found = None
         if found != save_id:
@@ -123,6 +143,36 @@ def save_config(
         logger.info(
             "%s: the commit marker is ours (a retried put had already landed)", location.url_of(METADATA_FILENAME)
         )
+
+
+def _write_record(location: CheckpointLocation, data: bytes) -> None:
+    if isinstance(location, Path):
+        write_bytes_atomic(location / RECORD_FILENAME, data)
+    else:
+        location.write(RECORD_FILENAME, data)
+
+
+def read_save_record(checkpoint_dir: LocationLike) -> Dict[str, Any]:
+    """dist_ckpt's record of the save that committed ``checkpoint_dir`` (``format_version``,
+    ``library_version``, ``world_size``, ``save_id``): the ``"dist_ckpt"`` entry of
+    ``metadata.json``, or of ``dist_ckpt.json`` for Megatron-format checkpoints; {} when there is
+    none (a checkpoint written by another tool) or it is unreadable.
+
+    Example::
+
+        read_save_record("ckpt/iter_10").get("world_size")     # 8
+    """
+    location = resolve_location(checkpoint_dir)
+    for name in (METADATA_FILENAME, RECORD_FILENAME):
+        try:
+            raw = (location / name).read_bytes() if isinstance(location, Path) else location.read(name)
+            doc = json.loads(raw.decode("utf-8"))
+        except (OSError, ValueError, CheckpointingException):  # absent or damaged: not recorded there
+            continue
+        found = doc.get("dist_ckpt") if isinstance(doc, dict) else None
+        if isinstance(found, dict):
+            return found
+    return {}
 
 
 def _parse_config(raw: bytes, where: str) -> CheckpointingConfig:
@@ -191,19 +241,27 @@ def read_config(checkpoint_dir: LocationLike) -> CheckpointingConfig:
 #: built-in read-only "hf" strategies (dist_ckpt.hf.strategy)
 HF_CONFIG = CheckpointingConfig("hf", 1, "hf", 1)
 _HF_WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors")
+#: how a plain torch.distributed.checkpoint directory (DCP's ``.metadata``, no metadata.json) is
+#: loaded: with the built-in read-only "dcp" strategies (dist_ckpt.backends.torch_dist.plain)
+DCP_CONFIG = CheckpointingConfig("dcp", 1, "dcp", 1)
+#: DCP's metadata file, written last by its save: what makes a directory a DCP checkpoint
+DCP_METADATA_FILENAME = ".metadata"
 
 
 def detect_config(checkpoint_dir: LocationLike) -> CheckpointingConfig:
-    """The config to load ``checkpoint_dir`` with: its ``metadata.json``, or :data:`HF_CONFIG` for
-    a local folder without one that holds HuggingFace weights (``model.safetensors`` or its index).
+    """The config to load ``checkpoint_dir`` with: its ``metadata.json``; for a local folder without
+    one, :data:`HF_CONFIG` if it holds HuggingFace weights (``model.safetensors`` or its index), or
+    :data:`DCP_CONFIG` if it holds DCP's ``.metadata`` (``torch.distributed.checkpoint.save``).
 
-    An HF folder is not a committed dist_ckpt checkpoint (:func:`check_is_distributed_checkpoint`
-    stays False); this only lets ``load`` read it. HF folders are read from local disks only.
+    Neither is a committed dist_ckpt checkpoint (:func:`check_is_distributed_checkpoint` stays
+    False); this only lets ``load`` read them. Both are read from local disks only.
     """
     location = resolve_location(checkpoint_dir)
-    if isinstance(location, Path):
-        if not (location / METADATA_FILENAME).exists() and any((location / f).is_file() for f in _HF_WEIGHT_FILES):
+    if isinstance(location, Path) and not (location / METADATA_FILENAME).exists():
+        if any((location / f).is_file() for f in _HF_WEIGHT_FILES):
             return HF_CONFIG
+        if (location / DCP_METADATA_FILENAME).is_file():
+            return DCP_CONFIG
     return read_config(location)
 
 

@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import shutil
 import time
@@ -90,7 +91,12 @@ def get_default_save_common_strategy(
 
 
 def _owned_names(strategies: List[Any]) -> Set[str]:
+    """The top-level names the strategies write; an entry may be a glob pattern (``__*.distcp``)."""
     return {name for s in strategies for name in getattr(s, "owned_paths", ())}
+
+
+def _is_owned(name: str, owned: Set[str]) -> bool:
+    return name in owned or any(fnmatch.fnmatchcase(name, pattern) for pattern in owned if "*" in pattern)
 
 
 def _prepare_directory(checkpoint_dir: CheckpointLocation, strategies: List[Any]) -> None:
@@ -112,7 +118,7 @@ def _prepare_directory(checkpoint_dir: CheckpointLocation, strategies: List[Any]
             f"save to a new directory or delete it first"
         )
     owned = _owned_names(strategies)
-    leftovers = sorted(name for name in owned if (checkpoint_dir / name).exists())
+    leftovers = sorted(p.name for p in checkpoint_dir.iterdir() if _is_owned(p.name, owned))
     if leftovers:
         logger.warning(
             "%s holds %s from an interrupted save (no %s); removing them before saving",
@@ -133,7 +139,7 @@ def _prepare_prefix(storage: Storage, strategies: List[Any]) -> None:
             f"save to a new location or delete it first"
         )
     owned = _owned_names(strategies)
-    leftovers = sorted({o.key for o in storage.list() if o.key.split("/", 1)[0] in owned})
+    leftovers = sorted({o.key for o in storage.list() if _is_owned(o.key.split("/", 1)[0], owned)})
     if leftovers:
         logger.warning(
             "%s holds %d objects under %s from an interrupted save (no %s); deleting them before saving",

@@ -361,7 +361,6 @@ class TestStrategies:
         )
         assert out["step"] == 7
 
-
     def test_strategy_that_loads_objects_and_replaces_leaves_in_place(self, ckpt):
         """A sharded strategy that handles ShardedObjects receives the request itself (no split):
         replacing its leaves in place, as the built-in loaders do, must not lose them."""

@@ -1,0 +1,390 @@
+"""The ``torch_dist`` load strategy: Megatron-Core and plain DCP checkpoints, resharded by DCP.
+
+Reads what Megatron-Core's ``torch_dist`` backend (and dist_ckpt's) writes, in any layout the
+request describes: TP/PP/DP resharding, flattened ranges -- requested, or stored in Megatron-Core's
+reformulated layout --, ``allow_shape_mismatch``, dtype casting, ShardedObjects. Steps:
+
+1. read ``.metadata`` with the restricted unpickler (:mod:`.metadata`: nothing from the file is
+   run) and, when the checkpoint has one, the checksum manifest;
+2. check every request against it before reading a byte: absent keys raise
+   :class:`~dist_ckpt.errors.KeyMismatchError`, global shapes that differ raise
+   :class:`~dist_ckpt.errors.LoadMismatchError` (unless ``allow_shape_mismatch``), dtypes that differ
+   are cast (logged at INFO) unless ``allow_dtype_cast=False``;
+3. plan the reads (:mod:`.read_plan`: DCP's own resharding helper) and run them with DCP's
+   ``load`` on this rank alone (``no_dist=True``: no collective, so it also works without a process
+   group), through DCP's ``FileSystemReader``, which ``copy_`` s each stored item into the result
+   -- in place when the request's ``data`` is allocated;
+4. when the manifest records checksums, each item's bytes are checked against their crc32c
+   before they are unpickled; ShardedObjects are unpickled with ``torch.load(weights_only=True)``
+   (:data:`~dist_ckpt.backends.torch_common.strategy.PLAIN_DATA_GLOBALS` allowed), never with full
+   pickle unless ``allow_pickle``.
+
+Plain DCP directories (``torch.distributed.checkpoint.save`` of torchtitan, OLMo-core, ...: no
+``metadata.json``) are read by the same code; their bytes entries are not ShardedObjects but the
+state dict's other values, which :class:`~.plain.DCPCommonLoadStrategy` returns as the common state.
+
+Example::
+
+    dc.load(sharded_state_dict, "megatron_ckpt/iter_0001000")      # metadata.json says torch_dist
+    dc.load(sd, ckpt, sharded_strategy=TorchDistLoadShardedStrategy(allow_pickle=True))  # trusted
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import pickle
+import warnings
+from bisect import bisect_left
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, ClassVar, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+from dist_ckpt.backends.base import LoadShardedStrategy
+from dist_ckpt.backends.request_checks import stored_mismatches
+from dist_ckpt.backends.stored_shards import StoredShardInfo
+from dist_ckpt.backends.torch_common.strategy import safe_torch_load
+from dist_ckpt.backends.torch_dist.checksums import (
+    CHECKSUMS_FILENAME,
+    FileSpans,
+    Span,
+    check_bytes,
+    parse_manifest,
+    spans_within,
+)
+from dist_ckpt.backends.torch_dist.layout import (
+    TorchDistLayout,
+    describe_layout,
+    parse_layout,
+    sharded_metadata,
+    tensors_metadata,
+)
+from dist_ckpt.backends.torch_dist.metadata import DCP_METADATA_FILENAME, unpickle_metadata
+from dist_ckpt.backends.torch_dist.read_plan import ReadPlanner, object_read_item, plan_tensor_reads
+from dist_ckpt.engine.distributed import get_rank
+from dist_ckpt.errors import (
+    CheckpointingException,
+    CorruptCheckpointError,
+    KeyMismatchError,
+    LoadMismatchError,
+    NotACheckpointError,
+    UnsafeObjectError,
+    format_keys,
+    format_problems,
+)
+from dist_ckpt.integrity.checksums import IntegrityReport
+from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
+from dist_ckpt.model.sharded import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
+from dist_ckpt.storage.location import CheckpointLocation, require_local, resolve_location
+
+__all__ = ["OpenedCheckpoint", "TorchDistLoadShardedStrategy", "open_checkpoint", "run_dcp_load", "unpickle_item"]
+
+logger = logging.getLogger(__name__)
+
+_OPT_IN = "sharded_strategy=TorchDistLoadShardedStrategy(allow_pickle=True)"
+
+
+@dataclass(frozen=True)
+class OpenedCheckpoint:
+    """A DCP checkpoint's layout and, when recorded, the checksum spans of its files."""
+
+    directory: Path
+    layout: TorchDistLayout
+    manifest: Optional[Dict[str, FileSpans]]
+
+
+def _directory(checkpoint_dir: CheckpointLocation) -> Path:
+    return require_local(
+        resolve_location(checkpoint_dir), "the torch_dist loader (torch.distributed.checkpoint's files)"
+    )
+
+
+def open_checkpoint(directory: Path, allow_pickle: bool = False, verify_checksums: bool = True) -> OpenedCheckpoint:
+    """Read ``.metadata`` (restricted unpickler) and the checksum manifest, if any.
+
+    With ``verify_checksums``, ``.metadata`` itself is checked against the manifest first.
+
+    Raises:
+        NotACheckpointError: no ``.metadata``.
+        UnsafeObjectError, CorruptCheckpointError, ChecksumMismatchError: see :mod:`.metadata`.
+    """
+    path = directory / DCP_METADATA_FILENAME
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise NotACheckpointError(
+            f"{str(directory)!r} holds no {DCP_METADATA_FILENAME}: not a torch.distributed.checkpoint checkpoint, "
+            f"or its save did not finish"
+        ) from None
+    manifest = None
+    manifest_path = directory / CHECKSUMS_FILENAME
+    if manifest_path.is_file():
+        manifest = parse_manifest(manifest_path.read_bytes(), str(manifest_path))
+        recorded = manifest.get(DCP_METADATA_FILENAME)
+        if verify_checksums and recorded is not None:
+            if len(raw) != recorded.size:
+                raise CorruptCheckpointError(
+                    f"{path} has {len(raw)} bytes, {recorded.size} were recorded at save time (truncated or replaced)"
+                )
+            check_bytes(raw, 0, recorded.spans, str(path), "the DCP metadata")
+    layout = parse_layout(unpickle_metadata(raw, str(path), allow_pickle), str(directory))
+    return OpenedCheckpoint(directory, layout, manifest)
+
+
+def unpickle_item(data: bytes, where: str, what: str, allow_pickle: bool, opt_in: str = _OPT_IN) -> Any:
+    """A bytes entry's value, unpickled without running code from the file (unless ``allow_pickle``).
+
+    Raises:
+        UnsafeObjectError: the value needs classes ``weights_only`` refuses (names them, ``what``,
+            the file and the opt-in).
+        CorruptCheckpointError: not a ``torch.save`` archive.
+    """
+    try:
+        return safe_torch_load(data, allow_pickle)
+    except pickle.UnpicklingError as e:
+        try:
+            unsafe = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data)))
+        except Exception:  # noqa: BLE001 -- damaged bytes: reported below
+            unsafe = []
+        if unsafe:
+            raise UnsafeObjectError(
+                f"{what} in {where} needs full pickle to load ({', '.join(unsafe)}): loading it would run code from "
+                f"the checkpoint. If you trust it, pass {opt_in}"
+            ) from e
+        raise CorruptCheckpointError(f"{what} in {where} cannot be unpickled: {e}") from e
+    except Exception as e:  # noqa: BLE001 -- torch.load fails in many ways on damaged bytes
+        raise CorruptCheckpointError(f"{what} in {where} is truncated or corrupt: {type(e).__name__}: {e}") from e
+
+
+class _Reader(FileSystemReader):
+    """DCP's file reader, given the metadata already read safely, checking each item's bytes
+    against the recorded crc32c (when there is a manifest) before DCP unpickles them."""
+
+    def __init__(self, opened: OpenedCheckpoint, verify: bool) -> None:
+        super().__init__(opened.directory)
+        self._opened = opened
+        self._spans: Dict[str, Tuple[List[int], Tuple[Span, ...]]] = {}
+        if verify and opened.manifest is not None:
+            for name, spans in opened.manifest.items():
+                self._spans[name] = ([s[0] for s in spans.spans], spans.spans)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = self._opened.layout.metadata
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        assert metadata.storage_meta is not None
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
+        found = self._spans.get(sinfo.relative_path)
+        inside = None
+        if found is not None:
+            starts, spans = found
+            first = bisect_left(starts, sinfo.offset)
+            inside = spans_within(spans[first : first + 64], sinfo.offset, sinfo.length)
+        if inside is None:
+            return super()._slice_file(file, sinfo)
+        file.seek(sinfo.offset)
+        data = file.read(sinfo.length)
+        where = str(self._opened.directory / sinfo.relative_path)
+        if len(data) != sinfo.length:
+            raise CorruptCheckpointError(
+                f"{where} ends before byte {sinfo.offset + sinfo.length} of an item the DCP metadata lists (truncated)"
+            )
+        check_bytes(data, sinfo.offset, inside, where, f"[rank {get_rank()}] item at byte {sinfo.offset}")
+        return io.BytesIO(data)
+
+
+def run_dcp_load(opened: OpenedCheckpoint, planner: ReadPlanner, verify: bool) -> None:
+    """Run DCP's ``load`` with ``planner`` on this rank alone (no collective) and turn DCP's
+    ``CheckpointException`` (a BaseException) back into the error that caused it."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp_load({}, storage_reader=_Reader(opened, verify), planner=planner, no_dist=True)
+    except CheckpointException as e:
+        for error, _ in e.failures.values():
+            if isinstance(error, CheckpointingException):
+                raise error from None
+            raise CorruptCheckpointError(
+                f"[rank {get_rank()}] reading {opened.directory} failed: {type(error).__name__}: {error}"
+            ) from error
+        raise CorruptCheckpointError(f"[rank {get_rank()}] reading {opened.directory} failed: {e}") from e
+
+
+class TorchDistLoadShardedStrategy(LoadShardedStrategy):
+    """Loads ``torch_dist`` checkpoints (Megatron-Core's, and dist_ckpt's) into any sharding.
+
+    Needs no process group (no collective is called). Keeps the last checkpoint's parsed
+    metadata, so loading tensor by tensor (unshard, convert) reads ``.metadata`` once.
+
+    Args:
+        allow_pickle: unpickle ``.metadata`` and ShardedObjects with full pickle (runs code from
+            the checkpoint: only for checkpoints you trust).
+        verify_checksums: check each item read against the crc32c recorded at save time (when
+            the checkpoint has ``torch_dist.checksums.json``).
+        allow_dtype_cast: load a tensor stored in another dtype into the requested one (as
+            Megatron-Core and DCP do); False raises :class:`~dist_ckpt.errors.LoadMismatchError`.
+
+    Example::
+
+        dc.load(sd, "ckpt", sharded_strategy=TorchDistLoadShardedStrategy(verify_checksums=False))
+    """
+
+    supported_backends: ClassVar[Tuple[str, ...]] = ("torch_dist",)
+    supported_versions: ClassVar[Tuple[int, ...]] = (1,)
+    #: bytes entries are Megatron-Core ShardedObjects (``torch.save`` of a list of values)
+    megatron_objects: ClassVar[bool] = True
+
+    def __init__(
+        self, allow_pickle: bool = False, verify_checksums: bool = True, allow_dtype_cast: bool = True
+    ) -> None:
+        self.allow_pickle = allow_pickle
+        self.verify_checksums = verify_checksums
+        self.allow_dtype_cast = allow_dtype_cast
+        self._cached: Optional[Tuple[Tuple[str, int, int], OpenedCheckpoint]] = None
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def open(self, checkpoint_dir: CheckpointLocation) -> OpenedCheckpoint:
+        """The checkpoint's layout (cached while ``.metadata`` is unchanged)."""
+        directory = _directory(checkpoint_dir)
+        try:
+            stat = (directory / DCP_METADATA_FILENAME).stat()
+            key: Optional[Tuple[str, int, int]] = (str(directory.resolve()), stat.st_mtime_ns, stat.st_size)
+        except FileNotFoundError:
+            key = None
+        if key is not None and self._cached is not None and self._cached[0] == key:
+            return self._cached[1]
+        opened = open_checkpoint(directory, self.allow_pickle, self.verify_checksums)
+        if key is not None:
+            self._cached = (key, opened)
+        return opened
+
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> StateDict:
+        opened = self.open(checkpoint_dir)
+        layout = opened.layout
+        tensors = [x for x in nested_values(sharded_state_dict) if isinstance(x, ShardedTensor)]
+        objects = [x for x in nested_values(sharded_state_dict) if isinstance(x, ShardedObject)]
+        # 2. check everything before reading
+        self._check_tensors(tensors, layout)
+        self._check_objects(objects, layout)
+        # 3. plan and read
+        results, items, targets = plan_tensor_reads(tensors, layout)
+        requesters: Dict[str, List[ShardedObject]] = {}
+        for obj in objects:
+            requesters.setdefault(obj.unique_key, []).append(obj)
+        items += [object_read_item(key) for key in requesters]
+        loaded: Dict[str, Any] = {}
+
+        def on_bytes(key: str, data: bytes) -> None:
+            loaded[key] = self._object_values(key, data, len(requesters[key]), opened)
+
+        if items:
+            run_dcp_load(opened, ReadPlanner(items, targets, on_bytes), self.verify_checksums)
+        served: Dict[int, Any] = {}
+        for key, group in requesters.items():
+            for obj, value in zip(group, loaded[key]):
+                served[id(obj)] = value
+
+        def result(x: Any) -> Any:
+            if isinstance(x, ShardedTensor):
+                return results[id(x)]
+            if isinstance(x, ShardedObject):
+                return served[id(x)]
+            return x
+
+        return dict_list_map_inplace(result, sharded_state_dict)  # type: ignore[no-any-return]
+
+    def _check_tensors(self, tensors: Sequence[ShardedTensor], layout: TorchDistLayout) -> None:
+        rank = get_rank()
+        absent = sorted({sh.key for sh in tensors if sh.key not in layout.tensors})
+        if absent:
+            raise KeyMismatchError(
+                f"[rank {rank}] tensors requested by load but absent from checkpoint {layout.where!r}: "
+                f"{format_keys(absent)}",
+                unexpected_keys=absent,
+            )
+        problems: List[str] = []
+        casts: Dict[str, str] = {}
+        for sh in tensors:
+            stored = layout.tensors[sh.key]
+            dtype = sh.dtype if self.allow_dtype_cast else stored.dtype
+            problems.extend(p for p in stored_mismatches(sh, dtype, stored.shape) if p not in problems)
+            if sh.dtype != stored.dtype:
+                casts[sh.key] = f"{stored.dtype} -> {sh.dtype}"
+        if problems:
+            raise LoadMismatchError(
+                f"[rank {rank}] checkpoint {layout.where!r} does not match the requested tensors: "
+                f"{format_problems(problems)}"
+            )
+        if casts:
+            logger.info(
+                "[rank %d] casting %d tensors of %s to the requested dtypes: %s",
+                rank,
+                len(casts),
+                layout.where,
+                ", ".join(f"{k} ({v})" for k, v in sorted(casts.items())[:20]),
+            )
+
+    def _check_objects(self, objects: Sequence[ShardedObject], layout: TorchDistLayout) -> None:
+        missing = sorted({o.unique_key for o in objects if o.unique_key not in layout.byte_items})
+        if not missing:
+            return
+        rank = get_rank()
+        damaged = [
+            k for k in missing if any(s.startswith(k.rpartition("/shard_")[0] + "/shard_") for s in layout.byte_items)
+        ]
+        if damaged:
+            raise CorruptCheckpointError(
+                f"[rank {rank}] ShardedObject shards {format_keys(damaged)} are not in checkpoint {layout.where!r}, "
+                f"though other shards of their keys are (the checkpoint is incomplete)"
+            )
+        absent = sorted({k.rpartition("/shard_")[0] for k in missing})
+        raise KeyMismatchError(
+            f"[rank {rank}] ShardedObjects requested by load but absent from checkpoint {layout.where!r}: "
+            f"{format_keys(absent)}",
+            unexpected_keys=absent,
+        )
+
+    def _object_values(self, key: str, data: bytes, count: int, opened: OpenedCheckpoint) -> List[Any]:
+        """The values for the ``count`` requesters of bytes entry ``key`` on this rank."""
+        item = opened.layout.byte_items[key]
+        where = str(opened.directory / item.file)
+        value = unpickle_item(data, where, f"ShardedObject {key!r}", self.allow_pickle)
+        if not self.megatron_objects:
+            return [value] * count
+        if not isinstance(value, list) or len(value) not in (1, count):
+            raise CorruptCheckpointError(
+                f"[rank {get_rank()}] ShardedObject {key!r} in {where}: Megatron-Core stores a list with one value "
+                f"per saved replica, found {type(value).__name__}"
+                + (f" of {len(value)}" if isinstance(value, list) else "")
+                + f" for {count} requesting ShardedObjects"
+            )
+        return value * count if len(value) == 1 else value
+
+    def load_tensors_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
+        return tensors_metadata(self.open(checkpoint_dir).layout)
+
+    def load_sharded_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
+        return sharded_metadata(self.open(checkpoint_dir).layout, with_objects=self.megatron_objects)
+
+    def describe_stored_shards(self, checkpoint_dir: CheckpointLocation) -> Optional[Dict[str, List[StoredShardInfo]]]:
+        """Every stored chunk: box (or flattened range of a block), file, byte count."""
+        return describe_layout(self.open(checkpoint_dir).layout)
+
+    def verify_integrity(self, checkpoint_dir: CheckpointLocation) -> IntegrityReport:
+        """Every item of every DCP file against the recorded crc32c; without a manifest (written
+        by another tool) every item is checked as a ``torch.save`` archive (its zip CRC-32s)."""
+        from dist_ckpt.backends.torch_dist.verify import verify_torch_dist
+
+        return verify_torch_dist(_directory(checkpoint_dir), self.allow_pickle)

@@ -1,0 +1,122 @@
+"""Plain DCP directories: what ``torch.distributed.checkpoint.save`` writes (torchtitan, OLMo-core).
+
+A directory with DCP's ``.metadata`` and no ``metadata.json`` is loaded with the backend
+``("dcp", 1)`` (see :func:`dist_ckpt.engine.commit.detect_config`), as HuggingFace folders are with
+``("hf", 1)``:
+
+* tensors are requested by their DCP key -- the state dict's flattened path, ``model.layers.0.w``
+  -- with ShardedTensors describing the part each rank wants, in any layout (DTensor and
+  ShardedTensor checkpoints are stored as chunks like any other);
+* the state dict's other values (``step``, ``param_groups``, ``io.BytesIO`` blobs) are DCP bytes
+  entries: they form the *common state*, nested again along the paths DCP recorded in its
+  ``planner_data`` (a key without a recorded path stays flat), unpickled with
+  ``torch.load(weights_only=True)`` (:data:`~dist_ckpt.backends.torch_common.strategy.PLAIN_DATA_GLOBALS`
+  allowed) unless ``allow_pickle``;
+* there are no ShardedObjects: requesting one raises :class:`~dist_ckpt.errors.KeyMismatchError`.
+
+Example::
+
+    sd = {"w": ShardedTensor.from_rank_offsets("model.layers.0.w", local, (0, rank, world))}
+    state = dc.load(sd, "torchtitan/step-1000")          # state["step"] comes from the bytes entries
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Dict, List, Tuple
+
+from dist_ckpt.backends.base import LoadCommonStrategy
+from dist_ckpt.backends.torch_dist.layout import StoredItem
+from dist_ckpt.backends.torch_dist.load import TorchDistLoadShardedStrategy, _directory, open_checkpoint, unpickle_item
+from dist_ckpt.engine.distributed import get_rank
+from dist_ckpt.errors import KeyMismatchError, format_keys
+from dist_ckpt.integrity.checksums import IntegrityReport
+from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
+from dist_ckpt.model.sharded import ShardedObject, ShardedStateDict, StateDict
+from dist_ckpt.storage.location import CheckpointLocation
+
+__all__ = ["DCP_BACKEND", "DCPCommonLoadStrategy", "DCPLoadShardedStrategy"]
+
+#: the backend of plain DCP directories (read only)
+DCP_BACKEND: Tuple[str, int] = ("dcp", 1)
+_OPT_IN = "common_strategy=DCPCommonLoadStrategy(allow_pickle=True)"
+
+
+class DCPLoadShardedStrategy(TorchDistLoadShardedStrategy):
+    """The tensors of a plain DCP directory, in any sharding (see :class:`TorchDistLoadShardedStrategy`
+    for the arguments); its bytes entries are common state, not ShardedObjects."""
+
+    supported_backends: ClassVar[Tuple[str, ...]] = (DCP_BACKEND[0],)
+    supported_versions: ClassVar[Tuple[int, ...]] = (DCP_BACKEND[1],)
+    megatron_objects: ClassVar[bool] = False
+
+
+def _path_of(planner_data: Any, key: str) -> Tuple[Any, ...]:
+    path = planner_data.get(key) if isinstance(planner_data, dict) else None
+    if isinstance(path, (tuple, list)) and path and all(isinstance(p, (str, int)) for p in path):
+        return tuple(path)
+    return (key,)
+
+
+def _insert(state: Dict[Any, Any], path: Tuple[Any, ...], value: Any, key: str) -> None:
+    node = state
+    for part in path[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):  # two paths disagree: keep the value under its flat key
+            state[key] = value
+            return
+        node = child
+    node[path[-1]] = value
+
+
+class DCPCommonLoadStrategy(LoadCommonStrategy):
+    """The common state of a plain DCP directory: every bytes entry, unpickled safely.
+
+    Args:
+        allow_pickle: unpickle with full pickle (runs code from the checkpoint; trusted only).
+    """
+
+    supported_backends: ClassVar[Tuple[str, ...]] = (DCP_BACKEND[0],)
+    supported_versions: ClassVar[Tuple[int, ...]] = (DCP_BACKEND[1],)
+
+    def __init__(self, allow_pickle: bool = False) -> None:
+        self.allow_pickle = allow_pickle
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def load_common(self, checkpoint_dir: CheckpointLocation) -> StateDict:
+        directory = _directory(checkpoint_dir)
+        opened = open_checkpoint(directory, self.allow_pickle)
+        planner_data = opened.layout.metadata.planner_data
+        state: Dict[Any, Any] = {}
+        by_file: Dict[str, List[Tuple[int, str, StoredItem]]] = {}
+        for key, item in opened.layout.byte_items.items():
+            by_file.setdefault(item.file, []).append((item.offset, key, item))
+        for name, entries in sorted(by_file.items()):
+            with open(directory / name, "rb") as f:
+                for offset, key, item in sorted(entries, key=lambda e: e[0]):
+                    f.seek(offset)
+                    data = f.read(item.length)
+                    value = unpickle_item(data, str(directory / name), f"value {key!r}", self.allow_pickle, _OPT_IN)
+                    _insert(state, _path_of(planner_data, key), value, key)
+        return state
+
+    def load_sharded_objects(
+        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation
+    ) -> StateDict:
+        requested = sorted({o.key for o in nested_values(sharded_objects_state_dict) if isinstance(o, ShardedObject)})
+        if requested:
+            raise KeyMismatchError(
+                f"[rank {get_rank()}] DCP checkpoint {str(checkpoint_dir)!r} holds no ShardedObjects (its non-tensor "
+                f"values are its common state); requested: {format_keys(requested)}",
+                unexpected_keys=requested,
+            )
+        return dict_list_map_inplace(lambda x: x, sharded_objects_state_dict)  # type: ignore[no-any-return]
+
+    def load_sharded_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
+        return {}
+
+    def verify_integrity(self, checkpoint_dir: CheckpointLocation) -> IntegrityReport:
+        """Nothing of its own: the bytes entries are checked with the DCP files."""
+        return IntegrityReport()
