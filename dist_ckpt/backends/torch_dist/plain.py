@@ -9,7 +9,8 @@ A directory with DCP's ``.metadata`` and no ``metadata.json`` is loaded with the
   ShardedTensor checkpoints are stored as chunks like any other);
 * the state dict's other values (``step``, ``param_groups``, ``io.BytesIO`` blobs) are DCP bytes
   entries: they form the *common state*, nested again along the paths DCP recorded in its
-  ``planner_data`` (a key without a recorded path stays flat), unpickled with
+  ``planner_data`` (lists where a path has integer components; a key without a recorded path
+  stays flat), unpickled with
   ``torch.load(weights_only=True)`` (:data:`~dist_ckpt.backends.torch_common.strategy.PLAIN_DATA_GLOBALS`
   allowed) unless ``allow_pickle``;
 * there are no ShardedObjects: requesting one raises :class:`~dist_ckpt.errors.KeyMismatchError`.
@@ -57,14 +58,30 @@ def _path_of(planner_data: Any, key: str) -> Tuple[Any, ...]:
     return (key,)
 
 
+def _slot(node: Any, part: Any) -> bool:
+    """Whether ``part`` can index ``node`` (a list grows to hold it)."""
+    if isinstance(node, list) and isinstance(part, int) and part >= 0:
+        node.extend([None] * (part + 1 - len(node)))
+        return True
+    return isinstance(node, dict)
+
+
 def _insert(state: Dict[Any, Any], path: Tuple[Any, ...], value: Any, key: str) -> None:
-    node = state
-    for part in path[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):  # two paths disagree: keep the value under its flat key
+    """Put ``value`` at ``path`` of ``state``, creating lists for integer components and dicts for
+    the others (as DCP's unflattening does); a path that clashes keeps it under its flat key."""
+    node: Any = state
+    for part, following in zip(path[:-1], path[1:]):
+        empty: Any = [] if isinstance(following, int) else {}
+        if not _slot(node, part):
             state[key] = value
             return
+        child = node[part] if isinstance(node, list) else node.setdefault(part, empty)
+        if child is None:
+            child = node[part] = empty
         node = child
+    if not _slot(node, path[-1]):
+        state[key] = value
+        return
     node[path[-1]] = value
 
 
