@@ -220,31 +220,13 @@ def _meta_tensor(shape: Shape, dtype: torch.dtype) -> torch.Tensor:
 
 
 def tensors_metadata(layout: TorchDistLayout) -> ShardedStateDict:
-    """``{key: ShardedTensor}`` (whole, data on the meta device) of every stored tensor.
-
-    A tensor stored reformulated (flattened ranges) is described as it was saved: local and
-    global shape its original shape, with a ``flattened_range`` covering all of it, so that loading
-    this description returns it flat (1-D), as the distributed optimizer saved it.
-    """
-    out: ShardedStateDict = {}
-    for key in sorted(layout.tensors):
-        stored = layout.tensors[key]
-        if stored.original_shape is None:
-            out[key] = ShardedTensor.from_rank_offsets(key, _meta_tensor(stored.shape, stored.dtype))
-            continue
-        numel = math.prod(stored.shape)
-        template = ShardedTensor.from_rank_offsets(key, _meta_tensor(stored.shape, stored.dtype))
-        out[key] = ShardedTensor(
-            key,
-            _meta_tensor((numel,), stored.dtype),
-            stored.dtype,
-            template.local_shape,
-            template.global_shape,
-            template.global_offset,
-            template.axis_fragmentations,
-            flattened_range=slice(0, numel),
-        )
-    return out
+    """``{key: ShardedTensor}`` (whole, data on the meta device) of every stored tensor, in its
+    real global shape: a tensor stored reformulated (flattened ranges) by its original shape, as the
+    other backends describe flattened tensors."""
+    return {
+        key: ShardedTensor.from_rank_offsets(key, _meta_tensor(layout.tensors[key].shape, layout.tensors[key].dtype))
+        for key in sorted(layout.tensors)
+    }
 
 
 def sharded_metadata(layout: TorchDistLayout, with_objects: bool) -> ShardedStateDict:
