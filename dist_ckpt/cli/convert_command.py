@@ -30,11 +30,12 @@ def add_convert_command(subparsers: SubParsers, common: argparse.ArgumentParser)
     p = subparsers.add_parser(
         "convert",
         parents=[common],
-        help="write a checkpoint again in another backend (safetensors, zarr, hf), tensor by tensor",
+        help="write a checkpoint again in another backend (safetensors, zarr, torch_dist, hf), tensor by tensor",
         description=(
             "Read every tensor of the checkpoint SRC (any backend, saved by any number of ranks, "
-            "or a HuggingFace folder) and write it to DST in the backend --to: a dist_ckpt backend "
-            "(safetensors, zarr; NAME or NAME:VERSION) with the common state and every "
+            "a HuggingFace folder, or a torch.distributed.checkpoint directory) and write it to DST in the "
+            "backend --to: a dist_ckpt backend (safetensors, zarr, torch_dist; NAME or NAME:VERSION) with the "
+            "common state and every "
             "ShardedObject, or 'hf' for a HuggingFace folder (tensors only). One tensor is in memory "
             "at a time, so memory stays bounded by the largest tensor; no process group is needed. "
             "metadata.json is written last: an interrupted conversion is never a checkpoint, and a "
@@ -42,7 +43,10 @@ def add_convert_command(subparsers: SubParsers, common: argparse.ArgumentParser)
         ),
     )
     p.add_argument(
-        "src", metavar="SRC", help="a committed checkpoint or a HuggingFace folder: a directory or s3://bucket/prefix"
+        "src",
+        metavar="SRC",
+        help="a committed checkpoint, a HuggingFace folder or a torch.distributed.checkpoint directory: a directory "
+        "or s3://bucket/prefix",
     )
     p.add_argument(
         "dst",
@@ -55,7 +59,7 @@ def add_convert_command(subparsers: SubParsers, common: argparse.ArgumentParser)
         type=_target,
         required=True,
         metavar="BACKEND",
-        help="target backend: safetensors, zarr, NAME:VERSION, or hf",
+        help="target backend: safetensors, zarr, torch_dist, NAME:VERSION, or hf",
     )
     p.add_argument(
         "--max-shard-size",
@@ -67,7 +71,8 @@ def add_convert_command(subparsers: SubParsers, common: argparse.ArgumentParser)
     p.add_argument(
         "--allow-pickle",
         action="store_true",
-        help="read a common state that needs full pickle (runs code from SRC: only for checkpoints you trust)",
+        help="read a common state and ShardedObjects (and a DCP .metadata) that need full pickle (runs code "
+        "from SRC: only for checkpoints you trust)",
     )
     p.add_argument("--json", action="store_true", help="print what was done as one JSON document")
     add_progress_option(p)
@@ -77,13 +82,9 @@ def add_convert_command(subparsers: SubParsers, common: argparse.ArgumentParser)
 def run_convert_command(args: argparse.Namespace) -> int:
     """Convert, with a progress bar in bytes, and print what was written."""
     from dist_ckpt.cli.progress import ProgressBars
-    from dist_ckpt.tools.convert import convert  # keeps `dist-ckpt --help` fast
+    from dist_ckpt.tools.convert import convert, trusting_strategies  # keeps `dist-ckpt --help` fast
 
-    common_strategy = None
-    if args.allow_pickle:
-        from dist_ckpt.backends.torch_common.strategy import TorchCommonLoadStrategy
-
-        common_strategy = TorchCommonLoadStrategy(allow_pickle=True)
+    sharded_strategy, common_strategy = trusting_strategies(args.src) if args.allow_pickle else (None, None)
     with ProgressBars(progress_enabled(args), "converting") as bars:
         result = convert(
             args.src,
@@ -91,6 +92,7 @@ def run_convert_command(args: argparse.Namespace) -> int:
             args.to,
             max_shard_size=args.max_shard_size,
             common_strategy=common_strategy,
+            sharded_strategy=sharded_strategy,
             progress=bars,
         )
     if args.json:

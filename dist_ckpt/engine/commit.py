@@ -50,6 +50,7 @@ __all__ = [
     "RECORD_FILENAME",
     "check_is_distributed_checkpoint",
     "detect_config",
+    "is_plain_dcp_directory",
     "maybe_load_config",
     "new_save_id",
     "read_config",
@@ -251,7 +252,7 @@ DCP_METADATA_FILENAME = ".metadata"
 def detect_config(checkpoint_dir: LocationLike) -> CheckpointingConfig:
     """The config to load ``checkpoint_dir`` with: its ``metadata.json``; for a local folder without
     one, :data:`HF_CONFIG` if it holds HuggingFace weights (``model.safetensors`` or its index), or
-    :data:`DCP_CONFIG` if it holds DCP's ``.metadata`` (``torch.distributed.checkpoint.save``).
+    :data:`DCP_CONFIG` if it is a plain DCP directory (:func:`is_plain_dcp_directory`).
 
     Neither is a committed dist_ckpt checkpoint (:func:`check_is_distributed_checkpoint` stays
     False); this only lets ``load`` read them. Both are read from local disks only.
@@ -260,9 +261,30 @@ def detect_config(checkpoint_dir: LocationLike) -> CheckpointingConfig:
     if isinstance(location, Path) and not (location / METADATA_FILENAME).exists():
         if any((location / f).is_file() for f in _HF_WEIGHT_FILES):
             return HF_CONFIG
-        if (location / DCP_METADATA_FILENAME).is_file():
+        if is_plain_dcp_directory(location):
             return DCP_CONFIG
     return read_config(location)
+
+
+def is_plain_dcp_directory(directory: Path) -> bool:
+    """Whether ``directory`` is what ``torch.distributed.checkpoint.save`` writes: DCP's
+    ``.metadata`` and nothing but DCP's files (``*.distcp``, per-rank ``__<r>.metadata``).
+
+    A directory that also holds other files -- the ``common.pt`` of Megatron-Core's or
+    dist_ckpt's torch_dist saves -- is not: there ``metadata.json`` is the commit record, and
+    without it the save did not finish.
+
+    Example::
+
+        is_plain_dcp_directory(Path("torchtitan/step-1000"))   # True
+    """
+    if not (directory / DCP_METADATA_FILENAME).is_file():
+        return False
+    for entry in directory.iterdir():
+        name = entry.name
+        if not (name == DCP_METADATA_FILENAME or name.endswith((".distcp", ".metadata"))):
+            return False
+    return True
 
 
 def check_is_distributed_checkpoint(checkpoint_dir: LocationLike) -> bool:
