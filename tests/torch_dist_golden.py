@@ -47,7 +47,9 @@ def _flat_bounds(numel: int, world: int) -> List[int]:
     return cuts + [numel]
 
 
-def tensor_requests(spec: E.TensorSpec, rank: int, world: int, style: str) -> Tuple[Dict[str, dc.ShardedTensor], Expected]:
+def tensor_requests(
+    spec: E.TensorSpec, rank: int, world: int, style: str
+) -> Tuple[Dict[str, dc.ShardedTensor], Expected]:
     """This rank's requests for one tensor, keyed by a unique name, and the values they must load."""
     full = E.full_tensor(spec.key, spec.global_shape, spec.dtype)
     shape = tuple(spec.global_shape)
@@ -75,7 +77,9 @@ def tensor_requests(spec: E.TensorSpec, rank: int, world: int, style: str) -> Tu
         return requests, expected
     axis = _split_axis(shape, world, last=style == "columns")
     if axis < 0:  # nothing divides: every rank reads it whole, rank 0's request is the main one
-        requests[name] = dc.ShardedTensor.from_rank_offsets(spec.key, torch.zeros(shape, dtype=spec.dtype), replica_id=rank)
+        requests[name] = dc.ShardedTensor.from_rank_offsets(
+            spec.key, torch.zeros(shape, dtype=spec.dtype), replica_id=rank
+        )
         expected[name] = full
         return requests, expected
     size = shape[axis] // world

@@ -77,7 +77,9 @@ def test_plain_dcp_checkpoint_loads_resharded(shared_tmp_path: Path) -> None:
     cols = full.shape[1] // world()
     request = {
         "w": dc.ShardedTensor.from_rank_offsets("model.w", torch.zeros(8, cols), (1, rank(), world())),
-        "norm": dc.ShardedTensor.from_rank_offsets("model.norm", torch.zeros(6, dtype=torch.float32), replica_id=rank()),
+        "norm": dc.ShardedTensor.from_rank_offsets(
+            "model.norm", torch.zeros(6, dtype=torch.float32), replica_id=rank()
+        ),
     }
     loaded = dc.load(request, shared_tmp_path)
     ok = (
@@ -121,7 +123,10 @@ def test_async_save_writes_the_files_a_sync_save_writes(shared_tmp_path: Path) -
     if rank() == 0:
         sync_files = sorted(p.name for p in (shared_tmp_path / "sync").glob("__*.distcp"))
         async_files = sorted(p.name for p in (shared_tmp_path / "async").glob("__*.distcp"))
-        same = [(shared_tmp_path / "sync" / n).read_bytes() == (shared_tmp_path / "async" / n).read_bytes() for n in sync_files]
+        same = [
+            (shared_tmp_path / "sync" / n).read_bytes() == (shared_tmp_path / "async" / n).read_bytes()
+            for n in sync_files
+        ]
         ok = sync_files == async_files and all(same) and (shared_tmp_path / "async" / "metadata.json").exists()
     assert_on_all_ranks(ok, "async files differ from sync files")
     request_sd = {

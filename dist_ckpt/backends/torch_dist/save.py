@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import io
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -352,15 +352,20 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
     (local) snapshots the tensors and returns the request whose background process writes the
     files and whose finalization runs step 2. ShardedObjects are saved inside DCP.
 
+    The arguments follow Megatron-Core's ``TorchDistSaveShardedStrategy(backend, version,
+    thread_count=...)``, so code written for it runs unchanged.
+
     Args:
-        options: threads, checksums, fsync.
         backend: format name recorded in ``metadata.json``.
         version: format version.
+        thread_count: writer threads (files) per rank; overrides ``options.thread_count``.
+        options: threads, checksums, fsync.
 
     Example::
 
-        strategy = TorchDistSaveShardedStrategy(TorchDistSaveOptions(thread_count=4))
+        strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=4)
         dc.save(sd, "ckpt/iter_10", sharded_strategy=strategy)
+        TorchDistSaveShardedStrategy(options=TorchDistSaveOptions(checksums=False))
     """
 
     owned_paths: ClassVar[Tuple[str, ...]] = (
@@ -373,12 +378,15 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     def __init__(
         self,
-        options: Optional[TorchDistSaveOptions] = None,
         backend: str = TORCH_DIST_BACKEND[0],
         version: int = TORCH_DIST_BACKEND[1],
+        thread_count: Optional[int] = None,
+        *,
+        options: Optional[TorchDistSaveOptions] = None,
     ) -> None:
         super().__init__(backend, version)
-        self.options = options or TorchDistSaveOptions()
+        options = options or TorchDistSaveOptions()
+        self.options = options if thread_count is None else replace(options, thread_count=thread_count)
         self._snapshots = SnapshotPool()
 
     @property
