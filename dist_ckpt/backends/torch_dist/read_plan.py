@@ -12,9 +12,11 @@ to that tensor's dtype on the way. This module turns dist_ckpt requests into wan
   when the request's ``data`` is allocated);
 * with ``allow_shape_mismatch`` the box is clipped to the stored tensor and the rest zero-filled;
 * a tensor stored *reformulated* (Megatron-Core's flattened layout, see :mod:`.layout`) keeps each
-  block's elements in row-major order on its flat axis: for each block a box overlaps, the plan
-  reads the flat range from the box's first to its last element into a scratch tensor, and
-  ``commit_tensor`` copies the box's elements out of it once every item of the range arrived.
+  block's elements in row-major order on its flat axis: a flattened request of the saved layout,
+  or a whole block wanted in contiguous memory, is read straight into place; otherwise, for each
+  block a box overlaps, the plan reads the flat range from the box's first to its last element
+  into a scratch tensor, and ``commit_tensor`` copies the box's elements out of it once every item
+  of the range arrived.
 
 Every wanted chunk must be covered exactly by stored chunks; a gap (a damaged ``.metadata``)
 raises :class:`~dist_ckpt.errors.CorruptCheckpointError` before anything is read.
@@ -28,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import product
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -44,7 +46,7 @@ from dist_ckpt.errors import CorruptCheckpointError
 from dist_ckpt.model.geometry import Box, flat_range_boxes, piece_view, shard_pieces, sub_view
 from dist_ckpt.model.sharded import ShardedTensor
 
-__all__ = ["ObjectRequest", "ReadPlanner", "plan_tensor_reads"]
+__all__ = ["ReadPlanner", "object_read_item", "plan_tensor_reads"]
 
 Shape = Tuple[int, ...]
 
@@ -60,15 +62,6 @@ class _Target:
     view: torch.Tensor
     pending: int = 0
     scatter: Optional[Callable[[torch.Tensor], None]] = None
-
-
-@dataclass
-class ObjectRequest:
-    """The ShardedObjects of this rank that want the bytes item ``unique_key``, and their values
-    once loaded (one per requester)."""
-
-    unique_key: str
-    requesters: List[int] = field(default_factory=list)
 
 
 def _flat_index(shape: Shape, index: Sequence[int]) -> int:
@@ -118,11 +111,15 @@ def _want_reformulated(stored: StoredTensor, region: Box, view: torch.Tensor, wa
         inter = region.intersect(block_box)
         if inter is None:
             continue
+        target_view = sub_view(view, region, inter)
+        if inter == block_box and target_view.is_contiguous():  # a whole block into contiguous memory
+            flat = (1,) * len(index) + (block_box.numel,)
+            wanted.add(tuple(index) + (0,), flat, _Target(target_view.view(flat)))
+            continue
         local = Box(tuple(o - bo for o, bo in zip(inter.offset, block_box.offset)), inter.shape)
         lo = _flat_index(block, local.offset)
         hi = _flat_index(block, [o + n - 1 for o, n in zip(local.offset, local.shape)]) + 1
         scratch = torch.empty((1,) * len(index) + (hi - lo,), dtype=view.dtype)
-        target_view = sub_view(view, region, inter)
 
         def scatter(
             values: torch.Tensor, local: Box = local, lo: int = lo, hi: int = hi, out: torch.Tensor = target_view
@@ -136,6 +133,24 @@ def _want_reformulated(stored: StoredTensor, region: Box, view: torch.Tensor, wa
                 out[part.slices_within(local)].copy_(src)
 
         wanted.add(tuple(index) + (lo,), (1,) * len(index) + (hi - lo,), _Target(scratch, scatter=scatter))
+
+
+def _want_saved_range(sh: ShardedTensor, stored: StoredTensor, dest: torch.Tensor, wanted: _Wanted) -> bool:
+    """A flattened request for a range of exactly one stored block (the distributed optimizer loading
+    the layout it saved) reads the stored range straight into ``dest``; False if it is not one."""
+    if stored.original_shape is None or sh.flattened_range is None or not dest.is_contiguous():
+        return False
+    block = stored.block_shape
+    if tuple(sh.full_local_shape) != block or any(o % b for o, b in zip(sh.global_offset, block)):
+        return False
+    if tuple(sh.global_shape) != stored.shape:
+        return False
+    index = tuple(o // b for o, b in zip(sh.global_offset, block))
+    start, stop = sh.flattened_range.start, sh.flattened_range.stop
+    if stop > start:
+        flat = (1,) * len(index) + (stop - start,)
+        wanted.add(index + (start,), flat, _Target(dest.view(flat)))
+    return True
 
 
 def plan_tensor_reads(
@@ -155,6 +170,8 @@ def plan_tensor_reads(
         results[id(sh)] = dest
         bounds = Box((0,) * len(stored.shape), stored.shape)
         wanted = by_key.setdefault(sh.key, _Wanted())
+        if _want_saved_range(sh, stored, dest, wanted):
+            continue
         for box, view in _plain_boxes(sh, dest):
             region = box.intersect(bounds)
             if region != box:  # allow_shape_mismatch: what the checkpoint lacks reads as zeros
