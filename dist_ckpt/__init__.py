@@ -33,6 +33,7 @@ from dist_ckpt.engine.registry import (
 )
 from dist_ckpt.engine.report import CheckpointReport, ProgressEvent
 from dist_ckpt.engine.save import SaveResult, save, save_with_report
+from dist_ckpt.engine.steps import Step
 from dist_ckpt.errors import (
     AsyncSaveError,
     CheckpointExistsError,
@@ -121,6 +122,7 @@ __all__ = [
     "ShardingIntegrityError",
     "StateDict",
     "StateDictStructureError",
+    "Step",
     "StrategyAction",
     "StrategyKey",
     "StrategyRegistrationError",

@@ -25,6 +25,7 @@ from dist_ckpt.engine.monitor import StepMonitor, requested_bytes
 from dist_ckpt.engine.registry import StrategySpec
 from dist_ckpt.engine.report import CheckpointReport, Operation, ProgressCallback
 from dist_ckpt.engine.state_assembly import assemble, loaded_values
+from dist_ckpt.engine.steps import Step
 from dist_ckpt.engine.watchdog import DEFAULT_WATCHDOG_TIMEOUT_S
 from dist_ckpt.model.dict_utils import dict_list_map_inplace, extract_matching_values, nested_values
 from dist_ckpt.model.sharded import (
@@ -109,13 +110,7 @@ def load_with_report(
         model_state, report = result.state_dict, result.report
         print(report.summary())
     """
-    phases = [
-        "opening the checkpoint",
-        "loading the common state",
-        "matching the requested keys",
-        "loading sharded tensors",
-        "assembling the state",
-    ]
+    phases = [Step.OPEN_CHECKPOINT, Step.LOAD_COMMON, Step.MATCH_KEYS, Step.LOAD_SHARDED, Step.ASSEMBLE]
     location = run_collectively("opening the checkpoint location", lambda: resolve_location(checkpoint_dir))
     monitor = StepMonitor(Operation.LOAD, location, phases, progress, watchdog_timeout_s)
     with monitor:
@@ -144,8 +139,7 @@ def _load_steps(
     unexpected keys, and the tensor bytes this rank requested."""
     # 1. strategies
     sharded_strat, common_strat = monitor.run(
-        "opening the checkpoint",
-        lambda: verify_checkpoint_and_load_strategy(location, sharded_strategy, common_strategy),
+        Step.OPEN_CHECKPOINT, lambda: verify_checkpoint_and_load_strategy(location, sharded_strategy, common_strategy)
     )
 
     # 2. common state and factories
@@ -158,11 +152,11 @@ def _load_steps(
             ckpt_metadata = load_sharded_metadata(location, sharded_strat, common_strat)
         return common, request, sharded_part, factories, ckpt_metadata
 
-    common_state, request, sharded_part, factories, ckpt_metadata = monitor.run("loading the common state", prepare)
+    common_state, request, sharded_part, factories, ckpt_metadata = monitor.run(Step.LOAD_COMMON, prepare)
 
     # 3. key matching and sharding validation
     sharded_part, missing, unexpected = monitor.run(
-        "matching the requested keys",
+        Step.MATCH_KEYS,
         lambda: validate_integrity_and_strict_load(
             sharded_part, strict, validate_access_integrity, ckpt_sharded_metadata=ckpt_metadata
         ),
@@ -182,7 +176,7 @@ def _load_steps(
         values.update(loaded_values(inputs, sharded_strat.load(tensors, location)))
         return values
 
-    values = monitor.run("loading sharded tensors", load_sharded)
+    values = monitor.run(Step.LOAD_SHARDED, load_sharded)
 
     # 5. reassemble
     def reassemble() -> StateDict:
@@ -190,7 +184,7 @@ def _load_steps(
         state: StateDict = apply_factory_merges(assemble(common_state, request, values, kept), factories)
         return state
 
-    state = monitor.run("assembling the state", reassemble)
+    state = monitor.run(Step.ASSEMBLE, reassemble)
     return state, missing, unexpected, requested_bytes(sharded_part)
 
 

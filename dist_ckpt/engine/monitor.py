@@ -15,10 +15,10 @@ rank's bytes and time; rank 0 lists the checkpoint's files) and logs it.
 
 Example::
 
-    monitor = StepMonitor(Operation.SAVE, "ckpt/iter_10", ["writing", "committing"], progress=None)
+    monitor = StepMonitor(Operation.SAVE, "ckpt/iter_10", [Step.SAVE_SHARDED, Step.COMMIT], progress=None)
     with monitor:
-        monitor.run("writing", write_files)
-        monitor.run("committing", commit)
+        monitor.run(Step.SAVE_SHARDED, write_files)
+        monitor.run(Step.COMMIT, commit)
     report = monitor.finish(count_files=True)
 """
 
@@ -34,6 +34,7 @@ from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tupl
 
 from dist_ckpt.engine.distributed import all_gather_json, get_rank, get_world_size, run_collectively
 from dist_ckpt.engine.report import CheckpointReport, Operation, PhaseTiming, ProgressCallback, ProgressEvent
+from dist_ckpt.engine.steps import Step
 from dist_ckpt.engine.watchdog import Watchdog
 from dist_ckpt.model.dict_utils import nested_values
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, is_main_replica
@@ -110,7 +111,7 @@ class StepMonitor:
         self,
         operation: Operation,
         checkpoint_dir: Union[str, Path, Storage],
-        phases: Sequence[str],
+        phases: Sequence[Step],
         progress: Optional[ProgressCallback] = None,
         watchdog_timeout_s: Optional[float] = None,
     ) -> None:
@@ -119,7 +120,7 @@ class StepMonitor:
         self.location = checkpoint_dir
         name = checkpoint_dir.url if isinstance(checkpoint_dir, Storage) else str(checkpoint_dir)
         self.report = CheckpointReport(operation, name, get_rank(), get_world_size())
-        self.phases: List[str] = list(phases)
+        self.phases: List[Step] = list(phases)
         self.progress = progress
         self.watchdog_timeout_s = watchdog_timeout_s
         self._started = time.perf_counter()
@@ -147,7 +148,7 @@ class StepMonitor:
         return time.perf_counter() - self._started
 
     def notify(
-        self, phase: str, done: bool, item: Optional[str] = None, bytes_done: int = 0, bytes_total: int = 0
+        self, phase: Step, done: bool, item: Optional[str] = None, bytes_done: int = 0, bytes_total: int = 0
     ) -> None:
         """Send a progress event for ``phase`` (nothing without a callback)."""
         if self.progress is None:
@@ -158,7 +159,7 @@ class StepMonitor:
             ProgressEvent(
                 self.report.operation,
                 self.report.checkpoint_dir,
-                phase,
+                phase.value,
                 index,
                 total,
                 done,
@@ -174,7 +175,7 @@ class StepMonitor:
         if self._watchdog is not None:
             self._watchdog.touch()
 
-    def run(self, phase: str, fn: Callable[[], T]) -> T:
+    def run(self, phase: Step, fn: Callable[[], T]) -> T:
         """Run ``fn`` as the collective step ``phase`` (see
         :func:`~dist_ckpt.engine.distributed.run_collectively`), timed and reported."""
 
@@ -185,16 +186,16 @@ class StepMonitor:
             return result
 
         start = time.perf_counter()
-        guard: ContextManager[Any] = self._watchdog.step(phase) if self._watchdog is not None else nullcontext()
+        guard: ContextManager[Any] = self._watchdog.step(phase.value) if self._watchdog is not None else nullcontext()
         try:
             with guard:
-                return run_collectively(phase, body)
+                return run_collectively(phase.value, body)
         finally:
-            self.report.phases.append(PhaseTiming(phase, time.perf_counter() - start))
+            self.report.phases.append(PhaseTiming(phase.value, time.perf_counter() - start))
 
-    def add_phase(self, phase: str, seconds: float) -> None:
+    def add_phase(self, phase: Step, seconds: float) -> None:
         """Record a phase that ran outside :meth:`run` (e.g. an async save's background write)."""
-        self.report.phases.append(PhaseTiming(phase, seconds))
+        self.report.phases.append(PhaseTiming(phase.value, seconds))
 
     # ----------------------------------------------------------------------- the end
 

@@ -144,11 +144,12 @@ class CheckpointReport:
         return self.nbytes / 1e9 / self.seconds if self.seconds > 0 else 0.0
 
     def phase_seconds(self, name: str) -> float:
-        """Seconds spent in the phase(s) named ``name`` (0 if it did not run).
+        """Seconds spent in the phase(s) named ``name`` (0 if it did not run); ``name`` is a
+        :class:`~dist_ckpt.engine.steps.Step` (a str) or its value.
 
         Example::
 
-            report.phase_seconds("saving sharded tensors")
+            report.phase_seconds(Step.SAVE_SHARDED)   # == report.phase_seconds("saving sharded tensors")
         """
         return sum(p.seconds for p in self.phases if p.name == name)
 

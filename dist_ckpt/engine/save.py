@@ -38,6 +38,7 @@ from dist_ckpt.engine.registry import (
     resolve_strategy,
 )
 from dist_ckpt.engine.report import CheckpointReport, Operation, ProgressCallback
+from dist_ckpt.engine.steps import Step
 from dist_ckpt.engine.watchdog import DEFAULT_WATCHDOG_TIMEOUT_S
 from dist_ckpt.errors import CheckpointExistsError, IncompatibleStrategyError, InvalidShardedTensorError
 from dist_ckpt.model.dict_utils import extract_matching_values, nested_values
@@ -257,17 +258,13 @@ def save_with_report(
 
         result = save_with_report(sd, "ckpt/iter_10", progress=lambda e: print(e.phase, e.done))
         print(result.report.summary())
-        print(result.report.phase_seconds("saving sharded tensors"), result.report.gb_per_s)
+        print(result.report.phase_seconds(Step.SAVE_SHARDED), result.report.gb_per_s)
     """
-    phases = ["preparing the save", "checking the state to save"]
-    phases += ["validating the sharding"] if validate_access_integrity else []
-    phases += ["saving the common state"]
-    phases += (
-        ["preparing the async save", "finalizing the sharded tensors"]
-        if async_sharded_save
-        else ["saving sharded tensors"]
-    )
-    phases += ["committing metadata.json"]
+    phases = [Step.PREPARE_SAVE, Step.CHECK_STATE]
+    phases += [Step.VALIDATE_SHARDING] if validate_access_integrity else []
+    phases += [Step.SAVE_COMMON]
+    phases += [Step.PREPARE_ASYNC, Step.FINALIZE_SHARDED] if async_sharded_save else [Step.SAVE_SHARDED]
+    phases += [Step.COMMIT]
     location = run_collectively("opening the checkpoint location", lambda: resolve_location(checkpoint_dir))
     monitor = StepMonitor(Operation.SAVE, location, phases, progress, watchdog_timeout_s)
     with monitor:
@@ -315,7 +312,7 @@ def _save_steps(
         _prepare_directory(location, [sharded, common])
         return sharded, common
 
-    sharded_strat, common_strat = monitor.run("preparing the save", resolve)
+    sharded_strat, common_strat = monitor.run(Step.PREPARE_SAVE, resolve)
 
     # 2. split the state
     def split() -> Tuple[ShardedStateDict, StateDict, List[ShardedBase]]:
@@ -324,7 +321,7 @@ def _save_steps(
         sharded_part, common_part = extract_sharded_base(persistent)
         return sharded_part, common_part, _check_save_inputs(sharded_part)
 
-    sharded_part, common_state_dict, local_metadata = monitor.run("checking the state to save", split)
+    sharded_part, common_state_dict, local_metadata = monitor.run(Step.CHECK_STATE, split)
     nbytes = main_replica_bytes(sharded_part)
 
     # 3. validation
@@ -336,7 +333,7 @@ def _save_steps(
         validate_common_state_dict(to_compare)
 
     if validate_access_integrity:
-        monitor.run("validating the sharding", validate)
+        monitor.run(Step.VALIDATE_SHARDING, validate)
 
     # 4. common state and ShardedObjects
     def save_common() -> ShardedStateDict:
@@ -348,35 +345,32 @@ def _save_steps(
         common_strat.save_sharded_objects(objects, location)  # type: ignore[arg-type]
         return tensors  # type: ignore[return-value]
 
-    to_save = monitor.run("saving the common state", save_common)
+    to_save = monitor.run(Step.SAVE_COMMON, save_common)
 
     # 6. commit (run after step 5, directly or as the async request's finalization)
     def commit() -> None:
         config = CheckpointingConfig(
             sharded_strat.backend, sharded_strat.version, common_strat.backend, common_strat.version
         )
-        monitor.run(
-            "committing metadata.json",
-            lambda: save_config(config, location, get_world_size()) if get_rank() == 0 else None,
-        )
+        monitor.run(Step.COMMIT, lambda: save_config(config, location, get_world_size()) if get_rank() == 0 else None)
 
     # 5. sharded tensors
     if async_sharded_save:
         assert isinstance(sharded_strat, AsyncSaveShardedStrategy)
-        request = monitor.run("preparing the async save", lambda: sharded_strat.async_save(to_save, location))
+        request = monitor.run(Step.PREPARE_ASYNC, lambda: sharded_strat.async_save(to_save, location))
         returned = time.perf_counter()
         strategy_finalization = list(request.finalize_fns)
         request.finalize_fns.clear()
 
         def finalize() -> None:  # later, collectively: timed, and watched by the watchdog again
-            monitor.add_phase("writing in the background (until finalized)", time.perf_counter() - returned)
+            monitor.add_phase(Step.WRITE_IN_BACKGROUND, time.perf_counter() - returned)
             with monitor:
-                monitor.run("finalizing the sharded tensors", lambda: [fn() for fn in strategy_finalization])
+                monitor.run(Step.FINALIZE_SHARDED, lambda: [fn() for fn in strategy_finalization])
                 commit()
 
         request.add_finalize_fn(finalize)
         return request, nbytes
-    monitor.run("saving sharded tensors", lambda: sharded_strat.save(to_save, location))
+    monitor.run(Step.SAVE_SHARDED, lambda: sharded_strat.save(to_save, location))
     commit()
     return None, nbytes
 

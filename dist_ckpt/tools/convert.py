@@ -59,6 +59,7 @@ from dist_ckpt.engine.distributed import get_world_size
 from dist_ckpt.engine.monitor import StepMonitor
 from dist_ckpt.engine.registry import StrategyAction, StrategySpec, get_default_strategy, registered_strategies
 from dist_ckpt.engine.report import CheckpointReport, Operation, ProgressCallback
+from dist_ckpt.engine.steps import Step
 from dist_ckpt.engine.watchdog import DEFAULT_WATCHDOG_TIMEOUT_S
 from dist_ckpt.errors import (
     CheckpointExistsError,
@@ -85,7 +86,6 @@ logger = logging.getLogger(__name__)
 
 #: the ``to`` of a conversion into a HuggingFace folder
 HF_TARGET = "hf"
-_COPY = "copying tensors"
 
 
 @dataclass(frozen=True)
@@ -269,9 +269,9 @@ def convert(
             f"a HuggingFace folder is written to a local directory, not to {location_str(destination)}; "
             "convert to a local folder, then upload it"
         )
-    phases = ["opening the source", _COPY]
+    phases = [Step.OPEN_SOURCE, Step.COPY_TENSORS]
     if target != HF_TARGET:
-        phases += ["copying the common state", "copying ShardedObjects", "committing metadata.json"]
+        phases += [Step.COPY_COMMON, Step.COPY_OBJECTS, Step.COMMIT]
     _check_destination(source, destination)  # before anything that could clean it up on failure
     monitor = StepMonitor(Operation.CONVERT, destination, phases, progress, watchdog_timeout_s)
     created = remote_storage(destination) is None and not Path(location_str(destination)).exists()
@@ -321,7 +321,7 @@ def _convert_steps(
         _, metadata = unsharded_metadata(src, sharded)
         return sharded, common, metadata
 
-    sharded, common, metadata = monitor.run("opening the source", open_source)
+    sharded, common, metadata = monitor.run(Step.OPEN_SOURCE, open_source)
     config = detect_config(src)
     source_backend = f"{config.sharded_backend}:{config.sharded_backend_version}"
     keys = sorted(metadata)
@@ -332,14 +332,16 @@ def _convert_steps(
     def tensor_done(key: str, nbytes: int) -> None:
         done[0] += nbytes
         monitor.heartbeat()  # the watchdog reports a tensor that takes too long, not a long conversion
-        monitor.notify(_COPY, done=False, item=key, bytes_done=done[0], bytes_total=total)
+        monitor.notify(Step.COPY_TENSORS, done=False, item=key, bytes_done=done[0], bytes_total=total)
 
     # 3. tensors
     if target == HF_TARGET:
         from dist_ckpt.hf.export import export
 
         folder = require_local(dst, "a HuggingFace folder")
-        monitor.run(_COPY, lambda: export(src, folder, max_shard_size=max_shard_size, on_tensor=tensor_done))
+        monitor.run(
+            Step.COPY_TENSORS, lambda: export(src, folder, max_shard_size=max_shard_size, on_tensor=tensor_done)
+        )
         dropped = _dropped_by_hf(sharded, common, src)
         for note in dropped:
             logger.warning("converting %s to a HuggingFace folder drops %s", src, note)
@@ -369,13 +371,13 @@ def _convert_steps(
             raise
         return None
 
-    open_writer = monitor.run(_COPY, copy_tensors)
+    open_writer = monitor.run(Step.COPY_TENSORS, copy_tensors)
     # 4. common state, ShardedObjects
-    common_keys = monitor.run("copying the common state", lambda: _copy_common(common, src, dst))
-    objects = monitor.run("copying ShardedObjects", lambda: _copy_objects(sharded, common, src, dst, open_writer))
+    common_keys = monitor.run(Step.COPY_COMMON, lambda: _copy_common(common, src, dst))
+    objects = monitor.run(Step.COPY_OBJECTS, lambda: _copy_objects(sharded, common, src, dst, open_writer))
     # 5. commit
     commit = CheckpointingConfig(target.backend, target.version, "torch", 1)
-    monitor.run("committing metadata.json", lambda: save_config(commit, dst, world_size=1))
+    monitor.run(Step.COMMIT, lambda: save_config(commit, dst, world_size=1))
     report = monitor.report
     report.nbytes = total
     target_backend = f"{target.backend}:{target.version}"
