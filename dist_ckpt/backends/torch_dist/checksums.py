@@ -35,7 +35,7 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Dict, Generator, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import IO, Any, Dict, Generator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
@@ -260,8 +260,3 @@ def parse_manifest(raw: bytes, where: str) -> Dict[str, FileSpans]:
         out[name] = _spans(entry, f"checksum manifest {where!r}, file {name!r}")
     return out
 
-
-def iter_chunks(total: int, step: int) -> Iterator[Tuple[int, int]]:
-    """``(offset, length)`` of consecutive pieces of at most ``step`` bytes of ``[0, total)``."""
-    for start in range(0, total, step):
-        yield start, min(step, total - start)
