@@ -259,4 +259,3 @@ def parse_manifest(raw: bytes, where: str) -> Dict[str, FileSpans]:
             raise CorruptCheckpointError(f"checksum manifest {where!r}: {name!r} is not a file of the checkpoint")
         out[name] = _spans(entry, f"checksum manifest {where!r}, file {name!r}")
     return out
-
