@@ -10,7 +10,8 @@ reformulated layout --, ``allow_shape_mismatch``, dtype casting, ShardedObjects.
    :class:`~dist_ckpt.errors.KeyMismatchError`, global shapes that differ raise
    :class:`~dist_ckpt.errors.LoadMismatchError` (unless ``allow_shape_mismatch``), dtypes that differ
    are cast (logged at INFO) unless ``allow_dtype_cast=False``;
-3. plan the reads (:mod:`.read_plan`: DCP's own resharding helper) and run them with DCP's
+3. plan the reads (:mod:`.read_plan`: DCP's own resharding helper), in the order of the bytes in
+   the files (DCP reads in plan order: a cold read is then sequential), and run them with DCP's
    ``load`` on this rank alone (``no_dist=True``: no collective, so it also works without a process
    group), through DCP's ``FileSystemReader``, which ``copy_`` s each stored item into the result
    -- in place when the request's ``data`` is allocated;
@@ -46,6 +47,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from dist_ckpt.backends.base import LoadShardedStrategy
@@ -260,6 +262,12 @@ def run_dcp_load(opened: OpenedCheckpoint, planner: ReadPlanner, verify: bool) -
         reader.close()
 
 
+def _position(layout: TorchDistLayout, item: ReadItem) -> Tuple[str, int]:
+    """Where a ReadItem's stored bytes are: reading in this order reads each file sequentially."""
+    info = layout.metadata.storage_data[item.storage_index]
+    return info.relative_path, info.offset
+
+
 class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     """Loads ``torch_dist`` checkpoints (Megatron-Core's, and dist_ckpt's) into any sharding.
 
@@ -325,6 +333,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         for obj in objects:
             requesters.setdefault(obj.unique_key, []).append(obj)
         items += [object_read_item(key) for key in requesters]
+        items.sort(key=lambda item: _position(layout, item))  # DCP reads in plan order: make it the files' order
         loaded: Dict[str, Any] = {}
 
         def on_bytes(key: str, data: bytes) -> None:

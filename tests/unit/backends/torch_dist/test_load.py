@@ -7,12 +7,14 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
+from typing import Any, Dict, List
 
 import pytest
 import torch
 
 import dist_ckpt as dc
 from dist_ckpt import StrictHandling
+from dist_ckpt.backends.torch_dist import load as load_module
 from dist_ckpt.backends.torch_dist.load import TorchDistLoadShardedStrategy
 from dist_ckpt.errors import CorruptCheckpointError, KeyMismatchError, LoadMismatchError
 from dist_ckpt.integrity.verify import verify_checkpoint
@@ -192,3 +194,19 @@ def test_legacy_flattened_chunks_are_described_as_flat_ranges_of_blocks() -> Non
         ((8, 0), (8, 8), (0, 40)),
         ((8, 0), (8, 8), (40, 64)),
     ]
+
+
+@pytest.mark.parametrize("name", sorted(E.FIXTURES))
+def test_each_file_is_read_in_the_order_of_its_bytes(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DCP reads the plan's items in plan order: the plan is sorted so a cold read of a file is sequential."""
+    read: Dict[str, List[int]] = {}
+    slice_file = load_module._Reader._slice_file
+
+    def recording(self: Any, file: Any, sinfo: Any) -> Any:
+        read.setdefault(sinfo.relative_path, []).append(sinfo.offset)
+        return slice_file(self, file, sinfo)
+
+    monkeypatch.setattr(load_module._Reader, "_slice_file", recording)
+    requests, expected = golden_requests(name, 0, 1, STYLES[0])
+    assert check_loaded(name, dc.load(requests, fixture_dir(name)), expected) == []
+    assert read and all(offsets == sorted(offsets) for offsets in read.values()), read
