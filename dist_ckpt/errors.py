@@ -36,6 +36,11 @@ class StateDictStructureError(CheckpointingException, ValueError):
 class KeyMismatchError(CheckpointingException, KeyError):
     """Keys requested by ``load`` and keys stored in the checkpoint do not match.
 
+    The message always contains Megatron-Core's words, which callers match on: ``Unexpected
+    keys`` followed by the unexpected keys and ``Missing keys`` followed by the missing ones
+    (each only when there are such keys). A message that does not already say them gets them
+    appended.
+
     Attributes:
         missing_keys: keys stored in the checkpoint but requested by no rank (Megatron-Core's
             "missing" keys).
@@ -44,10 +49,15 @@ class KeyMismatchError(CheckpointingException, KeyError):
     """
 
     def __init__(self, message: str, missing_keys: Iterable[str] = (), unexpected_keys: Iterable[str] = ()) -> None:
-        super().__init__(message)
-        self.message = message
         self.missing_keys = sorted(missing_keys)
         self.unexpected_keys = sorted(unexpected_keys)
+        tail = [
+            f"{words}: {format_keys(keys)}"
+            for words, keys in ((UNEXPECTED_KEYS, self.unexpected_keys), (MISSING_KEYS, self.missing_keys))
+            if keys and words not in message
+        ]
+        self.message = message + (f" ({'; '.join(tail)})" if tail else "")
+        super().__init__(self.message)
 
     def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
         return self.message
@@ -128,6 +138,11 @@ class RankFailedError(CheckpointingException):
     rank, the original type and its message.
     """
 
+
+#: Megatron-Core's words for keys requested by ``load`` but absent from the checkpoint
+UNEXPECTED_KEYS = "Unexpected keys"
+#: Megatron-Core's words for keys stored in the checkpoint but requested by no rank
+MISSING_KEYS = "Missing keys"
 
 #: how many problems an error message lists before "... and N more"
 MAX_REPORTED_PROBLEMS = 10

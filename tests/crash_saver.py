@@ -55,10 +55,7 @@ def full_tensors(world: int) -> Dict[str, torch.Tensor]:
 def slow_storage() -> None:
     """Slow down every data write and every atomic metadata write of this process."""
     from dist_ckpt.backends.safetensors import format as safetensors_format
-    from dist_ckpt.backends.safetensors import strategy as safetensors
-    from dist_ckpt.engine import commit as core
-    from dist_ckpt.integrity import checksums
-    from dist_ckpt.storage import atomic_write
+    from dist_ckpt.storage import files as local
 
     original = safetensors_format.SequentialWriter.write
 
@@ -70,14 +67,14 @@ def slow_storage() -> None:
 
     safetensors_format.SequentialWriter.write = write  # type: ignore[method-assign]
 
-    def slow_atomic(path: Any, data: Any, *, fsync: bool = True) -> None:
-        with atomic_write(path, fsync=fsync) as f:
-            f.write(data)
-            f.flush()
-            time.sleep(COMMIT_PAUSE_S)  # the temporary file exists, the final name does not yet
+    write_temp_file = local.write_temp_file
 
-    for module in (core, safetensors, checksums):
-        module.write_bytes_atomic = slow_atomic  # type: ignore[attr-defined]
+    def slow_temp_file(path: Any, buffers: Any, *, fsync: bool = True) -> Any:
+        tmp = write_temp_file(path, buffers, fsync=fsync)
+        time.sleep(COMMIT_PAUSE_S)  # the temporary file exists, the final name does not yet
+        return tmp
+
+    local.write_temp_file = slow_temp_file  # type: ignore[assignment]
     try:
         from zarr.storage import LocalStore
     except ImportError:
@@ -113,10 +110,14 @@ def main(argv: list) -> None:
     elif mode == "zarr":
         dc.save(sd, ckpt, sharded_strategy=("zarr", 1))
     else:
+        # the writer imports async_fn's module and never the script run as __main__ (this one):
+        # refer to the function through this module's importable name
+        from tests.crash_saver import throttled_write as importable_throttled_write
+
         queue = AsyncCallsQueue()
         request = dc.save(sd, ckpt, async_sharded_save=True)
         slowed = dataclasses.replace(
-            request, async_fn=throttled_write, async_fn_args=(request.async_fn, *request.async_fn_args)
+            request, async_fn=importable_throttled_write, async_fn_args=(request.async_fn, *request.async_fn_args)
         )
         queue.schedule_async_request(slowed)
         (side / f"worker.{rank}").write_text(str(queue._worker.pid if queue._worker else ""))

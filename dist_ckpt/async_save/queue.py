@@ -36,7 +36,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
-from dist_ckpt.async_save.worker import AsyncOutcome, AsyncWorker
+from dist_ckpt.async_save.worker import DEFAULT_WRITER_TIMEOUT_S, AsyncOutcome, AsyncWorker
 from dist_ckpt.engine.distributed import (
     all_gather_json,
     all_ranks_true,
@@ -56,8 +56,9 @@ class AsyncRequest:
     """A save split into background work and collective finalization.
 
     Args:
-        async_fn: the background work (None if there is nothing to write). It runs in another,
-            spawned process: it must be a module-level function, its arguments picklable
+        async_fn: the background work (None if there is nothing to write). It runs in another
+            process (``python -m dist_ckpt.async_save.writer``): it must be a function of an
+            importable module (not of the script run as ``__main__``), its arguments picklable
             (tensors in shared memory are passed without copying), and it must not call
             collectives.
         async_fn_args: positional arguments of ``async_fn``.
@@ -118,10 +119,19 @@ class _ActiveCall:
 class AsyncCallsQueue:
     """Runs scheduled :class:`AsyncRequest` s in a background process and finalizes them in order.
 
+    The background process is a fresh ``python -m dist_ckpt.async_save.writer``: it never imports
+    the user's main module, so saving works from any script (no ``if __name__ == "__main__":``
+    guard needed, ``python -c``, stdin, notebooks). ``async_fn`` must come from an importable
+    module.
+
     Args:
-        persistent: keep one worker process for every request (it is spawned at the first one,
-            which pays its start-up, then reused); False spawns a fresh process per request and
+        persistent: keep one writer process for every request (it is started at the first one,
+            which pays its start-up, then reused); False starts a fresh process per request and
             stops it once the request is finalized.
+        writer_timeout_s: how long a writer may take to start, or go without answering or using
+            CPU while it writes, before it is killed: its request then fails, and finalization
+            raises :class:`~dist_ckpt.errors.AsyncSaveError` on every rank naming the rank and
+            what the writer was doing (keyword only; may be changed later).
 
     Example::
 
@@ -131,17 +141,33 @@ class AsyncCallsQueue:
         queue.close()
     """
 
-    def __init__(self, persistent: bool = True) -> None:
+    def __init__(self, persistent: bool = True, *, writer_timeout_s: float = DEFAULT_WRITER_TIMEOUT_S) -> None:
+        if not writer_timeout_s > 0:
+            raise AsyncSaveError(f"writer_timeout_s must be positive, got {writer_timeout_s!r}")
         self.persistent = persistent
+        self._writer_timeout_s = writer_timeout_s
         self._calls: Deque[_ActiveCall] = deque()
         self._next_idx = 0
         self._worker: Optional[AsyncWorker] = None
 
+    @property
+    def writer_timeout_s(self) -> float:
+        """See the class arguments; setting it applies to the writers already started too."""
+        return self._writer_timeout_s
+
+    @writer_timeout_s.setter
+    def writer_timeout_s(self, value: float) -> None:
+        if not value > 0:
+            raise AsyncSaveError(f"writer_timeout_s must be positive, got {value!r}")
+        self._writer_timeout_s = value
+        for worker in [c.worker for c in self._calls] + ([self._worker] if self._worker is not None else []):
+            worker.timeout_s = value
+
     def _get_worker(self) -> AsyncWorker:
         if not self.persistent:
-            return AsyncWorker(get_rank())
+            return AsyncWorker(get_rank(), self._writer_timeout_s)
         if self._worker is None:
-            self._worker = AsyncWorker(get_rank())
+            self._worker = AsyncWorker(get_rank(), self._writer_timeout_s)
         return self._worker
 
     def schedule_async_request(self, async_request: AsyncRequest) -> int:

@@ -3,7 +3,7 @@
 An asynchronous save must hold the values the tensors had when it was called, while training
 goes on changing them. :meth:`SnapshotPool.take` copies the tensors' bytes (device-to-host for
 GPU tensors, a memory copy for CPU ones) into one buffer in shared memory; the background
-writer process maps the same buffer (``torch.multiprocessing`` passes it as a file descriptor,
+writer process maps the same buffer (:mod:`.channel` passes it as a file descriptor,
 never as a pickled copy of the data) and writes the files from it.
 
 Touching fresh shared memory costs page faults (on the 2-core test VM a first copy into it ran
@@ -75,8 +75,11 @@ class Snapshot:
 
 def _shared_bytes(nbytes: int) -> torch.Tensor:
     """A uint8 CPU tensor of ``nbytes`` in shared memory, allocated there directly
-    (``Tensor.share_memory_`` would allocate private memory first and copy it over)."""
-    new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
+    (``Tensor.share_memory_`` would allocate private memory first and copy it over), backed by a
+    file descriptor whatever torch's sharing strategy, so that it reaches the writer uncopied."""
+    new_shared = getattr(torch.UntypedStorage, "_new_using_fd_cpu", None) or getattr(
+        torch.UntypedStorage, "_new_shared", None
+    )
     if new_shared is None:  # an older or newer torch without it: the public, slower way
         shared: torch.Tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8).share_memory_()  # type: ignore[no-untyped-call]
         return shared

@@ -22,12 +22,20 @@ Call order (all methods are collective unless noted: every rank calls them toget
 * load: ``LoadStrategyBase.check_backend_compatibility`` / ``check_version_compatibility``
   (local), ``LoadCommonStrategy.load_common``, ``load_sharded_objects``, then
   ``LoadShardedStrategy.load``. The ``*_metadata`` methods are local and need no process group.
+
+Where: every method receives ``checkpoint_dir``, a :class:`~dist_ckpt.storage.base.Storage`
+(:mod:`dist_ckpt.storage.location`): a ``LocalStorage`` for a local directory, an ``S3Storage``
+for an object store. A strategy that works through the Storage methods runs on both and
+declares ``object_storage = True``; its local fast paths branch on the storage's capabilities
+(``local_paths``, ``positional_reads``). A strategy written for directories leaves
+``object_storage`` False: it is refused on object stores before any byte moves, and on a local
+disk it gets the directory as ``checkpoint_dir.local_dir`` -- or simply ``Path(checkpoint_dir)``,
+since a ``LocalStorage`` is ``os.PathLike``.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -37,7 +45,7 @@ from dist_ckpt.errors import IncompatibleStrategyError
 from dist_ckpt.integrity.checksums import IntegrityReport
 from dist_ckpt.model.dict_utils import nested_values
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
-from dist_ckpt.storage.location import CheckpointLocation
+from dist_ckpt.storage.base import Storage
 
 if TYPE_CHECKING:
     from dist_ckpt.async_save.queue import AsyncRequest
@@ -49,15 +57,15 @@ class SaveStrategyBase(ABC):
     #: top-level entries of a checkpoint directory this strategy writes; save() refuses a
     #: directory that already holds any of them (the leftovers of an interrupted save)
     owned_paths: ClassVar[Tuple[str, ...]] = ()
-    #: whether the strategy can write to an object store: it then accepts a
-    #: :class:`~dist_ckpt.storage.Storage` as ``checkpoint_dir`` (see :func:`check_location`)
+    #: whether the strategy works through the Storage methods, and so can write to an object
+    #: store; False: written for local directories (see the module docstring, :func:`check_location`)
     object_storage: ClassVar[bool] = False
 
     def __init__(self, backend: str, version: int) -> None:
         self.backend = backend
         self.version = version
 
-    def check_location(self, checkpoint_dir: CheckpointLocation) -> None:
+    def check_location(self, checkpoint_dir: Storage) -> None:
         """Raise :class:`IncompatibleStrategyError` if this strategy cannot write to ``checkpoint_dir``
         (by default: an object store unless ``object_storage``). Called on every rank before a save
         writes anything."""
@@ -82,7 +90,7 @@ class LoadStrategyBase(ABC):
 
     supported_backends: ClassVar[Tuple[str, ...]] = ()
     supported_versions: ClassVar[Tuple[int, ...]] = ()
-    #: whether the strategy can read from an object store (``checkpoint_dir`` a Storage)
+    #: whether the strategy can read from an object store (see the module docstring)
     object_storage: ClassVar[bool] = False
 
     @property
@@ -90,7 +98,7 @@ class LoadStrategyBase(ABC):
         """Whether :meth:`LoadShardedStrategy.load` also loads ShardedObjects."""
         return False
 
-    def check_location(self, checkpoint_dir: CheckpointLocation) -> None:
+    def check_location(self, checkpoint_dir: Storage) -> None:
         """Raise :class:`IncompatibleStrategyError` if this strategy cannot read ``checkpoint_dir``
         (by default: an object store unless ``object_storage``). Called before a load reads anything."""
         _check_location(self, self.object_storage, checkpoint_dir, "read from")
@@ -112,7 +120,7 @@ class LoadStrategyBase(ABC):
                 f"strategy that supports it"
             )
 
-    def verify_integrity(self, checkpoint_dir: CheckpointLocation) -> IntegrityReport:
+    def verify_integrity(self, checkpoint_dir: Storage) -> IntegrityReport:
         """Check every file of this strategy's part of a checkpoint against what was recorded at
         save time (local, one process; for ``dist-ckpt verify``). Never raises for damage: each
         problem is a line of the report. The default checks nothing and says so."""
@@ -122,8 +130,8 @@ class LoadStrategyBase(ABC):
         return self.__class__.__name__
 
 
-def _check_location(strategy: object, supported: bool, checkpoint_dir: CheckpointLocation, verb: str) -> None:
-    if isinstance(checkpoint_dir, Path) or supported:
+def _check_location(strategy: object, supported: bool, checkpoint_dir: Storage, verb: str) -> None:
+    if checkpoint_dir.local_paths or supported:
         return
     raise IncompatibleStrategyError(
         f"{strategy} cannot {verb} object storage ({checkpoint_dir.url}): it works on local directories only. "
@@ -135,12 +143,10 @@ class SaveCommonStrategy(SaveStrategyBase):
     """Saves the common (non-sharded) state and, usually, ShardedObjects."""
 
     @abstractmethod
-    def save_common(self, common_state_dict: StateDict, checkpoint_dir: CheckpointLocation) -> None:
+    def save_common(self, common_state_dict: StateDict, checkpoint_dir: Storage) -> None:
         """Save the common state; only rank 0's call writes anything."""
 
-    def save_sharded_objects(
-        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation
-    ) -> None:
+    def save_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Storage) -> None:
         """Save this rank's main-replica ShardedObjects."""
         raise IncompatibleStrategyError(f"{self} cannot save ShardedObjects; use a common strategy that can")
 
@@ -163,7 +169,7 @@ class TensorStreamWriter(ABC):
 
     Example::
 
-        writer = strategy.begin_stream(Path("out"), [("w", torch.float32, (4, 4))])
+        writer = strategy.begin_stream(LocalStorage("out"), [("w", torch.float32, (4, 4))])
         writer.add("w", torch.zeros(4, 4))
         writer.finish()
     """
@@ -241,10 +247,10 @@ class SaveShardedStrategy(SaveStrategyBase):
     can_stream: ClassVar[bool] = False
 
     @abstractmethod
-    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> None:
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Storage) -> None:
         """Save this rank's main-replica shards; return once they are durable on every rank."""
 
-    def begin_stream(self, checkpoint_dir: CheckpointLocation, layout: Sequence[TensorLayout]) -> TensorStreamWriter:
+    def begin_stream(self, checkpoint_dir: Storage, layout: Sequence[TensorLayout]) -> TensorStreamWriter:
         """A writer of the whole tensors of ``layout``, one at a time, into ``checkpoint_dir``
         (one process; see :class:`TensorStreamWriter`). Optional: available when
         :attr:`can_stream` is True; the default raises :class:`IncompatibleStrategyError`."""
@@ -258,10 +264,10 @@ class AsyncSaveShardedStrategy(SaveShardedStrategy):
     """A sharded save strategy that can write in the background."""
 
     @abstractmethod
-    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> "AsyncRequest":
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Storage) -> "AsyncRequest":
         """Prepare the save and return the request that performs it; the caller schedules it."""
 
-    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> None:
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Storage) -> None:
         """Every async strategy can be used synchronously."""
         self.async_save(sharded_state_dict, checkpoint_dir).execute_sync()
 
@@ -270,16 +276,14 @@ class LoadCommonStrategy(LoadStrategyBase):
     """Loads the common state and ShardedObjects."""
 
     @abstractmethod
-    def load_common(self, checkpoint_dir: CheckpointLocation) -> StateDict:
+    def load_common(self, checkpoint_dir: Storage) -> StateDict:
         """Load the common state dict."""
 
     @abstractmethod
-    def load_sharded_objects(
-        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation
-    ) -> StateDict:
+    def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Storage) -> StateDict:
         """Return ``sharded_objects_state_dict`` with every ShardedObject replaced by its value."""
 
-    def load_sharded_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
+    def load_sharded_metadata(self, checkpoint_dir: Storage) -> ShardedStateDict:
         """Metadata of the stored ShardedObjects, keyed by their unique keys."""
         raise IncompatibleStrategyError(f"{self} cannot list ShardedObjects")
 
@@ -288,24 +292,24 @@ class LoadShardedStrategy(LoadStrategyBase):
     """Loads sharded tensors (the sharded backend)."""
 
     @abstractmethod
-    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> StateDict:
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Storage) -> StateDict:
         """Return ``sharded_state_dict`` with every ShardedTensor replaced by its loaded tensor."""
 
     @abstractmethod
-    def load_tensors_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
+    def load_tensors_metadata(self, checkpoint_dir: Storage) -> ShardedStateDict:
         """``{key: ShardedTensor}`` for every stored tensor, unsharded and without data."""
 
-    def load_sharded_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
+    def load_sharded_metadata(self, checkpoint_dir: Storage) -> ShardedStateDict:
         """Metadata of stored ShardedTensors (and ShardedObjects, if this strategy handles them)."""
         if self.can_handle_sharded_objects:
             raise IncompatibleStrategyError(f"{self} handles ShardedObjects and must override load_sharded_metadata")
         return self.load_tensors_metadata(checkpoint_dir)
 
-    def remove_sharded_tensors(self, checkpoint_dir: CheckpointLocation, key_prefix: str) -> None:
+    def remove_sharded_tensors(self, checkpoint_dir: Storage, key_prefix: str) -> None:
         """Delete every stored tensor whose key starts with ``key_prefix``."""
         raise IncompatibleStrategyError(f"{self} cannot remove tensors from a checkpoint")
 
-    def describe_stored_shards(self, checkpoint_dir: CheckpointLocation) -> Optional[Dict[str, List[StoredShardInfo]]]:
+    def describe_stored_shards(self, checkpoint_dir: Storage) -> Optional[Dict[str, List[StoredShardInfo]]]:
         """How each stored tensor is laid out: its pieces (box or flattened range), their files
         and sizes, read from the metadata alone (local, one process; for ``dist-ckpt inspect``).
 
@@ -314,7 +318,7 @@ class LoadShardedStrategy(LoadStrategyBase):
 
         Example::
 
-            shards = strategy.describe_stored_shards(Path("ckpt/iter_1000"))
+            shards = strategy.describe_stored_shards(LocalStorage("ckpt/iter_1000"))
             len(shards["decoder.w"])   # number of stored pieces of that tensor
         """
         return None

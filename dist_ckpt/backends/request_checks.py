@@ -12,7 +12,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 from dist_ckpt.engine.distributed import get_rank
-from dist_ckpt.errors import KeyMismatchError, LoadMismatchError, format_keys, format_problems
+from dist_ckpt.errors import UNEXPECTED_KEYS, KeyMismatchError, LoadMismatchError, format_keys, format_problems
 from dist_ckpt.model.sharded import ShardedTensor
 
 #: ``(dtype, global_shape)`` of a stored tensor, or None if the checkpoint lacks the key
@@ -49,7 +49,8 @@ def check_requested_tensors(requested: Sequence[ShardedTensor], lookup: StoredLo
     absent = {key for key, found in stored.items() if found is None}
     if absent:
         raise KeyMismatchError(
-            f"[rank {rank}] tensors requested by load but absent from checkpoint {where}: {format_keys(absent)}",
+            f"[rank {rank}] {UNEXPECTED_KEYS} (tensors requested by load but absent from checkpoint {where}): "
+            f"{format_keys(absent)}",
             unexpected_keys=absent,
         )
     problems: List[str] = []

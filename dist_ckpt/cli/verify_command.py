@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from dist_ckpt.cli.common import (
     EXIT_FAILURE,
@@ -54,7 +53,7 @@ def run_verify_command(args: argparse.Namespace) -> int:
     from dist_ckpt.storage.location import resolve_location
 
     location = resolve_location(args.dir)
-    if isinstance(location, Path) and not location.is_dir():  # a bad path, not a damaged checkpoint
+    if location.local_paths and not location.dir_exists():  # a bad path, not a damaged checkpoint
         raise NotACheckpointError(f"checkpoint directory {args.dir!r} does not exist (or is not a directory)")
     with ProgressBars(progress_enabled(args), "verifying") as bars:
         report = verify_checkpoint(location, progress=bars)

@@ -30,24 +30,27 @@ import json
 import logging
 import uuid
 from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from dist_ckpt.errors import CheckpointExistsError, CheckpointingException, CorruptCheckpointError, NotACheckpointError
-from dist_ckpt.storage import write_bytes_atomic
 from dist_ckpt.storage.errors import ObjectExistsError, ObjectNotFoundError, StorageError
-from dist_ckpt.storage.location import CheckpointLocation, LocationLike, location_str, resolve_location
+from dist_ckpt.storage.location import LocationLike, resolve_location
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "BIN_WEIGHTS_INDEX_NAME",
+    "BIN_WEIGHTS_NAME",
     "CheckpointingConfig",
     "CheckpointingException",
     "DCP_CONFIG",
     "MEGATRON_BACKENDS",
     "METADATA_FILENAME",
     "HF_CONFIG",
+    "HF_WEIGHT_FILES",
     "RECORD_FILENAME",
+    "SAFE_WEIGHTS_INDEX_NAME",
+    "SAFE_WEIGHTS_NAME",
     "check_is_distributed_checkpoint",
     "detect_config",
     "is_plain_dcp_directory",
@@ -101,12 +104,13 @@ def save_config(
 ) -> None:
     """Write ``metadata.json`` atomically and durably: the commit of a checkpoint (rank 0 only).
 
-    A local directory gets it by atomic rename (temporary file, fsync, rename, fsync of the
-    directory). An object store gets it with a create-if-absent put (``If-None-Match: *``), so a
-    commit never overwrites another save's marker. If that put finds an object already there --
-    e.g. the server applied a first attempt whose response was lost, and the client retried --
-    the marker is read back and accepted only if it carries this save's ``save_id``; otherwise
-    :class:`~dist_ckpt.errors.CheckpointExistsError` is raised.
+    The marker is created only if absent (:meth:`~dist_ckpt.storage.base.Storage.put_if_absent`:
+    on a local disk a fsynced temporary file hard-linked into place, then the directory fsynced;
+    on an object store a put with ``If-None-Match: *``), so a commit never overwrites another
+    save's marker. If the marker is already there -- e.g. the server applied a first attempt
+    whose response was lost, and the client retried -- it is read back and accepted only if it
+    carries this save's ``save_id``; otherwise :class:`~dist_ckpt.errors.CheckpointExistsError`
+    is raised.
 
     Example::
 
@@ -119,16 +123,13 @@ def save_config(
     save_id = save_id or new_save_id()
     writer["save_id"] = save_id
     record: Dict[str, Any] = asdict(config)
-    beside = config.sharded_backend in MEGATRON_BACKENDS
-    if beside:  # Megatron-Core's exact metadata.json; the record in its own file, before the commit
+    if config.sharded_backend in MEGATRON_BACKENDS:
+        # Megatron-Core's exact metadata.json; the record in its own file, written whole before the commit
         data = json.dumps(record).encode("utf-8")
-        _write_record(location, json.dumps({"dist_ckpt": writer}, indent=2, sort_keys=True).encode("utf-8"))
+        location.write(RECORD_FILENAME, json.dumps({"dist_ckpt": writer}, indent=2, sort_keys=True).encode("utf-8"))
     else:
         record["dist_ckpt"] = writer
         data = json.dumps(record, indent=2, sort_keys=True).encode("utf-8")
-    if isinstance(location, Path):
-        write_bytes_atomic(location / METADATA_FILENAME, data)
-        return
     try:
         location.put_if_absent(METADATA_FILENAME, data)
     except ObjectExistsError as e:
@@ -146,18 +147,14 @@ def save_config(
         )
 
 
-def _write_record(location: CheckpointLocation, data: bytes) -> None:
-    if isinstance(location, Path):
-        write_bytes_atomic(location / RECORD_FILENAME, data)
-    else:
-        location.write(RECORD_FILENAME, data)
-
-
 def read_save_record(checkpoint_dir: LocationLike) -> Dict[str, Any]:
     """dist_ckpt's record of the save that committed ``checkpoint_dir`` (``format_version``,
     ``library_version``, ``world_size``, ``save_id``): the ``"dist_ckpt"`` entry of
     ``metadata.json``, or of ``dist_ckpt.json`` for Megatron-format checkpoints; {} when there is
-    none (a checkpoint written by another tool) or it is unreadable.
+    none (a checkpoint written by another tool) or it is not valid JSON.
+
+    Raises:
+        StorageError: an object store refused the request (credentials, missing bucket, ...).
 
     Example::
 
@@ -166,9 +163,8 @@ def read_save_record(checkpoint_dir: LocationLike) -> Dict[str, Any]:
     location = resolve_location(checkpoint_dir)
     for name in (METADATA_FILENAME, RECORD_FILENAME):
         try:
-            raw = (location / name).read_bytes() if isinstance(location, Path) else location.read(name)
-            doc = json.loads(raw.decode("utf-8"))
-        except (OSError, ValueError, CheckpointingException):  # absent or damaged: not recorded there
+            doc = json.loads(location.read(name).decode("utf-8"))
+        except (ObjectNotFoundError, ValueError):  # absent or damaged: not recorded there
             continue
         found = doc.get("dist_ckpt") if isinstance(doc, dict) else None
         if isinstance(found, dict):
@@ -211,11 +207,6 @@ def maybe_load_config(checkpoint_dir: LocationLike) -> Optional[CheckpointingCon
         StorageError: an object store refused the request (credentials, missing bucket, ...).
     """
     location = resolve_location(checkpoint_dir)
-    if isinstance(location, Path):
-        path = location / METADATA_FILENAME
-        if not path.is_file():
-            return None
-        return _parse_config(path.read_bytes(), str(path))
     try:
         raw = location.read(METADATA_FILENAME)
     except ObjectNotFoundError:
@@ -226,13 +217,16 @@ def maybe_load_config(checkpoint_dir: LocationLike) -> Optional[CheckpointingCon
 def read_config(checkpoint_dir: LocationLike) -> CheckpointingConfig:
     """The checkpoint's config; raises a clear error if the location is not a checkpoint."""
     location = resolve_location(checkpoint_dir)
-    if isinstance(location, Path) and not location.is_dir():
-        raise NotACheckpointError(f"checkpoint directory {str(location)!r} does not exist")
     config = maybe_load_config(location)
     if config is None:
-        where = "directory" if isinstance(location, Path) else "location"
+        if location.local_paths and not location.dir_exists():
+            # unquoted, as Megatron-Core words it: callers match on "directory <path> does not exist"
+            raise NotACheckpointError(
+                f"checkpoint directory {location.url} does not exist; pass a committed checkpoint"
+            )
+        where = "directory" if location.local_paths else "location"
         raise NotACheckpointError(
-            f"{location_str(location)!r} is not a committed dist_ckpt checkpoint: {METADATA_FILENAME} is missing "
+            f"{location.url!r} is not a committed dist_ckpt checkpoint: {METADATA_FILENAME} is missing "
             f"(the save did not finish, or this is not a checkpoint {where})"
         )
     return config
@@ -241,12 +235,26 @@ def read_config(checkpoint_dir: LocationLike) -> CheckpointingConfig:
 #: how a HuggingFace folder (safetensors weights and no metadata.json) is loaded: with the
 #: built-in read-only "hf" strategies (dist_ckpt.hf.strategy)
 HF_CONFIG = CheckpointingConfig("hf", 1, "hf", 1)
-_HF_WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors")
 #: how a plain torch.distributed.checkpoint directory (DCP's ``.metadata``, no metadata.json) is
 #: loaded: with the built-in read-only "dcp" strategies (dist_ckpt.backends.torch_dist.plain)
 DCP_CONFIG = CheckpointingConfig("dcp", 1, "dcp", 1)
 #: DCP's metadata file, written last by its save: what makes a directory a DCP checkpoint
 DCP_METADATA_FILENAME = ".metadata"
+
+# HuggingFace weight file names (transformers' names), defined here, where a location is told
+# to be a dist_ckpt checkpoint or an HF folder, for every package above (hf/, training/)
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+BIN_WEIGHTS_NAME = "pytorch_model.bin"
+BIN_WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
+#: ``(file name, is_index, safetensors)`` of every HF weight file, in the order that decides a
+#: directory's format (the first one present)
+HF_WEIGHT_FILES: Tuple[Tuple[str, bool, bool], ...] = (
+    (SAFE_WEIGHTS_INDEX_NAME, True, True),
+    (SAFE_WEIGHTS_NAME, False, True),
+    (BIN_WEIGHTS_INDEX_NAME, True, False),
+    (BIN_WEIGHTS_NAME, False, False),
+)
 
 
 def detect_config(checkpoint_dir: LocationLike) -> CheckpointingConfig:
@@ -255,20 +263,22 @@ def detect_config(checkpoint_dir: LocationLike) -> CheckpointingConfig:
     :data:`DCP_CONFIG` if it is a plain DCP directory (:func:`is_plain_dcp_directory`).
 
     Neither is a committed dist_ckpt checkpoint (:func:`check_is_distributed_checkpoint` stays
-    False); this only lets ``load`` read them. Both are read from local disks only.
+    False); this only lets ``load`` read them. Both are read from local disks only (storages with
+    ``local_paths``: the HF reader and DCP's file reader need files).
     """
     location = resolve_location(checkpoint_dir)
-    if isinstance(location, Path) and not (location / METADATA_FILENAME).exists():
-        if any((location / f).is_file() for f in _HF_WEIGHT_FILES):
+    if location.local_paths and not location.exists(METADATA_FILENAME):
+        if any(location.exists(f) for f in (SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME)):
             return HF_CONFIG
         if is_plain_dcp_directory(location):
             return DCP_CONFIG
     return read_config(location)
 
 
-def is_plain_dcp_directory(directory: Path) -> bool:
-    """Whether ``directory`` is what ``torch.distributed.checkpoint.save`` writes: DCP's
-    ``.metadata`` and nothing but DCP's files (``*.distcp``, per-rank ``__<r>.metadata``).
+def is_plain_dcp_directory(checkpoint_dir: LocationLike) -> bool:
+    """Whether ``checkpoint_dir`` is what ``torch.distributed.checkpoint.save`` writes: DCP's
+    ``.metadata`` and nothing but DCP's files (``*.distcp``, per-rank ``__<r>.metadata``), no
+    subdirectory.
 
     A directory that also holds other files -- the ``common.pt`` of Megatron-Core's or
     dist_ckpt's torch_dist saves -- is not: there ``metadata.json`` is the commit record, and
@@ -276,15 +286,12 @@ def is_plain_dcp_directory(directory: Path) -> bool:
 
     Example::
 
-        is_plain_dcp_directory(Path("torchtitan/step-1000"))   # True
+        is_plain_dcp_directory("torchtitan/step-1000")   # True
     """
-    if not (directory / DCP_METADATA_FILENAME).is_file():
+    location = resolve_location(checkpoint_dir)
+    if not location.exists(DCP_METADATA_FILENAME) or location.list_dirs():
         return False
-    for entry in directory.iterdir():
-        name = entry.name
-        if not (name == DCP_METADATA_FILENAME or name.endswith((".distcp", ".metadata"))):
-            return False
-    return True
+    return all(o.key == DCP_METADATA_FILENAME or o.key.endswith((".distcp", ".metadata")) for o in location.list())
 
 
 def check_is_distributed_checkpoint(checkpoint_dir: LocationLike) -> bool:

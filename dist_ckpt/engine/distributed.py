@@ -16,13 +16,14 @@ import json
 import logging
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from dist_ckpt import errors
-from dist_ckpt.errors import CheckpointingException, KeyMismatchError, RankFailedError
+from dist_ckpt.errors import CheckpointingException, KeyMismatchError, RankFailedError, format_problems
 from dist_ckpt.storage import errors as storage_errors
 
 logger = logging.getLogger(__name__)
@@ -31,9 +32,35 @@ T = TypeVar("T")
 ProcessGroup = Any  # torch.distributed.ProcessGroup, kept loose for older torch versions
 
 
+# How deep the calling thread is in local_only() blocks (see there).
+_local_only = threading.local()
+
+
 def is_distributed() -> bool:
-    """True when a torch.distributed process group is initialized."""
-    return dist.is_available() and dist.is_initialized()
+    """True when a torch.distributed process group is initialized (and this thread is not in a
+    :func:`local_only` block)."""
+    return dist.is_available() and dist.is_initialized() and not getattr(_local_only, "depth", 0)
+
+
+@contextmanager
+def local_only() -> Iterator[None]:
+    """Within the block, the calling thread acts as a world of one: rank 0 of 1, every
+    collective of this module a local no-op, whether or not a process group is initialized.
+
+    For functions that one rank may call on its own (reading a checkpoint's metadata or its
+    whole tensors, as Megatron-Core's do), so that nothing they call waits for other ranks
+    that never come. Messages written inside say rank 0.
+
+    Example::
+
+        with local_only():
+            tensors = strategy.load(metadata, location)   # no collective, on any one rank
+    """
+    _local_only.depth = getattr(_local_only, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local_only.depth -= 1
 
 
 def get_rank(group: Optional[ProcessGroup] = None) -> int:
@@ -220,27 +247,61 @@ def all_ranks_true(flag: bool, group: Optional[ProcessGroup] = None) -> bool:
 _SYNCED = "_dist_ckpt_synced"
 
 
+#: how many keys of each kind one rank sends with a KeyMismatchError (its message names them too)
+_EXCHANGED_KEYS = 20
+
+
 def _describe(error: BaseException, rank: int, step: str) -> dict[str, Any]:
     info: dict[str, Any] = {"rank": rank, "type": type(error).__name__, "message": str(error), "step": step}
     if isinstance(error, KeyMismatchError):
-        info["missing_keys"] = list(error.missing_keys)
-        info["unexpected_keys"] = list(error.unexpected_keys)
+        info["missing_keys"] = list(error.missing_keys)[:_EXCHANGED_KEYS]
+        info["unexpected_keys"] = list(error.unexpected_keys)[:_EXCHANGED_KEYS]
     return info
 
 
-def _rebuild(info: dict[str, Any], failed_ranks: List[int]) -> CheckpointingException:
+def _with_rank(info: dict[str, Any]) -> str:
+    message: str = info["message"]
+    return message if message.startswith(f"[rank {info['rank']}]") else f"[rank {info['rank']}] {message}"
+
+
+def _key_mismatch(failures: List[dict[str, Any]], failed_ranks: List[int]) -> KeyMismatchError:
+    """One KeyMismatchError naming the keys of every rank that had one: each rank may request
+    keys of its own, and the error every rank raises must name them all. Ranks whose messages
+    differ only in the rank are listed once; at most :data:`~dist_ckpt.errors.MAX_REPORTED_PROBLEMS`
+    different messages are shown. The key attributes are the union of what the ranks sent."""
+    mismatches = [i for i in failures if i["type"] == KeyMismatchError.__name__]
+    by_text: Dict[str, List[int]] = {}
+    for info in mismatches:
+        text = _with_rank(info)[len(f"[rank {info['rank']}] ") :]
+        by_text.setdefault(text, []).append(info["rank"])
+    parts = [
+        f"[rank {ranks[0]}] {text}" if len(ranks) == 1 else f"[ranks {', '.join(map(str, ranks))}] {text}"
+        for text, ranks in by_text.items()
+    ]
+    message = format_problems(parts)
+    others = [r for r in failed_ranks if r not in {i["rank"] for i in mismatches}]
+    if others:
+        message += f" (ranks {others} failed too)"
+    missing = {k for i in mismatches for k in i.get("missing_keys", ())}
+    unexpected = {k for i in mismatches for k in i.get("unexpected_keys", ())}
+    return KeyMismatchError(message, missing, unexpected)
+
+
+def _rebuild(
+    info: dict[str, Any], failed_ranks: List[int], failures: Sequence[dict[str, Any]] = ()
+) -> CheckpointingException:
+    """The error every rank raises: that of the lowest failing rank ``info``, with its type
+    (a key mismatch names every rank's keys, from ``failures``)."""
     rank = info["rank"]
-    message = info["message"]
-    if not message.startswith(f"[rank {rank}]"):
-        message = f"[rank {rank}] {message}"
+    if info["type"] == KeyMismatchError.__name__:
+        return _key_mismatch(list(failures) or [info], failed_ranks)
+    message = _with_rank(info)
     others = [r for r in failed_ranks if r != rank]
     if others:
         message += f" (ranks {others} failed too)"
     # the family lives in errors.py, and the storage layer's members in storage/errors.py
     cls = getattr(errors, info["type"], None) or getattr(storage_errors, info["type"], None)
     if isinstance(cls, type) and issubclass(cls, CheckpointingException):
-        if cls is KeyMismatchError:
-            return KeyMismatchError(message, info.get("missing_keys", ()), info.get("unexpected_keys", ()))
         try:
             return cls(message)
         except TypeError:  # a subclass with a different constructor
@@ -275,7 +336,7 @@ def raise_if_any_rank_failed(error: Optional[BaseException], step: str, group: O
     infos = all_gather_json(None if error is None else _describe(error, global_rank_of(group, rank), step), group)
     failures = [i for i in infos if i is not None]
     failed_ranks = [i["rank"] for i in failures]
-    exc = _rebuild(failures[0], failed_ranks)
+    exc = _rebuild(failures[0], failed_ranks, failures)
     setattr(exc, _SYNCED, members)
     if error is not None:
         raise exc from error

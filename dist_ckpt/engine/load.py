@@ -38,7 +38,8 @@ from dist_ckpt.model.sharded import (
     apply_factory_merges,
 )
 from dist_ckpt.model.state_dict_utils import extract_sharded_base
-from dist_ckpt.storage.location import CheckpointLocation, LocationLike, resolve_location
+from dist_ckpt.storage import Storage
+from dist_ckpt.storage.location import LocationLike, resolve_location
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ def load_with_report(
 def _load_steps(
     monitor: StepMonitor,
     sharded_state_dict: ShardedStateDict,
-    location: CheckpointLocation,
+    location: Storage,
     sharded_strategy: StrategySpec,
     common_strategy: StrategySpec,
     validate_access_integrity: bool,

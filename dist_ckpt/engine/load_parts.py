@@ -1,13 +1,15 @@
 """Read one part of a checkpoint: common state, metadata, whole tensors, ShardedObjects.
 
 Unlike :func:`dist_ckpt.load`, these read what the checkpoint holds rather than a layout the
-caller describes, and need no process group.
+caller describes, and need no process group. None is collective: any one rank may call them on
+its own while a process group is initialized (as with Megatron-Core's), since they run inside
+:func:`~dist_ckpt.engine.distributed.local_only`.
 """
 
 from __future__ import annotations
 
 from dist_ckpt.engine.checks.compatibility import validate_sharded_objects_handling, verify_checkpoint_and_load_strategy
-from dist_ckpt.engine.distributed import run_collectively
+from dist_ckpt.engine.distributed import local_only
 from dist_ckpt.engine.registry import StrategySpec
 from dist_ckpt.model.dict_utils import merge
 from dist_ckpt.model.sharded import ShardedStateDict, StateDict
@@ -15,45 +17,50 @@ from dist_ckpt.storage.location import LocationLike, resolve_location
 
 
 def load_common_state_dict(checkpoint_dir: LocationLike, common_strategy: StrategySpec = None) -> StateDict:
-    """The common (non-sharded) state of a checkpoint; needs no process group."""
-    location = resolve_location(checkpoint_dir)
-    _, common = verify_checkpoint_and_load_strategy(location, common_strategy=common_strategy)
-    return common.load_common(location)
+    """The common (non-sharded) state of a checkpoint; needs no process group, not collective."""
+    with local_only():
+        location = resolve_location(checkpoint_dir)
+        _, common = verify_checkpoint_and_load_strategy(location, common_strategy=common_strategy)
+        return common.load_common(location)
 
 
 def load_tensors_metadata(checkpoint_dir: LocationLike, sharded_strategy: StrategySpec = None) -> ShardedStateDict:
     """``{key: ShardedTensor}`` with each stored tensor's global shape and dtype (no data).
 
     The ShardedTensors describe whole, unsharded tensors, so the result can be passed to
-    :func:`load` to read full tensors. Needs no process group.
+    :func:`load` to read full tensors. Needs no process group, not collective.
     """
-    location = resolve_location(checkpoint_dir)
-    sharded, _ = verify_checkpoint_and_load_strategy(location, sharded_strategy)
-    return sharded.load_tensors_metadata(location)
+    with local_only():
+        location = resolve_location(checkpoint_dir)
+        sharded, _ = verify_checkpoint_and_load_strategy(location, sharded_strategy)
+        return sharded.load_tensors_metadata(location)
 
 
 def load_sharded_metadata(
     checkpoint_dir: LocationLike, sharded_strategy: StrategySpec = None, common_strategy: StrategySpec = None
 ) -> ShardedStateDict:
-    """Metadata of every stored ShardedTensor (by key) and ShardedObject (by unique key)."""
-    location = resolve_location(checkpoint_dir)
-    sharded, common = verify_checkpoint_and_load_strategy(location, sharded_strategy, common_strategy)
-    metadata = sharded.load_sharded_metadata(location)
-    if not sharded.can_handle_sharded_objects:
-        validate_sharded_objects_handling(sharded, common)
-        merge(metadata, common.load_sharded_metadata(location))
-    return metadata
+    """Metadata of every stored ShardedTensor (by key) and ShardedObject (by unique key); not
+    collective."""
+    with local_only():
+        location = resolve_location(checkpoint_dir)
+        sharded, common = verify_checkpoint_and_load_strategy(location, sharded_strategy, common_strategy)
+        metadata = sharded.load_sharded_metadata(location)
+        if not sharded.can_handle_sharded_objects:
+            validate_sharded_objects_handling(sharded, common)
+            merge(metadata, common.load_sharded_metadata(location))
+        return metadata
 
 
 def load_plain_tensors(checkpoint_dir: LocationLike) -> StateDict:
     """Every stored tensor, whole, keyed by its checkpoint key (the common state is not included).
 
-    Collective when a process group is initialized (every rank loads the full tensors).
+    Not collective: the calling rank alone reads every tensor, whether or not the other ranks
+    call it too.
     """
-    location = run_collectively("opening the checkpoint location", lambda: resolve_location(checkpoint_dir))
-    sharded, _ = run_collectively("opening the checkpoint", lambda: verify_checkpoint_and_load_strategy(location))
-    metadata = run_collectively("reading tensor metadata", lambda: sharded.load_tensors_metadata(location))
-    return run_collectively("loading tensors", lambda: sharded.load(metadata, location))
+    with local_only():
+        location = resolve_location(checkpoint_dir)
+        sharded, _ = verify_checkpoint_and_load_strategy(location)
+        return sharded.load(sharded.load_tensors_metadata(location), location)
 
 
 def load_sharded_objects(sharded_state_dict: ShardedStateDict, checkpoint_dir: LocationLike) -> StateDict:

@@ -28,9 +28,8 @@ import logging
 import math
 import time
 from contextlib import nullcontext
-from pathlib import Path
 from types import TracebackType
-from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tuple, Type, TypeVar, Union
+from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tuple, Type, TypeVar
 
 from dist_ckpt.engine.distributed import all_gather_json, get_rank, get_world_size, run_collectively
 from dist_ckpt.engine.report import CheckpointReport, Operation, PhaseTiming, ProgressCallback, ProgressEvent
@@ -38,7 +37,7 @@ from dist_ckpt.engine.steps import Step
 from dist_ckpt.engine.watchdog import Watchdog
 from dist_ckpt.model.dict_utils import nested_values
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, is_main_replica
-from dist_ckpt.storage.base import Storage, open_storage
+from dist_ckpt.storage.location import LocationLike, resolve_location
 
 __all__ = ["StepMonitor", "count_files", "main_replica_bytes", "requested_bytes"]
 
@@ -78,7 +77,7 @@ def requested_bytes(sharded_state_dict: ShardedStateDict) -> int:
     return total
 
 
-def count_files(checkpoint_dir: Union[str, Path, Storage]) -> Tuple[Optional[int], Optional[int]]:
+def count_files(checkpoint_dir: LocationLike) -> Tuple[Optional[int], Optional[int]]:
     """``(files, bytes)`` of the checkpoint at ``checkpoint_dir`` as its storage lists them, or
     ``(None, None)`` if it cannot be listed (a report is no reason to fail a save).
 
@@ -87,7 +86,7 @@ def count_files(checkpoint_dir: Union[str, Path, Storage]) -> Tuple[Optional[int
         files, nbytes = count_files("ckpt/iter_10")
     """
     try:
-        objects = open_storage(checkpoint_dir).list()
+        objects = resolve_location(checkpoint_dir).list()
     except Exception as e:  # noqa: BLE001 -- any listing failure only leaves the count unknown
         logger.debug("cannot list %s for the report: %s", checkpoint_dir, e)
         return None, None
@@ -99,7 +98,7 @@ class StepMonitor:
 
     Args:
         operation: what the steps do.
-        checkpoint_dir: the checkpoint: a path, or an object-store storage.
+        checkpoint_dir: the checkpoint: a path, a URL or a storage.
         phases: the names of the steps that will run, in order (for the progress events'
             ``index`` / ``total``; a step not listed is numbered after them).
         progress: called with a :class:`~dist_ckpt.engine.report.ProgressEvent` when a step starts and
@@ -110,16 +109,15 @@ class StepMonitor:
     def __init__(
         self,
         operation: Operation,
-        checkpoint_dir: Union[str, Path, Storage],
+        checkpoint_dir: LocationLike,
         phases: Sequence[Step],
         progress: Optional[ProgressCallback] = None,
         watchdog_timeout_s: Optional[float] = None,
     ) -> None:
         if watchdog_timeout_s is not None:
             Watchdog(watchdog_timeout_s)  # validates the timeout before anything runs
-        self.location = checkpoint_dir
-        name = checkpoint_dir.url if isinstance(checkpoint_dir, Storage) else str(checkpoint_dir)
-        self.report = CheckpointReport(operation, name, get_rank(), get_world_size())
+        self.location = resolve_location(checkpoint_dir)
+        self.report = CheckpointReport(operation, self.location.url, get_rank(), get_world_size())
         self.phases: List[Step] = list(phases)
         self.progress = progress
         self.watchdog_timeout_s = watchdog_timeout_s

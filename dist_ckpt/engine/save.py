@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-import shutil
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, List, Optional, Set, Tuple
 
 from dist_ckpt.async_save.queue import AsyncRequest
@@ -53,7 +51,7 @@ from dist_ckpt.model.sharded import (
 )
 from dist_ckpt.model.state_dict_utils import extract_nonpersistent, extract_sharded_base
 from dist_ckpt.storage import Storage, validate_key
-from dist_ckpt.storage.location import CheckpointLocation, LocationLike, location_str, resolve_location
+from dist_ckpt.storage.location import LocationLike, resolve_location
 
 logger = logging.getLogger(__name__)
 
@@ -100,59 +98,37 @@ def _is_owned(name: str, owned: Set[str]) -> bool:
     return name in owned or any(fnmatch.fnmatchcase(name, pattern) for pattern in owned if "*" in pattern)
 
 
-def _prepare_directory(checkpoint_dir: CheckpointLocation, strategies: List[Any]) -> None:
+def _prepare_directory(checkpoint_dir: Storage, strategies: List[Any]) -> None:
     """On rank 0: create the directory, refuse a committed one, clear an interrupted save.
 
-    On an object store there is no directory to create: a prefix holding ``metadata.json`` is
-    refused, and objects under the strategies' owned names (``safetensors/``, ``common.pt``,
-    ``objects/``, ...) left by a save that never committed are deleted.
+    A location holding ``metadata.json`` is refused; whatever lies under the strategies' owned
+    names (``safetensors/``, ``common.pt``, ``objects/``, ...), left by a save that never
+    committed, is deleted. Object stores have no directory to create.
     """
     if get_rank() != 0:
         return
-    if not isinstance(checkpoint_dir, Path):
-        _prepare_prefix(checkpoint_dir, strategies)
-        return
-    checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    if (checkpoint_dir / METADATA_FILENAME).exists():
+    checkpoint_dir.make_dir()
+    if checkpoint_dir.exists(METADATA_FILENAME):
+        where = "directory" if checkpoint_dir.local_paths else "location"
         raise CheckpointExistsError(
-            f"{str(checkpoint_dir)!r} already holds a committed checkpoint ({METADATA_FILENAME}); "
-            f"save to a new directory or delete it first"
+            f"{checkpoint_dir.url!r} already holds a committed checkpoint ({METADATA_FILENAME}); "
+            f"save to a new {where} or delete it first"
         )
+    keys = {o.key for o in checkpoint_dir.list()}
+    present = {k.split("/", 1)[0] for k in keys} | set(checkpoint_dir.list_dirs())  # empty directories too
     owned = _owned_names(strategies)
-    leftovers = sorted(p.name for p in checkpoint_dir.iterdir() if _is_owned(p.name, owned))
+    leftovers = sorted(name for name in present if _is_owned(name, owned))
     if leftovers:
         logger.warning(
             "%s holds %s from an interrupted save (no %s); removing them before saving",
-            checkpoint_dir,
+            checkpoint_dir.url,
             leftovers,
             METADATA_FILENAME,
         )
         for name in leftovers:
-            path = checkpoint_dir / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-
-
-def _prepare_prefix(storage: Storage, strategies: List[Any]) -> None:
-    """:func:`_prepare_directory` on an object store (rank 0)."""
-    if storage.exists(METADATA_FILENAME):
-        raise CheckpointExistsError(
-            f"{storage.url!r} already holds a committed checkpoint ({METADATA_FILENAME}); "
-            f"save to a new location or delete it first"
-        )
-    owned = _owned_names(strategies)
-    leftovers = sorted({o.key for o in storage.list() if _is_owned(o.key.split("/", 1)[0], owned)})
-    if leftovers:
-        logger.warning(
-            "%s holds %d objects under %s from an interrupted save (no %s); deleting them before saving",
-            storage.url,
-            len(leftovers),
-            sorted({k.split("/", 1)[0] for k in leftovers}),
-            METADATA_FILENAME,
-        )
-        for name in sorted({k.split("/", 1)[0] for k in leftovers}):
-            if name in leftovers:
-                storage.delete(name)
-            storage.delete_prefix(name)
+            if name in keys:
+                checkpoint_dir.delete(name)
+            checkpoint_dir.delete_prefix(name)
 
 
 def _check_same_on_all_ranks(value: List[Any], what: str) -> None:
@@ -287,7 +263,7 @@ def save_with_report(
 def _save_steps(
     monitor: StepMonitor,
     sharded_state_dict: ShardedStateDict,
-    location: CheckpointLocation,
+    location: Storage,
     sharded_strategy: StrategySpec,
     common_strategy: StrategySpec,
     validate_access_integrity: bool,
@@ -306,9 +282,7 @@ def _save_steps(
             raise IncompatibleStrategyError(f"async_sharded_save=True needs an AsyncSaveShardedStrategy, got {sharded}")
         sharded.check_location(location)
         common.check_location(location)
-        _check_same_on_all_ranks(
-            [location_str(location), sharded.backend, sharded.version], "(checkpoint_dir, backend, version)"
-        )
+        _check_same_on_all_ranks([location.url, sharded.backend, sharded.version], "(checkpoint_dir, backend, version)")
         _prepare_directory(location, [sharded, common])
         return sharded, common
 

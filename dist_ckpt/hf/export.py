@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from dist_ckpt.backends.safetensors.format import SafetensorsFileWriter
+from dist_ckpt.backends.safetensors import SafetensorsFileWriter
 from dist_ckpt.errors import CheckpointExistsError
 from dist_ckpt.hf.folder import has_hf_weights
 from dist_ckpt.hf.index import (

@@ -10,25 +10,15 @@ safetensors backend uses, so the same loader reads any slice of any of them, in 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Union
 
-from dist_ckpt.backends.safetensors.format import SafetensorsHeader, read_header
-from dist_ckpt.backends.safetensors.load import StoredShard, StoredTensor, TensorIndex
+from dist_ckpt.backends.safetensors import SafetensorsHeader, StoredShard, StoredTensor, TensorIndex, read_header
+from dist_ckpt.engine.commit import BIN_WEIGHTS_INDEX_NAME, BIN_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from dist_ckpt.errors import CorruptCheckpointError, KeyMismatchError, NotACheckpointError, format_keys
-from dist_ckpt.hf.index import (
-    BIN_WEIGHTS_INDEX_NAME,
-    BIN_WEIGHTS_NAME,
-    SAFE_WEIGHTS_INDEX_NAME,
-    SAFE_WEIGHTS_NAME,
-    SharingMetadataT,
-    load_shard_index,
-    refuse_bin,
-    sharing_groups,
-    validate_shard_index,
-)
+from dist_ckpt.hf.index import SharingMetadataT, load_shard_index, refuse_bin, sharing_groups, validate_shard_index
+from dist_ckpt.storage import LocalStorage
 
 __all__ = ["HFFolder", "has_hf_weights", "open_folder", "single_file_metadata"]
 
@@ -89,6 +79,11 @@ class HFFolder:
     extra_aliases: Dict[str, str] = field(default_factory=dict)
 
     @property
+    def storage(self) -> LocalStorage:
+        """The folder as a storage: its files are read through it."""
+        return LocalStorage(self.directory)
+
+    @property
     def sharing(self) -> SharingMetadataT:
         """Tied-parameter groups (first name stored)."""
         return sharing_groups(self.metadata)
@@ -119,19 +114,18 @@ class HFFolder:
     def read_headers(self, files: Iterable[str]) -> Dict[str, SafetensorsHeader]:
         """Validated headers of ``files`` (each read once)."""
         headers = {}
+        storage = self.storage
         for file in sorted(set(files)):
             path = self.directory / file
             try:
-                fd = os.open(path, os.O_RDONLY)
+                reader = storage.open_reader(file)
             except FileNotFoundError:
                 held = sorted(n for n, f in self.weight_map.items() if f == file)
                 raise CorruptCheckpointError(
                     f"safetensors file {str(path)!r}, which the index says holds {format_keys(held)}, is missing"
                 ) from None
-            try:
-                headers[file] = read_header(fd, path)
-            finally:
-                os.close(fd)
+            with reader:
+                headers[file] = read_header(reader, path)
         return headers
 
     def tensor_index(self, names: Optional[Iterable[str]] = None) -> TensorIndex:
@@ -156,7 +150,7 @@ class HFFolder:
             shard = StoredShard(file, name, offset, entry.shape, None, (entry.begin, entry.end))
             tensors[name] = StoredTensor(name, entry.dtype, entry.shape, [shard])
         aliases = {a: s for a, s in self.aliases.items() if s in tensors}
-        return TensorIndex(self.directory, tensors, aliases, description=repr(str(self.directory)), from_headers=True)
+        return TensorIndex(self.storage, tensors, aliases, description=repr(str(self.directory)), from_headers=True)
 
 
 def open_folder(directory: Union[str, Path]) -> HFFolder:
@@ -178,11 +172,8 @@ def open_folder(directory: Union[str, Path]) -> HFFolder:
         return HFFolder(d, dict(index["weight_map"]), dict(index["metadata"]), True)
     if (d / SAFE_WEIGHTS_NAME).is_file():
         path = d / SAFE_WEIGHTS_NAME
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            header = read_header(fd, path)
-        finally:
-            os.close(fd)
+        with LocalStorage(d).open_reader(SAFE_WEIGHTS_NAME) as reader:
+            header = read_header(reader, path)
         metadata = single_file_metadata(header.metadata, path)
         validate_shard_index({"metadata": metadata, "weight_map": {}}, repr(str(path)))
         return HFFolder(d, {name: SAFE_WEIGHTS_NAME for name in header.entries}, metadata, False)

@@ -29,10 +29,13 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 
+from dist_ckpt.engine.commit import BIN_WEIGHTS_INDEX_NAME, BIN_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
 from dist_ckpt.storage import write_bytes_atomic
 
 __all__ = [
+    "BIN_WEIGHTS_INDEX_NAME",
+    "BIN_WEIGHTS_NAME",
     "PARAM_SHARING_KEY",
     "SAFE_WEIGHTS_INDEX_NAME",
     "SAFE_WEIGHTS_NAME",
@@ -53,10 +56,6 @@ StateDictLike = Union[Module, Dict[str, Tensor]]
 ShardIndex = Dict[str, Dict[str, Any]]  # {"metadata": {...}, "weight_map": {name: file}}
 SharingMetadataT = List[List[str]]  # groups of tied parameter names; the first one is stored
 
-SAFE_WEIGHTS_NAME = "model.safetensors"
-SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
-BIN_WEIGHTS_NAME = "pytorch_model.bin"
-BIN_WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
 PARAM_SHARING_KEY = "param_sharing_metadata"
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 

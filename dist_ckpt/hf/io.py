@@ -27,9 +27,7 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 
-from dist_ckpt.backends.safetensors.format import write_safetensors_file
-from dist_ckpt.backends.safetensors.io import ReadOptions
-from dist_ckpt.backends.safetensors.load import load_from_index
+from dist_ckpt.backends.safetensors import ReadOptions, load_from_index, write_safetensors_file
 from dist_ckpt.errors import CheckpointingException, KeyMismatchError, LoadMismatchError, format_keys
 from dist_ckpt.hf.folder import INDEX_METADATA_KEY, HFFolder, open_folder
 from dist_ckpt.hf.index import (

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 
-from dist_ckpt.backends.safetensors.format import write_safetensors_file
+from dist_ckpt.backends.safetensors import write_safetensors_file
 from dist_ckpt.errors import CheckpointingException, KeyMismatchError, LoadMismatchError, format_keys
 from dist_ckpt.hf.folder import has_hf_weights, open_folder
 from dist_ckpt.hf.io import as_state_dict, load_into_dict, load_into_module

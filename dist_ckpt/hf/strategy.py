@@ -19,15 +19,15 @@ from __future__ import annotations
 from typing import ClassVar, Dict, List, Mapping, Optional, Tuple
 
 from dist_ckpt.backends.base import LoadCommonStrategy, LoadShardedStrategy
-from dist_ckpt.backends.safetensors.io import ReadOptions
-from dist_ckpt.backends.safetensors.load import load_from_index, tensors_metadata
-from dist_ckpt.backends.stored_shards import StoredShardInfo, describe_tensor_index
+from dist_ckpt.backends.safetensors import ReadOptions, describe_tensor_index, load_from_index, tensors_metadata
+from dist_ckpt.backends.stored_shards import StoredShardInfo
 from dist_ckpt.engine.distributed import get_rank
 from dist_ckpt.errors import KeyMismatchError, format_keys
 from dist_ckpt.hf.folder import HFFolder, open_folder
 from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
 from dist_ckpt.model.sharded import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
-from dist_ckpt.storage.location import CheckpointLocation, require_local
+from dist_ckpt.storage import Storage
+from dist_ckpt.storage.location import LocationLike, require_local, resolve_location
 
 __all__ = ["HF_BACKEND", "HFCommonLoadStrategy", "HFLoadShardedStrategy"]
 
@@ -55,12 +55,12 @@ class HFLoadShardedStrategy(LoadShardedStrategy):
         self.options = options or ReadOptions()
         self.aliases: Dict[str, str] = dict(aliases or {})
 
-    def _folder(self, checkpoint_dir: CheckpointLocation) -> HFFolder:
-        folder = open_folder(require_local(checkpoint_dir, "reading a HuggingFace folder"))
+    def _folder(self, checkpoint_dir: LocationLike) -> HFFolder:
+        folder = open_folder(require_local(resolve_location(checkpoint_dir), "reading a HuggingFace folder"))
         folder.extra_aliases.update(self.aliases)
         return folder
 
-    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> StateDict:
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Storage) -> StateDict:
         folder = self._folder(checkpoint_dir)
         keys = [sh.key for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedTensor)]
         available = set(folder.names())
@@ -68,16 +68,16 @@ class HFLoadShardedStrategy(LoadShardedStrategy):
         if absent:
             raise KeyMismatchError(
                 f"[rank {get_rank()}] tensors requested by load but absent from HuggingFace checkpoint "
-                f"{str(checkpoint_dir)!r}: {format_keys(absent)}",
+                f"{resolve_location(checkpoint_dir).url!r}: {format_keys(absent)}",
                 unexpected_keys=absent,
             )
         index = folder.tensor_index(keys)
         return load_from_index(sharded_state_dict, index, self.options)
 
-    def load_tensors_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
+    def load_tensors_metadata(self, checkpoint_dir: Storage) -> ShardedStateDict:
         return tensors_metadata(self._folder(checkpoint_dir).tensor_index())
 
-    def describe_stored_shards(self, checkpoint_dir: CheckpointLocation) -> Optional[Dict[str, List[StoredShardInfo]]]:
+    def describe_stored_shards(self, checkpoint_dir: Storage) -> Optional[Dict[str, List[StoredShardInfo]]]:
         """Each tensor is one whole piece in the file the index (or ``model.safetensors``) names."""
         return describe_tensor_index(self._folder(checkpoint_dir).tensor_index())
 
@@ -92,20 +92,18 @@ class HFCommonLoadStrategy(LoadCommonStrategy):
     def can_handle_sharded_objects(self) -> bool:
         return True
 
-    def load_common(self, checkpoint_dir: CheckpointLocation) -> StateDict:
+    def load_common(self, checkpoint_dir: Storage) -> StateDict:
         return {}
 
-    def load_sharded_objects(
-        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation
-    ) -> StateDict:
+    def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Storage) -> StateDict:
         requested = sorted({o.key for o in nested_values(sharded_objects_state_dict) if isinstance(o, ShardedObject)})
         if requested:
             raise KeyMismatchError(
-                f"[rank {get_rank()}] HuggingFace checkpoint {str(checkpoint_dir)!r} holds tensors only; "
-                f"ShardedObjects requested: {format_keys(requested)}",
+                f"[rank {get_rank()}] HuggingFace checkpoint {resolve_location(checkpoint_dir).url!r} holds tensors "
+                f"only; ShardedObjects requested: {format_keys(requested)}",
                 unexpected_keys=requested,
             )
         return dict_list_map_inplace(lambda x: x, sharded_objects_state_dict)  # type: ignore[no-any-return]
 
-    def load_sharded_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
+    def load_sharded_metadata(self, checkpoint_dir: Storage) -> ShardedStateDict:
         return {}

@@ -37,8 +37,7 @@ import google_crc32c
 import numpy as np
 
 from dist_ckpt.errors import ChecksumMismatchError, CorruptCheckpointError, IncompatibleStrategyError
-from dist_ckpt.storage import write_bytes_atomic
-from dist_ckpt.storage.object_path import Node, ObjectPath
+from dist_ckpt.storage.object_path import ObjectPath
 
 __all__ = [
     "ALGORITHM",
@@ -65,9 +64,11 @@ __all__ = [
     "parse_manifest",
     "parse_manifest_bytes",
     "read_manifest",
-    "relative",
     "write_manifest",
 ]
+
+#: a file: a local path, or an object of a storage (:class:`~dist_ckpt.storage.object_path.ObjectPath`)
+FileLike = Union[str, "os.PathLike[str]", ObjectPath]
 
 ALGORITHM = "crc32c"
 #: block size of the safetensors backend: a partial read verifies at most this many extra bytes
@@ -242,23 +243,26 @@ class FileDigest:
         return {"size": self.size, ALGORITHM: crc_to_hex(self.crc32c)}
 
 
-def file_digest(path: Union[str, Path, ObjectPath]) -> FileDigest:
-    """Read ``path`` once and return its size and crc32c (an object-store key is downloaded).
+def file_digest(path: FileLike) -> FileDigest:
+    """Read ``path`` once and return its size and crc32c.
+
+    With positional reads (a local file) the file streams through a buffer of a few MiB; an
+    object on an object store is downloaded in one request.
 
     Example::
 
         file_digest(ckpt / "common.pt").crc32c
     """
-    if isinstance(path, ObjectPath):
-        return bytes_digest(path.read_bytes())
+    node = ObjectPath.of(path)
+    if not node.storage.positional_reads:
+        return bytes_digest(node.read_bytes())
     crc = size = 0
     buf = bytearray(_READ_CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            n = f.readinto(view)
-            if not n:
-                break
+    with node.storage.open_reader(node.key) as reader:
+        total = reader.size()
+        while size < total:
+            n = min(_READ_CHUNK, total - size)
+            reader.read_into([memoryview(buf)[:n]], size)
             crc = crc32c(np.frombuffer(buf, dtype=np.uint8, count=n), crc)
             size += n
     return FileDigest(size, crc)
@@ -290,17 +294,14 @@ def manifest_document(files: Mapping[str, FileDigest]) -> Dict[str, Any]:
     }
 
 
-def write_manifest(path: Union[str, Path, ObjectPath], files: Mapping[str, FileDigest]) -> None:
+def write_manifest(path: FileLike, files: Mapping[str, FileDigest]) -> None:
     """Write a manifest atomically and durably.
 
     Example::
 
         write_manifest(ckpt / "common.checksums.json", {"common.pt": file_digest(ckpt / "common.pt")})
     """
-    if isinstance(path, ObjectPath):
-        path.write_bytes(manifest_bytes(files))
-        return
-    write_bytes_atomic(path, manifest_bytes(files))
+    ObjectPath.of(path).write_bytes(manifest_bytes(files))
 
 
 def manifest_bytes(files: Mapping[str, FileDigest]) -> bytes:
@@ -355,7 +356,7 @@ def parse_manifest(doc: Any, path: Union[str, Path]) -> Dict[str, FileDigest]:
     return files
 
 
-def read_manifest(path: Union[str, Path, ObjectPath]) -> Optional[Dict[str, FileDigest]]:
+def read_manifest(path: FileLike) -> Optional[Dict[str, FileDigest]]:
     """The manifest at ``path``, or None if there is none (a checkpoint saved without checksums).
 
     Raises:
@@ -366,7 +367,7 @@ def read_manifest(path: Union[str, Path, ObjectPath]) -> Optional[Dict[str, File
 
         digests = read_manifest(ckpt / "zarr" / "checksums.json") or {}
     """
-    node = path if isinstance(path, ObjectPath) else Path(path)
+    node = ObjectPath.of(path)
     try:
         raw = node.read_bytes()
     except FileNotFoundError:  # ObjectNotFoundError is one
@@ -388,9 +389,7 @@ def parse_manifest_bytes(raw: bytes, where: str) -> Dict[str, FileDigest]:
     return parse_manifest(doc, where)
 
 
-def file_problem(
-    path: Union[str, Path, ObjectPath], expected: FileDigest, data: Optional[Bytes] = None
-) -> Optional[Tuple[str, bool]]:
+def file_problem(path: FileLike, expected: FileDigest, data: Optional[Bytes] = None) -> Optional[Tuple[str, bool]]:
     """What is wrong with the file at ``path`` (or ``data``, its bytes already read) compared with
     ``expected``: ``(problem, is_checksum_mismatch)``, or None if it matches.
 
@@ -413,9 +412,7 @@ def file_problem(
     return None
 
 
-def check_file(
-    path: Union[str, Path, ObjectPath], expected: FileDigest, what: str, data: Optional[Bytes] = None
-) -> None:
+def check_file(path: FileLike, expected: FileDigest, what: str, data: Optional[Bytes] = None) -> None:
     """Raise if the file at ``path`` (or ``data``, its already-read bytes) does not match ``expected``.
 
     Example::
@@ -477,17 +474,3 @@ class IntegrityReport:
     def add(self, path: str, problem: str, key: Optional[str] = None) -> None:
         """Record a problem."""
         self.problems.append(IntegrityProblem(path, problem, key))
-
-
-def relative(path: Node, root: Node) -> str:
-    """``path`` relative to ``root``, ``/``-separated (for reports and manifests).
-
-    Example::
-
-        relative(Path("ckpt/zarr/w/c/0"), Path("ckpt/zarr"))   # "w/c/0"
-    """
-    if isinstance(path, ObjectPath) or isinstance(root, ObjectPath):
-        if not (isinstance(path, ObjectPath) and isinstance(root, ObjectPath)):
-            raise ValueError(f"{path} and {root} are not on the same storage")
-        return path.relative_to(root)
-    return Path(os.path.relpath(path, root)).as_posix()

@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from dist_ckpt.backends.base import LoadStrategyBase
@@ -46,8 +45,9 @@ from dist_ckpt.engine.registry import StrategyAction, get_default_strategy
 from dist_ckpt.engine.report import Operation, ProgressCallback, ProgressEvent
 from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.integrity.checksums import IntegrityProblem, IntegrityReport
+from dist_ckpt.storage import Storage
 from dist_ckpt.storage.errors import StorageError
-from dist_ckpt.storage.location import CheckpointLocation, LocationLike, location_str, resolve_location
+from dist_ckpt.storage.location import LocationLike, resolve_location
 
 __all__ = ["VerifyReport", "verify_checkpoint"]
 
@@ -115,8 +115,8 @@ def verify_checkpoint(checkpoint_dir: LocationLike, progress: Optional[ProgressC
         StorageConfigError: a malformed location (an unknown scheme, an invalid bucket name).
     """
     directory = resolve_location(checkpoint_dir)
-    report = VerifyReport(location_str(directory))
-    if isinstance(directory, Path) and not directory.is_dir():
+    report = VerifyReport(directory.url)
+    if directory.local_paths and not directory.dir_exists():
         report.problems.append(IntegrityProblem(".", "the checkpoint directory does not exist"))
         return report
     started = time.perf_counter()
@@ -138,7 +138,7 @@ def verify_checkpoint(checkpoint_dir: LocationLike, progress: Optional[ProgressC
         raise  # refused credentials, a missing bucket: not a property of the checkpoint
     except CheckpointingException as e:
         report.problems.append(IntegrityProblem(METADATA_FILENAME, f"unreadable: {e}"))
-    if config is None and not report.problems and isinstance(directory, Path) and is_plain_dcp_directory(directory):
+    if config is None and not report.problems and is_plain_dcp_directory(directory):
         config = DCP_CONFIG  # DCP's .metadata, written last by its save, is its commit record
         report.notes.append(
             f"no {METADATA_FILENAME}: a plain torch.distributed.checkpoint directory, committed by its "
@@ -170,12 +170,12 @@ def verify_checkpoint(checkpoint_dir: LocationLike, progress: Optional[ProgressC
         report.notes.extend(part.notes)
         notify(f"checking the {name} files", i, 1 + len(strategies), True)
     _note_leftovers(directory, report)
-    logger.info("verified %s: %d problems, %d files", directory, len(report.problems), report.files_checked)
+    logger.info("verified %s: %d problems, %d files", directory.url, len(report.problems), report.files_checked)
     return report
 
 
 def _strategies(
-    directory: CheckpointLocation, config: Optional[CheckpointingConfig], report: VerifyReport
+    directory: Storage, config: Optional[CheckpointingConfig], report: VerifyReport
 ) -> List[Tuple[str, LoadStrategyBase]]:
     if config is not None:
         wanted = [
@@ -205,26 +205,25 @@ def _strategies(
     return out
 
 
-def _has_dcp_files(directory: CheckpointLocation) -> bool:
-    """Whether an uncommitted directory holds torch.distributed.checkpoint files (a torch_dist save)."""
-    if not isinstance(directory, Path):
-        return False
-    return any(p.name == DCP_METADATA_FILENAME or p.name.endswith(".distcp") for p in directory.iterdir())
+def _has_dcp_files(directory: Storage) -> bool:
+    """Whether an uncommitted checkpoint holds torch.distributed.checkpoint files (a torch_dist save)."""
+    return any(
+        o.key == DCP_METADATA_FILENAME or o.key.endswith(".distcp") for o in directory.list() if "/" not in o.key
+    )
 
 
-def _top_level_names(directory: CheckpointLocation) -> List[str]:
-    """Names of the entries directly in the checkpoint (directories, or first key components)."""
-    if isinstance(directory, Path):
-        return [p.name for p in directory.iterdir() if p.is_dir()]
-    return sorted({o.key.split("/", 1)[0] for o in directory.list() if "/" in o.key})
+def _top_level_names(directory: Storage) -> List[str]:
+    """Names of the directories directly in the checkpoint."""
+    return directory.list_dirs()
 
 
-def _note_leftovers(directory: CheckpointLocation, report: VerifyReport) -> None:
-    """Temporary files of interrupted atomic writes are harmless; say they can go (an object
-    store has none: an interrupted upload never becomes an object)."""
-    if not isinstance(directory, Path):
+def _note_leftovers(directory: Storage, report: VerifyReport) -> None:
+    """Temporary files of interrupted atomic writes are harmless; say they can go (only a local
+    disk has them: an interrupted upload never becomes an object)."""
+    if not directory.local_paths:
         return
-    leftovers = sorted(str(p.relative_to(directory)) for p in directory.rglob(".*.tmp-*"))
+    root = directory.local_dir
+    leftovers = sorted(str(p.relative_to(root)) for p in root.rglob(".*.tmp-*"))
     if leftovers:
         shown = ", ".join(leftovers[:5]) + (f" and {len(leftovers) - 5} more" if len(leftovers) > 5 else "")
         report.notes.append(f"temporary files of an interrupted write can be deleted: {shown}")

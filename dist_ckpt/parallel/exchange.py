@@ -45,7 +45,7 @@ from dist_ckpt.engine.shard_metadata import dtype_from_token, dtype_token
 from dist_ckpt.errors import CheckpointingException, ProcessGroupMismatchError
 from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
 from dist_ckpt.model.sharded import ShardedBase, ShardedStateDict, ShardedTensor, StateDict
-from dist_ckpt.storage.location import CheckpointLocation
+from dist_ckpt.storage import Storage
 
 logger = logging.getLogger(__name__)
 
@@ -363,7 +363,7 @@ def exchange_shards(
 
 def load_with_exchange(
     sharded_state_dict: ShardedStateDict,
-    checkpoint_dir: CheckpointLocation,
+    checkpoint_dir: Storage,
     base: LoadShardedStrategy,
     group: Optional[ProcessGroup],
     assign: Assign = balanced_owners,
@@ -462,7 +462,7 @@ class ExchangeHooks:
         self,
         mine: Mapping[ShardId, ShardedTensor],
         others: Sequence[ShardedBase],
-        checkpoint_dir: CheckpointLocation,
+        checkpoint_dir: Storage,
         base: LoadShardedStrategy,
     ) -> Dict[ShardId, Any]:
         """Load the owned shards (and any non-tensor shards) with ``base`` in one call."""

@@ -50,7 +50,7 @@ from dist_ckpt.parallel.exchange import (
     shard_id,
     shard_nbytes,
 )
-from dist_ckpt.storage.location import CheckpointLocation
+from dist_ckpt.storage import Storage
 
 __all__ = ["FullyParallelLoadStrategyWrapper", "FullyParallelSaveStrategyWrapper", "distribute_main_replicas"]
 
@@ -134,16 +134,16 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
     def can_handle_sharded_objects(self) -> bool:
         return self.base_strategy.can_handle_sharded_objects
 
-    def check_location(self, checkpoint_dir: CheckpointLocation) -> None:
+    def check_location(self, checkpoint_dir: Storage) -> None:
         """The wrapped strategy decides."""
         self.base_strategy.check_location(checkpoint_dir)
 
-    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> None:
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Storage) -> None:
         to_save = self.apply_saving_parallelization(sharded_state_dict)
         # 4. the wrapped strategy writes the new main replicas
         self.base_strategy.save(to_save, checkpoint_dir)
 
-    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> AsyncRequest:
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Storage) -> AsyncRequest:
         """Steps 1-3 (collective), then the wrapped strategy's asynchronous save of the new main
         replicas (Megatron-Core's wrapper is async-capable too).
 
@@ -258,7 +258,7 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
     def can_handle_sharded_objects(self) -> bool:
         return self.base_strategy.can_handle_sharded_objects
 
-    def check_location(self, checkpoint_dir: CheckpointLocation) -> None:
+    def check_location(self, checkpoint_dir: Storage) -> None:
         """The wrapped strategy decides."""
         self.base_strategy.check_location(checkpoint_dir)
 
@@ -268,7 +268,7 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
     def check_version_compatibility(self, loaded_version: int) -> None:
         self.base_strategy.check_version_compatibility(loaded_version)
 
-    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> StateDict:
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Storage) -> StateDict:
         group = self.parallelization_group
         run_collectively("checking the parallelization groups", lambda: agree_on_group(group, "parallelization groups"))
         hooks = _CachingHooks(self) if self.do_cache_distribution else None
@@ -276,10 +276,10 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
             sharded_state_dict, checkpoint_dir, self.base_strategy, group, balanced_owners, self.bucket_bytes, hooks
         )
 
-    def load_tensors_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
+    def load_tensors_metadata(self, checkpoint_dir: Storage) -> ShardedStateDict:
         return self.base_strategy.load_tensors_metadata(checkpoint_dir)
 
-    def load_sharded_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
+    def load_sharded_metadata(self, checkpoint_dir: Storage) -> ShardedStateDict:
         return self.base_strategy.load_sharded_metadata(checkpoint_dir)
 
     def __str__(self) -> str:

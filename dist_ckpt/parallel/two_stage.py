@@ -47,7 +47,7 @@ from dist_ckpt.parallel.exchange import (
     shard_from_id,
     shard_id,
 )
-from dist_ckpt.storage.location import CheckpointLocation
+from dist_ckpt.storage import Storage
 
 __all__ = ["TwoStageDataParallelLoadShardedStrategy", "sharded_tensor_chunk_id", "timed"]
 
@@ -112,7 +112,7 @@ class _TimedHooks(ExchangeHooks):
         self,
         mine: Mapping[ShardId, ShardedTensor],
         others: Sequence[ShardedBase],
-        checkpoint_dir: CheckpointLocation,
+        checkpoint_dir: Storage,
         base: LoadShardedStrategy,
     ) -> Dict[ShardId, Any]:
         return self.strategy.load_tensors_from_storage(mine, others, checkpoint_dir, base)
@@ -204,12 +204,12 @@ class TwoStageDataParallelLoadShardedStrategy(LoadShardedStrategy):
         self._loaded_version = loaded_version
         # otherwise the registered loader of the checkpoint's (backend, version) is used
 
-    def check_location(self, checkpoint_dir: CheckpointLocation) -> None:
+    def check_location(self, checkpoint_dir: Storage) -> None:
         """The wrapped loader decides (the registered one is checked when it is chosen)."""
         if self.base_strategy is not None:
             self.base_strategy.check_location(checkpoint_dir)
 
-    def _base(self, checkpoint_dir: CheckpointLocation) -> LoadShardedStrategy:
+    def _base(self, checkpoint_dir: Storage) -> LoadShardedStrategy:
         if self.base_strategy is not None:
             return self.base_strategy
         config = read_config(checkpoint_dir)
@@ -281,16 +281,14 @@ class TwoStageDataParallelLoadShardedStrategy(LoadShardedStrategy):
         self,
         mine: Mapping[ShardId, ShardedTensor],
         others: Sequence[ShardedBase],
-        checkpoint_dir: CheckpointLocation,
+        checkpoint_dir: Storage,
         base: LoadShardedStrategy,
     ) -> Dict[ShardId, Any]:
         """Step 3: read this rank's assigned chunks (and any non-tensor shards) in one call to
         the base strategy, so that it can read them concurrently."""
         return ExchangeHooks().read(mine, others, checkpoint_dir, base)
 
-    def load_tensor_from_storage(
-        self, checkpoint_dir: CheckpointLocation, ten_meta: _ShardedTensorMetadata
-    ) -> torch.Tensor:
+    def load_tensor_from_storage(self, checkpoint_dir: Storage, ten_meta: _ShardedTensorMetadata) -> torch.Tensor:
         """Read one chunk from storage with the base strategy (a new tensor)."""
         sh = ten_meta.sharded_tensor_no_data.without_data()
         out = self.load_tensors_from_storage(
@@ -310,7 +308,7 @@ class TwoStageDataParallelLoadShardedStrategy(LoadShardedStrategy):
         """Step 4: the broadcasts within the DP group (errors are returned, then exchanged)."""
         return ExchangeHooks().exchange(buckets, tensors, dests, group)
 
-    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> StateDict:
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Storage) -> StateDict:
         base = self._base(checkpoint_dir)
         self.maybe_init_gloo_group()
         return load_with_exchange(
@@ -323,10 +321,10 @@ class TwoStageDataParallelLoadShardedStrategy(LoadShardedStrategy):
             _TimedHooks(self),
         )
 
-    def load_tensors_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
+    def load_tensors_metadata(self, checkpoint_dir: Storage) -> ShardedStateDict:
         return self._base(checkpoint_dir).load_tensors_metadata(checkpoint_dir)
 
-    def load_sharded_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
+    def load_sharded_metadata(self, checkpoint_dir: Storage) -> ShardedStateDict:
         return self._base(checkpoint_dir).load_sharded_metadata(checkpoint_dir)
 
     def summarize_load_times(self) -> Dict[str, Dict[str, float]]:

@@ -16,130 +16,74 @@ operation              what it guarantees
                        when the object is already there, never overwrites it
 ``read``               a whole (small) object
 ``read_ranges``        many byte ranges, concurrently, straight into the caller's buffers
+``open_reader``        positional reads of one object into the caller's buffers, many times
 ``size`` / ``exists``  object metadata
 ``list``               every object under a prefix (recursive), sorted by key
 ``list_dirs``          the "directories" directly under a prefix (one level)
+``dir_exists``         whether a "directory" (a prefix) exists
+``make_dir``           create a directory where the storage has them (nothing on object stores)
 ``delete`` /           remove one object (missing is fine) / everything under a prefix
 ``delete_prefix``
 =====================  =====================================================================
 
-Implementations declare what they can do as class-level capabilities (``ClassVar[bool]``), so
-callers branch on a capability, never on a concrete class. The two ways to make a save atomic
-(Orbax's two implementations) map onto them: a local disk has ``atomic_rename`` (every file is
-written under a temporary name and renamed), an object store has ``conditional_put`` (objects
-appear whole when their upload completes, and the commit marker is created only if absent).
-Both implementations here provide ``put_if_absent``, so a save commits the same way on both.
+Local directories and object stores go through this one interface; what only a local disk can
+do is declared as class-level capabilities (``ClassVar[bool]``), so callers branch on a
+capability, never on a concrete class:
 
-Call sequence in a distributed save (phase B of issue 7 wires this into ``dist_ckpt.save``):
+* ``local_paths``: objects are files under :attr:`Storage.local_dir`. Code that needs a path
+  uses it: TensorStore's ``file`` driver and zarr's ``LocalStore``, files written in parts at
+  planned offsets by several processes with early writeback (the safetensors backend), symlinks
+  and directory renames (checkpoint rotation), HuggingFace folders.
+* ``positional_reads``: :meth:`Storage.open_reader` reads with ``os.preadv`` on an open
+  descriptor, straight into the destination memory, so small reads cost a system call, not a
+  request: loaders use more, smaller reads (and check checksums piece by piece) where it is set.
+* ``atomic_rename`` / ``conditional_put``: the two ways to make a save atomic (Orbax's two
+  implementations): a local disk writes every file under a temporary name and renames it, an
+  object store makes objects appear whole when their upload completes. Both implementations
+  here provide ``put_if_absent``, so a save commits the same way on both.
+* ``ranged_read``, ``multipart_upload``: what the object-store client does with large objects.
+* ``s3_compatible``: the location is an S3 bucket and prefix that array libraries with their
+  own S3 clients can be handed (``S3Storage.obstore_store()`` for zarr-python,
+  ``S3Storage.tensorstore_kvstore()`` for TensorStore).
+
+Call sequence in a distributed save:
 
 1. every rank ``write``s / ``open_writer``s its own objects (keys unique per rank);
 2. all ranks synchronize (a barrier: every rank's objects are complete);
 3. rank 0 ``put_if_absent``s ``metadata.json``, last. A save that dies before step 3 leaves
    objects but no marker, which is not a checkpoint.
 
-In a load every rank calls ``read`` for small metadata and ``read_ranges`` for the byte ranges
-of the shards it needs. Methods are thread-safe; a storage object is *not* shared across
-processes (each rank opens its own with :func:`open_storage`).
+In a load every rank calls ``read`` for small metadata and ``read_ranges`` (or an
+``open_reader`` per file) for the byte ranges of the shards it needs. Methods are thread-safe;
+a storage object is *not* shared across processes (each rank opens its own with
+:func:`open_storage`; a pickled storage carries its location and options, not its connection).
 
-Keys are ``/``-separated relative names (:func:`validate_object_key`); keys derived from
-checkpoint keys go through :func:`dist_ckpt.storage.paths.encode_key` first.
+Keys are ``/``-separated relative names (:func:`~dist_ckpt.storage.paths.validate_object_key`);
+keys derived from checkpoint keys go through :func:`dist_ckpt.storage.paths.encode_key` first.
 """
 
 from __future__ import annotations
 
 import abc
 import os
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, ClassVar, Iterable, List, Optional, Sequence, Tuple, Type, Union
+from typing import TYPE_CHECKING, ClassVar, List, Optional, Sequence, Tuple, Type, Union
 
-from dist_ckpt.errors import InvalidKeyError
 from dist_ckpt.storage.errors import StorageConfigError
-from dist_ckpt.storage.paths import validate_key
+from dist_ckpt.storage.paths import validate_object_key, validate_prefix
+from dist_ckpt.storage.ranges import BufferLike, RangeRead
+from dist_ckpt.storage.stats import IOCounters, IOStats
 
 if TYPE_CHECKING:  # pragma: no cover
     from dist_ckpt.storage.local import LocalStorageOptions
     from dist_ckpt.storage.s3 import S3StorageOptions
 
-__all__ = [
-    "BufferLike",
-    "IOCounters",
-    "IOStats",
-    "ObjectInfo",
-    "ObjectWriter",
-    "RangeRead",
-    "Storage",
-    "as_byte_view",
-    "coalesce_ranges",
-    "open_storage",
-    "split_range",
-    "validate_object_key",
-    "validate_prefix",
-]
+__all__ = ["S3_SCHEMES", "ObjectInfo", "ObjectReader", "ObjectWriter", "Storage", "StorageOptions", "open_storage"]
 
-BufferLike = Union[bytes, bytearray, memoryview]
-"""What a write accepts: any contiguous buffer (wrap a tensor as ``memoryview(t.numpy())``)."""
-
-_MAX_KEY_BYTES = 1024  # the S3 limit on a whole key (prefix included)
-_MAX_COMPONENT_BYTES = 255  # the usual limit on a file name
-
-
-def validate_object_key(key: str) -> str:
-    """Return ``key`` if it is a valid relative object key, else raise :class:`InvalidKeyError`.
-
-    A key is ``/``-separated; no component is empty, ``.`` or ``..``; it does not start with
-    ``/``; it has no backslash or control character; components fit in 255 bytes and the key in
-    1024 bytes (UTF-8). The same key is then safe as a file path under a directory and as an S3
-    key under a prefix.
-
-    Example::
-
-        validate_object_key("safetensors/index.json")   # ok
-        validate_object_key("../etc/passwd")            # raises InvalidKeyError
-    """
-    validate_key(key)
-    problem = None
-    if "\\" in key:
-        problem = "keys use '/' as the only separator (no backslash)"
-    elif any(part == "" for part in key.split("/")):
-        problem = "keys must not have empty components (leading, trailing or doubled '/')"
-    elif len(key.encode("utf-8")) > _MAX_KEY_BYTES:
-        problem = f"keys must fit in {_MAX_KEY_BYTES} bytes (UTF-8)"
-    elif any(len(part.encode("utf-8")) > _MAX_COMPONENT_BYTES for part in key.split("/")):
-        problem = f"each '/'-separated component must fit in {_MAX_COMPONENT_BYTES} bytes (UTF-8)"
-    if problem:
-        raise InvalidKeyError(f"invalid object key {key!r}: {problem}")
-    return key
-
-
-def validate_prefix(prefix: str) -> str:
-    """Return ``prefix`` for :meth:`Storage.list` / :meth:`Storage.delete_prefix`: "" or a valid key.
-
-    Example::
-
-        validate_prefix("")             # everything under the root
-        validate_prefix("safetensors")  # everything under safetensors/
-    """
-    return prefix if prefix == "" else validate_object_key(prefix)
-
-
-def as_byte_view(buffer: BufferLike, *, writable: bool = False) -> memoryview:
-    """A flat unsigned-byte view of ``buffer`` (no copy); raises if it is not C-contiguous.
-
-    Example::
-
-        view = as_byte_view(memoryview(tensor.numpy()), writable=True)   # len(view) == tensor.nbytes
-    """
-    view = memoryview(buffer)
-    if not view.c_contiguous:
-        raise StorageConfigError("storage buffers must be C-contiguous (copy the tensor with .contiguous() first)")
-    if writable and view.readonly:
-        raise StorageConfigError("read destination buffers must be writable (got a read-only buffer)")
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    return view
+#: URL schemes of S3-compatible object stores (``s3a`` is Hadoop's spelling of the same thing)
+S3_SCHEMES: Tuple[str, ...] = ("s3", "s3a")
 
 
 @dataclass(frozen=True)
@@ -155,169 +99,84 @@ class ObjectInfo:
     size: int
 
 
-@dataclass(frozen=True)
-class RangeRead:
-    """Read ``sum(len(b) for b in buffers)`` bytes of object ``key`` from ``offset`` into ``buffers``.
+class ObjectReader(abc.ABC):
+    """Positional reads of one object, many times: what loaders read files with.
 
-    The buffers are filled in order, like ``os.preadv``: a stretch of an object that maps onto
-    several destination pieces (the rows of a tensor slice) is one read. Build it with
-    :meth:`into`, which accepts any writable contiguous buffers.
+    ``read_into`` fills the caller's buffers (a tensor's own memory) from a byte offset, like
+    ``os.preadv``; a reader may be used from several threads at once. Open one with
+    :meth:`Storage.open_reader`, close it when done (or use it as a context manager)::
+
+        with storage.open_reader("safetensors/rank00000_0.safetensors") as reader:
+            header_length = bytearray(8)
+            reader.read_into([memoryview(header_length)], 0)
 
     Attributes:
-        key: object key.
-        offset: first byte of the range in the object.
-        buffers: flat writable byte views, filled in order.
+        positional: the storage's ``positional_reads`` capability: each read is a system call
+            on an open descriptor (cheap), not a request (latency).
     """
 
-    key: str
-    offset: int
-    buffers: Tuple[memoryview, ...]
-
-    def __post_init__(self) -> None:
-        validate_object_key(self.key)
-        if not isinstance(self.offset, int) or self.offset < 0:
-            raise StorageConfigError(f"RangeRead of {self.key!r}: offset must be an int >= 0, got {self.offset!r}")
-
-    @classmethod
-    def into(cls, key: str, offset: int, *buffers: BufferLike) -> "RangeRead":
-        """A read of ``key`` at ``offset`` filling ``buffers`` (each writable and contiguous).
-
-        Example::
-
-            out = torch.empty(1024, dtype=torch.uint8)
-            storage.read_ranges([RangeRead.into("a.bin", 4096, memoryview(out.numpy()))])
-        """
-        return cls(key, offset, tuple(as_byte_view(b, writable=True) for b in buffers))
+    positional: ClassVar[bool] = False
 
     @property
-    def length(self) -> int:
-        """Number of bytes read."""
-        return sum(len(b) for b in self.buffers)
+    @abc.abstractmethod
+    def url(self) -> str:
+        """The object's location, for messages."""
 
+    @abc.abstractmethod
+    def read_into(self, buffers: Sequence[memoryview], offset: int) -> int:
+        """Fill ``buffers`` (in order) from byte ``offset``; return the number of bytes read.
 
-def split_range(read: RangeRead, max_bytes: int) -> List[RangeRead]:
-    """Split ``read`` into consecutive reads of at most ``max_bytes`` each (no copies: views).
+        Raises:
+            TruncatedObjectError: the object ends before the buffers are full.
+            ObjectNotFoundError: the object does not exist.
+        """
 
-    Lets one large range be fetched by several concurrent requests (and bounds what a single
-    request holds in memory).
+    @abc.abstractmethod
+    def size(self) -> int:
+        """The object's size in bytes.
 
-    Example::
+        Raises:
+            ObjectNotFoundError: the object does not exist.
+        """
 
-        parts = split_range(RangeRead.into("a", 0, bytearray(10)), 4)   # lengths 4, 4, 2
-    """
-    if max_bytes < 1:
-        raise StorageConfigError(f"split_range: max_bytes must be >= 1, got {max_bytes}")
-    if read.length <= max_bytes:
-        return [read]
-    pieces: List[RangeRead] = []
-    current: List[memoryview] = []
-    room = max_bytes
-    start = read.offset
-    position = read.offset
-    for buf in read.buffers:
-        view = buf
-        while len(view) > 0:
-            take = min(room, len(view))
-            current.append(view[:take])
-            view = view[take:]
-            room -= take
-            position += take
-            if room == 0:
-                pieces.append(RangeRead(read.key, start, tuple(current)))
-                current, room, start = [], max_bytes, position
-    if current:
-        pieces.append(RangeRead(read.key, start, tuple(current)))
-    return pieces
+    def close(self) -> None:
+        """Release what the reader holds (an open descriptor); idempotent."""
 
+    def __enter__(self) -> "ObjectReader":
+        return self
 
-def coalesce_ranges(reads: Sequence[RangeRead], max_bytes: int, max_gap: int = 0) -> List[RangeRead]:
-    """Requests for ``reads``: each split to ``max_bytes``, neighbours merged up to ``max_bytes``.
-
-    Ranges of the same object that follow each other with at most ``max_gap`` bytes between
-    them become one request (the gap lands in a throwaway buffer, so it costs ``max_gap``
-    downloaded bytes at most; 0 merges only exactly adjacent ranges, which costs nothing).
-    Overlapping ranges are never merged. Fewer, larger requests matter on object stores, where
-    every request has a latency and a price.
-
-    Example::
-
-        a, b = bytearray(4), bytearray(4)
-        coalesce_ranges([RangeRead.into("k", 0, a), RangeRead.into("k", 4, b)], 1 << 20)
-        # -> one RangeRead("k", 0, (a, b))
-    """
-    pieces = sorted(
-        (p for r in reads for p in split_range(r, max_bytes) if p.length > 0), key=lambda p: (p.key, p.offset)
-    )
-    merged: List[RangeRead] = []
-    for piece in pieces:
-        if merged:
-            last = merged[-1]
-            end = last.offset + last.length
-            gap = piece.offset - end
-            if piece.key == last.key and 0 <= gap <= max_gap and last.length + gap + piece.length <= max_bytes:
-                filler: Tuple[memoryview, ...] = (memoryview(bytearray(gap)),) if gap else ()
-                merged[-1] = RangeRead(last.key, last.offset, last.buffers + filler + piece.buffers)
-                continue
-        merged.append(piece)
-    return merged
-
-
-@dataclass(frozen=True)
-class IOStats:
-    """A snapshot of what a storage (and its children) moved, for tests and reports.
-
-    Attributes:
-        bytes_read: payload bytes received by reads (``read`` and ``read_ranges``).
-        bytes_written: payload bytes handed to writes that completed.
-        read_requests: read requests issued (one per ranged GET / ``pread`` piece; retries
-            inside the S3 client are not counted here -- the test server counts those).
-        objects_written: objects written (a multipart upload counts once).
-        metadata_requests: ``size`` / ``exists`` / ``list`` / ``delete`` calls.
-    """
-
-    bytes_read: int = 0
-    bytes_written: int = 0
-    read_requests: int = 0
-    objects_written: int = 0
-    metadata_requests: int = 0
-
-
-@dataclass
-class IOCounters:
-    """Thread-safe running totals behind :attr:`Storage.stats` (shared by a storage and its children)."""
-
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _totals: IOStats = field(default_factory=IOStats)
-
-    def add(
-        self,
-        *,
-        bytes_read: int = 0,
-        bytes_written: int = 0,
-        read_requests: int = 0,
-        objects_written: int = 0,
-        metadata_requests: int = 0,
+    def __exit__(
+        self, exc_type: Optional[Type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
     ) -> None:
-        """Add to the totals."""
-        with self._lock:
-            t = self._totals
-            self._totals = IOStats(
-                t.bytes_read + bytes_read,
-                t.bytes_written + bytes_written,
-                t.read_requests + read_requests,
-                t.objects_written + objects_written,
-                t.metadata_requests + metadata_requests,
-            )
+        self.close()
 
-    def snapshot(self) -> IOStats:
-        """The totals so far."""
-        with self._lock:
-            return self._totals
+    def __str__(self) -> str:
+        return self.url
 
-    def reset(self) -> None:
-        """Start counting from zero."""
-        with self._lock:
-            self._totals = IOStats()
+
+class _RangeReader(ObjectReader):
+    """The reader of any storage: each read is one :meth:`Storage.read_ranges` call (on an
+    object store, ranged GETs -- split into concurrent ones when large -- into the caller's
+    buffers)."""
+
+    def __init__(self, storage: "Storage", key: str) -> None:
+        self.storage = storage
+        self.key = validate_object_key(key)
+
+    @property
+    def url(self) -> str:
+        return self.storage.url_of(self.key)
+
+    def read_into(self, buffers: Sequence[memoryview], offset: int) -> int:
+        pending = [b for b in buffers if len(b)]
+        if not pending:
+            return 0
+        read = RangeRead.into(self.key, offset, *pending)
+        self.storage.read_ranges([read])
+        return read.length
+
+    def size(self) -> int:
+        return self.storage.size(self.key)
 
 
 class ObjectWriter(abc.ABC):
@@ -365,21 +224,27 @@ class Storage(abc.ABC):
     See the module docstring for the operations, the capabilities and the call sequence of a
     distributed save. Every method may be called from several threads of one process.
 
-    Capabilities (class attributes):
+    Capabilities (class attributes; see the module docstring for what uses them):
+        local_paths: objects are files under :attr:`local_dir` (:meth:`local_path`), so code
+            and libraries that need a path (TensorStore's ``file`` driver, zarr's LocalStore,
+            files written in parts, symlinks) can use them directly.
+        positional_reads: :meth:`open_reader` reads with ``os.preadv`` on an open descriptor:
+            many small reads are cheap.
         atomic_rename: writes go to a temporary name and are renamed into place (local disk).
         conditional_put: ``put_if_absent`` is atomic at the server (never overwrites).
         ranged_read: ``read_ranges`` fetches only the requested bytes.
         multipart_upload: large objects are uploaded in parts, concurrently.
-        local_paths: objects are files on a local file system (``local_path(key)`` exists), so
-            libraries that need a path (TensorStore's ``file`` driver, zarr's LocalStore) can
-            use them directly.
+        s3_compatible: other S3 clients can reach the location (``obstore_store()``,
+            ``tensorstore_kvstore()``: the zarr engines' own clients).
     """
 
+    local_paths: ClassVar[bool] = False
+    positional_reads: ClassVar[bool] = False
     atomic_rename: ClassVar[bool] = False
     conditional_put: ClassVar[bool] = False
     ranged_read: ClassVar[bool] = False
     multipart_upload: ClassVar[bool] = False
-    local_paths: ClassVar[bool] = False
+    s3_compatible: ClassVar[bool] = False
 
     def __init__(self, counters: Optional[IOCounters] = None) -> None:
         self._counters = counters if counters is not None else IOCounters()
@@ -404,6 +269,38 @@ class Storage(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
+
+    # -- local fast paths (storages with ``local_paths``) ----------------------------------------
+
+    @property
+    def local_dir(self) -> Path:
+        """The directory this storage's objects are files in (storages with ``local_paths``).
+
+        Lets a strategy written for directories work on a local checkpoint; code that also runs
+        on object stores checks ``local_paths`` first.
+
+        Raises:
+            StorageConfigError: the storage has no local files (an object store).
+
+        Example::
+
+            if storage.local_paths:
+                directory = storage.local_dir          # a pathlib.Path
+        """
+        raise StorageConfigError(f"{self.url} is not a local directory: {type(self).__name__} has no local paths")
+
+    def local_path(self, key: str) -> Path:
+        """The file of object ``key`` (storages with ``local_paths``; checked to stay under the root).
+
+        Raises:
+            StorageConfigError: the storage has no local files (an object store).
+
+        Example::
+
+            LocalStorage("/ckpt").local_path("zarr/w/zarr.json")   # Path("/ckpt/zarr/w/zarr.json")
+        """
+        validate_object_key(key)
+        return self.local_dir / key
 
     # -- writing -----------------------------------------------------------------------------
 
@@ -483,6 +380,22 @@ class Storage(abc.ABC):
                                  RangeRead.into("b.bin", 10, memoryview(out)[50:])])
         """
 
+    def open_reader(self, key: str) -> ObjectReader:
+        """A reader of object ``key`` for many positional reads (see :class:`ObjectReader`).
+
+        The default reads through :meth:`read_ranges`; a local storage reads with ``os.preadv``
+        on a descriptor it opens here (``positional_reads``).
+
+        Raises:
+            ObjectNotFoundError: the object does not exist (here, or at the first read).
+
+        Example::
+
+            with storage.open_reader("a.bin") as reader:
+                reader.read_into([memoryview(out)], 4096)
+        """
+        return _RangeReader(self, key)
+
     def read_into(self, key: str, offset: int, out: BufferLike) -> None:
         """Fill ``out`` with the bytes of ``key`` starting at ``offset`` (one range).
 
@@ -530,6 +443,33 @@ class Storage(abc.ABC):
         """
         start = len(prefix) + 1 if prefix else 0
         return sorted({o.key[start:].split("/", 1)[0] for o in self.list(prefix) if "/" in o.key[start:]})
+
+    def dir_exists(self, prefix: str = "") -> bool:
+        """Whether the "directory" ``prefix`` ("" for the root) exists: a local directory (even
+        an empty one), or an object-store prefix under which an object lives.
+
+        This default lists; implementations ask in one request.
+
+        Example::
+
+            open_storage("s3://bucket/run1").dir_exists("iter_0000100")
+        """
+        validate_prefix(prefix)
+        return bool(self.list_dirs(prefix)) or bool(self.list(prefix))
+
+    def make_dir(self, prefix: str = "") -> None:
+        """Create the directory ``prefix`` ("" for the root) and its parents where the storage
+        has directories (durably on a local disk: each new entry's parent is fsynced); object
+        stores have nothing to create (a prefix exists once an object lives under it). Writes
+        create the directories of their keys themselves (a disk fsyncs the file and its
+        directory, as before); ``make_dir`` is for directories whose entries must survive a
+        crash, such as a checkpoint's own.
+
+        Example::
+
+            storage.make_dir("zarr")
+        """
+        validate_prefix(prefix)
 
     @abc.abstractmethod
     def delete(self, key: str) -> None:
@@ -581,7 +521,7 @@ def open_storage(
         return location
     text = os.fspath(location)
     scheme, sep, rest = text.partition("://")
-    if sep and scheme.lower() in ("s3", "s3a"):
+    if sep and scheme.lower() in S3_SCHEMES:
         from dist_ckpt.storage.s3 import S3Storage, S3StorageOptions
 
         if options is not None and not isinstance(options, S3StorageOptions):
@@ -599,13 +539,4 @@ def open_storage(
         if rest and not rest.startswith("/"):
             raise StorageConfigError(f"open_storage({text!r}): file URLs must be absolute (file:///abs/path)")
         text = rest
-    return LocalStorage(Path(text), options)
-
-
-def _check_reads(reads: Iterable[RangeRead]) -> List[RangeRead]:
-    """The reads as a list, each checked (keys valid, buffers flat views) -- shared by implementations."""
-    checked = list(reads)
-    for r in checked:
-        if not isinstance(r, RangeRead):
-            raise StorageConfigError(f"read_ranges expects RangeRead items, got {type(r).__name__}")
-    return checked
+    return LocalStorage(text, options)

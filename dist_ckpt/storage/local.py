@@ -1,112 +1,36 @@
-"""Durable writes on a local (POSIX) file system, and :class:`LocalStorage` built on them.
+"""Objects as files under a root directory: :class:`LocalStorage`, the local Storage.
 
-A file is written under a temporary name in its final directory, flushed and fsynced, then
-renamed over its final name, and the directory is fsynced: a crash leaves either no file or the
-whole file, never a torn one. The functions (:func:`atomic_write`, :func:`write_bytes_atomic`,
-:func:`fsync_file`, :func:`fsync_dir`) are used directly by modules that work on paths;
-:class:`LocalStorage` is the same machinery behind the :class:`~dist_ckpt.storage.base.Storage`
-interface, so code written against that interface runs unchanged on a disk or on S3.
+Every write goes through a temporary file, fsync and rename (:mod:`.files`), reads through
+``os.preadv`` on an open descriptor, and the capabilities only a local disk has are declared
+(``local_paths``, ``positional_reads``, ``atomic_rename``), so code written against the
+:class:`~dist_ckpt.storage.base.Storage` interface runs unchanged on a disk or on S3 and takes
+the local fast paths where a capability says it can.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import IO, Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from dist_ckpt.storage.base import (
-    BufferLike,
-    IOCounters,
-    ObjectInfo,
-    ObjectWriter,
-    RangeRead,
-    Storage,
-    _check_reads,
-    as_byte_view,
-    split_range,
-    validate_object_key,
-    validate_prefix,
-)
-from dist_ckpt.storage.errors import (
-    ObjectExistsError,
-    ObjectNotFoundError,
-    StorageConfigError,
-    StorageError,
-    TruncatedObjectError,
-)
-from dist_ckpt.storage.paths import safe_join
+from dist_ckpt.storage import files as local_files
+from dist_ckpt.storage.base import ObjectInfo, ObjectWriter, Storage
+from dist_ckpt.storage.errors import ObjectExistsError, ObjectNotFoundError, StorageConfigError, StorageError
+from dist_ckpt.storage.files import FileReader, fsync_dir, is_temp_name, make_dirs, replace_durably, temp_name
+from dist_ckpt.storage.paths import safe_join, validate_object_key, validate_prefix
+from dist_ckpt.storage.ranges import BufferLike, RangeRead, as_byte_view, check_reads, split_range
+from dist_ckpt.storage.stats import IOCounters
 
-__all__ = ["LocalStorage", "LocalStorageOptions", "atomic_write", "fsync_dir", "fsync_file", "write_bytes_atomic"]
+__all__ = ["LocalStorage", "LocalStorageOptions"]
 
-Buffer = Union[bytes, bytearray, memoryview]
-_IOV_MAX = max(16, min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024))
-
-
-def fsync_file(path: Union[str, Path]) -> None:
-    """Flush a file's data to stable storage."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: Union[str, Path]) -> None:
-    """Flush a directory entry table (makes creations and renames in it durable)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _temp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-
-
-@contextlib.contextmanager
-def atomic_write(path: Union[str, Path], *, fsync: bool = True) -> Iterator[IO[bytes]]:
-    """Open ``path`` for binary writing so that it appears whole or not at all.
-
-    Example::
-
-        with atomic_write(ckpt / "common.pt") as f:
-            torch.save(obj, f)
-    """
-    final = Path(path)
-    tmp = _temp_name(final)
-    try:
-        with open(tmp, "wb") as f:
-            yield f
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    if fsync:
-        fsync_dir(final.parent)
-
-
-def write_bytes_atomic(path: Union[str, Path], data: Buffer, *, fsync: bool = True) -> None:
-    """Write ``data`` to ``path`` atomically (see :func:`atomic_write`)."""
-    with atomic_write(path, fsync=fsync) as f:
-        f.write(data)
-
-
+#: errors of ``link`` on file systems without hard links (some network and FUSE file systems)
+_NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EMLINK}
 # -- the Storage implementation ---------------------------------------------------------------
-
-
-def _is_temp_name(name: str) -> bool:
-    """Whether ``name`` is an in-progress write of :func:`atomic_write` (never listed)."""
-    return name.startswith(".") and ".tmp-" in name
 
 
 @dataclass(frozen=True)
@@ -139,7 +63,7 @@ class _LocalWriter(ObjectWriter):
         self._key = key
         self._path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._tmp = _temp_name(path)
+        self._tmp = temp_name(path)
         self._file: Optional[IO[bytes]] = open(self._tmp, "wb")
         self._written = 0
         self._done = False
@@ -207,11 +131,13 @@ class LocalStorage(Storage):
         storage.read_into("a.bin", 1, out)     # out == b"ello"
     """
 
+    local_paths = True
+    positional_reads = True
     atomic_rename = True
     conditional_put = True
     ranged_read = True
     multipart_upload = False
-    local_paths = True
+    s3_compatible = False
 
     def __init__(
         self,
@@ -222,31 +148,55 @@ class LocalStorage(Storage):
     ) -> None:
         super().__init__(counters)
         self.root = Path(root).absolute()
+        # messages and URLs name the directory as it was given (relative paths stay relative)
+        given = os.fspath(root)
+        self._url = given.rstrip("/") or given or "."
         self.options = options if options is not None else LocalStorageOptions()
+        self._dirs: Dict[str, Path] = {}  # resolved directories by key (see local_path)
 
     @property
     def url(self) -> str:
+        return self._url
+
+    def __fspath__(self) -> str:
+        """The directory, so that code written for paths (``Path(checkpoint_dir)``) keeps working."""
         return str(self.root)
 
     def __reduce__(self) -> Tuple[Any, ...]:
         """Pickle as root and options (the copy counts its own I/O)."""
         return (LocalStorage, (self.root, self.options))
 
-    def local_path(self, key: str) -> Path:
-        """The file of object ``key`` (checked to stay under the root).
+    @property
+    def local_dir(self) -> Path:
+        return self.root
 
-        For libraries that need a path (TensorStore's ``file`` driver, zarr's LocalStore).
+    def local_path(self, key: str) -> Path:
+        """The file of object ``key`` (checked to stay under the root, symlinks resolved).
+
+        Each directory is resolved (and checked) once, then remembered: resolving a whole path
+        costs a system call per component, and the zarr engines ask for a path per chunk file.
 
         Example::
 
             LocalStorage("/ckpt").local_path("zarr/w/zarr.json")   # Path("/ckpt/zarr/w/zarr.json")
         """
         validate_object_key(key)
-        return safe_join(self.root, *key.split("/"))
+        parent, _, name = key.rpartition("/")
+        directory = self._dirs.get(parent)
+        if directory is None:
+            directory = safe_join(self.root, *parent.split("/")) if parent else self.root.resolve()
+            self._dirs[parent] = directory
+        path = directory / name
+        if os.path.islink(path):  # a link as the last component: follow it, refusing one that leaves the root
+            return safe_join(self.root, *key.split("/"))
+        return path
 
     def _not_found(self, key: str, operation: str, error: OSError) -> ObjectNotFoundError:
         url = self.url_of(key)
         return ObjectNotFoundError(f"{operation} {url}: no such file ({error.strerror})", url=url, operation=operation)
+
+    def _dir_of(self, prefix: str) -> Path:
+        return self.local_path(prefix) if prefix else self.root
 
     # -- writing -----------------------------------------------------------------------------
 
@@ -257,9 +207,7 @@ class LocalStorage(Storage):
         path = self.local_path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         views = [as_byte_view(b) for b in buffers]
-        with atomic_write(path, fsync=self.options.fsync) as f:
-            for view in views:
-                f.write(view)
+        replace_durably(local_files.write_temp_file(path, views, fsync=self.options.fsync), path, self.options.fsync)
         self._counters.add(bytes_written=sum(len(v) for v in views), objects_written=1)
 
     def open_writer(self, key: str) -> ObjectWriter:
@@ -269,13 +217,8 @@ class LocalStorage(Storage):
         path = self.local_path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         view = as_byte_view(data)
-        tmp = _temp_name(path)
+        tmp = local_files.write_temp_file(path, [view], fsync=self.options.fsync)
         try:
-            with open(tmp, "wb") as f:
-                f.write(view)
-                f.flush()
-                if self.options.fsync:
-                    os.fsync(f.fileno())
             try:
                 os.link(tmp, path)  # atomic create-if-absent of a complete file
             except FileExistsError as e:
@@ -286,12 +229,43 @@ class LocalStorage(Storage):
                     url=url,
                     operation="put_if_absent",
                 ) from e
+            except OSError as e:
+                if e.errno not in _NO_HARD_LINKS:
+                    raise
+                self._create_exclusive(key, path, view)  # a file system without hard links
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
         if self.options.fsync:
             fsync_dir(path.parent)
         self._counters.add(bytes_written=len(view), objects_written=1)
+
+    def _create_exclusive(self, key: str, path: Path, view: memoryview) -> None:
+        """put_if_absent where ``link`` is not supported: ``O_EXCL`` still creates the file only
+        if absent; a crash while writing can leave it short, which readers of a commit marker
+        refuse as damaged (never as a valid checkpoint)."""
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError as e:
+            url = self.url_of(key)
+            raise ObjectExistsError(
+                f"put_if_absent {url}: the file already exists and was left untouched",
+                url=url,
+                operation="put_if_absent",
+            ) from e
+        try:
+            with open(fd, "wb", closefd=True) as f:
+                f.write(view)
+                f.flush()
+                if self.options.fsync:
+                    os.fsync(f.fileno())
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise
+
+    def make_dir(self, prefix: str = "") -> None:
+        make_dirs(self._dir_of(prefix), fsync=self.options.fsync)
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -304,25 +278,25 @@ class LocalStorage(Storage):
         self._counters.add(bytes_read=len(data), read_requests=1)
         return data
 
+    def open_reader(self, key: str) -> FileReader:
+        return FileReader.open(self.local_path(key), self.url_of(key))
+
     def read_ranges(self, reads: Sequence[RangeRead]) -> None:
-        pieces = [p for r in _check_reads(reads) for p in split_range(r, self.options.max_read_bytes) if p.length > 0]
+        pieces = [p for r in check_reads(reads) for p in split_range(r, self.options.max_read_bytes) if p.length > 0]
         if not pieces:
             return
-        fds: Dict[str, int] = {}
+        readers: Dict[str, FileReader] = {}
         try:
             for piece in pieces:
-                if piece.key not in fds:
-                    try:
-                        fds[piece.key] = os.open(self.local_path(piece.key), os.O_RDONLY)
-                    except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:
-                        raise self._not_found(piece.key, "read", e) from e
+                if piece.key not in readers:
+                    readers[piece.key] = self.open_reader(piece.key)
             threads = min(self.options.read_threads, len(pieces))
             if threads == 1:
                 for piece in pieces:
-                    self._pread(fds[piece.key], piece)
+                    self._pread(readers[piece.key], piece)
             else:
                 with ThreadPoolExecutor(threads, thread_name_prefix="dist_ckpt-read") as pool:
-                    futures = [pool.submit(self._pread, fds[p.key], p) for p in pieces]
+                    futures = [pool.submit(self._pread, readers[p.key], p) for p in pieces]
                     try:
                         for future in futures:
                             future.result()
@@ -330,30 +304,11 @@ class LocalStorage(Storage):
                         for future in futures:
                             future.cancel()
         finally:
-            for fd in fds.values():
-                os.close(fd)
+            for reader in readers.values():
+                reader.close()
 
-    def _pread(self, fd: int, piece: RangeRead) -> None:
-        """``preadv`` until the piece is full; a short file is a :class:`TruncatedObjectError`."""
-        views = list(piece.buffers)
-        offset = piece.offset
-        while views:
-            n = os.preadv(fd, views[:_IOV_MAX], offset)
-            if n == 0:
-                url = self.url_of(piece.key)
-                raise TruncatedObjectError(
-                    f"read {url}: the file ends at byte {offset}, but bytes "
-                    f"{piece.offset}..{piece.offset + piece.length} "
-                    "were expected (the file was truncated, or the index describing it is wrong)"
-                )
-            offset += n
-            while n > 0:
-                if n >= len(views[0]):
-                    n -= len(views[0])
-                    views.pop(0)
-                else:
-                    views[0] = views[0][n:]
-                    n = 0
+    def _pread(self, reader: FileReader, piece: RangeRead) -> None:
+        reader.read_into(piece.buffers, piece.offset)
         self._counters.add(bytes_read=piece.length, read_requests=1)
 
     # -- metadata ----------------------------------------------------------------------------
@@ -378,13 +333,13 @@ class LocalStorage(Storage):
     def list(self, prefix: str = "") -> List[ObjectInfo]:
         validate_prefix(prefix)
         self._counters.add(metadata_requests=1)
-        base = self.local_path(prefix) if prefix else self.root
+        base = self._dir_of(prefix)
         found: List[ObjectInfo] = []
         for dirpath, dirnames, filenames in os.walk(base):
-            dirnames[:] = [d for d in dirnames if not _is_temp_name(d)]
+            dirnames[:] = [d for d in dirnames if not is_temp_name(d)]
             rel = Path(dirpath).relative_to(self.root).as_posix()
             for name in filenames:
-                if _is_temp_name(name):
+                if is_temp_name(name):
                     continue
                 key = name if rel == "." else f"{rel}/{name}"
                 with contextlib.suppress(FileNotFoundError):  # deleted while we walked
@@ -392,14 +347,20 @@ class LocalStorage(Storage):
         return sorted(found, key=lambda o: o.key)
 
     def list_dirs(self, prefix: str = "") -> List[str]:
+        """The directories directly under ``prefix``; a symlink to a directory is one (it is read
+        like one), in-progress temporary names are not."""
         validate_prefix(prefix)
         self._counters.add(metadata_requests=1)
-        base = self.local_path(prefix) if prefix else self.root
         try:
-            with os.scandir(base) as it:
-                return sorted(e.name for e in it if e.is_dir(follow_symlinks=False) and not _is_temp_name(e.name))
+            with os.scandir(self._dir_of(prefix)) as it:
+                return sorted(e.name for e in it if _entry_is_dir(e) and not is_temp_name(e.name))
         except (FileNotFoundError, NotADirectoryError):
             return []
+
+    def dir_exists(self, prefix: str = "") -> bool:
+        validate_prefix(prefix)
+        self._counters.add(metadata_requests=1)
+        return self._dir_of(prefix).is_dir()
 
     def delete(self, key: str) -> None:
         self._counters.add(metadata_requests=1)
@@ -411,7 +372,7 @@ class LocalStorage(Storage):
         for info in self.list(prefix):
             self.delete(info.key)
             count += 1
-        base = self.local_path(prefix) if prefix else self.root
+        base = self._dir_of(prefix)
         # remove the directories the objects lived in (the root itself stays)
         for dirpath, _dirnames, _filenames in sorted(os.walk(base), key=lambda w: -len(w[0])):
             if Path(dirpath) != self.root:
@@ -423,4 +384,13 @@ class LocalStorage(Storage):
 
     def child(self, prefix: str) -> "LocalStorage":
         validate_object_key(prefix)
-        return LocalStorage(self.root.joinpath(*prefix.split("/")), self.options, counters=self._counters)
+        child = LocalStorage(self.root.joinpath(*prefix.split("/")), self.options, counters=self._counters)
+        child._url = self.url_of(prefix)
+        return child
+
+
+def _entry_is_dir(entry: "os.DirEntry[str]") -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:  # a dangling symlink, or one we may not follow
+        return False

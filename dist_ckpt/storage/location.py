@@ -1,61 +1,44 @@
-"""Where a checkpoint lives, as the save and load paths see it: a local directory or a storage.
+"""Where a checkpoint lives, as the save and load paths see it: always a :class:`Storage`.
 
-Entry points (``save``, ``load``, ``unshard``, the CLI, ...) accept a path, an ``s3://`` URL or
-an opened :class:`~dist_ckpt.storage.base.Storage`. :func:`resolve_location` turns that into a
-:data:`CheckpointLocation`, which is what strategies receive as ``checkpoint_dir``:
+Entry points (``save``, ``load``, ``unshard``, the CLI, ...) accept a path, a ``file://`` or
+``s3://`` URL, or an opened :class:`~dist_ckpt.storage.base.Storage` (:data:`LocationLike`).
+:func:`resolve_location` turns any of them into the storage that strategies receive as
+``checkpoint_dir``: a :class:`~dist_ckpt.storage.local.LocalStorage` for a local directory, an
+``S3Storage`` for an object store. There is one I/O path; what only a local disk can do is a
+capability of the storage (``local_paths``, ``positional_reads``, ...), never a second type.
 
-* a :class:`pathlib.Path` for a local directory -- exactly what strategies received before object
-  stores were supported, so local saves and loads keep their code paths (``preadv`` straight into
-  tensors, early writeback, fsync) and third-party strategies written for paths keep working;
-* a :class:`Storage` without local paths (``S3Storage``) for an object store. Only strategies
-  that declare ``object_storage = True`` are handed one; the others are refused with an error
-  naming the strategy and the URL before any byte moves.
+A strategy that declares ``object_storage = False`` (one written for directories) is refused on
+object stores before any byte moves; on a local disk it receives a ``LocalStorage``, which is
+``os.PathLike`` (``Path(checkpoint_dir)`` is the directory) and has ``local_dir``.
 
 Example::
 
     location = resolve_location("s3://bucket/run/iter_1000")   # an S3Storage
-    location = resolve_location("ckpt/iter_1000")              # Path("ckpt/iter_1000")
-    storage_of(location).exists("metadata.json")
+    location = resolve_location("ckpt/iter_1000")              # LocalStorage('ckpt/iter_1000')
+    location.exists("metadata.json")
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional, Union
+from typing import Union
 
 from dist_ckpt.errors import IncompatibleStrategyError
-from dist_ckpt.storage.base import Storage, open_storage
+from dist_ckpt.storage.base import S3_SCHEMES, Storage, open_storage
 from dist_ckpt.storage.errors import StorageConfigError
-from dist_ckpt.storage.local import LocalStorage
 
-__all__ = [
-    "CheckpointLocation",
-    "LocationLike",
-    "child_location",
-    "is_remote",
-    "location_str",
-    "remote_storage",
-    "require_local",
-    "resolve_location",
-    "storage_of",
-]
-
-CheckpointLocation = Union[Path, Storage]
-"""What strategies receive as ``checkpoint_dir``: a local directory, or an object-store storage."""
+__all__ = ["LocationLike", "require_local", "resolve_location"]
 
 LocationLike = Union[str, "os.PathLike[str]", Storage]
 """What entry points accept: a path, a ``file://`` or ``s3://`` URL, or an opened storage."""
 
-_OBJECT_SCHEMES = ("s3", "s3a")
 
+def resolve_location(location: LocationLike) -> Storage:
+    """The storage of a path, URL or storage (a storage is returned as given, with its options).
 
-def resolve_location(location: LocationLike) -> CheckpointLocation:
-    """The :data:`CheckpointLocation` of a path, URL or storage.
-
-    Local locations (paths, ``file://`` URLs, a ``LocalStorage``) become a :class:`Path`; object
-    store URLs are opened (:func:`~dist_ckpt.storage.base.open_storage`, configured from the AWS
-    environment); an object-store :class:`Storage` is returned as given, with its options.
+    Local paths and ``file://`` URLs give a ``LocalStorage``; object-store URLs are opened
+    (:func:`~dist_ckpt.storage.base.open_storage`, configured from the AWS environment).
 
     Raises:
         StorageConfigError: a malformed URL, an unknown scheme, or an ``s3://`` URL that went
@@ -64,77 +47,28 @@ def resolve_location(location: LocationLike) -> CheckpointLocation:
     Example::
 
         resolve_location("s3://bucket/ckpt")      # S3Storage('s3://bucket/ckpt')
-        resolve_location(Path("/ckpt"))           # PosixPath('/ckpt')
+        resolve_location(Path("/ckpt"))           # LocalStorage('/ckpt')
     """
     if isinstance(location, Storage):
-        if isinstance(location, LocalStorage):
-            return location.root
-        if location.local_paths:
-            raise StorageConfigError(
-                f"{location!r} declares local_paths but is not a LocalStorage; pass its directory instead"
-            )
         return location
     text = os.fspath(location)
-    if isinstance(location, os.PathLike) and any(text.lower().startswith(f"{s}:/") for s in _OBJECT_SCHEMES):
+    if isinstance(location, os.PathLike) and any(text.lower().startswith(f"{s}:/") for s in S3_SCHEMES):
         raise StorageConfigError(
             f"checkpoint location {text!r} looks like an object-store URL that went through pathlib.Path, which "
             "folds '//' into '/': pass the URL as a string ('s3://bucket/prefix')"
         )
-    scheme, sep, _ = text.partition("://")
-    if sep and scheme.lower() in _OBJECT_SCHEMES:
-        return open_storage(text)
-    if sep:
-        opened = open_storage(text)  # file:// (or an error naming the unsupported scheme)
-        return resolve_location(opened)
-    return Path(text)
+    return open_storage(text)
 
 
-def is_remote(location: CheckpointLocation) -> bool:
-    """Whether ``location`` is an object store (not a local directory)."""
-    return not isinstance(location, Path)
-
-
-def remote_storage(location: CheckpointLocation) -> Optional[Storage]:
-    """The storage of an object-store location, or None for a local directory."""
-    return None if isinstance(location, Path) else location
-
-
-def storage_of(location: CheckpointLocation) -> Storage:
-    """A storage for ``location``: the object store itself, or a ``LocalStorage`` of the directory.
-
-    Example::
-
-        storage_of(Path("ckpt")).read("metadata.json")
-    """
-    return open_storage(location)
-
-
-def location_str(location: CheckpointLocation) -> str:
-    """``location`` for messages: the directory path or the ``s3://`` URL (never credentials)."""
-    return str(location) if isinstance(location, Path) else location.url
-
-
-def require_local(location: CheckpointLocation, what: str) -> Path:
-    """The directory of a local location; for an object store, an error naming ``what`` and the URL.
+def require_local(location: Storage, what: str) -> Path:
+    """The directory of a storage with local files; for an object store, an error naming ``what``.
 
     Example::
 
         directory = require_local(checkpoint_dir, "the HuggingFace folder reader")
     """
-    if isinstance(location, Path):
-        return location
+    if location.local_paths:
+        return location.local_dir
     raise IncompatibleStrategyError(
         f"{what} works on local directories only, not on object storage ({location.url}); use a local path"
     )
-
-
-def child_location(location: CheckpointLocation, name: str) -> CheckpointLocation:
-    """The location ``name`` under ``location`` (a subdirectory, or a child prefix).
-
-    Example::
-
-        child_location(resolve_location("s3://bucket/run"), "iter_0000010")   # s3://bucket/run/iter_0000010
-    """
-    if isinstance(location, Path):
-        return location / name
-    return location.child(name)

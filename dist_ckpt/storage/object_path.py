@@ -1,14 +1,14 @@
-"""A key under an object-store :class:`Storage`, usable where code walks a directory tree.
+"""A key under a :class:`Storage`, usable where code walks a directory tree.
 
-The zarr layout (:mod:`dist_ckpt.backends.zarr.layout`) and its checksums address nodes and
+The zarr layout (:mod:`dist_ckpt.backends.zarr.metadata`) and its checksums address nodes and
 chunk files as paths: ``root / key / "zarr.json"``, ``read_bytes()``, ``stat().st_size``,
-listing a directory. :class:`ObjectPath` gives an object-store key that part of the
-:class:`pathlib.Path` interface, so the same layout code serves a local directory (a ``Path``)
-and an ``s3://`` checkpoint (an ``ObjectPath``); :data:`Node` is either.
+listing a directory. :class:`ObjectPath` gives a storage key that part of the
+:class:`pathlib.Path` interface, so the same layout code serves a local directory (under a
+``LocalStorage``) and an ``s3://`` checkpoint alike.
 
-"Directories" of an object store are key prefixes: one exists when an object lives under it.
-There is no ``mkdir`` (nothing to create) and no ``fsync`` (an object is durable when its PUT
-returns).
+"Directories" of an object store are key prefixes: one exists when an object lives under it,
+and :meth:`ObjectPath.mkdir` has nothing to create there (on a local disk it creates the
+directory durably).
 
 Example::
 
@@ -24,9 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Union
 
-from dist_ckpt.storage.base import BufferLike, Storage
+from dist_ckpt.storage.base import Storage
+from dist_ckpt.storage.ranges import BufferLike
 
-__all__ = ["Node", "ObjectPath", "ObjectStat", "node_files", "subdirs"]
+__all__ = ["ObjectPath", "ObjectStat", "node_files", "subdirs"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,22 @@ class ObjectPath:
     def __init__(self, storage: Storage, key: str = "") -> None:
         self.storage = storage
         self.key = key.strip("/")
+
+    @classmethod
+    def of(cls, path: Union[str, "os.PathLike[str]", "ObjectPath"]) -> "ObjectPath":
+        """``path`` as a node: a local file or directory becomes its entry in a ``LocalStorage``
+        of its parent directory (a node is returned as given).
+
+        Example::
+
+            ObjectPath.of("ckpt/zarr/w").local_path()    # the directory, resolved
+        """
+        if isinstance(path, ObjectPath):
+            return path
+        from dist_ckpt.storage.local import LocalStorage  # local imports base: no cycle at import time
+
+        local = Path(path)
+        return cls(LocalStorage(local.parent), local.name)
 
     def __truediv__(self, name: str) -> "ObjectPath":
         return ObjectPath(self.storage, f"{self.key}/{name}" if self.key else name)
@@ -70,10 +87,18 @@ class ObjectPath:
         return bool(self.key) and self.storage.exists(self.key)
 
     def is_dir(self) -> bool:
-        return bool(self.storage.list_dirs(self.key)) or bool(self.storage.list(self.key))
+        return self.storage.dir_exists(self.key)
 
     def exists(self) -> bool:
         return self.is_file() or self.is_dir()
+
+    def mkdir(self) -> None:
+        """Create this directory and its parents where the storage has directories (durably)."""
+        self.storage.make_dir(self.key)
+
+    def local_path(self) -> Path:
+        """The file or directory this key is (storages with ``local_paths`` only)."""
+        return self.storage.local_path(self.key) if self.key else self.storage.local_dir
 
     def files(self) -> List["ObjectPath"]:
         """Every object under this prefix (recursively), sorted: ``Path.rglob`` of files."""
@@ -101,26 +126,13 @@ class ObjectPath:
         return self.key < other.key
 
 
-Node = Union[Path, ObjectPath]
-"""A directory or file of a checkpoint: a local :class:`Path` or an object-store key."""
-
-
-def subdirs(node: Node) -> List[str]:
-    """Names directly under ``node`` that may be directories: :func:`os.listdir` of a local
-    directory (its callers skip the files), the common prefixes (one LIST request, not a
-    listing of every chunk below) of an object-store prefix.
-
-    Raises:
-        FileNotFoundError: a local directory that does not exist (an object-store prefix
-            without objects is empty, not missing).
-    """
-    if isinstance(node, Path):
-        return os.listdir(node)
+def subdirs(node: ObjectPath) -> List[str]:
+    """Names of the directories directly under ``node``: one listing of one level (on an object
+    store, one LIST request for the common prefixes, not a listing of every chunk below). A
+    missing directory has none."""
     return node.storage.list_dirs(node.key)
 
 
-def node_files(node: Node) -> List[Node]:
-    """Every file under ``node``, recursively (hidden local names included; callers filter)."""
-    if isinstance(node, Path):
-        return [p for p in node.rglob("*") if p.is_file()]
-    return list(node.files())
+def node_files(node: ObjectPath) -> List[ObjectPath]:
+    """Every file under ``node``, recursively, sorted (in-progress temporary files excluded)."""
+    return node.files()

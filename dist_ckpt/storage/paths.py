@@ -1,9 +1,17 @@
-"""Turning checkpoint keys into file names that cannot escape the checkpoint directory.
+"""The rules for keys: checkpoint keys, the names they become, and storage object keys.
 
-Keys are names, not paths. A key whose ``/``-separated parts include ``..`` or ``.``, that starts
-with ``/`` or holds control characters is rejected; every other key maps to a single file-name
-component: characters outside ``[A-Za-z0-9_.-]`` (and a leading ``.``) are percent-encoded, and
-very long results are shortened with a hash, so distinct keys get distinct names.
+Two kinds of key, each checked by one function here:
+
+* a *checkpoint key* (``ShardedTensor.key``) is a name, not a path (:func:`validate_key`): one
+  whose ``/``-separated parts include ``..`` or ``.``, that starts with ``/`` or holds control
+  characters is rejected; every other key maps to a single file-name component
+  (:func:`encode_key`): characters outside ``[A-Za-z0-9_.-]`` (and a leading ``.``) are
+  percent-encoded, and very long results are shortened with a hash, so distinct keys get
+  distinct names;
+* an *object key* (what a :class:`~dist_ckpt.storage.base.Storage` stores under, e.g.
+  ``"safetensors/index.json"``) is a relative ``/``-separated path that is safe both as a file
+  under a directory and as an S3 key under a prefix (:func:`validate_object_key`, which applies
+  the checkpoint-key rules and the limits of file systems and S3).
 """
 
 from __future__ import annotations
@@ -14,8 +22,20 @@ from typing import Optional, Union
 
 from dist_ckpt.errors import InvalidKeyError, with_rank
 
+__all__ = [
+    "decode_key",
+    "encode_key",
+    "is_shortened",
+    "safe_join",
+    "validate_key",
+    "validate_object_key",
+    "validate_prefix",
+]
+
 _SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
 _MAX_NAME = 200  # well below the 255-byte limit of common file systems
+_MAX_KEY_BYTES = 1024  # the S3 limit on a whole key (prefix included)
+_MAX_COMPONENT_BYTES = 255  # the usual limit on a file name
 
 
 def validate_key(key: str, rank: Optional[int] = None) -> None:
@@ -35,6 +55,45 @@ def validate_key(key: str, rank: Optional[int] = None) -> None:
                 f"invalid checkpoint key {key!r}: {problem} (it would not stay inside the checkpoint directory)", rank
             )
         )
+
+
+def validate_object_key(key: str) -> str:
+    """Return ``key`` if it is a valid relative object key, else raise :class:`InvalidKeyError`.
+
+    A key is ``/``-separated; no component is empty, ``.`` or ``..``; it does not start with
+    ``/``; it has no backslash or control character; components fit in 255 bytes and the key in
+    1024 bytes (UTF-8). The same key is then safe as a file path under a directory and as an S3
+    key under a prefix.
+
+    Example::
+
+        validate_object_key("safetensors/index.json")   # ok
+        validate_object_key("../etc/passwd")            # raises InvalidKeyError
+    """
+    validate_key(key)
+    problem = None
+    if "\\" in key:
+        problem = "keys use '/' as the only separator (no backslash)"
+    elif any(part == "" for part in key.split("/")):
+        problem = "keys must not have empty components (leading, trailing or doubled '/')"
+    elif len(key.encode("utf-8")) > _MAX_KEY_BYTES:
+        problem = f"keys must fit in {_MAX_KEY_BYTES} bytes (UTF-8)"
+    elif any(len(part.encode("utf-8")) > _MAX_COMPONENT_BYTES for part in key.split("/")):
+        problem = f"each '/'-separated component must fit in {_MAX_COMPONENT_BYTES} bytes (UTF-8)"
+    if problem:
+        raise InvalidKeyError(f"invalid object key {key!r}: {problem}")
+    return key
+
+
+def validate_prefix(prefix: str) -> str:
+    """Return ``prefix`` for listings and deletions: "" (everything) or a valid object key.
+
+    Example::
+
+        validate_prefix("")             # everything under the root
+        validate_prefix("safetensors")  # everything under safetensors/
+    """
+    return prefix if prefix == "" else validate_object_key(prefix)
 
 
 def encode_key(key: str) -> str:

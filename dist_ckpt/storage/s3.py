@@ -56,20 +56,10 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
-from dist_ckpt.storage.base import (
-    BufferLike,
-    IOCounters,
-    ObjectInfo,
-    ObjectWriter,
-    RangeRead,
-    Storage,
-    _check_reads,
-    as_byte_view,
-    coalesce_ranges,
-    validate_object_key,
-    validate_prefix,
-)
+from dist_ckpt.storage.base import ObjectInfo, ObjectWriter, Storage
 from dist_ckpt.storage.errors import ObjectNotFoundError, StorageError, TruncatedObjectError
+from dist_ckpt.storage.paths import validate_object_key, validate_prefix
+from dist_ckpt.storage.ranges import BufferLike, RangeRead, as_byte_view, check_reads, coalesce_ranges
 from dist_ckpt.storage.s3_client import (
     S3Client,
     S3StorageOptions,
@@ -78,6 +68,7 @@ from dist_ckpt.storage.s3_client import (
     parse_s3_url,
     translate_error,
 )
+from dist_ckpt.storage.stats import IOCounters
 
 if TYPE_CHECKING:  # pragma: no cover
     from obstore.store import S3Store
@@ -111,6 +102,7 @@ class S3Storage(Storage):
     ranged_read = True
     multipart_upload = True
     local_paths = False
+    s3_compatible = True
 
     def __init__(
         self,
@@ -280,7 +272,7 @@ class S3Storage(Storage):
 
     def read_ranges(self, reads: Sequence[RangeRead]) -> None:
         opts = self.options
-        requests = coalesce_ranges(_check_reads(reads), opts.read_chunk_size, opts.coalesce_gap)
+        requests = coalesce_ranges(check_reads(reads), opts.read_chunk_size, opts.coalesce_gap)
         if not requests:
             return
         workers = min(opts.max_concurrency, len(requests))
@@ -378,6 +370,16 @@ class S3Storage(Storage):
         listing = self._call("LIST", prefix, obstore.list_with_delimiter, self._client.store, prefix=full or None)
         strip = len(full) + 1 if full else 0
         return sorted(str(p)[strip:] for p in listing["common_prefixes"])
+
+    def dir_exists(self, prefix: str = "") -> bool:
+        """Whether an object lives under ``prefix``: one LIST of one level (objects and common
+        prefixes come back together)."""
+        obstore = import_obstore()
+        validate_prefix(prefix)
+        self._counters.add(metadata_requests=1)
+        full = self._path(prefix) if prefix else self.prefix
+        listing = self._call("LIST", prefix, obstore.list_with_delimiter, self._client.store, prefix=full or None)
+        return bool(listing["objects"]) or bool(listing["common_prefixes"])
 
     def delete(self, key: str) -> None:
         obstore = import_obstore()

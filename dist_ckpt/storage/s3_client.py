@@ -17,7 +17,7 @@ from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Dict, Optional, Set, Tuple
 
 from dist_ckpt.errors import MissingDependencyError
-from dist_ckpt.storage.base import validate_object_key
+from dist_ckpt.storage.base import S3_SCHEMES
 from dist_ckpt.storage.errors import (
     BucketNotFoundError,
     ObjectExistsError,
@@ -28,6 +28,7 @@ from dist_ckpt.storage.errors import (
     StorageError,
     TruncatedObjectError,
 )
+from dist_ckpt.storage.paths import validate_object_key
 
 if TYPE_CHECKING:  # pragma: no cover
     from obstore.store import S3Store
@@ -110,7 +111,7 @@ def parse_s3_url(url: str) -> Tuple[str, str]:
         parse_s3_url("s3://my-bucket/runs/exp1/")   # ("my-bucket", "runs/exp1")
     """
     scheme, sep, rest = url.partition("://")
-    if not sep or scheme.lower() not in ("s3", "s3a"):
+    if not sep or scheme.lower() not in S3_SCHEMES:
         raise StorageConfigError(f"not an S3 URL: {url!r} (expected s3://bucket/prefix)")
     bucket, _, prefix = rest.partition("/")
     if not _BUCKET_RE.match(bucket) or ".." in bucket:

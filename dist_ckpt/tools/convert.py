@@ -48,7 +48,6 @@ import logging
 import math
 import shutil
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from dist_ckpt.backends.base import LoadCommonStrategy, LoadShardedStrategy, SaveShardedStrategy, TensorStreamWriter
@@ -69,15 +68,8 @@ from dist_ckpt.errors import (
 )
 from dist_ckpt.integrity.checksums import FileDigest, bytes_digest, manifest_bytes
 from dist_ckpt.model.sharded import ShardedObject, ShardedTensor
-from dist_ckpt.storage.location import (
-    CheckpointLocation,
-    LocationLike,
-    location_str,
-    remote_storage,
-    require_local,
-    resolve_location,
-    storage_of,
-)
+from dist_ckpt.storage import Storage
+from dist_ckpt.storage.location import LocationLike, require_local, resolve_location
 from dist_ckpt.tools.unshard import iter_with, unsharded_metadata
 
 __all__ = ["HF_TARGET", "ConvertResult", "convert", "resolve_target", "trusting_strategies"]
@@ -187,26 +179,23 @@ def trusting_strategies(src: LocationLike) -> Tuple[LoadShardedStrategy, LoadCom
     return sharded, common
 
 
-def _check_destination(src: CheckpointLocation, dst: CheckpointLocation) -> None:
-    if isinstance(src, Path) and isinstance(dst, Path):
-        inside = dst.resolve() == src.resolve() or src.resolve() in dst.resolve().parents
+def _check_destination(src: Storage, dst: Storage) -> None:
+    if src.local_paths and dst.local_paths:
+        source, target = src.local_dir.resolve(), dst.local_dir.resolve()
+        inside = target == source or source in target.parents
     else:
-        inside = (location_str(dst) + "/").startswith(location_str(src) + "/")
+        inside = (dst.url + "/").startswith(src.url + "/")
     if inside:
-        raise CheckpointExistsError(
-            f"the destination {location_str(dst)!r} is (inside) the source {location_str(src)!r}; choose another"
-        )
-    remote = remote_storage(dst)
-    if remote is not None:
-        if remote.list():
+        raise CheckpointExistsError(f"the destination {dst.url!r} is (inside) the source {src.url!r}; choose another")
+    if dst.local_paths:
+        directory = dst.local_dir
+        if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
             raise CheckpointExistsError(
-                f"the destination {remote.url!r} already holds objects; delete them or choose another prefix"
+                f"the destination {dst.url!r} exists and is not an empty directory; delete it or choose another"
             )
-        return
-    assert isinstance(dst, Path)
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+    elif dst.list():
         raise CheckpointExistsError(
-            f"the destination {str(dst)!r} exists and is not an empty directory; delete it or choose another"
+            f"the destination {dst.url!r} already holds objects; delete them or choose another prefix"
         )
 
 
@@ -228,7 +217,7 @@ def convert(
             directory, an ``s3://bucket/prefix`` URL or a storage.
         dst: the new checkpoint: a directory that does not exist or is empty, or an empty
             object-store prefix when the target backend writes to object stores
-            (``safetensors``; a HuggingFace folder and ``zarr`` are written to local directories).
+            (``safetensors``; a HuggingFace folder, ``zarr`` and ``torch_dist`` are written to local directories).
         to: ``"safetensors"``, ``"zarr"``, ``"NAME:VERSION"``, ``"hf"``, or a save strategy
             object with ``can_stream`` (to choose its options).
         max_shard_size: most bytes per file of a HuggingFace target.
@@ -264,9 +253,9 @@ def convert(
             raise IncompatibleStrategyError(f"cannot convert with {target}: it cannot write tensor by tensor")
         target.check_location(destination)
         TorchCommonSaveStrategy().check_location(destination)
-    elif remote_storage(destination) is not None:
+    elif not destination.local_paths:
         raise IncompatibleStrategyError(
-            f"a HuggingFace folder is written to a local directory, not to {location_str(destination)}; "
+            f"a HuggingFace folder is written to a local directory, not to {destination.url}; "
             "convert to a local folder, then upload it"
         )
     phases = [Step.OPEN_SOURCE, Step.COPY_TENSORS]
@@ -274,7 +263,7 @@ def convert(
         phases += [Step.COPY_COMMON, Step.COPY_OBJECTS, Step.COMMIT]
     _check_destination(source, destination)  # before anything that could clean it up on failure
     monitor = StepMonitor(Operation.CONVERT, destination, phases, progress, watchdog_timeout_s)
-    created = remote_storage(destination) is None and not Path(location_str(destination)).exists()
+    created = destination.local_paths and not destination.local_dir.exists()
     try:
         with monitor:
             result = _convert_steps(
@@ -286,30 +275,29 @@ def convert(
     return replace(result, report=monitor.finish(result.report.nbytes))
 
 
-def _remove_written(dst: CheckpointLocation, created: bool) -> None:
+def _remove_written(dst: Storage, created: bool) -> None:
     """Leave the destination as it was: absent, or empty (an object-store prefix: no objects;
     :func:`_check_destination` refused a prefix that held any)."""
-    remote = remote_storage(dst)
-    if remote is not None:
+    if not dst.local_paths:
         try:
-            remote.delete_prefix("")
+            dst.delete_prefix("")
         except OSError as e:  # the original error matters more; say what is left behind
-            logger.warning("could not remove the partial conversion at %s: %s", remote.url, e)
+            logger.warning("could not remove the partial conversion at %s: %s", dst.url, e)
         return
-    assert isinstance(dst, Path)
-    if not dst.exists():
+    directory = dst.local_dir
+    if not directory.exists():
         return
     if created:
-        shutil.rmtree(dst, ignore_errors=True)
+        shutil.rmtree(directory, ignore_errors=True)
         return
-    for child in dst.iterdir():
+    for child in directory.iterdir():
         shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
 
 
 def _convert_steps(
     monitor: StepMonitor,
-    src: CheckpointLocation,
-    dst: CheckpointLocation,
+    src: Storage,
+    dst: Storage,
     target: Union[str, SaveShardedStrategy],
     max_shard_size: int,
     common_strategy: StrategySpec,
@@ -347,16 +335,13 @@ def _convert_steps(
             logger.warning("converting %s to a HuggingFace folder drops %s", src, note)
         report = monitor.report
         report.nbytes = total
-        return ConvertResult(
-            location_str(src), location_str(dst), source_backend, HF_TARGET, len(keys), 0, 0, tuple(dropped), report
-        )
+        return ConvertResult(src.url, dst.url, source_backend, HF_TARGET, len(keys), 0, 0, tuple(dropped), report)
 
     assert isinstance(target, SaveShardedStrategy)
 
     def copy_tensors() -> Optional[TensorStreamWriter]:
         """The tensors; returns the writer still open when the ShardedObjects go into it too."""
-        if isinstance(dst, Path):
-            dst.mkdir(parents=True, exist_ok=True)
+        dst.make_dir()
         writer = target.begin_stream(dst, [(k, metadata[k].dtype, tuple(metadata[k].global_shape)) for k in keys])
         try:
             for key, tensor in iter_with(sharded, metadata, keys, src):
@@ -381,20 +366,10 @@ def _convert_steps(
     report = monitor.report
     report.nbytes = total
     target_backend = f"{target.backend}:{target.version}"
-    return ConvertResult(
-        location_str(src),
-        location_str(dst),
-        source_backend,
-        target_backend,
-        len(keys),
-        objects,
-        common_keys,
-        (),
-        report,
-    )
+    return ConvertResult(src.url, dst.url, source_backend, target_backend, len(keys), objects, common_keys, (), report)
 
 
-def _copy_common(common: LoadCommonStrategy, src: CheckpointLocation, dst: CheckpointLocation) -> int:
+def _copy_common(common: LoadCommonStrategy, src: Storage, dst: Storage) -> int:
     state = common.load_common(src)
     TorchCommonSaveStrategy().save_common(state, dst)
     return len(state)
@@ -406,16 +381,14 @@ def _object_loader(
     return sharded if sharded.can_handle_sharded_objects else common
 
 
-def _stored_objects(
-    sharded: LoadShardedStrategy, common: LoadCommonStrategy, src: CheckpointLocation
-) -> List[ShardedObject]:
+def _stored_objects(sharded: LoadShardedStrategy, common: LoadCommonStrategy, src: Storage) -> List[ShardedObject]:
     found = _object_loader(sharded, common).load_sharded_metadata(src)
     objects = [v for _, v in sorted(found.items()) if isinstance(v, ShardedObject)]
     _check_objects_complete(objects, src)
     return objects
 
 
-def _check_objects_complete(objects: List[ShardedObject], src: CheckpointLocation) -> None:
+def _check_objects_complete(objects: List[ShardedObject], src: Storage) -> None:
     """Each ShardedObject key must have every shard of its global shape: the shards are found
     by listing files, so a deleted file would otherwise vanish from the converted checkpoint."""
     by_key: Dict[str, List[ShardedObject]] = {}
@@ -428,7 +401,7 @@ def _check_objects_complete(objects: List[ShardedObject], src: CheckpointLocatio
         if missing:
             shown = ", ".join(map(str, missing[:5])) + (f", ... ({len(missing) - 5} more)" if len(missing) > 5 else "")
             raise CorruptCheckpointError(
-                f"{location_str(src)}: ShardedObject {key!r} (global shape {shape}) has no stored shard at "
+                f"{src.url}: ShardedObject {key!r} (global shape {shape}) has no stored shard at "
                 f"offsets {shown}: its files are missing"
             )
 
@@ -436,8 +409,8 @@ def _check_objects_complete(objects: List[ShardedObject], src: CheckpointLocatio
 def _copy_objects(
     sharded: LoadShardedStrategy,
     common: LoadCommonStrategy,
-    src: CheckpointLocation,
-    dst: CheckpointLocation,
+    src: Storage,
+    dst: Storage,
     writer: Optional[TensorStreamWriter] = None,
 ) -> int:
     """Each ShardedObject read and written on its own -- into ``writer`` (then finished) when the
@@ -469,13 +442,13 @@ def _copy_objects(
             writer.abort()
         raise
     if objects:
-        storage = storage_of(dst).child(OBJECTS_DIR)
+        storage = dst.child(OBJECTS_DIR)
         digests: Dict[str, FileDigest] = {info.key: bytes_digest(storage.read(info.key)) for info in storage.list()}
         storage.write(OBJECTS_CHECKSUMS_FNAME, manifest_bytes(digests))
     return len(objects)
 
 
-def _dropped_by_hf(sharded: LoadShardedStrategy, common: LoadCommonStrategy, src: CheckpointLocation) -> List[str]:
+def _dropped_by_hf(sharded: LoadShardedStrategy, common: LoadCommonStrategy, src: Storage) -> List[str]:
     dropped = []
     try:
         state = common.load_common(src)

@@ -36,7 +36,8 @@ from dist_ckpt.engine.monitor import count_files
 from dist_ckpt.errors import CheckpointingException, UnsafeObjectError
 from dist_ckpt.model.dtypes import dtype_to_name
 from dist_ckpt.model.sharded import ShardedTensor
-from dist_ckpt.storage.location import CheckpointLocation, LocationLike, location_str, resolve_location
+from dist_ckpt.storage import Storage
+from dist_ckpt.storage.location import LocationLike, resolve_location
 
 #: the kind of a folder loaded without ``metadata.json``, by the config it is loaded with
 _KINDS: Dict[CheckpointingConfig, str] = {HF_CONFIG: "huggingface", DCP_CONFIG: "dcp"}
@@ -213,7 +214,7 @@ def inspect_checkpoint(checkpoint_dir: LocationLike) -> CheckpointInfo:
         )
     files, file_bytes = count_files(directory)
     return CheckpointInfo(
-        path=location_str(directory),
+        path=directory.url,
         kind=_KINDS.get(config, "dist_ckpt"),
         sharded_backend=f"{config.sharded_backend}:{config.sharded_backend_version}",
         common_backend=f"{config.common_backend}:{config.common_backend_version}",
@@ -228,7 +229,7 @@ def inspect_checkpoint(checkpoint_dir: LocationLike) -> CheckpointInfo:
     )
 
 
-def _read_record(directory: CheckpointLocation) -> Tuple[CheckpointingConfig, Dict[str, Any]]:
+def _read_record(directory: Storage) -> Tuple[CheckpointingConfig, Dict[str, Any]]:
     """The config (HF_CONFIG or DCP_CONFIG for folders without ``metadata.json``) and dist_ckpt's
     record of the save (who wrote it), which ``core`` does not parse."""
     config = detect_config(directory)
@@ -244,7 +245,7 @@ def _read_record(directory: CheckpointLocation) -> Tuple[CheckpointingConfig, Di
 
 
 def _stored_shards(
-    strategy: LoadShardedStrategy, directory: CheckpointLocation, notes: List[str]
+    strategy: LoadShardedStrategy, directory: Storage, notes: List[str]
 ) -> Optional[Dict[str, List[StoredShardInfo]]]:
     layout = strategy.describe_stored_shards(directory)
     if layout is None:
@@ -278,7 +279,7 @@ def _flatten(value: Any, prefix: str, out: Dict[str, str]) -> None:
         out[prefix or "<root>"] = describe_value(value)
 
 
-def _common_keys(strategy: LoadCommonStrategy, directory: CheckpointLocation, notes: List[str]) -> Dict[str, str]:
+def _common_keys(strategy: LoadCommonStrategy, directory: Storage, notes: List[str]) -> Dict[str, str]:
     try:
         state = strategy.load_common(directory)
     except UnsafeObjectError as e:
@@ -290,7 +291,7 @@ def _common_keys(strategy: LoadCommonStrategy, directory: CheckpointLocation, no
 
 
 def _sharded_objects(
-    sharded: LoadShardedStrategy, common: LoadCommonStrategy, directory: CheckpointLocation, notes: List[str]
+    sharded: LoadShardedStrategy, common: LoadCommonStrategy, directory: Storage, notes: List[str]
 ) -> Tuple[str, ...]:
     holder = sharded if sharded.can_handle_sharded_objects else common
     try:

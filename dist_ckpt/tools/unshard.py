@@ -28,7 +28,8 @@ from dist_ckpt.engine.checks.compatibility import verify_checkpoint_and_load_str
 from dist_ckpt.engine.registry import StrategySpec
 from dist_ckpt.errors import KeyMismatchError, format_keys
 from dist_ckpt.model.sharded import ShardedTensor
-from dist_ckpt.storage.location import CheckpointLocation, LocationLike, location_str, resolve_location
+from dist_ckpt.storage import Storage
+from dist_ckpt.storage.location import LocationLike, resolve_location
 
 __all__ = ["iter_unsharded", "unshard", "unsharded_metadata"]
 
@@ -54,16 +55,14 @@ def unsharded_metadata(
     return strategy, {k: v for k, v in metadata.items() if isinstance(v, ShardedTensor)}
 
 
-def _select(
-    metadata: Dict[str, ShardedTensor], keys: Optional[Iterable[str]], checkpoint_dir: CheckpointLocation
-) -> List[str]:
+def _select(metadata: Dict[str, ShardedTensor], keys: Optional[Iterable[str]], checkpoint_dir: Storage) -> List[str]:
     if keys is None:
         return sorted(metadata)
     wanted = list(dict.fromkeys(keys))
     absent = [k for k in wanted if k not in metadata]
     if absent:
         raise KeyMismatchError(
-            f"keys {format_keys(absent)} are not stored in checkpoint {location_str(checkpoint_dir)!r} "
+            f"keys {format_keys(absent)} are not stored in checkpoint {checkpoint_dir.url!r} "
             f"(it holds {len(metadata)} tensors, e.g. {format_keys(list(metadata)[:5])})",
             unexpected_keys=absent,
         )
@@ -107,7 +106,7 @@ def iter_with(
     strategy: LoadShardedStrategy,
     metadata: Dict[str, ShardedTensor],
     keys: Iterable[str],
-    checkpoint_dir: CheckpointLocation,
+    checkpoint_dir: Storage,
     device: Device = "cpu",
 ) -> Iterator[Tuple[str, torch.Tensor]]:
     """:func:`iter_unsharded` with the strategy and metadata already at hand (for callers that

@@ -44,6 +44,7 @@ from dist_ckpt.engine.save import save
 from dist_ckpt.engine.watchdog import DEFAULT_WATCHDOG_TIMEOUT_S
 from dist_ckpt.errors import CheckpointingException, LoadMismatchError, ShardingIntegrityError, format_keys
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
+from dist_ckpt.storage.location import resolve_location
 from dist_ckpt.training.dtensor_shards import to_sharded_tensor
 from dist_ckpt.training.load_targets import LoadTarget, fill_for_validation, find_holes, finish_targets, make_target
 from dist_ckpt.training.model_state import (
@@ -254,19 +255,19 @@ class Checkpointer:
         4. With ``validate``, raise :class:`ShardingIntegrityError` naming every key where NaN
            remains (on every rank).
         """
-        path = Path(dir)
+        location = resolve_location(dir)
         request = {f"t{i}": t.sharded for i, t in enumerate(targets)}
         # 1. sentinel
         if validate:
             fill_for_validation(targets)
         # 2. load
         if no_dist:
-            strategy, _ = verify_checkpoint_and_load_strategy(path, self.load_strategy)
-            loaded: StateDict = strategy.load(request, path)
+            strategy, _ = verify_checkpoint_and_load_strategy(location, self.load_strategy)
+            loaded: StateDict = strategy.load(request, location)
         else:
             loaded = load_with_report(
                 request,
-                path,
+                location,
                 sharded_strategy=self.load_strategy,
                 progress=self.progress,
                 watchdog_timeout_s=self.watchdog_timeout_s,
@@ -278,7 +279,7 @@ class Checkpointer:
             holes = find_holes(targets) if validate else []
             if holes:
                 raise ShardingIntegrityError(
-                    f"[rank {get_rank()}] loading from {str(path)!r} left elements unloaded (still NaN) in "
+                    f"[rank {get_rank()}] loading from {location.url!r} left elements unloaded (still NaN) in "
                     f"{', '.join(holes[:10])}{' ...' if len(holes) > 10 else ''}: the checkpoint does not cover "
                     f"them. If the checkpoint legitimately stores NaN, load with validate=False"
                 )
@@ -317,14 +318,14 @@ class Checkpointer:
         Only the selected tensors are read (unlike ``dist_ckpt.load_plain_tensors``, which
         reads all of them on every rank), so unsharding a model does not load its optimizer.
         """
-        path = Path(dir)
+        location = resolve_location(dir)
 
         def read() -> Dict[str, torch.Tensor]:
             if rank0_only and not no_dist and get_rank() != 0:
                 return {}
-            strategy, _ = verify_checkpoint_and_load_strategy(path, self.load_strategy)
-            request = {k: sh for k, sh in strategy.load_tensors_metadata(path).items() if select(k)}
-            loaded = strategy.load(request, path) if request else {}
+            strategy, _ = verify_checkpoint_and_load_strategy(location, self.load_strategy)
+            request = {k: sh for k, sh in strategy.load_tensors_metadata(location).items() if select(k)}
+            loaded = strategy.load(request, location) if request else {}
             return {k: v if device is None else v.to(device) for k, v in sorted(loaded.items())}
 
         return _maybe_collective(no_dist, "reading whole tensors", read)

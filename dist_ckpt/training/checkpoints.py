@@ -42,17 +42,17 @@ uncommitted dist_ckpt save of HF-style files cannot pass for a finished HF check
 else (no marker, a corrupt ``metadata.json``, an index with a missing shard) is *partial*:
 ignored by :func:`find_latest_checkpoint`, never counted as complete.
 
-**Deletion.** A directory is deleted so that no crash can leave a half-deleted one that looks
-complete: (1) it is atomically renamed to a hidden trash name (``.dist_ckpt-trash-...``) that
-no pattern recognises, (2) ``model_dir`` is fsynced so the rename is durable before any file
-goes, (3) its commit markers are removed, (4) the rest is removed. Trash left by a crash is
-removed by the next :func:`maybe_delete_oldest_checkpoint`.
+**Deletion.** No crash leaves a half-deleted directory that looks complete: on a local disk
+it is (1) renamed to a hidden trash name (``.dist_ckpt-trash-...``) no pattern recognises, (2)
+``model_dir`` is fsynced, (3) its commit markers go, (4) the rest; the next rotation removes
+trash left by a crash. An object store cannot rename: the markers (``metadata.json``, the HF
+names) are deleted *first*, so a crash leaves a partial directory, skipped and later removed.
 
-**Object stores.** ``model_dir`` and checkpoint paths may be ``s3://bucket/run`` URLs or an
-object-store :class:`~dist_ckpt.storage.base.Storage`: the same rules apply through the storage
-(:mod:`dist_ckpt.training.object_store_runs` says how deletion stays crash-safe without renames);
-returned paths are then URLs. Object stores have no symlinks, so
-:func:`create_pretrained_symlinks` refuses them.
+**Any storage.** ``model_dir`` and checkpoint paths may be paths, ``s3://`` URLs or a
+:class:`~dist_ckpt.storage.base.Storage`; one implementation works through the storage (a
+run's checkpoints are the directories directly under it: ``list_dirs``, one request on S3) and
+returns paths named as the run was. Where the storage has ``local_paths`` it also uses what only
+a local directory has: the trash rename and symlinks (:func:`create_pretrained_symlinks`).
 
 The structural checks of HF weight files live in :mod:`dist_ckpt.training.hf_weights`, the metrics
 file in :mod:`dist_ckpt.training.metrics` (its functions are re-exported here).
@@ -68,19 +68,18 @@ import uuid
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Iterable, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
+from typing import Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 from dist_ckpt.backends.torch_common.strategy import COMMON_STATE_FNAME
-from dist_ckpt.engine.commit import METADATA_FILENAME, CheckpointingConfig, maybe_load_config
+from dist_ckpt.engine.commit import HF_WEIGHT_FILES, METADATA_FILENAME, CheckpointingConfig, maybe_load_config
 from dist_ckpt.errors import (
     CheckpointingException,
     CheckpointManagementError,
     NotACheckpointError,
     SymlinkConflictError,
 )
-from dist_ckpt.storage import Storage, fsync_dir
-from dist_ckpt.storage.location import remote_storage, require_local, resolve_location
-from dist_ckpt.training import object_store_runs as objects
+from dist_ckpt.storage import Storage, StorageError, fsync_dir
+from dist_ckpt.storage.location import LocationLike, resolve_location
 from dist_ckpt.training.hf_weights import index_shards, weights_file_whole
 from dist_ckpt.training.metrics import METRICS_FILENAME, load_checkpoint_metrics, save_checkpoint_metrics
 
@@ -102,8 +101,6 @@ __all__ = [
     "validate_checkpoint",
 ]
 
-PathLike = Union[str, "os.PathLike[str]", Storage]
-
 #: Regular expressions (matched against the whole directory name) whose group is the step.
 CHECKPOINT_NAME_PATTERNS: Tuple[str, ...] = (
     r"checkpoint-([0-9]+)",
@@ -115,18 +112,13 @@ CHECKPOINT_NAME_PATTERNS: Tuple[str, ...] = (
 )
 _NAME_RES = tuple(re.compile(p) for p in CHECKPOINT_NAME_PATTERNS)
 
-
-# HuggingFace file names; the order get_checkpoint_metadata looks for them in is _HF_FILES
-SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
-SAFE_WEIGHTS_NAME = "model.safetensors"
-WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
-WEIGHTS_NAME = "pytorch_model.bin"
-_HF_FILES = objects.HF_FILES  # (file name, is_index, safetensors)
 # symlinks that create_pretrained_symlinks may have made (and so may replace or remove)
 _HF_LINK_RE = re.compile(
     r"model(-[0-9]+-of-[0-9]+)?\.safetensors(\.index\.json)?|pytorch_model(-[0-9]+-of-[0-9]+)?\.bin(\.index\.json)?"
 )
 _TRASH_PREFIX = ".dist_ckpt-trash-"
+#: what makes a directory a complete checkpoint: deleted first, so a half-deleted one is partial
+_MARKERS = (METADATA_FILENAME, *(file_name for file_name, _, _ in HF_WEIGHT_FILES))
 
 
 class CheckpointFormat(str, Enum):
@@ -164,23 +156,7 @@ class CheckpointMeta:
     config: Optional[CheckpointingConfig] = None
 
 
-class _Entry(NamedTuple):
-    step: int
-    name: str
-    is_symlink: bool
-
-
 # --------------------------------------------------------------------------- names
-
-
-def _object_store(location: PathLike) -> Optional[Storage]:
-    """The object store of an ``s3://`` URL or storage, or None for a local path."""
-    return remote_storage(resolve_location(location))
-
-
-def _local(location: PathLike) -> Union[str, "os.PathLike[str]"]:
-    """``location`` for the local code paths: as given, or a LocalStorage's directory."""
-    return require_local(resolve_location(location), "this function") if isinstance(location, Storage) else location
 
 
 def parse_checkpoint_step(name: str) -> Optional[int]:
@@ -198,7 +174,7 @@ def parse_checkpoint_step(name: str) -> Optional[int]:
     return None
 
 
-def next_checkpoint_path(model_dir: PathLike, checkpoint_id: Union[int, str]) -> str:
+def next_checkpoint_path(model_dir: LocationLike, checkpoint_id: Union[int, str]) -> str:
     """The directory to save the checkpoint of a step (or of a given name) into.
 
     Creates nothing. An int (or a string of digits) gives ``model_dir/checkpoint-<step>``; any
@@ -231,43 +207,47 @@ def next_checkpoint_path(model_dir: PathLike, checkpoint_id: Union[int, str]) ->
             f"checkpoint name {checkpoint_id!r} carries no step: use a step or a name matching one of "
             f"{', '.join(CHECKPOINT_NAME_PATTERNS)} (other names are not managed checkpoints)"
         )
-    store = _object_store(model_dir)
-    if store is not None:
-        return store.url_of(name)
-    return os.path.join(os.fspath(_local(model_dir)), name)
+    return resolve_location(model_dir).url_of(name)
 
 
-def _scan(model_dir: Path) -> List[_Entry]:
-    """The directories of ``model_dir`` whose names carry a step (sorted oldest first)."""
-    if not model_dir.is_dir():
-        return []
+def checkpoint_names(storage: Storage) -> List[Tuple[int, str]]:
+    """``(step, name)`` of the directories directly under ``storage`` whose names carry a step,
+    oldest first (one listing of one level).
+
+    Example::
+
+        checkpoint_names(open_storage("runs/gpt"))   # [(1000, "checkpoint-1000"), (2000, "iter_0002000")]
+    """
     entries = []
-    with os.scandir(model_dir) as it:
-        for entry in it:
-            step = parse_checkpoint_step(entry.name)
-            if step is not None and entry.is_dir():
-                entries.append(_Entry(step, entry.name, entry.is_symlink()))
+    for name in storage.list_dirs():
+        step = parse_checkpoint_step(name)
+        if step is not None:
+            entries.append((step, name))
     return sorted(entries)
 
 
 # --------------------------------------------------------------------------- completeness
 
 
-def _hf_meta(directory: Path, step: Optional[int]) -> Optional[CheckpointMeta]:
-    for file_name, is_index, safetensors in _HF_FILES:
-        file = directory / file_name
-        if not file.is_file():
+def _hf_meta(storage: Storage, step: Optional[int]) -> Optional[CheckpointMeta]:
+    for file_name, is_index, safetensors in HF_WEIGHT_FILES:
+        if not storage.exists(file_name):
             continue
         if is_index:
-            shards = index_shards(file)
-            complete = shards is not None and all(weights_file_whole(directory / s) for s in shards)
+            shards = index_shards(storage, file_name)
+            complete = shards is not None and all(weights_file_whole(storage, s) for s in shards)
         else:
-            complete = weights_file_whole(file)
+            complete = weights_file_whole(storage, file_name)
         return CheckpointMeta(file_name, is_index, safetensors, CheckpointFormat.HF, complete, step)
     return None
 
 
-def get_checkpoint_metadata(path: PathLike) -> Optional[CheckpointMeta]:
+def _dir_name(storage: Storage) -> str:
+    """The last component of the storage's location (of the absolute path, for a local one)."""
+    return storage.local_dir.name if storage.local_paths else storage.url.rstrip("/").rsplit("/", 1)[-1]
+
+
+def get_checkpoint_metadata(path: LocationLike) -> Optional[CheckpointMeta]:
     """Detect the format of a checkpoint directory and whether it is complete.
 
     A ``metadata.json`` makes a dist_ckpt checkpoint (complete if it is valid); otherwise HF
@@ -286,18 +266,19 @@ def get_checkpoint_metadata(path: PathLike) -> Optional[CheckpointMeta]:
         A :class:`CheckpointMeta` (``complete=False`` for a corrupt ``metadata.json`` or an HF
         folder with missing or truncated weights), or None for a missing directory or one that
         is no checkpoint.
+
+    Raises:
+        StorageError: an object store refused a request (credentials, missing bucket, retries
+            exhausted): never taken for "no checkpoint".
     """
-    store = _object_store(path)
-    if store is not None:
-        return _object_meta(store)
-    directory = Path(_local(path))
-    if not directory.is_dir():
-        return None
-    step = parse_checkpoint_step(Path(os.path.abspath(directory)).name)
+    storage = resolve_location(path)
+    step = parse_checkpoint_step(_dir_name(storage))
     try:
-        config = maybe_load_config(directory)
+        config = maybe_load_config(storage)
+    except StorageError:
+        raise
     except CheckpointingException as e:
-        logger.debug("%s is not committed: %s", directory, e)
+        logger.debug("%s is not committed: %s", storage.url, e)
         return CheckpointMeta(METADATA_FILENAME, False, False, CheckpointFormat.DIST_CKPT, False, step)
     if config is not None:
         return CheckpointMeta(
@@ -311,32 +292,12 @@ def get_checkpoint_metadata(path: PathLike) -> Optional[CheckpointMeta]:
             config.sharded_backend_version,
             config,
         )
-    if (directory / COMMON_STATE_FNAME).exists():
+    if storage.exists(COMMON_STATE_FNAME):
         return None  # a dist_ckpt save that has not committed: no checkpoint yet
-    return _hf_meta(directory, step)
+    return _hf_meta(storage, step)
 
 
-def _object_meta(store: Storage) -> Optional[CheckpointMeta]:
-    found = objects.inspect_checkpoint(store, COMMON_STATE_FNAME)
-    if found is None:
-        return None
-    step = parse_checkpoint_step(store.url.rstrip("/").rsplit("/", 1)[-1])
-    fmt = CheckpointFormat.HF if found.hf else CheckpointFormat.DIST_CKPT
-    config = found.config
-    return CheckpointMeta(
-        found.file_name,
-        found.is_index,
-        found.safetensors,
-        fmt,
-        found.complete,
-        step,
-        config.sharded_backend if config else None,
-        config.sharded_backend_version if config else None,
-        config,
-    )
-
-
-def validate_checkpoint(checkpoint_path: PathLike) -> bool:
+def validate_checkpoint(checkpoint_path: LocationLike) -> bool:
     """Whether ``checkpoint_path`` is a complete (committed) checkpoint directory.
 
     Example::
@@ -348,7 +309,7 @@ def validate_checkpoint(checkpoint_path: PathLike) -> bool:
     return meta is not None and meta.complete
 
 
-def find_latest_checkpoint(model_dir: PathLike) -> Optional[str]:
+def find_latest_checkpoint(model_dir: LocationLike) -> Optional[str]:
     """The complete checkpoint of ``model_dir`` with the highest step, or None.
 
     Partial directories (a save in progress or a crashed one) are skipped, whatever their step
@@ -360,21 +321,12 @@ def find_latest_checkpoint(model_dir: PathLike) -> Optional[str]:
         if latest is not None:
             state = dist_ckpt.load(sharded_state_dict, latest)
     """
-    store = _object_store(model_dir)
-    if store is not None:
-        for step, name in reversed(objects.checkpoint_names(store, parse_checkpoint_step)):
-            if validate_checkpoint(store.child(name)):
-                logger.debug("latest complete checkpoint in %s: %s (step %d)", store.url, name, step)
-                return store.url_of(name)
-            logger.info("skipping %s: not a complete checkpoint (no valid commit marker)", store.url_of(name))
-        return None
-    root = Path(_local(model_dir))
-    for entry in reversed(_scan(root)):
-        path = os.path.join(os.fspath(_local(model_dir)), entry.name)
-        if validate_checkpoint(path):
-            logger.debug("latest complete checkpoint in %s: %s (step %d)", root, entry.name, entry.step)
-            return path
-        logger.info("skipping %s: not a complete checkpoint (no valid commit marker)", path)
+    storage = resolve_location(model_dir)
+    for step, name in reversed(checkpoint_names(storage)):
+        if validate_checkpoint(storage.child(name)):
+            logger.debug("latest complete checkpoint in %s: %s (step %d)", storage.url, name, step)
+            return storage.url_of(name)
+        logger.info("skipping %s: not a complete checkpoint (no valid commit marker)", storage.url_of(name))
     return None
 
 
@@ -389,12 +341,21 @@ def _remove_tree(path: Path) -> None:
             raise
 
 
-def _delete_checkpoint_dir(root: Path, name: str) -> None:
-    """Delete ``root/name`` so that a crash never leaves it looking complete (module docstring)."""
+def _delete_checkpoint(storage: Storage, name: str) -> None:
+    """Delete checkpoint ``name`` of the run so that no crash leaves it looking complete (module
+    docstring): on a local disk renamed into the trash first, elsewhere its markers first."""
+    if not storage.local_paths:
+        checkpoint = storage.child(name)
+        for marker in _MARKERS:
+            checkpoint.delete(marker)
+        removed = checkpoint.delete_prefix("")
+        logger.debug("deleted %d objects under %s", removed, checkpoint.url)
+        return
+    root = storage.local_dir
     trash = root / f"{_TRASH_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
     os.rename(root / name, trash)
     fsync_dir(root)
-    for marker in (METADATA_FILENAME, *(file_name for file_name, _, _ in _HF_FILES)):
+    for marker in _MARKERS:
         try:
             (trash / marker).unlink()
         except FileNotFoundError:
@@ -410,40 +371,53 @@ def _remove_trash(root: Path) -> None:
         _remove_tree(Path(leftover))
 
 
-def _protected_names(root: Path, entries: Sequence[_Entry], paths: Iterable[PathLike]) -> Set[str]:
-    """Names of ``entries`` that ``paths`` designate (a bare name is relative to ``root``)."""
-    by_real = {os.path.realpath(root / e.name): e.name for e in entries}
-    names = set()
-    for p in paths:
-        text = p.url if isinstance(p, Storage) else os.fspath(p)
-        candidate = root / text if os.sep not in text and "/" not in text else Path(text)
-        name = by_real.get(os.path.realpath(candidate))
+def _designated(storage: Storage, names: Sequence[str], wanted: Iterable[LocationLike]) -> Set[str]:
+    """Names among ``names`` that ``wanted`` designates: a bare name, the path of a checkpoint
+    of a local run (compared by real path), or the URL of one on an object store."""
+    known = set(names)
+    if storage.local_paths:
+        root = storage.local_dir
+        by_place = {os.path.realpath(root / n): n for n in known}
+
+        def place(text: str) -> str:
+            return os.path.realpath(root / text if os.sep not in text and "/" not in text else Path(text))
+
+    else:
+        by_place = {storage.url_of(n).rstrip("/"): n for n in known}
+
+        def place(text: str) -> str:
+            return text.rstrip("/")
+
+    found = set()
+    for item in wanted:
+        text = item.url if isinstance(item, Storage) else os.fspath(item)
+        name = text if text in known else by_place.get(place(text))
         if name is None:
-            logger.warning("preserved checkpoint %s is not a checkpoint directory of %s", text, root)
+            logger.warning("preserved checkpoint %s is not a checkpoint directory of %s", text, storage.url)
         else:
-            names.add(name)
-    return names
+            found.add(name)
+    return found
 
 
-def _linked_names(root: Path, entries: Sequence[_Entry]) -> Set[str]:
-    """Names of ``entries`` that a symlink directly in ``root`` points into (e.g. our HF links)."""
-    by_real = {os.path.realpath(root / e.name): e.name for e in entries}
-    names = set()
+def _linked_names(root: Path, names: Sequence[str]) -> Set[str]:
+    """Names of ``names`` that a symlink directly in ``root`` points into (e.g. our HF links)."""
+    by_real = {os.path.realpath(root / n): n for n in names}
+    found = set()
     with os.scandir(root) as it:
         links = [e.path for e in it if e.is_symlink()]
     for link in links:
         target = os.path.realpath(link)
         for real, name in by_real.items():
             if target == real or target.startswith(real + os.sep):
-                names.add(name)
-    return names
+                found.add(name)
+    return found
 
 
 def maybe_delete_oldest_checkpoint(
-    model_dir: PathLike,
+    model_dir: LocationLike,
     max_checkpoints: int,
-    best_checkpoint: Optional[PathLike] = None,
-    preserved_checkpoints: Optional[Sequence[PathLike]] = None,
+    best_checkpoint: Optional[LocationLike] = None,
+    preserved_checkpoints: Optional[Sequence[LocationLike]] = None,
     *,
     delete_partial: bool = True,
 ) -> None:
@@ -484,58 +458,36 @@ def maybe_delete_oldest_checkpoint(
         )
     if isinstance(preserved_checkpoints, (str, os.PathLike, Storage)):
         preserved_checkpoints = [preserved_checkpoints]  # a single path, not a sequence of characters
-    wanted: List[PathLike] = list(preserved_checkpoints or [])
+    wanted: List[LocationLike] = list(preserved_checkpoints or [])
     if best_checkpoint is not None:
         wanted.append(best_checkpoint)
-    store = _object_store(model_dir)
-    if store is not None:
-        _rotate_objects(store, max_checkpoints, wanted, delete_partial)
-        return
-    root = Path(_local(model_dir))
-    if not root.is_dir():
-        logger.debug("no checkpoint directory %s; nothing to delete", root)
-        return
-    _remove_trash(root)
-    entries = [e for e in _scan(root) if not e.is_symlink]
-    complete = [e for e in entries if validate_checkpoint(root / e.name)]
+    storage = resolve_location(model_dir)
+    entries = checkpoint_names(storage)
+    if storage.local_paths:
+        if not storage.dir_exists():
+            logger.debug("no checkpoint directory %s; nothing to delete", storage.url)
+            return
+        _remove_trash(storage.local_dir)
+        # a symlinked checkpoint directory lives elsewhere: neither counted nor deleted here
+        entries = [(step, name) for step, name in entries if not os.path.islink(storage.local_dir / name)]
+    complete = [(step, name) for step, name in entries if validate_checkpoint(storage.child(name))]
     if not complete:
-        logger.debug("no complete checkpoint in %s; deleting nothing", root)
-        return
-    newest = complete[-1]
-    kept = _protected_names(root, entries, wanted) | _linked_names(root, entries) | {newest.name}
-
-    excess = len(complete) - max_checkpoints
-    doomed = [e for e in complete if e.name not in kept][: max(excess, 0)]
-    if delete_partial:
-        complete_names = {e.name for e in complete}
-        doomed += [e for e in entries if e.name not in complete_names and e.name not in kept and e.step < newest.step]
-    for entry in doomed:
-        state = "complete" if entry in complete else "partial (leftover of a crashed save)"
-        logger.info("deleting %s checkpoint %s (step %d); kept: %s", state, root / entry.name, entry.step, sorted(kept))
-        _delete_checkpoint_dir(root, entry.name)
-
-
-def _rotate_objects(store: Storage, max_checkpoints: int, wanted: Sequence[PathLike], delete_partial: bool) -> None:
-    """maybe_delete_oldest_checkpoint on an object store (no symlinks, no trash: markers go first)."""
-    entries = objects.checkpoint_names(store, parse_checkpoint_step)
-    complete = [(step, name) for step, name in entries if validate_checkpoint(store.child(name))]
-    if not complete:
-        logger.debug("no complete checkpoint in %s; deleting nothing", store.url)
+        logger.debug("no complete checkpoint in %s; deleting nothing", storage.url)
         return
     newest_step, newest = complete[-1]
-    kept = objects.protected_names(
-        store, [n for _, n in entries], [w.url if isinstance(w, Storage) else os.fspath(w) for w in wanted]
-    )
-    kept.add(newest)
+    names = [name for _, name in entries]
+    kept = _designated(storage, names, wanted) | {newest}
+    if storage.local_paths:
+        kept |= _linked_names(storage.local_dir, names)
     excess = len(complete) - max_checkpoints
     doomed = [e for e in complete if e[1] not in kept][: max(excess, 0)]
     if delete_partial:
-        complete_names = {n for _, n in complete}
+        complete_names = {name for _, name in complete}
         doomed += [e for e in entries if e[1] not in complete_names and e[1] not in kept and e[0] < newest_step]
     for step, name in doomed:
         state = "complete" if (step, name) in complete else "partial (leftover of a crashed save)"
-        logger.info("deleting %s checkpoint %s (step %d); kept: %s", state, store.url_of(name), step, sorted(kept))
-        objects.delete_checkpoint(store, name)
+        logger.info("deleting %s checkpoint %s (step %d); kept: %s", state, storage.url_of(name), step, sorted(kept))
+        _delete_checkpoint(storage, name)
 
 
 # --------------------------------------------------------------------------- HF symlinks
@@ -565,7 +517,9 @@ def _stale_links(root: Path, keep: Set[str]) -> List[Path]:
     return sorted(stale)
 
 
-def create_pretrained_symlinks(model_dir: PathLike, force_overwrite: bool = False, dry_run: bool = False) -> List[str]:
+def create_pretrained_symlinks(
+    model_dir: LocationLike, force_overwrite: bool = False, dry_run: bool = False
+) -> List[str]:
     """Link the weights of the latest complete checkpoint into ``model_dir`` for ``from_pretrained``.
 
     Creates relative symlinks ``model_dir/<file> -> <checkpoint>/<file>`` for the HF weights
@@ -595,14 +549,14 @@ def create_pretrained_symlinks(model_dir: PathLike, force_overwrite: bool = Fals
         SymlinkConflictError: a regular file (without ``force_overwrite``) or a directory is in
             the way of a link.
     """
-    store = _object_store(model_dir)
-    if store is not None:
+    storage = resolve_location(model_dir)
+    if not storage.local_paths:
         raise CheckpointManagementError(
-            f"cannot link pretrained weights in {store.url}: object stores have no symlinks; load the latest "
+            f"cannot link pretrained weights in {storage.url}: object stores have no symlinks; load the latest "
             f"checkpoint from its URL (find_latest_checkpoint) or download its HF files into a local directory"
         )
-    root = Path(_local(model_dir))
-    latest = find_latest_checkpoint(root)
+    root = Path(storage.url)  # as it was named (links are relative to it)
+    latest = find_latest_checkpoint(storage)
     if latest is None:
         raise NotACheckpointError(f"no complete checkpoint in {str(root)!r}; nothing to link")
     meta = get_checkpoint_metadata(latest)
@@ -613,7 +567,7 @@ def create_pretrained_symlinks(model_dir: PathLike, force_overwrite: bool = Fals
         )
     names = [meta.file_name]
     if meta.is_index:
-        names += index_shards(Path(latest) / meta.file_name) or []
+        names += index_shards(storage.child(Path(latest).name), meta.file_name) or []
     plan = [(root / name, os.path.relpath(os.path.join(latest, name), root)) for name in names]
 
     conflicts = []

@@ -3,6 +3,10 @@
 This file is the worked example of docs/backends/custom.md and is executed by the test suite
 (tests/unit/test_docs_examples.py), so it stays correct. It shows the whole contract:
 
+* every method receives ``checkpoint_dir``, a :class:`~dist_ckpt.storage.base.Storage`; these
+  strategies are written for local directories (they leave ``object_storage`` False, so they are
+  refused on object stores before any byte moves) and take the directory from
+  ``checkpoint_dir.local_dir``;
 * a save strategy writes this rank's main-replica shards and returns once they are durable;
 * a load strategy declares the backends and versions it reads, checks the request before
   reading, and fills each requested shard from the stored shards it overlaps (any resharding,
@@ -30,7 +34,7 @@ from dist_ckpt.engine.registry import StrategyAction
 from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
 from dist_ckpt.model.dtypes import dtype_from_name, dtype_to_name
 from dist_ckpt.model.geometry import Box, piece_view, shard_pieces, sub_view
-from dist_ckpt.storage import write_bytes_atomic
+from dist_ckpt.storage import Storage, write_bytes_atomic
 
 DIR = "rawbin"
 
@@ -43,8 +47,8 @@ class RawBinSave(SaveShardedStrategy):
     def __init__(self) -> None:
         super().__init__("rawbin", 1)
 
-    def save(self, sharded_state_dict: Dict[str, Any], checkpoint_dir: Path) -> None:
-        root = Path(checkpoint_dir) / DIR
+    def save(self, sharded_state_dict: Dict[str, Any], checkpoint_dir: Storage) -> None:
+        root = checkpoint_dir.local_dir / DIR  # a LocalStorage: the checkpoint's directory
         root.mkdir(parents=True, exist_ok=True)
         rank, entries = get_rank(), []
         for n, sh in enumerate(s for s in nested_values(sharded_state_dict) if isinstance(s, dc.ShardedTensor)):
@@ -74,19 +78,21 @@ class RawBinLoad(LoadShardedStrategy):
     supported_backends: ClassVar[Tuple[str, ...]] = ("rawbin",)
     supported_versions: ClassVar[Tuple[int, ...]] = (1,)
 
-    def _index(self, checkpoint_dir: Path) -> Dict[str, List[Dict[str, Any]]]:
+    def _index(self, checkpoint_dir: Storage) -> Dict[str, List[Dict[str, Any]]]:
         by_key: Dict[str, List[Dict[str, Any]]] = {}
-        for path in sorted((Path(checkpoint_dir) / DIR).glob("*.json")):
+        for path in sorted((checkpoint_dir.local_dir / DIR).glob("*.json")):
             for entry in json.loads(path.read_text()):
                 by_key.setdefault(entry["key"], []).append(entry)
         return by_key
 
-    def load(self, sharded_state_dict: Dict[str, Any], checkpoint_dir: Path) -> Dict[str, Any]:
+    def load(self, sharded_state_dict: Dict[str, Any], checkpoint_dir: Storage) -> Dict[str, Any]:
         index = self._index(checkpoint_dir)
         requested = [s for s in nested_values(sharded_state_dict) if isinstance(s, dc.ShardedTensor)]
         absent = sorted({sh.key for sh in requested if sh.key not in index})
         if absent:  # check everything before reading anything
-            raise dc.KeyMismatchError(f"[rank {get_rank()}] not in {checkpoint_dir}: {absent}", unexpected_keys=absent)
+            raise dc.KeyMismatchError(
+                f"[rank {get_rank()}] not in {checkpoint_dir.url}: {absent}", unexpected_keys=absent
+            )
 
         def load_one(sh: Any) -> Any:
             if not isinstance(sh, dc.ShardedTensor):
@@ -100,7 +106,7 @@ class RawBinLoad(LoadShardedStrategy):
             for want in shard_pieces(sh.global_offset, sh.local_shape, sh.prepend_axis_num, rng):
                 target = piece_view(dest, want, sh.prepend_axis_num, holder)
                 for entry in index[sh.key]:
-                    self._copy_overlap(Path(checkpoint_dir) / DIR, entry, want.box, target)
+                    self._copy_overlap(checkpoint_dir.local_dir / DIR, entry, want.box, target)
             return dest
 
         return dict_list_map_inplace(load_one, sharded_state_dict)  # type: ignore[no-any-return]
@@ -121,7 +127,7 @@ class RawBinLoad(LoadShardedStrategy):
             source = piece_view(stored if rng else stored.view(entry["chunk_shape"]), have, 0, holder)
             sub_view(target, want, overlap).copy_(sub_view(source, have.box, overlap))
 
-    def load_tensors_metadata(self, checkpoint_dir: Path) -> Dict[str, Any]:
+    def load_tensors_metadata(self, checkpoint_dir: Storage) -> Dict[str, Any]:
         return {
             key: dc.ShardedTensor.from_rank_offsets(
                 key, torch.empty(entries[0]["global_shape"], dtype=dtype_from_name(entries[0]["dtype"]), device="meta")

@@ -1,8 +1,9 @@
 """Asynchronous saves across ranks: every rank snapshots, writes in its own background process,
 and the ranks agree on when to finalize; a failure of one rank's writer surfaces on every rank.
 
-One queue (one writer process per rank) serves the whole module, so the writers' start-up is
-paid once; a test that kills a writer lets the queue start a new one.
+One queue (one writer process per rank) serves most of the module, so the writers' start-up is
+paid once; a test that kills a writer lets the queue start a new one. A writer that hangs, or
+never starts, fails the save on every rank within the queue's writer_timeout_s.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import sys
+import time
 from pathlib import Path
 from typing import Dict
 
@@ -18,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import dist_ckpt as dc
-from dist_ckpt.async_save.queue import AsyncCallsQueue
+from dist_ckpt.async_save.queue import AsyncCallsQueue, AsyncRequest
 from dist_ckpt.backends.safetensors.strategy import SafetensorsSaveOptions, SafetensorsSaveShardedStrategy
 from dist_ckpt.errors import AsyncSaveError, NotACheckpointError
 from dist_ckpt.model.sharded import ShardedObject
@@ -172,3 +175,53 @@ def test_execute_sync_raises_everywhere_when_one_rank_fails(shared_tmp_path: Pat
         (shared_tmp_path / "c" / "safetensors" / "rank00001_0.safetensors").mkdir()
     raises_on_all_ranks(dc.CheckpointingException, request.execute_sync, "[rank 1]")
     assert_on_all_ranks(not (shared_tmp_path / "c" / "metadata.json").exists())
+
+
+def _sleep_request(seconds: float) -> AsyncRequest:
+    return AsyncRequest(time.sleep, (seconds,))
+
+
+def test_hung_writer_on_one_rank_fails_the_save_on_every_rank(shared_tmp_path: Path) -> None:
+    """The last rank's writer stops making progress (it sleeps: no CPU, like a hung file system):
+    within the timeout every rank raises AsyncSaveError naming that rank and what it was doing."""
+    victim = world() - 1
+    queue = AsyncCallsQueue()
+    try:
+        queue.schedule_async_request(_sleep_request(0))  # every writer is up
+        queue.maybe_finalize_async_calls(blocking=True)
+        queue.writer_timeout_s = 3.0
+        queue.schedule_async_request(_sleep_request(3600 if rank() == victim else 0))
+        err = raises_on_all_ranks(
+            AsyncSaveError, lambda: queue.maybe_finalize_async_calls(blocking=True), f"[rank {victim}]"
+        )
+        stalled = "made no progress" in str(err) or "stopped answering" in str(err)  # the latter on a loaded host
+        assert_on_all_ranks(stalled and "running async call 1" in str(err), str(err))
+        # the next save gets a new writer on the victim and commits
+        queue.writer_timeout_s = 600.0
+        queue.schedule_async_request(dc.save(_state(tp=world()), shared_tmp_path / "d", async_sharded_save=True))
+        queue.maybe_finalize_async_calls(blocking=True)
+        assert_on_all_ranks(dc.verify_checkpoint(shared_tmp_path / "d").ok)
+    finally:
+        queue.close(abort=True)
+
+
+def test_writer_that_does_not_start_on_one_rank_fails_the_save_on_every_rank(
+    shared_tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dist_ckpt.async_save.worker as worker_module
+
+    victim = world() - 1
+    if rank() == victim:  # an interpreter that never says it is ready
+        never_ready = [sys.executable, "-c", "import time; time.sleep(600)"]
+        monkeypatch.setattr(worker_module, "writer_command", lambda fd: never_ready)
+    queue = AsyncCallsQueue(writer_timeout_s=60.0 if rank() != victim else 3.0)
+    try:
+        request = dc.save(_state(tp=world()), shared_tmp_path / "c", async_sharded_save=True)
+        queue.schedule_async_request(request)
+        err = raises_on_all_ranks(
+            AsyncSaveError, lambda: queue.maybe_finalize_async_calls(blocking=True), f"[rank {victim}]"
+        )
+        assert_on_all_ranks("did not start within 3 s" in str(err), str(err))
+        assert_on_all_ranks(not (shared_tmp_path / "c" / "metadata.json").exists(), "a failed save was committed")
+    finally:
+        queue.close(abort=True)

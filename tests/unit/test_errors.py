@@ -38,9 +38,13 @@ def test_family_without_builtin(name):
 
 def test_key_mismatch_error():
     e = KeyMismatchError("keys 'b' differ", missing_keys={"z", "a"}, unexpected_keys=["y"])
-    assert str(e) == "keys 'b' differ"  # not the quoted KeyError form
+    # not the quoted KeyError form; Megatron-Core's words with the keys are added (callers match on them)
+    assert str(e) == "keys 'b' differ (Unexpected keys: ['y']; Missing keys: ['a', 'z'])"
     assert e.missing_keys == ["a", "z"] and e.unexpected_keys == ["y"]
-    assert KeyMismatchError("m").missing_keys == []
+    assert KeyMismatchError("m").missing_keys == [] and str(KeyMismatchError("m")) == "m"
+    # a message that already says them is kept as it is
+    said = "Unexpected keys (requested but absent): ['y']"
+    assert str(KeyMismatchError(said, unexpected_keys=["y"])) == said
 
 
 def test_format_keys():

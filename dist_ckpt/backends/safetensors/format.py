@@ -6,11 +6,15 @@ each tensor name to ``{"dtype": "BF16", "shape": [...], "data_offsets": [begin, 
 offsets relative to the data section, and may hold ``"__metadata__": {str: str}``. Tensors tile
 the data section exactly, without gaps, and the file ends where the last one ends.
 
-This module is shared by the ``safetensors`` backend and :mod:`dist_ckpt.hf`. It writes files that
-any safetensors reader opens, straight from each tensor's own memory (no serialized copy), and
-reads headers defensively: every field is checked before any tensor byte is read, so a truncated
-or damaged file raises :class:`~dist_ckpt.errors.CorruptCheckpointError` naming the file and the
-tensor instead of a raw ``json`` / ``struct`` / safetensors error.
+This module is shared by the ``safetensors`` backend, :mod:`dist_ckpt.hf` and the completeness
+checks of :mod:`dist_ckpt.training`: it is the one parser of safetensors headers. It writes files
+that any safetensors reader opens, straight from each tensor's own memory (no serialized copy),
+and reads headers defensively: every field is checked before any tensor byte is read, so a
+truncated or damaged file raises :class:`~dist_ckpt.errors.CorruptCheckpointError` naming the
+file and the tensor instead of a raw ``json`` / ``struct`` / safetensors error
+(:func:`read_header`); :func:`is_whole` only asks whether a file is as long as its header says.
+Files are read through a storage's :class:`~dist_ckpt.storage.base.ObjectReader` (a local file
+or an object).
 """
 
 from __future__ import annotations
@@ -30,22 +34,28 @@ from dist_ckpt.backends.safetensors import io as safetensors_io
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
 from dist_ckpt.integrity.checksums import crc32c
 from dist_ckpt.model.dtypes import dtype_from_safetensors_name, dtype_info
-from dist_ckpt.storage import fsync_dir
+from dist_ckpt.storage import FileReader, ObjectNotFoundError, ObjectReader, fsync_dir
 
 __all__ = [
+    "MAX_HEADER_BYTES",
     "HeaderEntry",
     "SafetensorsFileWriter",
     "SafetensorsHeader",
     "SequentialWriter",
     "StagingBuffer",
+    "data_end",
     "encode_header",
+    "is_whole",
     "read_header",
+    "read_header_at",
     "storage_layout",
     "write_safetensors_file",
 ]
 
-#: safetensors refuses headers larger than this; so do we, before allocating anything
-MAX_HEADER_BYTES = 100 * 2**20
+#: the largest header a safetensors file may declare: the safetensors library's own limit
+#: (``MAX_HEADER_SIZE`` in its ``tensor.rs``), so that every file accepted here is one that
+#: ``safe_open`` also opens; checked before anything is allocated
+MAX_HEADER_BYTES = 100_000_000
 _ALIGN = 8
 _LEN = struct.Struct("<Q")
 #: the most one ``os.write`` call is asked to write (Linux writes at most ~2 GiB per call)
@@ -180,9 +190,9 @@ def _entry(path: Union[str, Path], name: str, raw: object) -> Tuple[str, torch.d
     return st_dtype, dtype, tuple(shape), offsets[0], offsets[1]
 
 
-def read_header(fd: "safetensors_io.ReadSource", path: Union[str, Path]) -> SafetensorsHeader:
-    """Read and validate the header of the safetensors file open as ``fd`` (a descriptor, or an
-    :class:`~.safetensors_io.ObjectSource`: then two ranged reads and one size request).
+def read_header(fd: ObjectReader, path: Union[str, Path]) -> SafetensorsHeader:
+    """Read and validate the header of the safetensors file open as ``fd`` (a storage's reader:
+    on an object store two ranged reads and one size request; ``path`` names it in messages).
 
     Checks the length prefix, the JSON, every entry (dtype, shape, byte count), that the tensors
     tile the data section without gaps or overlaps, and that the file is exactly as long as the
@@ -193,11 +203,11 @@ def read_header(fd: "safetensors_io.ReadSource", path: Union[str, Path]) -> Safe
 
     Example::
 
-        fd = os.open("model.safetensors", os.O_RDONLY)
-        header = read_header(fd, "model.safetensors")
+        with LocalStorage("Llama-3-8B").open_reader("model.safetensors") as reader:
+            header = read_header(reader, reader.url)
         entry = header.entries["lm_head.weight"]   # absolute byte range entry.begin:entry.end
     """
-    file_size = safetensors_io.source_size(fd)
+    file_size = fd.size()
     if file_size < _LEN.size:
         raise _corrupt(path, f"the file has {file_size} bytes, too few for a safetensors header (truncated?)")
     length_bytes = safetensors_io.read_bytes(fd, _LEN.size, 0)
@@ -242,16 +252,65 @@ def read_header(fd: "safetensors_io.ReadSource", path: Union[str, Path]) -> Safe
 
 
 def read_header_at(path: Union[str, Path]) -> SafetensorsHeader:
-    """:func:`read_header` of the file at ``path`` (opened and closed here)."""
+    """:func:`read_header` of the local file at ``path`` (opened and closed here).
+
+    Example::
+
+        read_header_at("model.safetensors").metadata    # {"format": "pt"}
+    """
     path = Path(path)
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
+        reader = FileReader.open(path)
+    except ObjectNotFoundError:
         raise CorruptCheckpointError(f"safetensors file {str(path)!r} is missing") from None
+    with reader:
+        return read_header(reader, path)
+
+
+def data_end(header: object) -> Optional[int]:
+    """The end of the data a parsed header describes (bytes after the header), or None if it is
+    malformed -- read leniently: only the ``data_offsets`` matter. A whole file is
+    ``8 + header length + data_end`` bytes.
+
+    Example::
+
+        data_end({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})   # 8
+    """
+    if not isinstance(header, dict):
+        return None
+    end = 0
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            return None
+        end = max(end, offsets[1])
+    return end
+
+
+def is_whole(reader: ObjectReader) -> bool:
+    """Whether the file's size is exactly what its header describes: a cheap completeness check
+    (two small reads), lenient about everything else a loader checks (dtypes, tiling), so that a
+    weights file of a dtype this library does not load still counts as complete.
+
+    Example::
+
+        with storage.open_reader("model.safetensors") as reader:
+            complete = is_whole(reader)
+    """
     try:
-        return read_header(fd, path)
-    finally:
-        os.close(fd)
+        size = reader.size()
+        if size < _LEN.size:
+            return False
+        (header_len,) = _LEN.unpack(safetensors_io.read_bytes(reader, _LEN.size, 0))
+        if header_len > min(size - _LEN.size, MAX_HEADER_BYTES):
+            return False
+        header = json.loads(safetensors_io.read_bytes(reader, header_len, _LEN.size))
+    except (OSError, EOFError, ValueError):  # a missing object is an OSError
+        return False
+    end = data_end(header)
+    return end is not None and size == _LEN.size + header_len + end
 
 
 # --------------------------------------------------------------------------- writing

@@ -1,4 +1,10 @@
-"""The on-disk layout of ``safetensors``-backend checkpoints and its global index.
+"""The index of stored safetensors shards: its data model and the backend's ``index.json``.
+
+:class:`TensorIndex` says where every stored tensor lives (file, byte range, box of the global
+tensor): the ``safetensors`` backend reads it from its ``index.json`` (:func:`read_index`),
+HuggingFace folders build it from their files' headers (:mod:`dist_ckpt.hf.folder`), and one
+loader reads any sharding from it (:mod:`.load`). Dependencies point one way: :mod:`.format`
+(the file format) <- this module <- :mod:`.write`, :mod:`.load`, :mod:`.verify` <- :mod:`.strategy`.
 
 Layout inside a checkpoint directory::
 
@@ -50,29 +56,41 @@ plain JSON and the files are safetensors.
 from __future__ import annotations
 
 import json
-from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass, field
+from itertools import product
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from dist_ckpt.backends.safetensors.load import StoredShard, StoredTensor, TensorIndex
+import torch
+
+from dist_ckpt.backends.stored_shards import StoredShardInfo
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError, IncompatibleStrategyError
 from dist_ckpt.integrity.checksums import ALGORITHM, block_count, crc_from_hex, decode_block_crcs
 from dist_ckpt.model.dtypes import dtype_from_name
-from dist_ckpt.model.sharded import ShardedTensor
+from dist_ckpt.model.geometry import Box, ShardPiece, shard_pieces
+from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor
 from dist_ckpt.storage import Storage
-from dist_ckpt.storage.location import CheckpointLocation, location_str
+from dist_ckpt.storage.location import LocationLike, resolve_location
 
 __all__ = [
-    "READABLE_VERSIONS",
     "INDEX_FILENAME",
     "INDEX_FORMAT",
     "INDEX_VERSION",
+    "READABLE_VERSIONS",
     "SAFETENSORS_DIR",
+    "RankIndex",
+    "StoredShard",
+    "StoredTensor",
+    "TensorIndex",
+    "describe_tensor_index",
     "encode_shard",
     "file_name",
     "merge_rank_indexes",
     "parse_index",
+    "rank_index",
     "read_index",
     "shard_name",
+    "tensor_entry",
+    "tensors_metadata",
 ]
 
 SAFETENSORS_DIR = "safetensors"
@@ -83,6 +101,174 @@ INDEX_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 
 RankIndex = Dict[str, Any]  # {"files": {...}, "tensors": {...}} of one rank
+Shape = Tuple[int, ...]
+
+
+# --------------------------------------------------------------------------- the data model
+
+
+@dataclass(frozen=True)
+class StoredShard:
+    """One stored shard: a box (or a flattened range of a box) of a global tensor in a file.
+
+    Attributes:
+        file: file name, relative to the index's directory.
+        name: tensor name inside the file.
+        global_offset: offset of the shard's box in the global tensor.
+        chunk_shape: shape of the shard's box (all global axes).
+        flat_range: ``(start, stop)`` of the box's row-major flattening held, or None for all.
+        byte_range: absolute ``(begin, end)`` byte offsets of the data in the file.
+        crcs: crc32c of each block of ``byte_range`` (see ``TensorIndex.block_bytes``), or None
+            when the checkpoint recorded none.
+    """
+
+    file: str
+    name: str
+    global_offset: Shape
+    chunk_shape: Shape
+    flat_range: Optional[Tuple[int, int]]
+    byte_range: Tuple[int, int]
+    crcs: Optional[Tuple[int, ...]] = None
+
+    @property
+    def stored_shape(self) -> Shape:
+        """Shape of the tensor as written in the file (before any dtype re-encoding)."""
+        if self.flat_range is not None:
+            return (self.flat_range[1] - self.flat_range[0],)
+        return self.chunk_shape
+
+    def pieces(self) -> List[ShardPiece]:
+        """The global boxes this shard holds; ``flat_offset`` is relative to its first element."""
+        return shard_pieces(self.global_offset, self.chunk_shape, 0, self.flat_range)
+
+
+@dataclass
+class StoredTensor:
+    """Everything stored about one global tensor."""
+
+    key: str
+    dtype: torch.dtype
+    global_shape: Shape
+    shards: List[StoredShard] = field(default_factory=list)
+    _grid: Optional[Dict[Shape, List[StoredShard]]] = field(default=None, repr=False)
+
+    @property
+    def bounds(self) -> Box:
+        return Box((0,) * len(self.global_shape), self.global_shape)
+
+    def overlapping(self, region: Box) -> Iterator[StoredShard]:
+        """Stored shards whose box overlaps ``region`` (via the chunk grid when it is regular)."""
+        if self._grid is None:
+            self._grid = _grid_of(self.shards)
+        if not self._grid:
+            yield from (s for s in self.shards if Box(s.global_offset, s.chunk_shape).intersect(region))
+            return
+        chunk = self.shards[0].chunk_shape
+        ranges = [range(o // c, (o + n - 1) // c + 1) for o, n, c in zip(region.offset, region.shape, chunk)]
+        for idx in product(*ranges):
+            yield from self._grid.get(tuple(idx), ())
+
+
+def _grid_of(shards: Sequence[StoredShard]) -> Dict[Shape, List[StoredShard]]:
+    """Shards by chunk index, or {} when the shards do not form a regular grid."""
+    if not shards:
+        return {}
+    chunk = shards[0].chunk_shape
+    grid: Dict[Shape, List[StoredShard]] = {}
+    for s in shards:
+        if s.chunk_shape != chunk or any(c == 0 or o % c for o, c in zip(s.global_offset, chunk)):
+            return {}
+        grid.setdefault(tuple(o // c for o, c in zip(s.global_offset, chunk)), []).append(s)
+    return grid
+
+
+@dataclass
+class TensorIndex:
+    """Where every stored tensor lives: which file, which byte range, which box.
+
+    Both the ``safetensors`` backend (from its ``index.json``) and HuggingFace folders (from the
+    files' headers) describe their tensors this way, so one loader
+    (:func:`~dist_ckpt.backends.safetensors.load.load_from_index`) reads any sharding of either.
+
+    Attributes:
+        storage: the storage rooted at the files' directory (a ``LocalStorage`` of a local
+            directory, or an object store); shards name their files relative to it.
+        tensors: stored tensors by key.
+        aliases: keys served by another stored key (tied parameters stored once).
+        file_sizes: expected size of each file, when the index records it.
+        description: names the checkpoint in error messages.
+        from_headers: the index was built from the files' validated headers (HuggingFace
+            folders), so a load does not read and check them again.
+        block_bytes: block size of the shards' checksums (None: no checksums recorded).
+        header_crcs: crc32c of each file's header bytes, when recorded.
+    """
+
+    storage: Storage
+    tensors: Dict[str, StoredTensor]
+    aliases: Dict[str, str] = field(default_factory=dict)
+    file_sizes: Dict[str, int] = field(default_factory=dict)
+    description: str = ""
+    from_headers: bool = False
+    block_bytes: Optional[int] = None
+    header_crcs: Dict[str, int] = field(default_factory=dict)
+
+    def file_location(self, name: str) -> str:
+        """Where file ``name`` is, for messages: its path, or its object's URL."""
+        return self.storage.url_of(name)
+
+    def lookup(self, key: str) -> Optional[StoredTensor]:
+        """The stored tensor for ``key`` (following an alias), or None."""
+        found = self.tensors.get(key)
+        if found is None and key in self.aliases:
+            found = self.tensors.get(self.aliases[key])
+        return found
+
+
+def tensors_metadata(index: TensorIndex) -> ShardedStateDict:
+    """``{key: ShardedTensor}`` (whole, unsharded, data on the meta device) for every tensor.
+
+    Example::
+
+        meta = tensors_metadata(read_index(ckpt))
+        meta["decoder.w"].global_shape, meta["decoder.w"].dtype
+    """
+    out: ShardedStateDict = {}
+    for key in sorted(set(index.tensors) | set(index.aliases)):
+        info = index.lookup(key)
+        if info is not None:
+            meta = torch.empty(info.global_shape, dtype=info.dtype, device="meta")
+            out[key] = ShardedTensor.from_rank_offsets(key, meta)
+    return out
+
+
+def describe_tensor_index(index: TensorIndex, prefix: str = "") -> Dict[str, List[StoredShardInfo]]:
+    """The stored pieces of every tensor of a :class:`TensorIndex` (for ``dist-ckpt inspect``);
+    ``prefix`` is the files' directory relative to the checkpoint (``"safetensors/"``). A tied
+    name stored once (an alias) is described by the pieces of the name it shares them with.
+
+    Example::
+
+        describe_tensor_index(read_index(ckpt), "safetensors/")["w"][0].nbytes
+    """
+    out: Dict[str, List[StoredShardInfo]] = {}
+    for key in sorted(set(index.tensors) | set(index.aliases)):
+        stored = index.lookup(key)
+        if stored is None:
+            continue
+        out[key] = [
+            StoredShardInfo(
+                tuple(s.global_offset),
+                tuple(s.chunk_shape),
+                s.flat_range,
+                prefix + s.file,
+                s.byte_range[1] - s.byte_range[0],
+            )
+            for s in stored.shards
+        ]
+    return out
+
+
+# --------------------------------------------------------------------------- writing the document
 
 
 def file_name(rank: int, writer: int) -> str:
@@ -173,13 +359,13 @@ def merge_rank_indexes(per_rank: Sequence[RankIndex], block_bytes: Optional[int]
 class _Parser:
     """Validates an index document field by field; every error names the index and the key."""
 
-    def __init__(self, path: Union[str, Path], block_bytes: Optional[int] = None) -> None:
+    def __init__(self, path: str, block_bytes: Optional[int] = None) -> None:
         self.path = path
         self.block_bytes = block_bytes  # checksums are required per shard when set (version 2)
 
     def fail(self, problem: str, key: Optional[str] = None) -> CorruptCheckpointError:
         where = f" (tensor {key!r})" if key is not None else ""
-        return CorruptCheckpointError(f"safetensors index {str(self.path)!r}{where}: {problem}")
+        return CorruptCheckpointError(f"safetensors index {self.path!r}{where}: {problem}")
 
     def obj(self, value: Any, what: str, key: Optional[str] = None) -> Dict[str, Any]:
         if not isinstance(value, dict):
@@ -216,7 +402,7 @@ class _Parser:
         crcs = None
         if self.block_bytes is not None:
             blocks = block_count(byte_range[1] - byte_range[0], self.block_bytes)
-            where = f"safetensors index {str(self.path)!r} (tensor {key!r}, shard {name!r})"
+            where = f"safetensors index {self.path!r} (tensor {key!r}, shard {name!r})"
             crcs = decode_block_crcs(entry.get(ALGORITHM), blocks, where)
         return StoredShard(file, name, offset, chunk, flat_range, (byte_range[0], byte_range[1]), crcs)
 
@@ -254,11 +440,11 @@ def _prod(shape: Sequence[int]) -> int:
     return out
 
 
-def parse_index(doc: Any, path: Path, storage: Optional[Storage] = None) -> TensorIndex:
+def parse_index(doc: Any, storage: Storage) -> TensorIndex:
     """The :class:`TensorIndex` described by an index document; validates every field.
 
-    ``path`` is the index file; with ``storage`` (an object store rooted at the files'
-    directory) the files are its objects and messages name them by URL.
+    ``storage`` is rooted at the files' directory (``<checkpoint>/safetensors``, which holds the
+    index itself); messages name the index by its path or URL.
 
     Raises:
         CorruptCheckpointError: naming the index file and the key, for any malformed entry.
@@ -266,16 +452,16 @@ def parse_index(doc: Any, path: Path, storage: Optional[Storage] = None) -> Tens
 
     Example::
 
-        index = parse_index(json.loads(raw), ckpt / "safetensors" / "index.json")
+        index = parse_index(json.loads(raw), LocalStorage("ckpt/iter_10/safetensors"))
     """
-    p = _Parser(storage.url_of(INDEX_FILENAME) if storage is not None else path)
+    p = _Parser(storage.url_of(INDEX_FILENAME))
     doc = p.obj(doc, "the index")
     if doc.get("format") != INDEX_FORMAT:
         raise p.fail(f"'format' is {doc.get('format')!r}, expected {INDEX_FORMAT!r}")
     version = doc.get("version")
     if version not in READABLE_VERSIONS or isinstance(version, bool):
         raise IncompatibleStrategyError(
-            f"safetensors index {str(p.path)!r} has version {version!r}; this dist_ckpt reads versions "
+            f"safetensors index {p.path!r} has version {version!r}; this dist_ckpt reads versions "
             f"{list(READABLE_VERSIONS)}: upgrade dist_ckpt"
         )
     if version >= 2:
@@ -288,20 +474,18 @@ def parse_index(doc: Any, path: Path, storage: Optional[Storage] = None) -> Tens
             raise p.fail(f"file entry {name!r} needs a plain file name and a non-negative 'size', found {entry!r}")
         files[name] = size
         if p.block_bytes is not None:
-            field = f"header_{ALGORITHM}"
+            field_name = f"header_{ALGORITHM}"
             header_crcs[name] = crc_from_hex(
-                entry.get(field), f"safetensors index {str(p.path)!r}, file entry {name!r} field {field!r}"
+                entry.get(field_name), f"safetensors index {p.path!r}, file entry {name!r} field {field_name!r}"
             )
     tensors = {key: p.tensor(key, raw, files) for key, raw in p.obj(doc.get("tensors"), "'tensors'").items()}
-    description = repr(storage.url.rsplit("/", 1)[0]) if storage is not None else repr(str(path.parent.parent))
     return TensorIndex(
-        path.parent,
+        storage,
         tensors,
         file_sizes=files,
-        description=description,
+        description=repr(storage.url.rsplit("/", 1)[0]),
         block_bytes=p.block_bytes,
         header_crcs=header_crcs,
-        storage=storage,
     )
 
 
@@ -315,33 +499,28 @@ def _checksum_spec(p: _Parser, raw: Any) -> int:
     return block
 
 
-def read_index(checkpoint_dir: CheckpointLocation) -> TensorIndex:
+def read_index(checkpoint_dir: LocationLike) -> TensorIndex:
     """Read and validate ``<checkpoint_dir>/safetensors/index.json`` (a directory or an object store).
 
     Example::
 
-        index = read_index(Path("ckpt/iter_1000"))
+        index = read_index("ckpt/iter_1000")
         index.tensors["decoder.w"].shards[0].file   # "rank00000_0.safetensors"
     """
-    storage: Optional[Storage] = None
-    if isinstance(checkpoint_dir, Path):
-        path = checkpoint_dir / SAFETENSORS_DIR / INDEX_FILENAME
-        where = str(path)
-    else:  # an object store: the index names its files relative to safetensors/
-        storage = checkpoint_dir.child(SAFETENSORS_DIR)
-        path = Path(SAFETENSORS_DIR) / INDEX_FILENAME
-        where = storage.url_of(INDEX_FILENAME)
+    location = resolve_location(checkpoint_dir)
+    storage = location.child(SAFETENSORS_DIR)  # the index names its files relative to safetensors/
+    where = storage.url_of(INDEX_FILENAME)
     try:
-        raw = path.read_bytes() if storage is None else storage.read(INDEX_FILENAME)
+        raw = storage.read(INDEX_FILENAME)
     except FileNotFoundError:  # ObjectNotFoundError is one
         raise CorruptCheckpointError(
-            f"{where!r} is missing: the safetensors part of checkpoint {location_str(checkpoint_dir)!r} is incomplete"
+            f"{where!r} is missing: the safetensors part of checkpoint {location.url!r} is incomplete"
         ) from None
     try:
         doc = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
         raise CorruptCheckpointError(f"safetensors index {where!r} is not valid JSON: {e}") from e
-    return parse_index(doc, path, storage)
+    return parse_index(doc, storage)
 
 
 def rank_index(

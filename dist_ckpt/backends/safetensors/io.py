@@ -23,22 +23,21 @@ is issued in pieces of ``ReadOptions.checked_piece_bytes`` (whole blocks), each 
 same thread as soon as its ``preadv`` returns, while its bytes are still in the CPU cache: a
 check after a whole read of tens of MiB would fetch every byte from memory a second time.
 
-A file is a :data:`ReadSource`: an open file descriptor (local disks: ``os.preadv``) or an
-:class:`ObjectSource` (an object in an object store: each read is one ranged GET, issued with
-:meth:`~dist_ckpt.storage.Storage.read_ranges`, which fills the same destination buffers as
-``preadv`` would). Every byte read from a file goes through :func:`read_into`, the one place that
-reads, so tests can count what a load reads. :func:`execute` spreads the operations over a few threads
-(``os.preadv`` releases the GIL), which take them from a queue while later ones are planned.
+A file is read through an :class:`~dist_ckpt.storage.base.ObjectReader`, whatever the storage
+(:meth:`~dist_ckpt.storage.base.Storage.open_reader`): on a local disk an open descriptor read
+with ``os.preadv`` (``positional_reads``), on an object store ranged GETs into the same
+destination buffers. Every byte read from a file goes through :func:`read_into`, the one place
+that reads, so tests can count what a load reads. :func:`execute` spreads the operations over a
+few threads (``os.preadv`` and the S3 client release the GIL), which take them from a queue while
+later ones are planned.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import queue
 import threading
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple, Union
 
 import numpy as np
@@ -46,25 +45,22 @@ import torch
 
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
 from dist_ckpt.model.geometry import Box
-from dist_ckpt.storage import RangeRead, Storage, TruncatedObjectError
+from dist_ckpt.storage import FileReader, ObjectReader, TruncatedObjectError
+from dist_ckpt.storage.files import IOV_MAX
 
 __all__ = [
     "BounceRead",
     "DirectRead",
-    "ObjectSource",
     "ReadCheck",
     "ReadOp",
     "ReadOptions",
-    "ReadSource",
+    "as_reader",
     "contiguous_runs",
     "execute",
     "plan_copy",
     "read_bytes",
     "read_into",
-    "source_size",
 ]
-
-_IOV_MAX = max(16, min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024))
 
 
 @dataclass(frozen=True)
@@ -131,89 +127,41 @@ class ReadOptions:
         return replace(self, thread_count=self.object_store_threads, small_run_bytes=self.object_store_small_run_bytes)
 
 
-@dataclass(frozen=True)
-class ObjectSource:
-    """An object of a storage, read like a file: the object-store counterpart of a descriptor.
-
-    Attributes:
-        storage: the storage holding the object.
-        key: the object's key in it.
-    """
-
-    storage: Storage
-    key: str
-
-    def __str__(self) -> str:
-        return self.storage.url_of(self.key)
-
-
-ReadSource = Union[int, ObjectSource]
-"""What reads read from: an open file descriptor, or an object of a storage."""
-
-
-def source_size(source: ReadSource) -> int:
-    """The size in bytes of a file or object.
-
-    Example::
-
-        source_size(os.open("model.safetensors", os.O_RDONLY))
-    """
-    if isinstance(source, ObjectSource):
-        return source.storage.size(source.key)
-    return os.fstat(source).st_size
-
-
 # --------------------------------------------------------------------------- the reader
 
 
-def read_into(fd: ReadSource, buffers: Sequence[memoryview], offset: int) -> int:
+def as_reader(fd: Union[ObjectReader, int]) -> ObjectReader:
+    """``fd`` as a reader: a storage's reader as it is, a plain open descriptor (an ``int``, not
+    closed here) as a :class:`~dist_ckpt.storage.files.FileReader`."""
+    return fd if isinstance(fd, ObjectReader) else FileReader(fd, owned=False)
+
+
+def read_into(fd: Union[ObjectReader, int], buffers: Sequence[memoryview], offset: int) -> int:
     """Fill ``buffers`` (in order) from the file ``fd`` starting at byte ``offset``.
 
-    The single function through which dist_ckpt reads safetensors files: ``os.preadv`` on a
-    descriptor, one ranged read (:meth:`Storage.read_ranges`, split into concurrent GETs when
-    large) straight into ``buffers`` on an :class:`ObjectSource`. Returns the number of bytes
-    read (their total size); raises :class:`EOFError` if the file ends first.
+    The single function through which dist_ckpt reads safetensors files: ``fd`` is a storage's
+    :class:`~dist_ckpt.storage.base.ObjectReader` (``os.preadv`` on a local descriptor, ranged
+    GETs on an object store); a plain open descriptor (an ``int``) is read as a
+    :class:`~dist_ckpt.storage.local.FileReader`. Returns the number of bytes read (their total
+    size); raises :class:`EOFError` if the file ends first.
 
     Example::
 
         buf = bytearray(8)
-        read_into(fd, [memoryview(buf)], 0)   # the 8-byte header length
+        read_into(reader, [memoryview(buf)], 0)   # the 8-byte header length
     """
-    if isinstance(fd, ObjectSource):
-        pending = [b for b in buffers if len(b)]
-        if not pending:
-            return 0
-        read = RangeRead.into(fd.key, offset, *pending)
-        try:
-            fd.storage.read_ranges([read])
-        except TruncatedObjectError as e:
-            raise EOFError(str(e)) from e
-        return read.length
-    total = 0
-    pending = [b for b in buffers if len(b)]
-    while pending:
-        batch = pending[:_IOV_MAX]
-        n = os.preadv(fd, batch, offset)
-        if n == 0:
-            raise EOFError(f"the file ends at byte {offset}, {sum(len(b) for b in pending)} bytes short")
-        total += n
-        offset += n
-        while n and pending:  # drop what was filled, keep the unfilled rest
-            if n >= len(pending[0]):
-                n -= len(pending[0])
-                pending.pop(0)
-            else:
-                pending[0] = pending[0][n:]
-                n = 0
-    return total
+    try:
+        return as_reader(fd).read_into(buffers, offset)
+    except TruncatedObjectError as e:
+        raise EOFError(str(e)) from e
 
 
-def read_bytes(fd: ReadSource, nbytes: int, offset: int) -> bytes:
+def read_bytes(fd: Union[ObjectReader, int], nbytes: int, offset: int) -> bytes:
     """``nbytes`` bytes of ``fd`` at ``offset`` (through :func:`read_into`).
 
     Example::
 
-        header_length = int.from_bytes(read_bytes(fd, 8, 0), "little")
+        header_length = int.from_bytes(read_bytes(reader, 8, 0), "little")
     """
     buf = bytearray(nbytes)
     read_into(fd, [memoryview(buf)], offset)
@@ -318,8 +266,8 @@ class ReadCheck(Protocol):
 class DirectRead:
     """Read ``nbytes`` at ``offset`` of ``fd`` into ``buffers`` (views of the destination)."""
 
-    fd: ReadSource
-    path: Union[str, Path]
+    fd: ObjectReader
+    path: str
     key: str
     offset: int
     buffers: Tuple[memoryview, ...]
@@ -332,8 +280,8 @@ class BounceRead:
     """Copy ``inter`` from the row-major ``src_box`` stored at ``src_offset`` of ``fd`` into
     ``target`` (a view of the destination holding exactly ``inter``), via a bounce buffer."""
 
-    fd: ReadSource
-    path: Union[str, Path]
+    fd: ObjectReader
+    path: str
     key: str
     src_offset: int
     src_box: Box
@@ -357,8 +305,8 @@ def byte_view(tensor: torch.Tensor) -> Optional[memoryview]:
 
 
 def plan_copy(
-    fd: ReadSource,
-    path: Union[str, Path],
+    fd: Union[ObjectReader, int],
+    path: str,
     key: str,
     src_box: Box,
     src_offset: int,
@@ -392,6 +340,7 @@ def plan_copy(
                         byte_view(dest), dest, ReadOptions())
         execute(ops, ReadOptions())
     """
+    fd = as_reader(fd)
     itemsize = target.element_size()
     src_off, dst_off, run = contiguous_runs(inter, src_box, dst_box)
     run_bytes = run * itemsize
@@ -427,8 +376,8 @@ def _read_through(src_off: np.ndarray, run: int, itemsize: int, small: int) -> b
 
 
 def _direct_reads(
-    fd: ReadSource,
-    path: Union[str, Path],
+    fd: ObjectReader,
+    path: str,
     key: str,
     src_bytes: Sequence[int],
     dst_bytes: Sequence[int],
@@ -449,7 +398,7 @@ def _direct_reads(
     for src, dst in zip(src_bytes, dst_bytes):
         done = 0
         while done < run_bytes:
-            if spans and (src + done != expect or size >= max_bytes or len(spans) >= _IOV_MAX):
+            if spans and (src + done != expect or size >= max_bytes or len(spans) >= IOV_MAX):
                 yield flush()
                 spans, size = [], 0
             if not spans:
@@ -507,11 +456,12 @@ class _Worker:
         edges = memoryview(self._edges)
         self._read_checked(op.fd, [edges[:head], *op.buffers, edges[head : head + tail]], start, check)
 
-    def _read_checked(self, fd: ReadSource, buffers: Sequence[memoryview], offset: int, check: ReadCheck) -> None:
+    def _read_checked(self, fd: ObjectReader, buffers: Sequence[memoryview], offset: int, check: ReadCheck) -> None:
         """Fill ``buffers`` from byte ``offset`` of ``fd`` (a range of whole blocks) and check
-        every byte: from a local file in pieces of whole blocks, each checked right after it is
-        read (still in the CPU cache); from an object in one request, checked after."""
-        if isinstance(fd, ObjectSource):
+        every byte: with positional reads (a local file) in pieces of whole blocks, each checked
+        right after it is read (still in the CPU cache); from an object in one request, checked
+        after."""
+        if not fd.positional:
             read_into(fd, buffers, offset)
             check.after_read(offset, buffers)
             return

@@ -17,21 +17,20 @@ description, :func:`load_from_index` loads any sharding of the tensors:
    each file's header when it is opened and of every block as the reads complete (reads are
    widened to whole blocks; see :mod:`.safetensors_blocks`).
 
-The files are local (``TensorIndex.directory``: opened once, read with ``os.preadv``) or objects of
-an object store (``TensorIndex.storage``: each read is a ranged GET straight into the same
-destination buffers, on ``ReadOptions.object_store_threads`` threads).
+The files are read through readers of ``TensorIndex.storage`` (each file opened once): with
+``positional_reads`` (a local disk) ``os.preadv`` straight into the destination; otherwise (an
+object store) ranged GETs into the same buffers, on ``ReadOptions.object_store_threads`` threads,
+with the files' headers fetched concurrently.
 
 No collective is called: the loader works in a single process without a process group.
 """
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from itertools import product
-from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -39,163 +38,21 @@ from dist_ckpt.backends.base import load_destination
 from dist_ckpt.backends.request_checks import check_requested_tensors
 from dist_ckpt.backends.safetensors.blocks import ShardCheck
 from dist_ckpt.backends.safetensors.format import SafetensorsHeader, read_header, storage_layout
-from dist_ckpt.backends.safetensors.io import (
-    ObjectSource,
-    ReadOp,
-    ReadOptions,
-    ReadSource,
-    byte_view,
-    execute,
-    plan_copy,
-    source_size,
-)
+from dist_ckpt.backends.safetensors.index import StoredShard, StoredTensor, TensorIndex
+from dist_ckpt.backends.safetensors.io import ReadOp, ReadOptions, byte_view, execute, plan_copy
 from dist_ckpt.engine.distributed import get_rank
 from dist_ckpt.errors import ChecksumMismatchError, CorruptCheckpointError, format_keys
 from dist_ckpt.integrity.checksums import crc_to_hex
 from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
 from dist_ckpt.model.geometry import Box, ShardPiece, piece_view, shard_pieces, sub_view
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
-from dist_ckpt.storage import Storage
+from dist_ckpt.storage import ObjectReader
 
-__all__ = ["StoredShard", "StoredTensor", "TensorIndex", "load_from_index", "tensors_metadata"]
-
-Shape = Tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class StoredShard:
-    """One stored shard: a box (or a flattened range of a box) of a global tensor in a file.
-
-    Attributes:
-        file: file name, relative to the index's directory.
-        name: tensor name inside the file.
-        global_offset: offset of the shard's box in the global tensor.
-        chunk_shape: shape of the shard's box (all global axes).
-        flat_range: ``(start, stop)`` of the box's row-major flattening held, or None for all.
-        byte_range: absolute ``(begin, end)`` byte offsets of the data in the file.
-        crcs: crc32c of each block of ``byte_range`` (see ``TensorIndex.block_bytes``), or None
-            when the checkpoint recorded none.
-    """
-
-    file: str
-    name: str
-    global_offset: Shape
-    chunk_shape: Shape
-    flat_range: Optional[Tuple[int, int]]
-    byte_range: Tuple[int, int]
-    crcs: Optional[Tuple[int, ...]] = None
-
-    @property
-    def stored_shape(self) -> Shape:
-        """Shape of the tensor as written in the file (before any dtype re-encoding)."""
-        if self.flat_range is not None:
-            return (self.flat_range[1] - self.flat_range[0],)
-        return self.chunk_shape
-
-    def pieces(self) -> List[ShardPiece]:
-        """The global boxes this shard holds; ``flat_offset`` is relative to its first element."""
-        return shard_pieces(self.global_offset, self.chunk_shape, 0, self.flat_range)
-
-
-@dataclass
-class StoredTensor:
-    """Everything stored about one global tensor."""
-
-    key: str
-    dtype: torch.dtype
-    global_shape: Shape
-    shards: List[StoredShard] = field(default_factory=list)
-    _grid: Optional[Dict[Shape, List[StoredShard]]] = field(default=None, repr=False)
-
-    @property
-    def bounds(self) -> Box:
-        return Box((0,) * len(self.global_shape), self.global_shape)
-
-    def overlapping(self, region: Box) -> Iterator[StoredShard]:
-        """Stored shards whose box overlaps ``region`` (via the chunk grid when it is regular)."""
-        if self._grid is None:
-            self._grid = _grid_of(self.shards)
-        if not self._grid:
-            yield from (s for s in self.shards if Box(s.global_offset, s.chunk_shape).intersect(region))
-            return
-        chunk = self.shards[0].chunk_shape
-        ranges = [range(o // c, (o + n - 1) // c + 1) for o, n, c in zip(region.offset, region.shape, chunk)]
-        for idx in product(*ranges):
-            yield from self._grid.get(tuple(idx), ())
-
-
-def _grid_of(shards: Sequence[StoredShard]) -> Dict[Shape, List[StoredShard]]:
-    """Shards by chunk index, or {} when the shards do not form a regular grid."""
-    if not shards:
-        return {}
-    chunk = shards[0].chunk_shape
-    grid: Dict[Shape, List[StoredShard]] = {}
-    for s in shards:
-        if s.chunk_shape != chunk or any(c == 0 or o % c for o, c in zip(s.global_offset, chunk)):
-            return {}
-        grid.setdefault(tuple(o // c for o, c in zip(s.global_offset, chunk)), []).append(s)
-    return grid
+__all__ = ["FileCheck", "default_file_check", "load_from_index"]
 
 
 #: checks an opened file against the index before any read; raises CorruptCheckpointError
 FileCheck = Callable[[SafetensorsHeader, Sequence[Tuple[str, StoredShard]]], None]
-
-
-@dataclass
-class TensorIndex:
-    """Where every stored tensor lives.
-
-    Attributes:
-        directory: the directory holding the files.
-        tensors: stored tensors by key.
-        aliases: keys served by another stored key (tied parameters stored once).
-        file_sizes: expected size of each file, when the index records it.
-        description: names the checkpoint in error messages.
-        from_headers: the index was built from the files' validated headers (HuggingFace
-            folders), so a load does not read and check them again.
-        block_bytes: block size of the shards' checksums (None: no checksums recorded).
-        header_crcs: crc32c of each file's header bytes, when recorded.
-        storage: when set, the files are objects of this storage (an object store rooted at
-            the files' directory) instead of files in ``directory``.
-    """
-
-    directory: Path
-    tensors: Dict[str, StoredTensor]
-    aliases: Dict[str, str] = field(default_factory=dict)
-    file_sizes: Dict[str, int] = field(default_factory=dict)
-    description: str = ""
-    from_headers: bool = False
-    block_bytes: Optional[int] = None
-    header_crcs: Dict[str, int] = field(default_factory=dict)
-    storage: Optional[Storage] = None
-
-    def file_location(self, name: str) -> Union[str, Path]:
-        """Where file ``name`` is, for messages: its path, or its object's URL."""
-        return self.storage.url_of(name) if self.storage is not None else self.directory / name
-
-    def lookup(self, key: str) -> Optional[StoredTensor]:
-        """The stored tensor for ``key`` (following an alias), or None."""
-        found = self.tensors.get(key)
-        if found is None and key in self.aliases:
-            found = self.tensors.get(self.aliases[key])
-        return found
-
-
-def tensors_metadata(index: TensorIndex) -> ShardedStateDict:
-    """``{key: ShardedTensor}`` (whole, unsharded, data on the meta device) for every tensor.
-
-    Example::
-
-        meta = tensors_metadata(read_index(ckpt))
-        meta["decoder.w"].global_shape, meta["decoder.w"].dtype
-    """
-    out: ShardedStateDict = {}
-    for key in sorted(set(index.tensors) | set(index.aliases)):
-        info = index.lookup(key)
-        if info is not None:
-            meta = torch.empty(info.global_shape, dtype=info.dtype, device="meta")
-            out[key] = ShardedTensor.from_rank_offsets(key, meta)
-    return out
 
 
 # --------------------------------------------------------------------------- checks
@@ -258,29 +115,31 @@ class _Planned:
 
 
 class _OpenFiles:
-    """File descriptors (or objects) of the files a load touches, each opened and validated once."""
+    """Readers of the files a load touches, each opened and validated once."""
 
     def __init__(self, index: TensorIndex, check: FileCheck, verify_header_crcs: bool) -> None:
         self.index = index
         self.check = check
         self.verify_header_crcs = verify_header_crcs
-        self.fds: Dict[str, ReadSource] = {}
+        self.fds: Dict[str, ObjectReader] = {}
 
-    def _open(self, name: str) -> ReadSource:
-        if self.index.storage is not None:
-            source = ObjectSource(self.index.storage, name)
-            if self.index.from_headers:  # no header read below to find a missing object
-                source_size(source)
-            return source
-        return os.open(self.index.directory / name, os.O_RDONLY)
+    def _open(self, name: str) -> ObjectReader:
+        reader = self.index.storage.open_reader(name)
+        if self.index.from_headers:  # no header read below to find a missing object
+            try:
+                reader.size()
+            except BaseException:
+                reader.close()
+                raise
+        return reader
 
     def open_all(self, by_file: Dict[str, List[Tuple[str, StoredShard]]]) -> None:
         names = sorted(by_file)
-        if self.index.storage is None or len(names) <= 1:
+        if self.index.storage.positional_reads or len(names) <= 1:
             for name in names:
                 self._open_checked(name, by_file[name])
             return
-        # objects: each header costs a few round trips, so fetch them concurrently
+        # an object store: each header costs a few round trips, so fetch them concurrently
         with ThreadPoolExecutor(min(len(names), 16), thread_name_prefix="dist_ckpt_headers") as pool:
             for future in [pool.submit(self._open_checked, name, by_file[name]) for name in names]:
                 future.result()
@@ -310,9 +169,8 @@ class _OpenFiles:
             self.check(header, shards)
 
     def close(self) -> None:
-        for fd in self.fds.values():
-            if isinstance(fd, int):
-                os.close(fd)
+        for reader in self.fds.values():
+            reader.close()
         self.fds.clear()
 
 
@@ -361,7 +219,7 @@ def load_from_index(
 
     Example::
 
-        index = TensorIndex(Path(ckpt), {"w": StoredTensor("w", torch.float32, (4,), [shard])})
+        index = TensorIndex(LocalStorage(ckpt), {"w": StoredTensor("w", torch.float32, (4,), [shard])})
         loaded = load_from_index({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4))}, index, ReadOptions())
     """
     requested = [s for s in nested_values(sharded_state_dict) if isinstance(s, ShardedTensor)]
@@ -382,7 +240,7 @@ def load_from_index(
                 by_file.setdefault(p.shard.file, []).append((sh.key, p.shard))
     # 3. open and validate every file the plan touches
     verify = options.verify_checksums and index.block_bytes is not None
-    if index.storage is not None:
+    if not index.storage.positional_reads:  # every read is a request: more in flight, fewer small ones
         options = options.for_object_store()
     files = _OpenFiles(index, check or default_file_check(index), verify)
 

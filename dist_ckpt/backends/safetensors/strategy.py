@@ -42,7 +42,6 @@ import json
 import logging
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -61,36 +60,37 @@ from dist_ckpt.backends.safetensors.index import (
     INDEX_FILENAME,
     SAFETENSORS_DIR,
     RankIndex,
-    encode_shard,
+    describe_tensor_index,
     file_name,
-    merge_rank_indexes,
-    rank_index,
     read_index,
     shard_name,
-    tensor_entry,
+    tensors_metadata,
 )
 from dist_ckpt.backends.safetensors.io import ReadOptions
-from dist_ckpt.backends.safetensors.load import load_from_index, tensors_metadata
+from dist_ckpt.backends.safetensors.load import load_from_index
+from dist_ckpt.backends.safetensors.stream import SafetensorsStreamWriter
 from dist_ckpt.backends.safetensors.verify import verify_safetensors
 from dist_ckpt.backends.safetensors.write import (
+    FILE_METADATA,
+    IndexPart,
     PartResult,
-    PlannedFile,
+    PlannedFiles,
     SnapshotPart,
     WritePart,
     plan_file,
+    write_index,
     write_objects,
     write_parts,
     write_snapshot_objects,
     write_snapshot_parts,
 )
-from dist_ckpt.backends.stored_shards import StoredShardInfo, describe_tensor_index
+from dist_ckpt.backends.stored_shards import StoredShardInfo
 from dist_ckpt.engine.distributed import gather_json, get_rank, run_collectively
 from dist_ckpt.errors import CheckpointingException, InvalidShardedTensorError
 from dist_ckpt.integrity.checksums import DEFAULT_BLOCK_BYTES, IntegrityReport
-from dist_ckpt.model.dtypes import dtype_to_name
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
-from dist_ckpt.storage import Storage, fsync_dir, write_bytes_atomic
-from dist_ckpt.storage.location import CheckpointLocation, resolve_location
+from dist_ckpt.storage import Storage, fsync_dir
+from dist_ckpt.storage.location import LocationLike, resolve_location
 
 __all__ = [
     "SafetensorsLoadOptions",
@@ -214,10 +214,6 @@ def whole_file_starts(sizes: Sequence[Sequence[int]], budget: Optional[int]) -> 
     return starts
 
 
-_FILE_METADATA = {"format": "pt", "dist_ckpt": "safetensors backend v1; see index.json for the layout"}
-PlannedFiles = List[Tuple[PlannedFile, List[ShardedTensor]]]
-
-
 class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
     """Writes each rank's main-replica shards into ``thread_count`` safetensors files.
 
@@ -264,26 +260,27 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     # ----------------------------------------------------------------------- synchronous
 
-    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> None:
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Storage) -> None:
         shards = main_replica_shards(sharded_state_dict)
         # 1. write this rank's files, straight from the tensors' memory
         local = run_collectively("writing safetensors files", lambda: self._write_files(checkpoint_dir, shards))
         # 2. and 3. gather the index parts, rank 0 commits the index
         self._commit_index(local, checkpoint_dir)
 
-    def _write_files(self, checkpoint_dir: CheckpointLocation, shards: List[ShardedTensor]) -> RankIndex:
+    def _write_files(self, checkpoint_dir: Storage, shards: List[ShardedTensor]) -> RankIndex:
         files = self._plan(shards, smallest_last=False)
         parts = [WritePart(plan, 0, tuple(_stored_view(sh) for sh in group)) for plan, group in files]
-        if not isinstance(checkpoint_dir, Path):
+        storage = resolve_location(checkpoint_dir)
+        if not storage.local_paths:  # objects, each uploaded whole from the tensors' memory
             uploaded = write_objects(
-                checkpoint_dir.child(SAFETENSORS_DIR),
+                storage.child(SAFETENSORS_DIR),
                 parts,
                 block_bytes=self.options.checksum_block_bytes,
                 staging=self._staging,
             )
             return self._rank_index(shards, files, uploaded)
-        root = checkpoint_dir / SAFETENSORS_DIR
-        root.mkdir(parents=True, exist_ok=True)
+        storage.make_dir(SAFETENSORS_DIR)
+        root = storage.local_path(SAFETENSORS_DIR)
         results = write_parts(
             root,
             parts,
@@ -308,24 +305,26 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
             groups = [sorted(g, key=lambda sh: -_nbytes(sh)) for g in groups]
         layout = [[(shard_name(sh), sh.dtype, tuple(_stored_view(sh).shape)) for sh in group] for group in groups]
         return [
-            (plan_file(file_name(rank, i), items, _FILE_METADATA), group)
+            (plan_file(file_name(rank, i), items, FILE_METADATA), group)
             for i, (items, group) in enumerate(zip(layout, groups))
         ]
 
     def _rank_index(self, shards: List[ShardedTensor], files: PlannedFiles, results: Sequence[PartResult]) -> RankIndex:
         """This rank's part of the index, from the plan and the written parts' checksums."""
-        return _IndexPart(shards, files).with_checksums(results, self.options.checksum_block_bytes is not None)
+        return IndexPart(shards, files).with_checksums(results, self.options.checksum_block_bytes is not None)
 
-    def _commit_index(self, local: RankIndex, checkpoint_dir: CheckpointLocation) -> None:
+    def _commit_index(self, local: RankIndex, checkpoint_dir: Storage) -> None:
         gathered = gather_json(local)
         block = self.options.checksum_block_bytes
-        run_collectively("writing the safetensors index", lambda: _write_index(gathered, checkpoint_dir, block))
+        storage = resolve_location(checkpoint_dir)
+        run_collectively("writing the safetensors index", lambda: write_index(gathered, storage, block))
 
-    def begin_stream(self, checkpoint_dir: CheckpointLocation, layout: Sequence[TensorLayout]) -> TensorStreamWriter:
-        """Write whole tensors one at a time (one process; see :mod:`.safetensors_stream`)."""
-        from dist_ckpt.backends.safetensors.stream import SafetensorsStreamWriter
-
-        return SafetensorsStreamWriter(_location(checkpoint_dir), layout, self.options)
+    def begin_stream(self, checkpoint_dir: Storage, layout: Sequence[TensorLayout]) -> TensorStreamWriter:
+        """Write whole tensors one at a time (one process; see :mod:`.stream`)."""
+        options = self.options
+        return SafetensorsStreamWriter(
+            resolve_location(checkpoint_dir), layout, options.checksum_block_bytes, options.early_writeback
+        )
 
     # ----------------------------------------------------------------------- asynchronous
 
@@ -350,7 +349,7 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
         self._snapshots.reserve(nbytes)
         return nbytes
 
-    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> AsyncRequest:
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Storage) -> AsyncRequest:
         """Snapshot this rank's shards and return the request that writes them (not collective).
 
         Steps:
@@ -368,12 +367,13 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
 
         The caller may change every tensor once this returns.
         """
+        storage = resolve_location(checkpoint_dir)
         remote = remote_root = None
-        if isinstance(checkpoint_dir, Path):
-            root = checkpoint_dir / SAFETENSORS_DIR
-            root.mkdir(parents=True, exist_ok=True)
-        else:
-            remote = checkpoint_dir
+        if storage.local_paths:  # files written in parts, by this process and the background one
+            storage.make_dir(SAFETENSORS_DIR)
+            root = storage.local_path(SAFETENSORS_DIR)
+        else:  # objects: each uploaded whole, by one process
+            remote = storage
             remote_root = remote.child(SAFETENSORS_DIR)
         shards = main_replica_shards(sharded_state_dict)
         budget = self.options.snapshot_budget_bytes
@@ -411,7 +411,7 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
         )
 
         # 5. the request; its finalization needs the index entries, not the shards' data
-        part = _IndexPart(shards, files)
+        part = IndexPart(shards, files)
         checksums = block is not None
 
         def finalize() -> None:
@@ -419,7 +419,7 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
                 "indexing the files written in the background",
                 lambda: part.with_checksums(list(head_results) + list(outcome.result or []), checksums),
             )
-            self._commit_index(local, checkpoint_dir)
+            self._commit_index(local, storage)
 
         if remote_root is not None:
             return AsyncRequest(
@@ -429,67 +429,11 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
         return AsyncRequest(write_snapshot_parts, args, [finalize], outcome=outcome)
 
 
-class _IndexPart:
-    """This rank's index entries, built from the plan (no tensor data kept), completed with the
-    checksums once the files are written."""
-
-    def __init__(self, shards: List[ShardedTensor], files: PlannedFiles) -> None:
-        self.rank = get_rank()
-        self.tensors: Dict[str, Dict[str, Any]] = {}
-        for sh in shards:  # keys with no bytes on any rank (0-size tensors) are still listed
-            self.tensors.setdefault(sh.key, tensor_entry(dtype_to_name(sh.dtype), sh.global_shape, []))
-        self.files: List[Tuple[str, List[Tuple[str, Dict[str, Any]]]]] = []
-        self.sizes = {plan.name: plan.size for plan, _ in files}
-        for plan, group in files:
-            entries = [(sh.key, encode_shard(sh, plan.name, byte_range)) for sh, byte_range in zip(group, plan.ranges)]
-            self.files.append((plan.name, entries))
-
-    def with_checksums(self, results: Sequence[PartResult], checksums: bool) -> RankIndex:
-        """The index part, with each shard's block crcs (and each header's) from ``results``."""
-        crcs: Dict[str, List[str]] = {}
-        header_crcs: Dict[str, str] = {}
-        for result in sorted(results, key=lambda r: (r.file, r.first)):
-            crcs.setdefault(result.file, []).extend(result.crcs)
-            if result.header_crc is not None:
-                header_crcs[result.file] = result.header_crc
-        tensors = {key: dict(entry, shards=[]) for key, entry in self.tensors.items()}
-        for name, entries in self.files:
-            written = crcs.get(name, [])
-            if len(written) != len(entries):
-                raise CheckpointingException(
-                    f"[rank {self.rank}] {name}: {len(written)} of its {len(entries)} tensors were written"
-                )
-            for (key, shard), crc in zip(entries, written):
-                tensors[key]["shards"].append(dict(shard, crc32c=crc) if checksums else shard)
-        return rank_index(self.sizes, self.rank, tensors, header_crcs if checksums else None)
-
-
 def _stored_view(sh: ShardedTensor) -> torch.Tensor:
     """The shard as stored: a whole shard with the shape of its box (prepended axes included),
     so the file alone says which part of the global tensor it holds; reshape is a view here."""
     assert sh.data is not None
     return sh.data if sh.flattened_range is not None else sh.data.reshape(sh.full_local_shape)
-
-
-def _write_index(gathered: Optional[List[Any]], checkpoint_dir: CheckpointLocation, block_bytes: Optional[int]) -> None:
-    if get_rank() != 0:
-        return
-    assert gathered is not None
-    doc = merge_rank_indexes(gathered, block_bytes)
-    data = json.dumps(doc, separators=(",", ":")).encode("utf-8")
-    if isinstance(checkpoint_dir, Path):
-        root = checkpoint_dir / SAFETENSORS_DIR
-        root.mkdir(parents=True, exist_ok=True)  # a save without any tensor bytes still gets an index
-        write_bytes_atomic(root / INDEX_FILENAME, data)
-        fsync_dir(checkpoint_dir)
-    else:
-        checkpoint_dir.write(f"{SAFETENSORS_DIR}/{INDEX_FILENAME}", data)
-    logger.debug(
-        "safetensors index: %d tensors, %d files, %d bytes of data",
-        len(doc["tensors"]),
-        len(doc["files"]),
-        sum(f["size"] for f in doc["files"].values()),
-    )
 
 
 class SafetensorsLoadShardedStrategy(LoadShardedStrategy):
@@ -515,41 +459,41 @@ class SafetensorsLoadShardedStrategy(LoadShardedStrategy):
     def __init__(self, options: Optional[ReadOptions] = None) -> None:
         self.options = options or ReadOptions()
 
-    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> StateDict:
-        return load_from_index(sharded_state_dict, read_index(_location(checkpoint_dir)), self.options)
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Storage) -> StateDict:
+        return load_from_index(sharded_state_dict, read_index(checkpoint_dir), self.options)
 
-    def load_tensors_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
-        return tensors_metadata(read_index(_location(checkpoint_dir)))
+    def load_tensors_metadata(self, checkpoint_dir: Storage) -> ShardedStateDict:
+        return tensors_metadata(read_index(checkpoint_dir))
 
-    def verify_integrity(self, checkpoint_dir: CheckpointLocation) -> IntegrityReport:
+    def verify_integrity(self, checkpoint_dir: Storage) -> IntegrityReport:
         """Every file the index lists, its header, and every checksum block of every shard."""
-        return verify_safetensors(_location(checkpoint_dir))
+        return verify_safetensors(checkpoint_dir)
 
-    def describe_stored_shards(self, checkpoint_dir: CheckpointLocation) -> Optional[Dict[str, List[StoredShardInfo]]]:
+    def describe_stored_shards(self, checkpoint_dir: Storage) -> Optional[Dict[str, List[StoredShardInfo]]]:
         """Every shard the index lists: box or flattened range, file, byte count."""
-        return describe_tensor_index(read_index(_location(checkpoint_dir)), f"{SAFETENSORS_DIR}/")
+        return describe_tensor_index(read_index(checkpoint_dir), f"{SAFETENSORS_DIR}/")
 
-    def remove_sharded_tensors(self, checkpoint_dir: CheckpointLocation, key_prefix: str) -> None:
+    def remove_sharded_tensors(self, checkpoint_dir: Storage, key_prefix: str) -> None:
         """Delete every tensor whose key starts with ``key_prefix`` (one process calls it).
 
         The index is rewritten atomically without those keys (each key goes whole or not at
-        all), then files that hold no remaining shard are deleted. The bytes of removed shards
-        in files that still hold other shards stay until the checkpoint is rewritten.
+        all: a rename on a local disk, a PUT on an object store), then files that hold no
+        remaining shard are deleted. The bytes of removed shards in files that still hold other
+        shards stay until the checkpoint is rewritten.
         """
-        location = _location(checkpoint_dir)
-        read_index(location)  # validates the whole index before changing it
-        if not isinstance(location, Path):
-            _remove_from_objects(location.child(SAFETENSORS_DIR), key_prefix)
-            return
-        root = location / SAFETENSORS_DIR
-        doc = json.loads((root / INDEX_FILENAME).read_bytes())
+        read_index(checkpoint_dir)  # validates the whole index before changing it
+        root = resolve_location(checkpoint_dir).child(SAFETENSORS_DIR)
+        doc = json.loads(root.read(INDEX_FILENAME))
         removed, orphans = _without_keys(doc, key_prefix)
-        write_bytes_atomic(root / INDEX_FILENAME, json.dumps(doc, separators=(",", ":")).encode("utf-8"))
+        root.write(INDEX_FILENAME, json.dumps(doc, separators=(",", ":")).encode("utf-8"))
         for name in orphans:
-            (root / name).unlink(missing_ok=True)
-        fsync_dir(root)
+            root.delete(name)
         logger.info(
-            "removed %d tensors with prefix %r from %s; deleted %d files", len(removed), key_prefix, root, len(orphans)
+            "removed %d tensors with prefix %r from %s; deleted %d files",
+            len(removed),
+            key_prefix,
+            root.url,
+            len(orphans),
         )
 
 
@@ -566,29 +510,7 @@ def _without_keys(doc: Dict[str, Any], key_prefix: str) -> Tuple[List[str], List
     return removed, orphans
 
 
-def _remove_from_objects(root: Storage, key_prefix: str) -> None:
-    """:meth:`SafetensorsLoadShardedStrategy.remove_sharded_tensors` on an object store: the index
-    object is replaced whole (a PUT is atomic), then the orphaned file objects are deleted."""
-    doc = json.loads(root.read(INDEX_FILENAME))
-    removed, orphans = _without_keys(doc, key_prefix)
-    root.write(INDEX_FILENAME, json.dumps(doc, separators=(",", ":")).encode("utf-8"))
-    for name in orphans:
-        root.delete(name)
-    logger.info(
-        "removed %d tensors with prefix %r from %s; deleted %d objects",
-        len(removed),
-        key_prefix,
-        root.url,
-        len(orphans),
-    )
-
-
-def _location(checkpoint_dir: Any) -> CheckpointLocation:
-    """A strategy argument as a location (callers outside dist_ckpt may pass a str path)."""
-    return resolve_location(checkpoint_dir)
-
-
-def stored_bytes(checkpoint_dir: CheckpointLocation) -> int:
+def stored_bytes(checkpoint_dir: LocationLike) -> int:
     """Bytes of tensor data in a safetensors-backend checkpoint (from its index)."""
-    index = read_index(_location(checkpoint_dir))
+    index = read_index(checkpoint_dir)
     return sum(math.prod(s.stored_shape) * t.dtype.itemsize for t in index.tensors.values() for s in t.shards)

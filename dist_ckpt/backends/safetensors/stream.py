@@ -20,10 +20,13 @@ small tensors does not become as many small objects. The index describes several
 a save by several writer threads. An upload that is not finished is aborted (:meth:`abort`), and
 an unfinished object is never visible.
 
+Local files are written by path (the storage's ``local_paths`` capability: one file, written
+in place at planned offsets with early writeback); elsewhere objects are uploaded.
+
 Example::
 
     strategy = SafetensorsSaveShardedStrategy()
-    writer = strategy.begin_stream(Path("out"), [("w", torch.float32, (4, 4))])   # or an S3Storage
+    writer = strategy.begin_stream(LocalStorage("out"), [("w", torch.float32, (4, 4))])   # or an S3Storage
     writer.add("w", torch.zeros(4, 4))
     writer.finish()          # then commit metadata.json
 """
@@ -32,22 +35,26 @@ from __future__ import annotations
 
 import logging
 import math
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
 from dist_ckpt.backends.base import TensorLayout, TensorStreamWriter, check_stream_entry
 from dist_ckpt.backends.safetensors.index import SAFETENSORS_DIR, file_name, shard_name
-from dist_ckpt.backends.safetensors.write import PartResult, WritePart, plan_file, stream_tensor, write_part
+from dist_ckpt.backends.safetensors.write import (
+    FILE_METADATA,
+    IndexPart,
+    PartResult,
+    WritePart,
+    plan_file,
+    stream_tensor,
+    write_index,
+    write_part,
+)
 from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.integrity.checksums import crc32c, crc_to_hex
 from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.storage import ObjectWriter, Storage, fsync_dir
-from dist_ckpt.storage.location import CheckpointLocation, location_str
-
-if TYPE_CHECKING:
-    from dist_ckpt.backends.safetensors.strategy import SafetensorsSaveOptions
 
 __all__ = ["STREAM_OBJECT_BYTES", "SafetensorsStreamWriter"]
 
@@ -61,20 +68,26 @@ class SafetensorsStreamWriter(TensorStreamWriter):
     """Writes whole tensors into one safetensors file of a new checkpoint, then its index.
 
     Args:
-        checkpoint_dir: the checkpoint directory (its ``safetensors/`` must not exist yet), or an
-            object-store storage (tensors grouped into objects, see the module docstring).
+        checkpoint_dir: the checkpoint's storage: a local directory (its ``safetensors/`` must not
+            exist yet), or an object store (tensors grouped into objects, see the module docstring).
         layout: every tensor to be added, in order.
-        options: the save strategy's options (checksum block size, early writeback).
+        checksum_block_bytes: record a crc32c per block of this many bytes (None: none, index
+            version 1), as ``SafetensorsSaveOptions.checksum_block_bytes``.
+        early_writeback: start writing local files to the disk while writing (see
+            :class:`~.format.SequentialWriter`).
     """
 
     def __init__(
-        self, checkpoint_dir: CheckpointLocation, layout: Sequence[TensorLayout], options: "SafetensorsSaveOptions"
+        self,
+        checkpoint_dir: Storage,
+        layout: Sequence[TensorLayout],
+        checksum_block_bytes: Optional[int],
+        early_writeback: bool = True,
     ) -> None:
-        from dist_ckpt.backends.safetensors.strategy import _FILE_METADATA  # the backend's own file metadata
-
         self.checkpoint_dir = checkpoint_dir
         self.layout = list(layout)
-        self.options = options
+        self.block_bytes = checksum_block_bytes
+        self.early_writeback = early_writeback
         # metadata-only shards (meta device): the index is built from them, without any data
         self.shards = [
             ShardedTensor.from_rank_offsets(k, torch.empty(tuple(s), dtype=d, device="meta")) for k, d, s in self.layout
@@ -82,15 +95,17 @@ class SafetensorsStreamWriter(TensorStreamWriter):
         self.written = [sh for sh in self.shards if math.prod(sh.global_shape) > 0]  # empty ones have no bytes
         entries = [(shard_name(sh), sh.dtype, tuple(sh.global_shape)) for sh in self.written]
         self.storage: Optional[Storage] = None
-        if isinstance(checkpoint_dir, Path):
-            self.root = checkpoint_dir / SAFETENSORS_DIR
-            self.files = [(plan_file(file_name(0, 0), entries, _FILE_METADATA), self.written)] if self.written else []
-            self.root.mkdir(parents=True, exist_ok=False)
-        else:
+        if checkpoint_dir.local_paths:  # one file, written in place
+            if checkpoint_dir.dir_exists(SAFETENSORS_DIR):
+                raise FileExistsError(f"{checkpoint_dir.url_of(SAFETENSORS_DIR)} exists already")
+            checkpoint_dir.make_dir(SAFETENSORS_DIR)
+            self.root = checkpoint_dir.local_path(SAFETENSORS_DIR)
+            self.files = [(plan_file(file_name(0, 0), entries, FILE_METADATA), self.written)] if self.written else []
+        else:  # objects of about STREAM_OBJECT_BYTES, each one streaming upload
             self.storage = checkpoint_dir.child(SAFETENSORS_DIR)
             groups = _group_by_size(list(zip(entries, self.written)), STREAM_OBJECT_BYTES)
             self.files = [
-                (plan_file(file_name(0, i), [e for e, _ in group], _FILE_METADATA), [sh for _, sh in group])
+                (plan_file(file_name(0, i), [e for e, _ in group], FILE_METADATA), [sh for _, sh in group])
                 for i, group in enumerate(groups)
             ]
         # where each written tensor goes: (file, position in it)
@@ -104,22 +119,18 @@ class SafetensorsStreamWriter(TensorStreamWriter):
         """Write the whole tensor ``key`` at its planned place (see the module docstring)."""
         check_stream_entry(self.layout, self._added, key, tensor)
         if self._finished:
-            raise CheckpointingException(
-                f"tensor {key!r} added to a finished stream of {location_str(self.checkpoint_dir)}"
-            )
+            raise CheckpointingException(f"tensor {key!r} added to a finished stream of {self.checkpoint_dir.url}")
         self._added += 1
         if tensor.numel() == 0:
             return
         index = len(self.results)
-        block = self.options.checksum_block_bytes
+        block = self.block_bytes
         if self.storage is not None:
             self._append_to_object(index, tensor.detach(), block)
             return
         plan = self.files[0][0]
         part = WritePart(plan, index, (tensor.detach(),), fsync=index == len(self.written) - 1)
-        self.results.append(
-            write_part(self.root, part, block_bytes=block, early_writeback=self.options.early_writeback)
-        )
+        self.results.append(write_part(self.root, part, block_bytes=block, early_writeback=self.early_writeback))
 
     def _append_to_object(self, index: int, tensor: torch.Tensor, block: Optional[int]) -> None:
         """Stream tensor ``index`` into its object: open the upload at the object's first tensor
@@ -150,15 +161,10 @@ class SafetensorsStreamWriter(TensorStreamWriter):
 
     def finish(self) -> None:
         """fsync the directory and write ``safetensors/index.json`` (rank 0's, the only one)."""
-        from dist_ckpt.backends.safetensors.strategy import (  # the index the backend's own save writes
-            _IndexPart,
-            _write_index,
-        )
-
         if self._added != len(self.layout):
             missing = [k for k, _, _ in self.layout[self._added :]]
             raise CheckpointingException(
-                f"the stream into {location_str(self.checkpoint_dir)} finished after {self._added} of its "
+                f"the stream into {self.checkpoint_dir.url} finished after {self._added} of its "
                 f"{len(self.layout)} "
                 f"tensors; not added: {missing[:5]}{' ...' if len(missing) > 5 else ''}"
             )
@@ -166,14 +172,14 @@ class SafetensorsStreamWriter(TensorStreamWriter):
         assert self._upload is None, "every object's upload completes with its last tensor"
         if self.storage is None:
             fsync_dir(self.root)
-        block = self.options.checksum_block_bytes
-        local = _IndexPart(self.shards, self.files).with_checksums(self.results, block is not None)
-        _write_index([local], self.checkpoint_dir, block)
+        block = self.block_bytes
+        local = IndexPart(self.shards, self.files).with_checksums(self.results, block is not None)
+        write_index([local], self.checkpoint_dir, block)
         logger.debug(
             "streamed %d tensors, %d bytes into %s",
             len(self.layout),
             sum(plan.size for plan, _ in self.files),
-            location_str(self.checkpoint_dir),
+            self.checkpoint_dir.url,
         )
 
 

@@ -8,24 +8,23 @@ becomes one line of the report; nothing is raised for a damaged checkpoint.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from dist_ckpt.backends.safetensors.format import read_header
-from dist_ckpt.backends.safetensors.index import INDEX_FILENAME, SAFETENSORS_DIR, read_index
-from dist_ckpt.backends.safetensors.io import ObjectSource, ReadSource, read_into
-from dist_ckpt.backends.safetensors.load import StoredShard, default_file_check
+from dist_ckpt.backends.safetensors.index import INDEX_FILENAME, SAFETENSORS_DIR, StoredShard, TensorIndex, read_index
+from dist_ckpt.backends.safetensors.io import read_into
+from dist_ckpt.backends.safetensors.load import default_file_check
 from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.integrity.checksums import IntegrityReport, crc32c, crc_to_hex
-from dist_ckpt.storage.location import CheckpointLocation
+from dist_ckpt.storage import ObjectReader
+from dist_ckpt.storage.location import LocationLike
 
 __all__ = ["verify_safetensors"]
 
 
-def verify_safetensors(checkpoint_dir: CheckpointLocation, read_bytes: int = 16 << 20) -> IntegrityReport:
+def verify_safetensors(checkpoint_dir: LocationLike, read_bytes: int = 16 << 20) -> IntegrityReport:
     """Check every file and every checksum block of a safetensors-backend checkpoint.
 
     Never raises for a damaged checkpoint: every problem found becomes one line of the report
@@ -33,7 +32,7 @@ def verify_safetensors(checkpoint_dir: CheckpointLocation, read_bytes: int = 16 
 
     Example::
 
-        report = verify_safetensors(Path("ckpt/iter_1000"))
+        report = verify_safetensors("ckpt/iter_1000")
         for problem in report.problems: print(problem)
     """
     report = IntegrityReport()
@@ -51,31 +50,34 @@ def verify_safetensors(checkpoint_dir: CheckpointLocation, read_bytes: int = 16 
         for shard in tensor.shards:
             by_file.setdefault(shard.file, []).append((tensor_key, shard))
     for name in sorted(index.file_sizes):
-        rel = f"{SAFETENSORS_DIR}/{name}"
-        shards = by_file.get(name, [])
-        keys = sorted({k for k, _ in shards})
-        key: Optional[str] = keys[0] if len(keys) == 1 else None
-        path = index.file_location(name)
-        try:
-            fd: ReadSource = (
-                ObjectSource(index.storage, name) if index.storage is not None else os.open(path, os.O_RDONLY)
-            )
-            header = read_header(fd, path) if index.storage is not None else None
-        except FileNotFoundError:
-            report.add(rel, f"missing (holds tensors {keys})" if keys else "missing", key)
-            continue
-        except CheckpointingException as e:
-            report.files_checked += 1
-            report.add(rel, str(e), key)
-            continue
-        try:
+        _verify_file(index, name, by_file.get(name, []), report, read_bytes)
+    return report
+
+
+def _verify_file(
+    index: TensorIndex, name: str, shards: List[Tuple[str, StoredShard]], report: IntegrityReport, read_bytes: int
+) -> None:
+    """One file the index lists: present, its header valid and as recorded, every block's crc."""
+    rel = f"{SAFETENSORS_DIR}/{name}"
+    keys = sorted({k for k, _ in shards})
+    key: Optional[str] = keys[0] if len(keys) == 1 else None
+    path = index.file_location(name)
+    try:
+        with index.storage.open_reader(name) as fd:
+            try:
+                header = read_header(fd, path)
+            except FileNotFoundError:  # an object store finds a missing object here
+                raise
+            except CheckpointingException as e:
+                report.files_checked += 1
+                report.add(rel, str(e), key)
+                return
             report.files_checked += 1
             try:
-                header = header or read_header(fd, path)
                 default_file_check(index)(header, shards)
             except CheckpointingException as e:
                 report.add(rel, str(e), key)
-                continue
+                return
             expected = index.header_crcs.get(name)
             if expected is not None and header.prefix_crc != expected:
                 report.add(
@@ -86,15 +88,13 @@ def verify_safetensors(checkpoint_dir: CheckpointLocation, read_bytes: int = 16 
                 )
             for k, shard in shards:
                 _verify_shard(fd, path, rel, k, shard, index.block_bytes, report, read_bytes)
-        finally:
-            if isinstance(fd, int):
-                os.close(fd)
-    return report
+    except FileNotFoundError:
+        report.add(rel, f"missing (holds tensors {keys})" if keys else "missing", key)
 
 
 def _verify_shard(
-    fd: ReadSource,
-    path: Union[str, Path],
+    fd: ObjectReader,
+    path: str,
     rel: str,
     key: str,
     shard: StoredShard,

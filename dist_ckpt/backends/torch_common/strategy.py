@@ -31,7 +31,6 @@ import json
 import logging
 import pickle
 import zipfile
-from pathlib import Path
 from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 import torch
@@ -39,6 +38,7 @@ import torch
 from dist_ckpt.backends.base import LoadCommonStrategy, SaveCommonStrategy
 from dist_ckpt.engine.distributed import gather_json, get_rank, run_collectively
 from dist_ckpt.errors import (
+    UNEXPECTED_KEYS,
     CheckpointingException,
     CorruptCheckpointError,
     KeyMismatchError,
@@ -57,7 +57,7 @@ from dist_ckpt.integrity.checksums import (
 from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
 from dist_ckpt.model.sharded import ShardedObject, ShardedStateDict, StateDict, is_main_replica
 from dist_ckpt.storage import ObjectNotFoundError, Storage, decode_key, encode_key, is_shortened
-from dist_ckpt.storage.location import CheckpointLocation, location_str, storage_of
+from dist_ckpt.storage.location import LocationLike, resolve_location
 
 logger = logging.getLogger(__name__)
 
@@ -165,10 +165,10 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
     def can_handle_sharded_objects(self) -> bool:
         return True
 
-    def save_common(self, common_state_dict: StateDict, checkpoint_dir: CheckpointLocation) -> None:
+    def save_common(self, common_state_dict: StateDict, checkpoint_dir: Storage) -> None:
         if get_rank() != 0:
             return
-        storage = storage_of(checkpoint_dir)
+        storage = resolve_location(checkpoint_dir)
         written: Dict[str, FileDigest] = {}
         unsafe = find_unsafe_values(common_state_dict)
         if unsafe:
@@ -188,12 +188,10 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
         if self.checksums:
             storage.write(COMMON_CHECKSUMS_FNAME, manifest_bytes(written))
 
-    def save_sharded_objects(
-        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation
-    ) -> None:
+    def save_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Storage) -> None:
         """Save this rank's main-replica ShardedObjects; then (collective) rank 0 writes the
         manifest of every rank's object files."""
-        storage = storage_of(checkpoint_dir)
+        storage = resolve_location(checkpoint_dir)
         prefix = f"{OBJECTS_DIR}/"
 
         def write() -> Dict[str, Any]:
@@ -286,8 +284,8 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         except Exception:  # noqa: BLE001 -- a corrupt file is reported by the caller
             return []
 
-    def load_common(self, checkpoint_dir: CheckpointLocation) -> StateDict:
-        storage = storage_of(checkpoint_dir)
+    def load_common(self, checkpoint_dir: Storage) -> StateDict:
+        storage = resolve_location(checkpoint_dir)
         hint = ""
         try:
             hint = f" at keys {format_keys(json.loads(storage.read(UNSAFE_KEYS_FNAME)))}"
@@ -303,25 +301,23 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
             )
         return state
 
-    def load_sharded_objects(
-        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation
-    ) -> StateDict:
-        storage = storage_of(checkpoint_dir)
+    def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Storage) -> StateDict:
+        storage = resolve_location(checkpoint_dir)
         requested = [o for o in nested_values(sharded_objects_state_dict) if isinstance(o, ShardedObject)]
         stored = {o.key for o in storage.list(OBJECTS_DIR)} if requested else set()
         manifest = self._manifest(storage, f"{OBJECTS_DIR}/{OBJECTS_CHECKSUMS_FNAME}") if requested else {}
-        # a key was saved if any of its files is stored or listed in the manifest (or, on a
-        # disk, its directory exists): then a missing shard is damage, not a key mismatch
+        # a key was saved if any of its files is stored or listed in the manifest (or its
+        # directory exists, empty): then a missing shard is damage, not a key mismatch
         saved = {k.rpartition("/")[0] for k in stored} | {f"{OBJECTS_DIR}/{n.rpartition('/')[0]}" for n in manifest}
 
         def was_saved(directory: str) -> bool:
-            return directory in saved or (isinstance(checkpoint_dir, Path) and (checkpoint_dir / directory).is_dir())
+            return directory in saved or storage.dir_exists(directory)
 
         absent = sorted({o.key for o in requested if not was_saved(f"{OBJECTS_DIR}/{encode_key(o.key)}")})
         if absent:
             raise KeyMismatchError(
-                f"[rank {get_rank()}] ShardedObjects requested by load but absent from checkpoint "
-                f"{location_str(checkpoint_dir)!r}: {format_keys(absent)}",
+                f"[rank {get_rank()}] {UNEXPECTED_KEYS} (ShardedObjects requested by load but absent from checkpoint "
+                f"{storage.url!r}): {format_keys(absent)}",
                 unexpected_keys=absent,
             )
 
@@ -345,8 +341,8 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
 
         return dict_list_map_inplace(load_one, sharded_objects_state_dict)  # type: ignore[no-any-return]
 
-    def load_sharded_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
-        storage = storage_of(checkpoint_dir)
+    def load_sharded_metadata(self, checkpoint_dir: Storage) -> ShardedStateDict:
+        storage = resolve_location(checkpoint_dir)
         found: ShardedStateDict = {}
         by_dir: Dict[str, List[str]] = {}
         for info in storage.list(OBJECTS_DIR):
@@ -363,21 +359,21 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
                     found[sh_obj.unique_key] = sh_obj
         return found
 
-    def verify_integrity(self, checkpoint_dir: CheckpointLocation) -> IntegrityReport:
+    def verify_integrity(self, checkpoint_dir: Storage) -> IntegrityReport:
         """Check ``common.pt`` and every ShardedObject file against the manifests; without
         manifests (older checkpoints), check that each file is a readable zip archive whose
         members have their CRC-32 (torch.save writes zip archives)."""
         return verify_common(checkpoint_dir)
 
 
-def verify_common(checkpoint_dir: CheckpointLocation) -> IntegrityReport:
+def verify_common(checkpoint_dir: LocationLike) -> IntegrityReport:
     """The integrity report of the common part of a checkpoint (never raises for damage).
 
     Example::
 
-        for problem in verify_common(Path("ckpt/iter_1000")).problems: print(problem)
+        for problem in verify_common("ckpt/iter_1000").problems: print(problem)
     """
-    storage = storage_of(checkpoint_dir)
+    storage = resolve_location(checkpoint_dir)
     report = IntegrityReport()
     object_files = sorted(o.key for o in storage.list(OBJECTS_DIR) if o.key.endswith(".pt"))
     for manifest_name, base, expected_files in (

@@ -85,32 +85,68 @@ from dist_ckpt.errors import (
 from dist_ckpt.integrity.checksums import IntegrityReport
 from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
 from dist_ckpt.model.sharded import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
-from dist_ckpt.storage.location import CheckpointLocation, require_local, resolve_location
+from dist_ckpt.storage import Storage
+from dist_ckpt.storage.errors import ObjectNotFoundError
+from dist_ckpt.storage.location import LocationLike, require_local, resolve_location
 
-__all__ = ["OpenedCheckpoint", "TorchDistLoadShardedStrategy", "open_checkpoint", "run_dcp_load", "unpickle_item"]
+__all__ = [
+    "OpenedCheckpoint",
+    "TorchDistLoadShardedStrategy",
+    "local_storage",
+    "open_checkpoint",
+    "run_dcp_load",
+    "unpickle_item",
+]
 
 logger = logging.getLogger(__name__)
 
 _OPT_IN = "sharded_strategy=TorchDistLoadShardedStrategy(allow_pickle=True)"
 
 
+#: what needs the checkpoint's files on a local disk (the ``local_paths`` capability)
+_LOCAL_ONLY = "the torch_dist backend (torch.distributed.checkpoint's file reader and writer)"
+
+
 @dataclass(frozen=True)
 class OpenedCheckpoint:
-    """A DCP checkpoint's layout and, when recorded, the checksum spans of its files."""
+    """A DCP checkpoint's layout and, when recorded, the checksum spans of its files.
 
-    directory: Path
+    Attributes:
+        storage: where the checkpoint is.
+        layout: what ``.metadata`` describes.
+        manifest: the checksum spans of each file, by name (None: none recorded).
+    """
+
+    storage: Storage
     layout: TorchDistLayout
     manifest: Optional[Dict[str, FileSpans]]
 
+    @property
+    def directory(self) -> Path:
+        """The checkpoint's directory, for DCP's file reader (storages with ``local_paths``).
 
-def _directory(checkpoint_dir: CheckpointLocation) -> Path:
-    return require_local(
-        resolve_location(checkpoint_dir), "the torch_dist loader (torch.distributed.checkpoint's files)"
-    )
+        Raises:
+            IncompatibleStrategyError: the checkpoint is on an object store.
+        """
+        return require_local(self.storage, _LOCAL_ONLY)
 
 
-def open_checkpoint(directory: Path, allow_pickle: bool = False, verify_checksums: bool = True) -> OpenedCheckpoint:
-    """Read ``.metadata`` (restricted unpickler) and the checksum manifest, if any.
+def local_storage(checkpoint_dir: LocationLike) -> Storage:
+    """The storage of ``checkpoint_dir``, which must have local files (DCP reads and writes them).
+
+    Raises:
+        IncompatibleStrategyError: an object store.
+    """
+    storage = resolve_location(checkpoint_dir)
+    require_local(storage, _LOCAL_ONLY)
+    return storage
+
+
+def open_checkpoint(
+    checkpoint_dir: LocationLike, allow_pickle: bool = False, verify_checksums: bool = True
+) -> OpenedCheckpoint:
+    """Read ``.metadata`` (restricted unpickler) and the checksum manifest, if any, from the
+    checkpoint's storage.
 
     With ``verify_checksums``, ``.metadata`` itself is checked against the manifest first.
 
@@ -118,27 +154,31 @@ def open_checkpoint(directory: Path, allow_pickle: bool = False, verify_checksum
         NotACheckpointError: no ``.metadata``.
         UnsafeObjectError, CorruptCheckpointError, ChecksumMismatchError: see :mod:`.metadata`.
     """
-    path = directory / DCP_METADATA_FILENAME
+    storage = resolve_location(checkpoint_dir)
+    where = storage.url_of(DCP_METADATA_FILENAME)
     try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
+        raw = storage.read(DCP_METADATA_FILENAME)
+    except ObjectNotFoundError:
         raise NotACheckpointError(
-            f"{str(directory)!r} holds no {DCP_METADATA_FILENAME}: not a torch.distributed.checkpoint checkpoint, "
+            f"{storage.url!r} holds no {DCP_METADATA_FILENAME}: not a torch.distributed.checkpoint checkpoint, "
             f"or its save did not finish"
         ) from None
     manifest = None
-    manifest_path = directory / CHECKSUMS_FILENAME
-    if manifest_path.is_file():
-        manifest = parse_manifest(manifest_path.read_bytes(), str(manifest_path))
+    try:
+        manifest_raw: Optional[bytes] = storage.read(CHECKSUMS_FILENAME)
+    except ObjectNotFoundError:
+        manifest_raw = None
+    if manifest_raw is not None:
+        manifest = parse_manifest(manifest_raw, storage.url_of(CHECKSUMS_FILENAME))
         recorded = manifest.get(DCP_METADATA_FILENAME)
         if verify_checksums and recorded is not None:
             if len(raw) != recorded.size:
                 raise CorruptCheckpointError(
-                    f"{path} has {len(raw)} bytes, {recorded.size} were recorded at save time (truncated or replaced)"
+                    f"{where} has {len(raw)} bytes, {recorded.size} were recorded at save time (truncated or replaced)"
                 )
-            check_bytes(raw, 0, recorded.spans, str(path), "the DCP metadata")
-    layout = parse_layout(unpickle_metadata(raw, str(path), allow_pickle), str(directory))
-    return OpenedCheckpoint(directory, layout, manifest)
+            check_bytes(raw, 0, recorded.spans, where, "the DCP metadata")
+    layout = parse_layout(unpickle_metadata(raw, where, allow_pickle), storage.url)
+    return OpenedCheckpoint(storage, layout, manifest)
 
 
 def unpickle_item(data: bytes, where: str, what: str, allow_pickle: bool, opt_in: str = _OPT_IN) -> Any:
@@ -205,7 +245,7 @@ class _Reader(FileSystemReader):
             first = bisect_left(starts, sinfo.offset)
             inside = spans_within(spans[first : first + 64], sinfo.offset, sinfo.length)
         if inside is not None:
-            where = str(self._opened.directory / sinfo.relative_path)
+            where = self._opened.storage.url_of(sinfo.relative_path)
             mapped = self._map(sinfo.relative_path, file)
             if len(mapped) < sinfo.offset + sinfo.length:
                 raise CorruptCheckpointError(
@@ -255,9 +295,9 @@ def run_dcp_load(opened: OpenedCheckpoint, planner: ReadPlanner, verify: bool) -
             if isinstance(error, CheckpointingException):
                 raise error from None
             raise CorruptCheckpointError(
-                f"[rank {get_rank()}] reading {opened.directory} failed: {type(error).__name__}: {error}"
+                f"[rank {get_rank()}] reading {opened.storage.url} failed: {type(error).__name__}: {error}"
             ) from error
-        raise CorruptCheckpointError(f"[rank {get_rank()}] reading {opened.directory} failed: {e}") from e
+        raise CorruptCheckpointError(f"[rank {get_rank()}] reading {opened.storage.url} failed: {e}") from e
     finally:
         reader.close()
 
@@ -304,22 +344,26 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     def can_handle_sharded_objects(self) -> bool:
         return True
 
-    def open(self, checkpoint_dir: CheckpointLocation) -> OpenedCheckpoint:
-        """The checkpoint's layout (cached while ``.metadata`` is unchanged)."""
-        directory = _directory(checkpoint_dir)
+    def open(self, checkpoint_dir: LocationLike) -> OpenedCheckpoint:
+        """The checkpoint's layout (cached while ``.metadata`` is unchanged).
+
+        Raises:
+            IncompatibleStrategyError: the checkpoint is on an object store (local files only).
+        """
+        storage = local_storage(checkpoint_dir)
         try:
-            stat = (directory / DCP_METADATA_FILENAME).stat()
-            key: Optional[Tuple[str, int, int]] = (str(directory.resolve()), stat.st_mtime_ns, stat.st_size)
+            stat = storage.local_path(DCP_METADATA_FILENAME).stat()
+            key: Optional[Tuple[str, int, int]] = (str(storage.local_dir.resolve()), stat.st_mtime_ns, stat.st_size)
         except FileNotFoundError:
             key = None
         if key is not None and self._cached is not None and self._cached[0] == key:
             return self._cached[1]
-        opened = open_checkpoint(directory, self.allow_pickle, self.verify_checksums)
+        opened = open_checkpoint(storage, self.allow_pickle, self.verify_checksums)
         if key is not None:
             self._cached = (key, opened)
         return opened
 
-    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> StateDict:
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Storage) -> StateDict:
         opened = self.open(checkpoint_dir)
         layout = opened.layout
         tensors = [x for x in nested_values(sharded_state_dict) if isinstance(x, ShardedTensor)]
@@ -409,7 +453,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     def _object_values(self, key: str, data: bytes, count: int, opened: OpenedCheckpoint) -> List[Any]:
         """The values for the ``count`` requesters of bytes entry ``key`` on this rank."""
         item = opened.layout.byte_items[key]
-        where = str(opened.directory / item.file)
+        where = opened.storage.url_of(item.file)
         value = unpickle_item(data, where, f"ShardedObject {key!r}", self.allow_pickle)
         if not self.megatron_objects:
             return [value] * count
@@ -422,19 +466,19 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             )
         return value * count if len(value) == 1 else value
 
-    def load_tensors_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
+    def load_tensors_metadata(self, checkpoint_dir: Storage) -> ShardedStateDict:
         return tensors_metadata(self.open(checkpoint_dir).layout)
 
-    def load_sharded_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
+    def load_sharded_metadata(self, checkpoint_dir: Storage) -> ShardedStateDict:
         return sharded_metadata(self.open(checkpoint_dir).layout, with_objects=self.megatron_objects)
 
-    def describe_stored_shards(self, checkpoint_dir: CheckpointLocation) -> Optional[Dict[str, List[StoredShardInfo]]]:
+    def describe_stored_shards(self, checkpoint_dir: Storage) -> Optional[Dict[str, List[StoredShardInfo]]]:
         """Every stored chunk: box (or flattened range of a block), file, byte count."""
         return describe_layout(self.open(checkpoint_dir).layout)
 
-    def verify_integrity(self, checkpoint_dir: CheckpointLocation) -> IntegrityReport:
+    def verify_integrity(self, checkpoint_dir: Storage) -> IntegrityReport:
         """Every item of every DCP file against the recorded crc32c; without a manifest (written
         by another tool) every item is checked as a ``torch.save`` archive (its zip CRC-32s)."""
         from dist_ckpt.backends.torch_dist.verify import verify_torch_dist
 
-        return verify_torch_dist(_directory(checkpoint_dir), self.allow_pickle)
+        return verify_torch_dist(checkpoint_dir, self.allow_pickle)

@@ -25,7 +25,7 @@ trust), before it is called.
 
 Example::
 
-    md = read_metadata(Path("ckpt/iter_10"))           # a DcpMetadata
+    md = read_metadata("ckpt/iter_10")                 # a DcpMetadata
     md.state_dict_metadata["decoder.w"].size
 """
 
@@ -34,7 +34,6 @@ from __future__ import annotations
 import io
 import pickle
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import IO, Any, Dict, FrozenSet, Mapping, Optional, Tuple
 
 import torch
@@ -43,6 +42,8 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from dist_ckpt.engine.commit import DCP_METADATA_FILENAME
 from dist_ckpt.errors import CorruptCheckpointError, NotACheckpointError, UnsafeObjectError
+from dist_ckpt.storage.errors import ObjectNotFoundError
+from dist_ckpt.storage.location import LocationLike, resolve_location
 
 __all__ = [
     "DCP_METADATA_FILENAME",
@@ -181,27 +182,27 @@ def unpickle_metadata(data: bytes, where: str, allow_pickle: bool = False) -> Me
     return found
 
 
-def read_metadata(directory: Path, allow_pickle: bool = False) -> Metadata:
-    """The DCP ``Metadata`` of the checkpoint in ``directory``.
+def read_metadata(checkpoint_dir: LocationLike, allow_pickle: bool = False) -> Metadata:
+    """The DCP ``Metadata`` of the checkpoint at ``checkpoint_dir`` (read through its storage).
 
     Raises:
-        NotACheckpointError: ``directory`` has no ``.metadata`` (a DCP save that never finished).
+        NotACheckpointError: the checkpoint has no ``.metadata`` (a DCP save that never finished).
         UnsafeObjectError, CorruptCheckpointError: see :func:`unpickle_metadata`.
 
     Example::
 
-        md = read_metadata(Path("ckpt/iter_10"))
+        md = read_metadata("ckpt/iter_10")
         sorted(md.state_dict_metadata)
     """
-    path = directory / DCP_METADATA_FILENAME
+    storage = resolve_location(checkpoint_dir)
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
+        data = storage.read(DCP_METADATA_FILENAME)
+    except ObjectNotFoundError:
         raise NotACheckpointError(
-            f"{str(directory)!r} holds no {DCP_METADATA_FILENAME}: it is not a torch.distributed.checkpoint "
+            f"{storage.url!r} holds no {DCP_METADATA_FILENAME}: it is not a torch.distributed.checkpoint "
             f"checkpoint, or its save did not finish"
         ) from None
-    return unpickle_metadata(data, str(path), allow_pickle)
+    return unpickle_metadata(data, storage.url_of(DCP_METADATA_FILENAME), allow_pickle)
 
 
 def mcore_data(md: Metadata) -> Dict[str, Dict[str, Any]]:

@@ -23,17 +23,21 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Dict, List, Tuple
+from typing import Any, ClassVar, Dict, Tuple
 
 from dist_ckpt.backends.base import LoadCommonStrategy
-from dist_ckpt.backends.torch_dist.layout import StoredItem
-from dist_ckpt.backends.torch_dist.load import TorchDistLoadShardedStrategy, _directory, open_checkpoint, unpickle_item
+from dist_ckpt.backends.torch_dist.load import (
+    TorchDistLoadShardedStrategy,
+    local_storage,
+    open_checkpoint,
+    unpickle_item,
+)
 from dist_ckpt.engine.distributed import get_rank
 from dist_ckpt.errors import KeyMismatchError, format_keys
 from dist_ckpt.integrity.checksums import IntegrityReport
 from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
 from dist_ckpt.model.sharded import ShardedObject, ShardedStateDict, StateDict
-from dist_ckpt.storage.location import CheckpointLocation
+from dist_ckpt.storage import RangeRead, Storage
 
 __all__ = ["DCP_BACKEND", "DCPCommonLoadStrategy", "DCPLoadShardedStrategy"]
 
@@ -102,38 +106,33 @@ class DCPCommonLoadStrategy(LoadCommonStrategy):
     def can_handle_sharded_objects(self) -> bool:
         return True
 
-    def load_common(self, checkpoint_dir: CheckpointLocation) -> StateDict:
-        directory = _directory(checkpoint_dir)
-        opened = open_checkpoint(directory, self.allow_pickle)
+    def load_common(self, checkpoint_dir: Storage) -> StateDict:
+        storage = local_storage(checkpoint_dir)
+        opened = open_checkpoint(storage, self.allow_pickle)
         planner_data = opened.layout.metadata.planner_data
+        entries = sorted(opened.layout.byte_items.items(), key=lambda e: (e[1].file, e[1].offset))
+        buffers = [bytearray(item.length) for _, item in entries]
+        storage.read_ranges([RangeRead.into(item.file, item.offset, buf) for (_, item), buf in zip(entries, buffers)])
         state: Dict[Any, Any] = {}
-        by_file: Dict[str, List[Tuple[int, str, StoredItem]]] = {}
-        for key, item in opened.layout.byte_items.items():
-            by_file.setdefault(item.file, []).append((item.offset, key, item))
-        for name, entries in sorted(by_file.items()):
-            with open(directory / name, "rb") as f:
-                for offset, key, item in sorted(entries, key=lambda e: e[0]):
-                    f.seek(offset)
-                    data = f.read(item.length)
-                    value = unpickle_item(data, str(directory / name), f"value {key!r}", self.allow_pickle, _OPT_IN)
-                    _insert(state, _path_of(planner_data, key), value, key)
+        for (key, item), data in zip(entries, buffers):
+            where = storage.url_of(item.file)
+            value = unpickle_item(bytes(data), where, f"value {key!r}", self.allow_pickle, _OPT_IN)
+            _insert(state, _path_of(planner_data, key), value, key)
         return state
 
-    def load_sharded_objects(
-        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation
-    ) -> StateDict:
+    def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Storage) -> StateDict:
         requested = sorted({o.key for o in nested_values(sharded_objects_state_dict) if isinstance(o, ShardedObject)})
         if requested:
             raise KeyMismatchError(
-                f"[rank {get_rank()}] DCP checkpoint {str(checkpoint_dir)!r} holds no ShardedObjects (its non-tensor "
+                f"[rank {get_rank()}] DCP checkpoint {checkpoint_dir.url!r} holds no ShardedObjects (its non-tensor "
                 f"values are its common state); requested: {format_keys(requested)}",
                 unexpected_keys=requested,
             )
         return dict_list_map_inplace(lambda x: x, sharded_objects_state_dict)  # type: ignore[no-any-return]
 
-    def load_sharded_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
+    def load_sharded_metadata(self, checkpoint_dir: Storage) -> ShardedStateDict:
         return {}
 
-    def verify_integrity(self, checkpoint_dir: CheckpointLocation) -> IntegrityReport:
+    def verify_integrity(self, checkpoint_dir: Storage) -> IntegrityReport:
         """Nothing of its own: the bytes entries are checked with the DCP files."""
         return IntegrityReport()

@@ -36,7 +36,6 @@ from __future__ import annotations
 import io
 import logging
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -51,6 +50,7 @@ from dist_ckpt.async_save.snapshot import Snapshot, SnapshotPool
 from dist_ckpt.backends.base import AsyncSaveShardedStrategy, TensorLayout, TensorStreamWriter, main_replica_shards
 from dist_ckpt.backends.torch_dist.checksums import CHECKSUMS_FILENAME, ChecksummingFileSystem, FileSpans, manifest_json
 from dist_ckpt.backends.torch_dist.layout import REFORMULATED_SHAPE, chunk_data, write_chunk
+from dist_ckpt.backends.torch_dist.load import local_storage
 from dist_ckpt.backends.torch_dist.metadata import DCP_METADATA_FILENAME
 from dist_ckpt.engine.distributed import gather_json, get_rank, run_collectively
 from dist_ckpt.errors import CheckpointingException, InvalidShardedTensorError, ShardingIntegrityError
@@ -58,8 +58,7 @@ from dist_ckpt.integrity.checksums import crc32c
 from dist_ckpt.model.dict_utils import nested_values
 from dist_ckpt.model.dtypes import dtype_from_name, dtype_to_name
 from dist_ckpt.model.sharded import ShardedObject, ShardedStateDict, is_main_replica
-from dist_ckpt.storage import fsync_dir, write_bytes_atomic
-from dist_ckpt.storage.location import CheckpointLocation, require_local, resolve_location
+from dist_ckpt.storage import Storage, fsync_dir
 
 __all__ = [
     "ChunkEntry",
@@ -287,8 +286,9 @@ def _file_spans(doc: Dict[str, Any]) -> FileSpans:
     return FileSpans(doc["size"], tuple((o, n, int(c, 16)) for o, n, c in doc["spans"]))
 
 
-def _write_global_metadata(directory: Path, gathered: List[Dict[str, Any]], options: TorchDistSaveOptions) -> None:
-    """Rank 0: DCP's global plan and ``.metadata`` from every rank's items, then the manifest."""
+def _write_global_metadata(storage: Storage, gathered: List[Dict[str, Any]], options: TorchDistSaveOptions) -> None:
+    """Rank 0: DCP's global plan and ``.metadata`` from every rank's items (DCP's file writer, in
+    the storage's local directory), then the manifest (through the storage)."""
     plans, results = [], []
     reformulated: Dict[str, Dict[str, Any]] = {}
     for part in sorted(gathered, key=lambda p: p["rank"]):
@@ -309,14 +309,14 @@ def _write_global_metadata(directory: Path, gathered: List[Dict[str, Any]], opti
     if reformulated:
         # megatron-core <= 0.14 records flattened tensors' shapes so (0.15 pickles a subclass instead)
         metadata.mcore_data = reformulated  # type: ignore[attr-defined]
-    writer = FileSystemWriter(directory, sync_files=options.sync_files)
+    writer = FileSystemWriter(storage.local_dir, sync_files=options.sync_files)
     writer.finish(metadata, results)
     if options.checksums:
         files = {name: _file_spans(doc) for part in gathered for name, doc in (part["files"] or {}).items()}
-        raw = (directory / DCP_METADATA_FILENAME).read_bytes()
+        raw = storage.read(DCP_METADATA_FILENAME)
         files[DCP_METADATA_FILENAME] = FileSpans(len(raw), ((0, len(raw), crc32c(raw)),) if raw else ())
-        write_bytes_atomic(directory / CHECKSUMS_FILENAME, manifest_json(files))
-    fsync_dir(directory)
+        storage.write(CHECKSUMS_FILENAME, manifest_json(files))
+    fsync_dir(storage.local_dir)  # DCP renamed .metadata into place without flushing the directory
     logger.debug(
         "torch_dist metadata: %d tensors, %d objects, %d bytes of items",
         sum(1 for v in metadata.state_dict_metadata.values() if hasattr(v, "chunks")),
@@ -325,7 +325,7 @@ def _write_global_metadata(directory: Path, gathered: List[Dict[str, Any]], opti
     )
 
 
-def commit_metadata(directory: Path, written: Dict[str, Any], options: TorchDistSaveOptions) -> None:
+def commit_metadata(storage: Storage, written: Dict[str, Any], options: TorchDistSaveOptions) -> None:
     """Gather what every rank wrote; rank 0 writes ``.metadata`` and the checksum manifest
     (collective: a failure on rank 0 raises on every rank)."""
     gathered = gather_json(written)
@@ -333,15 +333,9 @@ def commit_metadata(directory: Path, written: Dict[str, Any], options: TorchDist
     def write_on_rank0() -> None:
         if get_rank() == 0:
             assert gathered is not None
-            _write_global_metadata(directory, gathered, options)
+            _write_global_metadata(storage, gathered, options)
 
     run_collectively("writing the DCP metadata", write_on_rank0)
-
-
-def _directory(checkpoint_dir: CheckpointLocation) -> Path:
-    return require_local(
-        resolve_location(checkpoint_dir), "the torch_dist backend (torch.distributed.checkpoint's files)"
-    )
 
 
 class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
@@ -393,34 +387,34 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
     def can_handle_sharded_objects(self) -> bool:
         return True
 
-    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> None:
-        directory = _directory(checkpoint_dir)
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Storage) -> None:
+        storage = local_storage(checkpoint_dir)
 
         def write() -> Dict[str, Any]:
             plan, tensors = plan_rank(sharded_state_dict)
-            return write_rank(str(directory), plan, tensors, self.options)
+            return write_rank(str(storage.local_dir), plan, tensors, self.options)
 
         written = run_collectively("writing torch_dist files", write)
-        commit_metadata(directory, written, self.options)
+        commit_metadata(storage, written, self.options)
 
-    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> AsyncRequest:
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Storage) -> AsyncRequest:
         """Snapshot this rank's chunks and objects; return the request that writes them in the
         background and, at finalization (collective), writes ``.metadata`` (not collective)."""
-        directory = _directory(checkpoint_dir)
-        directory.mkdir(parents=True, exist_ok=True)
+        storage = local_storage(checkpoint_dir)
+        storage.make_dir()
         plan, tensors = plan_rank(sharded_state_dict)
         outcome = AsyncOutcome()
         snapshot = self._snapshots.take(tensors, in_use=lambda: not outcome.done)
         logger.debug("torch_dist async save: %d bytes snapshotted", snapshot.nbytes)
 
         def finalize() -> None:
-            commit_metadata(directory, outcome.result, self.options)
+            commit_metadata(storage, outcome.result, self.options)
 
-        args = (str(directory), plan, snapshot, self.options)
+        args = (str(storage.local_dir), plan, snapshot, self.options)
         return AsyncRequest(write_snapshot, args, [finalize], outcome=outcome)
 
-    def begin_stream(self, checkpoint_dir: CheckpointLocation, layout: Sequence[TensorLayout]) -> TensorStreamWriter:
+    def begin_stream(self, checkpoint_dir: Storage, layout: Sequence[TensorLayout]) -> TensorStreamWriter:
         """Write whole tensors (and ShardedObjects) one at a time (one process; see :mod:`.stream`)."""
         from dist_ckpt.backends.torch_dist.stream import TorchDistStreamWriter
 
-        return TorchDistStreamWriter(_directory(checkpoint_dir), layout, self.options)
+        return TorchDistStreamWriter(local_storage(checkpoint_dir), layout, self.options)

@@ -13,7 +13,7 @@ checksum manifest -- written tensor by tensor, so memory holds one tensor at a t
 
 Example::
 
-    writer = TorchDistSaveShardedStrategy().begin_stream(Path("out"), [("w", torch.float32, (4, 4))])
+    writer = TorchDistSaveShardedStrategy().begin_stream(LocalStorage("out"), [("w", torch.float32, (4, 4))])
     writer.add("w", torch.zeros(4, 4))
     writer.add_object("rng/shard_0_1", {"seed": 1})
     writer.finish()          # then commit metadata.json
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import io
 import os
-from pathlib import Path
 from typing import IO, Any, Dict, List, Optional, Sequence
 
 import torch
@@ -33,7 +32,7 @@ from dist_ckpt.backends.torch_dist.checksums import FileSpans, RecordingStream
 from dist_ckpt.backends.torch_dist.save import ChunkEntry, TorchDistSaveOptions, _write_global_metadata
 from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.model.dtypes import dtype_to_name
-from dist_ckpt.storage import fsync_dir
+from dist_ckpt.storage import Storage, fsync_dir
 
 __all__ = ["TorchDistStreamWriter"]
 
@@ -44,17 +43,18 @@ class TorchDistStreamWriter(TensorStreamWriter):
     """Writes whole tensors, then ShardedObjects, into one DCP file of a new checkpoint.
 
     Args:
-        directory: the new checkpoint's directory (created if missing).
+        storage: the new checkpoint (a storage with ``local_paths``: DCP's files are written in its
+            directory, created if missing).
         layout: every tensor to be added, in order.
         options: the save strategy's options (checksums, fsync).
     """
 
-    def __init__(self, directory: Path, layout: Sequence[TensorLayout], options: TorchDistSaveOptions) -> None:
-        self.directory = directory
+    def __init__(self, storage: Storage, layout: Sequence[TensorLayout], options: TorchDistSaveOptions) -> None:
+        self.storage = storage
         self.layout = list(layout)
         self.options = options
-        directory.mkdir(parents=True, exist_ok=True)
-        self._raw: Optional[IO[bytes]] = open(directory / _FILE, "wb")
+        storage.make_dir()
+        self._raw: Optional[IO[bytes]] = open(storage.local_path(_FILE), "wb")
         self._spans: Dict[str, FileSpans] = {}
         self._stream = RecordingStream(self._raw, _FILE, self._spans.__setitem__)
         self._chunks: List[Dict[str, Any]] = []
@@ -112,7 +112,7 @@ class TorchDistStreamWriter(TensorStreamWriter):
         self._stream.close()
         self._raw.close()
         self._raw = None
-        fsync_dir(self.directory)
+        fsync_dir(self.storage.local_dir)
         written = {
             "rank": 0,
             "chunks": self._chunks,
@@ -120,7 +120,7 @@ class TorchDistStreamWriter(TensorStreamWriter):
             "results": self._results,
             "files": {name: spans.to_json() for name, spans in self._spans.items()},
         }
-        _write_global_metadata(self.directory, [written], self.options)
+        _write_global_metadata(self.storage, [written], self.options)
 
     def abort(self) -> None:
         if self._raw is not None:

@@ -12,16 +12,14 @@ One process, never raises for damage. Checks, in order:
 
 Example::
 
-    report = verify_torch_dist(Path("ckpt/iter_10"))
+    report = verify_torch_dist("ckpt/iter_10")
     [str(p) for p in report.problems]
 """
 
 from __future__ import annotations
 
 import io
-import os
 import zipfile
-from pathlib import Path
 from typing import Dict, List, Optional
 
 from dist_ckpt.backends.torch_dist.checksums import CHECKSUMS_FILENAME, FileSpans, parse_manifest
@@ -29,6 +27,9 @@ from dist_ckpt.backends.torch_dist.layout import StoredItem, TorchDistLayout, pa
 from dist_ckpt.backends.torch_dist.metadata import DCP_METADATA_FILENAME, unpickle_metadata
 from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.integrity.checksums import IntegrityReport, crc32c, crc_to_hex
+from dist_ckpt.storage import ObjectReader, Storage
+from dist_ckpt.storage.errors import ObjectNotFoundError, StorageError, TruncatedObjectError
+from dist_ckpt.storage.location import LocationLike, resolve_location
 
 __all__ = ["verify_torch_dist"]
 
@@ -42,13 +43,23 @@ def _keys_by_item(layout: TorchDistLayout) -> Dict[StoredItem, str]:
     return found
 
 
-def _check_spans(path: Path, name: str, spans: FileSpans, keys: Dict[int, str], report: IntegrityReport) -> None:
-    with open(path, "rb", buffering=0) as f:
+def _read(reader: ObjectReader, offset: int, length: int) -> bytes:
+    """``length`` bytes from ``offset`` (fewer where the file ends)."""
+    buf = bytearray(length)
+    try:
+        reader.read_into([memoryview(buf)], offset)
+    except TruncatedObjectError:
+        size = reader.size()
+        return bytes(buf[: max(0, size - offset)])
+    return bytes(buf)
+
+
+def _check_spans(storage: Storage, name: str, spans: FileSpans, keys: Dict[int, str], report: IntegrityReport) -> None:
+    with storage.open_reader(name) as reader:
         for start, length, crc in spans.spans:
             found, done = 0, 0
-            f.seek(start)
             while done < length:
-                chunk = f.read(min(_READ_BYTES, length - done))
+                chunk = _read(reader, start + done, min(_READ_BYTES, length - done))
                 if not chunk:
                     break
                 found = crc32c(chunk, found)
@@ -75,40 +86,55 @@ def _check_zip(data: bytes) -> Optional[str]:
     return None if bad is None else f"member {bad!r} fails its CRC-32 check (corrupt)"
 
 
-def _check_items(directory: Path, layout: TorchDistLayout, report: IntegrityReport) -> None:
+def _check_items(storage: Storage, layout: TorchDistLayout, report: IntegrityReport) -> None:
     keys = _keys_by_item(layout)
     by_file: Dict[str, List[StoredItem]] = {}
     for item in keys:
         by_file.setdefault(item.file, []).append(item)
     for name, items in sorted(by_file.items()):
-        with open(directory / name, "rb") as f:
+        with storage.open_reader(name) as reader:
             for item in sorted(items, key=lambda i: i.offset):
-                f.seek(item.offset)
-                data = f.read(item.length)
+                data = _read(reader, item.offset, item.length)
                 report.bytes_checked += len(data)
                 problem = _check_zip(data)
                 if problem is not None:
                     report.add(name, f"item at byte {item.offset}: {problem}", keys[item])
 
 
-def verify_torch_dist(directory: Path, allow_pickle: bool = False) -> IntegrityReport:
-    """The integrity report of the DCP files of the checkpoint in ``directory`` (see the module
-    docstring)."""
+def _size(storage: Storage, name: str) -> Optional[int]:
+    try:
+        return storage.size(name)
+    except ObjectNotFoundError:
+        return None
+
+
+def verify_torch_dist(checkpoint_dir: LocationLike, allow_pickle: bool = False) -> IntegrityReport:
+    """The integrity report of the DCP files of the checkpoint at ``checkpoint_dir`` (see the
+    module docstring), read through its storage.
+
+    Raises:
+        StorageError: the storage refused a request (not a property of the checkpoint).
+    """
+    storage = resolve_location(checkpoint_dir)
     report = IntegrityReport()
     manifest: Optional[Dict[str, FileSpans]] = None
     try:
-        if (directory / CHECKSUMS_FILENAME).is_file():
-            manifest = parse_manifest((directory / CHECKSUMS_FILENAME).read_bytes(), CHECKSUMS_FILENAME)
-            report.files_checked += 1
+        manifest = parse_manifest(storage.read(CHECKSUMS_FILENAME), CHECKSUMS_FILENAME)
+        report.files_checked += 1
+    except ObjectNotFoundError:
+        pass  # written by another tool, or without checksums: noted below
+    except StorageError:
+        raise
     except CheckpointingException as e:
         report.add(CHECKSUMS_FILENAME, str(e))
-    metadata_path = directory / DCP_METADATA_FILENAME
     try:
-        raw = metadata_path.read_bytes()
-        layout = parse_layout(unpickle_metadata(raw, DCP_METADATA_FILENAME, allow_pickle), str(directory))
-    except FileNotFoundError:
+        raw = storage.read(DCP_METADATA_FILENAME)
+        layout = parse_layout(unpickle_metadata(raw, DCP_METADATA_FILENAME, allow_pickle), storage.url)
+    except ObjectNotFoundError:
         report.add(DCP_METADATA_FILENAME, "missing: the DCP save did not finish")
         return report
+    except StorageError:
+        raise
     except CheckpointingException as e:
         report.add(DCP_METADATA_FILENAME, str(e))
         return report
@@ -117,9 +143,8 @@ def verify_torch_dist(directory: Path, allow_pickle: bool = False) -> IntegrityR
     for item in keys:
         ends[item.file] = max(ends.get(item.file, 0), item.offset + item.length)
     for name, end in sorted(ends.items()):
-        try:
-            size = os.path.getsize(directory / name)
-        except FileNotFoundError:
+        size = _size(storage, name)
+        if size is None:
             report.add(name, "missing (the DCP metadata lists items in it)")
             continue
         if size < end:
@@ -132,21 +157,19 @@ def verify_torch_dist(directory: Path, allow_pickle: bool = False) -> IntegrityR
             "checked as a torch.save archive (its zip CRC-32s)"
         )
         report.files_checked += 1 + len(ends)
-        _check_items(directory, layout, report)
+        _check_items(storage, layout, report)
         return report
     for name in sorted(set(ends) - set(manifest)):
         report.add(name, f"not listed in {CHECKSUMS_FILENAME} (written after the save?)")
     for name, spans in sorted(manifest.items()):
-        path = directory / name
         report.files_checked += 1
-        try:
-            size = os.path.getsize(path)
-        except FileNotFoundError:
+        size = _size(storage, name)
+        if size is None:
             report.add(name, "missing")
             continue
         if size != spans.size:
             report.add(name, f"has {size} bytes, {spans.size} were recorded at save time (truncated or replaced)")
             continue
         by_offset = {item.offset: key for item, key in keys.items() if item.file == name}
-        _check_spans(path, name, spans, by_offset, report)
+        _check_spans(storage, name, spans, by_offset, report)
     return report

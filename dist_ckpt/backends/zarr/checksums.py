@@ -26,17 +26,8 @@ import math
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from dist_ckpt.backends.zarr.layout import (
-    CHECKSUMS_FILENAME,
-    LAYOUT_CHUNKED,
-    ZARR_DIR,
-    chunk_coords,
-    chunk_key,
-    damaged_chunks,
-    list_tensor_names,
-    open_tensor_info,
-    read_zarr_json,
-)
+from dist_ckpt.backends.zarr.layout import CHECKSUMS_FILENAME, LAYOUT_CHUNKED, ZARR_DIR, chunk_coords, chunk_key
+from dist_ckpt.backends.zarr.metadata import damaged_chunks, list_tensor_names, open_tensor_info, read_zarr_json
 from dist_ckpt.engine.distributed import gather_json, get_rank, run_collectively
 from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.integrity.checksums import (
@@ -46,12 +37,11 @@ from dist_ckpt.integrity.checksums import (
     file_digest,
     file_problem,
     read_manifest,
-    relative,
     write_manifest,
 )
 from dist_ckpt.model.dtypes import dtype_from_name, dtype_info
 from dist_ckpt.model.geometry import Box
-from dist_ckpt.storage.object_path import Node, ObjectPath, node_files
+from dist_ckpt.storage.object_path import ObjectPath, node_files
 
 __all__ = [
     "CHECKSUMS_FILENAME",
@@ -67,7 +57,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def commit_checksums(root: Node, written: Sequence[Node], known: Optional[Mapping[Node, FileDigest]] = None) -> None:
+def commit_checksums(
+    root: ObjectPath, written: Sequence[ObjectPath], known: Optional[Mapping[ObjectPath, FileDigest]] = None
+) -> None:
     """Collective: digest the files this rank wrote under ``root`` (``zarr/``); rank 0 writes the
     manifest of every rank's files. Files in ``known`` (digested as they were written) are not
     read again.
@@ -78,7 +70,7 @@ def commit_checksums(root: Node, written: Sequence[Node], known: Optional[Mappin
     """
     local = run_collectively(
         "digesting zarr files",
-        lambda: {relative(p, root): _digest(p, known).to_json() for p in sorted(set(written), key=str)},
+        lambda: {p.relative_to(root): _digest(p, known).to_json() for p in sorted(set(written), key=str)},
     )
     gathered = gather_json(local)
 
@@ -95,22 +87,22 @@ def commit_checksums(root: Node, written: Sequence[Node], known: Optional[Mappin
     run_collectively("writing zarr/checksums.json", write)
 
 
-def _digest(path: Node, known: Optional[Mapping[Node, FileDigest]]) -> FileDigest:
+def _digest(path: ObjectPath, known: Optional[Mapping[ObjectPath, FileDigest]]) -> FileDigest:
     found = known.get(path) if known else None
     return found if found is not None else file_digest(path)
 
 
-def read_checksums(checkpoint_dir: Node) -> Optional[Dict[str, FileDigest]]:
+def read_checksums(checkpoint_dir: ObjectPath) -> Optional[Dict[str, FileDigest]]:
     """The manifest of a zarr checkpoint, or None if it was saved without checksums.
 
     Example::
 
-        manifest = read_checksums(Path("ckpt/iter_1000")) or {}
+        manifest = read_checksums(checkpoint_node("ckpt/iter_1000", "verify")) or {}
     """
     return read_manifest(checkpoint_dir / ZARR_DIR / CHECKSUMS_FILENAME)
 
 
-def drop_from_checksums(root: Node, tensor_dir_name: str) -> None:
+def drop_from_checksums(root: ObjectPath, tensor_dir_name: str) -> None:
     """Remove a deleted tensor's files from the manifest (if there is one); one process calls it.
 
     Example::
@@ -123,7 +115,7 @@ def drop_from_checksums(root: Node, tensor_dir_name: str) -> None:
         write_manifest(root / CHECKSUMS_FILENAME, kept)
 
 
-def chunk_files(array_path: Node, region: Box) -> List[Node]:
+def chunk_files(array_path: ObjectPath, region: Box) -> List[ObjectPath]:
     """The chunk files of the array at ``array_path`` that hold ``region``.
 
     Example::
@@ -140,7 +132,7 @@ def chunk_files(array_path: Node, region: Box) -> List[Node]:
     return [array_path / chunk_key(coords) for coords in chunk_coords(region, chunk_shape)]
 
 
-def check_files(root: Node, paths: Sequence[Node], manifest: Mapping[str, FileDigest], key: str) -> None:
+def check_files(root: ObjectPath, paths: Sequence[ObjectPath], manifest: Mapping[str, FileDigest], key: str) -> None:
     """Check each file under ``root`` that the manifest lists against it (read once each).
 
     Example::
@@ -151,7 +143,7 @@ def check_files(root: Node, paths: Sequence[Node], manifest: Mapping[str, FileDi
         CorruptCheckpointError: a missing or resized file; ChecksumMismatchError: other bytes.
     """
     for path in paths:
-        expected = manifest.get(relative(path, root))
+        expected = manifest.get(path.relative_to(root))
         if expected is not None:
             check_file(path, expected, f"[rank {get_rank()}] tensor {key!r}")
 
@@ -163,17 +155,17 @@ class VerifyingStore:
     by the zarr engine that calls :meth:`open`.
     """
 
-    def __init__(self, root: Node, manifest: Mapping[str, FileDigest]) -> None:
+    def __init__(self, root: ObjectPath, manifest: Mapping[str, FileDigest]) -> None:
         self.root = root
         self.manifest = manifest
         self._cls: Any = None
 
-    def open(self, array_path: Path) -> Any:
-        """A read-only ``LocalStore`` subclass rooted at ``array_path`` (under a local root)."""
-        assert isinstance(self.root, Path), "open_objects serves object stores"
+    def open(self, array_path: ObjectPath) -> Any:
+        """A read-only ``LocalStore`` subclass rooted at ``array_path`` (a storage with
+        ``local_paths``; :meth:`open_objects` serves object stores)."""
         if self._cls is None:
             self._cls = _store_class()
-        return self._cls(array_path, self.root, self.manifest)
+        return self._cls(array_path.local_path(), array_path.relative_to(self.root), self.manifest)
 
     def open_objects(self, obstore_store: Any, url: str) -> Any:
         """A read-only ``zarr.storage.ObjectStore`` subclass over ``obstore_store``, which must be
@@ -198,9 +190,9 @@ def _store_class() -> Any:
     from zarr.storage import LocalStore
 
     class _Store(LocalStore):
-        def __init__(self, path: Path, root: Path, manifest: Mapping[str, FileDigest]) -> None:
+        def __init__(self, path: Path, prefix: str, manifest: Mapping[str, FileDigest]) -> None:
             super().__init__(str(path), read_only=True)
-            self._prefix = relative(path, root)
+            self._prefix = prefix
             self._manifest = manifest
 
         async def get(self, key: str, prototype: Any = None, byte_range: Any = None) -> Any:
@@ -213,7 +205,7 @@ def _store_class() -> Any:
     return _Store
 
 
-def verify_zarr(checkpoint_dir: Node) -> IntegrityReport:
+def verify_zarr(checkpoint_dir: ObjectPath) -> IntegrityReport:
     """Check every file of a zarr-format checkpoint; never raises for a damaged one.
 
     With a manifest: every listed file must exist with its size and crc. Without (older
@@ -222,9 +214,8 @@ def verify_zarr(checkpoint_dir: Node) -> IntegrityReport:
 
     Example::
 
-        for problem in verify_zarr(Path("ckpt/iter_1000")).problems: print(problem)
+        for problem in verify_zarr(checkpoint_node("ckpt/iter_1000", "verify")).problems: print(problem)
     """
-    checkpoint_dir = checkpoint_dir if isinstance(checkpoint_dir, ObjectPath) else Path(checkpoint_dir)
     root = checkpoint_dir / ZARR_DIR
     report = IntegrityReport()
     manifest_rel = f"{ZARR_DIR}/{CHECKSUMS_FILENAME}"
@@ -240,7 +231,7 @@ def verify_zarr(checkpoint_dir: Node) -> IntegrityReport:
     report.files_checked += 1
     present = {
         name
-        for name in (relative(p, root) for p in node_files(root))
+        for name in (p.relative_to(root) for p in node_files(root))
         if not any(part.startswith(".") for part in name.split("/"))
     }
     for name in sorted(present - set(manifest) - {CHECKSUMS_FILENAME}):
@@ -258,7 +249,7 @@ def verify_zarr(checkpoint_dir: Node) -> IntegrityReport:
     return report
 
 
-def _key_of(root: Node, name: str) -> Optional[str]:
+def _key_of(root: ObjectPath, name: str) -> Optional[str]:
     """The key of the tensor whose directory holds the file ``name`` (None if unknown)."""
     tensor_dir, sep, _ = name.partition("/")
     if not sep:
@@ -270,7 +261,7 @@ def _key_of(root: Node, name: str) -> Optional[str]:
     return None if info is None else info.key
 
 
-def _verify_structure(root: Node, checkpoint_dir: Node, report: IntegrityReport) -> None:
+def _verify_structure(root: ObjectPath, checkpoint_dir: ObjectPath, report: IntegrityReport) -> None:
     try:
         names = list_tensor_names(root)
     except CheckpointingException as e:
@@ -280,7 +271,7 @@ def _verify_structure(root: Node, checkpoint_dir: Node, report: IntegrityReport)
         try:
             info = open_tensor_info(root, name)
         except CheckpointingException as e:
-            report.add(relative(root / name / "zarr.json", checkpoint_dir), str(e))
+            report.add((root / name / "zarr.json").relative_to(checkpoint_dir), str(e))
             continue
         if info is None:
             continue
@@ -296,24 +287,24 @@ def _verify_structure(root: Node, checkpoint_dir: Node, report: IntegrityReport)
             expected = _chunk_bytes(path)
             if expected is None:
                 for problem in damaged_chunks(path, region):  # names the damaged metadata
-                    report.add(relative(path / "zarr.json", checkpoint_dir), problem, info.key)
+                    report.add((path / "zarr.json").relative_to(checkpoint_dir), problem, info.key)
                 continue
             for chunk in chunk_files(path, region):
                 report.files_checked += 1
                 try:
                     size = chunk.stat().st_size
                 except FileNotFoundError:
-                    report.add(relative(chunk, checkpoint_dir), "missing", info.key)
+                    report.add(chunk.relative_to(checkpoint_dir), "missing", info.key)
                     continue
                 if size != expected:
                     report.add(
-                        relative(chunk, checkpoint_dir),
+                        chunk.relative_to(checkpoint_dir),
                         f"has {size} bytes, its array's chunks have {expected}",
                         info.key,
                     )
 
 
-def _chunk_bytes(array_path: Node) -> Optional[int]:
+def _chunk_bytes(array_path: ObjectPath) -> Optional[int]:
     """Size of every chunk file of an uncompressed array (None if its metadata is unusable)."""
     doc = read_zarr_json(array_path)
     try:

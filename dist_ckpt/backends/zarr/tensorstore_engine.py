@@ -39,9 +39,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -58,33 +58,33 @@ except ImportError as _e:  # pragma: no cover -- exercised in a subprocess witho
     ) from _e
 
 from dist_ckpt.backends.base import LoadShardedStrategy, SaveShardedStrategy, loaded_shape, main_replica_shards
-from dist_ckpt.backends.stored_shards import StoredShardInfo, describe_zarr
+from dist_ckpt.backends.stored_shards import StoredShardInfo
 from dist_ckpt.backends.zarr.checksums import check_files, chunk_files, commit_checksums, read_checksums, verify_zarr
 from dist_ckpt.backends.zarr.layout import (
     ATTR,
     ZARR_DIR,
-    ReadOp,
-    ReadPlan,
-    array_chunk_shape,
-    array_metadata,
     checkpoint_node,
     chunk_key,
+    fragment_chunk_elements,
+    fragment_name,
+    s3_storage,
+    tensor_dir,
+)
+from dist_ckpt.backends.zarr.megatron import load_zarr_based_sharded_metadata
+from dist_ckpt.backends.zarr.metadata import damaged_chunks, describe_zarr
+from dist_ckpt.backends.zarr.nodes import (
+    array_chunk_shape,
+    array_metadata,
     chunked_attributes,
     cpu_contiguous,
     creates_flattened_group,
-    damaged_chunks,
     flattened_attributes,
     fragment_attributes,
-    fragment_chunk_elements,
-    fragment_name,
     fsync_written,
     is_origin,
-    load_zarr_based_sharded_metadata,
-    make_dirs,
-    plan_request,
-    tensor_dir,
     write_group,
 )
+from dist_ckpt.backends.zarr.read_plan import ReadOp, ReadPlan, plan_request
 from dist_ckpt.engine.distributed import get_rank, run_collectively
 from dist_ckpt.engine.registry import StrategyAction, register_default_strategy
 from dist_ckpt.integrity.checksums import IntegrityReport
@@ -92,8 +92,8 @@ from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
 from dist_ckpt.model.dtypes import numpy_to_tensor, tensor_to_numpy
 from dist_ckpt.model.geometry import Box, piece_view, sub_view
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
-from dist_ckpt.storage.location import CheckpointLocation
-from dist_ckpt.storage.object_path import Node, ObjectPath
+from dist_ckpt.storage import Storage
+from dist_ckpt.storage.object_path import ObjectPath
 
 __all__ = [
     "TensorStoreLoadShardedStrategy",
@@ -122,13 +122,17 @@ def _context(concurrency: Optional[int]) -> "ts.Context":
 _ENGINE = "the TensorStore engine"
 
 
-def _spec(arr_path: Node) -> Dict[str, Any]:
-    if isinstance(arr_path, ObjectPath):  # checkpoint_node made sure it is an S3Storage
-        return {"driver": "zarr3", "kvstore": arr_path.storage.tensorstore_kvstore(arr_path.key)}  # type: ignore[attr-defined]
-    return {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(arr_path)}}
+def _spec(arr_path: ObjectPath) -> Dict[str, Any]:
+    """The array's TensorStore spec: the ``file`` driver where the storage has ``local_paths``,
+    else the ``s3`` driver configured from the storage (:func:`checkpoint_node` checked)."""
+    if arr_path.storage.local_paths:
+        return {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(arr_path.local_path())}}
+    return {"driver": "zarr3", "kvstore": s3_storage(arr_path).tensorstore_kvstore(arr_path.key)}
 
 
-def open_ts_array(arr_path: Node, context: Optional["ts.Context"] = None) -> "ts.TensorStore":
+def open_ts_array(
+    arr_path: Union[ObjectPath, str, "os.PathLike[str]"], context: Optional["ts.Context"] = None
+) -> "ts.TensorStore":
     """Open the zarr v3 array at ``arr_path`` for reading with TensorStore.
 
     Missing chunks make reads fail (``fill_missing_data_reads=False``) instead of returning the
@@ -136,10 +140,10 @@ def open_ts_array(arr_path: Node, context: Optional["ts.Context"] = None) -> "ts
 
     Example::
 
-        arr = open_ts_array(Path("ckpt/zarr/layer.weight"))
+        arr = open_ts_array("ckpt/zarr/layer.weight")          # a local path, or a node of any storage
         first_rows = arr[0:4].read().result()   # numpy array
     """
-    spec = dict(_spec(arr_path), fill_missing_data_reads=False)
+    spec = dict(_spec(ObjectPath.of(arr_path)), fill_missing_data_reads=False)
     try:
         return ts.open(spec, open=True, read=True, context=context or _context(None)).result()
     except Exception as e:  # noqa: BLE001 -- unreadable metadata means a damaged checkpoint
@@ -222,11 +226,11 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
         super().__init__(backend, version)
         self.concurrency = concurrency
 
-    def check_location(self, checkpoint_dir: CheckpointLocation) -> None:
+    def check_location(self, checkpoint_dir: Storage) -> None:
         """Local directories and S3 (TensorStore's s3 driver); other object stores are refused."""
         checkpoint_node(checkpoint_dir, _ENGINE)
 
-    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> None:
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Storage) -> None:
         root = checkpoint_node(checkpoint_dir, _ENGINE) / ZARR_DIR
         shards = main_replica_shards(sharded_state_dict)
         context = _context(self.concurrency)
@@ -242,12 +246,12 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
         commit_checksums(root, created + chunks)
 
     @staticmethod
-    def _create_nodes(root: Node, shards: List[ShardedTensor], context: "ts.Context") -> List[Node]:
-        make_dirs(root)
-        written: List[Node] = []
+    def _create_nodes(root: ObjectPath, shards: List[ShardedTensor], context: "ts.Context") -> List[ObjectPath]:
+        root.mkdir()
+        written: List[ObjectPath] = []
         if get_rank() == 0:
             written.append(write_group(root, {}))
-        pending: List[Tuple[Tuple[str, Node], Any]] = []
+        pending: List[Tuple[Tuple[str, ObjectPath], Any]] = []
         for sh in shards:
             path = tensor_dir(root, sh.key)
             if sh.flattened_range is None:
@@ -274,8 +278,8 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
         return written
 
     @staticmethod
-    def _write_chunks(root: Node, shards: List[ShardedTensor], context: "ts.Context") -> List[Node]:
-        targets: List[Tuple[ShardedTensor, Node, Tuple[slice, ...], np.ndarray, List[Node]]] = []
+    def _write_chunks(root: ObjectPath, shards: List[ShardedTensor], context: "ts.Context") -> List[ObjectPath]:
+        targets: List[Tuple[ShardedTensor, ObjectPath, Tuple[slice, ...], np.ndarray, List[ObjectPath]]] = []
         for sh in shards:
             if sh.data is None:
                 raise CheckpointingException(f"[rank {get_rank()}] main replica of {sh.key!r} has no data to save")
@@ -296,13 +300,13 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
             files = [path / chunk_key((i,)) for i in range(math.ceil(length / chunk))]
             targets.append((sh, path, (slice(0, length),), data, files))
         # open every array concurrently, then issue every write before waiting for any
-        opened: Dict[Node, Any] = {}
+        opened: Dict[ObjectPath, Any] = {}
         for _, path, _, _, _ in targets:
             if path not in opened:
                 opened[path] = ts.open(
                     dict(_spec(path), store_data_equal_to_fill_value=True), open=True, write=True, context=context
                 )
-        pending: List[Tuple[Tuple[str, Node], Any]] = []
+        pending: List[Tuple[Tuple[str, ObjectPath], Any]] = []
         open_failed = []
         for sh, path, region, data, _ in targets:
             try:
@@ -323,7 +327,7 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
         return written
 
 
-def _create_array(path: Node, metadata: Dict[str, Any], context: "ts.Context") -> Any:
+def _create_array(path: ObjectPath, metadata: Dict[str, Any], context: "ts.Context") -> Any:
     # store_data_equal_to_fill_value: an all-zero chunk must still exist on disk, so that a
     # missing chunk can be told apart from a zero one
     spec = dict(_spec(path), metadata=metadata, store_data_equal_to_fill_value=True)
@@ -379,11 +383,11 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
         self.max_staged_bytes = max_staged_bytes
         self.verify_checksums = verify_checksums
 
-    def check_location(self, checkpoint_dir: CheckpointLocation) -> None:
+    def check_location(self, checkpoint_dir: Storage) -> None:
         """Local directories and S3 (TensorStore's s3 driver); other object stores are refused."""
         checkpoint_node(checkpoint_dir, _ENGINE)
 
-    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> StateDict:
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Storage) -> StateDict:
         local = checkpoint_node(checkpoint_dir, _ENGINE)
         requested = [s for s in nested_values(sharded_state_dict) if isinstance(s, ShardedTensor)]
         # 1. metadata, dtype/shape checks and coverage, before any data is read
@@ -429,7 +433,7 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
             p: ts.open(dict(_spec(p), fill_missing_data_reads=False), open=True, read=True, context=context)
             for p in sorted(paths, key=str)
         }
-        arrays: Dict[Node, Any] = {}
+        arrays: Dict[ObjectPath, Any] = {}
         for path, future in opening.items():
             try:
                 arrays[path] = future.result()
@@ -477,25 +481,27 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
             failed.append(((sh, op), e))
         return op.region.numel * sh.dtype.itemsize
 
-    def load_tensors_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
+    def load_tensors_metadata(self, checkpoint_dir: Storage) -> ShardedStateDict:
         context = _context(self.concurrency)
 
         def shape_dtype(path: Union[str, ObjectPath]) -> Tuple[Tuple[int, ...], np.dtype]:
-            array = open_ts_array(path if isinstance(path, ObjectPath) else Path(path), context)
+            array = open_ts_array(path, context)  # a str is a local path
             return tuple(int(n) for n in array.shape), np.dtype(array.dtype.numpy_dtype)
 
         return load_zarr_based_sharded_metadata(checkpoint_node(checkpoint_dir, _ENGINE), shape_dtype)
 
-    def verify_integrity(self, checkpoint_dir: CheckpointLocation) -> IntegrityReport:
+    def verify_integrity(self, checkpoint_dir: Storage) -> IntegrityReport:
         """Every file of ``zarr/`` against ``zarr/checksums.json`` (see :mod:`.zarr_checksums`)."""
         return verify_zarr(checkpoint_node(checkpoint_dir, _ENGINE))
 
-    def describe_stored_shards(self, checkpoint_dir: CheckpointLocation) -> Optional[Dict[str, List[StoredShardInfo]]]:
+    def describe_stored_shards(self, checkpoint_dir: Storage) -> Optional[Dict[str, List[StoredShardInfo]]]:
         """Every chunk (a saved shard) or fragment (a saved flattened range), from the metadata."""
         return describe_zarr(checkpoint_node(checkpoint_dir, _ENGINE))
 
 
-def _check_touched_files(requested: List[ShardedTensor], plans: Dict[int, ReadPlan], checkpoint_dir: Node) -> None:
+def _check_touched_files(
+    requested: List[ShardedTensor], plans: Dict[int, ReadPlan], checkpoint_dir: ObjectPath
+) -> None:
     """Check every file the plans read (array metadata and chunks) against the manifest."""
     manifest = read_checksums(checkpoint_dir)
     if manifest is None or not requested:

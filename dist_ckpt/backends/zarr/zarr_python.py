@@ -36,7 +36,6 @@ import math
 import os
 import shutil
 import uuid
-from pathlib import Path
 from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -53,7 +52,7 @@ from dist_ckpt.backends.base import (
     load_destination,
     main_replica_shards,
 )
-from dist_ckpt.backends.stored_shards import StoredShardInfo, describe_zarr
+from dist_ckpt.backends.stored_shards import StoredShardInfo
 from dist_ckpt.backends.zarr.checksums import (
     VerifyingStore,
     commit_checksums,
@@ -65,29 +64,31 @@ from dist_ckpt.backends.zarr.dtypes import register_extension_dtypes
 from dist_ckpt.backends.zarr.layout import (
     ATTR,
     ZARR_DIR,
-    ReadOp,
-    array_chunk_shape,
     checkpoint_node,
     chunk_coords,
+    fragment_chunk_elements,
+    fragment_name,
+    s3_storage,
+    tensor_dir,
+)
+from dist_ckpt.backends.zarr.megatron import (
+    flatten_range,
+    load_zarr_based_sharded_metadata,
+    pad_to_expected_shape,
+    postprocess_numpy_array,
+)
+from dist_ckpt.backends.zarr.metadata import describe_zarr, list_tensor_names, open_tensor_info
+from dist_ckpt.backends.zarr.nodes import (
+    array_chunk_shape,
     chunked_attributes,
     cpu_contiguous,
     creates_flattened_group,
-    flatten_range,
     flattened_attributes,
     fragment_attributes,
-    fragment_chunk_elements,
-    fragment_name,
     fsync_written,
     is_origin,
-    list_tensor_names,
-    load_zarr_based_sharded_metadata,
-    make_dirs,
-    open_tensor_info,
-    pad_to_expected_shape,
-    plan_request,
-    postprocess_numpy_array,
-    tensor_dir,
 )
+from dist_ckpt.backends.zarr.read_plan import ReadOp, plan_request
 from dist_ckpt.engine.distributed import get_rank, run_collectively
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
 from dist_ckpt.integrity.checksums import FileDigest, IntegrityReport, bytes_digest
@@ -95,9 +96,9 @@ from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
 from dist_ckpt.model.dtypes import dtype_info, numpy_to_tensor, tensor_to_numpy
 from dist_ckpt.model.geometry import Box, piece_view, sub_view
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
-from dist_ckpt.storage import fsync_dir
-from dist_ckpt.storage.location import CheckpointLocation, require_local
-from dist_ckpt.storage.object_path import Node, ObjectPath
+from dist_ckpt.storage import Storage, fsync_dir
+from dist_ckpt.storage.location import require_local, resolve_location
+from dist_ckpt.storage.object_path import ObjectPath
 
 __all__ = [
     "ZarrLoadShardedStrategy",
@@ -121,24 +122,25 @@ _ENGINE = "the zarr backend (zarr-python)"
 
 
 class _Stores:
-    """Where zarr-python finds a node: a local path, or a path under one ``ObjectStore`` per
-    S3 storage (one client, its connection pool shared by every array of the checkpoint).
+    """Where zarr-python finds a node: a local path (storages with ``local_paths``), or a path
+    under one ``ObjectStore`` per S3 storage (one client, its connection pool shared by every
+    array of the checkpoint).
 
     A writable object store records the digest of every object it PUTs (``digests``, by node),
     from the very bytes it sends, so that the checksum manifest needs no download."""
 
     def __init__(self, read_only: bool) -> None:
         self.read_only = read_only
-        self.digests: Dict[Node, FileDigest] = {}
+        self.digests: Dict[ObjectPath, FileDigest] = {}
         self._object_stores: Dict[str, Any] = {}
 
-    def at(self, node: Node) -> Tuple[Any, str]:
+    def at(self, node: ObjectPath) -> Tuple[Any, str]:
         """``(store, path)`` of ``node`` for ``zarr.open_array(store=..., path=...)``."""
-        if isinstance(node, Path):
-            return str(node), ""
+        if node.storage.local_paths:
+            return str(node.local_path()), ""
         url = node.storage.url
         if url not in self._object_stores:
-            obstore_store = node.storage.obstore_store()  # type: ignore[attr-defined]
+            obstore_store = s3_storage(node).obstore_store()
             if self.read_only:
                 self._object_stores[url] = zarr.storage.ObjectStore(obstore_store, read_only=True)
             else:
@@ -146,7 +148,7 @@ class _Stores:
         return self._object_stores[url], node.key
 
 
-def _recording_store(obstore_store: Any, root: ObjectPath, digests: Dict[Node, FileDigest]) -> Any:
+def _recording_store(obstore_store: Any, root: ObjectPath, digests: Dict[ObjectPath, FileDigest]) -> Any:
     """A writable ``zarr.storage.ObjectStore`` that records the digest of each object it PUTs."""
 
     class _Recording(zarr.storage.ObjectStore):  # type: ignore[type-arg]
@@ -174,11 +176,11 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
         super().__init__(backend, version)
         register_extension_dtypes()
 
-    def check_location(self, checkpoint_dir: CheckpointLocation) -> None:
+    def check_location(self, checkpoint_dir: Storage) -> None:
         """Local directories and S3 (through zarr-python's ObjectStore); other object stores are refused."""
         checkpoint_node(checkpoint_dir, _ENGINE)
 
-    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> None:
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Storage) -> None:
         root = checkpoint_node(checkpoint_dir, _ENGINE) / ZARR_DIR
         shards = main_replica_shards(sharded_state_dict)
         stores = _Stores(read_only=False)
@@ -186,18 +188,18 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
         chunks = run_collectively("writing zarr chunks", lambda: self._write_chunks(root, shards, stores))
         commit_checksums(root, created + chunks, stores.digests)
 
-    def begin_stream(self, checkpoint_dir: CheckpointLocation, layout: Sequence[TensorLayout]) -> TensorStreamWriter:
+    def begin_stream(self, checkpoint_dir: Storage, layout: Sequence[TensorLayout]) -> TensorStreamWriter:
         """Write whole tensors one at a time, each one chunk (one process): the checkpoint a
         one-rank save of whole tensors writes, ``zarr/checksums.json`` included."""
-        return _ZarrStreamWriter(
-            self, require_local(checkpoint_dir, "streaming into the zarr backend") / ZARR_DIR, layout
-        )
+        storage = resolve_location(checkpoint_dir)
+        require_local(storage, "streaming into the zarr backend")
+        return _ZarrStreamWriter(self, ObjectPath(storage) / ZARR_DIR, layout)
 
     def _create_nodes(
-        self, root: Node, shards: List[ShardedTensor], stores: _Stores, create_root: bool = True
-    ) -> List[Node]:
-        make_dirs(root)
-        written: List[Node] = []
+        self, root: ObjectPath, shards: List[ShardedTensor], stores: _Stores, create_root: bool = True
+    ) -> List[ObjectPath]:
+        root.mkdir()
+        written: List[ObjectPath] = []
         if get_rank() == 0 and create_root:
             store, at = stores.at(root)
             zarr.create_group(store=store, path=at or None, overwrite=False)
@@ -232,7 +234,7 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
         return written
 
     @staticmethod
-    def _write_fragment(path: Node, sh: ShardedTensor, stores: _Stores) -> List[Node]:
+    def _write_fragment(path: ObjectPath, sh: ShardedTensor, stores: _Stores) -> List[ObjectPath]:
         assert sh.flattened_range is not None and sh.data is not None
         length = sh.flattened_range.stop - sh.flattened_range.start
         chunk = fragment_chunk_elements(length)
@@ -252,9 +254,9 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
         chunk_files = [path / arr.metadata.encode_chunk_key((i,)) for i in range(math.ceil(length / chunk))]
         return [path / "zarr.json"] + chunk_files
 
-    def _write_chunks(self, root: Node, shards: List[ShardedTensor], stores: _Stores) -> List[Node]:
+    def _write_chunks(self, root: ObjectPath, shards: List[ShardedTensor], stores: _Stores) -> List[ObjectPath]:
         arrays: Dict[str, Any] = {}
-        written: List[Node] = []
+        written: List[ObjectPath] = []
         for sh in shards:
             if sh.flattened_range is not None or math.prod(sh.local_shape) == 0:
                 continue
@@ -276,11 +278,13 @@ class _ZarrStreamWriter(TensorStreamWriter):
     """Creates the root group, then each tensor's array and its one chunk as it is added; the
     checksum manifest at :meth:`finish` (see :meth:`ZarrSaveShardedStrategy.begin_stream`)."""
 
-    def __init__(self, strategy: ZarrSaveShardedStrategy, root: Path, layout: Sequence[TensorLayout]) -> None:
+    def __init__(self, strategy: ZarrSaveShardedStrategy, root: ObjectPath, layout: Sequence[TensorLayout]) -> None:
         self.strategy, self.root, self.layout = strategy, root, list(layout)
-        root.mkdir(parents=True, exist_ok=False)
-        zarr.create_group(store=str(root), overwrite=False)
-        self.written: List[Node] = [root / "zarr.json"]
+        if root.is_dir():
+            raise FileExistsError(f"{root} exists already")
+        root.mkdir()
+        zarr.create_group(store=str(root.local_path()), overwrite=False)
+        self.written: List[ObjectPath] = [root / "zarr.json"]
         self._stores = _Stores(read_only=False)
         self._added = 0
 
@@ -304,24 +308,24 @@ class _ArrayReader:
     """Reads regions of zarr arrays with zarr-python, refusing missing or short chunk files and,
     with ``stores``, files whose checksum differs from the manifest."""
 
-    def __init__(self, root: Node, stores: Optional[VerifyingStore] = None) -> None:
-        self._arrays: Dict[Node, Any] = {}
+    def __init__(self, root: ObjectPath, stores: Optional[VerifyingStore] = None) -> None:
+        self._arrays: Dict[ObjectPath, Any] = {}
         self._stores = stores
         self._plain = _Stores(read_only=True)
         self._verifying: Any = None
-        if isinstance(root, ObjectPath) and stores is not None:  # one verifying store at zarr/
-            self._verifying = stores.open_objects(root.storage.child(root.key).obstore_store(), str(root))  # type: ignore[attr-defined]
+        if not root.storage.local_paths and stores is not None:  # one verifying store at zarr/
+            zarr_dir = ObjectPath(root.storage.child(root.key))
+            self._verifying = stores.open_objects(s3_storage(zarr_dir).obstore_store(), str(root))
         self._root = root
 
-    def _store_of(self, path: Node) -> Tuple[Any, str]:
-        if isinstance(path, Path):
-            return (self._stores.open(path) if self._stores is not None else str(path)), ""
+    def _store_of(self, path: ObjectPath) -> Tuple[Any, str]:
+        if path.storage.local_paths:
+            return (self._stores.open(path) if self._stores is not None else str(path.local_path())), ""
         if self._verifying is not None:
-            assert isinstance(self._root, ObjectPath)
             return self._verifying, path.relative_to(self._root)
         return self._plain.at(path)
 
-    def read(self, path: Node, region: Box, key: str) -> np.ndarray:
+    def read(self, path: ObjectPath, region: Box, key: str) -> np.ndarray:
         array: Any = self._arrays.get(path)
         if array is None:
             store, name = self._store_of(path)
@@ -381,11 +385,11 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         register_extension_dtypes()
         self.verify_checksums = verify_checksums
 
-    def check_location(self, checkpoint_dir: CheckpointLocation) -> None:
+    def check_location(self, checkpoint_dir: Storage) -> None:
         """Local directories and S3 (through zarr-python's ObjectStore); other object stores are refused."""
         checkpoint_node(checkpoint_dir, _ENGINE)
 
-    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointLocation) -> StateDict:
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Storage) -> StateDict:
         node = checkpoint_node(checkpoint_dir, _ENGINE)
         requested = [s for s in nested_values(sharded_state_dict) if isinstance(s, ShardedTensor)]
         plans = plan_request(requested, node)  # every check happens before any read
@@ -413,39 +417,40 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         target = piece_view(dest, op.dst, sh.prepend_axis_num, holder)
         sub_view(target, op.dst.box, op.inter).copy_(sub_view(data, op.src_box, op.inter))
 
-    def load_tensors_metadata(self, checkpoint_dir: CheckpointLocation) -> ShardedStateDict:
+    def load_tensors_metadata(self, checkpoint_dir: Storage) -> ShardedStateDict:
         stores = _Stores(read_only=True)
 
         def shape_dtype(path: Union[str, ObjectPath]) -> Tuple[Tuple[int, ...], np.dtype]:
-            store, name = stores.at(path) if isinstance(path, ObjectPath) else (path, "")
+            store, name = stores.at(path) if isinstance(path, ObjectPath) else (path, "")  # a str: a local path
             array = zarr.open_array(store=store, path=name, mode="r")
             return tuple(array.shape), np.dtype(array.dtype)
 
         return load_zarr_based_sharded_metadata(checkpoint_node(checkpoint_dir, _ENGINE), shape_dtype)
 
-    def verify_integrity(self, checkpoint_dir: CheckpointLocation) -> IntegrityReport:
+    def verify_integrity(self, checkpoint_dir: Storage) -> IntegrityReport:
         """Every file of ``zarr/`` against ``zarr/checksums.json`` (see :mod:`.zarr_checksums`)."""
         return verify_zarr(checkpoint_node(checkpoint_dir, _ENGINE))
 
-    def describe_stored_shards(self, checkpoint_dir: CheckpointLocation) -> Optional[Dict[str, List[StoredShardInfo]]]:
+    def describe_stored_shards(self, checkpoint_dir: Storage) -> Optional[Dict[str, List[StoredShardInfo]]]:
         """Every chunk (a saved shard) or fragment (a saved flattened range), from the metadata."""
         return describe_zarr(checkpoint_node(checkpoint_dir, _ENGINE))
 
-    def remove_sharded_tensors(self, checkpoint_dir: CheckpointLocation, key_prefix: str) -> None:
+    def remove_sharded_tensors(self, checkpoint_dir: Storage, key_prefix: str) -> None:
         """Delete tensors whose key starts with ``key_prefix``; each key goes whole or not at all
         (on an object store, which cannot rename: its ``zarr.json`` goes first, and from then on
         the key is absent)."""
         node = checkpoint_node(checkpoint_dir, _ENGINE)
-        if isinstance(node, ObjectPath):
+        if not node.storage.local_paths:
             remove_tensor_objects(node / ZARR_DIR, key_prefix)
             return
         root = node / ZARR_DIR
+        directory = root.local_path()
         for name in list_tensor_names(root):
             info = open_tensor_info(root, name)
             if info is not None and info.key.startswith(key_prefix):
-                trash = root / f".removing-{uuid.uuid4().hex}"
-                os.replace(root / name, trash)  # atomic: the key disappears in one step
-                fsync_dir(root)
+                trash = directory / f".removing-{uuid.uuid4().hex}"
+                os.replace(directory / name, trash)  # atomic: the key disappears in one step
+                fsync_dir(directory)
                 drop_from_checksums(root, name)
                 shutil.rmtree(trash)
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import pickle
-from typing import Any, Dict, Iterable, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from dist_ckpt.engine.distributed import gather_json
-from dist_ckpt.errors import format_problems
+from dist_ckpt.errors import MAX_REPORTED_PROBLEMS
 
 logger = logging.getLogger(__name__)
 
@@ -39,35 +39,94 @@ def _fingerprint(value: Any) -> str:
         return f"{type(value).__qualname__}:<unhashable>"
 
 
-def common_state_fingerprints(common_state_dict: Any, prefix: str = "") -> Dict[str, str]:
-    """``{"a/b/0": fingerprint}`` for every leaf of the common state (compact, comparable)."""
-    out: Dict[str, str] = {}
-    items: Iterable[Tuple[Any, Any]]
-    if isinstance(common_state_dict, dict):
-        items = common_state_dict.items()
-    elif isinstance(common_state_dict, list):
-        items = enumerate(common_state_dict)
-    else:
-        return {prefix or "<root>": _fingerprint(common_state_dict)}
-    for k, v in items:
-        path = f"{prefix}/{k}" if prefix else str(k)
-        if isinstance(v, (dict, list)) and v:
-            out.update(common_state_fingerprints(v, path))
+#: where a value sits in the common state: its dict keys and list indices from the root, as
+#: Megatron-Core's ``dict_utils.diff`` names it (``("optimizer", "param_groups", 1, "step")``)
+Path = Tuple[Any, ...]
+
+#: ``{path: (type, fingerprint)}`` of every dict, list and leaf of one rank's common state;
+#: containers' fingerprints are their kind only, so a changed leaf is reported once, at the leaf
+Fingerprints = Dict[Path, Tuple[str, str]]
+
+#: how many keys of each kind, per rank, the common-state warning lists
+_KEYS_PER_RANK = 20
+
+
+class _Shown:
+    """Prints as the given text, unquoted (a type as ``<class 'int'>``, as Megatron-Core prints it)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Shown) and other.text == self.text
+
+    def __hash__(self) -> int:
+        return hash(self.text)
+
+
+def common_state_fingerprints(common_state_dict: Any) -> Fingerprints:
+    """``{path: (type, fingerprint)}`` for every node of the common state (compact, comparable).
+
+    Example::
+
+        common_state_fingerprints({"a": [1]})
+        # {("a",): ("<class 'list'>", "list"), ("a", 0): ("<class 'int'>", "1")}
+    """
+    out: Fingerprints = {}
+
+    def visit(path: Path, value: Any) -> None:
+        if isinstance(value, dict):
+            out[path] = (repr(dict), "dict")
+            for k, v in value.items():
+                visit(path + (k if isinstance(k, (str, int)) and not isinstance(k, bool) else _Shown(repr(k)),), v)
+        elif isinstance(value, list):
+            out[path] = (repr(list), "list")
+            for i, v in enumerate(value):
+                visit(path + (i,), v)
         else:
-            out[path] = _fingerprint(v)
+            out[path] = (repr(type(value)), _fingerprint(value))
+
+    visit((), common_state_dict)
     return out
 
 
+def _encode_key(key: Any) -> Any:
+    return {"repr": key.text} if isinstance(key, _Shown) else key
+
+
+def _decode_key(key: Any) -> Any:
+    return _Shown(key["repr"]) if isinstance(key, dict) else key
+
+
+def _to_json(fingerprints: Fingerprints) -> List[Any]:
+    return [[[_encode_key(k) for k in path], kind, fp] for path, (kind, fp) in fingerprints.items()]
+
+
+def _from_json(doc: List[Any]) -> Fingerprints:
+    return {tuple(_decode_key(k) for k in path): (kind, fp) for path, kind, fp in doc}
+
+
+def _only_in(a: Fingerprints, b: Fingerprints) -> List[Path]:
+    """Paths of ``a`` absent from ``b`` whose parent is in ``b`` as the same container (the
+    topmost absent keys, as Megatron-Core's ``diff`` reports them), in ``a``'s order."""
+    return [p for p in a if p and p not in b and a[p[:-1]] == b.get(p[:-1])]
+
+
 def find_common_state_differences(
-    fingerprints: Sequence[Dict[str, str]],
-) -> Dict[int, Tuple[List[str], List[str], List[str]]]:
-    """Per rank r > 0: (paths only on rank 0, paths only on rank r, paths whose values differ)."""
+    fingerprints: Sequence[Fingerprints],
+) -> Dict[int, Tuple[List[Path], List[Path], List[Tuple[Path, _Shown, _Shown]]]]:
+    """Per rank r > 0 that differs from rank 0, as Megatron-Core's ``validate_common_state_dict``
+    reports it: ``(keys only on rank 0, keys only on rank r, [(key, type on rank 0, type on
+    rank r)] of the values that differ)``."""
     ref = fingerprints[0]
     out = {}
     for rank, fp in enumerate(fingerprints[1:], start=1):
-        only_0 = sorted(ref.keys() - fp.keys())
-        only_r = sorted(fp.keys() - ref.keys())
-        differ = sorted(k for k in ref.keys() & fp.keys() if ref[k] != fp[k])
+        only_0 = _only_in(ref, fp)
+        only_r = _only_in(fp, ref)
+        differ = [(p, _Shown(ref[p][0]), _Shown(fp[p][0])) for p in ref if p in fp and ref[p] != fp[p]]
         if only_0 or only_r or differ:
             out[rank] = (only_0, only_r, differ)
     return out
@@ -77,21 +136,27 @@ def validate_common_state_dict(common_state_dict: Dict[str, Any]) -> None:
     """Collective: log at WARNING (on rank 0) how the ranks' common states differ.
 
     Only rank 0's common state is saved, so a difference usually means a bug (or rank-specific
-    state that belongs in a ShardedObject). Fingerprints, not the objects, are gathered.
+    state that belongs in a ShardedObject). Fingerprints, not the objects, are gathered. The
+    message starts as Megatron-Core's does (callers match on it): "There is difference in the
+    common state dict in different ranks. The differences are {rank: (only on rank 0, only on
+    that rank, differing values)}", listing at most 10 ranks and 20 keys of each kind per rank.
     """
-    gathered = gather_json(common_state_fingerprints(common_state_dict))
+    gathered = gather_json(_to_json(common_state_fingerprints(common_state_dict)))
     if gathered is None:
         return
-    differences = find_common_state_differences(gathered)
+    differences = find_common_state_differences([_from_json(doc) for doc in gathered])
     if differences:
-        lines = [
-            f"rank {rank}: only on rank 0: {only_0[:5]}, only on rank {rank}: {only_r[:5]}, different values: "
-            f"{differ[:5]}"
-            for rank, (only_0, only_r, differ) in sorted(differences.items())
-        ]
+        shown = {
+            rank: tuple(keys[:_KEYS_PER_RANK] for keys in diff)
+            for rank, diff in sorted(differences.items())[:MAX_REPORTED_PROBLEMS]
+        }
+        more = len(differences) - len(shown)
         logger.warning(
-            "the common (non-sharded) state differs between ranks; only rank 0's copy is saved. %s",
-            format_problems(lines),
+            "There is difference in the common state dict in different ranks. The differences are %s. "
+            "The common (non-sharded) state differs between ranks%s; only rank 0's copy is saved: keep rank-specific "
+            "state in a ShardedObject, or drop expected differences with preprocess_common_before_consistancy_check",
+            shown,
+            f" (and {more} more ranks differ)" if more else "",
         )
 
 

@@ -8,7 +8,7 @@ from dist_ckpt.backends.base import LoadCommonStrategy, LoadShardedStrategy
 from dist_ckpt.engine.commit import detect_config
 from dist_ckpt.engine.registry import StrategyAction, StrategySpec, resolve_strategy
 from dist_ckpt.errors import IncompatibleStrategyError
-from dist_ckpt.storage.location import LocationLike, location_str, resolve_location
+from dist_ckpt.storage.location import LocationLike, resolve_location
 
 
 def validate_sharded_objects_handling(sharded_strategy: Any, common_strategy: Any) -> None:
@@ -49,7 +49,7 @@ def verify_checkpoint_and_load_strategy(
             strategy.check_backend_compatibility(backend)
             strategy.check_version_compatibility(version)
         except IncompatibleStrategyError as e:
-            raise IncompatibleStrategyError(f"checkpoint {location_str(location)!r}: {e}") from e
+            raise IncompatibleStrategyError(f"checkpoint {location.url!r}: {e}") from e
         strategy.check_location(location)
     return sharded, common
 

@@ -23,6 +23,9 @@ logger = logging.getLogger(__name__)
 
 GlobalMetadata = List[List[ShardedBase]]
 
+#: Megatron-Core's words for a gap between flattened ranges (spelling included): callers match on them
+FLATTENED_GAP = "Flattened ranges dont cover the whole shard"
+
 
 def _first_difference(key: str, shards: List[Tuple[int, ShardedTensor]]) -> Optional[str]:
     ref_rank, ref = shards[0]
@@ -88,12 +91,14 @@ def _tensor_problems(key: str, shards: List[Tuple[int, ShardedTensor]]) -> List[
                 )
             elif start > pos:
                 problems.append(
-                    f"{key!r}: no rank holds flat elements [{pos}, {start}) of the chunk at global offset {offset}"
+                    f"{key!r}: {FLATTENED_GAP}: no rank holds flat elements [{pos}, {start}) of the chunk at "
+                    f"global offset {offset}"
                 )
             pos = max(pos, stop)
         if pos < chunk_numel:
             problems.append(
-                f"{key!r}: no rank holds flat elements [{pos}, {chunk_numel}) of the chunk at global offset {offset}"
+                f"{key!r}: {FLATTENED_GAP}: no rank holds flat elements [{pos}, {chunk_numel}) of the chunk at "
+                f"global offset {offset}"
             )
     total = math.prod(grid)
     if len(owners) < total:

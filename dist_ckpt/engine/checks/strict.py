@@ -9,7 +9,7 @@ from typing import Any, Iterable, List, Optional, Sequence, Set, Tuple, Union
 from dist_ckpt.engine.checks.sharding import check_sharding_integrity
 from dist_ckpt.engine.distributed import broadcast_json, get_rank, run_collectively
 from dist_ckpt.engine.shard_metadata import gather_metadata
-from dist_ckpt.errors import CheckpointingException, KeyMismatchError, format_keys
+from dist_ckpt.errors import MISSING_KEYS, UNEXPECTED_KEYS, CheckpointingException, KeyMismatchError, format_keys
 from dist_ckpt.model.dict_utils import extract_matching_values, nested_values
 from dist_ckpt.model.sharded import ShardedBase, ShardedStateDict
 
@@ -93,9 +93,9 @@ def maybe_report_missing_and_unexpected_keys(
         return
     parts = []
     if unexpected:
-        parts.append(f"keys requested by load but absent from the checkpoint: {format_keys(unexpected)}")
+        parts.append(f"{UNEXPECTED_KEYS} (requested by load but absent from the checkpoint): {format_keys(unexpected)}")
     if missing:
-        parts.append(f"keys in the checkpoint that no rank requested: {format_keys(missing)}")
+        parts.append(f"{MISSING_KEYS} (in the checkpoint but requested by no rank): {format_keys(missing)}")
     message = f"[rank {get_rank()}] " + "; ".join(parts)
     if raise_error:
         raise KeyMismatchError(message, missing, unexpected)

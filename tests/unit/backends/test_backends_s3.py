@@ -120,8 +120,11 @@ def test_a_non_s3_object_store_is_refused_by_name(tmp_path: Any) -> None:
     from dist_ckpt.backends.zarr.layout import checkpoint_node
     from dist_ckpt.storage import LocalStorage
 
+    class OtherObjectStore(LocalStorage):  # a Storage with neither local paths nor S3 access
+        local_paths = False
+
     with pytest.raises(IncompatibleStrategyError, match="own S3 client"):
-        checkpoint_node(LocalStorage(tmp_path), "the zarr backend")  # a Storage, but not S3
+        checkpoint_node(OtherObjectStore(tmp_path), "the zarr backend")  # a Storage, but not S3
 
 
 def test_zarr_python_digests_what_it_uploads_without_downloading_it(s3_url: str, s3_env: Any) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -176,11 +177,13 @@ class TestFlattenedSharding:
         meta = [[self.flat(0, 0, (0, 2))], [self.flat(1, 0, (3, 6))], [self.flat(2, 1, (0, 6))]]
         problems = find_sharding_problems(meta)
         assert len(problems) == 1 and "[2, 3)" in problems[0]
+        assert "Flattened ranges dont cover the whole shard" in problems[0]  # Megatron-Core's words
 
     def test_trailing_gap(self):
         meta = [[self.flat(0, 0, (0, 6))], [self.flat(1, 1, (0, 5))]]
         problems = find_sharding_problems(meta)
         assert len(problems) == 1 and "[5, 6)" in problems[0] and "(2, 0)" in problems[0]
+        assert "Flattened ranges dont cover the whole shard" in problems[0]
 
     def test_missing_chunk(self):
         problems = find_sharding_problems([[self.flat(0, 0, (0, 6))]])
@@ -306,6 +309,20 @@ class TestKeyMatching:
         assert err.missing_keys == ["m1"] and err.unexpected_keys == ["u0", "u1"]
         assert "'u0'" in str(err) and "'m1'" in str(err) and str(err).startswith("[rank 0]")
         assert isinstance(err, KeyError) and isinstance(err, CheckpointingException)
+        # Megatron-Core's words, followed by the keys
+        assert re.search(r"Unexpected keys \(.*\): \['u0', 'u1'\]", str(err)), str(err)
+        assert re.search(r"Missing keys \(.*\): \['m1'\]", str(err)), str(err)
+
+    @pytest.mark.parametrize("missing, unexpected", [(set(), {"TenB"}), ({"TenB"}, set())])
+    def test_report_names_only_the_kinds_found(self, missing, unexpected, caplog):
+        """Megatron-Core's tests check that each kind's words appear only when there are such keys."""
+        with pytest.raises(KeyMismatchError) as info:
+            maybe_report_missing_and_unexpected_keys(missing, unexpected, raise_error=True)
+        with caplog.at_level(logging.WARNING, logger="dist_ckpt"):
+            maybe_report_missing_and_unexpected_keys(missing, unexpected, raise_error=False)
+        for text in (str(info.value), caplog.text):
+            assert "TenB" in text
+            assert ("Unexpected keys" in text) == bool(unexpected) and ("Missing keys" in text) == bool(missing)
 
     def test_report_logs(self, caplog):
         with caplog.at_level(logging.WARNING, logger="dist_ckpt"):
@@ -407,10 +424,11 @@ def test_verify_checkpoint_on_empty_dir(tmp_path):
 class TestCommonStateFingerprints:
     def test_paths(self):
         fp = common_state_fingerprints({"a": 1, "b": {"c": [1, 2], "d": {}}, "e": []})
-        assert set(fp) == {"a", "b/c/0", "b/c/1", "b/d", "e"}
+        assert set(fp) == {(), ("a",), ("b",), ("b", "c"), ("b", "c", 0), ("b", "c", 1), ("b", "d"), ("e",)}
+        assert fp[("a",)][0] == "<class 'int'>" and fp[("b",)] == ("<class 'dict'>", "dict")
 
     def test_scalar_root(self):
-        assert set(common_state_fingerprints(5)) == {"<root>"}
+        assert set(common_state_fingerprints(5)) == {()}
 
     def test_equal_states_equal_fingerprints(self):
         def make():
@@ -450,16 +468,26 @@ class TestCommonStateFingerprints:
         assert common_state_fingerprints({"k": t}) == common_state_fingerprints({"k": t.clone()})
 
     def test_fingerprints_are_compact_strings(self):
-        fp = common_state_fingerprints({"t": torch.zeros(100000)})
-        assert isinstance(fp["t"], str) and len(fp["t"]) < 100
+        _, fp = common_state_fingerprints({"t": torch.zeros(100000)})[("t",)]
+        assert isinstance(fp, str) and len(fp) < 100
 
     def test_find_differences(self):
         r0 = common_state_fingerprints({"a": 1, "b": 2, "c": 3})
-        r1 = common_state_fingerprints({"a": 1, "b": 5, "d": 4})
+        r1 = common_state_fingerprints({"a": 1, "b": "x", "d": 4})
         r2 = common_state_fingerprints({"a": 1, "b": 2, "c": 3})
         diffs = find_common_state_differences([r0, r1, r2])
-        assert diffs == {1: (["c"], ["d"], ["b"])}
+        # Megatron-Core's structure: rank -> (only on rank 0, only on that rank, [(key, type 0, type r)])
+        assert repr(diffs) == "{1: ([('c',)], [('d',)], [(('b',), <class 'int'>, <class 'str'>)])}"
         assert find_common_state_differences([r0]) == {}
+
+    def test_differences_name_the_topmost_absent_key(self):
+        """As Megatron-Core's dict_utils.diff: a subtree only one rank has is one key, and a
+        changed leaf deep inside is named by its full path (list indices as ints)."""
+        r0 = common_state_fingerprints({"opt": {"groups": [{"lr": 1}, {"step": 1}]}, "sub": {"x": {"y": 1}}})
+        r1 = common_state_fingerprints({"opt": {"groups": [{"lr": 1}, {"step": 2}]}, "other": {"z": [1]}})
+        assert repr(find_common_state_differences([r0, r1])) == (
+            "{1: ([('sub',)], [('other',)], [(('opt', 'groups', 1, 'step'), <class 'int'>, <class 'int'>)])}"
+        )
 
     def test_validate_common_state_dict_world_of_one(self, caplog):
         with caplog.at_level(logging.WARNING, logger="dist_ckpt"):

@@ -85,3 +85,33 @@ def test_storage_errors_keep_their_type_on_every_rank() -> None:
         rebuilt = _rebuild(_describe(error, 1, "saving"), [1, 0])
         assert type(rebuilt) is type(error) and "[rank 1]" in str(rebuilt) and "ranks [0] failed too" in str(rebuilt)
     assert type(_rebuild(_describe(OSError("disk"), 0, "saving"), [0])) is RankFailedError
+
+
+def test_key_mismatches_of_several_ranks_are_named_together() -> None:
+    """What every rank raises when several ranks lack keys: each rank's keys (ranks with the same
+    message listed once), the union as attributes, and the ranks that failed otherwise."""
+    from dist_ckpt.engine.distributed import _describe, _rebuild
+    from dist_ckpt.errors import KeyMismatchError
+
+    def mismatch(rank: int, keys: list) -> dict:
+        error = KeyMismatchError(f"[rank {rank}] Unexpected keys (absent): {keys}", unexpected_keys=keys)
+        return _describe(error, rank, "loading")
+
+    failures = [mismatch(0, ["a"]), mismatch(1, ["a", "b"]), mismatch(2, ["a"]), _describe(OSError("disk"), 3, "x")]
+    rebuilt = _rebuild(failures[0], [0, 1, 2, 3], failures)
+    assert type(rebuilt) is KeyMismatchError
+    assert str(rebuilt) == (
+        "[ranks 0, 2] Unexpected keys (absent): ['a']; [rank 1] Unexpected keys (absent): ['a', 'b'] "
+        "(ranks [3] failed too)"
+    )
+    assert rebuilt.unexpected_keys == ["a", "b"] and rebuilt.missing_keys == []
+    # one rank alone: its own message, as before
+    assert str(_rebuild(failures[1], [1], [failures[1]])) == "[rank 1] Unexpected keys (absent): ['a', 'b']"
+
+
+def test_exchanged_key_lists_are_bounded() -> None:
+    from dist_ckpt.engine.distributed import _describe
+    from dist_ckpt.errors import KeyMismatchError
+
+    info = _describe(KeyMismatchError("m", unexpected_keys=[f"k{i:04d}" for i in range(5000)]), 0, "loading")
+    assert len(info["unexpected_keys"]) == 20 and len(info["message"]) < 400

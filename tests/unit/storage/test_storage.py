@@ -169,3 +169,97 @@ class TestAtomicWrite:
         fsync_dir(tmp_path)
         with pytest.raises(FileNotFoundError):
             fsync_file(tmp_path / "missing")
+
+
+class TestLocalFastPaths:
+    """What LocalStorage adds to the interface: durable directories, positional readers, the
+    commit marker where hard links are missing, and the directory for code written for paths."""
+
+    def test_put_if_absent_without_hard_links_still_creates_only_if_absent(self, tmp_path, monkeypatch):
+        import errno
+
+        from dist_ckpt.storage import LocalStorage, ObjectExistsError, local
+
+        def no_links(src, dst):
+            raise OSError(errno.EPERM, "Operation not permitted")
+
+        monkeypatch.setattr(local.os, "link", no_links)
+        storage = LocalStorage(tmp_path)
+        storage.put_if_absent("metadata.json", b"first")
+        with pytest.raises(ObjectExistsError):
+            storage.put_if_absent("metadata.json", b"second")
+        assert (tmp_path / "metadata.json").read_bytes() == b"first"
+        assert os.listdir(tmp_path) == ["metadata.json"]  # no temporary left behind
+
+    def test_make_dir_fsyncs_the_parent_of_each_new_directory(self, tmp_path, monkeypatch):
+        from dist_ckpt.storage import LocalStorage, files
+
+        synced = []
+        monkeypatch.setattr(files, "fsync_dir", lambda path: synced.append(os.path.relpath(path, tmp_path)))
+        LocalStorage(tmp_path / "ckpt").make_dir("a/b")
+        assert (tmp_path / "ckpt" / "a" / "b").is_dir()
+        assert synced == [".", "ckpt", os.path.join("ckpt", "a")]
+        synced.clear()
+        LocalStorage(tmp_path / "ckpt").make_dir("a")  # exists: nothing to make durable
+        assert synced == []
+
+    def test_reader_is_the_descriptor_and_reads_positionally(self, tmp_path):
+        from dist_ckpt.storage import LocalStorage, ObjectNotFoundError, TruncatedObjectError
+
+        storage = LocalStorage(tmp_path)
+        storage.write("d/a.bin", bytes(range(100)))
+        with storage.open_reader("d/a.bin") as reader:
+            assert reader.positional and reader.size() == 100 and os.fstat(reader).st_size == 100
+            a, b = bytearray(3), bytearray(5)
+            assert reader.read_into([memoryview(a), memoryview(b)], 10) == 8
+            assert bytes(a + b) == bytes(range(10, 18))
+            with pytest.raises(TruncatedObjectError, match="a.bin"):
+                reader.read_into([memoryview(bytearray(10))], 95)
+        with pytest.raises(ObjectNotFoundError, match="missing.bin"):
+            storage.open_reader("missing.bin")
+
+    def test_a_local_storage_is_its_directory_for_path_based_code(self, tmp_path):
+        from pathlib import Path
+
+        from dist_ckpt.storage import LocalStorage, Storage, StorageConfigError
+
+        storage = LocalStorage(tmp_path / "ckpt")
+        assert storage.local_paths and storage.local_dir == tmp_path / "ckpt"
+        assert Path(storage) == tmp_path / "ckpt" and os.fspath(storage) == str(tmp_path / "ckpt")
+        assert LocalStorage("rel/dir").url == "rel/dir" and LocalStorage("rel/dir").url_of("x") == "rel/dir/x"
+        assert LocalStorage("rel/dir").child("c").url == "rel/dir/c"
+        assert not storage.dir_exists() and storage.list_dirs() == []
+        storage.make_dir("sub")
+        assert storage.dir_exists() and storage.dir_exists("sub") and storage.list_dirs() == ["sub"]
+        with pytest.raises(StorageConfigError, match="not a local directory"):
+            Storage.local_dir.fget(_NoPaths())  # the default of a storage without local files
+
+
+class _NoPaths:
+    """Stands for a storage without local files (only ``url`` is read)."""
+
+    url = "s3://bucket/run"
+
+
+def test_local_storage_refuses_symlinks_that_leave_its_root(tmp_path):
+    """Keys cannot name '..', but a link planted inside the directory could lead out of it:
+    the storage resolves every directory (and a linked last component) and refuses that."""
+    from dist_ckpt.storage import LocalStorage
+
+    root, outside = tmp_path / "ckpt", tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"x")
+    root.mkdir()
+    os.symlink(outside, root / "linkdir")
+    os.symlink(outside / "secret", root / "linkfile")
+    (root / "inside").mkdir()
+    os.symlink(root / "inside", root / "innerlink")
+    storage = LocalStorage(root)
+    for key in ("linkdir/secret", "linkfile"):
+        with pytest.raises(InvalidKeyError, match="escapes"):
+            storage.read(key)
+        with pytest.raises(InvalidKeyError, match="escapes"):
+            storage.write(key, b"y")
+    storage.write("innerlink/a", b"ok")  # a link that stays inside is followed
+    assert (root / "inside" / "a").read_bytes() == b"ok" and storage.read("innerlink/a") == b"ok"
+    assert (outside / "secret").read_bytes() == b"x"

@@ -10,7 +10,9 @@ import torch
 
 from dist_ckpt.errors import InvalidKeyError
 from dist_ckpt.storage import RangeRead, StorageConfigError, validate_object_key
-from dist_ckpt.storage.base import IOCounters, as_byte_view, coalesce_ranges, split_range, validate_prefix
+from dist_ckpt.storage.paths import validate_prefix
+from dist_ckpt.storage.ranges import as_byte_view, coalesce_ranges, split_range
+from dist_ckpt.storage.stats import IOCounters
 
 
 def _lengths(reads: list) -> list:

@@ -151,6 +151,31 @@ class StorageConformance:
         assert storage.list_dirs("missing") == []
         assert storage.child("run").list_dirs() == ["iter_10", "iter_2"]
 
+    def test_dir_exists_and_make_dir(self, storage: Storage) -> None:
+        assert not storage.dir_exists("run") and not storage.dir_exists("run/iter_1")
+        storage.write("run/iter_1/metadata.json", b"{}")
+        assert storage.dir_exists() and storage.dir_exists("run") and storage.dir_exists("run/iter_1")
+        assert not storage.dir_exists("run/iter_1/metadata.json") and not storage.dir_exists("ru")
+        storage.make_dir("run/iter_2")  # a directory on a disk; nothing to create on an object store
+        assert storage.dir_exists("run/iter_2") is storage.local_paths
+        assert storage.child("run").dir_exists("iter_1")
+
+    def test_reader_reads_positionally_into_caller_buffers(self, storage: Storage) -> None:
+        data = _payload(3 * MiB + 5, seed=3)
+        storage.write("r/obj.bin", data)
+        with storage.open_reader("r/obj.bin") as reader:
+            assert reader.size() == len(data) and reader.url == storage.url_of("r/obj.bin")
+            head, tail = bytearray(10), torch.empty(2 * MiB, dtype=torch.uint8)
+            assert reader.read_into([memoryview(head), memoryview(tail.numpy())], 1000) == 10 + 2 * MiB
+            assert bytes(head) == data[1000:1010] and tail.numpy().tobytes() == data[1010 : 1010 + 2 * MiB]
+            with pytest.raises(TruncatedObjectError, match="obj.bin"):
+                reader.read_into([memoryview(bytearray(10))], len(data) - 5)
+        missing = None
+        with pytest.raises(ObjectNotFoundError, match="absent.bin"):
+            missing = storage.open_reader("r/absent.bin")
+            missing.size()  # an object store finds out at the first request
+        assert missing is None or missing.close() is None
+
     def test_delete_and_delete_prefix(self, storage: Storage) -> None:
         for key in ("keep/one", "gone/one", "gone/sub/two", "gonex"):
             storage.write(key, b"1")

@@ -1,0 +1,318 @@
+"""Reading the metadata of a zarr-format checkpoint: plain JSON, no array library needed.
+
+Every tensor's ``zarr.json`` is parsed and checked here (:func:`open_tensor_info`): its key,
+dtype, shape, chunk grid, and for tensors saved as flattened ranges every fragment; a malformed
+document is a :class:`~dist_ckpt.errors.CorruptCheckpointError` naming the file. The tensors of a
+checkpoint are found by listing ``zarr/`` (:func:`list_tensor_names`), checked against the
+checksum manifest so that a deleted tensor directory is noticed. After a failed read,
+:func:`damaged_chunks` names the missing or wrongly sized chunk files; :func:`describe_zarr`
+describes the stored pieces for ``dist-ckpt inspect``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from itertools import product
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from dist_ckpt.backends.stored_shards import StoredShardInfo
+from dist_ckpt.backends.zarr.layout import (
+    ATTR,
+    CHECKSUMS_FILENAME,
+    LAYOUT_CHUNKED,
+    LAYOUT_FLATTENED,
+    ZARR_DIR,
+    chunk_coords,
+    chunk_key,
+    tensor_dir_name,
+)
+from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError, format_keys
+from dist_ckpt.integrity.checksums import read_manifest
+from dist_ckpt.model.dtypes import dtype_from_name, dtype_info
+from dist_ckpt.model.geometry import Box, ShardPiece, shard_pieces
+from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor
+from dist_ckpt.storage import encode_key
+from dist_ckpt.storage.object_path import ObjectPath, subdirs
+
+__all__ = [
+    "FragmentInfo",
+    "StoredTensorInfo",
+    "check_tensor_dirs_present",
+    "damaged_chunks",
+    "describe_zarr",
+    "find_tensor_info",
+    "list_tensor_names",
+    "open_tensor_info",
+    "read_zarr_json",
+    "tensors_metadata",
+]
+
+Shape = Tuple[int, ...]
+
+
+def read_zarr_json(node_dir: ObjectPath) -> Optional[Dict[str, Any]]:
+    """The parsed ``zarr.json`` of a node, or None if the node does not exist."""
+    path = node_dir / "zarr.json"
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        doc = json.loads(raw)
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(doc, dict):
+        raise CorruptCheckpointError(f"{path} must hold a JSON object")
+    return doc
+
+
+@dataclass(frozen=True)
+class FragmentInfo:
+    """One 1-D fragment array of a tensor saved as flattened ranges."""
+
+    path: ObjectPath
+    global_offset: Shape
+    flat_range: Tuple[int, int]
+    pieces: List[ShardPiece]
+
+
+@dataclass
+class StoredTensorInfo:
+    """What the metadata says about one stored tensor (no data read)."""
+
+    key: str
+    path: ObjectPath
+    dtype: torch.dtype
+    global_shape: Shape
+    layout: str
+    chunk_shape: Shape
+    fragments: List[FragmentInfo] = field(default_factory=list)
+
+    @property
+    def bounds(self) -> Box:
+        return Box((0,) * len(self.global_shape), self.global_shape)
+
+
+def _attrs(doc: Dict[str, Any], path: ObjectPath) -> Dict[str, Any]:
+    attrs = doc.get("attributes", {}).get(ATTR) if isinstance(doc.get("attributes"), dict) else None
+    if not isinstance(attrs, dict):
+        raise CorruptCheckpointError(f"{path / 'zarr.json'} lacks the {ATTR!r} attributes")
+    return attrs
+
+
+def _ints(value: Any, what: str, path: ObjectPath) -> Shape:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        raise CorruptCheckpointError(
+            f"{path / 'zarr.json'}: {what} must be a list of non-negative ints, found {value!r}"
+        )
+    return tuple(value)
+
+
+def open_tensor_info(root: ObjectPath, name: str) -> Optional[StoredTensorInfo]:
+    """Parse the metadata of the tensor stored under ``root/name`` (None if absent)."""
+    path = root / name
+    doc = read_zarr_json(path)
+    if doc is None:
+        return None
+    try:
+        attrs = _attrs(doc, path)
+        key, dtype_name = attrs["key"], attrs["dtype"]
+        if not isinstance(key, str) or not isinstance(dtype_name, str):
+            raise CorruptCheckpointError(
+                f"{path / 'zarr.json'}: 'key' and 'dtype' must be strings, found {key!r}, {dtype_name!r}"
+            )
+        dtype = dtype_from_name(dtype_name)
+        if attrs.get("layout") == LAYOUT_FLATTENED:
+            info = StoredTensorInfo(
+                key,
+                path,
+                dtype,
+                _ints(attrs["global_shape"], "global_shape", path),
+                LAYOUT_FLATTENED,
+                _ints(attrs["chunk_shape"], "chunk_shape", path),
+            )
+            _same_rank(info.global_shape, info.chunk_shape, path)
+            info.fragments = _list_fragments(path, info.chunk_shape)
+            return info
+        if doc.get("node_type") != "array":
+            raise CorruptCheckpointError(
+                f"{path / 'zarr.json'} describes a {doc.get('node_type')!r}, expected an array"
+            )
+        grid = _get(doc, "chunk_grid", "configuration", "chunk_shape")
+        info = StoredTensorInfo(
+            key, path, dtype, _ints(doc.get("shape"), "shape", path), LAYOUT_CHUNKED, _ints(grid, "chunk_shape", path)
+        )
+        _same_rank(info.global_shape, info.chunk_shape, path)
+        return info
+    except KeyError as e:
+        raise CorruptCheckpointError(f"{path / 'zarr.json'} lacks the field {e}") from e
+    except (TypeError, ValueError, AttributeError) as e:  # fields of unexpected types or values
+        raise CorruptCheckpointError(f"{path / 'zarr.json'} is malformed: {type(e).__name__}: {e}") from e
+
+
+def _get(doc: Any, *fields: str) -> Any:
+    """``doc[f0][f1]...``, or None where a level is missing or not an object."""
+    for name in fields:
+        if not isinstance(doc, dict):
+            return None
+        doc = doc.get(name)
+    return doc
+
+
+def _same_rank(shape: Shape, chunk_shape: Shape, path: ObjectPath) -> None:
+    if len(shape) != len(chunk_shape) or any(c == 0 and n > 0 for n, c in zip(shape, chunk_shape)):
+        raise CorruptCheckpointError(
+            f"{path / 'zarr.json'}: chunk shape {list(chunk_shape)} does not fit an array of shape {list(shape)}"
+        )
+
+
+def _list_fragments(path: ObjectPath, chunk_shape: Shape) -> List[FragmentInfo]:
+    fragments = []
+    for entry in sorted(subdirs(path)):
+        if entry.startswith(".") or entry == "zarr.json":
+            continue
+        doc = read_zarr_json(path / entry)
+        if doc is None:
+            continue
+        attrs = _attrs(doc, path / entry)
+        rng = _ints(attrs.get("flat_range"), "flat_range", path / entry)
+        offset = _ints(attrs.get("global_offset"), "global_offset", path / entry)
+        if len(rng) != 2 or rng[0] > rng[1] or len(offset) != len(chunk_shape):
+            raise CorruptCheckpointError(
+                f"{path / entry / 'zarr.json'}: invalid flat_range {list(rng)} or global_offset {list(offset)} "
+                f"for chunks of shape {list(chunk_shape)}"
+            )
+        try:
+            pieces = shard_pieces(offset, chunk_shape, 0, (rng[0], rng[1]))
+        except (ValueError, CheckpointingException) as e:
+            raise CorruptCheckpointError(f"{path / entry / 'zarr.json'}: {e}") from e
+        fragments.append(FragmentInfo(path / entry, offset, (rng[0], rng[1]), pieces))
+    return fragments
+
+
+def list_tensor_names(root: ObjectPath) -> List[str]:
+    """Directory names of every stored tensor (on an object store: every prefix under ``zarr/``)."""
+    if not root.is_dir():
+        raise CorruptCheckpointError(f"{str(root)!r} is missing: the zarr part of the checkpoint is gone")
+    return sorted(
+        e
+        for e in subdirs(root)
+        if not e.startswith(".") and e != "zarr.json" and not (e == CHECKSUMS_FILENAME and (root / e).is_file())
+    )
+
+
+def check_tensor_dirs_present(root: ObjectPath) -> None:
+    """Refuse a checkpoint whose checksum manifest lists tensor directories that are gone.
+
+    The tensors of a zarr checkpoint are found by listing ``zarr/``; without this check a
+    deleted tensor directory would make the tensor silently absent from whatever lists them
+    (``unshard``, ``convert``, ``inspect``). Checkpoints saved without a manifest are not checked.
+    """
+    manifest = read_manifest(root / CHECKSUMS_FILENAME)
+    if manifest is None:
+        return
+    missing = sorted({name.split("/", 1)[0] for name in manifest if "/" in name} - set(list_tensor_names(root)))
+    if missing:
+        raise CorruptCheckpointError(
+            f"{str(root)!r}: the tensor directories {format_keys(missing)} listed in {CHECKSUMS_FILENAME} are "
+            "missing: the checkpoint is damaged ('dist-ckpt verify' lists every missing file)"
+        )
+
+
+def find_tensor_info(root: ObjectPath, key: str) -> Optional[StoredTensorInfo]:
+    """The stored tensor ``key``, or None. A key that is now a reserved name (``checksums.json``)
+    is also looked up under the name checkpoints saved before the reservation gave it."""
+    info = open_tensor_info(root, tensor_dir_name(key))
+    legacy = encode_key(key)
+    if info is None and legacy != tensor_dir_name(key) and (root / legacy).is_dir():
+        info = open_tensor_info(root, legacy)
+    return info
+
+
+def tensors_metadata(root: ObjectPath) -> ShardedStateDict:
+    """``{key: ShardedTensor}`` (whole, unsharded, data on the meta device) for every tensor."""
+    out: ShardedStateDict = {}
+    for name in list_tensor_names(root):
+        info = open_tensor_info(root, name)
+        if info is not None:
+            meta = torch.empty(info.global_shape, dtype=info.dtype, device="meta")
+            out[info.key] = ShardedTensor.from_rank_offsets(info.key, meta)
+    return out
+
+
+def damaged_chunks(array_path: ObjectPath, region: Box) -> List[str]:
+    """Why the chunk files holding ``region`` of the array at ``array_path`` cannot be read: one
+    line per missing or wrongly sized file (empty if they all look intact).
+
+    Engines call this after a failed read, to name the damaged file instead of passing on a
+    library message.
+    """
+    doc = read_zarr_json(array_path)
+    if doc is None:
+        return [f"{str(array_path / 'zarr.json')!r} is missing"]
+    try:
+        chunk_shape = [int(c) for c in doc["chunk_grid"]["configuration"]["chunk_shape"]]
+        itemsize = dtype_info(dtype_from_name(str(doc["data_type"]))).numpy_dtype.itemsize
+    except (KeyError, TypeError, ValueError) as e:
+        return [f"{str(array_path / 'zarr.json')!r} is malformed: {e!r}"]
+    except Exception as e:  # noqa: BLE001 -- an unknown data_type is one more way to be damaged
+        return [f"{str(array_path / 'zarr.json')!r} is unreadable: {e}"]
+    expected = math.prod(chunk_shape) * itemsize
+    problems = []
+    for coords in chunk_coords(region, chunk_shape):
+        path = array_path / chunk_key(coords)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            problems.append(f"chunk file {str(path)!r} is missing")
+            continue
+        if size != expected:
+            problems.append(f"chunk file {str(path)!r} has {size} bytes, expected {expected} (truncated or damaged)")
+    return problems
+
+
+def describe_zarr(checkpoint_dir: ObjectPath) -> Dict[str, List[StoredShardInfo]]:
+    """The stored pieces of every tensor of a zarr-format checkpoint, from its ``zarr.json``
+    files: a chunked tensor's chunks (each a saved shard), or a flattened tensor's fragments.
+
+    Example::
+
+        describe_zarr(checkpoint_node("ckpt", "inspect"))["w"][0].file    # "zarr/w/c/0/0"
+    """
+    root = checkpoint_dir / ZARR_DIR
+    out: Dict[str, List[StoredShardInfo]] = {}
+    for name in list_tensor_names(root):
+        info = open_tensor_info(root, name)
+        if info is None:
+            continue
+        itemsize = info.dtype.itemsize
+        pieces: List[StoredShardInfo] = []
+        if info.layout == LAYOUT_CHUNKED:
+            chunk = info.chunk_shape
+            grid = [range(math.ceil(n / c)) if c else range(0) for n, c in zip(info.global_shape, chunk)]
+            for coords in product(*grid):
+                offset = tuple(i * c for i, c in zip(coords, chunk))
+                shape = tuple(min(c, n - o) for c, n, o in zip(chunk, info.global_shape, offset))
+                pieces.append(
+                    StoredShardInfo(
+                        offset, shape, None, f"{ZARR_DIR}/{name}/{chunk_key(coords)}", math.prod(chunk) * itemsize
+                    )
+                )
+        else:
+            for frag in info.fragments:
+                start, stop = frag.flat_range
+                pieces.append(
+                    StoredShardInfo(
+                        tuple(frag.global_offset),
+                        tuple(info.chunk_shape),
+                        (start, stop),
+                        f"{ZARR_DIR}/{name}/{frag.path.name}",
+                        (stop - start) * itemsize,
+                    )
+                )
+        out[info.key] = pieces
+    return out

@@ -1,0 +1,148 @@
+"""What the zarr engines write, as plain data: node metadata, attributes, groups, durability.
+
+The zarr-python engine builds the same nodes with zarr-python's own API; an engine without group
+support (TensorStore) uses :func:`array_metadata` and :func:`write_group`. Which rank creates
+which node (:func:`is_origin`, :func:`creates_flattened_group`) and what every node's
+``dist_ckpt`` attributes hold are decided here, once, so both engines write the same checkpoint.
+:func:`fsync_written` makes what an engine wrote by local path durable.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Dict, Sequence, Tuple
+
+import torch
+
+from dist_ckpt.backends.zarr.layout import ATTR, LAYOUT_CHUNKED, LAYOUT_FLATTENED
+from dist_ckpt.model.dtypes import dtype_info
+from dist_ckpt.model.sharded import ShardedTensor
+from dist_ckpt.storage import fsync_dir, fsync_file
+from dist_ckpt.storage.object_path import ObjectPath
+
+__all__ = [
+    "array_chunk_shape",
+    "array_metadata",
+    "chunked_attributes",
+    "cpu_contiguous",
+    "creates_flattened_group",
+    "fill_value_json",
+    "flattened_attributes",
+    "fragment_attributes",
+    "fsync_written",
+    "is_origin",
+    "write_group",
+]
+
+Shape = Tuple[int, ...]
+
+
+def is_origin(sh: ShardedTensor) -> bool:
+    """Whether ``sh`` is the tensor's first chunk: its holder creates the tensor's node."""
+    return not any(sh.global_offset)
+
+
+def array_chunk_shape(sh: ShardedTensor) -> Shape:
+    """Zarr chunk shape of a tensor saved as a grid of shards: the shard shape (at least 1)."""
+    return tuple(max(1, c) for c in sh.full_local_shape)
+
+
+def chunked_attributes(sh: ShardedTensor) -> Dict[str, Any]:
+    """The ``dist_ckpt`` attributes of a tensor saved as a grid of shards."""
+    return {"key": sh.key, "dtype": dtype_info(sh.dtype).name, "layout": LAYOUT_CHUNKED}
+
+
+def flattened_attributes(sh: ShardedTensor) -> Dict[str, Any]:
+    """The ``dist_ckpt`` attributes of the group of a tensor saved as flattened ranges."""
+    return {
+        "key": sh.key,
+        "dtype": dtype_info(sh.dtype).name,
+        "layout": LAYOUT_FLATTENED,
+        "global_shape": list(sh.global_shape),
+        "chunk_shape": list(sh.full_local_shape),
+    }
+
+
+def fragment_attributes(sh: ShardedTensor) -> Dict[str, Any]:
+    """The ``dist_ckpt`` attributes of one fragment array (a flattened shard)."""
+    assert sh.flattened_range is not None
+    return {"global_offset": list(sh.global_offset), "flat_range": [sh.flattened_range.start, sh.flattened_range.stop]}
+
+
+def creates_flattened_group(sh: ShardedTensor) -> bool:
+    """Whether the holder of flattened shard ``sh`` creates the tensor's group: the shard that
+    starts the tensor's first chunk (or the whole first chunk when it is empty)."""
+    assert sh.flattened_range is not None
+    start, stop = sh.flattened_range.start, sh.flattened_range.stop
+    return is_origin(sh) and start == 0 and (stop > 0 or math.prod(sh.local_shape) == 0)
+
+
+def fill_value_json(dtype: torch.dtype) -> Any:
+    """The zarr v3 ``fill_value`` (zero) of ``dtype`` in its JSON form."""
+    if dtype == torch.bool:
+        return False
+    if dtype.is_complex:
+        return [0.0, 0.0]
+    if dtype.is_floating_point:
+        return 0.0
+    return 0
+
+
+def array_metadata(
+    shape: Sequence[int], chunk_shape: Sequence[int], dtype: torch.dtype, attributes: Dict[str, Any]
+) -> Dict[str, Any]:
+    """zarr v3 metadata of an uncompressed little-endian array, as the zarr backend writes it."""
+    info = dtype_info(dtype)
+    bytes_codec: Dict[str, Any] = {"name": "bytes"}
+    if info.numpy_dtype.itemsize > 1:
+        bytes_codec["configuration"] = {"endian": "little"}
+    return {
+        "zarr_format": 3,
+        "node_type": "array",
+        "shape": list(shape),
+        "data_type": info.name,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk_shape)}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": fill_value_json(dtype),
+        "codecs": [bytes_codec],
+        "attributes": {ATTR: attributes},
+    }
+
+
+def write_group(path: ObjectPath, attributes: Dict[str, Any]) -> ObjectPath:
+    """Write a zarr v3 group node at ``path`` (atomically, durably); returns its ``zarr.json``."""
+    doc = json.dumps({"attributes": attributes, "zarr_format": 3, "node_type": "group"}, indent=2).encode("utf-8")
+    target = path / "zarr.json"
+    target.write_bytes(doc)
+    return target
+
+
+def cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as contiguous host memory (copied from a device), what both engines write from."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    return t.contiguous()
+
+
+def fsync_written(paths: Sequence[ObjectPath], root: ObjectPath) -> None:
+    """Make the files an engine wrote by local path durable: fsync each, then every directory
+    from their parents up to ``root``, so that a crash after a save returns cannot lose them.
+
+    Only a storage with ``local_paths`` needs it: the engines write object stores through their
+    own clients, and an object is durable when its PUT returns.
+    """
+    if not root.storage.local_paths:
+        return
+    top = root.local_path()
+    dirs = {top}
+    for node in paths:
+        p = node.local_path()
+        fsync_file(p)
+        parent = p.parent
+        while parent != top and top in parent.parents:
+            dirs.add(parent)
+            parent = parent.parent
+    for d in sorted(dirs, key=lambda d: len(d.parts), reverse=True):
+        fsync_dir(d)

@@ -1,0 +1,110 @@
+"""Planning the reads of a load from a zarr-format checkpoint, before any byte is read.
+
+A requested ShardedTensor becomes a :class:`ReadPlan`: which region of which array to read, how
+to view it in global coordinates, and which part goes where in the destination
+(:class:`ReadOp`), plus the destination parts outside the stored tensor to zero-fill
+(``allow_shape_mismatch``). Keys, dtypes and shapes are checked for the whole request first, and
+a plan that does not cover the request (missing fragments) is refused.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from dist_ckpt.backends.request_checks import check_requested_tensors
+from dist_ckpt.backends.zarr.layout import LAYOUT_CHUNKED, ZARR_DIR
+from dist_ckpt.backends.zarr.metadata import FragmentInfo, StoredTensorInfo, find_tensor_info
+from dist_ckpt.errors import CorruptCheckpointError
+from dist_ckpt.model.geometry import Box, ShardPiece, shard_pieces
+from dist_ckpt.model.sharded import ShardedTensor
+from dist_ckpt.storage.object_path import ObjectPath
+
+__all__ = ["ReadOp", "ReadPlan", "plan_reads", "plan_request"]
+
+
+@dataclass(frozen=True)
+class ReadOp:
+    """Read ``region`` of the array at ``array_path``; view it as ``src_box`` (global
+    coordinates); copy its ``inter`` part into destination piece ``dst``."""
+
+    array_path: ObjectPath
+    region: Box
+    src_box: Box
+    dst: ShardPiece
+    inter: Box
+
+
+@dataclass
+class ReadPlan:
+    """Every read needed to load one ShardedTensor, and the destination parts to zero-fill."""
+
+    ops: List[ReadOp]
+    pad: List[Tuple[ShardPiece, Box]]  # (piece, its part outside the stored tensor)
+
+
+def plan_reads(sh: ShardedTensor, info: StoredTensorInfo) -> ReadPlan:
+    """The reads that load ``sh`` from ``info``; raises if the stored data does not cover it."""
+    rng = None if sh.flattened_range is None else (sh.flattened_range.start, sh.flattened_range.stop)
+    ops: List[ReadOp] = []
+    pad: List[Tuple[ShardPiece, Box]] = []
+    expected = covered = 0
+    for piece in shard_pieces(sh.global_offset, sh.local_shape, sh.prepend_axis_num, rng):
+        region = piece.box.intersect(info.bounds)
+        if region != piece.box:
+            pad.append((piece, piece.box))  # allow_shape_mismatch: zero first, then overwrite
+        if region is None:
+            continue
+        expected += region.numel
+        if info.layout == LAYOUT_CHUNKED:
+            ops.append(ReadOp(info.path, region, region, piece, region))
+            covered += region.numel
+            continue
+        for frag in info.fragments:
+            for fp in frag.pieces:
+                inter = region.intersect(fp.box)
+                if inter is None:
+                    continue
+                ops.append(_fragment_op(frag, fp, piece, inter))
+                covered += inter.numel
+    if covered != expected:
+        raise CorruptCheckpointError(
+            f"tensor {sh.key!r} in {str(info.path)!r}: the stored fragments cover {covered} of the "
+            f"{expected} requested elements (fragments are missing or overlap)"
+        )
+    return ReadPlan(ops, pad)
+
+
+def plan_request(requested: Sequence[ShardedTensor], checkpoint_dir: ObjectPath) -> Dict[int, ReadPlan]:
+    """The reads of every requested shard (by ``id``), after checking keys, dtypes and shapes.
+
+    Everything is checked before any tensor byte is read; see
+    :func:`~dist_ckpt.backends.request_checks.check_requested_tensors`.
+    """
+    root = checkpoint_dir / ZARR_DIR
+    infos: Dict[str, Optional[StoredTensorInfo]] = {}
+    for sh in requested:
+        if sh.key not in infos:
+            infos[sh.key] = find_tensor_info(root, sh.key)
+
+    def lookup(key: str) -> Optional[Tuple[torch.dtype, Tuple[int, ...]]]:
+        info = infos[key]
+        return None if info is None else (info.dtype, info.global_shape)
+
+    check_requested_tensors(requested, lookup, repr(str(checkpoint_dir)))
+    return {id(sh): plan_reads(sh, infos[sh.key]) for sh in requested}  # type: ignore[arg-type]
+
+
+def _fragment_op(frag: FragmentInfo, fp: ShardPiece, dst: ShardPiece, inter: Box) -> ReadOp:
+    """Read whole rows of fragment piece ``fp`` around ``inter`` (one contiguous 1-D range)."""
+    assert fp.flat_offset is not None
+    if not fp.box.shape:  # a 0-d tensor: one element
+        return ReadOp(frag.path, Box((fp.flat_offset,), (1,)), fp.box, dst, inter)
+    row = math.prod(fp.box.shape[1:])
+    first = inter.offset[0] - fp.box.offset[0]
+    rows = inter.shape[0]
+    src_box = Box((inter.offset[0],) + fp.box.offset[1:], (rows,) + fp.box.shape[1:])
+    return ReadOp(frag.path, Box((fp.flat_offset + first * row,), (rows * row,)), src_box, dst, inter)

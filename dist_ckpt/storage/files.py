@@ -1,0 +1,267 @@
+"""Local files: durable writes and positional reads, the machinery under :class:`LocalStorage`.
+
+A file is written under a temporary name in its final directory, flushed and fsynced, then
+renamed over its final name, and the directory is fsynced: a crash leaves either no file or the
+whole file, never a torn one (:func:`write_temp_file`, :func:`write_bytes_atomic`,
+:func:`atomic_write`). A new directory's entry is fsynced in its parent (:func:`make_dirs`).
+Reads fill the caller's buffers with ``os.preadv`` (:func:`preadv_into`), from an open
+descriptor that several threads share (:class:`FileReader`).
+
+:class:`~dist_ckpt.storage.local.LocalStorage` is this behind the Storage interface; the
+functions also serve the local fast paths that write files by path (a storage with
+``local_paths``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from pathlib import Path
+from typing import IO, ClassVar, Iterator, Optional, Sequence, Union
+
+from dist_ckpt.storage.base import ObjectReader
+from dist_ckpt.storage.errors import ObjectNotFoundError, TruncatedObjectError
+from dist_ckpt.storage.ranges import BufferLike
+
+__all__ = [
+    "IOV_MAX",
+    "FileReader",
+    "atomic_write",
+    "fsync_dir",
+    "fsync_file",
+    "is_temp_name",
+    "make_dirs",
+    "preadv_into",
+    "replace_durably",
+    "temp_name",
+    "write_bytes_atomic",
+    "write_temp_file",
+]
+
+#: the most buffers one ``os.preadv`` call takes
+IOV_MAX = max(16, min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024))
+
+
+def fsync_file(path: Union[str, Path]) -> None:
+    """Flush a file's data to stable storage."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Union[str, Path]) -> None:
+    """Flush a directory entry table (makes creations and renames in it durable)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def make_dirs(path: Union[str, Path], *, fsync: bool = True) -> None:
+    """Create the directory ``path`` and its missing parents; with ``fsync``, fsync the parent of
+    each directory created, so that a crash cannot lose the new entries.
+
+    Example::
+
+        make_dirs(ckpt / "safetensors")   # then files written in it are found after a crash
+    """
+    path = Path(path)
+    missing = []
+    while not path.is_dir():
+        missing.append(path)
+        if path.parent == path:
+            break
+        path = path.parent
+    for directory in reversed(missing):
+        try:
+            directory.mkdir()
+        except FileExistsError:
+            if not directory.is_dir():
+                raise
+            continue  # created meanwhile by another process, which makes its entry durable
+        if fsync:
+            fsync_dir(directory.parent)
+
+
+def preadv_into(fd: int, buffers: Sequence[memoryview], offset: int, what: str = "the file") -> int:
+    """Fill ``buffers`` (in order) from the open file ``fd`` at byte ``offset`` with ``os.preadv``.
+
+    The one place local reads happen: a read may return fewer bytes than asked (the kernel caps
+    one call, and takes at most :data:`IOV_MAX` buffers), so it loops until every buffer is full.
+    Returns the number of bytes read.
+
+    Raises:
+        TruncatedObjectError: the file ends first (``what`` names it in the message).
+
+    Example::
+
+        out = bytearray(8)
+        preadv_into(fd, [memoryview(out)], 0)     # the first 8 bytes
+    """
+    pending = [b for b in buffers if len(b)]
+    requested = sum(len(b) for b in pending)
+    total = 0
+    while pending:
+        n = os.preadv(fd, pending[:IOV_MAX], offset)
+        if n == 0:
+            raise TruncatedObjectError(
+                f"read {what}: the file ends at byte {offset}, {requested - total} bytes short of the {requested} "
+                f"requested from byte {offset - total} (the file was truncated, or the index describing it is wrong)"
+            )
+        total += n
+        offset += n
+        while n and pending:  # drop what was filled, keep the unfilled rest
+            if n >= len(pending[0]):
+                n -= len(pending[0])
+                pending.pop(0)
+            else:
+                pending[0] = pending[0][n:]
+                n = 0
+    return total
+
+
+class FileReader(int, ObjectReader):
+    """An open, read-only file descriptor that reads with :func:`preadv_into`: the reader of a
+    :class:`LocalStorage` (``positional_reads``).
+
+    It is the descriptor itself (an ``int``), so it can be handed to anything that takes one;
+    several threads may read through it at once (``preadv`` has no file position).
+
+    Example::
+
+        with FileReader.open("/ckpt/safetensors/rank00000_0.safetensors") as reader:
+            reader.read_into([memoryview(out)], 128)
+    """
+
+    positional: ClassVar[bool] = True
+    _url: str
+    _owned: bool
+
+    def __new__(cls, fd: int, url: str = "", *, owned: bool = True) -> "FileReader":
+        reader = super().__new__(cls, fd)
+        reader._url = url or f"file descriptor {fd}"
+        reader._owned = owned
+        return reader
+
+    @classmethod
+    def open(cls, path: Union[str, Path], url: Optional[str] = None) -> "FileReader":
+        """Open the file at ``path`` (``url`` names it in messages; default: the path).
+
+        Raises:
+            ObjectNotFoundError: there is no such file.
+        """
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError) as e:
+            where = url or str(path)
+            raise ObjectNotFoundError(f"read {where}: no such file ({e.strerror})", url=where, operation="read") from e
+        return cls(fd, url or str(path))
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    def read_into(self, buffers: Sequence[memoryview], offset: int) -> int:
+        return preadv_into(self, buffers, offset, self._url)
+
+    def size(self) -> int:
+        return os.fstat(self).st_size
+
+    def close(self) -> None:
+        if self._owned:
+            self._owned = False
+            os.close(self)
+
+    def __str__(self) -> str:  # the descriptor's number, as for any int (messages use url)
+        return int.__repr__(self)
+
+    def __repr__(self) -> str:
+        return f"FileReader({int(self)}, {self._url!r})"
+
+
+def temp_name(path: Path) -> Path:
+    """A fresh temporary name next to ``path`` (hidden, unique to this process and call)."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def write_temp_file(path: Union[str, Path], buffers: Sequence[BufferLike], *, fsync: bool = True) -> Path:
+    """Write ``buffers`` to a new temporary file next to ``path`` (flushed, fsynced) and return
+    its name: the first half of every whole-file write here, which then renames it over ``path``
+    (:func:`write_bytes_atomic`, :meth:`LocalStorage.write`) or links it to ``path`` if absent
+    (:meth:`LocalStorage.put_if_absent`). On an error nothing is left behind.
+
+    Example::
+
+        tmp = write_temp_file(ckpt / "a.json", [b"{}"])
+        os.replace(tmp, ckpt / "a.json")
+    """
+    tmp = temp_name(Path(path))
+    try:
+        with open(tmp, "wb") as f:
+            for buffer in buffers:
+                f.write(buffer)
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return tmp
+
+
+def replace_durably(tmp: Path, final: Path, fsync: bool = True) -> None:
+    """Rename a written temporary file over its final name; with ``fsync``, fsync the directory."""
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    if fsync:
+        fsync_dir(final.parent)
+
+
+@contextlib.contextmanager
+def atomic_write(path: Union[str, Path], *, fsync: bool = True) -> Iterator[IO[bytes]]:
+    """Open ``path`` for binary writing so that it appears whole or not at all.
+
+    Example::
+
+        with atomic_write(ckpt / "common.pt") as f:
+            torch.save(obj, f)
+    """
+    final = Path(path)
+    tmp = temp_name(final)
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    replace_durably(tmp, final, fsync)
+
+
+def write_bytes_atomic(path: Union[str, Path], data: BufferLike, *, fsync: bool = True) -> None:
+    """Write ``data`` to ``path`` atomically and durably (temporary file, fsync, rename, fsync
+    of the directory).
+
+    Example::
+
+        write_bytes_atomic(ckpt / "index.json", json.dumps(doc).encode())
+    """
+    final = Path(path)
+    replace_durably(write_temp_file(final, [data], fsync=fsync), final, fsync)
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether ``name`` is an in-progress write of :func:`write_temp_file` (never listed)."""
+    return name.startswith(".") and ".tmp-" in name
