@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import logging
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import dist_ckpt as dc
 from dist_ckpt import StrictHandling
@@ -18,6 +21,7 @@ from dist_ckpt.backends.torch_dist import load as load_module
 from dist_ckpt.backends.torch_dist.load import TorchDistLoadShardedStrategy
 from dist_ckpt.errors import CorruptCheckpointError, KeyMismatchError, LoadMismatchError
 from dist_ckpt.integrity.verify import verify_checkpoint
+from dist_ckpt.tools.convert import convert
 from dist_ckpt.tools.inspection import inspect_checkpoint
 from tests.golden.torch_dist import expected as E
 from tests.torch_dist_golden import STYLES, check_loaded, fixture_dir, golden_requests
@@ -210,3 +214,55 @@ def test_each_file_is_read_in_the_order_of_its_bytes(name: str, monkeypatch: pyt
     requests, expected = golden_requests(name, 0, 1, STYLES[0])
     assert check_loaded(name, dc.load(requests, fixture_dir(name)), expected) == []
     assert read and all(offsets == sorted(offsets) for offsets in read.values()), read
+
+
+def _objects(ckpt: Path, name: str) -> Dict[str, Any]:
+    """Every main-replica ShardedObject of fixture ``name``, loaded from ``ckpt`` (by unique key)."""
+    request = {
+        o.unique_key: dc.ShardedObject(o.key, None, o.global_shape, o.global_offset)
+        for o in E.FIXTURES[name].objects
+        if o.is_main_replica
+    }
+    loaded = dc.load(request, ckpt)
+    return {k: loaded[k] for k in request}
+
+
+@pytest.mark.parametrize("name", sorted(E.FIXTURES))
+def test_what_megatron_wrote_converts_to_every_backend_and_back(name: str, tmp_path: Path) -> None:
+    """torch_dist (Megatron-Core's) -> safetensors -> torch_dist and -> HF -> torch_dist, bit-exact:
+    tensors by their logical shape, ShardedObjects and common state carried (HF: tensors only)."""
+    fixture = fixture_dir(name)
+    hops = [(fixture, tmp_path / "st", "safetensors"), (tmp_path / "st", tmp_path / "td", "torch_dist")]
+    hops += [(fixture, tmp_path / "hf", "hf"), (tmp_path / "hf", tmp_path / "hf_td", "torch_dist")]
+    for src, dst, to in hops:
+        convert(src, dst, to=to)
+    expected = E.expected_tensors(name)
+    for ckpt in ("st", "td", "hf_td"):
+        found = dc.unshard(tmp_path / ckpt)
+        assert found.keys() == expected.keys(), ckpt
+        for key, value in expected.items():
+            E.assert_same(found[key], value, f"{ckpt}:{key}")
+    for ckpt in ("st", "td"):
+        E.assert_same(_objects(tmp_path / ckpt, name), E.expected_objects(name), ckpt)
+        E.assert_same(dc.load_common_state_dict(tmp_path / ckpt), E.expected_common(name), ckpt)
+    assert verify_checkpoint(tmp_path / "td").ok and verify_checkpoint(tmp_path / "hf_td").ok
+
+
+def test_the_commands_take_what_megatron_wrote(tmp_path: Path) -> None:
+    """dist-ckpt inspect, verify, convert and export-hf on a Megatron-Core TP=2 x PP=2 checkpoint."""
+
+    def cli(*args: str) -> "subprocess.CompletedProcess[str]":
+        return subprocess.run([sys.executable, "-m", "dist_ckpt", *args], capture_output=True, text=True, timeout=300)
+
+    fixture = fixture_dir("tp2pp2")
+    shown = cli("inspect", str(fixture))
+    assert shown.returncode == 0 and "torch_dist:1" in shown.stdout and EMB in shown.stdout, shown.stderr
+    verified = cli("verify", str(fixture), "--json")
+    assert verified.returncode == 0 and "no checksums recorded" in verified.stdout, verified.stderr
+    converted = cli("convert", str(fixture), str(tmp_path / "st"), "--to", "safetensors", "--no-progress")
+    assert converted.returncode == 0, converted.stderr
+    exported = cli("export-hf", str(fixture), str(tmp_path / "hf"), "--no-progress")
+    assert exported.returncode == 0, exported.stderr
+    expected = E.expected_tensors("tp2pp2")
+    E.assert_same(dc.unshard(tmp_path / "st")[EMB], expected[EMB], "safetensors")
+    E.assert_same(load_file(tmp_path / "hf" / "model.safetensors")[EMB], expected[EMB], "hf")
