@@ -238,66 +238,25 @@ class S3Client:
 
     @classmethod
     def create(cls, bucket: str, options: S3StorageOptions) -> "S3Client":
+        """A client for ``bucket``: credentials, endpoint and region from ``options`` or the AWS environment."""
         obstore = import_obstore()
         from obstore.store import S3Store
 
         if _runtime_pid is not None and _runtime_pid != os.getpid():
             check_process()  # raises: creating a store in a forked child would hang later
-        secrets = {
-            v
-            for v in (
-                os.environ.get(n)
-                for n in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_TOKEN")
-            )
-            if v
-        }
+        secrets = _environment_secrets()
         endpoint = options.endpoint_url or _first_env("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
-        region = options.region or _first_env("AWS_REGION", "AWS_DEFAULT_REGION")
-        provider: Optional[_Boto3Credentials] = None
-        if not os.environ.get("AWS_ACCESS_KEY_ID") and _has_aws_profile():
-            try:
-                import boto3
-            except ImportError:
-                boto3 = None
-            if boto3 is not None:
-                session = boto3.Session()
-                provider = _Boto3Credentials(session, secrets)
-                region = region or session.region_name
-        if provider is None and not _has_credential_source() and _env_true("AWS_EC2_METADATA_DISABLED"):
-            # obstore would fall back to the instance metadata service; botocore's switch says no
-            raise StorageAuthError(
-                f"no AWS credentials for s3://{bucket}: set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and "
-                "AWS_SESSION_TOKEN), a profile (AWS_PROFILE), or web-identity / container credentials "
-                "(AWS_EC2_METADATA_DISABLED rules out the instance metadata service)",
-                url=f"s3://{bucket}",
-                operation="credentials",
-            )
+        provider, region = _credentials(
+            bucket, options.region or _first_env("AWS_REGION", "AWS_DEFAULT_REGION"), secrets
+        )
         config: Dict[str, Any] = {"region": region or "us-east-1"}
         if endpoint:
             config["endpoint"] = endpoint
-        allow_http = (
-            options.allow_http
-            if options.allow_http is not None
-            else bool(endpoint and endpoint.lower().startswith("http://"))
-        )
-        client_options: Dict[str, Any] = {
-            "allow_http": allow_http,
-            "connect_timeout": timedelta(seconds=options.connect_timeout_s),
-            "timeout": timedelta(seconds=options.request_timeout_s),
-        }
-        if options.user_agent:
-            client_options["user_agent"] = options.user_agent
-        retry_config: Dict[str, Any] = {
-            "max_retries": options.max_retries,
-            "retry_timeout": timedelta(seconds=options.retry_timeout_s),
-            "backoff": {
-                "init_backoff": timedelta(seconds=options.initial_backoff_s),
-                "max_backoff": timedelta(seconds=options.max_backoff_s),
-                "base": options.backoff_base,
-            },
-        }
         store_kwargs: Dict[str, Any] = dict(
-            config=config, client_options=client_options, retry_config=retry_config, credential_provider=provider
+            config=config,
+            client_options=_client_options(options, endpoint),
+            retry_config=_retry_config(options),
+            credential_provider=provider,
         )
         try:
             store = S3Store(bucket, **store_kwargs)
@@ -315,6 +274,73 @@ class S3Client:
             config["region"],
             endpoint,
         )
+
+
+def _environment_secrets() -> Set[str]:
+    """The AWS secrets set in the environment, so that error messages can redact them."""
+    names = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_TOKEN")
+    return {v for v in (os.environ.get(n) for n in names) if v}
+
+
+def _credentials(
+    bucket: str, region: Optional[str], secrets: Set[str]
+) -> Tuple[Optional[_Boto3Credentials], Optional[str]]:
+    """The credential provider (a boto3 profile when one is configured and no keys are set) and the region.
+
+    Returns ``(None, region)`` when obstore finds the credentials itself (keys, web identity,
+    container credentials, the instance metadata service). Raises StorageAuthError when no source
+    is left because ``AWS_EC2_METADATA_DISABLED`` rules out the metadata service.
+    """
+    provider: Optional[_Boto3Credentials] = None
+    if not os.environ.get("AWS_ACCESS_KEY_ID") and _has_aws_profile():
+        try:
+            import boto3
+        except ImportError:
+            boto3 = None
+        if boto3 is not None:
+            session = boto3.Session()
+            provider = _Boto3Credentials(session, secrets)
+            region = region or session.region_name
+    if provider is None and not _has_credential_source() and _env_true("AWS_EC2_METADATA_DISABLED"):
+        # obstore would fall back to the instance metadata service; botocore's switch says no
+        raise StorageAuthError(
+            f"no AWS credentials for s3://{bucket}: set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and "
+            "AWS_SESSION_TOKEN), a profile (AWS_PROFILE), or web-identity / container credentials "
+            "(AWS_EC2_METADATA_DISABLED rules out the instance metadata service)",
+            url=f"s3://{bucket}",
+            operation="credentials",
+        )
+    return provider, region
+
+
+def _client_options(options: S3StorageOptions, endpoint: Optional[str]) -> Dict[str, Any]:
+    """obstore's client options: plain HTTP only when asked for or the endpoint is ``http://``, timeouts."""
+    allow_http = (
+        options.allow_http
+        if options.allow_http is not None
+        else bool(endpoint and endpoint.lower().startswith("http://"))
+    )
+    client_options: Dict[str, Any] = {
+        "allow_http": allow_http,
+        "connect_timeout": timedelta(seconds=options.connect_timeout_s),
+        "timeout": timedelta(seconds=options.request_timeout_s),
+    }
+    if options.user_agent:
+        client_options["user_agent"] = options.user_agent
+    return client_options
+
+
+def _retry_config(options: S3StorageOptions) -> Dict[str, Any]:
+    """obstore's retry policy from the options: attempts, total time, exponential backoff."""
+    return {
+        "max_retries": options.max_retries,
+        "retry_timeout": timedelta(seconds=options.retry_timeout_s),
+        "backoff": {
+            "init_backoff": timedelta(seconds=options.initial_backoff_s),
+            "max_backoff": timedelta(seconds=options.max_backoff_s),
+            "base": options.backoff_base,
+        },
+    }
 
 
 def _redact(text: str, secrets: Set[str]) -> str:
