@@ -1,15 +1,24 @@
-# The two commands of the README's Quickstart. Both install what they need into the current
-# Python (see scripts/install.sh: torch is installed only if missing, as a CPU build).
-PYTHON ?= python3
+# The two commands of the README's Quickstart. Both install what they need (scripts/install.sh:
+# torch only if missing, as a CPU build) into the Python that scripts/python_env.sh picks: the
+# active virtual environment, or a Python that already has torch and is not externally managed
+# (PEP 668); otherwise the project virtual environment .venv, created on first use.
+# `make test PYTHON=/path/to/python` overrides the choice.
+ifndef PYTHON
+PYTHON := $(shell ./scripts/python_env.sh)
+ifeq ($(PYTHON),)
+$(error scripts/python_env.sh found no Python to use (see its message above))
+endif
+endif
 export PYTHON
 
 .PHONY: install demo test check
 
 install:
+	@echo "make: using $(PYTHON)"
 	./scripts/install.sh
 
 demo: install
-	$(PYTHON) -m dist_ckpt demo
+	"$(PYTHON)" -m dist_ckpt demo
 
 test: install
 	./scripts/run_tests.sh

@@ -11,6 +11,7 @@ Save a sharded state dict from N processes, load it back under another parallel 
 This module re-exports the public API; importing it imports no optional backend.
 """
 
+from dist_ckpt._version import __version__
 from dist_ckpt.async_save.queue import AsyncCallsQueue, AsyncRequest
 from dist_ckpt.engine.checks.sharding import validate_sharding_integrity
 from dist_ckpt.engine.checks.strict import StrictHandling
@@ -73,17 +74,14 @@ from dist_ckpt.model.sharded import (
 from dist_ckpt.tools.convert import ConvertResult, convert
 from dist_ckpt.tools.inspection import CheckpointInfo, TensorInfo, inspect_checkpoint
 from dist_ckpt.tools.unshard import iter_unsharded, unshard
-from dist_ckpt.training.checkpointer import (
-    Checkpointer,
-    CheckpointMetadata,
-    TensorMetadata,
+from dist_ckpt.training.checkpointer import Checkpointer, CheckpointMetadata, TensorMetadata
+from dist_ckpt.training.model_optim import (
+    async_save_model_and_optim_state,
     load_model_and_optim_state,
     save_model_and_optim_state,
     unshard_model_state,
     unshard_optim_state,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AsyncCallsQueue",
@@ -135,6 +133,7 @@ __all__ = [
     "__version__",
     "apply_factories",
     "apply_factory_merges",
+    "async_save_model_and_optim_state",
     "check_is_distributed_checkpoint",
     "convert",
     "get_default_strategy",

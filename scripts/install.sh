@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Install dist_ckpt with every optional backend and the test tools into the current Python.
+# Install dist_ckpt with every optional backend and the test tools into the Python that
+# scripts/python_env.sh picks (or $PYTHON): an active venv, a Python that has torch and is not
+# externally managed, or else the project venv .venv.
 #
 # torch is installed first, and only if it is missing: an unpinned "torch" requirement on a
 # machine without torch pulls several GB of CUDA packages, and a user who already has torch
@@ -8,7 +10,7 @@
 # (e.g. "--index-url https://download.pytorch.org/whl/cpu").
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON="${PYTHON:-python3}"
+PYTHON="${PYTHON:-$(./scripts/python_env.sh)}"
 TORCH_SPEC="${DIST_CKPT_TORCH_SPEC:-torch==2.13.0}"
 EXTRAS="${DIST_CKPT_EXTRAS:-all,test,docs}"
 

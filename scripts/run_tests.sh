@@ -3,7 +3,7 @@
 # and 4 ranks (real gloo process groups; 4 ranks oversubscribe a 2-core machine on purpose).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON="${PYTHON:-python3}"
+PYTHON="${PYTHON:-$(./scripts/python_env.sh)}"
 BIN_DIR="$("$PYTHON" -c 'import os, sys; print(os.path.dirname(sys.executable))')"
 MPIEXEC="${MPIEXEC:-}"
 if [ -z "$MPIEXEC" ]; then

@@ -297,13 +297,35 @@ class LoadShardedStrategy(LoadStrategyBase):
 
     @abstractmethod
     def load_tensors_metadata(self, checkpoint_dir: Storage) -> ShardedStateDict:
-        """``{key: ShardedTensor}`` for every stored tensor, unsharded and without data."""
+        """``{key: ShardedTensor}`` for every stored tensor, unsharded and without data, described
+        as it was saved (:func:`dist_ckpt.model.stored_metadata.stored_tensor_metadata`: a tensor
+        saved as flattened ranges as one flattened range covering all of it)."""
 
     def load_sharded_metadata(self, checkpoint_dir: Storage) -> ShardedStateDict:
         """Metadata of stored ShardedTensors (and ShardedObjects, if this strategy handles them)."""
         if self.can_handle_sharded_objects:
             raise IncompatibleStrategyError(f"{self} handles ShardedObjects and must override load_sharded_metadata")
         return self.load_tensors_metadata(checkpoint_dir)
+
+    def with_dtype_cast(self, allow: bool) -> "LoadShardedStrategy":
+        """This strategy, configured to convert (``allow``) or to refuse requested dtypes that
+        differ from the stored ones (see :mod:`dist_ckpt.model.dtype_cast`): what
+        ``dist_ckpt.load(..., allow_dtype_cast=...)`` uses. Local; the caller's strategy is not
+        changed (a configured copy is returned when the setting differs).
+
+        The built-in loaders take the setting as an option (casting is their default) and
+        wrappers pass it to the strategy they wrap. The default raises
+        :class:`IncompatibleStrategyError`: a strategy that does not know the setting could
+        not honour it.
+
+        Example::
+
+            strict = SafetensorsLoadShardedStrategy().with_dtype_cast(False)
+        """
+        raise IncompatibleStrategyError(
+            f"{self} does not implement with_dtype_cast, so it cannot be told whether to cast dtypes on load; "
+            "leave load's allow_dtype_cast unset (the strategy decides) or configure the strategy itself"
+        )
 
     def remove_sharded_tensors(self, checkpoint_dir: Storage, key_prefix: str) -> None:
         """Delete every stored tensor whose key starts with ``key_prefix``."""

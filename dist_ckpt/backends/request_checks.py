@@ -1,29 +1,38 @@
 """The checks every sharded loader makes before reading a byte.
 
-A load request names keys with a dtype and a global shape; the checkpoint must hold each key with
-the same dtype, and the same global shape unless ``allow_shape_mismatch`` is set. All problems
-are collected and raised at once, naming the keys, the rank and the checkpoint.
+A load request names keys with a dtype and a global shape; the checkpoint must hold each key in
+a dtype the request may be cast from (:mod:`dist_ckpt.model.dtype_cast`: any dtype unless the
+load sets ``allow_dtype_cast=False``), and with the same global shape unless
+``allow_shape_mismatch`` is set. All problems are collected and raised at once, naming the keys,
+the rank and the checkpoint; the casts a load will make are logged once, at INFO.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
 from dist_ckpt.engine.distributed import get_rank
 from dist_ckpt.errors import UNEXPECTED_KEYS, KeyMismatchError, LoadMismatchError, format_keys, format_problems
+from dist_ckpt.model.dtype_cast import cast_refusal, describe_cast
 from dist_ckpt.model.sharded import ShardedTensor
+
+logger = logging.getLogger(__name__)
 
 #: ``(dtype, global_shape)`` of a stored tensor, or None if the checkpoint lacks the key
 StoredLookup = Callable[[str], Optional[Tuple[torch.dtype, Tuple[int, ...]]]]
 
 
-def stored_mismatches(sh: ShardedTensor, dtype: torch.dtype, global_shape: Tuple[int, ...]) -> List[str]:
+def stored_mismatches(
+    sh: ShardedTensor, dtype: torch.dtype, global_shape: Tuple[int, ...], allow_dtype_cast: bool = True
+) -> List[str]:
     """Why ``sh`` cannot be loaded from a stored tensor of ``dtype`` and ``global_shape``."""
     problems = []
-    if sh.dtype != dtype:
-        problems.append(f"{sh.key!r} is stored as {dtype}, requested as {sh.dtype}")
+    refusal = cast_refusal(dtype, sh.dtype, allow_dtype_cast)
+    if refusal is not None:
+        problems.append(f"{sh.key!r} {refusal}")
     if len(sh.global_shape) != len(global_shape) or (sh.global_shape != global_shape and not sh.allow_shape_mismatch):
         problems.append(
             f"{sh.key!r} has global shape {global_shape} in the checkpoint, requested "
@@ -32,13 +41,18 @@ def stored_mismatches(sh: ShardedTensor, dtype: torch.dtype, global_shape: Tuple
     return problems
 
 
-def check_requested_tensors(requested: Sequence[ShardedTensor], lookup: StoredLookup, where: str) -> None:
-    """Raise before any read if a requested tensor is absent or does not match what is stored.
+def check_requested_tensors(
+    requested: Sequence[ShardedTensor], lookup: StoredLookup, where: str, allow_dtype_cast: bool = True
+) -> None:
+    """Raise before any read if a requested tensor is absent or does not match what is stored;
+    log (once, at INFO) the keys that will be cast from their stored dtype.
 
     Args:
         requested: this rank's requested shards.
         lookup: the stored ``(dtype, global_shape)`` of a key, None if absent.
         where: the checkpoint, as it should appear in messages.
+        allow_dtype_cast: whether a requested dtype may differ from the stored one (see
+            :func:`~dist_ckpt.model.dtype_cast.cast_refusal`).
 
     Raises:
         KeyMismatchError: keys requested but absent (Megatron-Core's "unexpected" keys).
@@ -54,11 +68,23 @@ def check_requested_tensors(requested: Sequence[ShardedTensor], lookup: StoredLo
             unexpected_keys=absent,
         )
     problems: List[str] = []
+    casts: List[str] = []
     for sh in requested:
         found = stored[sh.key]
         assert found is not None
-        problems.extend(p for p in stored_mismatches(sh, *found) if p not in problems)
+        problems.extend(p for p in stored_mismatches(sh, *found, allow_dtype_cast) if p not in problems)
+        cast = describe_cast(sh.key, found[0], sh.dtype)
+        if found[0] != sh.dtype and cast not in casts:
+            casts.append(cast)
     if problems:
         raise LoadMismatchError(
             f"[rank {rank}] checkpoint {where} does not match the requested tensors: {format_problems(problems)}"
+        )
+    if casts:
+        logger.info(
+            "[rank %d] checkpoint %s: casting %d tensors to the requested dtype: %s",
+            rank,
+            where,
+            len(casts),
+            format_problems(casts, ", "),
         )

@@ -11,6 +11,7 @@ from dist_ckpt.cli.common import (
     BadPathError,
     CommandFailed,
     SubParsers,
+    add_engine_option,
     add_progress_option,
     backend_arg,
     even_ranks_arg,
@@ -69,6 +70,7 @@ def add_bench_command(subparsers: SubParsers, common: argparse.ArgumentParser) -
         help="sharded backend to measure (default: %(default)s)",
     )
     p.add_argument("--json", action="store_true", help="print the measurements as one JSON document")
+    add_engine_option(p)
     add_progress_option(p)
     p.set_defaults(run=run_bench_command, parser=p)
 
@@ -96,7 +98,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
     try:
         result = run_bench(
-            BenchOptions(directory=args.dir, size_mib=args.size, ranks=args.ranks, backend=args.backend),
+            BenchOptions(
+                directory=args.dir, size_mib=args.size, ranks=args.ranks, backend=args.backend, engine=args.engine
+            ),
             on_phase=on_phase,
         )
         if bar is not None:

@@ -9,12 +9,17 @@ Example::
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
+import os
 import re
+import shutil
 import sys
-from typing import Any, Callable, List, Sequence, Tuple
+from pathlib import Path
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from dist_ckpt.engine.registry import StrategyAction, registered_strategies
+from dist_ckpt.engine.report import format_bytes, gib_per_s
 from dist_ckpt.tools.launch import RankError
 
 __all__ = [
@@ -25,15 +30,24 @@ __all__ = [
     "CommandAdder",
     "CommandFailed",
     "SubParsers",
+    "add_engine_option",
     "backend_arg",
+    "did_you_mean",
+    "elide",
+    "engine_arg",
     "even_ranks_arg",
     "format_table",
+    "gib_per_s",
     "human_bytes",
+    "human_rate",
     "mib",
     "one_line",
     "positive_float_arg",
     "print_json",
+    "require_directory",
     "size_arg",
+    "terminal_width",
+    "use_engine",
 ]
 
 EXIT_OK = 0
@@ -66,20 +80,76 @@ class CommandFailed(Exception):
 # --------------------------------------------------------------------------- output
 
 
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[bool]) -> str:
+def format_table(
+    headers: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    right: Sequence[bool],
+    max_width: Optional[int] = None,
+    shrink: Sequence[int] = (),
+) -> str:
     """A plain-text table; ``right[i]`` right-aligns column ``i`` (numbers).
+
+    With ``max_width``, the columns listed in ``shrink`` (widest first) are narrowed until every
+    line fits, down to :data:`MIN_COLUMN_WIDTH` each; their cells are shortened in the middle
+    (:func:`elide`), so both ends of a long key stay readable.
 
     Example::
 
         format_table(["key", "bytes"], [["w", "16"]], [False, True])
+        format_table(headers, rows, right, max_width=terminal_width(), shrink=[0])
     """
     widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+    if max_width is not None:
+        _shrink_widths(widths, max_width, shrink)
 
     def line(cells: Sequence[str]) -> str:
-        parts = [str(c).rjust(w) if r else str(c).ljust(w) for c, w, r in zip(cells, widths, right)]
+        cells = [elide(str(c), w) for c, w in zip(cells, widths)]
+        parts = [c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right)]
         return "  ".join(parts).rstrip()
 
     return "\n".join([line(headers), *(line(r) for r in rows)])
+
+
+#: the narrowest a shrunk table column gets (keys shorter than this are never shortened)
+MIN_COLUMN_WIDTH = 12
+_ELLIPSIS = "..."
+
+
+def _shrink_widths(widths: List[int], max_width: int, shrink: Sequence[int]) -> None:
+    """Narrow the ``shrink`` columns of ``widths`` (in place), widest first, to fit ``max_width``."""
+    excess = sum(widths) + 2 * (len(widths) - 1) - max_width
+    while excess > 0:
+        candidates = [i for i in shrink if widths[i] > MIN_COLUMN_WIDTH]
+        if not candidates:
+            return
+        widest = max(candidates, key=lambda i: widths[i])
+        widths[widest] -= 1
+        excess -= 1
+
+
+def elide(text: str, width: int) -> str:
+    """``text`` shortened to ``width`` characters by replacing its middle with ``...``.
+
+    Example::
+
+        elide("decoder.layers.self_attention.linear_qkv.weight", 24)   # "decoder.lay...qkv.weight"
+    """
+    if len(text) <= width:
+        return text
+    if width <= len(_ELLIPSIS):
+        return text[:width]
+    keep = width - len(_ELLIPSIS)
+    head = (keep + 1) // 2
+    return text[:head] + _ELLIPSIS + text[len(text) - (keep - head) :]
+
+
+def terminal_width() -> Optional[int]:
+    """The width output lines should fit: ``$COLUMNS``, else the terminal's when stdout is one;
+    None (no limit) when stdout is a pipe or a file, so ``| grep`` sees whole lines."""
+    isatty = getattr(sys.stdout, "isatty", None)  # a replaced stdout may have none
+    if os.environ.get("COLUMNS", "").isdigit() or (isatty is not None and isatty()):
+        return max(shutil.get_terminal_size().columns, 40)
+    return None
 
 
 def mib(nbytes: int) -> str:
@@ -87,15 +157,13 @@ def mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:,.1f} MiB"
 
 
-def human_bytes(nbytes: int) -> str:
-    """``nbytes`` in the largest binary unit that keeps it >= 1: ``"212 B"``, ``"1.5 KiB"``,
-    ``"3.25 GiB"`` (for sizes that span several scales, such as a checkpoint's tensors)."""
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.3g} {unit}" if value < 100 else f"{value:.0f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
+def human_rate(nbytes: float, seconds: float) -> str:
+    """Throughput in GiB/s, the one unit of every ``dist-ckpt`` command and report: ``"1.52 GiB/s"``."""
+    return f"{gib_per_s(nbytes, seconds):.3g} GiB/s"
+
+
+#: sizes in binary units: ``"212 B"``, ``"1.5 KiB"``, ``"3.25 GiB"`` (the library's one definition)
+human_bytes = format_bytes
 
 
 def print_json(doc: Any) -> None:
@@ -155,10 +223,22 @@ def sharded_backends() -> List[Tuple[str, int]]:
     return [(k.backend, k.version) for k in keys if k.action == StrategyAction.SAVE_SHARDED]
 
 
+def did_you_mean(name: str, choices: Sequence[str]) -> str:
+    """`` (did you mean 'zarr'?)`` for the closest of ``choices``, or ``""`` if none is close."""
+    close = difflib.get_close_matches(name.lower(), list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def backend_arg(text: str) -> Tuple[str, int]:
-    """``NAME`` (its newest registered version) or ``NAME:VERSION``, checked against the registry."""
-    name, sep, version_text = text.partition(":")
+    """``NAME`` (its newest registered version) or ``NAME:VERSION``, checked against the registry.
+
+    Names are case-insensitive (``Zarr`` is ``zarr``); an unknown one is refused with the
+    registered ones and the closest match (``zar`` -> "did you mean 'zarr'?").
+    """
+    name, sep, version_text = text.strip().partition(":")
     known = sharded_backends()
+    by_lower = {b.lower(): b for b, _ in known}
+    name = by_lower.get(name.lower(), name)
     listing = ", ".join(f"{b}:{v}" for b, v in known) or "none"
     if sep:
         try:
@@ -170,8 +250,57 @@ def backend_arg(text: str) -> Tuple[str, int]:
         return name, version
     versions = [v for b, v in known if b == name]
     if not versions:
-        raise argparse.ArgumentTypeError(f"no sharded backend {name!r} (registered: {listing})")
+        hint = did_you_mean(name, sorted(by_lower))
+        raise argparse.ArgumentTypeError(f"no sharded backend {name!r}{hint} (registered: {listing})")
     return name, max(versions)
+
+
+def engine_arg(text: str) -> str:
+    """A zarr engine name (``zarr-python``, ``tensorstore``), case-insensitive, with a suggestion
+    for a typo."""
+    from dist_ckpt.tools.demo import ZARR_ENGINES  # the one list; imported only when --engine is given
+
+    name = text.strip().lower().replace("_", "-")
+    if name in ("zarr", "zarrpython"):
+        name = "zarr-python"
+    if name not in ZARR_ENGINES:
+        hint = did_you_mean(name, ZARR_ENGINES)
+        raise argparse.ArgumentTypeError(f"no zarr engine {text!r}{hint} (choose from {', '.join(ZARR_ENGINES)})")
+    return name
+
+
+def add_engine_option(parser: argparse.ArgumentParser, help_text: str = "") -> None:
+    """``--engine {zarr-python,tensorstore}``: which library reads and writes the zarr backend."""
+    parser.add_argument(
+        "--engine",
+        type=engine_arg,
+        default="zarr-python",
+        metavar="ENGINE",
+        help=help_text
+        or "library that writes and reads the zarr backend: zarr-python (default) or "
+        "tensorstore; both use the same on-disk layout (other backends ignore it)",
+    )
+
+
+def use_engine(engine: str, include_save: bool = True) -> None:
+    """Make ``engine`` the registered ``("zarr", 1)`` load (and with ``include_save``, save)
+    strategy of this process."""
+    from dist_ckpt.tools.demo import use_zarr_engine
+
+    use_zarr_engine(engine, include_save)
+
+
+def require_directory(text: str) -> None:
+    """Refuse a local ``text`` that is a regular file or does not exist (exit status 2), with a
+    message that says which; URLs are left to the storage layer."""
+    if "://" in text:
+        return
+    path = Path(text)
+    if path.is_dir():
+        return
+    if path.exists():
+        raise BadPathError(f"{text!r} is a file, not a checkpoint directory (give the directory that holds it)")
+    raise BadPathError(f"{text!r} does not exist")
 
 
 _SIZE_UNITS = {

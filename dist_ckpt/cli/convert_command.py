@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Tuple, Union
 
 from dist_ckpt.cli.common import (
     EXIT_OK,
     SubParsers,
+    add_engine_option,
     add_progress_option,
     backend_arg,
     human_bytes,
+    human_rate,
     print_json,
     progress_enabled,
+    require_directory,
     size_arg,
+    use_engine,
 )
 
 __all__ = ["add_convert_command"]
@@ -22,7 +27,15 @@ __all__ = ["add_convert_command"]
 def _target(text: str) -> Union[str, Tuple[str, int]]:
     from dist_ckpt.tools.convert import HF_TARGET
 
-    return HF_TARGET if text == HF_TARGET else backend_arg(text)
+    return HF_TARGET if text.strip().lower() == HF_TARGET else backend_arg(text)
+
+
+class _DropNotesPrintedBelow(logging.Filter):
+    """Drops the library's warning about what a HuggingFace folder cannot hold: the command
+    prints the same facts once, as ``note:`` lines of its report."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("converting %s to a HuggingFace folder drops")
 
 
 def add_convert_command(subparsers: SubParsers, common: argparse.ArgumentParser) -> None:
@@ -59,7 +72,7 @@ def add_convert_command(subparsers: SubParsers, common: argparse.ArgumentParser)
         type=_target,
         required=True,
         metavar="BACKEND",
-        help="target backend: safetensors, zarr, torch_dist, NAME:VERSION, or hf",
+        help="target backend: safetensors, zarr, torch_dist, NAME:VERSION, or hf (case-insensitive)",
     )
     p.add_argument(
         "--max-shard-size",
@@ -75,6 +88,13 @@ def add_convert_command(subparsers: SubParsers, common: argparse.ArgumentParser)
         "from SRC: only for checkpoints you trust)",
     )
     p.add_argument("--json", action="store_true", help="print what was done as one JSON document")
+    # TensorStore's save strategy writes whole state dicts, not tensor by tensor: a zarr target
+    # is written by zarr-python (the same layout), a zarr source is read by the engine chosen
+    add_engine_option(
+        p,
+        "library that reads a zarr SRC: zarr-python (default) or tensorstore; a zarr DST is "
+        "written by zarr-python, tensor by tensor, in the layout both read",
+    )
     add_progress_option(p)
     p.set_defaults(run=run_convert_command, parser=p)
 
@@ -84,17 +104,26 @@ def run_convert_command(args: argparse.Namespace) -> int:
     from dist_ckpt.cli.progress import ProgressBars
     from dist_ckpt.tools.convert import convert, trusting_strategies  # keeps `dist-ckpt --help` fast
 
+    require_directory(args.src)
+    use_engine(args.engine, include_save=False)  # before convert picks the zarr load strategy
+    # --allow-pickle trusts every loader of SRC that can unpickle (common state, ShardedObjects, DCP .metadata)
     sharded_strategy, common_strategy = trusting_strategies(args.src) if args.allow_pickle else (None, None)
-    with ProgressBars(progress_enabled(args), "converting") as bars:
-        result = convert(
-            args.src,
-            args.dst,
-            args.to,
-            max_shard_size=args.max_shard_size,
-            common_strategy=common_strategy,
-            sharded_strategy=sharded_strategy,
-            progress=bars,
-        )
+    quiet_notes = _DropNotesPrintedBelow()
+    convert_logger = logging.getLogger(convert.__module__)  # the logger of dist_ckpt.tools.convert
+    convert_logger.addFilter(quiet_notes)
+    try:
+        with ProgressBars(progress_enabled(args), "converting") as bars:
+            result = convert(
+                args.src,
+                args.dst,
+                args.to,
+                max_shard_size=args.max_shard_size,
+                common_strategy=common_strategy,
+                sharded_strategy=sharded_strategy,
+                progress=bars,
+            )
+    finally:
+        convert_logger.removeFilter(quiet_notes)
     if args.json:
         print_json(result.to_json())
         return EXIT_OK
@@ -105,13 +134,14 @@ def run_convert_command(args: argparse.Namespace) -> int:
         else ""
     )
     files = "" if report.files is None else f": {report.files} files, {human_bytes(report.file_bytes or 0)}"
+    engine = f" (read with {args.engine})" if result.source_backend.startswith("zarr:") else ""
     print(
         f"dist-ckpt convert: {result.tensors} tensors, {human_bytes(report.total_nbytes)}, "
-        f"{result.source_backend} -> {result.target_backend}"
+        f"{result.source_backend}{engine} -> {result.target_backend}"
     )
     print(f"  from {result.source}")
     print(f"  to   {result.destination}{files}{carried}")
-    print(f"  in {report.max_seconds:.2f} s ({report.gb_per_s:.3g} GB/s)")
-    for note in result.dropped:
+    print(f"  in {report.max_seconds:.2f} s ({human_rate(report.total_nbytes, report.max_seconds)})")
+    for note in result.dropped:  # with --json, the document lists them
         print(f"note: not copied (a HuggingFace folder holds tensors only): {note}")
     return EXIT_OK

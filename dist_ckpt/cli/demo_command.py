@@ -9,6 +9,7 @@ from dist_ckpt.cli.common import (
     EXIT_OK,
     CommandFailed,
     SubParsers,
+    add_engine_option,
     backend_arg,
     even_ranks_arg,
     format_table,
@@ -65,6 +66,7 @@ def add_demo_command(subparsers: SubParsers, common: argparse.ArgumentParser) ->
         metavar="DIR",
         help="create the checkpoint in a new subdirectory of DIR (default: the system temp dir)",
     )
+    add_engine_option(p)
     p.add_argument("--keep", action="store_true", help="keep the checkpoint instead of deleting it")
     p.add_argument("--seed", type=int, default=1234, help="seed of every saved value (default: %(default)s)")
     p.set_defaults(run=run_demo_command, parser=p)
@@ -79,6 +81,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
             size_mib=args.size,
             ranks=args.ranks,
             backend=args.backend,
+            engine=args.engine,
             directory=args.dir,
             keep=args.keep,
             seed=args.seed,
@@ -86,7 +89,8 @@ def run_demo_command(args: argparse.Namespace) -> int:
     )
     cfg = result.config
     fate = "kept" if result.kept else "deleted"
-    print(f"dist-ckpt demo: {result.ranks} ranks, backend {result.backend[0]}:{result.backend[1]}")
+    engine = f" ({result.engine})" if result.backend[0] == "zarr" else ""
+    print(f"dist-ckpt demo: {result.ranks} ranks, backend {result.backend[0]}:{result.backend[1]}{engine}")
     print(
         f"  model      GPT-like, hidden {cfg.hidden}, {cfg.layers} layers, vocab {cfg.vocab} (bf16)"
         f" + Adam exp_avg, exp_avg_sq (fp32, distributed optimizer)"

@@ -7,7 +7,16 @@ import fnmatch
 from dataclasses import replace
 from typing import List, Sequence
 
-from dist_ckpt.cli.common import EXIT_OK, SubParsers, format_table, human_bytes, print_json
+from dist_ckpt.cli.common import (
+    EXIT_OK,
+    SubParsers,
+    elide,
+    format_table,
+    human_bytes,
+    print_json,
+    require_directory,
+    terminal_width,
+)
 
 __all__ = ["add_inspect_command"]
 
@@ -23,7 +32,8 @@ def add_inspect_command(subparsers: SubParsers, common: argparse.ArgumentParser)
             "metadata alone, without reading tensor data or needing a process group: backend and "
             "version, the ranks that saved it, every tensor's global shape, dtype and size, how it "
             "is stored (number of stored shards, chunk shape or flattened ranges, files), the keys "
-            "of the common state and the ShardedObjects."
+            "of the common state and the ShardedObjects. On a terminal (or with $COLUMNS set) long "
+            "keys are shortened in the middle to fit its width; piped output and --json keep them whole."
         ),
     )
     p.add_argument(
@@ -58,6 +68,7 @@ def run_inspect_command(args: argparse.Namespace) -> int:
     """Inspect and print a summary, a table of tensors, the common keys and ShardedObjects."""
     from dist_ckpt.tools.inspection import inspect_checkpoint  # keeps `dist-ckpt --help` fast
 
+    require_directory(args.dir)  # a file or a missing path: exit 2, saying which
     info = inspect_checkpoint(args.dir)
     if args.keys is not None:
         info = replace(info, tensors=tuple(t for t in info.tensors if fnmatch.fnmatchcase(t.key, args.keys)))
@@ -76,7 +87,9 @@ def run_inspect_command(args: argparse.Namespace) -> int:
         f"{human_bytes(info.nbytes)}{shards}",
         f"  files     {files}",
     ]
-    print("\n".join(lines))
+    width = terminal_width()
+    fit = (lambda text: elide(text, width)) if width else (lambda text: text)
+    print("\n".join(fit(line) for line in lines))
     if info.tensors:
         rows = []
         for t in info.tensors:
@@ -104,18 +117,20 @@ def run_inspect_command(args: argparse.Namespace) -> int:
                 ["key", "shape", "dtype", "size", "shards", "layout", "files"],
                 rows,
                 [False, False, False, True, True, False, True],
+                max_width=width,
+                shrink=[0, 5],
             )
         )
     if info.common_keys:
         print()
         print(f"common state ({len(info.common_keys)} keys):")
         for key, value in info.common_keys.items():
-            print(f"  {key}: {value}")
+            print(fit(f"  {key}: {value}"))
     if info.sharded_objects:
         print()
         print(f"ShardedObjects ({len(info.sharded_objects)}):")
         for key in info.sharded_objects:
-            print(f"  {key}")
+            print(fit(f"  {key}"))
     for note in info.notes:
         print(f"note: {note}")
     return EXIT_OK

@@ -4,8 +4,9 @@ The library reports progress through callbacks (:class:`~dist_ckpt.engine.report
 never draws anything; this module -- imported by the CLI only, so that importing dist_ckpt never
 imports tqdm -- turns the events into bars:
 
-* a phase that counts bytes (a conversion's tensors) gets a bar in bytes, with the key of the
-  tensor just written;
+* a phase that counts bytes (a conversion's tensors) gets a bar in bytes (binary units, the
+  rate in GiB/s like every other throughput the commands print), with the key of the tensor
+  just written;
 * other phases advance one bar of the operation's phases.
 
 Example::
@@ -19,9 +20,30 @@ from __future__ import annotations
 from types import TracebackType
 from typing import Any, Dict, Optional, Type
 
+from dist_ckpt.cli.common import human_bytes, human_rate
 from dist_ckpt.engine.report import ProgressEvent
 
-__all__ = ["ProgressBars"]
+__all__ = ["ProgressBars", "byte_bar"]
+
+#: a bytes bar: sizes as human_bytes writes them, the rate in GiB/s (tqdm's own unit scaling
+#: would print "MB" for mebibytes)
+_BYTES_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {done_of_total} [{elapsed}<{remaining}, {gib_rate}{postfix}]"
+
+
+def byte_bar(total: int, desc: str, leave: bool = True) -> Any:
+    """A tqdm bar counting ``total`` bytes, drawn on stderr (``.update(nbytes)`` as they pass)."""
+    from tqdm import tqdm
+
+    class _BytesBar(tqdm):  # type: ignore[misc]  # tqdm is untyped
+        @property
+        def format_dict(self) -> Dict[str, Any]:
+            d: Dict[str, Any] = super().format_dict
+            elapsed = float(d.get("elapsed") or 0.0)
+            d["done_of_total"] = f"{human_bytes(int(d['n']))}/{human_bytes(int(d['total'] or 0))}"
+            d["gib_rate"] = human_rate(d["n"], elapsed) if elapsed > 0 else "? GiB/s"
+            return d
+
+    return _BytesBar(total=total, desc=desc, leave=leave, dynamic_ncols=True, bar_format=_BYTES_FORMAT)
 
 
 class ProgressBars:
@@ -54,15 +76,7 @@ class ProgressBars:
         if event.bytes_total:
             bar = self._bytes.get(event.phase)
             if bar is None:
-                bar = self._bytes[event.phase] = tqdm(
-                    total=event.bytes_total,
-                    desc=event.phase,
-                    unit="B",
-                    unit_scale=True,
-                    unit_divisor=1024,
-                    leave=True,
-                    dynamic_ncols=True,
-                )
+                bar = self._bytes[event.phase] = byte_bar(event.bytes_total, event.phase)
             bar.update(event.bytes_done - bar.n)
             if event.item is not None:
                 bar.set_postfix_str(event.item, refresh=False)

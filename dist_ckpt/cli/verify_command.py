@@ -7,12 +7,15 @@ import argparse
 from dist_ckpt.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
+    EXIT_USAGE,
+    BadPathError,
     CommandFailed,
     SubParsers,
     add_progress_option,
     human_bytes,
     print_json,
     progress_enabled,
+    require_directory,
 )
 
 __all__ = ["add_verify_command"]
@@ -30,7 +33,8 @@ def add_verify_command(subparsers: SubParsers, common: argparse.ArgumentParser) 
             "recorded at save time for every block of every tensor, every zarr file, common.pt and "
             "every ShardedObject file. Prints one line per problem ('FILE (key KEY): PROBLEM') and "
             "exits 1 if there is any (a save that never committed is one), 0 if the checkpoint is healthy, "
-            "2 if DIR does not exist. "
+            "2 if DIR does not exist, is a file, or holds no checkpoint at all (neither metadata.json nor "
+            "any file a save writes). "
             "Works on s3:// URLs too (every object is read once). Needs no process group."
         ),
     )
@@ -48,18 +52,20 @@ def add_verify_command(subparsers: SubParsers, common: argparse.ArgumentParser) 
 def run_verify_command(args: argparse.Namespace) -> int:
     """Verify and print one line per problem (or the JSON report)."""
     from dist_ckpt.cli.progress import ProgressBars
-    from dist_ckpt.errors import NotACheckpointError
     from dist_ckpt.integrity.verify import verify_checkpoint  # keeps `dist-ckpt --help` fast
     from dist_ckpt.storage.location import resolve_location
 
-    location = resolve_location(args.dir)
-    if location.local_paths and not location.dir_exists():  # a bad path, not a damaged checkpoint
-        raise NotACheckpointError(f"checkpoint directory {args.dir!r} does not exist (or is not a directory)")
+    require_directory(args.dir)  # a bad path, not a damaged checkpoint: exit 2
     with ProgressBars(progress_enabled(args), "verifying") as bars:
-        report = verify_checkpoint(location, progress=bars)
+        report = verify_checkpoint(resolve_location(args.dir), progress=bars)
     if args.json:
         print_json(report.to_json())
-        return EXIT_OK if report.ok else EXIT_FAILURE
+        return EXIT_OK if report.ok else EXIT_FAILURE if report.found else EXIT_USAGE
+    if not report.found:
+        raise BadPathError(
+            f"{args.dir!r} holds no checkpoint: no metadata.json and none of the files a save writes "
+            "(a run directory? verify one of the checkpoints in it)"
+        )
     for problem in report.problems:
         print(problem)
     for note in report.notes:

@@ -32,6 +32,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Optional, Tuple
 
+from dist_ckpt._version import __version__
 from dist_ckpt.errors import CheckpointExistsError, CheckpointingException, CorruptCheckpointError, NotACheckpointError
 from dist_ckpt.storage.errors import ObjectExistsError, ObjectNotFoundError, StorageError
 from dist_ckpt.storage.location import LocationLike, resolve_location
@@ -67,7 +68,7 @@ RECORD_FILENAME = "dist_ckpt.json"
 #: sharded backends whose ``metadata.json`` Megatron-Core reads (and refuses with unknown keys)
 MEGATRON_BACKENDS = frozenset({"torch_dist"})
 FORMAT_VERSION = 1
-LIBRARY_VERSION = "0.1.0"
+LIBRARY_VERSION = __version__  # the version of the dist_ckpt that writes metadata.json
 
 
 @dataclass(frozen=True)

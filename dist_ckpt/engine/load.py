@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Set, Tuple, Union
 
-from dist_ckpt.backends.base import LoadShardedStrategy
+from dist_ckpt.backends.base import LoadCommonStrategy, LoadShardedStrategy
 from dist_ckpt.engine.checks.compatibility import validate_sharded_objects_handling, verify_checkpoint_and_load_strategy
 from dist_ckpt.engine.checks.strict import StrictHandling, parse_strict_flag, validate_integrity_and_strict_load
 from dist_ckpt.engine.distributed import run_collectively
@@ -87,13 +87,15 @@ def load_with_report(
     *,
     progress: Optional[ProgressCallback] = None,
     watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
+    allow_dtype_cast: Optional[bool] = None,
 ) -> LoadResult:
     """Load like :func:`load`, always returning a :class:`LoadResult` (collective), with the
     load's report (seconds per phase, bytes, files, throughput; also logged at INFO on rank 0).
 
     Steps:
 
-    1. Read ``metadata.json`` and pick load strategies compatible with it.
+    1. Read ``metadata.json`` and pick load strategies compatible with it (configured with
+       ``allow_dtype_cast`` when it is given).
     2. Load the common state: the base of the result. Build factories.
     3. Match requested keys against the checkpoint (``strict``) and, if
        ``validate_access_integrity``, check the requested sharding on rank 0.
@@ -103,7 +105,7 @@ def load_with_report(
 
     A key requested but absent from the checkpoint raises (naming it) unless ``strict`` says
     to skip it; it is never silently left unloaded. ``progress`` and ``watchdog_timeout_s`` are
-    as in :func:`save`.
+    as in :func:`save`, ``allow_dtype_cast`` as in :func:`load`.
 
     Example::
 
@@ -123,6 +125,7 @@ def load_with_report(
             common_strategy,
             validate_access_integrity,
             parse_strict_flag(strict),
+            allow_dtype_cast,
         )
     return LoadResult(state, missing, unexpected, monitor.finish(nbytes))
 
@@ -135,13 +138,17 @@ def _load_steps(
     common_strategy: StrategySpec,
     validate_access_integrity: bool,
     strict: StrictHandling,
+    allow_dtype_cast: Optional[bool],
 ) -> Tuple[StateDict, Set[str], Set[str], int]:
     """The numbered steps of :func:`load_with_report`; returns the state, the missing and
     unexpected keys, and the tensor bytes this rank requested."""
+
     # 1. strategies
-    sharded_strat, common_strat = monitor.run(
-        Step.OPEN_CHECKPOINT, lambda: verify_checkpoint_and_load_strategy(location, sharded_strategy, common_strategy)
-    )
+    def strategies() -> Tuple[LoadShardedStrategy, LoadCommonStrategy]:
+        sharded, common = verify_checkpoint_and_load_strategy(location, sharded_strategy, common_strategy)
+        return (sharded if allow_dtype_cast is None else sharded.with_dtype_cast(allow_dtype_cast)), common
+
+    sharded_strat, common_strat = monitor.run(Step.OPEN_CHECKPOINT, strategies)
 
     # 2. common state and factories
     def prepare() -> Tuple[StateDict, ShardedStateDict, ShardedStateDict, ShardedStateDict, Optional[ShardedStateDict]]:
@@ -199,6 +206,7 @@ def load(
     *,
     progress: Optional[ProgressCallback] = None,
     watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
+    allow_dtype_cast: Optional[bool] = None,
 ) -> Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]:
     """Load a checkpoint into the layout described by ``sharded_state_dict`` (collective).
 
@@ -219,6 +227,18 @@ def load(
         progress: called with a :class:`~dist_ckpt.engine.report.ProgressEvent` as each step starts
             and ends (keyword only).
         watchdog_timeout_s: as in :func:`save` (keyword only).
+        allow_dtype_cast: whether a requested dtype may differ from the stored one (keyword
+            only). The loaders cast by default, as Megatron-Core and torch.distributed.checkpoint
+            do: each stored piece is read in its dtype and converted while copied into the
+            requested tensor (:mod:`dist_ckpt.model.dtype_cast` has the rule; the keys cast are
+            logged at INFO). ``False`` raises ``LoadMismatchError`` naming the key, rank,
+            checkpoint and both dtypes instead; ``None`` leaves the choice to the strategy's own
+            option (e.g. ``SafetensorsLoadOptions(allow_dtype_cast=...)``).
+
+    Example::
+
+        dc.load(bf16_model_sd, "ckpt/iter_10")                            # fp32 on disk: cast
+        dc.load(bf16_model_sd, "ckpt/iter_10", allow_dtype_cast=False)    # LoadMismatchError
     """
     result = load_with_report(
         sharded_state_dict,
@@ -229,6 +249,7 @@ def load(
         strict,
         progress=progress,
         watchdog_timeout_s=watchdog_timeout_s,
+        allow_dtype_cast=allow_dtype_cast,
     )
     if StrictHandling.requires_returning_mismatch_keys(parse_strict_flag(strict)):
         return result.state_dict, result.missing_keys, result.unexpected_keys

@@ -27,8 +27,17 @@ def load_common_state_dict(checkpoint_dir: LocationLike, common_strategy: Strate
 def load_tensors_metadata(checkpoint_dir: LocationLike, sharded_strategy: StrategySpec = None) -> ShardedStateDict:
     """``{key: ShardedTensor}`` with each stored tensor's global shape and dtype (no data).
 
-    The ShardedTensors describe whole, unsharded tensors, so the result can be passed to
-    :func:`load` to read full tensors. Needs no process group, not collective.
+    The ShardedTensors describe whole, unsharded tensors as they were saved, as Megatron-Core's
+    do: ``local_shape == global_shape``, and a tensor saved as flattened ranges (distributed
+    optimizer) has a ``flattened_range`` covering all of it. Passed to :func:`load`, the result
+    reads every tensor whole: with its shape, or flat (1-D) when it was saved flattened
+    (:func:`dist_ckpt.model.stored_metadata.shaped` gives the shaped description instead).
+    Needs no process group, not collective.
+
+    Example::
+
+        meta = load_tensors_metadata("ckpt/iter_10")
+        meta["optimizer.exp_avg"].flattened_range      # slice(0, numel) if saved flattened
     """
     with local_only():
         location = resolve_location(checkpoint_dir)
@@ -52,7 +61,10 @@ def load_sharded_metadata(
 
 
 def load_plain_tensors(checkpoint_dir: LocationLike) -> StateDict:
-    """Every stored tensor, whole, keyed by its checkpoint key (the common state is not included).
+    """Every stored tensor, whole, keyed by its checkpoint key (the common state is not included):
+    :func:`load` of :func:`load_tensors_metadata`, as in Megatron-Core, so a tensor saved as
+    flattened ranges comes back flat (1-D); :func:`dist_ckpt.unshard` returns every tensor with
+    its shape.
 
     Not collective: the calling rank alone reads every tensor, whether or not the other ranks
     call it too.

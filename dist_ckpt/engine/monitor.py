@@ -218,6 +218,10 @@ class StepMonitor:
         if report.rank == 0:
             logger.info("%s", report.summary())
         logger.debug(
-            "rank %d: %d bytes in %.3f s (%.3g GB/s)", report.rank, report.nbytes, report.seconds, report.rank_gb_per_s
+            "rank %d: %d bytes in %.3f s (%.3g GiB/s)",
+            report.rank,
+            report.nbytes,
+            report.seconds,
+            report.rank_gib_per_s,
         )
         return report

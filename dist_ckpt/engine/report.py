@@ -18,7 +18,7 @@ Example::
             print(f"{event.phase}: {event.seconds:.2f} s")
 
     result = dc.save_with_report(sd, "ckpt/iter_10", progress=progress)
-    print(result.report.summary())     # "save of ckpt/iter_10: 1.07 GB in 0.53 s (2.02 GB/s), ..."
+    print(result.report.summary())     # "save of ckpt/iter_10: 1020 MiB in 0.53 s (1.88 GiB/s), ..."
 """
 
 from __future__ import annotations
@@ -27,23 +27,39 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
-__all__ = ["CheckpointReport", "Operation", "PhaseTiming", "ProgressCallback", "ProgressEvent", "format_bytes"]
+__all__ = [
+    "CheckpointReport",
+    "Operation",
+    "PhaseTiming",
+    "ProgressCallback",
+    "ProgressEvent",
+    "format_bytes",
+    "gib_per_s",
+]
 
 
 def format_bytes(nbytes: int) -> str:
-    """A byte count for people, in decimal units.
+    """A byte count for people, in the largest binary unit that keeps it >= 1 (the unit of every
+    size dist_ckpt prints; throughputs are in GiB/s, :func:`gib_per_s`).
 
     Example::
 
         format_bytes(212)            # "212 B"
-        format_bytes(1_070_000_000)  # "1.07 GB"
+        format_bytes(1_070_000_000)  # "1020 MiB"
+        format_bytes(3 * 2**30)      # "3 GiB"
     """
     value = float(nbytes)
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(value) < 1000 or unit == "TB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.3g} {unit}"
-        value /= 1000
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.3g} {unit}" if value < 100 else f"{value:.0f} {unit}"
+        value /= 1024
     raise AssertionError("unreachable")
+
+
+def gib_per_s(nbytes: float, seconds: float) -> float:
+    """Throughput in GiB/s (2**30 bytes per second), the one throughput unit of dist_ckpt's
+    reports, logs and commands; 0 for no time."""
+    return nbytes / 2**30 / seconds if seconds > 0 else 0.0
 
 
 class Operation(enum.Enum):
@@ -134,14 +150,20 @@ class CheckpointReport:
     complete: bool = False
 
     @property
-    def gb_per_s(self) -> float:
-        """Throughput of the whole job: every rank's bytes over the slowest rank's time (GB = 10**9)."""
-        return self.total_nbytes / 1e9 / self.max_seconds if self.max_seconds > 0 else 0.0
+    def gib_per_s(self) -> float:
+        """Throughput of the whole job in GiB/s: every rank's bytes over the slowest rank's time."""
+        return gib_per_s(self.total_nbytes, self.max_seconds)
 
     @property
-    def rank_gb_per_s(self) -> float:
-        """This rank's throughput: its bytes over its time."""
-        return self.nbytes / 1e9 / self.seconds if self.seconds > 0 else 0.0
+    def rank_gib_per_s(self) -> float:
+        """This rank's throughput in GiB/s: its bytes over its time."""
+        return gib_per_s(self.nbytes, self.seconds)
+
+    @property
+    def gb_per_s(self) -> float:
+        """The job's throughput in decimal GB/s (10**9 bytes), kept for code written against
+        dist_ckpt 0.1.0; everything dist_ckpt prints uses :attr:`gib_per_s`."""
+        return self.total_nbytes / 1e9 / self.max_seconds if self.max_seconds > 0 else 0.0
 
     def phase_seconds(self, name: str) -> float:
         """Seconds spent in the phase(s) named ``name`` (0 if it did not run); ``name`` is a
@@ -158,7 +180,7 @@ class CheckpointReport:
 
         Example::
 
-            "save of ckpt/iter_10: 1.07 GB in 0.53 s (2.02 GB/s) on 2 ranks; 5 files, 1.07 GB;
+            "save of ckpt/iter_10: 1020 MiB in 0.53 s (1.88 GiB/s) on 2 ranks; 5 files, 1020 MiB;
              phases: preparing the save 0.01 s, ..."
         """
         files = "" if self.files is None else f"; {self.files} files, {format_bytes(self.file_bytes or 0)}"
@@ -167,7 +189,7 @@ class CheckpointReport:
         state = "" if self.complete else " (not complete)"
         return (
             f"{self.operation.value} of {self.checkpoint_dir}{state}: {format_bytes(self.total_nbytes)} in "
-            f"{self.max_seconds:.3f} s ({self.gb_per_s:.3g} GB/s){ranks}{files}; phases: {phases}"
+            f"{self.max_seconds:.3f} s ({self.gib_per_s:.3g} GiB/s){ranks}{files}; phases: {phases}"
         )
 
     def to_json(self) -> Dict[str, Any]:
@@ -187,7 +209,7 @@ class CheckpointReport:
             "seconds": self.seconds,
             "total_nbytes": self.total_nbytes,
             "max_seconds": self.max_seconds,
-            "gb_per_s": self.gb_per_s,
+            "gib_per_s": self.gib_per_s,
             "files": self.files,
             "file_bytes": self.file_bytes,
             "phases": [{"name": p.name, "seconds": p.seconds} for p in self.phases],

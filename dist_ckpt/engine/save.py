@@ -234,7 +234,7 @@ def save_with_report(
 
         result = save_with_report(sd, "ckpt/iter_10", progress=lambda e: print(e.phase, e.done))
         print(result.report.summary())
-        print(result.report.phase_seconds(Step.SAVE_SHARDED), result.report.gb_per_s)
+        print(result.report.phase_seconds(Step.SAVE_SHARDED), result.report.gib_per_s)
     """
     phases = [Step.PREPARE_SAVE, Step.CHECK_STATE]
     phases += [Step.VALIDATE_SHARDING] if validate_access_integrity else []

@@ -7,7 +7,9 @@
 * :mod:`.partial` -- a process loads only what it owns: ``is_in_safetensors_format``,
   ``load_sharded_state_dict``, ``load_state_dict_to_shards``, ``save_sharded_model``,
   ``set_submodule``;
-* :mod:`.export` -- ``export(src, dst, max_shard_size)``: any dist_ckpt checkpoint to an HF folder;
+* :mod:`.export` -- ``export(src, dst, max_shard_size, include=, exclude=, rename=, config=)``:
+  the model weights of any dist_ckpt checkpoint to an HF folder (optimizer state left out by
+  default; :mod:`.select` decides which keys and under which names);
 * :mod:`.strategy` -- the ``("hf", 1)`` load strategies with which ``dist_ckpt.load`` reads an HF
   folder into a sharded state dict, each rank reading only its slices.
 
@@ -19,7 +21,7 @@ Example::
     from dist_ckpt import hf
     hf.save_checkpoint("out/model", model, max_shard_size=2**30)
     state = hf.load_checkpoint("out/model", None, keys={"lm_head.weight"})
-    hf.export("ckpt/iter_1000", "hf/iter_1000")
+    hf.export("ckpt/iter_1000", "hf/iter_1000", rename={"model.": ""}, config="config.json")
 """
 
 from dist_ckpt.hf.export import ExportResult, export
@@ -42,6 +44,7 @@ from dist_ckpt.hf.partial import (
     save_sharded_model,
     set_submodule,
 )
+from dist_ckpt.hf.select import is_optimizer_key, rename_keys, select_keys
 from dist_ckpt.hf.strategy import HFCommonLoadStrategy, HFLoadShardedStrategy
 
 __all__ = [
@@ -55,16 +58,19 @@ __all__ = [
     "export",
     "index_file_name",
     "is_in_safetensors_format",
+    "is_optimizer_key",
     "load_checkpoint",
     "load_shard_index",
     "load_sharded_checkpoint",
     "load_sharded_state_dict",
     "load_state_dict_to_shards",
     "make_shard_index",
+    "rename_keys",
     "retie_parameters",
     "save_checkpoint",
     "save_shard_index",
     "save_sharded_checkpoint",
     "save_sharded_model",
+    "select_keys",
     "set_submodule",
 ]

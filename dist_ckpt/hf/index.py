@@ -31,6 +31,7 @@ from torch.nn import Module
 
 from dist_ckpt.engine.commit import BIN_WEIGHTS_INDEX_NAME, BIN_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
+from dist_ckpt.model.module_names import ModuleNames
 from dist_ckpt.storage import write_bytes_atomic
 
 __all__ = [
@@ -263,7 +264,9 @@ def create_sharing_metadata(model: Module) -> SharingMetadataT:
         create_sharing_metadata(model)  # [["embed.weight", "lm_head.weight"]]
     """
     groups: Dict[Any, List[str]] = {}
-    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    names = ModuleNames(model)
+    entries = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    named = [(names.canonical(name), tensor) for name, tensor in entries]
     by_storage: Dict[Tuple[Any, ...], Any] = {}
     for name, tensor in named:
         key: Any = id(tensor)
@@ -276,10 +279,10 @@ def create_sharing_metadata(model: Module) -> SharingMetadataT:
     return [g for g in groups.values() if len(g) > 1]
 
 
-def _owner(module: Module, name: str) -> Tuple[Module, str]:
+def _owner(names: ModuleNames, name: str) -> Tuple[Module, str]:
     path, _, attr = name.rpartition(".")
     try:
-        return (module.get_submodule(path) if path else module), attr
+        return names.submodule(path), attr
     except AttributeError as e:
         raise CheckpointingException(f"cannot re-tie {name!r}: the model has no submodule {path!r}") from e
 
@@ -295,13 +298,14 @@ def retie_parameters(module: Module, sharing_metadata: SharingMetadataT) -> None
         load_checkpoint(model_dir, model)  # calls it with the checkpoint's groups
         retie_parameters(model, [["embed.weight", "lm_head.weight"]])
     """
+    names = ModuleNames(module)  # groups name entries as the unwrapped model does
     for group in sharing_metadata:
-        owner, attr = _owner(module, group[0])
+        owner, attr = _owner(names, group[0])
         source = getattr(owner, attr, None)
         if not isinstance(source, Tensor):
             raise CheckpointingException(f"cannot re-tie {group}: the model has no parameter or buffer {group[0]!r}")
         for name in group[1:]:
-            target_owner, target_attr = _owner(module, name)
+            target_owner, target_attr = _owner(names, name)
             if isinstance(source, torch.nn.Parameter):
                 setattr(target_owner, target_attr, source)
             else:

@@ -45,6 +45,7 @@ from dist_ckpt.hf.index import (
     sharing_groups,
     validate_shard_index,
 )
+from dist_ckpt.model.module_names import canonical_state_dict, has_fsdp1
 from dist_ckpt.model.sharded import ShardedTensor
 
 __all__ = ["load_checkpoint", "load_sharded_checkpoint", "save_checkpoint", "save_sharded_checkpoint"]
@@ -55,9 +56,11 @@ Device = Union[str, torch.device]
 
 
 def as_state_dict(module: StateDictLike) -> Dict[str, Tensor]:
-    """The tensors to save: ``module.state_dict()`` for a module, the dict itself otherwise."""
+    """The tensors to save: ``module.state_dict()`` for a module, by the names of the unwrapped
+    model (no ``module.`` of DDP, ``_orig_mod.`` of ``torch.compile``, ...: see
+    :mod:`dist_ckpt.model.module_names`), the dict itself otherwise."""
     if isinstance(module, Module):
-        return module.state_dict()
+        return canonical_state_dict(module)[0]
     if isinstance(module, dict):
         return module
     raise CheckpointingException(f"expected an nn.Module or a dict of tensors, got {type(module).__name__}")
@@ -236,9 +239,12 @@ def load_into_module(
 
     Without ``assign`` the values are read in place into the module's existing tensors (any
     device); with ``assign`` new tensors are made on ``device`` and assigned (for modules on the
-    meta device). Key problems are checked before anything is read.
+    meta device). Key problems are checked before anything is read. Names are those of the
+    unwrapped model (a DDP or ``torch.compile`` wrapper loads the same folder as the plain
+    model); an FSDP1 model, whose ``state_dict()`` holds copies, gets them through its
+    ``load_state_dict``.
     """
-    targets = module.state_dict(keep_vars=True)
+    targets, raw_names = canonical_state_dict(module, keep_vars=True)
     available = set(folder.weight_map) | set(folder.aliases)
     missing = {n for n in targets if n not in available}
     unexpected = {n for n in folder.weight_map if n not in targets}
@@ -258,7 +264,7 @@ def load_into_module(
     names = [n for n in targets if n in available]
     if assign:
         loaded = load_into_dict(folder, names, device, options)
-        module.load_state_dict(loaded, strict=False, assign=True)
+        module.load_state_dict({raw_names[n]: t for n, t in loaded.items()}, strict=False, assign=True)
     else:
         index = folder.tensor_index(names)
         aliases = folder.aliases
@@ -279,6 +285,8 @@ def load_into_module(
                 )
             request[name] = ShardedTensor.from_rank_offsets(stored, dest)
         load_from_index(request, index, options or ReadOptions())
+        if has_fsdp1(module):  # the targets were copies
+            module.load_state_dict({raw_names[n]: targets[n] for n in names}, strict=False)
     groups = [g for g in folder.sharing if all(n in targets for n in g)]
     retie_parameters(module, groups)
     return missing, unexpected
@@ -357,6 +365,8 @@ def load_checkpoint(
     strict: bool = ...,
     assign: bool = ...,
     keys: Optional[Set[str]] = ...,
+    *,
+    allow_dtype_cast: bool = ...,
 ) -> None: ...
 
 
@@ -368,6 +378,8 @@ def load_checkpoint(
     strict: bool = ...,
     assign: bool = ...,
     keys: Optional[Set[str]] = ...,
+    *,
+    allow_dtype_cast: bool = ...,
 ) -> Dict[str, Tensor]: ...
 
 
@@ -378,13 +390,18 @@ def load_checkpoint(
     strict: bool = True,
     assign: bool = False,
     keys: Optional[Set[str]] = None,
+    *,
+    allow_dtype_cast: bool = True,
 ) -> Optional[Dict[str, Tensor]]:
     """Load a HuggingFace checkpoint folder (index + shards, or ``model.safetensors``).
 
     Module mode loads into ``module`` (in place, or assigned on ``device`` with ``assign``),
     re-ties tied parameters, and returns None; with ``strict`` any name missing on either side
-    raises :class:`KeyMismatchError` before anything is read. Dict mode (``module=None``)
-    returns ``{name: tensor}`` on ``device``, restricted to ``keys`` if given.
+    raises :class:`KeyMismatchError` before anything is read. Parameters in another dtype than
+    the stored one are filled converted, as ``Module.load_state_dict`` does
+    (``allow_dtype_cast=False`` raises :class:`LoadMismatchError` instead; see
+    :mod:`dist_ckpt.model.dtype_cast`). Dict mode (``module=None``) returns ``{name: tensor}``
+    on ``device`` in the stored dtypes, restricted to ``keys`` if given.
 
     Example::
 
@@ -396,5 +413,6 @@ def load_checkpoint(
         return load_into_dict(folder, folder.names() if keys is None else keys, device)
     if keys is not None:
         raise CheckpointingException("keys= applies to dict mode (module=None) only")
-    load_into_module(folder, module, device, assign, raise_missing=strict, raise_unexpected=strict)
+    options = ReadOptions(allow_dtype_cast=allow_dtype_cast)
+    load_into_module(folder, module, device, assign, raise_missing=strict, raise_unexpected=strict, options=options)
     return None

@@ -26,6 +26,7 @@ from dist_ckpt.backends.safetensors import write_safetensors_file
 from dist_ckpt.errors import CheckpointingException, KeyMismatchError, LoadMismatchError, format_keys
 from dist_ckpt.hf.folder import has_hf_weights, open_folder
 from dist_ckpt.hf.io import as_state_dict, load_into_dict, load_into_module
+from dist_ckpt.model.module_names import ModuleNames, canonical_state_dict
 
 __all__ = [
     "is_in_safetensors_format",
@@ -93,7 +94,7 @@ def load_state_dict_to_shards(
             open_folder(checkpoint_dir), model_shard, "cpu", meta, raise_missing=True, raise_unexpected=False
         )
         return
-    own = model_shard.state_dict(keep_vars=True)
+    own, raw_names = canonical_state_dict(model_shard, keep_vars=True)
     absent = [k for k in own if k not in loaded_state_dict]
     if absent:
         raise KeyMismatchError(
@@ -107,7 +108,7 @@ def load_state_dict_to_shards(
                 f"{tuple(value.shape)}"
             )
     assign = any(t.device.type == "meta" for t in own.values())
-    model_shard.load_state_dict({k: loaded_state_dict[k] for k in own}, strict=True, assign=assign)
+    model_shard.load_state_dict({raw_names[k]: loaded_state_dict[k] for k in own}, strict=True, assign=assign)
 
 
 def save_sharded_model(model_shard: Union[Module, Dict[str, Tensor]], out_path: Union[str, Path]) -> None:
@@ -138,7 +139,7 @@ def set_submodule(model: Module, module_name: str, new_submodule: Module) -> Non
         raise CheckpointingException("set_submodule needs a non-empty dotted module name")
     parent_name, _, attr = module_name.rpartition(".")
     try:
-        parent = model.get_submodule(parent_name) if parent_name else model
+        parent = ModuleNames(model).submodule(parent_name)  # a wrapped model's names work too
     except AttributeError as e:
         raise CheckpointingException(f"cannot set {module_name!r}: the model has no submodule {parent_name!r}") from e
     if not isinstance(new_submodule, Module):

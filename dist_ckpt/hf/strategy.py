@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import ClassVar, Dict, List, Mapping, Optional, Tuple
 
 from dist_ckpt.backends.base import LoadCommonStrategy, LoadShardedStrategy
@@ -38,7 +39,8 @@ class HFLoadShardedStrategy(LoadShardedStrategy):
     """Reads slices of the tensors of a HuggingFace folder into ShardedTensors.
 
     Args:
-        options: read threads and buffer sizes.
+        options: read threads and buffer sizes; ``allow_dtype_cast`` (default True) converts
+            tensors stored in another dtype than the requested one.
         aliases: tied names absent from the files -> the stored name (for checkpoints that omit
             tied weights without recording the tie; recorded ties are used anyway).
 
@@ -73,6 +75,12 @@ class HFLoadShardedStrategy(LoadShardedStrategy):
             )
         index = folder.tensor_index(keys)
         return load_from_index(sharded_state_dict, index, self.options)
+
+    def with_dtype_cast(self, allow: bool) -> "HFLoadShardedStrategy":
+        """This loader with ``ReadOptions.allow_dtype_cast`` set to ``allow``."""
+        if self.options.allow_dtype_cast == allow:
+            return self
+        return HFLoadShardedStrategy(replace(self.options, allow_dtype_cast=allow), self.aliases)
 
     def load_tensors_metadata(self, checkpoint_dir: Storage) -> ShardedStateDict:
         return tensors_metadata(self._folder(checkpoint_dir).tensor_index())

@@ -69,6 +69,8 @@ class VerifyReport:
         files_checked: files checked.
         bytes_checked: bytes whose checksums were recomputed.
         notes: remarks that are not problems (e.g. parts saved without checksums).
+        found: False when the location holds neither ``metadata.json`` nor any file a save
+            writes (not a checkpoint at all, e.g. a run directory): then nothing was checked.
     """
 
     checkpoint_dir: str
@@ -78,6 +80,7 @@ class VerifyReport:
     files_checked: int = 0
     bytes_checked: int = 0
     notes: List[str] = field(default_factory=list)
+    found: bool = True
 
     @property
     def ok(self) -> bool:
@@ -89,6 +92,7 @@ class VerifyReport:
         return {
             "checkpoint": self.checkpoint_dir,
             "ok": self.ok,
+            "found": self.found,
             "committed": self.committed,
             "backends": self.backends,
             "problems": [p.to_json() for p in self.problems],
@@ -144,6 +148,16 @@ def verify_checkpoint(checkpoint_dir: LocationLike, progress: Optional[ProgressC
             f"no {METADATA_FILENAME}: a plain torch.distributed.checkpoint directory, committed by its "
             f"{DCP_METADATA_FILENAME}"
         )
+    if config is None and not report.problems and not _holds_save_files(directory) and not _has_dcp_files(directory):
+        report.found = False
+        report.problems.append(
+            IntegrityProblem(
+                METADATA_FILENAME,
+                "missing, and so is every file a save writes: no checkpoint here (or a save that "
+                "had not started writing)",
+            )
+        )
+        return report
     if config is None and not report.problems:
         report.problems.append(
             IntegrityProblem(
@@ -210,6 +224,14 @@ def _has_dcp_files(directory: Storage) -> bool:
     return any(
         o.key == DCP_METADATA_FILENAME or o.key.endswith(".distcp") for o in directory.list() if "/" not in o.key
     )
+
+
+def _holds_save_files(directory: Storage) -> bool:
+    """Whether anything a save writes is at the top of ``directory``: a backend's directory or a
+    name the common-state strategy owns (``common.pt``, ``objects/``, ...)."""
+    common = get_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1)
+    names = {d for d, _, _ in _BACKEND_DIRS} | set(getattr(common, "owned_paths", ()))
+    return bool(names & set(directory.list_dirs())) or any(directory.exists(name) for name in names)
 
 
 def _top_level_names(directory: Storage) -> List[str]:

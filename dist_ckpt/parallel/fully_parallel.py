@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -275,6 +276,16 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
         return load_with_exchange(
             sharded_state_dict, checkpoint_dir, self.base_strategy, group, balanced_owners, self.bucket_bytes, hooks
         )
+
+    def with_dtype_cast(self, allow: bool) -> "FullyParallelLoadStrategyWrapper":
+        """This wrapper around ``strategy.with_dtype_cast(allow)`` (the wrapped loader casts;
+        the shards broadcast are already in the requested dtype)."""
+        base = self.base_strategy.with_dtype_cast(allow)
+        if base is self.base_strategy:
+            return self
+        clone = copy.copy(self)
+        clone.base_strategy = base
+        return clone
 
     def load_tensors_metadata(self, checkpoint_dir: Storage) -> ShardedStateDict:
         return self.base_strategy.load_tensors_metadata(checkpoint_dir)

@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import time
@@ -152,6 +153,8 @@ class TwoStageDataParallelLoadShardedStrategy(LoadShardedStrategy):
         base_strategy: the loader that reads from storage; by default the one registered for
             the backend recorded in the checkpoint.
         bucket_bytes: upper bound of one broadcast of packed small chunks.
+        allow_dtype_cast: applied to the loader that reads (``with_dtype_cast``); None leaves
+            it as it is (the built-in loaders cast by default).
     """
 
     def __init__(
@@ -161,11 +164,13 @@ class TwoStageDataParallelLoadShardedStrategy(LoadShardedStrategy):
         *,
         base_strategy: Optional[LoadShardedStrategy] = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        allow_dtype_cast: Optional[bool] = None,
     ) -> None:
         self.data_parallel_group = data_parallel_group
         self.cpu_transfer = cpu_transfer
         self.base_strategy = base_strategy
         self.bucket_bytes = bucket_bytes
+        self.allow_dtype_cast = allow_dtype_cast
         self.timings: Dict[str, List[float]] = defaultdict(list)
         self.global_rank = get_rank()
         self.dp_group_ranks: List[int] = []
@@ -209,9 +214,20 @@ class TwoStageDataParallelLoadShardedStrategy(LoadShardedStrategy):
         if self.base_strategy is not None:
             self.base_strategy.check_location(checkpoint_dir)
 
+    def with_dtype_cast(self, allow: bool) -> "TwoStageDataParallelLoadShardedStrategy":
+        """A copy of this strategy whose reading loader is configured with ``allow`` (the copy
+        shares the timings, so :meth:`summarize_load_times` on either reports its loads)."""
+        if self.allow_dtype_cast == allow:
+            return self
+        clone = copy.copy(self)
+        clone.allow_dtype_cast = allow
+        return clone
+
     def _base(self, checkpoint_dir: Storage) -> LoadShardedStrategy:
         if self.base_strategy is not None:
-            return self.base_strategy
+            if self.allow_dtype_cast is None:
+                return self.base_strategy
+            return self.base_strategy.with_dtype_cast(self.allow_dtype_cast)
         config = read_config(checkpoint_dir)
         base = get_default_strategy(StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version)
         if not isinstance(base, LoadShardedStrategy) or (
@@ -224,7 +240,7 @@ class TwoStageDataParallelLoadShardedStrategy(LoadShardedStrategy):
         base.check_backend_compatibility(config.sharded_backend)
         base.check_version_compatibility(config.sharded_backend_version)
         base.check_location(checkpoint_dir)
-        return base
+        return base if self.allow_dtype_cast is None else base.with_dtype_cast(self.allow_dtype_cast)
 
     # ----------------------------------------------------------------- the steps
 

@@ -89,12 +89,14 @@ class BenchOptions:
         size_mib: size of the state in MiB.
         ranks: ranks that save (even, >= 2).
         backend: sharded backend ``(name, version)``.
+        engine: the library for the ``zarr`` backend, ``"zarr-python"`` or ``"tensorstore"``.
     """
 
     directory: Path = field(default_factory=lambda: Path(tempfile.gettempdir()))
     size_mib: float = 1024.0
     ranks: int = 2
     backend: Tuple[str, int] = DEFAULT_SHARDED_BACKEND
+    engine: str = "zarr-python"
 
     def demo_options(self) -> DemoOptions:
         """The demo run the benchmark times (page cache evicted before each load)."""
@@ -104,6 +106,7 @@ class BenchOptions:
             backend=self.backend,
             directory=self.directory,
             evict_page_cache=True,
+            engine=self.engine,
         )
 
 
@@ -178,6 +181,7 @@ class BenchResult:
         return {
             "ok": self.ok,
             "backend": f"{demo.backend[0]}:{demo.backend[1]}",
+            "engine": demo.engine,
             "ranks": demo.ranks,
             "state_bytes": self.nbytes,
             "tensors": demo.num_tensors,
@@ -232,7 +236,8 @@ def render_table(result: BenchResult) -> str:
     ]
     header = (
         f"dist_ckpt save/load benchmark: {demo.state_bytes / 2**30:.2f} GiB state (hidden {cfg.hidden}, "
-        f"{cfg.layers} layers, vocab {cfg.vocab}), {demo.ranks} ranks, backend {demo.backend[0]}:{demo.backend[1]}\n"
+        f"{cfg.layers} layers, vocab {cfg.vocab}), {demo.ranks} ranks, backend {demo.backend[0]}:{demo.backend[1]}"
+        f"{' (' + demo.engine + ')' if demo.backend[0] == 'zarr' else ''}\n"
         f"checkpoint: {demo.num_tensors} tensors, {demo.num_shards} saved shards, {demo.num_files} files, "
         f"{demo.disk_bytes / 2**30:.2f} GiB on disk, under {demo.checkpoint_dir.parent}"
     )

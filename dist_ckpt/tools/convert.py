@@ -328,8 +328,9 @@ def _convert_steps(
 
         folder = require_local(dst, "a HuggingFace folder")
         monitor.run(
-            Step.COPY_TENSORS, lambda: export(src, folder, max_shard_size=max_shard_size, on_tensor=tensor_done)
-        )
+            Step.COPY_TENSORS,
+            lambda: export(src, folder, max_shard_size=max_shard_size, include=["*"], on_tensor=tensor_done),
+        )  # every tensor: optimizer state too (export's default leaves it out)
         dropped = _dropped_by_hf(sharded, common, src)
         for note in dropped:
             logger.warning("converting %s to a HuggingFace folder drops %s", src, note)

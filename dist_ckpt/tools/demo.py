@@ -78,6 +78,8 @@ class DemoOptions:
         single_process_load: also load everything whole in this process (no process group).
         evict_page_cache: drop the checkpoint from the page cache before each timed load, so
             that loads are measured from disk (benchmarks).
+        engine: the library that writes and reads the ``zarr`` backend, ``"zarr-python"`` or
+            ``"tensorstore"`` (same layout; other backends ignore it).
     """
 
     size_mib: float = 64.0
@@ -89,6 +91,7 @@ class DemoOptions:
     seed: int = 1234
     single_process_load: bool = True
     evict_page_cache: bool = False
+    engine: str = "zarr-python"
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,7 @@ class DemoResult:
     num_files: int
     disk_bytes: int
     phases: Tuple[PhaseResult, ...] = ()
+    engine: str = "zarr-python"
 
     @property
     def mismatches(self) -> List[str]:
@@ -152,6 +156,23 @@ class _RankJob:
     checkpoint_dir: str
     backend: Tuple[str, int]
     evict_page_cache: bool
+    engine: str
+
+
+#: the libraries that write and read the zarr backend's one layout (``--engine`` of the commands)
+ZARR_ENGINES = ("zarr-python", "tensorstore")
+
+
+def use_zarr_engine(engine: str, include_save: bool = True) -> None:
+    """Make ``engine`` (``"zarr-python"`` or ``"tensorstore"``) this process's ``("zarr", 1)``
+    load strategy, and with ``include_save`` its save strategy; zarr-python is the registry's
+    default already. Raises ValueError for another name."""
+    if engine == "tensorstore":
+        from dist_ckpt.backends.zarr.tensorstore_engine import register_default_tensorstore_strategies
+
+        register_default_tensorstore_strategies(include_save=include_save)
+    elif engine not in ZARR_ENGINES:
+        raise ValueError(f"engine must be one of {ZARR_ENGINES}, got {engine!r}")
 
 
 @dataclass(frozen=True)
@@ -167,6 +188,7 @@ class _RankReport:
 def _rank_main(rank: int, world: int, job: _RankJob) -> _RankReport:
     """One rank: save in TP=world, reload in TP=world/2 x DP=2, verify (runs in a spawned process)."""
     torch.set_num_threads(1)
+    use_zarr_engine(job.engine)
     save_layout, load_layout = Layout(world, 1), Layout(world // 2, 2)
     sd = build_sharded_state_dict(job.cfg, save_layout, rank, fill=True)
     saved_shards = sum(1 for sh in sharded_tensors(sd) if is_main_replica(sh.replica_id))
@@ -223,6 +245,7 @@ def run_demo(options: DemoOptions = DemoOptions()) -> DemoResult:
         CheckpointingException: the backend is unknown or a step failed in this process.
         dist_ckpt.tools.launch.RankError: a spawned rank raised (its traceback is in the message).
     """
+    use_zarr_engine(options.engine)  # here too: this process checks the backend and loads last
     _check_options(options)
     cfg = DemoConfig.for_size(int(options.size_mib * 2**20), options.ranks, options.layers, options.seed)
     parent = options.directory if options.directory is not None else Path(tempfile.gettempdir())
@@ -231,7 +254,7 @@ def run_demo(options: DemoOptions = DemoOptions()) -> DemoResult:
     nbytes = state_bytes(cfg)
     logger.info("demo: %s, %d bytes, %d ranks, checkpoint %s", cfg, nbytes, options.ranks, ckpt)
     try:
-        job = _RankJob(cfg, str(ckpt), options.backend, options.evict_page_cache)
+        job = _RankJob(cfg, str(ckpt), options.backend, options.evict_page_cache, options.engine)
         reports: List[_RankReport] = spawn_ranks(_rank_main, options.ranks, job)
         phases = _rank_phases(reports, options.ranks, nbytes)
         if options.single_process_load:
@@ -254,4 +277,5 @@ def run_demo(options: DemoOptions = DemoOptions()) -> DemoResult:
         num_files,
         disk_bytes,
         tuple(phases),
+        options.engine,
     )

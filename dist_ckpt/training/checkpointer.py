@@ -1,25 +1,27 @@
-"""Model and optimizer checkpoints in one call, with OLMo-core's names and signatures.
+"""Flat state dicts of tensors saved and loaded at any world size, and read back whole.
 
-* :func:`save_model_and_optim_state` / :func:`load_model_and_optim_state` -- a module (plain,
-  or sharded with DTensor / FSDP2 ``fully_shard``) and its ``torch.optim`` optimizer, saved at
-  one world size and loaded in place at another. Keys are parameter names (see
-  :mod:`dist_ckpt.training.model_state`), so the optimizer continues exactly where it stopped.
-* :func:`unshard_model_state` / :func:`unshard_optim_state` -- whole tensors in one process.
-* :class:`Checkpointer` -- the same for a flat ``{key: tensor}`` dict, plus metadata.
+:class:`Checkpointer` (OLMo-core's name and signatures) saves ``{key: tensor | DTensor |
+ShardedTensor}`` collectively, loads in place at another world size, and reads tensors whole
+(``unshard``) or their metadata. Its saves may be asynchronous: ``save(..., async_save=True)``
+returns after a snapshot and schedules the write on the checkpointer's own queue;
+:meth:`Checkpointer.maybe_finalize_async_saves` commits them (see
+:mod:`dist_ckpt.training.async_saves`). The one-call API for a model and its optimizer
+(:mod:`dist_ckpt.training.model_optim`) is built on it.
 
 Everything is collective (all ranks call it together) unless ``no_dist=True``; an error on any
 rank is raised on every rank. Without a process group the world is one process.
 
-Differences from OLMo-core: saves return the checkpoint's tensor metadata (or None), not the
-files each rank wrote -- dist_ckpt backends decide the files; ``Checkpointer.unshard`` has no
-``num_threads``; the backend is chosen by ``Checkpointer(save_strategy=..., load_strategy=...)``
-(or the ``*_strategy`` keyword of the functions), the default being dist_ckpt's.
+Differences from OLMo-core: saves return the checkpoint's tensor metadata, not the files each
+rank wrote -- dist_ckpt backends decide the files; ``Checkpointer.unshard`` has no
+``num_threads``; the backend is chosen by ``Checkpointer(save_strategy=..., load_strategy=...)``,
+the default being dist_ckpt's.
 
 Example::
 
-    save_model_and_optim_state("ckpt/step_100", model, optim)          # e.g. at 4 ranks
-    load_model_and_optim_state("ckpt/step_100", model2, optim2)        # e.g. at 2 ranks
-    full = unshard_model_state("ckpt/step_100", no_dist=True)          # {fqn: tensor}
+    ckpt = Checkpointer()
+    ckpt.save("ckpt/step_100", {"emb": emb_dtensor, "head": head_weight})     # e.g. at 4 ranks
+    ckpt.load("ckpt/step_100", {"emb": emb_dtensor2, "head": head_weight2})  # e.g. at 2 ranks
+    full = ckpt.unshard("ckpt/step_100", no_dist=True)                       # {key: tensor}
 """
 
 from __future__ import annotations
@@ -33,44 +35,31 @@ from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Seque
 
 import torch
 
+from dist_ckpt.async_save.queue import AsyncRequest
+from dist_ckpt.async_save.worker import DEFAULT_WRITER_TIMEOUT_S
 from dist_ckpt.engine.checks.compatibility import verify_checkpoint_and_load_strategy
 from dist_ckpt.engine.commit import METADATA_FILENAME, check_is_distributed_checkpoint
 from dist_ckpt.engine.distributed import get_rank, run_collectively
 from dist_ckpt.engine.load import load_with_report
-from dist_ckpt.engine.load_parts import load_common_state_dict, load_tensors_metadata
-from dist_ckpt.engine.registry import StrategySpec
+from dist_ckpt.engine.load_parts import load_tensors_metadata
+from dist_ckpt.engine.registry import DEFAULT_SHARDED_BACKEND, Strategy, StrategyAction, StrategySpec, resolve_strategy
 from dist_ckpt.engine.report import ProgressCallback
 from dist_ckpt.engine.save import save
 from dist_ckpt.engine.watchdog import DEFAULT_WATCHDOG_TIMEOUT_S
 from dist_ckpt.errors import CheckpointingException, LoadMismatchError, ShardingIntegrityError, format_keys
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
+from dist_ckpt.model.stored_metadata import shaped
 from dist_ckpt.storage.location import resolve_location
+from dist_ckpt.training.async_saves import PendingSaves
 from dist_ckpt.training.dtensor_shards import to_sharded_tensor
 from dist_ckpt.training.load_targets import LoadTarget, fill_for_validation, find_holes, finish_targets, make_target
-from dist_ckpt.training.model_state import (
-    MODEL_PREFIX,
-    OPTIM_STATE_PREFIX,
-    OptimStateDict,
-    model_optim_state_dict,
-    plan_model_load,
-    plan_optim_load,
-    unsharded_optim_state,
-)
 
 logger = logging.getLogger(__name__)
 
 PathOrStr = Union[str, "os.PathLike[str]"]
 T = TypeVar("T")
 
-__all__ = [
-    "CheckpointMetadata",
-    "Checkpointer",
-    "TensorMetadata",
-    "load_model_and_optim_state",
-    "save_model_and_optim_state",
-    "unshard_model_state",
-    "unshard_optim_state",
-]
+__all__ = ["CheckpointMetadata", "Checkpointer", "TensorMetadata"]
 
 
 @dataclass(frozen=True)
@@ -106,6 +95,12 @@ class Checkpointer:
     writes its shard; see :mod:`dist_ckpt.training.dtensor_shards`) or :class:`ShardedTensor`\\ s.
     Loads are in place. For a model and its optimizer use :func:`save_model_and_optim_state`.
 
+    Saves may be asynchronous (``save(..., async_save=True)``): they return after a snapshot of
+    the tensors, the files are written by one background process per rank (started at the first
+    such save), and :meth:`maybe_finalize_async_saves` -- called by every rank, e.g. every step
+    -- commits the saves every rank has written, in order; :meth:`close` waits for the rest.
+    Until then a checkpoint is not committed (see :mod:`dist_ckpt.training.async_saves`).
+
     Args:
         save_strategy: sharded save strategy for :meth:`save` (None: dist_ckpt's default).
         load_strategy: sharded load strategy (None: the one registered for the checkpoint's
@@ -114,6 +109,9 @@ class Checkpointer:
             or load starts and ends (see :func:`dist_ckpt.save`).
         watchdog_timeout_s: log a WARNING naming the rank and step when a step of a save or load
             lasts longer than this; None disables the watchdog (see :mod:`dist_ckpt.engine.watchdog`).
+        writer_timeout_s: for asynchronous saves, how long a background writer may take to
+            start, or go without making progress, before its save fails (see
+            :class:`~dist_ckpt.async_save.queue.AsyncCallsQueue`).
 
     Example::
 
@@ -121,6 +119,10 @@ class Checkpointer:
         ckpt.save("ckpt", {"w": w, "emb": emb_dtensor})
         ckpt.load("ckpt", {"w": w, "emb": emb_dtensor})
         ckpt.get_metadata("ckpt").tensors["w"].shape
+
+        ckpt.save("ckpt2", {"w": w}, async_save=True)    # returns after a snapshot
+        w.add_(1.0)                                      # the checkpoint keeps the old values
+        ckpt.maybe_finalize_async_saves(blocking=True)   # ["ckpt2"]: committed on every rank
     """
 
     METADATA_FILENAME: ClassVar[str] = METADATA_FILENAME
@@ -132,15 +134,21 @@ class Checkpointer:
         *,
         progress: Optional[ProgressCallback] = None,
         watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
+        writer_timeout_s: float = DEFAULT_WRITER_TIMEOUT_S,
     ) -> None:
         self.save_strategy = save_strategy
         self.load_strategy = load_strategy
         self.progress = progress
         self.watchdog_timeout_s = watchdog_timeout_s
+        self._pending = PendingSaves(writer_timeout_s)
+        # the strategy of asynchronous saves, resolved once: it keeps its snapshot buffer
+        self._async_strategy: Optional[Strategy] = None
 
     # ------------------------------------------------------------------ save
 
-    def save(self, dir: PathOrStr, state_dict: Mapping[str, Any], save_overwrite: bool = False) -> CheckpointMetadata:
+    def save(
+        self, dir: PathOrStr, state_dict: Mapping[str, Any], save_overwrite: bool = False, *, async_save: bool = False
+    ) -> CheckpointMetadata:
         """Save ``state_dict`` (collective: every rank passes the same keys).
 
         Args:
@@ -148,6 +156,8 @@ class Checkpointer:
             state_dict: ``{key: tensor | DTensor | ShardedTensor}``.
             save_overwrite: replace a committed checkpoint in ``dir`` (otherwise
                 :class:`~dist_ckpt.errors.CheckpointExistsError`).
+            async_save: return once the tensors are snapshotted; the checkpoint is committed by
+                :meth:`maybe_finalize_async_saves` (see :meth:`save_sharded`).
 
         Returns:
             The saved tensors' global shapes and dtypes.
@@ -157,23 +167,35 @@ class Checkpointer:
             Checkpointer().save("ckpt/emb", {"emb": model.emb.weight})
         """
         sharded = run_collectively("describing the tensors to save", lambda: _flat_sharded(state_dict))
-        self.save_sharded(dir, dict(sharded), save_overwrite)
+        self.save_sharded(dir, dict(sharded), save_overwrite, async_save=async_save)
         return _metadata_of({sh.key: sh for sh in sharded.values()})
 
-    def save_sharded(self, dir: PathOrStr, sharded_state_dict: ShardedStateDict, save_overwrite: bool = False) -> None:
+    def save_sharded(
+        self,
+        dir: PathOrStr,
+        sharded_state_dict: ShardedStateDict,
+        save_overwrite: bool = False,
+        *,
+        async_save: bool = False,
+    ) -> None:
         """Save an already sharded state dict (collective).
 
         Steps:
 
-        1. With ``save_overwrite``, rank 0 de-commits (``metadata.json`` first) and removes a
+        1. With ``async_save``, refuse ``dir`` while an asynchronous save into it is not
+           finalized (:class:`~dist_ckpt.errors.CheckpointExistsError` on every rank).
+        2. With ``save_overwrite``, rank 0 de-commits (``metadata.json`` first) and removes a
            committed checkpoint in ``dir``.
-        2. :func:`dist_ckpt.save` with this checkpointer's save strategy.
+        3. :func:`dist_ckpt.save` with this checkpointer's save strategy; with ``async_save``,
+           :meth:`async_save_request` (up to the snapshot of the tensors), and the request --
+           write in the background, then commit -- is scheduled on this checkpointer's queue.
         """
         path = Path(dir)
-        # 1. overwrite
-        if save_overwrite:
-            run_collectively("removing the checkpoint to overwrite", lambda: _remove_committed(path))
-        # 2. save
+        if async_save:
+            run_collectively("checking the asynchronous saves in flight", lambda: self._pending.check_free(dir))
+            self._pending.schedule(self.async_save_request(dir, sharded_state_dict, save_overwrite), dir)
+            return
+        _maybe_remove_committed(path, save_overwrite)
         save(
             sharded_state_dict,
             path,
@@ -181,6 +203,82 @@ class Checkpointer:
             progress=self.progress,
             watchdog_timeout_s=self.watchdog_timeout_s,
         )
+
+    def async_save_request(
+        self, dir: PathOrStr, sharded_state_dict: ShardedStateDict, save_overwrite: bool = False
+    ) -> AsyncRequest:
+        """Save an already sharded state dict asynchronously, up to the snapshot of its tensors
+        (collective), and return the request that writes and commits it, not scheduled.
+
+        It is Megatron-Core's ``save(..., async_sharded_save=True)`` with this checkpointer's
+        strategy -- resolved once and reused, so that its snapshot buffer is too -- for a caller
+        with its own :class:`~dist_ckpt.async_save.queue.AsyncCallsQueue`;
+        :meth:`save_sharded` with ``async_save=True`` schedules it on this checkpointer's queue.
+        With ``save_overwrite``, a committed checkpoint in ``dir`` is removed now.
+
+        Raises:
+            IncompatibleStrategyError: the save strategy cannot save asynchronously (the
+                default, safetensors, can), on every rank, before anything is written.
+        """
+        path = Path(dir)
+        _maybe_remove_committed(path, save_overwrite)
+        if self._async_strategy is None:
+            self._async_strategy = run_collectively(
+                "choosing the save strategy",
+                lambda: resolve_strategy(self.save_strategy, StrategyAction.SAVE_SHARDED, DEFAULT_SHARDED_BACKEND),
+            )
+        request = save(
+            sharded_state_dict,
+            path,
+            sharded_strategy=self._async_strategy,
+            async_sharded_save=True,
+            progress=self.progress,
+            watchdog_timeout_s=self.watchdog_timeout_s,
+        )
+        if request is None:  # save(async_sharded_save=True) always returns one
+            raise CheckpointingException(
+                f"[rank {get_rank()}] the asynchronous save of {str(dir)!r} returned no request"
+            )
+        return request
+
+    # ------------------------------------------------------------------ asynchronous saves
+
+    @property
+    def pending_async_saves(self) -> List[str]:
+        """The directories of the asynchronous saves not finalized yet, oldest first."""
+        return self._pending.directories
+
+    def maybe_finalize_async_saves(self, blocking: bool = False) -> List[str]:
+        """Commit the asynchronous saves that every rank's writer finished, oldest first.
+
+        Collective: every rank calls it, equally often (e.g. once per training step); with
+        ``blocking``, it waits for every pending save. Each save is committed -- its
+        ``metadata.json`` written, so that ``find_latest_checkpoint`` returns it and rotation
+        counts it -- only here, once every rank wrote its files.
+
+        Returns:
+            The directories committed by this call (as passed to :meth:`save`), the same on
+            every rank: the place to rotate, record metrics or report.
+
+        Raises:
+            AsyncSaveError: a rank's writer failed (an exception, killed, or stuck past
+                ``writer_timeout_s``): raised on every rank, naming the rank and the cause; that
+                save is not committed.
+
+        Example::
+
+            for path in ckpt.maybe_finalize_async_saves():
+                if rank == 0:
+                    maybe_delete_oldest_checkpoint("runs/gpt", max_checkpoints=3)
+        """
+        return self._pending.maybe_finalize(blocking)
+
+    def close(self, abort: bool = False) -> List[str]:
+        """Commit every pending asynchronous save (collective, waiting for the writers) and stop
+        the writer processes; returns the directories committed. With ``abort``, the pending
+        saves are dropped uncommitted. A later asynchronous save starts new writers.
+        """
+        return self._pending.close(abort)
 
     # ------------------------------------------------------------------ load
 
@@ -324,7 +422,8 @@ class Checkpointer:
             if rank0_only and not no_dist and get_rank() != 0:
                 return {}
             strategy, _ = verify_checkpoint_and_load_strategy(location, self.load_strategy)
-            request = {k: sh for k, sh in strategy.load_tensors_metadata(location).items() if select(k)}
+            stored = strategy.load_tensors_metadata(location)
+            request = {k: shaped(sh) for k, sh in stored.items() if isinstance(sh, ShardedTensor) and select(k)}
             loaded = strategy.load(request, location) if request else {}
             return {k: v if device is None else v.to(device) for k, v in sorted(loaded.items())}
 
@@ -369,156 +468,7 @@ def _remove_committed(path: Path) -> None:
     shutil.rmtree(path)
 
 
-# --------------------------------------------------------------------------- model + optimizer
-
-
-def save_model_and_optim_state(
-    dir: PathOrStr,
-    model: torch.nn.Module,
-    optim: torch.optim.Optimizer,
-    save_overwrite: bool = False,
-    *,
-    save_strategy: StrategySpec = None,
-) -> None:
-    """Save ``model``'s and ``optim``'s state (collective) to load at any world size.
-
-    ``model`` may be plain (replicated on every rank; rank 0 writes it) or sharded with DTensor
-    / FSDP2 (each rank writes its shard). Keys are parameter names (see
-    :mod:`dist_ckpt.training.model_state`).
-
-    Args:
-        dir: checkpoint directory.
-        model: the model.
-        optim: its optimizer (every parameter must belong to ``model``).
-        save_overwrite: replace a committed checkpoint in ``dir``.
-        save_strategy: sharded save strategy (None: dist_ckpt's default backend).
-
-    Example::
-
-        save_model_and_optim_state("ckpt/step_100", model, optim)
-    """
-    sd = run_collectively("describing the model and optimizer", lambda: model_optim_state_dict(model, optim))
-    Checkpointer(save_strategy=save_strategy).save_sharded(dir, sd, save_overwrite)
-
-
-def load_model_and_optim_state(
-    dir: PathOrStr,
-    model: torch.nn.Module,
-    optim: Optional[torch.optim.Optimizer] = None,
-    validate: bool = True,
-    *,
-    load_strategy: StrategySpec = None,
-) -> None:
-    """Load a checkpoint of :func:`save_model_and_optim_state` into ``model`` (and ``optim``)
-    in place, whatever the world size and sharding at save time (collective).
-
-    Steps:
-
-    1. Read the checkpoint's tensor metadata and common state.
-    2. Match the model's entries (and the optimizer's parameters, by name) with the checkpoint;
-       allocate the optimizer state as saved. A mismatch raises on every rank.
-    3. Load every tensor in place (NaN-filled first and checked afterwards with ``validate``).
-    4. Hand the optimizer its state and hyperparameters (``optim.load_state_dict``).
-
-    Args:
-        dir: the checkpoint directory.
-        model: the model to load into (plain, or sharded with DTensor / FSDP2).
-        optim: its optimizer, or None to load the model only.
-        validate: check that every floating-point element was loaded (see
-            :mod:`dist_ckpt.training.load_targets`; integer tensors are not NaN-checked).
-        load_strategy: sharded load strategy (None: the checkpoint's registered backend).
-
-    Raises:
-        KeyMismatchError: entries missing from the checkpoint or the model/optimizer.
-        LoadMismatchError: shapes or optimizer param groups that differ.
-        ShardingIntegrityError: with ``validate``, elements that stayed unloaded.
-
-    Mismatches are found in step 2, before any tensor is touched. An error in step 3 leaves
-    the model partially loaded (NaN where ``validate`` filled it) and the optimizer unchanged.
-
-    Example::
-
-        load_model_and_optim_state("ckpt/step_100", model, optim)
-    """
-    path = str(dir)
-    checkpointer = Checkpointer(load_strategy=load_strategy)
-
-    # 1. metadata and common state
-    def read() -> Tuple[Dict[str, ShardedTensor], StateDict]:
-        return dict(load_tensors_metadata(path, load_strategy)), load_common_state_dict(path)
-
-    tensors_metadata, common = run_collectively("reading the checkpoint metadata", read)
-
-    # 2. match and allocate
-    def plan() -> Tuple[List[LoadTarget], Any]:
-        targets = plan_model_load(model, tensors_metadata, common, path)
-        optim_plan = None if optim is None else plan_optim_load(model, optim, tensors_metadata, common, path)
-        return targets + ([] if optim_plan is None else optim_plan.targets), optim_plan
-
-    targets, optim_plan = run_collectively("matching the model and optimizer with the checkpoint", plan)
-
-    # 3. tensors
-    checkpointer.load_targets(path, targets, validate=validate)
-
-    # 4. optimizer state and hyperparameters
-    if optim is not None and optim_plan is not None:
-        run_collectively("loading the optimizer state", lambda: optim.load_state_dict(optim_plan.torch_state_dict()))
-
-
-def unshard_model_state(
-    dir: PathOrStr, device: Optional[torch.device] = None, rank0_only: bool = False, no_dist: bool = False
-) -> Dict[str, torch.Tensor]:
-    """The whole model state of a :func:`save_model_and_optim_state` checkpoint, by FQN.
-
-    Args:
-        dir: the checkpoint directory.
-        device: where to put the tensors (default CPU).
-        rank0_only: only rank 0 reads; other ranks get ``{}`` (collective).
-        no_dist: read in this process, without any communication.
-
-    Example::
-
-        sd = unshard_model_state("ckpt/step_100", no_dist=True)
-        plain_model.load_state_dict(sd)
-    """
-    full = Checkpointer().read_full_tensors(dir, lambda k: k.startswith(MODEL_PREFIX), device, rank0_only, no_dist)
-    return {k[len(MODEL_PREFIX) :]: v for k, v in full.items()}
-
-
-def unshard_optim_state(
-    dir: PathOrStr, device: Optional[torch.device] = None, rank0_only: bool = False, no_dist: bool = False
-) -> OptimStateDict:
-    """The whole optimizer state of a :func:`save_model_and_optim_state` checkpoint.
-
-    A ``torch.optim`` style dict keyed by parameter FQN: ``{"state": {fqn: {"step": ...,
-    "exp_avg": tensor, ...}}, "param_groups": [{"lr": ..., "params": [fqn, ...]}, ...]}``.
-
-    Args:
-        dir: the checkpoint directory.
-        device: where to put the tensors (default CPU).
-        rank0_only: only rank 0 reads; other ranks get ``{"state": {}, "param_groups": []}``.
-        no_dist: read in this process, without any communication.
-
-    Example::
-
-        osd = unshard_optim_state("ckpt/step_100", no_dist=True)
-        osd["state"]["fc.weight"]["exp_avg"].shape
-    """
-    path = str(dir)
-    full = Checkpointer().read_full_tensors(
-        path, lambda k: k.startswith(OPTIM_STATE_PREFIX), device, rank0_only, no_dist
-    )
-
-    def assemble() -> OptimStateDict:
-        if rank0_only and not no_dist and get_rank() != 0:
-            return OptimStateDict(state={}, param_groups=[])
-        common = load_common_state_dict(path)
-        osd = unsharded_optim_state(full, common, path)
-        if device is not None:
-            osd["state"] = {
-                fqn: {n: v.to(device) if isinstance(v, torch.Tensor) else v for n, v in entries.items()}
-                for fqn, entries in osd["state"].items()
-            }
-        return osd
-
-    return _maybe_collective(no_dist, "assembling the optimizer state", assemble)
+def _maybe_remove_committed(path: Path, save_overwrite: bool) -> None:
+    """With ``save_overwrite``, :func:`_remove_committed` on rank 0 (collective)."""
+    if save_overwrite:
+        run_collectively("removing the checkpoint to overwrite", lambda: _remove_committed(path))

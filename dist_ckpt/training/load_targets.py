@@ -8,7 +8,7 @@ that differs from the stored one, a non-contiguous local shard that must be flat
 a separate buffer, copied (and cast, like ``torch.nn.Module.load_state_dict``) into the live
 tensor by :func:`finish_targets`.
 
-Validation (``validate=True`` in :func:`dist_ckpt.training.checkpointer.load_model_and_optim_state`),
+Validation (``validate=True`` in :func:`dist_ckpt.training.model_optim.load_model_and_optim_state`),
 as in OLMo-core: :func:`fill_for_validation` fills every floating-point (or complex) destination
 with NaN before loading, and :func:`find_holes` reports the keys where NaN remains, i.e.
 elements that no stored shard covered. Integer and bool tensors cannot hold a sentinel that a

@@ -6,6 +6,14 @@ entry is keyed by the parameter's fully qualified name (FQN, as in ``model.named
 so a checkpoint is independent of the layout -- world size, FSDP2 sharding or none -- and of the
 order of parameters in the optimizer.
 
+Names are canonical (:mod:`dist_ckpt.model.module_names`), as ``torch.distributed.checkpoint``'s
+``get_state_dict`` makes them: the ``module.`` of DDP, the ``_orig_mod.`` of ``torch.compile``,
+the ``_fsdp_wrapped_module.`` of FSDP1 and the ``_checkpoint_wrapped_module.`` of activation
+checkpointing are left out, so a checkpoint of a wrapped model loads into the plain one and the
+reverse. Checkpoints that store wrapped names (written before names were canonical) load too. An
+FSDP1 model is loaded through its ``load_state_dict`` (its ``state_dict()`` holds copies); its
+optimizer state (flattened per-rank shards) is refused: use FSDP2's ``fully_shard``.
+
 Key scheme (checkpoint keys of ShardedTensors; ``<fqn>`` is e.g. ``layers.0.attn.weight``):
 
 * ``model.<key>`` -- every entry ``<key>`` of ``model.state_dict()`` (parameters and persistent
@@ -42,7 +50,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, TypedDict
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, TypedDict
 
 import torch
 
@@ -54,6 +62,7 @@ from dist_ckpt.errors import (
     NotACheckpointError,
     format_keys,
 )
+from dist_ckpt.model.module_names import ModuleNames, canonical_state_dict, has_fsdp1, match_stored_names
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor
 from dist_ckpt.training.dtensor_shards import is_dtensor, local_tensor, to_sharded_tensor
 from dist_ckpt.training.load_targets import LoadTarget, make_target
@@ -67,10 +76,12 @@ OPTIM_STATE_PREFIX = "optim.state."
 __all__ = [
     "FORMAT",
     "MODEL_PREFIX",
+    "ModelEntries",
     "OPTIM_STATE_PREFIX",
     "OptimLoadPlan",
     "OptimStateDict",
     "model_key",
+    "model_entries",
     "model_optim_state_dict",
     "optim_key",
     "param_fqns",
@@ -102,12 +113,20 @@ def _rank() -> str:
 
 
 def param_fqns(model: torch.nn.Module) -> Dict[int, str]:
-    """``{id(param): fqn}`` for every parameter of ``model`` (the first name of a tied one)."""
-    return {id(p): name for name, p in model.named_parameters()}
+    """``{id(param): fqn}`` for every parameter of ``model`` (the first name of a tied one), by
+    canonical name (without wrapper attributes such as DDP's ``module.``)."""
+    names = ModuleNames(model)
+    return {id(p): names.canonical(name) for name, p in model.named_parameters()}
 
 
 def _optim_param_names(model: torch.nn.Module, optim: torch.optim.Optimizer) -> List[List[str]]:
     """The FQN of every optimizer parameter, group by group; raises for a foreign parameter."""
+    if has_fsdp1(model):
+        raise CheckpointingException(
+            f"{_rank()} the model contains FSDP1 FullyShardedDataParallel modules, whose optimizer state is "
+            f"flattened and sharded per rank; save_model_and_optim_state handles the model alone (optim=None) or "
+            f"FSDP2 (torch.distributed.fsdp.fully_shard), whose state is DTensors"
+        )
     fqns = param_fqns(model)
     groups = []
     for g, group in enumerate(optim.param_groups):
@@ -126,16 +145,41 @@ def _optim_param_names(model: torch.nn.Module, optim: torch.optim.Optimizer) -> 
 # --------------------------------------------------------------------------- save
 
 
-def _model_entries(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
-    entries = {}
-    for name, value in model.state_dict().items():
+@dataclass
+class ModelEntries:
+    """A model's state-dict tensors by canonical name, and how to give them back to the model.
+
+    Attributes:
+        tensors: ``{canonical name: tensor}`` of ``model.state_dict()``.
+        raw_names: ``{canonical name: the model's own state-dict key}``.
+        copies: the tensors are copies, not the model's own (FSDP1): after loading into them,
+            :meth:`give_back` hands them to ``model.load_state_dict``.
+    """
+
+    tensors: Dict[str, torch.Tensor]
+    raw_names: Dict[str, str]
+    copies: bool
+
+    def give_back(self, model: torch.nn.Module) -> None:
+        """Load the (loaded) tensors into ``model`` when they are copies; nothing otherwise."""
+        if self.copies:
+            model.load_state_dict({self.raw_names[name]: t for name, t in self.tensors.items()})
+
+
+def model_entries(model: torch.nn.Module) -> ModelEntries:
+    """``model.state_dict()``'s tensors by canonical name (see :class:`ModelEntries`).
+
+    Raises:
+        CheckpointingException: an entry is not a tensor, or two entries share a canonical name.
+    """
+    state, raw_names = canonical_state_dict(model)
+    for name, value in state.items():
         if not isinstance(value, torch.Tensor):
             raise CheckpointingException(
-                f"{_rank()} model state-dict entry {name!r} is a {type(value).__name__}, not a tensor; only "
-                f"tensors (parameters, buffers) can be saved with save_model_and_optim_state"
+                f"{_rank()} model state-dict entry {raw_names[name]!r} is a {type(value).__name__}, not a tensor; "
+                f"only tensors (parameters, buffers) can be saved with save_model_and_optim_state"
             )
-        entries[name] = value
-    return entries
+    return ModelEntries(state, raw_names, has_fsdp1(model))
 
 
 def _optim_state_entry(fqn: str, param: torch.Tensor, name: str, value: Any) -> Any:
@@ -162,7 +206,7 @@ def model_optim_state_dict(model: torch.nn.Module, optim: Optional[torch.optim.O
     """
     sd: ShardedStateDict = {
         "format": dict(FORMAT),
-        "model": {name: to_sharded_tensor(model_key(name), t) for name, t in _model_entries(model).items()},
+        "model": {name: to_sharded_tensor(model_key(name), t) for name, t in model_entries(model).tensors.items()},
     }
     if optim is None:
         return sd
@@ -216,24 +260,31 @@ def plan_model_load(
     tensors_metadata: Mapping[str, ShardedTensor],
     common: Mapping[str, Any],
     checkpoint_dir: str,
+    entries: Optional[ModelEntries] = None,
 ) -> List[LoadTarget]:
     """Load targets for every ``model.state_dict()`` entry, checked against the checkpoint.
+
+    Entries match by canonical name; a checkpoint that stores wrapped names (``module.fc.weight``)
+    matches too (:func:`~dist_ckpt.model.module_names.match_stored_names`).
 
     Args:
         model: the model to load into.
         tensors_metadata: ``dist_ckpt.load_tensors_metadata(checkpoint_dir)``.
         common: ``dist_ckpt.load_common_state_dict(checkpoint_dir)``.
         checkpoint_dir: for error messages.
+        entries: ``model_entries(model)``, when the caller keeps them (to :meth:`~ModelEntries.give_back`
+            copies); taken here otherwise.
 
     Raises:
         KeyMismatchError: an entry of the model is not in the checkpoint, or vice versa.
         LoadMismatchError: a global shape differs.
     """
     _check_format(common, checkpoint_dir)
-    live = _model_entries(model)
+    live = (entries or model_entries(model)).tensors
     stored_names = {k[len(MODEL_PREFIX) :] for k in tensors_metadata if k.startswith(MODEL_PREFIX)}
-    extra = sorted(stored_names - set(live))
-    absent = sorted(set(live) - stored_names)
+    match = match_stored_names(live, stored_names)
+    extra = sorted(stored_names - set(match.values()))
+    absent = sorted(set(live) - set(match))
     if extra or absent:
         parts = []
         if absent:
@@ -246,8 +297,9 @@ def plan_model_load(
             unexpected_keys=[model_key(n) for n in absent],
         )
     return [
-        _target(model_key(name), t, tensors_metadata.get(model_key(name)), f"model entry {name!r}", checkpoint_dir)
+        _target(key, t, tensors_metadata.get(key), f"model entry {name!r}", checkpoint_dir)
         for name, t in live.items()
+        for key in [model_key(match[name])]
     ]
 
 
@@ -281,12 +333,14 @@ def _saved_group_of(saved_groups: Sequence[Mapping[str, Any]]) -> Dict[str, int]
 
 def _match_groups(
     live_names: List[List[str]], saved_groups: Sequence[Mapping[str, Any]], checkpoint_dir: str
-) -> List[Dict[str, Any]]:
-    """Each live group with the hyperparameters of the saved group that held its parameters."""
+) -> Tuple[List[Dict[str, Any]], Dict[str, str]]:
+    """Each live group with the hyperparameters of the saved group that held its parameters, and
+    ``{live fqn: saved fqn}`` (they differ for a checkpoint that stores wrapped names)."""
     where = _saved_group_of(saved_groups)
     live_all = {fqn for names in live_names for fqn in names}
-    absent = sorted(live_all - set(where))
-    extra = sorted(set(where) - live_all)
+    saved_fqn = match_stored_names(sorted(live_all), where)
+    absent = sorted(live_all - set(saved_fqn))
+    extra = sorted(set(where) - set(saved_fqn.values()))
     if absent or extra:
         parts = []
         if absent:
@@ -301,7 +355,7 @@ def _match_groups(
     groups: List[Dict[str, Any]] = []
     position = 0
     for g, names in enumerate(live_names):
-        sources = sorted({where[fqn] for fqn in names})
+        sources = sorted({where[saved_fqn[fqn]] for fqn in names})
         if len(sources) > 1:
             raise LoadMismatchError(
                 f"{_rank()} optimizer param group {g} holds parameters that checkpoint {checkpoint_dir!r} keeps in "
@@ -311,7 +365,7 @@ def _match_groups(
         hyper = {k: v for k, v in source.items() if k != "params"}
         groups.append({**hyper, "params": list(range(position, position + len(names)))})
         position += len(names)
-    return groups
+    return groups, saved_fqn
 
 
 def _clone_scalar(value: Any) -> Any:
@@ -350,10 +404,11 @@ def plan_optim_load(
             type(optim).__name__,
         )
     live_names = _optim_param_names(model, optim)
-    plan = OptimLoadPlan(param_groups=_match_groups(live_names, saved["param_groups"], checkpoint_dir))
+    param_groups, saved_fqn = _match_groups(live_names, saved["param_groups"], checkpoint_dir)
+    plan = OptimLoadPlan(param_groups=param_groups)
     position = 0
     for group, names in zip(optim.param_groups, live_names):
-        for p, fqn in zip(group["params"], names):
+        for p, fqn in zip(group["params"], (saved_fqn[n] for n in names)):
             entries = {name: _clone_scalar(v) for name, v in saved.get("state", {}).get(fqn, {}).items()}
             for name in saved.get("tensor_state", {}).get(fqn, []):
                 key = optim_key(fqn, name)

@@ -34,6 +34,7 @@ from dist_ckpt.engine.registry import StrategyAction
 from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
 from dist_ckpt.model.dtypes import dtype_from_name, dtype_to_name
 from dist_ckpt.model.geometry import Box, piece_view, shard_pieces, sub_view
+from dist_ckpt.model.stored_metadata import stored_tensor_metadata
 from dist_ckpt.storage import Storage, write_bytes_atomic
 
 DIR = "rawbin"
@@ -128,9 +129,14 @@ class RawBinLoad(LoadShardedStrategy):
             sub_view(target, want, overlap).copy_(sub_view(source, have.box, overlap))
 
     def load_tensors_metadata(self, checkpoint_dir: Storage) -> Dict[str, Any]:
+        # each tensor as it was saved: one saved as flattened ranges is described as one range
+        # covering all of it (so load_plain_tensors returns it flat, as Megatron-Core does)
         return {
-            key: dc.ShardedTensor.from_rank_offsets(
-                key, torch.empty(entries[0]["global_shape"], dtype=dtype_from_name(entries[0]["dtype"]), device="meta")
+            key: stored_tensor_metadata(
+                key,
+                dtype_from_name(entries[0]["dtype"]),
+                entries[0]["global_shape"],
+                flattened=any(e["flat_range"] is not None for e in entries),
             )
             for key, entries in self._index(checkpoint_dir).items()
         }
@@ -165,7 +171,8 @@ def main(workdir: str) -> None:
     assert torch.equal(loaded["c0"], full[:, :3]) and torch.equal(loaded["c1"], full[:, 3:])
     assert loaded["step"] == 10
     plain = dc.load_plain_tensors(ckpt)
-    assert torch.equal(plain["w"], full) and torch.equal(plain["m"], full)
+    assert torch.equal(plain["w"], full) and torch.equal(plain["m"], full.flatten())
+    assert torch.equal(dc.unshard(ckpt)["m"], full)
 
 
 if __name__ == "__main__":

@@ -68,9 +68,16 @@ def test_wrong_dtype_and_shape_on_load(shared_tmp_path: Path) -> None:
         }
     # ranks disagreeing on the dtype is an invalid request, caught before any read ...
     raises_on_all_ranks(dc.ShardingIntegrityError, lambda: dc.load(wrong_dtype, shared_tmp_path), "dtype differs")
-    # ... and without validation the mismatch with the stored dtype is still caught, everywhere
+    # ... without validation rank 1's request is filled cast from the stored dtype ...
+    loaded = dc.load(wrong_dtype, shared_tmp_path, validate_access_integrity=False)
+    full = full_tensor("w", (8 * world(), 4))
+    ok = all(torch.equal(loaded[k], full[8 * rank() : 8 * rank() + 8].to(sh.dtype)) for k, sh in wrong_dtype.items())
+    assert_on_all_ranks(ok, "rank 1's float64 request was not filled from the float32 checkpoint")
+    # ... unless casts are refused: then the mismatch with the stored dtype is caught, everywhere
     err = raises_on_all_ranks(
-        dc.LoadMismatchError, lambda: dc.load(wrong_dtype, shared_tmp_path, validate_access_integrity=False), "[rank 1]"
+        dc.LoadMismatchError,
+        lambda: dc.load(wrong_dtype, shared_tmp_path, validate_access_integrity=False, allow_dtype_cast=False),
+        "[rank 1]",
     )
     assert_on_all_ranks("float64" in str(err) and "'w'" in str(err), str(err))
     wrong_shape = {"w": dc.ShardedTensor.from_rank_offsets("w", torch.zeros(8, 5), (0, rank(), world()))}

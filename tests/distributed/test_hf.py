@@ -3,6 +3,7 @@ folder straight into a tensor-parallel sharded state dict, each rank reading onl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Dict
@@ -67,7 +68,7 @@ def test_saved_by_4_exported_to_hf_equals_full_tensors(backend, shared_tmp_path:
     dc.save(sd, shared_tmp_path / "ckpt", sharded_strategy=backend)
     ok, detail = True, ""
     if rank() == 0:  # one process, no collective: the export is a single-process tool
-        result = export(shared_tmp_path / "ckpt", shared_tmp_path / "hf", max_shard_size=9000)
+        result = export(shared_tmp_path / "ckpt", shared_tmp_path / "hf", max_shard_size=9000, include=["*"])
         stored: Dict[str, torch.Tensor] = {}
         for file in result.files:
             stored.update(load_file(str(shared_tmp_path / "hf" / file)))
@@ -192,3 +193,38 @@ def test_hf_folder_loads_into_tp_shards_reading_only_each_ranks_slices(
     slice_bytes = sum(sh.data.numel() * sh.data.element_size() for sh in request.values())
     ok = slice_bytes <= read["bytes"] <= 1.10 * slice_bytes
     assert_on_all_ranks(ok, f"read {read['bytes']} bytes for {slice_bytes} bytes of slices")
+
+
+def test_hf_folder_loads_into_another_dtype_reading_each_stored_byte_once(
+    shared_tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An fp32 / bf16 folder loaded into the other dtype (fp32 master weights into a bf16 model
+    and back), as TP shards and flattened ranges: ``stored.to(requested)``, each rank reading
+    about its slices' stored bytes (the casts go through the bounce buffers, not whole copies)."""
+    folder = shared_tmp_path / "Llama-tiny"
+    if rank() == 0:
+        _write_hf_folder(folder)
+    dist.barrier()
+    read = {"bytes": 0}
+    original = safetensors_io.read_into
+
+    def counting(fd, buffers, offset):
+        n = original(fd, buffers, offset)
+        read["bytes"] += n
+        return n
+
+    monkeypatch.setattr(safetensors_io, "read_into", counting)
+    other = {torch.float32: torch.bfloat16, torch.bfloat16: torch.float32}
+    request = {}
+    for k, sh in _tp_request(world()).items():
+        dtype = other[sh.dtype]
+        request[k] = dataclasses.replace(sh, dtype=dtype, data=torch.zeros_like(sh.data, dtype=dtype))
+    loaded = dc.load(request, folder)
+    bad = [
+        k for k, sh in request.items() if not bitwise_equal(loaded[k], expected_data(sh, _full(sh.key).to(sh.dtype)))
+    ]
+    assert_on_all_ranks(not bad, f"cast slices differ: {bad}")
+    assert_on_all_ranks(all(loaded[k] is sh.data for k, sh in request.items()), "not loaded in place")
+    stored_bytes = sum(sh.data.numel() * _full(sh.key).element_size() for sh in request.values())
+    ok = stored_bytes <= read["bytes"] <= 1.10 * stored_bytes
+    assert_on_all_ranks(ok, f"read {read['bytes']} bytes for {stored_bytes} stored bytes of slices")

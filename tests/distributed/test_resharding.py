@@ -10,6 +10,7 @@ ranks; the 4-rank session runs them on four real processes.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 from pathlib import Path
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 import dist_ckpt as dc
+from dist_ckpt.errors import LoadMismatchError
 from dist_ckpt.testing import spawn_ranks
 from dist_ckpt.testing.layouts import (
     bitwise_equal,
@@ -30,7 +32,15 @@ from dist_ckpt.testing.layouts import (
     tp_shards,
 )
 
-from .helpers import StrategyCombo, assert_on_all_ranks, combo_named, rank, strategy_combinations, world
+from .helpers import (
+    StrategyCombo,
+    assert_on_all_ranks,
+    combo_named,
+    raises_on_all_ranks,
+    rank,
+    strategy_combinations,
+    world,
+)
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -160,23 +170,53 @@ def _load_flat_at(rank_: int, world_size: int, ckpt: str, dp: int, combo_name: s
 
 
 def _load_single_process(ckpt: str, combo_name: str) -> bool:
-    """Runs in a fresh process with no process group at all."""
+    """Runs in a fresh process with no process group at all: whole tensors, and the metadata of
+    the flattened one as saved (Megatron-Core's load_tensors_metadata), which loads it flat."""
     import torch.distributed
 
     assert not torch.distributed.is_initialized()
+    strategy = combo_named(combo_name).load()
     full = full_tensor("opt.exp_avg", (24, 10), torch.float32)
-    plain = dc.load_plain_tensors(ckpt)
+    w = full_tensor("w", (8, 6))
     request = {"w": dc.ShardedTensor.from_rank_offsets("opt.exp_avg", torch.zeros(24, 10))}
-    loaded = dc.load(request, ckpt, sharded_strategy=combo_named(combo_name).load())
-    return bitwise_equal(plain["opt.exp_avg"], full) and bitwise_equal(loaded["w"], full)
+    loaded = dc.load(request, ckpt, sharded_strategy=strategy)
+    meta = dc.load_tensors_metadata(ckpt)
+    flat = meta["opt.exp_avg"]
+    described = (flat.local_shape, flat.global_shape, flat.flattened_range, meta["w"].flattened_range) == (
+        (24, 10),
+        (24, 10),
+        slice(0, 240),
+        None,
+    )
+    from_meta = dc.load(meta, ckpt, sharded_strategy=strategy)
+    plain = dc.load_plain_tensors(ckpt)
+    return (
+        bitwise_equal(loaded["w"], full)
+        and described
+        and all(bitwise_equal(out["opt.exp_avg"], full.flatten()) for out in (from_meta, plain))
+        and all(bitwise_equal(out["w"], w) for out in (from_meta, plain))
+    )
 
 
 @pytest.mark.parametrize("combo", COMBOS, ids=by_name)
 def test_flattened_ranges_saved_at_4_loaded_at_2_and_1(combo: StrategyCombo, shared_tmp_path: Path) -> None:
-    """Distributed-optimizer state (TP=2 x DP=2 flattened ranges) saved by 4 participants, loaded
-    by a 2-rank job (DP=2, other cut points; and as whole TP shards) and by one process."""
+    """Distributed-optimizer state (TP=2 x DP=2 flattened ranges) saved by 4 participants, beside
+    a TP-sharded weight, loaded by a 2-rank job (DP=2, other cut points; and as whole TP
+    shards), by one process (also through load_tensors_metadata, which describes the flattened
+    tensor as saved) and by every rank from that metadata."""
     full = full_tensor("opt.exp_avg", (24, 10), torch.float32)
-    dc.save(flat_shards("opt.exp_avg", full, 0, 2, 2, rank(), world()), shared_tmp_path, sharded_strategy=combo.save())
+    saved = flat_shards("opt.exp_avg", full, 0, 2, 2, rank(), world())
+    saved.update(tp_shards("w", full_tensor("w", (8, 6)), 1, 2, rank(), world()))
+    dc.save(saved, shared_tmp_path, sharded_strategy=combo.save())
+    meta = dc.load_tensors_metadata(shared_tmp_path)  # every rank, whole tensors, as in Megatron-Core's test
+    for sh in meta.values():
+        sh.replica_id = rank()
+    from_meta = dc.load(meta, shared_tmp_path, sharded_strategy=combo.load())
+    assert_on_all_ranks(
+        bitwise_equal(from_meta["opt.exp_avg"], full.flatten())
+        and bitwise_equal(from_meta["w"], full_tensor("w", (8, 6))),
+        "load of load_tensors_metadata differs",
+    )
     ok, detail = True, ""
     if rank() == 0:
         try:
@@ -186,6 +226,69 @@ def test_flattened_ranges_saved_at_4_loaded_at_2_and_1(combo: StrategyCombo, sha
         except Exception as e:  # noqa: BLE001 -- reported on every rank below
             ok, detail = False, repr(e)
     assert_on_all_ranks(ok, f"flattened load in another world size differs {detail}")
+
+
+#: stored dtype of each tensor of the cast tests, and two assignments of requested dtypes
+CAST_STORED = {"cast.f32": torch.float32, "cast.i64": torch.int64, "cast.bf16": torch.bfloat16}
+CAST_REQUESTS = [
+    {"cast.f32": torch.bfloat16, "cast.i64": torch.float32, "cast.bf16": torch.float16},
+    {"cast.f32": torch.float16, "cast.i64": torch.bfloat16, "cast.bf16": torch.float32},
+]
+CAST_SHAPE = (16, 12)
+
+
+def _cast_full(key: str, dtype: torch.dtype, rows: int = CAST_SHAPE[0]) -> torch.Tensor:
+    """The stored tensor ``key`` as a load into ``dtype`` must return it (zero rows past the
+    stored ones: allow_shape_mismatch pads)."""
+    out = torch.zeros((rows, CAST_SHAPE[1]), dtype=dtype)
+    out[: CAST_SHAPE[0]] = full_tensor(key, CAST_SHAPE, CAST_STORED[key]).to(dtype)
+    return out
+
+
+def _cast_requests(dtypes: Dict[str, torch.dtype]) -> Tuple[Dict[str, dc.ShardedTensor], Dict[str, dc.ShardedTensor]]:
+    """Two loads of every key in its requested dtype: TP=4 row shards, and distributed-optimizer
+    flattened ranges (TP=2 x DP=2, other cut points than the save) of a tensor padded by two
+    rows (allow_shape_mismatch)."""
+    tp: Dict[str, dc.ShardedTensor] = {}
+    flat: Dict[str, dc.ShardedTensor] = {}
+    for key, dtype in dtypes.items():
+        tp.update(tp_shards(key, torch.zeros(CAST_SHAPE, dtype=dtype), 0, 4, rank(), world(), empty=True))
+        padded = torch.zeros((CAST_SHAPE[0] + 2, CAST_SHAPE[1]), dtype=dtype)
+        for k, sh in flat_shards(key, padded, 0, 2, 2, rank(), world(), empty=True, reverse=True).items():
+            flat[k] = dataclasses.replace(sh, allow_shape_mismatch=True)
+    return tp, flat
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=by_name)
+def test_dtype_cast_on_load(combo: StrategyCombo, shared_tmp_path: Path) -> None:
+    """fp32, int64 and bf16 tensors saved at TP=2 load into bf16 / fp32 / fp16 requests at TP=4
+    and as padded flattened ranges, equal to ``stored.to(requested)``; allow_dtype_cast=False
+    raises LoadMismatchError on every rank naming the key, the checkpoint and both dtypes."""
+    saved: Dict[str, dc.ShardedTensor] = {}
+    for key, dtype in CAST_STORED.items():
+        saved.update(tp_shards(key, full_tensor(key, CAST_SHAPE, dtype), 0, 2, rank(), world()))
+    dc.save(saved, shared_tmp_path, sharded_strategy=combo.save())
+    bad = []
+    for dtypes in CAST_REQUESTS:
+        for request in _cast_requests(dtypes):
+            loaded = dc.load(request, shared_tmp_path, sharded_strategy=combo.load())
+            for k, sh in request.items():
+                if not bitwise_equal(loaded[k], expected_data(sh, _cast_full(sh.key, sh.dtype, sh.global_shape[0]))):
+                    bad.append(f"{k} as {sh.dtype}")
+                if loaded[k] is not sh.data:
+                    bad.append(f"{k} (not loaded in place)")
+    assert_on_all_ranks(not bad, f"mismatched casts: {bad}")
+    strict, _ = _cast_requests({"cast.f32": torch.bfloat16})
+    error = raises_on_all_ranks(
+        LoadMismatchError,
+        lambda: dc.load(strict, shared_tmp_path, sharded_strategy=combo.load(), allow_dtype_cast=False),
+        "'cast.f32'",
+    )
+    msg = str(error)
+    assert_on_all_ranks(
+        all(s in msg for s in ("[rank ", str(shared_tmp_path), "torch.float32", "torch.bfloat16", "allow_dtype_cast")),
+        msg,
+    )
 
 
 @pytest.mark.parametrize("combo", COMBOS, ids=by_name)

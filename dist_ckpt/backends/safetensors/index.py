@@ -32,6 +32,11 @@ Layout inside a checkpoint directory::
       }
     }
 
+A tensor saved as flattened ranges (distributed-optimizer state) has ``"flattened": true`` in its
+entry (absent otherwise), so its metadata describes it as saved even when none of its shards
+holds an element; indexes written before the field existed are read from the shards'
+``flat_range``.
+
 Version 2 adds crc32c checksums (see :mod:`dist_ckpt.integrity.checksums`); everything else is unchanged::
 
     {
@@ -68,6 +73,7 @@ from dist_ckpt.integrity.checksums import ALGORITHM, block_count, crc_from_hex, 
 from dist_ckpt.model.dtypes import dtype_from_name
 from dist_ckpt.model.geometry import Box, ShardPiece, shard_pieces
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor
+from dist_ckpt.model.stored_metadata import stored_tensor_metadata
 from dist_ckpt.storage import Storage
 from dist_ckpt.storage.location import LocationLike, resolve_location
 
@@ -101,6 +107,8 @@ INDEX_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 
 RankIndex = Dict[str, Any]  # {"files": {...}, "tensors": {...}} of one rank
+#: field of a tensor entry: the tensor was saved as flattened ranges
+FLATTENED = "flattened"
 Shape = Tuple[int, ...]
 
 
@@ -144,13 +152,15 @@ class StoredShard:
 
 @dataclass
 class StoredTensor:
-    """Everything stored about one global tensor."""
+    """Everything stored about one global tensor; ``flattened``: it was saved as flattened
+    ranges (distributed-optimizer state), which :func:`tensors_metadata` reports."""
 
     key: str
     dtype: torch.dtype
     global_shape: Shape
     shards: List[StoredShard] = field(default_factory=list)
     _grid: Optional[Dict[Shape, List[StoredShard]]] = field(default=None, repr=False)
+    flattened: bool = False
 
     @property
     def bounds(self) -> Box:
@@ -225,7 +235,9 @@ class TensorIndex:
 
 
 def tensors_metadata(index: TensorIndex) -> ShardedStateDict:
-    """``{key: ShardedTensor}`` (whole, unsharded, data on the meta device) for every tensor.
+    """``{key: ShardedTensor}`` (whole, unsharded, data on the meta device) for every tensor, as
+    it was saved: a tensor saved as flattened ranges is one flattened range covering all of it
+    (see :mod:`dist_ckpt.model.stored_metadata`).
 
     Example::
 
@@ -236,8 +248,7 @@ def tensors_metadata(index: TensorIndex) -> ShardedStateDict:
     for key in sorted(set(index.tensors) | set(index.aliases)):
         info = index.lookup(key)
         if info is not None:
-            meta = torch.empty(info.global_shape, dtype=info.dtype, device="meta")
-            out[key] = ShardedTensor.from_rank_offsets(key, meta)
+            out[key] = stored_tensor_metadata(key, info.dtype, info.global_shape, info.flattened)
     return out
 
 
@@ -345,6 +356,8 @@ def merge_rank_indexes(per_rank: Sequence[RankIndex], block_bytes: Optional[int]
                     f"tensor {key!r}: rank {rank} saves it as {entry['dtype']} {entry['global_shape']}, another rank "
                     f"as {merged['dtype']} {merged['global_shape']}; every rank must agree"
                 )
+            if entry.get(FLATTENED):
+                merged[FLATTENED] = True
             merged["shards"].extend(entry["shards"])
     doc: Dict[str, Any] = {"format": INDEX_FORMAT, "version": 1}
     if block_bytes is not None:
@@ -418,6 +431,9 @@ class _Parser:
         if not isinstance(shards, list):
             raise self.fail(f"'shards' must be a list, found {shards!r}", key)
         stored = [self.shard(s, key, len(shape), files) for s in shards]
+        flag = entry.get(FLATTENED, False)
+        if not isinstance(flag, bool):
+            raise self.fail(f"'{FLATTENED}' must be true or false, found {flag!r}", key)
         for s in stored:
             if any(o + c > g for o, c, g in zip(s.global_offset, s.chunk_shape, shape)):
                 raise self.fail(
@@ -430,7 +446,8 @@ class _Parser:
                     f"{numel * dtype.itemsize}",
                     key,
                 )
-        return StoredTensor(key, dtype, shape, stored)
+        flattened = flag or any(s.flat_range is not None for s in stored)
+        return StoredTensor(key, dtype, shape, stored, flattened=flattened)
 
 
 def _prod(shape: Sequence[int]) -> int:
@@ -534,6 +551,12 @@ def rank_index(
     return {"files": entries, "tensors": tensors}
 
 
-def tensor_entry(dtype_name: str, global_shape: Sequence[int], shards: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """The index entry of one tensor (one rank's shards of it)."""
-    return {"dtype": dtype_name, "global_shape": list(global_shape), "shards": shards}
+def tensor_entry(
+    dtype_name: str, global_shape: Sequence[int], shards: List[Dict[str, Any]], flattened: bool = False
+) -> Dict[str, Any]:
+    """The index entry of one tensor (one rank's shards of it); ``flattened``: saved as
+    flattened ranges."""
+    entry: Dict[str, Any] = {"dtype": dtype_name, "global_shape": list(global_shape), "shards": shards}
+    if flattened:
+        entry[FLATTENED] = True
+    return entry

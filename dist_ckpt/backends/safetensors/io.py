@@ -12,8 +12,9 @@ turns them into read operations:
 * :class:`BounceRead` -- read the file span covering the intersection into a bounded bounce
   buffer, then copy the strided part out with torch. Used for short runs separated by short
   gaps (the disk reads whole pages anyway, and a system call per few bytes would dominate),
-  for non-contiguous destinations, and for destinations on other devices (the buffer is
-  pinned then).
+  for non-contiguous destinations, for destinations on other devices (the buffer is
+  pinned then), and for destinations of another dtype than the stored one: the buffer holds the
+  stored values and the copy out converts them (:func:`~dist_ckpt.model.dtype_cast.copy_cast`).
 
 A read may carry a :class:`ReadCheck` (see :mod:`.safetensors_blocks`): the read is then widened
 to whole checksum blocks -- the extra bytes before and after a direct read land in scratch
@@ -34,6 +35,7 @@ later ones are planned.
 
 from __future__ import annotations
 
+import itertools
 import math
 import queue
 import threading
@@ -44,6 +46,7 @@ import numpy as np
 import torch
 
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
+from dist_ckpt.model.dtype_cast import copy_cast
 from dist_ckpt.model.geometry import Box
 from dist_ckpt.storage import FileReader, ObjectReader, TruncatedObjectError
 from dist_ckpt.storage.files import IOV_MAX
@@ -90,6 +93,9 @@ class ReadOptions:
         object_store_small_run_bytes: ``small_run_bytes`` for object stores: a request costs
             about as much as downloading a few hundred KiB, so short runs separated by short
             gaps are fetched as one range (the gaps are downloaded and dropped).
+        allow_dtype_cast: a requested dtype may differ from the stored one: the stored values
+            are read through the bounce buffers and converted (see
+            :mod:`dist_ckpt.model.dtype_cast`); False raises ``LoadMismatchError`` instead.
     """
 
     thread_count: int = 4
@@ -100,6 +106,7 @@ class ReadOptions:
     checked_piece_bytes: int = 2 * 2**20
     object_store_threads: int = 16
     object_store_small_run_bytes: int = 256 * 2**10
+    allow_dtype_cast: bool = True
 
     def __post_init__(self) -> None:
         for name in (
@@ -116,6 +123,9 @@ class ReadOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise CheckpointingException(f"ReadOptions.{name} must be an int >= 0, got {value!r}")
+        for name in ("verify_checksums", "allow_dtype_cast"):
+            if not isinstance(getattr(self, name), bool):
+                raise CheckpointingException(f"ReadOptions.{name} must be a bool, got {getattr(self, name)!r}")
 
     def for_object_store(self) -> "ReadOptions":
         """These options with the object-store thread count and run threshold in effect.
@@ -278,7 +288,8 @@ class DirectRead:
 @dataclass(frozen=True)
 class BounceRead:
     """Copy ``inter`` from the row-major ``src_box`` stored at ``src_offset`` of ``fd`` into
-    ``target`` (a view of the destination holding exactly ``inter``), via a bounce buffer."""
+    ``target`` (a view of the destination holding exactly ``inter``), via a bounce buffer; the
+    stored values are of ``src_dtype`` (None: the target's dtype) and converted by the copy."""
 
     fd: ObjectReader
     path: str
@@ -288,6 +299,12 @@ class BounceRead:
     inter: Box
     target: torch.Tensor
     check: Optional[ReadCheck] = None
+    src_dtype: Optional[torch.dtype] = None
+
+    @property
+    def stored_dtype(self) -> torch.dtype:
+        """The dtype of the values in the file."""
+        return self.target.dtype if self.src_dtype is None else self.src_dtype
 
     @property
     def nbytes(self) -> int:
@@ -317,6 +334,7 @@ def plan_copy(
     target: torch.Tensor,
     options: ReadOptions,
     check: Optional[ReadCheck] = None,
+    src_dtype: Optional[torch.dtype] = None,
 ) -> List[ReadOp]:
     """The reads that copy ``inter`` from a stored box into a destination box.
 
@@ -331,6 +349,8 @@ def plan_copy(
         target: view of the destination holding exactly ``inter`` (for bounce reads).
         options: thresholds.
         check: sees the bytes of every read (see :class:`ReadCheck`).
+        src_dtype: the stored dtype, when it differs from ``target``'s: every byte then goes
+            through a bounce buffer and is converted on the way out.
 
     Example::
 
@@ -341,6 +361,8 @@ def plan_copy(
         execute(ops, ReadOptions())
     """
     fd = as_reader(fd)
+    if src_dtype is not None and src_dtype != target.dtype:
+        return _cast_reads(fd, path, key, src_box, src_offset, inter, target, options, check, src_dtype)
     itemsize = target.element_size()
     src_off, dst_off, run = contiguous_runs(inter, src_box, dst_box)
     run_bytes = run * itemsize
@@ -354,6 +376,44 @@ def plan_copy(
     dst_bytes = ((dst_base + dst_off) * itemsize).tolist()
     reads = _direct_reads(fd, path, key, src_bytes, dst_bytes, run_bytes, dest_bytes, options.max_read_bytes, check)
     return list(reads)
+
+
+def _cast_reads(
+    fd: ObjectReader,
+    path: str,
+    key: str,
+    src_box: Box,
+    src_offset: int,
+    inter: Box,
+    target: torch.Tensor,
+    options: ReadOptions,
+    check: Optional[ReadCheck],
+    src_dtype: torch.dtype,
+) -> List[ReadOp]:
+    """The reads of a copy into another dtype: through the bounce buffers, which hold the stored
+    values until the copy out converts them. Runs that a direct read would fetch one by one
+    (long runs, or long gaps between them) are bounced one by one too, so a cast reads the same
+    bytes as a load in the stored dtype; short runs with short gaps are read through as one span."""
+    itemsize = src_dtype.itemsize
+    src_off, _, run = contiguous_runs(inter, src_box, inter)
+    if (
+        len(src_off) < 2
+        or _read_through(src_off, run, itemsize, options.small_run_bytes)
+        or (check is not None and _gaps_inside_blocks(src_off, run, itemsize, check.block_bytes))
+    ):
+        return [BounceRead(fd, path, key, src_offset, src_box, inter, target, check, src_dtype)]
+    axis = len(inter.shape) - 1  # the first axis of a run: runs span the trailing axes from it
+    while axis > 0 and math.prod(inter.shape[axis:]) < run:
+        axis -= 1
+    reads: List[ReadOp] = []
+    for index in itertools.product(*(range(n) for n in inter.shape[:axis])):
+        box = Box(
+            tuple(o + i for o, i in zip(inter.offset, index)) + inter.offset[axis:], (1,) * axis + inter.shape[axis:]
+        )
+        reads.append(
+            BounceRead(fd, path, key, src_offset, src_box, box, target[box.slices_within(inter)], check, src_dtype)
+        )
+    return reads
 
 
 def _gaps_inside_blocks(src_off: np.ndarray, run: int, itemsize: int, block_bytes: int) -> bool:
@@ -471,7 +531,7 @@ class _Worker:
             check.after_read(piece_offset, piece)
 
     def _bounce(self, op: BounceRead) -> None:
-        itemsize = op.target.element_size()
+        itemsize = op.stored_dtype.itemsize
         limit = max(1, self.options.bounce_buffer_bytes // itemsize)
         strides = _strides(op.src_box.shape)
         pinned = op.target.is_cuda and torch.cuda.is_available()
@@ -488,9 +548,9 @@ class _Worker:
             else:
                 self._read_checked(op.fd, [whole.numpy().data], start, op.check)
             buf = whole[lo - start : lo - start + count * itemsize]
-            values = buf.view(op.target.dtype)
+            values = buf.view(op.stored_dtype)
             stored = values.as_strided(slab.shape, tuple(strides), values.storage_offset())
-            op.target[slab.slices_within(op.inter)].copy_(stored)
+            copy_cast(op.target[slab.slices_within(op.inter)], stored)
 
 
 def _pieces(buffers: Sequence[memoryview], offset: int, step: int) -> Iterator[Tuple[int, List[memoryview]]]:

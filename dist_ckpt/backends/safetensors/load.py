@@ -12,7 +12,9 @@ description, :func:`load_from_index` loads any sharding of the tensors:
 3. open each file the plan touches once and validate its header (size, dtype, shape and byte
    range of every stored shard in it) -- still before any tensor byte is read;
 4. zero the parts outside the stored tensor (``allow_shape_mismatch``), then read, in place
-   where the destination allows it (see :mod:`.safetensors_io`), on a few threads;
+   where the destination allows it (see :mod:`.safetensors_io`), on a few threads; a request
+   in another dtype than the stored one is read through the bounce buffers and converted
+   (``ReadOptions.allow_dtype_cast``; see :mod:`dist_ckpt.model.dtype_cast`);
 5. when the index records checksums (and ``ReadOptions.verify_checksums``), check the crc32c of
    each file's header when it is opened and of every block as the reads complete (reads are
    widened to whole blocks; see :mod:`.safetensors_blocks`).
@@ -58,12 +60,12 @@ FileCheck = Callable[[SafetensorsHeader, Sequence[Tuple[str, StoredShard]]], Non
 # --------------------------------------------------------------------------- checks
 
 
-def _check_requests(requested: Sequence[ShardedTensor], index: TensorIndex) -> None:
+def _check_requests(requested: Sequence[ShardedTensor], index: TensorIndex, allow_dtype_cast: bool) -> None:
     def lookup(key: str) -> Optional[Tuple[torch.dtype, Tuple[int, ...]]]:
         info = index.lookup(key)
         return None if info is None else (info.dtype, tuple(info.global_shape))
 
-    check_requested_tensors(requested, lookup, index.description)
+    check_requested_tensors(requested, lookup, index.description, allow_dtype_cast)
 
 
 def default_file_check(index: TensorIndex) -> FileCheck:
@@ -176,7 +178,7 @@ class _OpenFiles:
 
 def _plan_tensor(sh: ShardedTensor, info: StoredTensor, index: TensorIndex) -> Tuple[List[_Planned], List[ShardPiece]]:
     rng = None if sh.flattened_range is None else (sh.flattened_range.start, sh.flattened_range.stop)
-    itemsize = sh.dtype.itemsize
+    itemsize = info.dtype.itemsize  # of the stored values, whatever the requested dtype
     planned: List[_Planned] = []
     pad: List[ShardPiece] = []
     expected = covered = 0
@@ -223,8 +225,8 @@ def load_from_index(
         loaded = load_from_index({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4))}, index, ReadOptions())
     """
     requested = [s for s in nested_values(sharded_state_dict) if isinstance(s, ShardedTensor)]
-    # 1. keys, dtypes, shapes
-    _check_requests(requested, index)
+    # 1. keys, dtypes (cast or refused, per options.allow_dtype_cast), shapes
+    _check_requests(requested, index, options.allow_dtype_cast)
     # 2. plan every overlap, checking coverage
     plans: Dict[int, Tuple[torch.Tensor, List[_Planned], List[ShardPiece]]] = {}
     by_file: Dict[str, List[Tuple[str, StoredShard]]] = {}
@@ -276,6 +278,8 @@ def _read_ops(
     verify: bool,
 ) -> List[ReadOp]:
     dest_bytes = byte_view(dest)
+    info = index.lookup(sh.key)
+    assert info is not None
     ops: List[ReadOp] = []
     for p in planned:
         fd, path = files.fds[p.shard.file], index.file_location(p.shard.file)
@@ -300,6 +304,7 @@ def _read_ops(
                 target,
                 options,
                 shard_check,
+                info.dtype,
             )
         )
     return ops

@@ -41,7 +41,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -461,6 +461,12 @@ class SafetensorsLoadShardedStrategy(LoadShardedStrategy):
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Storage) -> StateDict:
         return load_from_index(sharded_state_dict, read_index(checkpoint_dir), self.options)
+
+    def with_dtype_cast(self, allow: bool) -> "SafetensorsLoadShardedStrategy":
+        """This loader with ``ReadOptions.allow_dtype_cast`` set to ``allow``."""
+        if self.options.allow_dtype_cast == allow:
+            return self
+        return SafetensorsLoadShardedStrategy(replace(self.options, allow_dtype_cast=allow))
 
     def load_tensors_metadata(self, checkpoint_dir: Storage) -> ShardedStateDict:
         return tensors_metadata(read_index(checkpoint_dir))

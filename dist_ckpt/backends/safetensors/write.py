@@ -445,7 +445,8 @@ class IndexPart:
         self.rank = get_rank()
         self.tensors: Dict[str, Dict[str, Any]] = {}
         for sh in shards:  # keys with no bytes on any rank (0-size tensors) are still listed
-            self.tensors.setdefault(sh.key, tensor_entry(dtype_to_name(sh.dtype), sh.global_shape, []))
+            entry = tensor_entry(dtype_to_name(sh.dtype), sh.global_shape, [], sh.flattened_range is not None)
+            self.tensors.setdefault(sh.key, entry)
         self.files: List[Tuple[str, List[Tuple[str, Dict[str, Any]]]]] = []
         self.sizes = {plan.name: plan.size for plan, _ in files}
         for plan, group in files:

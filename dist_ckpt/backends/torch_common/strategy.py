@@ -10,9 +10,12 @@ Layout inside a checkpoint directory::
     common.checksums.json                   size and crc32c of common.pt (and common.unsafe.json)
     objects/checksums.json                  size and crc32c of every file under objects/
 
-Loading uses ``torch.load(weights_only=True)``: a checkpoint cannot run code on load. Values that
-need full pickle (arbitrary classes, numpy arrays) raise :class:`UnsafeObjectError` naming the key
-and the opt-in, ``TorchCommonLoadStrategy(allow_pickle=True)``, for checkpoints you trust.
+Loading uses ``torch.load(weights_only=True)``: a checkpoint cannot run code on load. Besides
+tensors and containers it rebuilds plain standard-library data (``io.BytesIO``,
+``argparse.Namespace``, dates, paths, ...: see :mod:`.plain_types`). Values that need full pickle
+(other classes, numpy arrays) raise :class:`UnsafeObjectError` naming the key and the opt-ins:
+``TorchCommonLoadStrategy(safe_globals=[...])`` for classes you trust, or
+``TorchCommonLoadStrategy(allow_pickle=True)`` for checkpoints you trust.
 
 The two checksum manifests (see :mod:`dist_ckpt.integrity.checksums`; the second is gathered from every
 rank to rank 0) let a load check each file's bytes before unpickling them, and let
@@ -25,17 +28,17 @@ disks and on S3 alike; the files are small and each is written and read whole.
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import logging
 import pickle
 import zipfile
-from typing import Any, ClassVar, Dict, List, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from dist_ckpt.backends.base import LoadCommonStrategy, SaveCommonStrategy
+from dist_ckpt.backends.torch_common.plain_types import plain_data_allowed
 from dist_ckpt.engine.distributed import gather_json, get_rank, run_collectively
 from dist_ckpt.errors import (
     UNEXPECTED_KEYS,
@@ -69,36 +72,20 @@ COMMON_CHECKSUMS_FNAME = "common.checksums.json"
 OBJECTS_CHECKSUMS_FNAME = "checksums.json"  # inside objects/
 _SAFE_LEAF_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
 _OPT_IN = "common_strategy=TorchCommonLoadStrategy(allow_pickle=True)"
-#: plain standard-library classes whose pickles rebuild data without running code from the file,
-#: admitted by every ``weights_only`` load of dist_ckpt: Megatron-LM keeps its arguments in the
-#: common state as an ``argparse.Namespace``, Transformer Engine its extra state as ``io.BytesIO``
-PLAIN_DATA_GLOBALS: Tuple[type, ...] = (argparse.Namespace, io.BytesIO)
-
-
-def safe_torch_load(data: bytes, allow_pickle: bool = False) -> Any:
-    """``torch.load`` of ``data`` onto the CPU: ``weights_only`` (plus :data:`PLAIN_DATA_GLOBALS`,
-    for this call only) unless ``allow_pickle``.
-
-    Raises:
-        pickle.UnpicklingError: ``data`` needs a class ``weights_only`` refuses.
-
-    Example::
-
-        safe_torch_load(storage.read("common.pt"))
-    """
-    safe_globals = getattr(torch.serialization, "safe_globals", None)
-    if allow_pickle or safe_globals is None:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=not allow_pickle)
-    with safe_globals(list(PLAIN_DATA_GLOBALS)):
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+_SAFE_GLOBALS_OPT_IN = "common_strategy=TorchCommonLoadStrategy(safe_globals=[...])"
 
 
 def _needs_pickle(value: Any) -> Optional[str]:
-    """Type name of ``value`` if ``torch.load(weights_only=True)`` cannot restore it, else None."""
+    """Type name of ``value`` if the loader (``weights_only`` with the plain-data types of
+    :mod:`.plain_types`) cannot restore it, else None."""
     if type(value) in _SAFE_LEAF_TYPES or type(value) in (torch.Tensor, torch.nn.Parameter):
         return None
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    buf.seek(0)
     try:
-        safe_torch_load(_torch_bytes(value))
+        with plain_data_allowed():
+            torch.load(buf, weights_only=True)
     except Exception:  # noqa: BLE001 -- any failure means weights_only cannot load it
         return f"{type(value).__module__}.{type(value).__qualname__}"
     return None
@@ -174,9 +161,10 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
         if unsafe:
             logger.warning(
                 "common state keys %s hold objects that need full pickle to load (%s); loading this "
-                "checkpoint will need %s",
+                "checkpoint will need %s (classes that only hold data) or %s",
                 format_keys(unsafe),
                 ", ".join(sorted(set(unsafe.values()))),
+                _SAFE_GLOBALS_OPT_IN,
                 _OPT_IN,
             )
             data = json.dumps(unsafe, indent=1).encode()
@@ -230,20 +218,34 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
 class TorchCommonLoadStrategy(LoadCommonStrategy):
     """Loads what :class:`TorchCommonSaveStrategy` wrote, without executing pickled code.
 
+    Tensors, containers and plain standard-library data (:data:`.plain_types.PLAIN_DATA_TYPES`:
+    ``io.BytesIO``, ``argparse.Namespace``, dates, paths, ...) load by default; their
+    reconstruction runs no code from the file.
+
     Args:
         allow_pickle: load values that need full pickle (runs code from the checkpoint: only
             for checkpoints you trust).
         verify_checksums: check each file against its manifest before unpickling it (when the
             checkpoint has manifests).
+        safe_globals: further classes (or functions) to rebuild without full pickle, e.g. your
+            own ``Enum`` types; allowed for this strategy's loads only (torch's
+            ``add_safe_globals`` allows them process-wide, and is honoured too).
+
+    Example::
+
+        dc.load(sd, "ckpt", common_strategy=TorchCommonLoadStrategy(safe_globals=[AttnBackend]))
     """
 
     supported_backends: ClassVar[Tuple[str, ...]] = ("torch",)
     supported_versions: ClassVar[Tuple[int, ...]] = (1,)
     object_storage: ClassVar[bool] = True
 
-    def __init__(self, allow_pickle: bool = False, verify_checksums: bool = True) -> None:
+    def __init__(
+        self, allow_pickle: bool = False, verify_checksums: bool = True, safe_globals: Sequence[Any] = ()
+    ) -> None:
         self.allow_pickle = allow_pickle
         self.verify_checksums = verify_checksums
+        self.safe_globals = tuple(safe_globals)
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -264,23 +266,25 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         if expected is not None:
             check_file(where, expected, what, data)
         try:
-            return safe_torch_load(data, self.allow_pickle)
+            with plain_data_allowed(self.safe_globals):
+                return torch.load(io.BytesIO(data), map_location="cpu", weights_only=not self.allow_pickle)
         except pickle.UnpicklingError as e:
             unsafe = self._unsafe_globals(data)
             if unsafe:
                 raise UnsafeObjectError(
-                    f"{what} in {where} needs full pickle to load ({', '.join(unsafe)}){keys_hint}. "
-                    f"Loading it would run code from the checkpoint; if you trust it, pass {_OPT_IN}"
+                    f"{what} in {where} needs full pickle to load ({', '.join(sorted(unsafe))}){keys_hint}. "
+                    f"Loading it would run code from the checkpoint. If these classes only hold data, "
+                    f"allow them with {_SAFE_GLOBALS_OPT_IN}; if you trust the checkpoint, pass {_OPT_IN}"
                 ) from e
             raise CorruptCheckpointError(f"{where} cannot be unpickled ({what}): {e}") from e
         except Exception as e:  # noqa: BLE001 -- torch.load fails in many ways on damaged bytes
             # (RuntimeError, EOFError, BadZipFile, IndexError, KeyError, ... depending on where)
             raise CorruptCheckpointError(f"{where} is truncated or corrupt ({what}): {type(e).__name__}: {e}") from e
 
-    @staticmethod
-    def _unsafe_globals(data: bytes) -> List[str]:
+    def _unsafe_globals(self, data: bytes) -> List[str]:
         try:
-            return list(torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data)))
+            with plain_data_allowed(self.safe_globals):
+                return list(torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data)))
         except Exception:  # noqa: BLE001 -- a corrupt file is reported by the caller
             return []
 

@@ -36,6 +36,7 @@ from dist_ckpt.backends.stored_shards import StoredShardInfo
 from dist_ckpt.backends.torch_dist.metadata import mcore_data
 from dist_ckpt.errors import CorruptCheckpointError, InvalidShardedTensorError
 from dist_ckpt.model.sharded import ShardedObject, ShardedStateDict, ShardedTensor
+from dist_ckpt.model.stored_metadata import stored_tensor_metadata
 
 __all__ = [
     "REFORMULATED_SHAPE",
@@ -215,17 +216,14 @@ def parse_layout(md: Metadata, where: str) -> TorchDistLayout:
 # --------------------------------------------------------------------------- what loads report
 
 
-def _meta_tensor(shape: Shape, dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device="meta")
-
-
 def tensors_metadata(layout: TorchDistLayout) -> ShardedStateDict:
-    """``{key: ShardedTensor}`` (whole, data on the meta device) of every stored tensor, in its
-    real global shape: a tensor stored reformulated (flattened ranges) by its original shape, as the
-    other backends describe flattened tensors."""
+    """``{key: ShardedTensor}`` (data on the meta device) of every stored tensor, described as it
+    was saved (:func:`~dist_ckpt.model.stored_metadata.stored_tensor_metadata`), as Megatron-Core
+    describes them: with its global shape, or -- stored reformulated (saved as flattened ranges) --
+    by its original shape with one flattened range covering all of it."""
     return {
-        key: ShardedTensor.from_rank_offsets(key, _meta_tensor(layout.tensors[key].shape, layout.tensors[key].dtype))
-        for key in sorted(layout.tensors)
+        key: stored_tensor_metadata(key, stored.dtype, stored.shape, flattened=stored.original_shape is not None)
+        for key, stored in sorted(layout.tensors.items())
     }
 
 
@@ -268,6 +266,9 @@ def describe_layout(layout: TorchDistLayout) -> Dict[str, List[StoredShardInfo]]
 def write_chunk(sh: ShardedTensor) -> Tuple[Shape, Shape, Shape]:
     """``(offsets, sizes, stored global shape)`` of the DCP chunk ``sh`` is saved as.
 
+    A flattened tensor without elements (a global shape with a 0) is stored as one empty block
+    (a grid of ones and a flat axis of 0), so that its shape is still recorded.
+
     Raises:
         InvalidShardedTensorError: a flattened ShardedTensor whose local chunks do not tile its
             global shape (the reformulated layout needs a regular grid).
@@ -280,6 +281,9 @@ def write_chunk(sh: ShardedTensor) -> Tuple[Shape, Shape, Shape]:
     full_local = sh.full_local_shape
     if sh.flattened_range is None:
         return tuple(sh.global_offset), tuple(full_local), tuple(sh.global_shape)
+    if math.prod(sh.global_shape) == 0:  # nothing to tile: one empty block, recorded with its shape
+        ones = (1,) * len(sh.global_shape)
+        return (0,) * (len(ones) + 1), ones + (0,), ones + (0,)
     if any(n == 0 or g % n or o % n for g, n, o in zip(sh.global_shape, full_local, sh.global_offset)):
         raise InvalidShardedTensorError(
             f"{sh.key!r}: a flattened ShardedTensor is saved to torch_dist per chunk of a regular grid, but its local "

@@ -18,7 +18,7 @@ reformulated layout --, ``allow_shape_mismatch``, dtype casting, ShardedObjects.
 4. when the manifest records checksums, each item's bytes are checked against their crc32c
    (through a memory map: one crc pass, no copy) before DCP unpickles them; ShardedObjects are
    unpickled with ``torch.load(weights_only=True)`` (with
-   :data:`~dist_ckpt.backends.torch_common.strategy.PLAIN_DATA_GLOBALS` allowed), never with
+   :data:`~dist_ckpt.backends.torch_common.plain_types.PLAIN_DATA_TYPES` allowed), never with
    full pickle unless ``allow_pickle``.
 
 Plain DCP directories (``torch.distributed.checkpoint.save`` of torchtitan, OLMo-core, ...: no
@@ -33,6 +33,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import io
 import logging
 import mmap
@@ -51,9 +52,9 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from dist_ckpt.backends.base import LoadShardedStrategy
-from dist_ckpt.backends.request_checks import stored_mismatches
+from dist_ckpt.backends.request_checks import check_requested_tensors
 from dist_ckpt.backends.stored_shards import StoredShardInfo
-from dist_ckpt.backends.torch_common.strategy import safe_torch_load
+from dist_ckpt.backends.torch_common.plain_types import plain_data_allowed
 from dist_ckpt.backends.torch_dist.checksums import (
     CHECKSUMS_FILENAME,
     FileSpans,
@@ -76,11 +77,9 @@ from dist_ckpt.errors import (
     CheckpointingException,
     CorruptCheckpointError,
     KeyMismatchError,
-    LoadMismatchError,
     NotACheckpointError,
     UnsafeObjectError,
     format_keys,
-    format_problems,
 )
 from dist_ckpt.integrity.checksums import IntegrityReport
 from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
@@ -190,7 +189,8 @@ def unpickle_item(data: bytes, where: str, what: str, allow_pickle: bool, opt_in
         CorruptCheckpointError: not a ``torch.save`` archive.
     """
     try:
-        return safe_torch_load(data, allow_pickle)
+        with plain_data_allowed():
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=not allow_pickle)
     except pickle.UnpicklingError as e:
         try:
             unsafe = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data)))
@@ -400,35 +400,23 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         return dict_list_map_inplace(result, sharded_state_dict)  # type: ignore[no-any-return]
 
     def _check_tensors(self, tensors: Sequence[ShardedTensor], layout: TorchDistLayout) -> None:
-        rank = get_rank()
-        absent = sorted({sh.key for sh in tensors if sh.key not in layout.tensors})
-        if absent:
-            raise KeyMismatchError(
-                f"[rank {rank}] tensors requested by load but absent from checkpoint {layout.where!r}: "
-                f"{format_keys(absent)}",
-                unexpected_keys=absent,
-            )
-        problems: List[str] = []
-        casts: Dict[str, str] = {}
-        for sh in tensors:
-            stored = layout.tensors[sh.key]
-            dtype = sh.dtype if self.allow_dtype_cast else stored.dtype
-            problems.extend(p for p in stored_mismatches(sh, dtype, stored.shape) if p not in problems)
-            if sh.dtype != stored.dtype:
-                casts[sh.key] = f"{stored.dtype} -> {sh.dtype}"
-        if problems:
-            raise LoadMismatchError(
-                f"[rank {rank}] checkpoint {layout.where!r} does not match the requested tensors: "
-                f"{format_problems(problems)}"
-            )
-        if casts:
-            logger.info(
-                "[rank %d] casting %d tensors of %s to the requested dtypes: %s",
-                rank,
-                len(casts),
-                layout.where,
-                ", ".join(f"{k} ({v})" for k, v in sorted(casts.items())[:20]),
-            )
+        """Absent keys, global shapes and dtypes against ``.metadata``, as every loader checks them
+        (:func:`~dist_ckpt.backends.request_checks.check_requested_tensors`)."""
+
+        def lookup(key: str) -> Optional[Tuple[torch.dtype, Tuple[int, ...]]]:
+            stored = layout.tensors.get(key)
+            return None if stored is None else (stored.dtype, stored.shape)
+
+        check_requested_tensors(tensors, lookup, repr(layout.where), self.allow_dtype_cast)
+
+    def with_dtype_cast(self, allow: bool) -> "TorchDistLoadShardedStrategy":
+        """This loader, converting (``allow``) or refusing requested dtypes that differ from the
+        stored ones (see :mod:`dist_ckpt.model.dtype_cast`); a copy when the setting differs."""
+        if self.allow_dtype_cast == allow:
+            return self
+        clone = copy.copy(self)
+        clone.allow_dtype_cast = allow
+        return clone
 
     def _check_objects(self, objects: Sequence[ShardedObject], layout: TorchDistLayout) -> None:
         missing = sorted({o.unique_key for o in objects if o.unique_key not in layout.byte_items})

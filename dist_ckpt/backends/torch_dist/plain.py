@@ -11,7 +11,7 @@ A directory with DCP's ``.metadata`` and no ``metadata.json`` is loaded with the
   entries: they form the *common state*, nested again along the paths DCP recorded in its
   ``planner_data`` (lists where a path has integer components; a key without a recorded path
   stays flat), unpickled with
-  ``torch.load(weights_only=True)`` (:data:`~dist_ckpt.backends.torch_common.strategy.PLAIN_DATA_GLOBALS`
+  ``torch.load(weights_only=True)`` (:data:`~dist_ckpt.backends.torch_common.plain_types.PLAIN_DATA_TYPES`
   allowed) unless ``allow_pickle``;
 * there are no ShardedObjects: requesting one raises :class:`~dist_ckpt.errors.KeyMismatchError`.
 

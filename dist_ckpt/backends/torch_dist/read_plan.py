@@ -168,6 +168,8 @@ def plan_tensor_reads(
         stored = layout.tensors[sh.key]
         dest = load_destination(sh)
         results[id(sh)] = dest
+        if dest.numel() == 0:  # nothing to read (an empty range, or a tensor without elements)
+            continue
         bounds = Box((0,) * len(stored.shape), stored.shape)
         wanted = by_key.setdefault(sh.key, _Wanted())
         if _want_saved_range(sh, stored, dest, wanted):

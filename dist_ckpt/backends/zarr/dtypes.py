@@ -1,9 +1,12 @@
-"""zarr-python data types for bfloat16 and float8, which zarr-python 3 does not ship.
+"""zarr-python data types for bfloat16 and float8, which zarr-python 3 does not ship, to read
+checkpoints that stored them under their zarr-extensions names.
 
-The zarr v3 names (``"bfloat16"``, ``"float8_e4m3fn"``, ...) are those of the zarr-extensions
-registry, which TensorStore also reads and writes, so arrays stay interoperable. Registration
-happens on first use of the Zarr backend, never at import of dist_ckpt, and leaves alone any
-name zarr-python already knows (a later zarr release may ship its own).
+dist_ckpt now writes these tensors as raw bits in ``uint16`` / ``uint8`` arrays, which every zarr
+v3 reader opens (:func:`dist_ckpt.backends.zarr.nodes.stored_numpy_dtype`); checkpoints written
+before that name them ``"bfloat16"``, ``"float8_e4m3fn"``, ... (the zarr-extensions registry, which
+TensorStore reads natively). The zarr-python load strategy registers the names on first use,
+never at import of dist_ckpt, and leaves alone any name zarr-python already knows (a later zarr
+release may ship its own).
 """
 
 from __future__ import annotations

@@ -15,7 +15,15 @@ Layout::
 
 Attributes under ``"dist_ckpt"``: ``key``, ``dtype`` and ``layout`` on each tensor; for the
 flattened layout also ``global_shape`` and ``chunk_shape``, and on each fragment its
-``global_offset`` and ``flat_range``.
+``dtype``, ``global_offset`` and ``flat_range``.
+
+Data types: an array's ``data_type`` is the tensor's dtype, except for the dtypes zarr-python 3
+has no data type for (bfloat16 and the float8 types), which are stored as the unsigned integers
+of their width holding the raw bits (``uint16``, ``uint8``) so that any zarr v3 reader opens
+them; the ``dtype`` attribute names the tensor's dtype
+(:func:`~dist_ckpt.backends.zarr.nodes.stored_numpy_dtype`). Readers take the dtype from the
+attribute and view the bits, so checkpoints written with the zarr-extensions names
+(``"data_type": "bfloat16"``) load as well.
 
 Locations: every node is an :class:`~dist_ckpt.storage.object_path.ObjectPath` under the
 checkpoint's storage (:func:`checkpoint_node`), so one layout serves local directories and

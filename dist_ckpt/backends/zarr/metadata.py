@@ -34,7 +34,8 @@ from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError, for
 from dist_ckpt.integrity.checksums import read_manifest
 from dist_ckpt.model.dtypes import dtype_from_name, dtype_info
 from dist_ckpt.model.geometry import Box, ShardPiece, shard_pieces
-from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor
+from dist_ckpt.model.sharded import ShardedStateDict
+from dist_ckpt.model.stored_metadata import stored_tensor_metadata
 from dist_ckpt.storage import encode_key
 from dist_ckpt.storage.object_path import ObjectPath, subdirs
 
@@ -234,13 +235,15 @@ def find_tensor_info(root: ObjectPath, key: str) -> Optional[StoredTensorInfo]:
 
 
 def tensors_metadata(root: ObjectPath) -> ShardedStateDict:
-    """``{key: ShardedTensor}`` (whole, unsharded, data on the meta device) for every tensor."""
+    """``{key: ShardedTensor}`` (whole, unsharded, data on the meta device) for every tensor, as
+    it was saved: a tensor of the flattened layout is one flattened range covering all of it
+    (see :mod:`dist_ckpt.model.stored_metadata`)."""
     out: ShardedStateDict = {}
     for name in list_tensor_names(root):
         info = open_tensor_info(root, name)
         if info is not None:
-            meta = torch.empty(info.global_shape, dtype=info.dtype, device="meta")
-            out[info.key] = ShardedTensor.from_rank_offsets(info.key, meta)
+            flattened = info.layout == LAYOUT_FLATTENED
+            out[info.key] = stored_tensor_metadata(info.key, info.dtype, info.global_shape, flattened)
     return out
 
 

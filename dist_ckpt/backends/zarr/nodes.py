@@ -13,6 +13,7 @@ import json
 import math
 from typing import Any, Dict, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from dist_ckpt.backends.zarr.layout import ATTR, LAYOUT_CHUNKED, LAYOUT_FLATTENED
@@ -24,6 +25,7 @@ from dist_ckpt.storage.object_path import ObjectPath
 __all__ = [
     "array_chunk_shape",
     "array_metadata",
+    "as_stored",
     "chunked_attributes",
     "cpu_contiguous",
     "creates_flattened_group",
@@ -32,6 +34,7 @@ __all__ = [
     "fragment_attributes",
     "fsync_written",
     "is_origin",
+    "stored_numpy_dtype",
     "write_group",
 ]
 
@@ -65,9 +68,14 @@ def flattened_attributes(sh: ShardedTensor) -> Dict[str, Any]:
 
 
 def fragment_attributes(sh: ShardedTensor) -> Dict[str, Any]:
-    """The ``dist_ckpt`` attributes of one fragment array (a flattened shard)."""
+    """The ``dist_ckpt`` attributes of one fragment array (a flattened shard); ``dtype`` too, so
+    that a reader of the fragment alone knows how to view its raw bits."""
     assert sh.flattened_range is not None
-    return {"global_offset": list(sh.global_offset), "flat_range": [sh.flattened_range.start, sh.flattened_range.stop]}
+    return {
+        "dtype": dtype_info(sh.dtype).name,
+        "global_offset": list(sh.global_offset),
+        "flat_range": [sh.flattened_range.start, sh.flattened_range.stop],
+    }
 
 
 def creates_flattened_group(sh: ShardedTensor) -> bool:
@@ -78,8 +86,31 @@ def creates_flattened_group(sh: ShardedTensor) -> bool:
     return is_origin(sh) and start == 0 and (stop > 0 or math.prod(sh.local_shape) == 0)
 
 
+def stored_numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """The numpy dtype of the zarr array that stores tensors of ``dtype``: the tensor's own, or
+    for a dtype numpy lacks (bfloat16, float8: ml_dtypes types, which zarr-python 3 cannot name)
+    the unsigned integer of the same width, holding the raw bits.
+
+    Example::
+
+        stored_numpy_dtype(torch.bfloat16)   # dtype('uint16')
+        stored_numpy_dtype(torch.float32)    # dtype('float32')
+    """
+    info = dtype_info(dtype)
+    if info.bits_dtype is None:
+        return info.numpy_dtype
+    return np.dtype(f"uint{8 * info.numpy_dtype.itemsize}")
+
+
+def as_stored(array: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """``array`` (holding ``dtype``'s values) viewed as :func:`stored_numpy_dtype`, no copy."""
+    return array.view(stored_numpy_dtype(dtype))
+
+
 def fill_value_json(dtype: torch.dtype) -> Any:
-    """The zarr v3 ``fill_value`` (zero) of ``dtype`` in its JSON form."""
+    """The zarr v3 ``fill_value`` (zero) of ``dtype``'s stored array in its JSON form."""
+    if dtype_info(dtype).bits_dtype is not None:
+        return 0  # raw bits in an unsigned integer array
     if dtype == torch.bool:
         return False
     if dtype.is_complex:
@@ -93,15 +124,15 @@ def array_metadata(
     shape: Sequence[int], chunk_shape: Sequence[int], dtype: torch.dtype, attributes: Dict[str, Any]
 ) -> Dict[str, Any]:
     """zarr v3 metadata of an uncompressed little-endian array, as the zarr backend writes it."""
-    info = dtype_info(dtype)
+    stored = stored_numpy_dtype(dtype)
     bytes_codec: Dict[str, Any] = {"name": "bytes"}
-    if info.numpy_dtype.itemsize > 1:
+    if stored.itemsize > 1:
         bytes_codec["configuration"] = {"endian": "little"}
     return {
         "zarr_format": 3,
         "node_type": "array",
         "shape": list(shape),
-        "data_type": info.name,
+        "data_type": stored.name if dtype_info(dtype).bits_dtype is not None else dtype_info(dtype).name,
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk_shape)}},
         "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
         "fill_value": fill_value_json(dtype),

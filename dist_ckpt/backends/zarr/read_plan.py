@@ -40,10 +40,15 @@ class ReadOp:
 
 @dataclass
 class ReadPlan:
-    """Every read needed to load one ShardedTensor, and the destination parts to zero-fill."""
+    """Every read needed to load one ShardedTensor, and the destination parts to zero-fill.
+
+    ``stored_dtype`` is the dtype of the values read; the request's dtype may differ (each
+    piece read is then converted while copied into place: :mod:`dist_ckpt.model.dtype_cast`).
+    """
 
     ops: List[ReadOp]
     pad: List[Tuple[ShardPiece, Box]]  # (piece, its part outside the stored tensor)
+    stored_dtype: torch.dtype
 
 
 def plan_reads(sh: ShardedTensor, info: StoredTensorInfo) -> ReadPlan:
@@ -75,14 +80,17 @@ def plan_reads(sh: ShardedTensor, info: StoredTensorInfo) -> ReadPlan:
             f"tensor {sh.key!r} in {str(info.path)!r}: the stored fragments cover {covered} of the "
             f"{expected} requested elements (fragments are missing or overlap)"
         )
-    return ReadPlan(ops, pad)
+    return ReadPlan(ops, pad, info.dtype)
 
 
-def plan_request(requested: Sequence[ShardedTensor], checkpoint_dir: ObjectPath) -> Dict[int, ReadPlan]:
+def plan_request(
+    requested: Sequence[ShardedTensor], checkpoint_dir: ObjectPath, allow_dtype_cast: bool = True
+) -> Dict[int, ReadPlan]:
     """The reads of every requested shard (by ``id``), after checking keys, dtypes and shapes.
 
     Everything is checked before any tensor byte is read; see
-    :func:`~dist_ckpt.backends.request_checks.check_requested_tensors`.
+    :func:`~dist_ckpt.backends.request_checks.check_requested_tensors` (``allow_dtype_cast``:
+    whether a requested dtype may differ from the stored one).
     """
     root = checkpoint_dir / ZARR_DIR
     infos: Dict[str, Optional[StoredTensorInfo]] = {}
@@ -94,7 +102,7 @@ def plan_request(requested: Sequence[ShardedTensor], checkpoint_dir: ObjectPath)
         info = infos[key]
         return None if info is None else (info.dtype, info.global_shape)
 
-    check_requested_tensors(requested, lookup, repr(str(checkpoint_dir)))
+    check_requested_tensors(requested, lookup, repr(str(checkpoint_dir)), allow_dtype_cast)
     return {id(sh): plan_reads(sh, infos[sh.key]) for sh in requested}  # type: ignore[arg-type]
 
 

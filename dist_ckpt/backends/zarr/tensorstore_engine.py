@@ -75,6 +75,7 @@ from dist_ckpt.backends.zarr.metadata import damaged_chunks, describe_zarr
 from dist_ckpt.backends.zarr.nodes import (
     array_chunk_shape,
     array_metadata,
+    as_stored,
     chunked_attributes,
     cpu_contiguous,
     creates_flattened_group,
@@ -89,6 +90,7 @@ from dist_ckpt.engine.distributed import get_rank, run_collectively
 from dist_ckpt.engine.registry import StrategyAction, register_default_strategy
 from dist_ckpt.integrity.checksums import IntegrityReport
 from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
+from dist_ckpt.model.dtype_cast import copy_cast
 from dist_ckpt.model.dtypes import numpy_to_tensor, tensor_to_numpy
 from dist_ckpt.model.geometry import Box, piece_view, sub_view
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
@@ -136,12 +138,15 @@ def open_ts_array(
     """Open the zarr v3 array at ``arr_path`` for reading with TensorStore.
 
     Missing chunks make reads fail (``fill_missing_data_reads=False``) instead of returning the
-    fill value, so a damaged checkpoint is never loaded as zeros.
+    fill value, so a damaged checkpoint is never loaded as zeros. The array has its stored data
+    type: raw bits (``uint16``, ``uint8``) for bfloat16 and float8 tensors (see
+    :mod:`dist_ckpt.backends.zarr.layout`); :func:`postprocess_numpy_array` makes the tensor.
 
     Example::
 
         arr = open_ts_array("ckpt/zarr/layer.weight")          # a local path, or a node of any storage
         first_rows = arr[0:4].read().result()   # numpy array
+        tensor = postprocess_numpy_array(first_rows, sharded_tensor)   # its dtype, e.g. bfloat16
     """
     spec = dict(_spec(ObjectPath.of(arr_path)), fill_missing_data_reads=False)
     try:
@@ -283,7 +288,7 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
         for sh in shards:
             if sh.data is None:
                 raise CheckpointingException(f"[rank {get_rank()}] main replica of {sh.key!r} has no data to save")
-            data = tensor_to_numpy(cpu_contiguous(sh.data))
+            data = as_stored(tensor_to_numpy(cpu_contiguous(sh.data)), sh.dtype)
             if sh.flattened_range is None:
                 if math.prod(sh.local_shape) == 0:
                     continue
@@ -365,6 +370,10 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
             staging buffers at once; whole-chunk reads need no staging.
         verify_checksums: check every chunk file a load touches against ``zarr/checksums.json``
             (when the checkpoint has one) before reading it.
+        allow_dtype_cast: a requested dtype may differ from the stored one: such reads are
+            staged (in the stored dtype, within ``max_staged_bytes``) and converted while copied
+            into place (see :mod:`dist_ckpt.model.dtype_cast`); False raises
+            ``LoadMismatchError`` instead.
     """
 
     supported_backends: ClassVar[Tuple[str, ...]] = ("zarr",)
@@ -377,11 +386,13 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
         concurrency: Optional[int] = None,
         max_staged_bytes: int = DEFAULT_MAX_STAGED_BYTES,
         verify_checksums: bool = True,
+        allow_dtype_cast: bool = True,
     ) -> None:
         self.load_directly_on_device = load_directly_on_device
         self.concurrency = concurrency
         self.max_staged_bytes = max_staged_bytes
         self.verify_checksums = verify_checksums
+        self.allow_dtype_cast = allow_dtype_cast
 
     def check_location(self, checkpoint_dir: Storage) -> None:
         """Local directories and S3 (TensorStore's s3 driver); other object stores are refused."""
@@ -391,7 +402,7 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
         local = checkpoint_node(checkpoint_dir, _ENGINE)
         requested = [s for s in nested_values(sharded_state_dict) if isinstance(s, ShardedTensor)]
         # 1. metadata, dtype/shape checks and coverage, before any data is read
-        plans = plan_request(requested, local)
+        plans = plan_request(requested, local, self.allow_dtype_cast)
         if self.verify_checksums:
             _check_touched_files(requested, plans, local)
         # 2. destinations: in place where possible; padding zero-filled first
@@ -443,24 +454,28 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
                     f"[rank {get_rank()}] cannot open zarr array {str(path)!r} of tensor {key!r} with TensorStore: {e}"
                 ) from e
         direct: List[Tuple[Tuple[ShardedTensor, ReadOp], Any]] = []
-        staged: Deque[Tuple[Tuple[ShardedTensor, ReadOp], Any, torch.Tensor]] = deque()
+        staged: Deque[Tuple[Tuple[ShardedTensor, ReadOp], Any, torch.Tensor, torch.dtype]] = deque()
         staged_bytes = 0
         failed: List[Tuple[Tuple[ShardedTensor, ReadOp], BaseException]] = []
         try:
             for sh in requested:
                 t = targets[id(sh)]
+                stored = plans[id(sh)].stored_dtype
                 for op in plans[id(sh)].ops:
                     view = sub_view(piece_view(t.dest, op.dst, sh.prepend_axis_num, t.holder), op.dst.box, op.inter)
                     source = arrays[op.array_path][
                         tuple(slice(o, o + s) for o, s in zip(op.region.offset, op.region.shape))
                     ]
-                    if op.src_box == op.inter and op.region.shape == op.inter.shape:
-                        # a box of a chunked array: TensorStore copies straight into the destination
-                        memory = ts.array(tensor_to_numpy(view), copy=False, write=True)
+                    if op.src_box == op.inter and op.region.shape == op.inter.shape and stored == sh.dtype:
+                        # a box of a chunked array: TensorStore copies straight into the destination,
+                        # viewed as the array's data type (raw bits for bfloat16 and float8, or
+                        # the zarr-extensions type of older checkpoints): a copy, never a conversion
+                        array_type = np.dtype(source.dtype.numpy_dtype)
+                        memory = ts.array(tensor_to_numpy(view).view(array_type), copy=False, write=True)
                         direct.append(((sh, op), memory.write(source)))
                         continue
-                    staged.append(((sh, op), source.read(), view))
-                    staged_bytes += op.region.numel * sh.dtype.itemsize
+                    staged.append(((sh, op), source.read(), view, stored))
+                    staged_bytes += op.region.numel * stored.itemsize
                     while staged_bytes > self.max_staged_bytes and len(staged) > 1:
                         staged_bytes -= self._finish_staged(staged.popleft(), failed)
         finally:  # even when issuing failed: no read may still be writing into our tensors
@@ -472,14 +487,29 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
             raise _read_error(sh, op, error, len(failed) - 1)
 
     @staticmethod
-    def _finish_staged(item: Tuple[Tuple[ShardedTensor, ReadOp], Any, torch.Tensor], failed: List[Any]) -> int:
-        (sh, op), future, view = item
+    def _finish_staged(
+        item: Tuple[Tuple[ShardedTensor, ReadOp], Any, torch.Tensor, torch.dtype], failed: List[Any]
+    ) -> int:
+        """Copy a staged read (in the stored dtype) into its destination view, converting."""
+        (sh, op), future, view, stored = item
         try:
-            data = numpy_to_tensor(np.asarray(future.result()), sh.dtype).view(op.src_box.shape)
-            view.copy_(sub_view(data, op.src_box, op.inter))
+            data = numpy_to_tensor(np.asarray(future.result()), stored).view(op.src_box.shape)
+            copy_cast(view, sub_view(data, op.src_box, op.inter))
         except Exception as e:  # noqa: BLE001 -- reported with the damaged file
             failed.append(((sh, op), e))
-        return op.region.numel * sh.dtype.itemsize
+        return op.region.numel * stored.itemsize
+
+    def with_dtype_cast(self, allow: bool) -> "TensorStoreLoadShardedStrategy":
+        """This loader with ``allow_dtype_cast`` set to ``allow``."""
+        if self.allow_dtype_cast == allow:
+            return self
+        return TensorStoreLoadShardedStrategy(
+            self.load_directly_on_device,
+            concurrency=self.concurrency,
+            max_staged_bytes=self.max_staged_bytes,
+            verify_checksums=self.verify_checksums,
+            allow_dtype_cast=allow,
+        )
 
     def load_tensors_metadata(self, checkpoint_dir: Storage) -> ShardedStateDict:
         context = _context(self.concurrency)

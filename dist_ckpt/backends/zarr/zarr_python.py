@@ -80,6 +80,7 @@ from dist_ckpt.backends.zarr.megatron import (
 from dist_ckpt.backends.zarr.metadata import describe_zarr, list_tensor_names, open_tensor_info
 from dist_ckpt.backends.zarr.nodes import (
     array_chunk_shape,
+    as_stored,
     chunked_attributes,
     cpu_contiguous,
     creates_flattened_group,
@@ -87,13 +88,15 @@ from dist_ckpt.backends.zarr.nodes import (
     fragment_attributes,
     fsync_written,
     is_origin,
+    stored_numpy_dtype,
 )
 from dist_ckpt.backends.zarr.read_plan import ReadOp, plan_request
 from dist_ckpt.engine.distributed import get_rank, run_collectively
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
 from dist_ckpt.integrity.checksums import FileDigest, IntegrityReport, bytes_digest
 from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
-from dist_ckpt.model.dtypes import dtype_info, numpy_to_tensor, tensor_to_numpy
+from dist_ckpt.model.dtype_cast import copy_cast
+from dist_ckpt.model.dtypes import numpy_to_tensor, tensor_to_numpy
 from dist_ckpt.model.geometry import Box, piece_view, sub_view
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
 from dist_ckpt.storage import Storage, fsync_dir
@@ -173,8 +176,7 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
     can_stream: ClassVar[bool] = True
 
     def __init__(self, backend: str = "zarr", version: int = 1) -> None:
-        super().__init__(backend, version)
-        register_extension_dtypes()
+        super().__init__(backend, version)  # bfloat16 and float8 are written as raw bits (nodes.stored_numpy_dtype)
 
     def check_location(self, checkpoint_dir: Storage) -> None:
         """Local directories and S3 (through zarr-python's ObjectStore); other object stores are refused."""
@@ -214,7 +216,7 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
                         name=name or None,
                         shape=sh.global_shape,
                         chunks=array_chunk_shape(sh),
-                        dtype=dtype_info(sh.dtype).numpy_dtype,
+                        dtype=stored_numpy_dtype(sh.dtype),
                         attributes={ATTR: chunked_attributes(sh)},
                         overwrite=False,
                         config=_WRITE_EMPTY,
@@ -244,13 +246,13 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
             name=name or None,
             shape=(length,),
             chunks=(chunk,),
-            dtype=dtype_info(sh.dtype).numpy_dtype,
+            dtype=stored_numpy_dtype(sh.dtype),
             attributes={ATTR: fragment_attributes(sh)},
             overwrite=False,
             config=_WRITE_EMPTY,
             **_ARRAY_OPTIONS,
         )
-        arr[:] = tensor_to_numpy(cpu_contiguous(sh.data))
+        arr[:] = as_stored(tensor_to_numpy(cpu_contiguous(sh.data)), sh.dtype)
         chunk_files = [path / arr.metadata.encode_chunk_key((i,)) for i in range(math.ceil(length / chunk))]
         return [path / "zarr.json"] + chunk_files
 
@@ -266,7 +268,7 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
                 store, name = stores.at(path)
                 arrays[sh.key] = zarr.open_array(store=store, path=name, mode="r+").with_config(_WRITE_EMPTY)
             arr = arrays[sh.key]
-            local = tensor_to_numpy(cpu_contiguous(sh.data)).reshape(sh.full_local_shape)
+            local = as_stored(tensor_to_numpy(cpu_contiguous(sh.data)), sh.dtype).reshape(sh.full_local_shape)
             region = tuple(slice(o, o + s) for o, s in zip(sh.global_offset, sh.full_local_shape))
             arr[region] = local
             written.append(path / arr.metadata.encode_chunk_key(sh.local_chunk_offset_in_global()))
@@ -370,20 +372,25 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
     """Loads zarr checkpoints into any sharding, reading only the chunks each shard overlaps.
 
     Tensors are loaded in place into ``ShardedTensor.data`` when it is allocated with the right
-    shape (any device); otherwise new CPU tensors are returned.
+    shape (any device); otherwise new CPU tensors are returned. Each region read (one chunk's
+    worth at most) is decoded in its stored dtype and converted while copied into place when the
+    request asks for another dtype.
 
     Args:
         verify_checksums: check every file read against ``zarr/checksums.json`` (when the
             checkpoint has one).
+        allow_dtype_cast: a requested dtype may differ from the stored one (see
+            :mod:`dist_ckpt.model.dtype_cast`); False raises ``LoadMismatchError`` instead.
     """
 
     supported_backends: ClassVar[Tuple[str, ...]] = ("zarr",)
     supported_versions: ClassVar[Tuple[int, ...]] = (1,)
     object_storage: ClassVar[bool] = True
 
-    def __init__(self, verify_checksums: bool = True) -> None:
-        register_extension_dtypes()
+    def __init__(self, verify_checksums: bool = True, allow_dtype_cast: bool = True) -> None:
+        register_extension_dtypes()  # checkpoints that stored "data_type": "bfloat16" (before raw bits)
         self.verify_checksums = verify_checksums
+        self.allow_dtype_cast = allow_dtype_cast
 
     def check_location(self, checkpoint_dir: Storage) -> None:
         """Local directories and S3 (through zarr-python's ObjectStore); other object stores are refused."""
@@ -392,7 +399,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Storage) -> StateDict:
         node = checkpoint_node(checkpoint_dir, _ENGINE)
         requested = [s for s in nested_values(sharded_state_dict) if isinstance(s, ShardedTensor)]
-        plans = plan_request(requested, node)  # every check happens before any read
+        plans = plan_request(requested, node, self.allow_dtype_cast)  # every check happens before any read
         root = node / ZARR_DIR
         manifest = read_checksums(node) if self.verify_checksums and requested else None
         reader = _ArrayReader(root, VerifyingStore(root, manifest) if manifest is not None else None)
@@ -406,16 +413,24 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
             for piece, _ in plan.pad:
                 piece_view(dest, piece, x.prepend_axis_num, holder).zero_()
             for op in plan.ops:
-                self._copy(reader, op, dest, x, holder)
+                self._copy(reader, op, dest, x, holder, plan.stored_dtype)
             return dest
 
         return dict_list_map_inplace(load_one, sharded_state_dict)  # type: ignore[no-any-return]
 
     @staticmethod
-    def _copy(reader: _ArrayReader, op: ReadOp, dest: torch.Tensor, sh: ShardedTensor, holder: Box) -> None:
-        data = numpy_to_tensor(reader.read(op.array_path, op.region, sh.key), sh.dtype).view(op.src_box.shape)
+    def _copy(
+        reader: _ArrayReader, op: ReadOp, dest: torch.Tensor, sh: ShardedTensor, holder: Box, stored: torch.dtype
+    ) -> None:
+        data = numpy_to_tensor(reader.read(op.array_path, op.region, sh.key), stored).view(op.src_box.shape)
         target = piece_view(dest, op.dst, sh.prepend_axis_num, holder)
-        sub_view(target, op.dst.box, op.inter).copy_(sub_view(data, op.src_box, op.inter))
+        copy_cast(sub_view(target, op.dst.box, op.inter), sub_view(data, op.src_box, op.inter))
+
+    def with_dtype_cast(self, allow: bool) -> "ZarrLoadShardedStrategy":
+        """This loader with ``allow_dtype_cast`` set to ``allow``."""
+        if self.allow_dtype_cast == allow:
+            return self
+        return ZarrLoadShardedStrategy(self.verify_checksums, allow)
 
     def load_tensors_metadata(self, checkpoint_dir: Storage) -> ShardedStateDict:
         stores = _Stores(read_only=True)

@@ -1,5 +1,7 @@
 """Every sharded backend through dist_ckpt.save / load on an s3:// location (moto server, one process).
 
+(The last test also loads the safetensors backend from S3 into other dtypes.)
+
 safetensors goes through dist_ckpt's own storage layer; the zarr backend's two engines through
 their own S3 clients (zarr-python: ObjectStore over obstore; TensorStore: its s3 driver). Both
 engines write one layout, so each reads what the other wrote.
@@ -14,7 +16,13 @@ import pytest
 import torch
 
 import dist_ckpt
-from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError, IncompatibleStrategyError
+from dist_ckpt.backends.safetensors.strategy import SafetensorsLoadShardedStrategy, SafetensorsSaveShardedStrategy
+from dist_ckpt.errors import (
+    CheckpointingException,
+    CorruptCheckpointError,
+    IncompatibleStrategyError,
+    LoadMismatchError,
+)
 from dist_ckpt.integrity.verify import verify_checkpoint
 from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.storage import open_storage
@@ -160,3 +168,43 @@ def test_inspect_describes_zarr_checkpoints_on_s3(s3_url: str, s3_env: Any, save
     assert info.sharded_backend == "zarr:1" and set(tensors) == set(state) | {"flat"}
     assert tensors["w"].global_shape == (6, 10) and [s.file for s in tensors["w"].shards] == ["zarr/w/c/0/0"]
     assert [s.flat_range for s in tensors["flat"].shards] == [(0, 8)]
+
+
+CAST_SAVERS = {"safetensors": SafetensorsSaveShardedStrategy, **SAVERS}
+CAST_LOADERS = {
+    "safetensors": SafetensorsLoadShardedStrategy,
+    "zarr": ZarrLoadShardedStrategy,
+    "tensorstore": TensorStoreLoadShardedStrategy,
+}
+
+
+@pytest.mark.parametrize("loader", list(CAST_LOADERS))
+def test_loads_from_s3_cast_by_default_and_describe_flattened_tensors_as_saved(
+    s3_url: str, s3_env: Any, loader: str
+) -> None:
+    """Casting and the stored description go through the one I/O path: on S3 as on a disk."""
+    state = _state()
+    saver = "safetensors" if loader == "safetensors" else "zarr"
+    dist_ckpt.save(_sharded(state), s3_url, sharded_strategy=CAST_SAVERS[saver]())
+    request = _sharded({k: t.to(torch.float16) for k, t in state.items()}, like=True)
+    request["flat"] = ShardedTensor.from_rank_offsets_flat(
+        "flat", torch.zeros(4, dtype=torch.bfloat16), (2, 4), flattened_range=slice(2, 6)
+    )
+    # one process holds only part of "flat": the sharding check would refuse the request
+    out = dist_ckpt.load(request, s3_url, sharded_strategy=CAST_LOADERS[loader](), validate_access_integrity=False)
+    for k, t in state.items():
+        assert out[k].dtype == torch.float16 and torch.equal(out[k], t.to(torch.float16)), k
+    assert torch.equal(out["flat"], torch.arange(2, 6, dtype=torch.bfloat16))
+    with pytest.raises(LoadMismatchError, match="allow_dtype_cast=False") as info:
+        dist_ckpt.load(
+            _sharded({"w": state["w"].to(torch.bfloat16)}, like=True),
+            s3_url,
+            sharded_strategy=CAST_LOADERS[loader](),
+            allow_dtype_cast=False,
+        )
+    assert "'w'" in str(info.value) and s3_url.rstrip("/").split("/")[-1] in str(info.value)
+    meta = dist_ckpt.load_tensors_metadata(s3_url, CAST_LOADERS[loader]())
+    assert meta["flat"].flattened_range == slice(0, 8) and meta["flat"].local_shape == (2, 4)
+    assert meta["w"].flattened_range is None
+    plain = dist_ckpt.load_plain_tensors(s3_url)
+    assert torch.equal(plain["flat"], torch.arange(8, dtype=torch.float32)) and torch.equal(plain["w"], state["w"])

@@ -262,8 +262,11 @@ def test_export_hf(sample, tmp_path):
     proc = dist_ckpt("export-hf", str(sample), str(tmp_path / "hf"), "--max-shard-size", "2KB", "--json", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
-    assert doc["tensors"] == 6 and doc["index"] == "model.safetensors.index.json" and len(doc["files"]) > 1
-    assert same(stored_tensors(tmp_path / "hf"), stored_tensors(sample))
+    # model weights only: the optimizer state is left out by default
+    assert doc["tensors"] == 5 and doc["index"] == "model.safetensors.index.json" and len(doc["files"]) > 1
+    assert doc["left_out"] == ["optimizer.exp_avg"]
+    weights = {k: v for k, v in stored_tensors(sample).items() if k != "optimizer.exp_avg"}
+    assert same(stored_tensors(tmp_path / "hf"), weights)
     line = one_line_error(dist_ckpt("export-hf", str(sample), str(tmp_path / "hf"), cwd=tmp_path), 2, "export-hf")
     assert "already holds HuggingFace weights" in line
 
@@ -279,7 +282,7 @@ def test_commands_on_s3_urls(sample, tmp_path, s3_url):
     assert proc.returncode == 0 and proc.stdout.startswith(f"OK: {s3_url}"), proc.stderr
     doc = json.loads(dist_ckpt("inspect", s3_url, "--json", cwd=tmp_path).stdout)
     assert doc["checkpoint"] == s3_url and doc["num_tensors"] == 6
-    proc = dist_ckpt("export-hf", s3_url, str(tmp_path / "hf"), cwd=tmp_path)
+    proc = dist_ckpt("export-hf", s3_url, str(tmp_path / "hf"), "--include", "*", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert same(stored_tensors(tmp_path / "hf"), stored_tensors(sample))
     line = one_line_error(dist_ckpt("convert", str(sample), s3_url + "-z", "--to", "zarr", cwd=tmp_path), 1, "convert")

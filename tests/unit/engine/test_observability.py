@@ -84,7 +84,7 @@ def test_save_logs_its_report_at_info(tmp_path: Path, caplog: pytest.LogCaptureF
     lines = [
         r.getMessage() for r in caplog.records if r.name == "dist_ckpt.engine.monitor" and r.levelno == logging.INFO
     ]
-    assert len(lines) == 1 and lines[0].startswith(f"save of {tmp_path / 'c'}: ") and "GB/s" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith(f"save of {tmp_path / 'c'}: ") and "GiB/s" in lines[0]
 
 
 def test_load_report_counts_requested_bytes(tmp_path: Path) -> None:
@@ -240,7 +240,14 @@ def test_watchdog_thread_stops_when_the_load_fails(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "nbytes, text",
-    [(0, "0 B"), (212, "212 B"), (4310, "4.31 kB"), (1_070_000_000, "1.07 GB"), (5 * 10**15, "5e+03 TB")],
+    [
+        (0, "0 B"),
+        (212, "212 B"),
+        (4310, "4.21 KiB"),
+        (1_070_000_000, "1020 MiB"),
+        (3 * 2**30, "3 GiB"),
+        (5 * 2**50, "5120 TiB"),
+    ],
 )
 def test_format_bytes(nbytes: int, text: str) -> None:
     from dist_ckpt.engine.report import format_bytes

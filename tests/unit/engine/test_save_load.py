@@ -392,9 +392,11 @@ class TestStrategies:
 
 class TestLoadMismatch:
     def test_wrong_dtype(self, ckpt):
+        request = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 6, dtype=torch.float16))}
         with pytest.raises(LoadMismatchError, match="'w'") as info:
-            dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 6, dtype=torch.float16))}, ckpt)
+            dc.load(request, ckpt, allow_dtype_cast=False)
         assert "float16" in str(info.value) and "float32" in str(info.value)
+        assert dc.load(request, ckpt)["w"].dtype == torch.float16  # cast by default
 
     def test_wrong_shape(self, ckpt):
         with pytest.raises(LoadMismatchError, match="'w'") as info:

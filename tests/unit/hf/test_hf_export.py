@@ -44,7 +44,7 @@ def saved(path, backend):
 @pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b[0])
 def test_export_single_file(tmp_path, backend):
     fulls = saved(tmp_path / "ckpt", backend)
-    result = export(tmp_path / "ckpt", tmp_path / "hf")
+    result = export(tmp_path / "ckpt", tmp_path / "hf", include=["*"])
     assert result.files == ("model.safetensors",) and result.index is None and result.tensors == 4
     assert result.total_bytes == sum(t.numel() * t.element_size() for t in fulls.values())
     stored = load_file(str(tmp_path / "hf" / "model.safetensors"))
@@ -54,7 +54,9 @@ def test_export_single_file(tmp_path, backend):
 @pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b[0])
 def test_export_sharded(tmp_path, backend):
     fulls = saved(tmp_path / "ckpt", backend)
-    result = export(tmp_path / "ckpt", tmp_path / "hf", max_shard_size=2100, metadata={"iteration": 1000})
+    result = export(
+        tmp_path / "ckpt", tmp_path / "hf", include=["*"], max_shard_size=2100, metadata={"iteration": 1000}
+    )
     assert len(result.files) > 1 and result.index == "model.safetensors.index.json"
     index = load_shard_index(tmp_path / "hf", result.index)
     assert index["metadata"] == {"total_size": result.total_bytes, "iteration": 1000}
@@ -76,21 +78,21 @@ def test_export_assembles_one_tensor_at_a_time(tmp_path, monkeypatch):
         return original(self, sd, checkpoint_dir)
 
     monkeypatch.setattr(SafetensorsLoadShardedStrategy, "load", spy)
-    export(tmp_path / "ckpt", tmp_path / "hf", max_shard_size=2100)
+    export(tmp_path / "ckpt", tmp_path / "hf", include=["*"], max_shard_size=2100)
     assert calls == [[k] for k in sorted(["embedding.weight", "decoder.fc2.weight", "optimizer.exp_avg", "layers"])]
 
 
 def test_export_refuses_a_folder_with_weights(tmp_path):
     saved(tmp_path / "ckpt", ("safetensors", 1))
-    export(tmp_path / "ckpt", tmp_path / "hf")
+    export(tmp_path / "ckpt", tmp_path / "hf", include=["*"])
     with pytest.raises(CheckpointExistsError, match="already holds"):
-        export(tmp_path / "ckpt", tmp_path / "hf")
+        export(tmp_path / "ckpt", tmp_path / "hf", include=["*"])
 
 
 def test_export_complex128_as_float64_pairs(tmp_path, caplog):
     value = torch.randn(3, dtype=torch.complex128)
     dc.save({"c": ShardedTensor.from_rank_offsets("c", value)}, tmp_path / "ckpt")
-    export(tmp_path / "ckpt", tmp_path / "hf")
+    export(tmp_path / "ckpt", tmp_path / "hf", include=["*"])
     stored = load_file(str(tmp_path / "hf" / "model.safetensors"))["c"]
     assert torch.equal(torch.view_as_complex(stored), value)
     assert "complex128" in caplog.text
@@ -101,7 +103,9 @@ def test_export_complex128_as_float64_pairs(tmp_path, caplog):
 
 def test_cli_export_hf(tmp_path, capsys):
     fulls = saved(tmp_path / "ckpt", ("zarr", 1))
-    status = cli.main(["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--max-shard-size", "2.1KB"])
+    status = cli.main(
+        ["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--max-shard-size", "2.1KB", "--include", "*"]
+    )
     out = capsys.readouterr().out
     assert status == 0 and "4 tensors" in out and "model.safetensors.index.json" in out
     stored = {}

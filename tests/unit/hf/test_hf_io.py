@@ -167,14 +167,17 @@ def test_strict_checks_happen_before_reading(tmp_path):
 
 
 def test_shape_and_dtype_mismatches(tmp_path):
-    save_checkpoint(tmp_path, Model())
+    saved = Model()
+    save_checkpoint(tmp_path, saved)
     other = Model()
     other.norm.weight = nn.Parameter(torch.ones(17))
     with pytest.raises(LoadMismatchError, match="'norm.weight'"):
         load_checkpoint(tmp_path, other)
-    other = Model().to(torch.float64)
+    other = Model().to(torch.float64)  # cast, as torch's load_state_dict does
+    load_checkpoint(tmp_path, other)
+    assert torch.equal(other.layers[0].weight, saved.layers[0].weight.to(torch.float64))
     with pytest.raises(LoadMismatchError, match="float64"):
-        load_checkpoint(tmp_path, other)
+        load_checkpoint(tmp_path, Model().to(torch.float64), allow_dtype_cast=False)
 
 
 def test_dict_mode_keys(tmp_path):

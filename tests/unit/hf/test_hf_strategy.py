@@ -136,7 +136,8 @@ def test_wrong_dtype_or_shape(tmp_path):
     write_hf(tmp_path)
     sd = {"x": dc.ShardedTensor.from_rank_offsets("model.norm.weight", torch.empty(8, dtype=torch.float16))}
     with pytest.raises(LoadMismatchError, match="'model.norm.weight'"):
-        dc.load(sd, tmp_path)
+        dc.load(sd, tmp_path, allow_dtype_cast=False)
+    assert torch.equal(dc.load(sd, tmp_path)["x"], FULL["model.norm.weight"].to(torch.float16))
     sd = {"x": dc.ShardedTensor.from_rank_offsets("model.norm.weight", torch.empty(9))}
     with pytest.raises(LoadMismatchError, match="allow_shape_mismatch"):
         dc.load(sd, tmp_path)

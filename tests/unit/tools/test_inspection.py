@@ -52,7 +52,7 @@ def test_every_stored_piece_is_listed_with_its_file(tmp_path):
 
 def test_inspect_a_huggingface_folder(tmp_path):
     fulls = save_sample(tmp_path / "ckpt")
-    export(tmp_path / "ckpt", tmp_path / "hf", max_shard_size=2000)
+    export(tmp_path / "ckpt", tmp_path / "hf", max_shard_size=2000, include=["*"])
     info = dc.inspect_checkpoint(tmp_path / "hf")
     assert info.kind == "huggingface" and info.sharded_backend == "hf:1" and info.world_size is None
     assert {t.key for t in info.tensors} == set(fulls)

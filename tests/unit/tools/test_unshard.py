@@ -84,9 +84,12 @@ def test_iter_unsharded_reads_one_tensor_at_a_time(checkpoint, monkeypatch):
 
 
 def test_load_plain_tensors_for_every_backend(checkpoint):
+    """As in Megatron-Core: every tensor whole, the one saved as flattened ranges flat (1-D);
+    unshard (above) gives it its shape."""
     path, fulls = checkpoint
     out = dc.load_plain_tensors(path)
-    assert set(out) == set(fulls) and all(bitwise_equal(out[k], fulls[k]) for k in fulls)
+    expected = dict(fulls, opt=fulls["opt"].flatten())
+    assert set(out) == set(fulls) and all(bitwise_equal(out[k], expected[k]) for k in fulls)
 
 
 def test_not_a_checkpoint(tmp_path):

@@ -29,9 +29,8 @@ from dist_ckpt.testing.training import (
     state_differences,
     train,
 )
-from dist_ckpt.training.checkpointer import (
-    Checkpointer,
-    TensorMetadata,
+from dist_ckpt.training.checkpointer import Checkpointer, TensorMetadata
+from dist_ckpt.training.model_optim import (
     load_model_and_optim_state,
     save_model_and_optim_state,
     unshard_model_state,

@@ -378,9 +378,15 @@ class TestShapeMismatch:
             load({"x": ShardedTensor.from_rank_offsets("emb", torch.empty(6, 8))}, tmp_path)
         assert "(4, 6)" in str(info.value) and "allow_shape_mismatch" in str(info.value)
 
-    def test_dtype_mismatch(self, tmp_path, stored):
+    def test_dtype_mismatch_casts_unless_refused(self, tmp_path, stored):
+        out = load({"x": ShardedTensor.from_rank_offsets("emb", torch.empty(4, 6, dtype=torch.bfloat16))}, tmp_path)
+        assert torch.equal(out["x"], stored.to(torch.bfloat16))
         with pytest.raises(LoadMismatchError, match="'emb'") as info:
-            load({"x": ShardedTensor.from_rank_offsets("emb", torch.empty(4, 6, dtype=torch.bfloat16))}, tmp_path)
+            load(
+                {"x": ShardedTensor.from_rank_offsets("emb", torch.empty(4, 6, dtype=torch.bfloat16))},
+                tmp_path,
+                allow_dtype_cast=False,
+            )
         assert "bfloat16" in str(info.value) and "float32" in str(info.value)
 
 

@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import argparse
 import collections
+import datetime
+import decimal
+import enum
+import fractions
 import io
 import json
 import logging
 import os
+import pathlib
+import pickle
 import random
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -94,17 +101,6 @@ class TestCommonState:
         loaded = TorchCommonLoadStrategy(allow_pickle=True).load_common(tmp_path)
         np.testing.assert_array_equal(loaded["arr"], np.arange(4))
         assert loaded["deep"]["obj"] == Custom(3) and loaded["ok"] == 1
-
-    def test_plain_data_loads_without_pickle(self, tmp_path):
-        """Megatron-LM keeps its arguments as an argparse.Namespace in common.pt and Transformer
-        Engine its extra state as io.BytesIO: both rebuild plain data, so they load by default."""
-        state = {"args": argparse.Namespace(lr=0.1, name="gpt"), "extra": io.BytesIO(b"te")}
-        allowed = list(torch.serialization.get_safe_globals())
-        TorchCommonSaveStrategy().save_common(state, tmp_path)
-        assert not (tmp_path / UNSAFE_KEYS_FNAME).exists()
-        loaded = TorchCommonLoadStrategy().load_common(tmp_path)
-        assert loaded["args"] == argparse.Namespace(lr=0.1, name="gpt") and loaded["extra"].getvalue() == b"te"
-        assert torch.serialization.get_safe_globals() == allowed  # the allow-list was scoped to the load
 
     def test_missing_file(self, tmp_path):
         with pytest.raises(CorruptCheckpointError, match="missing") as info:
@@ -213,3 +209,125 @@ class TestShardedObjects:
         with pytest.raises(CorruptCheckpointError) as info:
             TorchCommonLoadStrategy().load_sharded_objects([ShardedObject("obj", None, (1,), (0,))], tmp_path)
         assert str(path) in str(info.value)
+
+
+# --------------------------------------------------------------------------- plain standard-library data
+
+
+class Color(enum.Enum):
+    RED = 1
+
+
+class Payload:
+    """Pickles as a call to ``exec`` that creates ``marker``: what a malicious checkpoint holds."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({str(self.marker)!r}, 'w').close()",))
+
+
+def _plain_state() -> dict:
+    buf = io.BytesIO(b"data-loader state")
+    buf.seek(5)
+    return {
+        "buf": buf,
+        "args": argparse.Namespace(lr=0.5, params_dtype=torch.bfloat16, save=pathlib.Path("/ckpt"), layers=[1, 2]),
+        "when": datetime.datetime(2025, 1, 2, 3, 4, 5, 6, tzinfo=datetime.timezone(datetime.timedelta(hours=2))),
+        "day": datetime.date(2025, 1, 2),
+        "at": datetime.time(1, 2, 3),
+        "took": datetime.timedelta(seconds=90),
+        "money": decimal.Decimal("1.25"),
+        "ratio": fractions.Fraction(1, 3),
+        "run_id": uuid.UUID(int=7),
+        "paths": [pathlib.PurePosixPath("a/b"), pathlib.PureWindowsPath("c:/d"), pathlib.Path("/tmp/x")],
+        "frozen": frozenset({1, 2}),
+        "cut": slice(1, 9, 2),
+        "steps": range(0, 10, 5),
+        "od": collections.OrderedDict(a=1),
+    }
+
+
+def _same_plain(loaded: dict, expected: dict) -> bool:
+    buf = loaded["buf"]
+    others = {k: v for k, v in expected.items() if k != "buf"}
+    return (
+        isinstance(buf, io.BytesIO)
+        and buf.getvalue() == expected["buf"].getvalue()
+        and buf.tell() == expected["buf"].tell()
+        and {k: loaded[k] for k in others} == others
+    )
+
+
+class TestPlainData:
+    def test_common_state_loads_by_default(self, tmp_path, caplog):
+        state = _plain_state()
+        with caplog.at_level(logging.WARNING, logger="dist_ckpt"):
+            TorchCommonSaveStrategy().save_common(state, tmp_path)
+        assert not caplog.records and not (tmp_path / UNSAFE_KEYS_FNAME).exists()
+        assert find_unsafe_values(state) == {}
+        assert _same_plain(TorchCommonLoadStrategy().load_common(tmp_path), state)
+
+    def test_sharded_object_of_bytesio_loads_by_default(self, tmp_path):
+        buf = io.BytesIO(b"rng")
+        TorchCommonSaveStrategy().save_sharded_objects([ShardedObject("rng", {"state": buf}, (1,), (0,))], tmp_path)
+        (out,) = TorchCommonLoadStrategy().load_sharded_objects([ShardedObject("rng", None, (1,), (0,))], tmp_path)
+        assert out["state"].getvalue() == b"rng"
+
+    def test_allow_list_is_scoped_to_our_loads(self, tmp_path):
+        before = torch.serialization.get_safe_globals()
+        TorchCommonSaveStrategy().save_common({"buf": io.BytesIO(b"x")}, tmp_path)
+        TorchCommonLoadStrategy().load_common(tmp_path)
+        assert torch.serialization.get_safe_globals() == before
+        with pytest.raises(pickle.UnpicklingError):  # torch.load outside our loads is unchanged
+            torch.load(tmp_path / COMMON_STATE_FNAME, weights_only=True)
+
+    def test_users_own_allow_list_is_kept(self, tmp_path):
+        TorchCommonSaveStrategy().save_common({"buf": io.BytesIO(b"x")}, tmp_path)
+        torch.serialization.add_safe_globals([io.BytesIO, Color])
+        try:
+            TorchCommonLoadStrategy(safe_globals=[Color]).load_common(tmp_path)
+            assert {io.BytesIO, Color} <= set(torch.serialization.get_safe_globals())
+        finally:
+            torch.serialization.clear_safe_globals()
+
+    def test_enum_needs_its_own_opt_in(self, tmp_path):
+        TorchCommonSaveStrategy().save_common({"backend": Color.RED}, tmp_path)
+        with pytest.raises(UnsafeObjectError) as info:
+            TorchCommonLoadStrategy().load_common(tmp_path)
+        msg = str(info.value)
+        assert "Color" in msg and "safe_globals=[...]" in msg and "allow_pickle=True" in msg and "'backend'" in msg
+        assert TorchCommonLoadStrategy(safe_globals=[Color]).load_common(tmp_path) == {"backend": Color.RED}
+
+    def test_defaultdict_is_not_plain_data(self, tmp_path):
+        TorchCommonSaveStrategy().save_common({"d": collections.defaultdict(list, a=[1])}, tmp_path)
+        with pytest.raises(UnsafeObjectError, match="defaultdict"):
+            TorchCommonLoadStrategy().load_common(tmp_path)
+
+    @pytest.mark.parametrize("where", ["top", "in_namespace", "in_bytesio_state", "in_object"])
+    def test_malicious_reduce_never_runs(self, tmp_path, where):
+        marker = tmp_path / "pwned"
+        payload = Payload(marker)
+        if where == "in_bytesio_state":  # a plain class whose state smuggles the payload
+            buf = io.BytesIO(b"x")
+            buf.extra = payload
+            payload = buf
+        elif where == "in_namespace":
+            payload = argparse.Namespace(evil=payload)
+        if where == "in_object":
+            TorchCommonSaveStrategy().save_sharded_objects([ShardedObject("obj", payload, (1,), (0,))], tmp_path)
+            (path,) = list(tmp_path.rglob("*.pt"))
+            with pytest.raises(UnsafeObjectError) as info:
+                TorchCommonLoadStrategy().load_sharded_objects([ShardedObject("obj", None, (1,), (0,))], tmp_path)
+        else:
+            TorchCommonSaveStrategy().save_common({"state": payload}, tmp_path)
+            path = tmp_path / COMMON_STATE_FNAME
+            with pytest.raises(UnsafeObjectError) as info:
+                TorchCommonLoadStrategy().load_common(tmp_path)
+        assert not marker.exists()
+        msg = str(info.value)
+        assert "builtins.exec" in msg and str(path) in msg and "allow_pickle=True" in msg
+        if where != "in_object":  # control: full pickle does run it, so the check above can fail
+            TorchCommonLoadStrategy(allow_pickle=True).load_common(tmp_path)
+            assert marker.exists()

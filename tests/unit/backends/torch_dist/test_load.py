@@ -4,6 +4,7 @@ casts, and the errors of absent or damaged entries."""
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import subprocess
@@ -46,15 +47,23 @@ def test_load_is_in_place() -> None:
 
 @pytest.mark.parametrize("name", sorted(E.FIXTURES))
 def test_tensors_metadata_and_plain_tensors(name: str) -> None:
+    """Tensors described as saved (as Megatron-Core describes them): those saved as flattened
+    ranges as one flattened range of their shape, so load_plain_tensors returns them flat;
+    unshard returns every tensor with its shape."""
     fixture = E.FIXTURES[name]
     metadata = dc.load_tensors_metadata(fixture_dir(name))
     assert {k: (tuple(v.global_shape), v.dtype) for k, v in metadata.items()} == {
         t.key: (t.global_shape, t.dtype) for t in fixture.tensors
     }
+    flat = {t.key for t in fixture.tensors if any(p.flattened_range is not None for p in t.pieces)}
+    assert {k for k, v in metadata.items() if v.flattened_range is not None} == flat
+    assert all(v.flattened_range == slice(0, v.data.numel()) for k, v in metadata.items() if k in flat)
     plain = dc.load_plain_tensors(fixture_dir(name))
+    whole = dc.unshard(fixture_dir(name))
+    assert whole.keys() == E.expected_tensors(name).keys()
     for key, value in E.expected_tensors(name).items():
-        E.assert_same(plain[key], value, key)
-    assert dc.unshard(fixture_dir(name)).keys() == E.expected_tensors(name).keys()
+        E.assert_same(plain[key], value.flatten() if key in flat else value, key)
+        E.assert_same(whole[key], value, key)
 
 
 @pytest.mark.parametrize("name", sorted(E.FIXTURES))
@@ -95,7 +104,7 @@ def test_dtype_is_cast_and_logged(caplog: pytest.LogCaptureFixture) -> None:
             {"o": dc.ShardedTensor.from_rank_offsets(key, torch.zeros(16, 8, dtype=torch.bfloat16))}, fixture_dir("tp2")
         )
     assert torch.equal(loaded["o"], E.full_tensor(key, (16, 8), torch.float32).to(torch.bfloat16))
-    assert "torch.float32 -> torch.bfloat16" in caplog.text
+    assert f"{key!r} (float32 -> bfloat16)" in caplog.text
     # a flattened legacy tensor (read through a scratch buffer) is cast too
     flat = "optimizer.state.exp_avg.decoder.layers.0.mlp.linear_fc1.weight"
     got = dc.load(
@@ -256,7 +265,10 @@ def test_the_commands_take_what_megatron_wrote(tmp_path: Path) -> None:
 
     fixture = fixture_dir("tp2pp2")
     shown = cli("inspect", str(fixture))
-    assert shown.returncode == 0 and "torch_dist:1" in shown.stdout and EMB in shown.stdout, shown.stderr
+    assert shown.returncode == 0 and "torch_dist:1" in shown.stdout, shown.stderr
+    described = cli("inspect", str(fixture), "--json")  # the table shortens keys to the terminal's width
+    assert described.returncode == 0, described.stderr
+    assert {t["key"] for t in json.loads(described.stdout)["tensors"]} == set(E.expected_tensors("tp2pp2"))
     verified = cli("verify", str(fixture), "--json")
     assert verified.returncode == 0 and "no checksums recorded" in verified.stdout, verified.stderr
     converted = cli("convert", str(fixture), str(tmp_path / "st"), "--to", "safetensors", "--no-progress")

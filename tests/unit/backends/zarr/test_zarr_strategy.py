@@ -302,10 +302,11 @@ class TestShapeMismatch:
         with pytest.raises(LoadMismatchError, match="'emb'"):
             load({"x": sh}, tmp_path)
 
-    def test_dtype_mismatch(self, tmp_path, stored):
+    def test_dtype_mismatch_casts_unless_refused(self, tmp_path, stored):
         sh = ShardedTensor.from_rank_offsets("emb", torch.empty(4, 6, dtype=torch.bfloat16))
+        assert torch.equal(load({"x": sh}, tmp_path)["x"], stored.to(torch.bfloat16))
         with pytest.raises(LoadMismatchError, match="'emb'") as info:
-            load({"x": sh}, tmp_path)
+            ZarrLoadShardedStrategy(allow_dtype_cast=False).load({"x": sh}, tmp_path)
         assert "bfloat16" in str(info.value) and "float32" in str(info.value)
 
 
