@@ -151,8 +151,11 @@ def _decode(buf: torch.Tensor, length: int) -> Any:
 
 
 def _padded_payload(obj: Any, group: Optional[ProcessGroup]) -> tuple[torch.Tensor, List[int]]:
+    return _padded_bytes(_encode(obj), group)
+
+
+def _padded_bytes(payload: torch.Tensor, group: Optional[ProcessGroup]) -> tuple[torch.Tensor, List[int]]:
     device = comm_device(group)
-    payload = _encode(obj)
     size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
     sizes = [torch.zeros_like(size) for _ in range(get_world_size(group))]
     dist.all_gather(sizes, size, group=group)
@@ -183,6 +186,65 @@ def gather_json(obj: Any, dst: int = 0, group: Optional[ProcessGroup] = None) ->
     if out is None:
         return None
     return [_decode(buf, n) for buf, n in zip(out, lengths)]
+
+
+def _as_uint8(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def gather_bytes(data: bytes, dst: int = 0, group: Optional[ProcessGroup] = None) -> Optional[List[bytes]]:
+    """Every rank's ``data`` on group rank ``dst`` (None elsewhere), in group-rank order.
+
+    For compact binary metadata (see :mod:`dist_ckpt.model.columns`): two collectives, the sizes
+    and the payloads padded to the largest; only rank ``dst`` holds ``world * largest`` bytes.
+
+    Example::
+
+        blobs = gather_bytes(encode_table(local_table))   # list of bytes on rank 0, None elsewhere
+    """
+    if get_world_size(group) == 1:
+        return [bytes(data)]
+    padded, lengths = _padded_bytes(_as_uint8(data), group)
+    is_dst = get_rank(group) == dst
+    out = [torch.empty_like(padded) for _ in lengths] if is_dst else None
+    dist.gather(padded, out, dst=global_rank_of(group, dst), group=group)
+    if out is None:
+        return None
+    return [buf[:n].cpu().numpy().tobytes() for buf, n in zip(out, lengths)]
+
+
+def all_gather_bytes(data: bytes, group: Optional[ProcessGroup] = None) -> List[bytes]:
+    """Every rank's ``data`` on every rank, in group-rank order (O(world) memory on every rank)."""
+    if get_world_size(group) == 1:
+        return [bytes(data)]
+    padded, lengths = _padded_bytes(_as_uint8(data), group)
+    out = [torch.empty_like(padded) for _ in lengths]
+    dist.all_gather(out, padded, group=group)
+    return [buf[:n].cpu().numpy().tobytes() for buf, n in zip(out, lengths)]
+
+
+def all_reduce_max(values: Sequence[int], group: Optional[ProcessGroup] = None) -> List[int]:
+    """Collective: the element-wise maximum of every rank's ``values`` (int64; one all-reduce).
+
+    Example::
+
+        changed_anywhere, = all_reduce_max([1 if changed else 0])
+    """
+    if get_world_size(group) == 1:
+        return [int(v) for v in values]
+    t = torch.tensor(list(values), dtype=torch.int64, device=comm_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [int(v) for v in t.cpu().tolist()]
+
+
+def group_identity(group: Optional[ProcessGroup] = None) -> Tuple[int, ...]:
+    """Who takes part in collectives over ``group``: the global world size, then the global ranks
+    of its members in group-rank order (``(1, 0)`` without a process group).
+
+    Equal on every member, and different for groups of other members or another world size:
+    a key for state kept per process group (e.g. the verdict of the last sharding check).
+    """
+    return (get_world_size(), *group_ranks(group))
 
 
 def broadcast_json(obj: Any, src: int = 0, group: Optional[ProcessGroup] = None) -> Any:

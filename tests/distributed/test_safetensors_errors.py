@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
 import dist_ckpt as dc
+from dist_ckpt.backends.safetensors.index import read_index
 from dist_ckpt.testing.layouts import full_tensor, tp_shards
 
 from .helpers import raises_on_all_ranks, rank, world
@@ -21,8 +21,8 @@ def _state(empty: bool = False):
 
 
 def _last_ranks_file(path: Path) -> Path:
-    index = json.loads((path / "safetensors" / "index.json").read_text())
-    last = [s["file"] for s in index["tensors"]["w"]["shards"] if s["global_offset"][0] == 16 * (world() - 1)]
+    shards = read_index(path).tensors["w"].shards
+    last = [s.file for s in shards if s.global_offset[0] == 16 * (world() - 1)]
     return path / "safetensors" / last[0]
 
 

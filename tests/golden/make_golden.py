@@ -4,6 +4,7 @@ Run once, when a format version is introduced, and commit the result::
 
     PYTHONPATH=. python -m tests.golden.make_golden tests/golden/safetensors_index_v1 safetensors 1
     PYTHONPATH=. python -m tests.golden.make_golden tests/golden/safetensors_index_v2 safetensors 1 --block-bytes 32
+    PYTHONPATH=. python -m tests.golden.make_golden tests/golden/safetensors_index_v3 safetensors 1 --block-bytes 32
 
 (``--block-bytes``: a small checksum block, so that shards span several blocks.)
 

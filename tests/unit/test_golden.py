@@ -34,13 +34,19 @@ def golden(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
 
 
 def test_goldens_exist() -> None:
-    assert {"safetensors_index_v1", "safetensors_index_v2", "zarr_v1", "zarr_v1_checksums"} <= set(ALL)
+    assert {
+        "safetensors_index_v1",
+        "safetensors_index_v2",
+        "safetensors_index_v3",
+        "zarr_v1",
+        "zarr_v1_checksums",
+    } <= set(ALL)
 
 
 def test_goldens_verify_clean(golden: Path) -> None:
     report = dc.verify_checkpoint(golden)
     assert report.ok, report.problems
-    with_checksums = golden.name in ("safetensors_index_v2", "zarr_v1_checksums")
+    with_checksums = golden.name in ("safetensors_index_v2", "safetensors_index_v3", "zarr_v1_checksums")
     assert (not report.notes) == with_checksums, report.notes
 
 
@@ -64,6 +70,17 @@ def test_loads_whole_tensors_objects_and_common(golden: Path) -> None:
         assert loaded[f"rng{r}"] == objects()[f"rng/shard_{r}_{WORLD}"]
     for key, value in COMMON.items():
         assert loaded[key] == value
+
+
+def test_metadata_describes_tensors_as_saved(golden: Path) -> None:
+    """Every format answers load_tensors_metadata alike: the flattened tensor as one flat range."""
+    meta = dc.load_tensors_metadata(golden)
+    full = full_tensors()
+    assert set(meta) == set(full)
+    for key, sh in meta.items():
+        assert sh.global_shape == tuple(full[key].shape) and sh.dtype == full[key].dtype, key
+        flat = slice(0, full[key].numel()) if key == "opt.exp_avg" else None
+        assert sh.flattened_range == flat, key
 
 
 def test_loads_resharded(golden: Path) -> None:

@@ -1,14 +1,16 @@
-"""The index of stored safetensors shards: its data model and the backend's ``index.json``.
+"""The safetensors backend's index: ``index.json`` (and, from version 3, its shard table).
 
-:class:`TensorIndex` says where every stored tensor lives (file, byte range, box of the global
-tensor): the ``safetensors`` backend reads it from its ``index.json`` (:func:`read_index`),
-HuggingFace folders build it from their files' headers (:mod:`dist_ckpt.hf.folder`), and one
-loader reads any sharding from it (:mod:`.load`). Dependencies point one way: :mod:`.format`
-(the file format) <- this module <- :mod:`.write`, :mod:`.load`, :mod:`.verify` <- :mod:`.strategy`.
+:func:`read_index` reads it into a :class:`~.tensor_index.TensorIndex` (the data model every
+safetensors reader shares: where every stored tensor lives -- file, byte range, box of the global
+tensor), from which one loader reads any sharding (:mod:`.load`). Dependencies point one way:
+:mod:`.format` <- :mod:`.write` <- :mod:`.index_parts` <- :mod:`.index_v3` (with
+:mod:`.tensor_index`) <- this module <- :mod:`.index_write`, :mod:`.load`, :mod:`.verify` <-
+:mod:`.strategy`.
 
 Layout inside a checkpoint directory::
 
     safetensors/index.json                      the global index (written last, by rank 0)
+    safetensors/index.<crc>.bin                 its shard table (version 3, written just before)
     safetensors/rank<rank>_<i>.safetensors      rank's main-replica shards, one file per writer
                                                 thread (a valid safetensors file each)
 
@@ -34,8 +36,8 @@ Layout inside a checkpoint directory::
 
 A tensor saved as flattened ranges (distributed-optimizer state) has ``"flattened": true`` in its
 entry (absent otherwise), so its metadata describes it as saved even when none of its shards
-holds an element; indexes written before the field existed are read from the shards'
-``flat_range``.
+holds an element; indexes of versions 1 and 2 written before the field existed are read from the
+shards' ``flat_range`` (version 3 records it from the start).
 
 Version 2 adds crc32c checksums (see :mod:`dist_ckpt.integrity.checksums`); everything else is unchanged::
 
@@ -50,233 +52,67 @@ Version 2 adds crc32c checksums (see :mod:`dist_ckpt.integrity.checksums`); ever
 
 A shard's ``crc32c`` holds 8 hex digits per block of its ``byte_range``: block ``i`` covers bytes
 ``begin + i * block_bytes`` up to the next block or the range's end, so a partial read verifies
-only the blocks it touches. Version 1 indexes (no checksums) are still read; a save without
-checksums (``SafetensorsSaveOptions(checksum_block_bytes=None)``) still writes version 1.
+only the blocks it touches.
 
-Every file, tensor and shard entry is a JSON object, so later versions can add fields without
-changing the existing ones; readers ignore unknown fields. No pickle anywhere: the index is
-plain JSON and the files are safetensors.
+Version 3 (what a save writes, with or without checksums) keeps ``index.json`` small -- the files,
+and per tensor its dtype, global shape and where its shards are -- and stores the shards as rows
+of a binary table, ``index.<crc>.bin``, so that a rank loading a checkpoint of a million shards
+reads and checks only the rows of the tensors it loads (see :mod:`.index_v3`). Versions 1 and 2
+are still read.
+
+Every file, tensor and shard entry of versions 1 and 2 is a JSON object, so later versions can
+add fields without changing the existing ones; readers ignore unknown fields. No pickle anywhere:
+the index is plain JSON (and, from version 3, a table of little-endian integers) and the files are
+safetensors.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
-from itertools import product
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
-import torch
-
-from dist_ckpt.backends.stored_shards import StoredShardInfo
+from dist_ckpt.backends.safetensors import index_v3
+from dist_ckpt.backends.safetensors.index_parts import MergedIndex
+from dist_ckpt.backends.safetensors.tensor_index import (
+    FLATTENED,
+    StoredShard,
+    StoredTensor,
+    TensorIndex,
+    describe_tensor_index,
+    tensors_metadata,
+)
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError, IncompatibleStrategyError
 from dist_ckpt.integrity.checksums import ALGORITHM, block_count, crc_from_hex, decode_block_crcs
 from dist_ckpt.model.dtypes import dtype_from_name
-from dist_ckpt.model.geometry import Box, ShardPiece, shard_pieces
-from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor
-from dist_ckpt.model.stored_metadata import stored_tensor_metadata
+from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.storage import Storage
 from dist_ckpt.storage.location import LocationLike, resolve_location
 
 __all__ = [
+    "FLATTENED",
     "INDEX_FILENAME",
     "INDEX_FORMAT",
     "INDEX_VERSION",
     "READABLE_VERSIONS",
     "SAFETENSORS_DIR",
-    "RankIndex",
     "StoredShard",
     "StoredTensor",
     "TensorIndex",
     "describe_tensor_index",
-    "encode_shard",
     "file_name",
-    "merge_rank_indexes",
+    "index_files",
     "parse_index",
-    "rank_index",
     "read_index",
     "shard_name",
-    "tensor_entry",
     "tensors_metadata",
 ]
 
 SAFETENSORS_DIR = "safetensors"
 INDEX_FILENAME = "index.json"
 INDEX_FORMAT = "dist_ckpt.safetensors"
-#: the version written with checksums; a save without them writes version 1
-INDEX_VERSION = 2
-READABLE_VERSIONS = (1, 2)
-
-RankIndex = Dict[str, Any]  # {"files": {...}, "tensors": {...}} of one rank
-#: field of a tensor entry: the tensor was saved as flattened ranges
-FLATTENED = "flattened"
-Shape = Tuple[int, ...]
-
-
-# --------------------------------------------------------------------------- the data model
-
-
-@dataclass(frozen=True)
-class StoredShard:
-    """One stored shard: a box (or a flattened range of a box) of a global tensor in a file.
-
-    Attributes:
-        file: file name, relative to the index's directory.
-        name: tensor name inside the file.
-        global_offset: offset of the shard's box in the global tensor.
-        chunk_shape: shape of the shard's box (all global axes).
-        flat_range: ``(start, stop)`` of the box's row-major flattening held, or None for all.
-        byte_range: absolute ``(begin, end)`` byte offsets of the data in the file.
-        crcs: crc32c of each block of ``byte_range`` (see ``TensorIndex.block_bytes``), or None
-            when the checkpoint recorded none.
-    """
-
-    file: str
-    name: str
-    global_offset: Shape
-    chunk_shape: Shape
-    flat_range: Optional[Tuple[int, int]]
-    byte_range: Tuple[int, int]
-    crcs: Optional[Tuple[int, ...]] = None
-
-    @property
-    def stored_shape(self) -> Shape:
-        """Shape of the tensor as written in the file (before any dtype re-encoding)."""
-        if self.flat_range is not None:
-            return (self.flat_range[1] - self.flat_range[0],)
-        return self.chunk_shape
-
-    def pieces(self) -> List[ShardPiece]:
-        """The global boxes this shard holds; ``flat_offset`` is relative to its first element."""
-        return shard_pieces(self.global_offset, self.chunk_shape, 0, self.flat_range)
-
-
-@dataclass
-class StoredTensor:
-    """Everything stored about one global tensor; ``flattened``: it was saved as flattened
-    ranges (distributed-optimizer state), which :func:`tensors_metadata` reports."""
-
-    key: str
-    dtype: torch.dtype
-    global_shape: Shape
-    shards: List[StoredShard] = field(default_factory=list)
-    _grid: Optional[Dict[Shape, List[StoredShard]]] = field(default=None, repr=False)
-    flattened: bool = False
-
-    @property
-    def bounds(self) -> Box:
-        return Box((0,) * len(self.global_shape), self.global_shape)
-
-    def overlapping(self, region: Box) -> Iterator[StoredShard]:
-        """Stored shards whose box overlaps ``region`` (via the chunk grid when it is regular)."""
-        if self._grid is None:
-            self._grid = _grid_of(self.shards)
-        if not self._grid:
-            yield from (s for s in self.shards if Box(s.global_offset, s.chunk_shape).intersect(region))
-            return
-        chunk = self.shards[0].chunk_shape
-        ranges = [range(o // c, (o + n - 1) // c + 1) for o, n, c in zip(region.offset, region.shape, chunk)]
-        for idx in product(*ranges):
-            yield from self._grid.get(tuple(idx), ())
-
-
-def _grid_of(shards: Sequence[StoredShard]) -> Dict[Shape, List[StoredShard]]:
-    """Shards by chunk index, or {} when the shards do not form a regular grid."""
-    if not shards:
-        return {}
-    chunk = shards[0].chunk_shape
-    grid: Dict[Shape, List[StoredShard]] = {}
-    for s in shards:
-        if s.chunk_shape != chunk or any(c == 0 or o % c for o, c in zip(s.global_offset, chunk)):
-            return {}
-        grid.setdefault(tuple(o // c for o, c in zip(s.global_offset, chunk)), []).append(s)
-    return grid
-
-
-@dataclass
-class TensorIndex:
-    """Where every stored tensor lives: which file, which byte range, which box.
-
-    Both the ``safetensors`` backend (from its ``index.json``) and HuggingFace folders (from the
-    files' headers) describe their tensors this way, so one loader
-    (:func:`~dist_ckpt.backends.safetensors.load.load_from_index`) reads any sharding of either.
-
-    Attributes:
-        storage: the storage rooted at the files' directory (a ``LocalStorage`` of a local
-            directory, or an object store); shards name their files relative to it.
-        tensors: stored tensors by key.
-        aliases: keys served by another stored key (tied parameters stored once).
-        file_sizes: expected size of each file, when the index records it.
-        description: names the checkpoint in error messages.
-        from_headers: the index was built from the files' validated headers (HuggingFace
-            folders), so a load does not read and check them again.
-        block_bytes: block size of the shards' checksums (None: no checksums recorded).
-        header_crcs: crc32c of each file's header bytes, when recorded.
-    """
-
-    storage: Storage
-    tensors: Dict[str, StoredTensor]
-    aliases: Dict[str, str] = field(default_factory=dict)
-    file_sizes: Dict[str, int] = field(default_factory=dict)
-    description: str = ""
-    from_headers: bool = False
-    block_bytes: Optional[int] = None
-    header_crcs: Dict[str, int] = field(default_factory=dict)
-
-    def file_location(self, name: str) -> str:
-        """Where file ``name`` is, for messages: its path, or its object's URL."""
-        return self.storage.url_of(name)
-
-    def lookup(self, key: str) -> Optional[StoredTensor]:
-        """The stored tensor for ``key`` (following an alias), or None."""
-        found = self.tensors.get(key)
-        if found is None and key in self.aliases:
-            found = self.tensors.get(self.aliases[key])
-        return found
-
-
-def tensors_metadata(index: TensorIndex) -> ShardedStateDict:
-    """``{key: ShardedTensor}`` (whole, unsharded, data on the meta device) for every tensor, as
-    it was saved: a tensor saved as flattened ranges is one flattened range covering all of it
-    (see :mod:`dist_ckpt.model.stored_metadata`).
-
-    Example::
-
-        meta = tensors_metadata(read_index(ckpt))
-        meta["decoder.w"].global_shape, meta["decoder.w"].dtype
-    """
-    out: ShardedStateDict = {}
-    for key in sorted(set(index.tensors) | set(index.aliases)):
-        info = index.lookup(key)
-        if info is not None:
-            out[key] = stored_tensor_metadata(key, info.dtype, info.global_shape, info.flattened)
-    return out
-
-
-def describe_tensor_index(index: TensorIndex, prefix: str = "") -> Dict[str, List[StoredShardInfo]]:
-    """The stored pieces of every tensor of a :class:`TensorIndex` (for ``dist-ckpt inspect``);
-    ``prefix`` is the files' directory relative to the checkpoint (``"safetensors/"``). A tied
-    name stored once (an alias) is described by the pieces of the name it shares them with.
-
-    Example::
-
-        describe_tensor_index(read_index(ckpt), "safetensors/")["w"][0].nbytes
-    """
-    out: Dict[str, List[StoredShardInfo]] = {}
-    for key in sorted(set(index.tensors) | set(index.aliases)):
-        stored = index.lookup(key)
-        if stored is None:
-            continue
-        out[key] = [
-            StoredShardInfo(
-                tuple(s.global_offset),
-                tuple(s.chunk_shape),
-                s.flat_range,
-                prefix + s.file,
-                s.byte_range[1] - s.byte_range[0],
-            )
-            for s in stored.shards
-        ]
-    return out
+#: the version a save writes (with or without block checksums)
+INDEX_VERSION = index_v3.VERSION
+READABLE_VERSIONS = (1, 2, 3)
 
 
 # --------------------------------------------------------------------------- writing the document
@@ -305,65 +141,16 @@ def shard_name(sh: ShardedTensor) -> str:
     return name
 
 
-def encode_shard(
-    sh: ShardedTensor, file: str, byte_range: Tuple[int, int], crcs: Optional[str] = None
-) -> Dict[str, Any]:
-    """The index entry of one saved shard; ``crcs`` its encoded block checksums (version 2).
+def index_files(merged: MergedIndex, block_bytes: Optional[int]) -> Tuple[bytes, bytes, str]:
+    """``(index.json bytes, shard table bytes, shard table file name)`` of the current version
+    for a merged index (block checksums of ``block_bytes``, or none).
 
     Example::
 
-        encode_shard(sh, "rank00000_0.safetensors", (128, 160))["byte_range"]   # [128, 160]
+        doc, table, table_name = index_files(merge_index_parts(gather_bytes(part)), 1 << 20)   # rank 0
     """
-    rng = sh.flattened_range
-    entry: Dict[str, Any] = {
-        "file": file,
-        "name": shard_name(sh),
-        "global_offset": list(sh.global_offset),
-        "chunk_shape": list(sh.full_local_shape),
-        "flat_range": None if rng is None else [rng.start, rng.stop],
-        "byte_range": [byte_range[0], byte_range[1]],
-    }
-    if crcs is not None:
-        entry[ALGORITHM] = crcs
-    return entry
-
-
-def merge_rank_indexes(per_rank: Sequence[RankIndex], block_bytes: Optional[int] = None) -> Dict[str, Any]:
-    """The global index document from every rank's part (runs on rank 0): version 2 with
-    checksums of ``block_bytes`` blocks, version 1 without (``block_bytes=None``).
-
-    Example::
-
-        doc = merge_rank_indexes(gather_json(local_part), block_bytes=1 << 20)   # on rank 0
-
-    Raises:
-        CheckpointingException: two ranks describe a key with different dtypes or global shapes,
-            or write the same file.
-    """
-    files: Dict[str, Any] = {}
-    tensors: Dict[str, Any] = {}
-    for rank, part in enumerate(per_rank):
-        for name, entry in part["files"].items():
-            if name in files:
-                raise CheckpointingException(f"ranks {files[name]['rank']} and {rank} both wrote {name!r}")
-            files[name] = entry
-        for key, entry in part["tensors"].items():
-            merged = tensors.setdefault(
-                key, {"dtype": entry["dtype"], "global_shape": entry["global_shape"], "shards": []}
-            )
-            if (merged["dtype"], merged["global_shape"]) != (entry["dtype"], entry["global_shape"]):
-                raise CheckpointingException(
-                    f"tensor {key!r}: rank {rank} saves it as {entry['dtype']} {entry['global_shape']}, another rank "
-                    f"as {merged['dtype']} {merged['global_shape']}; every rank must agree"
-                )
-            if entry.get(FLATTENED):
-                merged[FLATTENED] = True
-            merged["shards"].extend(entry["shards"])
-    doc: Dict[str, Any] = {"format": INDEX_FORMAT, "version": 1}
-    if block_bytes is not None:
-        doc.update(version=INDEX_VERSION, checksum={"algorithm": ALGORITHM, "block_bytes": block_bytes})
-    doc.update(files=files, tensors=dict(sorted(tensors.items())))
-    return doc
+    doc, table, name = index_v3.v3_document(merged, block_bytes, {"format": INDEX_FORMAT, "version": INDEX_VERSION})
+    return json.dumps(doc, separators=(",", ":")).encode("utf-8"), table, name
 
 
 # --------------------------------------------------------------------------- reading
@@ -481,6 +268,10 @@ def parse_index(doc: Any, storage: Storage) -> TensorIndex:
             f"safetensors index {p.path!r} has version {version!r}; this dist_ckpt reads versions "
             f"{list(READABLE_VERSIONS)}: upgrade dist_ckpt"
         )
+    description = repr(storage.url.rsplit("/", 1)[0])
+    if version == index_v3.VERSION:
+        block = None if doc.get("checksum") is None else _checksum_spec(p, doc.get("checksum"))
+        return index_v3.parse_v3(doc, storage, p.path, block, description)
     if version >= 2:
         p.block_bytes = _checksum_spec(p, doc.get("checksum"))
     files: Dict[str, int] = {}
@@ -497,12 +288,7 @@ def parse_index(doc: Any, storage: Storage) -> TensorIndex:
             )
     tensors = {key: p.tensor(key, raw, files) for key, raw in p.obj(doc.get("tensors"), "'tensors'").items()}
     return TensorIndex(
-        storage,
-        tensors,
-        file_sizes=files,
-        description=repr(storage.url.rsplit("/", 1)[0]),
-        block_bytes=p.block_bytes,
-        header_crcs=header_crcs,
+        storage, tensors, file_sizes=files, description=description, block_bytes=p.block_bytes, header_crcs=header_crcs
     )
 
 
@@ -538,25 +324,3 @@ def read_index(checkpoint_dir: LocationLike) -> TensorIndex:
     except (UnicodeDecodeError, ValueError) as e:
         raise CorruptCheckpointError(f"safetensors index {where!r} is not valid JSON: {e}") from e
     return parse_index(doc, storage)
-
-
-def rank_index(
-    files: Dict[str, int], rank: int, tensors: Dict[str, Dict[str, Any]], header_crcs: Optional[Dict[str, str]] = None
-) -> RankIndex:
-    """One rank's part of the index, as sent to rank 0 (``header_crcs``: hex crc of each file's
-    header, with checksums)."""
-    entries: Dict[str, Dict[str, Any]] = {name: {"size": size, "rank": rank} for name, size in files.items()}
-    for name, crc in (header_crcs or {}).items():
-        entries[name][f"header_{ALGORITHM}"] = crc
-    return {"files": entries, "tensors": tensors}
-
-
-def tensor_entry(
-    dtype_name: str, global_shape: Sequence[int], shards: List[Dict[str, Any]], flattened: bool = False
-) -> Dict[str, Any]:
-    """The index entry of one tensor (one rank's shards of it); ``flattened``: saved as
-    flattened ranges."""
-    entry: Dict[str, Any] = {"dtype": dtype_name, "global_shape": list(global_shape), "shards": shards}
-    if flattened:
-        entry[FLATTENED] = True
-    return entry

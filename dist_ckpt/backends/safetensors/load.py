@@ -40,8 +40,8 @@ from dist_ckpt.backends.base import load_destination
 from dist_ckpt.backends.request_checks import check_requested_tensors
 from dist_ckpt.backends.safetensors.blocks import ShardCheck
 from dist_ckpt.backends.safetensors.format import SafetensorsHeader, read_header, storage_layout
-from dist_ckpt.backends.safetensors.index import StoredShard, StoredTensor, TensorIndex
 from dist_ckpt.backends.safetensors.io import ReadOp, ReadOptions, byte_view, execute, plan_copy
+from dist_ckpt.backends.safetensors.tensor_index import StoredShard, StoredTensor, TensorIndex
 from dist_ckpt.engine.distributed import get_rank
 from dist_ckpt.errors import ChecksumMismatchError, CorruptCheckpointError, format_keys
 from dist_ckpt.integrity.checksums import crc_to_hex
@@ -50,7 +50,7 @@ from dist_ckpt.model.geometry import Box, ShardPiece, piece_view, shard_pieces, 
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
 from dist_ckpt.storage import ObjectReader
 
-__all__ = ["FileCheck", "default_file_check", "load_from_index"]
+__all__ = ["FileCheck", "PlannedReads", "default_file_check", "load_from_index", "plan_reads"]
 
 
 #: checks an opened file against the index before any read; raises CorruptCheckpointError
@@ -205,6 +205,42 @@ def _plan_tensor(sh: ShardedTensor, info: StoredTensor, index: TensorIndex) -> T
     return planned, pad
 
 
+PlannedReads = Dict[int, Tuple[List[_Planned], List[ShardPiece]]]
+
+
+def plan_reads(
+    requested: Sequence[ShardedTensor], index: TensorIndex, allow_dtype_cast: bool = False
+) -> Tuple[PlannedReads, Dict[str, List[Tuple[str, StoredShard]]]]:
+    """Steps 1 and 2 of :func:`load_from_index`, without any I/O: check the requests against the
+    index (a request in another dtype than the stored one is refused unless ``allow_dtype_cast``),
+    and intersect each with the stored shards it overlaps (checking that they cover it).
+
+    Returns the overlaps and zero-filled pieces of each request (by ``id``), and the stored shards
+    to read, by file. Only the index entries of the requested tensors are looked at, so a rank's
+    planning costs O(its requests + the entries they need) whatever the size of the checkpoint.
+
+    Example::
+
+        plans, by_file = plan_reads([ShardedTensor.from_rank_offsets("w", torch.empty(4))], read_index(ckpt))
+    """
+    _check_requests(requested, index, allow_dtype_cast)
+    if index.prefetch is not None:
+        index.prefetch([sh.key for sh in requested])
+    plans: PlannedReads = {}
+    by_file: Dict[str, List[Tuple[str, StoredShard]]] = {}
+    seen: Set[Tuple[str, str]] = set()
+    for sh in requested:
+        info = index.lookup(sh.key)
+        assert info is not None
+        planned, pad = _plan_tensor(sh, info, index)
+        plans[id(sh)] = (planned, pad)
+        for p in planned:
+            if (p.shard.file, p.shard.name) not in seen:
+                seen.add((p.shard.file, p.shard.name))
+                by_file.setdefault(p.shard.file, []).append((sh.key, p.shard))
+    return plans, by_file
+
+
 def load_from_index(
     sharded_state_dict: ShardedStateDict, index: TensorIndex, options: ReadOptions, check: Optional[FileCheck] = None
 ) -> StateDict:
@@ -225,21 +261,9 @@ def load_from_index(
         loaded = load_from_index({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4))}, index, ReadOptions())
     """
     requested = [s for s in nested_values(sharded_state_dict) if isinstance(s, ShardedTensor)]
-    # 1. keys, dtypes (cast or refused, per options.allow_dtype_cast), shapes
-    _check_requests(requested, index, options.allow_dtype_cast)
-    # 2. plan every overlap, checking coverage
-    plans: Dict[int, Tuple[torch.Tensor, List[_Planned], List[ShardPiece]]] = {}
-    by_file: Dict[str, List[Tuple[str, StoredShard]]] = {}
-    seen: Set[Tuple[str, str]] = set()
-    for sh in requested:
-        info = index.lookup(sh.key)
-        assert info is not None
-        planned, pad = _plan_tensor(sh, info, index)
-        plans[id(sh)] = (load_destination(sh), planned, pad)
-        for p in planned:
-            if (p.shard.file, p.shard.name) not in seen:
-                seen.add((p.shard.file, p.shard.name))
-                by_file.setdefault(p.shard.file, []).append((sh.key, p.shard))
+    # 1. and 2. keys, dtypes (cast or refused, per options.allow_dtype_cast), shapes; every overlap, checking coverage
+    planned_reads, by_file = plan_reads(requested, index, options.allow_dtype_cast)
+    plans = {id(sh): (load_destination(sh), *planned_reads[id(sh)]) for sh in requested}
     # 3. open and validate every file the plan touches
     verify = options.verify_checksums and index.block_bytes is not None
     if not index.storage.positional_reads:  # every read is a request: more in flight, fewer small ones

@@ -26,7 +26,9 @@ Why it is fast:
   fsync per file;
 * a load reads only the byte ranges that overlap the requested shards, with positional reads
   straight into the destination tensors (see :mod:`.safetensors_io`);
-* the metadata exchanged is one small JSON document per rank, gathered once to rank 0.
+* the metadata exchanged is one compact binary index part per rank, gathered once to rank 0,
+  which merges them with numpy into index version 3: a small ``index.json`` and a binary table
+  of shards, so that a load reads only the rows of the tensors it requests.
 
 Example::
 
@@ -58,34 +60,33 @@ from dist_ckpt.backends.base import (
 from dist_ckpt.backends.safetensors.format import StagingBuffer
 from dist_ckpt.backends.safetensors.index import (
     INDEX_FILENAME,
+    INDEX_VERSION,
     SAFETENSORS_DIR,
-    RankIndex,
-    describe_tensor_index,
     file_name,
     read_index,
     shard_name,
-    tensors_metadata,
 )
+from dist_ckpt.backends.safetensors.index_parts import IndexPart
+from dist_ckpt.backends.safetensors.index_write import remove_from_v3, write_index
 from dist_ckpt.backends.safetensors.io import ReadOptions
 from dist_ckpt.backends.safetensors.load import load_from_index
 from dist_ckpt.backends.safetensors.stream import SafetensorsStreamWriter
+from dist_ckpt.backends.safetensors.tensor_index import describe_tensor_index, tensors_metadata
 from dist_ckpt.backends.safetensors.verify import verify_safetensors
 from dist_ckpt.backends.safetensors.write import (
     FILE_METADATA,
-    IndexPart,
     PartResult,
     PlannedFiles,
     SnapshotPart,
     WritePart,
     plan_file,
-    write_index,
     write_objects,
     write_parts,
     write_snapshot_objects,
     write_snapshot_parts,
 )
 from dist_ckpt.backends.stored_shards import StoredShardInfo
-from dist_ckpt.engine.distributed import gather_json, get_rank, run_collectively
+from dist_ckpt.engine.distributed import gather_bytes, get_rank, run_collectively
 from dist_ckpt.errors import CheckpointingException, InvalidShardedTensorError
 from dist_ckpt.integrity.checksums import DEFAULT_BLOCK_BYTES, IntegrityReport
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
@@ -118,7 +119,7 @@ class SafetensorsSaveOptions:
             still being written, and drop them from the page cache once clean (see
             :class:`~.safetensors_format.SequentialWriter`); off, the save only fsyncs at the end.
         checksum_block_bytes: record a crc32c per block of this many bytes of every shard
-            (index version 2); None records none (index version 1, readable by older dist_ckpt).
+            (recorded in the index); None records none.
         snapshot_budget_bytes: most bytes an asynchronous save copies into its snapshot. When a
             rank's shards are larger, the save streams: the shards that do not fit are written
             before :meth:`~SafetensorsSaveShardedStrategy.async_save` returns, straight from the
@@ -222,8 +223,8 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     1. every rank writes and fsyncs its files (in parallel threads), computing the checksums
        as the bytes pass (on an object store: uploads each file as one object);
-    2. the ranks' index parts are gathered to rank 0 (one small JSON document each);
-    3. rank 0 writes ``safetensors/index.json`` atomically and durably.
+    2. the ranks' index parts are gathered to rank 0 (compact bytes, see :mod:`.index_parts`);
+    3. rank 0 writes the shard table and ``safetensors/index.json`` atomically and durably.
 
     Asynchronous :meth:`async_save` (not collective) snapshots the shards and returns an
     :class:`~.async_utils.AsyncRequest` whose background function writes the files (step 1) in
@@ -267,7 +268,7 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
         # 2. and 3. gather the index parts, rank 0 commits the index
         self._commit_index(local, checkpoint_dir)
 
-    def _write_files(self, checkpoint_dir: Storage, shards: List[ShardedTensor]) -> RankIndex:
+    def _write_files(self, checkpoint_dir: Storage, shards: List[ShardedTensor]) -> bytes:
         files = self._plan(shards, smallest_last=False)
         parts = [WritePart(plan, 0, tuple(_stored_view(sh) for sh in group)) for plan, group in files]
         storage = resolve_location(checkpoint_dir)
@@ -309,12 +310,13 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
             for i, (items, group) in enumerate(zip(layout, groups))
         ]
 
-    def _rank_index(self, shards: List[ShardedTensor], files: PlannedFiles, results: Sequence[PartResult]) -> RankIndex:
+    def _rank_index(self, shards: List[ShardedTensor], files: PlannedFiles, results: Sequence[PartResult]) -> bytes:
         """This rank's part of the index, from the plan and the written parts' checksums."""
-        return IndexPart(shards, files).with_checksums(results, self.options.checksum_block_bytes is not None)
+        part = IndexPart(get_rank(), shards, files)
+        return part.encode(results, self.options.checksum_block_bytes is not None)
 
-    def _commit_index(self, local: RankIndex, checkpoint_dir: Storage) -> None:
-        gathered = gather_json(local)
+    def _commit_index(self, local: bytes, checkpoint_dir: Storage) -> None:
+        gathered = gather_bytes(local)
         block = self.options.checksum_block_bytes
         storage = resolve_location(checkpoint_dir)
         run_collectively("writing the safetensors index", lambda: write_index(gathered, storage, block))
@@ -411,13 +413,13 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
         )
 
         # 5. the request; its finalization needs the index entries, not the shards' data
-        part = IndexPart(shards, files)
+        part = IndexPart(get_rank(), shards, files)
         checksums = block is not None
 
         def finalize() -> None:
             local = run_collectively(
                 "indexing the files written in the background",
-                lambda: part.with_checksums(list(head_results) + list(outcome.result or []), checksums),
+                lambda: part.encode(list(head_results) + list(outcome.result or []), checksums),
             )
             self._commit_index(local, storage)
 
@@ -484,16 +486,21 @@ class SafetensorsLoadShardedStrategy(LoadShardedStrategy):
 
         The index is rewritten atomically without those keys (each key goes whole or not at
         all: a rename on a local disk, a PUT on an object store), then files that hold no
-        remaining shard are deleted. The bytes of removed shards in files that still hold other
-        shards stay until the checkpoint is rewritten.
+        remaining shard are deleted. A version-3 index gets a new shard table (a new name, written
+        before ``index.json``), and the old table is deleted last. The bytes of removed shards in
+        files that still hold other shards stay until the checkpoint is rewritten.
         """
         read_index(checkpoint_dir)  # validates the whole index before changing it
-        root = resolve_location(checkpoint_dir).child(SAFETENSORS_DIR)
+        location = resolve_location(checkpoint_dir)
+        root = location.child(SAFETENSORS_DIR)
         doc = json.loads(root.read(INDEX_FILENAME))
-        removed, orphans = _without_keys(doc, key_prefix)
-        root.write(INDEX_FILENAME, json.dumps(doc, separators=(",", ":")).encode("utf-8"))
-        for name in orphans:
-            root.delete(name)
+        if doc["version"] == INDEX_VERSION:  # a binary shard table: rewritten without the keys
+            removed, orphans = remove_from_v3(location, key_prefix)
+        else:
+            removed, orphans = _without_keys(doc, key_prefix)
+            root.write(INDEX_FILENAME, json.dumps(doc, separators=(",", ":")).encode("utf-8"))
+            for name in orphans:
+                root.delete(name)
         logger.info(
             "removed %d tensors with prefix %r from %s; deleted %d files",
             len(removed),

@@ -3,8 +3,8 @@
 What ``dist-ckpt convert --to safetensors`` writes with: the same checkpoint a one-rank
 :meth:`~.safetensors.SafetensorsSaveShardedStrategy.save` of whole tensors produces -- one file,
 ``safetensors/rank00000_0.safetensors``, each tensor one shard covering all of it, and
-``safetensors/index.json`` with the crc32c of every block (index version 2, or version 1 when the
-strategy's options record no checksums) -- but written tensor by tensor:
+``safetensors/index.json`` (index version 3, with the crc32c of every block unless the strategy's
+options record no checksums) -- but written tensor by tensor:
 
 1. at :meth:`~dist_ckpt.backends.base.SaveShardedStrategy.begin_stream`, the file's header is
    planned from the layout (dtypes and shapes: no data needed);
@@ -41,14 +41,14 @@ import torch
 
 from dist_ckpt.backends.base import TensorLayout, TensorStreamWriter, check_stream_entry
 from dist_ckpt.backends.safetensors.index import SAFETENSORS_DIR, file_name, shard_name
+from dist_ckpt.backends.safetensors.index_parts import IndexPart
+from dist_ckpt.backends.safetensors.index_write import write_index
 from dist_ckpt.backends.safetensors.write import (
     FILE_METADATA,
-    IndexPart,
     PartResult,
     WritePart,
     plan_file,
     stream_tensor,
-    write_index,
     write_part,
 )
 from dist_ckpt.errors import CheckpointingException
@@ -71,8 +71,8 @@ class SafetensorsStreamWriter(TensorStreamWriter):
         checkpoint_dir: the checkpoint's storage: a local directory (its ``safetensors/`` must not
             exist yet), or an object store (tensors grouped into objects, see the module docstring).
         layout: every tensor to be added, in order.
-        checksum_block_bytes: record a crc32c per block of this many bytes (None: none, index
-            version 1), as ``SafetensorsSaveOptions.checksum_block_bytes``.
+        checksum_block_bytes: record a crc32c per block of this many bytes (None: none), as
+            ``SafetensorsSaveOptions.checksum_block_bytes``.
         early_writeback: start writing local files to the disk while writing (see
             :class:`~.format.SequentialWriter`).
     """
@@ -173,7 +173,7 @@ class SafetensorsStreamWriter(TensorStreamWriter):
         if self.storage is None:
             fsync_dir(self.root)
         block = self.block_bytes
-        local = IndexPart(self.shards, self.files).with_checksums(self.results, block is not None)
+        local = IndexPart(0, self.shards, self.files).encode(self.results, block is not None)
         write_index([local], self.checkpoint_dir, block)
         logger.debug(
             "streamed %d tensors, %d bytes into %s",

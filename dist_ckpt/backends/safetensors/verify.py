@@ -13,9 +13,10 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from dist_ckpt.backends.safetensors.format import read_header
-from dist_ckpt.backends.safetensors.index import INDEX_FILENAME, SAFETENSORS_DIR, StoredShard, TensorIndex, read_index
+from dist_ckpt.backends.safetensors.index import INDEX_FILENAME, SAFETENSORS_DIR, read_index
 from dist_ckpt.backends.safetensors.io import read_into
 from dist_ckpt.backends.safetensors.load import default_file_check
+from dist_ckpt.backends.safetensors.tensor_index import StoredShard, TensorIndex
 from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.integrity.checksums import IntegrityReport, crc32c, crc_to_hex
 from dist_ckpt.storage import ObjectReader
@@ -44,10 +45,15 @@ def verify_safetensors(checkpoint_dir: LocationLike, read_bytes: int = 16 << 20)
         return report
     report.files_checked += 1
     if index.block_bytes is None:
-        report.notes.append(f"{index_rel} records no checksums (index version 1): only sizes and headers were checked")
+        report.notes.append(f"{index_rel} records no checksums: only sizes and headers were checked")
     by_file: Dict[str, List[Tuple[str, StoredShard]]] = {}
     for tensor_key, tensor in index.tensors.items():
-        for shard in tensor.shards:
+        try:
+            stored = tensor.shards  # index version 3: reads and checks the tensor's rows of the shard table
+        except CheckpointingException as e:
+            report.add(index_rel, str(e), tensor_key)
+            continue
+        for shard in stored:
             by_file.setdefault(shard.file, []).append((tensor_key, shard))
     for name in sorted(index.file_sizes):
         _verify_file(index, name, by_file.get(name, []), report, read_bytes)

@@ -12,9 +12,10 @@ The synchronous and the asynchronous save of the ``safetensors`` backend share t
 * :func:`write_parts` writes several parts at once, one thread each (``os.write`` and the crc
   computation run while other threads write);
 * :func:`write_snapshot_parts` is the function a background worker runs: :func:`write_parts` with
-  tensors that are views of a shared-memory :class:`~.snapshot.Snapshot`;
-* :class:`IndexPart` is a rank's part of the index, completed with the checksums of the written
-  parts, and :func:`write_index` is rank 0 writing the merged ``index.json``.
+  tensors that are views of a shared-memory :class:`~.snapshot.Snapshot`.
+
+What was written is then described to rank 0 by :mod:`.index_parts` and indexed by
+:mod:`.index_write`.
 
 Local files are written by path (the storage's ``local_paths`` capability): a file can be written
 in parts by two processes at planned offsets, with early writeback and one fsync per file.
@@ -31,14 +32,13 @@ down or count writes in one place.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -50,25 +50,13 @@ from dist_ckpt.backends.safetensors.format import (
     storage_layout,
     tensor_bytes,
 )
-from dist_ckpt.backends.safetensors.index import (
-    INDEX_FILENAME,
-    SAFETENSORS_DIR,
-    RankIndex,
-    encode_shard,
-    merge_rank_indexes,
-    rank_index,
-    tensor_entry,
-)
-from dist_ckpt.engine.distributed import get_rank
 from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.integrity.checksums import BlockChecksums, crc32c, crc_to_hex, encode_block_crcs
-from dist_ckpt.model.dtypes import dtype_to_name
 from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.storage import ObjectWriter, Storage, fsync_dir
 
 __all__ = [
     "FILE_METADATA",
-    "IndexPart",
     "PartResult",
     "PlannedFile",
     "PlannedFiles",
@@ -80,7 +68,6 @@ __all__ = [
     "write_objects",
     "write_part",
     "write_parts",
-    "write_index",
     "write_snapshot_objects",
     "write_snapshot_parts",
 ]
@@ -426,71 +413,3 @@ def write_snapshot_objects(
     """
     write = [WritePart(p.plan, p.first, tuple(snapshot.view(i) for i in p.slots)) for p in parts]
     return write_objects(storage, write, block_bytes=block_bytes)
-
-
-# --------------------------------------------------------------------------- the index
-
-
-class IndexPart:
-    """This rank's part of the index, built from the plan (no tensor data kept), completed with
-    the checksums once the files are written (:meth:`with_checksums`).
-
-    Example::
-
-        part = IndexPart(shards, files)                       # before writing
-        local = part.with_checksums(results, checksums=True)  # after: what gather_json sends
-    """
-
-    def __init__(self, shards: List[ShardedTensor], files: PlannedFiles) -> None:
-        self.rank = get_rank()
-        self.tensors: Dict[str, Dict[str, Any]] = {}
-        for sh in shards:  # keys with no bytes on any rank (0-size tensors) are still listed
-            entry = tensor_entry(dtype_to_name(sh.dtype), sh.global_shape, [], sh.flattened_range is not None)
-            self.tensors.setdefault(sh.key, entry)
-        self.files: List[Tuple[str, List[Tuple[str, Dict[str, Any]]]]] = []
-        self.sizes = {plan.name: plan.size for plan, _ in files}
-        for plan, group in files:
-            entries = [(sh.key, encode_shard(sh, plan.name, byte_range)) for sh, byte_range in zip(group, plan.ranges)]
-            self.files.append((plan.name, entries))
-
-    def with_checksums(self, results: Sequence[PartResult], checksums: bool) -> RankIndex:
-        """The index part, with each shard's block crcs (and each header's) from ``results``."""
-        crcs: Dict[str, List[str]] = {}
-        header_crcs: Dict[str, str] = {}
-        for result in sorted(results, key=lambda r: (r.file, r.first)):
-            crcs.setdefault(result.file, []).extend(result.crcs)
-            if result.header_crc is not None:
-                header_crcs[result.file] = result.header_crc
-        tensors = {key: dict(entry, shards=[]) for key, entry in self.tensors.items()}
-        for name, entries in self.files:
-            written = crcs.get(name, [])
-            if len(written) != len(entries):
-                raise CheckpointingException(
-                    f"[rank {self.rank}] {name}: {len(written)} of its {len(entries)} tensors were written"
-                )
-            for (key, shard), crc in zip(entries, written):
-                tensors[key]["shards"].append(dict(shard, crc32c=crc) if checksums else shard)
-        return rank_index(self.sizes, self.rank, tensors, header_crcs if checksums else None)
-
-
-def write_index(gathered: Optional[List[Any]], checkpoint_dir: Storage, block_bytes: Optional[int]) -> None:
-    """Rank 0: merge every rank's part and write ``safetensors/index.json``, atomically and durably
-    (the other ranks return at once). Version 2 with checksums of ``block_bytes`` blocks, version
-    1 without.
-
-    Example::
-
-        write_index(gather_json(local_part), storage, 1 << 20)
-    """
-    if get_rank() != 0:
-        return
-    assert gathered is not None
-    doc = merge_rank_indexes(gathered, block_bytes)
-    data = json.dumps(doc, separators=(",", ":")).encode("utf-8")
-    checkpoint_dir.write(f"{SAFETENSORS_DIR}/{INDEX_FILENAME}", data)  # a save without tensor bytes gets one too
-    logger.debug(
-        "safetensors index: %d tensors, %d files, %d bytes of data",
-        len(doc["tensors"]),
-        len(doc["files"]),
-        sum(f["size"] for f in doc["files"].values()),
-    )

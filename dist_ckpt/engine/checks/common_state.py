@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import pickle
 from typing import Any, Dict, List, Sequence, Tuple
@@ -10,7 +11,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import numpy as np
 import torch
 
-from dist_ckpt.engine.distributed import gather_json
+from dist_ckpt.engine.distributed import all_reduce_max, gather_json, get_world_size
 from dist_ckpt.errors import MAX_REPORTED_PROBLEMS
 
 logger = logging.getLogger(__name__)
@@ -136,12 +137,21 @@ def validate_common_state_dict(common_state_dict: Dict[str, Any]) -> None:
     """Collective: log at WARNING (on rank 0) how the ranks' common states differ.
 
     Only rank 0's common state is saved, so a difference usually means a bug (or rank-specific
-    state that belongs in a ShardedObject). Fingerprints, not the objects, are gathered. The
-    message starts as Megatron-Core's does (callers match on it): "There is difference in the
-    common state dict in different ranks. The differences are {rank: (only on rank 0, only on
-    that rank, differing values)}", listing at most 10 ranks and 20 keys of each kind per rank.
+    state that belongs in a ShardedObject). Fingerprints, not the objects, are gathered -- and
+    only when they differ: one all-reduce of a digest of them tells every rank whether all ranks
+    hold the same, the usual case at every save. The message starts as Megatron-Core's does
+    (callers match on it): "There is difference in the common state dict in different ranks. The
+    differences are {rank: (only on rank 0, only on that rank, differing values)}", listing at
+    most 10 ranks and 20 keys of each kind per rank.
     """
-    gathered = gather_json(_to_json(common_state_fingerprints(common_state_dict)))
+    fingerprints = _to_json(common_state_fingerprints(common_state_dict))
+    if get_world_size() > 1:
+        text = json.dumps(fingerprints, sort_keys=True).encode("utf-8")
+        digest = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1  # fits an int64
+        newest, minus_oldest = all_reduce_max([digest, -digest])
+        if newest == -minus_oldest:
+            return
+    gathered = gather_json(fingerprints)
     if gathered is None:
         return
     differences = find_common_state_differences([_from_json(doc) for doc in gathered])

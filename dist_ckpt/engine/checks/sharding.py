@@ -1,166 +1,48 @@
 """Sharding integrity: the main replicas of every tensor cover it exactly once, with one shape and dtype.
 
-Pure functions over per-rank metadata, and the collective wrapper that gathers it to rank 0 once.
+Pure functions over per-rank metadata, and the collective check a save runs: each rank sends its
+shard metadata to rank 0 once, as a compact binary table (:mod:`dist_ckpt.engine.shard_metadata`),
+rank 0 checks every rank's table at once (:mod:`dist_ckpt.engine.checks.coverage`), and the
+verdict reaches every rank. A save whose shard metadata is unchanged since the last passing check
+skips the gather (:mod:`dist_ckpt.engine.checks.verdict_cache`): one all-reduce of 4 ints.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-from collections import defaultdict
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
-
-import numpy as np
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from dist_ckpt.engine.checks.common_state import validate_common_state_dict
-from dist_ckpt.engine.distributed import ProcessGroup, get_rank, run_collectively
-from dist_ckpt.engine.shard_metadata import all_gather_metadata, gather_metadata
+from dist_ckpt.engine.checks.coverage import FLATTENED_GAP, find_table_problems
+from dist_ckpt.engine.checks.verdict_cache import VERDICTS, Agreement
+from dist_ckpt.engine.distributed import (
+    ProcessGroup,
+    gather_bytes,
+    get_rank,
+    get_world_size,
+    raise_if_any_rank_failed,
+    run_collectively,
+)
+from dist_ckpt.engine.shard_metadata import all_gather_metadata, decode_tables
+from dist_ckpt.engine.shard_table import ShardFields, ShardTable, encode_table, shard_fields
 from dist_ckpt.errors import CheckpointingException, ShardingIntegrityError, format_problems
 from dist_ckpt.model.dict_utils import nested_values
-from dist_ckpt.model.sharded import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor, is_main_replica
+from dist_ckpt.model.sharded import ShardedBase, ShardedStateDict
 
 logger = logging.getLogger(__name__)
 
 GlobalMetadata = List[List[ShardedBase]]
-
-#: Megatron-Core's words for a gap between flattened ranges (spelling included): callers match on them
-FLATTENED_GAP = "Flattened ranges dont cover the whole shard"
-
-
-def _first_difference(key: str, shards: List[Tuple[int, ShardedTensor]]) -> Optional[str]:
-    ref_rank, ref = shards[0]
-    for attr in ("global_shape", "dtype", "full_local_shape", "prepend_axis_num"):
-        for rank, sh in shards:
-            if getattr(sh, attr) != getattr(ref, attr):
-                return (
-                    f"{key!r}: {attr} differs between ranks: rank {ref_rank} has {getattr(ref, attr)}, "
-                    f"rank {rank} has {getattr(sh, attr)}"
-                )
-    if len({sh.flattened_range is None for _, sh in shards}) > 1:
-        flat = [r for r, sh in shards if sh.flattened_range is not None]
-        return f"{key!r}: ranks {flat} hold flattened shards and other ranks hold whole shards; use one form per tensor"
-    return None
-
-
-def _missing_chunk(grid: Tuple[int, ...], covered: Set[Tuple[int, ...]]) -> Tuple[int, ...]:
-    for idx in np.ndindex(*grid):
-        if tuple(idx) not in covered:
-            return tuple(int(i) for i in idx)
-    raise AssertionError("no missing chunk")  # callers check the count first
-
-
-def _tensor_problems(key: str, shards: List[Tuple[int, ShardedTensor]]) -> List[str]:
-    difference = _first_difference(key, shards)
-    if difference:
-        return [difference]
-    ref = shards[0][1]
-    chunk, glob = ref.full_local_shape, ref.global_shape
-    if math.prod(glob) == 0:
-        return []
-    for axis, (g, c) in enumerate(zip(glob, chunk)):
-        if c == 0 or g % c:
-            return [
-                f"{key!r}: global size {g} along axis {axis} is not a multiple of the local size {c}; "
-                f"equal shards cannot tile global shape {glob}"
-            ]
-    grid = tuple(g // c for g, c in zip(glob, chunk))
-    mains = [(rank, sh) for rank, sh in shards if is_main_replica(sh.replica_id)]
-    problems: List[str] = []
-    owners: Dict[Tuple[int, ...], List[Tuple[int, int, int]]] = defaultdict(list)
-    for rank, sh in mains:
-        rng = sh.flattened_range
-        start, stop = (0, math.prod(chunk)) if rng is None else (rng.start, rng.stop)
-        owners[sh.local_chunk_offset_in_global()].append((start, stop, rank))
-    chunk_numel = math.prod(chunk)
-    for idx in sorted(owners):
-        offset = tuple(i * c for i, c in zip(idx, chunk))
-        pieces = sorted(owners[idx])
-        if ref.flattened_range is None:
-            if len(pieces) > 1:
-                problems.append(
-                    f"{key!r}: the shard at global offset {offset} is a main replica on ranks "
-                    f"{[r for _, _, r in pieces]} (overlap); give all but one a non-zero replica_id"
-                )
-            continue
-        pos = 0
-        for start, stop, rank in pieces:
-            if start < pos:
-                problems.append(
-                    f"{key!r}: flattened ranges overlap in the chunk at global offset {offset}: rank {rank} "
-                    f"holds [{start}, {stop}) but elements up to {pos} are already held"
-                )
-            elif start > pos:
-                problems.append(
-                    f"{key!r}: {FLATTENED_GAP}: no rank holds flat elements [{pos}, {start}) of the chunk at "
-                    f"global offset {offset}"
-                )
-            pos = max(pos, stop)
-        if pos < chunk_numel:
-            problems.append(
-                f"{key!r}: {FLATTENED_GAP}: no rank holds flat elements [{pos}, {chunk_numel}) of the chunk at "
-                f"global offset {offset}"
-            )
-    total = math.prod(grid)
-    if len(owners) < total:
-        idx = _missing_chunk(grid, set(owners))
-        offset = tuple(i * c for i, c in zip(idx, chunk))
-        problems.append(
-            f"{key!r}: no main replica holds the shard at global offset {offset} (shape {chunk}); "
-            f"{total - len(owners)} of {total} shards are missing (gap in coverage)"
-        )
-    return problems
-
-
-def _object_problems(key: str, shards: List[Tuple[int, ShardedObject]]) -> List[str]:
-    ref_rank, ref = shards[0]
-    for rank, sh in shards:
-        if sh.global_shape != ref.global_shape:
-            return [
-                f"{key!r}: global_shape differs between ranks: rank {ref_rank} has {ref.global_shape}, "
-                f"rank {rank} has {sh.global_shape}"
-            ]
-    owners: Dict[Tuple[int, ...], List[int]] = defaultdict(list)
-    for rank, sh in shards:
-        if is_main_replica(sh.replica_id):
-            owners[sh.global_offset].append(rank)
-    problems = [
-        f"{key!r}: object shard {offset} is a main replica on ranks {ranks} (overlap)"
-        for offset, ranks in sorted(owners.items())
-        if len(ranks) > 1
-    ]
-    total = math.prod(ref.global_shape)
-    if len(owners) < total:
-        idx = _missing_chunk(ref.global_shape, set(owners))
-        problems.append(
-            f"{key!r}: no main replica holds object shard {idx}; {total - len(owners)} of {total} are missing"
-        )
-    return problems
 
 
 def find_sharding_problems(global_metadata: Sequence[Sequence[ShardedBase]]) -> List[str]:
     """Every way in which the ranks' shards fail to form a valid sharding (pure).
 
     Main replicas of each tensor must cover it exactly once (no overlap, no gap), and every
-    rank must agree on global shape, dtype and local shape; likewise for ShardedObjects.
+    rank must agree on global shape, dtype and local shape; likewise for ShardedObjects. The
+    check itself is vectorized (:mod:`dist_ckpt.engine.checks.coverage`); this builds its table
+    from ShardedBase lists (Megatron-Core's ``global_metadata``: ``global_metadata[r]`` is rank r's).
     """
-    by_key: Dict[str, List[Tuple[int, ShardedBase]]] = defaultdict(list)
-    for rank, shards in enumerate(global_metadata):
-        for sh in shards:
-            by_key[sh.key].append((rank, sh))
-    problems: List[str] = []
-    for key in sorted(by_key):
-        tensors = [(r, s) for r, s in by_key[key] if isinstance(s, ShardedTensor)]
-        objects = [(r, s) for r, s in by_key[key] if isinstance(s, ShardedObject)]
-        if tensors and objects:
-            problems.append(
-                f"{key!r} is a ShardedTensor on ranks {sorted({r for r, _ in tensors})} and a "
-                f"ShardedObject on ranks {sorted({r for r, _ in objects})}"
-            )
-        elif tensors:
-            problems += _tensor_problems(key, tensors)
-        elif objects:
-            problems += _object_problems(key, objects)
-    return problems
+    return find_table_problems(ShardTable.from_global(global_metadata))
 
 
 def _integrity_error(problems: Sequence[str], world_size: int) -> ShardingIntegrityError:
@@ -177,7 +59,7 @@ def check_sharding_integrity(global_metadata: Sequence[Sequence[ShardedBase]]) -
 def determine_global_metadata(
     sharded_state_dict: ShardedStateDict, group: Optional[ProcessGroup] = None
 ) -> Tuple[List[ShardedBase], GlobalMetadata]:
-    """This rank's shard metadata, and every rank's (all-gathered, compact JSON encoding)."""
+    """This rank's shard metadata, and every rank's (all-gathered as compact binary tables)."""
     local_metadata = [sh.without_data() for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedBase)]
     return local_metadata, all_gather_metadata(local_metadata, group)
 
@@ -203,14 +85,51 @@ def validate_sharding_integrity(
     run_collectively("validating the sharding", check)
 
 
-def gather_and_validate_sharding(local_metadata: Sequence[ShardedBase]) -> None:
-    """Collective: gather shard metadata to rank 0 only, validate there, raise everywhere."""
-    gathered = gather_metadata(local_metadata)
-    validate_sharding_integrity(gathered)
+def check_shard_table(table: ShardTable, world_size: int) -> None:
+    """Raise :class:`ShardingIntegrityError` listing the problems of every rank's ``table`` (pure)."""
+    problems = find_table_problems(table)
+    if problems:
+        raise _integrity_error(problems, world_size)
+
+
+def gather_and_validate_sharding(local_metadata: Sequence[ShardedBase], group: Optional[ProcessGroup] = None) -> None:
+    """Collective: gather shard metadata to rank 0 only, validate there, raise everywhere.
+
+    Steps:
+
+    1. this rank's metadata becomes one tuple of fields per shard (one C-level pass);
+    2. one all-reduce: if every rank's fields equal the ones it kept at the same passing check
+       over ``group``, stop here (the structure is unchanged, the verdict is known);
+    3. the tables are gathered to rank 0 (bytes, not JSON objects), which checks them all at once;
+    4. the verdict is exchanged: the same ShardingIntegrityError on every rank, or a pass, after
+       which every rank records its fields.
+    """
+    try:
+        fields: Optional[List[ShardFields]] = shard_fields(local_metadata)
+        error: Optional[Exception] = None
+    except Exception as e:  # noqa: BLE001 -- the other ranks are in the all-reduce below
+        fields, error = None, e
+    agreement = VERDICTS.agree(fields, group)
+    if agreement is Agreement.FAILED or fields is None:
+        raise_if_any_rank_failed(error, "describing the shards", group)
+    if agreement is Agreement.HIT:
+        logger.debug("sharding unchanged since the last passing check; not checked again")
+        return
+    assert fields is not None  # FAILED raised above
+    blobs = gather_bytes(encode_table(ShardTable.from_fields(fields, get_rank(group))), group=group)
+
+    def check() -> None:
+        if blobs is not None:
+            check_shard_table(decode_tables(blobs), get_world_size(group))
+
+    run_collectively("validating the sharding", check, group)
+    VERDICTS.record(fields, group)
 
 
 __all__ = [
+    "FLATTENED_GAP",
     "GlobalMetadata",
+    "check_shard_table",
     "check_sharding_integrity",
     "determine_global_metadata",
     "find_sharding_problems",

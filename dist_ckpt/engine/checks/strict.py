@@ -6,9 +6,10 @@ import logging
 from enum import Enum
 from typing import Any, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
-from dist_ckpt.engine.checks.sharding import check_sharding_integrity
-from dist_ckpt.engine.distributed import broadcast_json, get_rank, run_collectively
-from dist_ckpt.engine.shard_metadata import gather_metadata
+from dist_ckpt.engine.checks.sharding import check_shard_table
+from dist_ckpt.engine.distributed import broadcast_json, gather_bytes, get_rank, run_collectively
+from dist_ckpt.engine.shard_metadata import decode_tables
+from dist_ckpt.engine.shard_table import ShardTable, encode_table
 from dist_ckpt.errors import MISSING_KEYS, UNEXPECTED_KEYS, CheckpointingException, KeyMismatchError, format_keys
 from dist_ckpt.model.dict_utils import extract_matching_values, nested_values
 from dist_ckpt.model.sharded import ShardedBase, ShardedStateDict
@@ -138,17 +139,24 @@ def validate_integrity_and_strict_load(
         raise CheckpointingException("cannot check key mismatches without the checkpoint's sharded metadata")
 
     if validate_access_integrity or need_global:
-        gathered = global_metadata if global_metadata is not None else gather_metadata(local_metadata)
+        # every rank's requests reach rank 0 as compact tables (see engine/shard_metadata.py)
+        blobs = (
+            None if global_metadata is not None else gather_bytes(encode_table(ShardTable.from_shards(local_metadata)))
+        )
 
         def check_on_rank0() -> List[str]:
             if get_rank() != 0:
                 return []
-            assert gathered is not None
+            if global_metadata is not None:
+                table, world_size = ShardTable.from_global(global_metadata), len(global_metadata)
+            else:
+                assert blobs is not None
+                table, world_size = decode_tables(blobs), len(blobs)
             if validate_access_integrity:
-                check_sharding_integrity(gathered)
+                check_shard_table(table, world_size)
             if need_global:
                 assert ckpt_sharded_metadata is not None
-                return sorted(determine_missing_and_unexpected_keys(ckpt_sharded_metadata, [], gathered)[0])
+                return sorted({sh.key for sh in ckpt_sharded_metadata.values()} - set(table.keys))
             return []
 
         missing = set(broadcast_json(run_collectively("validating the load request", check_on_rank0)))

@@ -255,7 +255,7 @@ def test_snapshot_budget_streams_the_rest(tmp_path, queue, budget, caplog):
     _assert_loads(tmp_path / "c", expected, _state(6))
     assert dc.verify_checkpoint(tmp_path / "c").ok
     doc = json.loads((tmp_path / "c" / "safetensors" / "index.json").read_text())
-    assert doc["version"] == 2 and len(doc["files"]) == 2
+    assert doc["version"] == 3 and "checksum" in doc and len(doc["files"]) == 2
 
 
 def test_snapshot_buffer_is_reused_across_saves(tmp_path, queue):

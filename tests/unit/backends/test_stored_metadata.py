@@ -16,11 +16,12 @@ import pytest
 import torch
 
 import dist_ckpt as dc
-from dist_ckpt.backends.safetensors.index import INDEX_FILENAME, SAFETENSORS_DIR
+from dist_ckpt.backends.safetensors.index import INDEX_FILENAME, INDEX_VERSION, SAFETENSORS_DIR
 from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreLoadShardedStrategy
 from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.model.stored_metadata import shaped, stored_tensor_metadata
 from dist_ckpt.testing.layouts import bitwise_equal, flat_shards, full_tensor, tp_shards
+from tests.unit.backends.safetensors.legacy_index import write_legacy_index
 
 #: (backend saved with, loader of the metadata and the load: None = the registered one)
 ENGINES = {
@@ -88,15 +89,32 @@ def test_shaped_description_loads_with_the_shape(saved: Tuple[Path, Any]) -> Non
     assert all(bitwise_equal(out[k], _full(k)) for k in out)
 
 
-def test_safetensors_index_records_flattened_tensors(tmp_path: Path) -> None:
+def _save_flat_and_whole(path: Path) -> Path:
     full = full_tensor("opt", (6, 4))
     sd = dict(flat_shards("opt", full, 0, 1, 2, 0, 1))
     sd["w"] = ShardedTensor.from_rank_offsets("w", full)
-    dc.save(sd, tmp_path / "c")
-    index_path = tmp_path / "c" / SAFETENSORS_DIR / INDEX_FILENAME
+    dc.save(sd, path)
+    return path / SAFETENSORS_DIR / INDEX_FILENAME
+
+
+def test_safetensors_index_records_flattened_tensors(tmp_path: Path) -> None:
+    index_path = _save_flat_and_whole(tmp_path / "c")
     doc = json.loads(index_path.read_text())
+    assert doc["version"] == INDEX_VERSION == 3
     assert doc["tensors"]["opt"]["flattened"] is True and "flattened" not in doc["tensors"]["w"]
-    # an index written before the field existed: the shards' flat ranges say it
+    meta = dc.load_tensors_metadata(tmp_path / "c")
+    assert meta["opt"].flattened_range == slice(0, 24) and meta["w"].flattened_range is None
+    doc["tensors"]["w"]["flattened"] = "yes"
+    index_path.write_text(json.dumps(doc))
+    with pytest.raises(dc.CheckpointingException, match="'flattened' must be true or false"):
+        dc.load_tensors_metadata(tmp_path / "c")
+
+
+def test_legacy_safetensors_index_without_the_field(tmp_path: Path) -> None:
+    """An index of version 1 or 2 written before the field existed: the shards' flat ranges say it."""
+    index_path = _save_flat_and_whole(tmp_path / "c")
+    doc = write_legacy_index(tmp_path / "c")
+    assert doc["version"] == 2 and doc["tensors"]["opt"]["flattened"] is True
     del doc["tensors"]["opt"]["flattened"]
     index_path.write_text(json.dumps(doc))
     assert dc.load_tensors_metadata(tmp_path / "c")["opt"].flattened_range == slice(0, 24)

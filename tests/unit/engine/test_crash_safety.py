@@ -156,12 +156,13 @@ CASES: List[Tuple[str, str, Callable[[Dict[str, int]], Point]]] = [
     ("sync", "common.pt written", _phase(lambda s, side: s.has("common.pt"))),
     ("sync", "ShardedObjects written", _phase(lambda s, side: s.count("objects/o/") >= WORLD)),
     *[("sync", f"{int(f * 100)}% of the data written", _frac(f)) for f in (0.05, 0.2, 0.4, 0.6, 0.8, 0.95)],
-    ("sync", "index.json being written (every rank's data durable)", _phase(lambda s, side: s.has_temp(".index.json"))),
+    # index version 3 is two files, the shard table (index.<crc>.bin) then index.json: either being written
+    ("sync", "index being written (every rank's data durable)", _phase(lambda s, side: s.has_temp(".index."))),
     ("sync", "index.json written, no metadata.json", _phase(lambda s, side: s.has("safetensors/index.json"))),
     ("sync", "metadata.json being committed", _phase(lambda s, side: s.has_temp(".metadata.json"))),
     ("async", "snapshot taken, writer starting", _phase(lambda s, side: (side / "scheduled.1").exists())),
     *[("async", f"background writer at {int(f * 100)}%", _async_frac(f)) for f in (0.1, 0.3, 0.5, 0.7, 0.9)],
-    ("async", "finalize: index being written", _phase(lambda s, side: s.has_temp(".index.json"))),
+    ("async", "finalize: index being written", _phase(lambda s, side: s.has_temp(".index."))),
     (
         "async",
         "finalize: index.json written, no metadata.json",

@@ -43,6 +43,7 @@ from dist_ckpt.integrity.checksums import (
     write_manifest,
 )
 from dist_ckpt.model.sharded import ShardedTensor
+from tests.unit.backends.safetensors.legacy_index import write_legacy_index
 
 BLOCK = 4096
 
@@ -387,12 +388,17 @@ def test_random_requests_verify_and_load_exactly(tmp_path, seed):
         assert torch.equal(bits(out), bits(expected))
 
 
-def test_version_1_indexes_load_without_verification(tmp_path):
+def test_indexes_without_checksums_load_without_verification(tmp_path):
     full = random_tensor(torch.float32, (8, 6), seed=6)
     save({"w": ShardedTensor.from_rank_offsets("w", full.clone())}, tmp_path, checksum_block_bytes=None)
     doc = json.loads((tmp_path / SAFETENSORS_DIR / INDEX_FILENAME).read_text())
-    assert doc["version"] == 1 and "checksum" not in doc
-    assert all("crc32c" not in s for s in doc["tensors"]["w"]["shards"])
+    assert doc["version"] == 3 and "checksum" not in doc and doc["shard_table"]["blocks"] == 0
+    assert all("header_crc32c" not in f for f in doc["files"])
+    assert read_index(tmp_path).block_bytes is None
+    out = load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(8, 6))}, tmp_path)
+    assert torch.equal(out["w"], full)
+    legacy = write_legacy_index(tmp_path)  # the same checkpoint as dist_ckpt wrote it before index version 3
+    assert legacy["version"] == 1 and all("crc32c" not in s for s in legacy["tensors"]["w"]["shards"])
     assert read_index(tmp_path).block_bytes is None
     out = load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(8, 6))}, tmp_path)
     assert torch.equal(out["w"], full)
@@ -407,13 +413,39 @@ def test_version_1_indexes_load_without_verification(tmp_path):
         (lambda d: d["tensors"]["w"]["shards"][0].pop("crc32c"), "tensor 'w', shard 'w@0.0'.*'crc32c'"),
         (lambda d: d["tensors"]["w"]["shards"][0].update(crc32c="00"), "tensor 'w', shard 'w@0.0'.*'crc32c'"),
         (lambda d: next(iter(d["files"].values())).update(header_crc32c=None), "header_crc32c"),
-        (lambda d: d.update(version=3), "upgrade"),
+        (lambda d: d.update(version=4), "upgrade"),
     ],
 )
-def test_malformed_checksums_in_the_index(tmp_path, mutate, match):
+def test_malformed_checksums_in_a_version_2_index(tmp_path, mutate, match):
     save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(8, 6))}, tmp_path)
     path = tmp_path / SAFETENSORS_DIR / INDEX_FILENAME
+    doc = write_legacy_index(tmp_path)
+    assert doc["version"] == 2
+    mutate(doc)
+    path.write_text(json.dumps(doc))
+    with pytest.raises((CorruptCheckpointError, IncompatibleStrategyError), match=match) as info:
+        load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(8, 6))}, tmp_path)
+    assert "index.json" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda d: d.update(checksum=[]), "'checksum' must be a JSON object"),
+        (lambda d: d["checksum"].update(block_bytes=0), "'block_bytes'"),
+        (lambda d: d["files"][0].pop("header_crc32c"), "header_crc32c"),
+        (lambda d: d["tensors"]["w"].update(table_crc32c="0"), "table_crc32c"),
+        (lambda d: d["tensors"]["w"].update(table_crc32c="00000000"), "recorded 00000000 .the table is damaged"),
+        (lambda d: d["tensors"]["w"].update(blocks=[0, 1]), "(crc32c|block crcs)"),
+        (lambda d: d["checksum"].update(block_bytes=d["checksum"]["block_bytes"] * 2), "block crcs"),
+        (lambda d: d.update(version=4), "upgrade"),
+    ],
+)
+def test_malformed_checksums_in_a_version_3_index(tmp_path, mutate, match):
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(8, 6))}, tmp_path, checksum_block_bytes=64)
+    path = tmp_path / SAFETENSORS_DIR / INDEX_FILENAME
     doc = json.loads(path.read_text())
+    assert doc["version"] == 3
     mutate(doc)
     path.write_text(json.dumps(doc))
     with pytest.raises((CorruptCheckpointError, IncompatibleStrategyError), match=match) as info:

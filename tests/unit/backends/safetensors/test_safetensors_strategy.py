@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 import dist_ckpt as dc
 from dist_ckpt.backends.safetensors import io as safetensors_io
-from dist_ckpt.backends.safetensors.index import INDEX_FILENAME, INDEX_VERSION, SAFETENSORS_DIR
+from dist_ckpt.backends.safetensors.index import INDEX_FILENAME, INDEX_VERSION, SAFETENSORS_DIR, read_index
 from dist_ckpt.backends.safetensors.strategy import (
     SafetensorsLoadOptions,
     SafetensorsLoadShardedStrategy,
@@ -38,6 +38,8 @@ from dist_ckpt.errors import (
 )
 from dist_ckpt.model.dtypes import SUPPORTED_DTYPE_NAMES
 from dist_ckpt.model.sharded import ShardedTensor
+
+from .legacy_index import write_legacy_index
 
 
 def save(sd, path, **options):
@@ -154,18 +156,26 @@ def test_index_format(tmp_path):
     full = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     save(split_state("w", full, 0, 2), tmp_path)
     doc = index_doc(tmp_path)
-    assert doc["format"] == "dist_ckpt.safetensors" and doc["version"] == INDEX_VERSION
+    assert doc["format"] == "dist_ckpt.safetensors" and doc["version"] == INDEX_VERSION == 3
     entry = doc["tensors"]["w"]
     assert entry["dtype"] == "float32" and entry["global_shape"] == [4, 6]
-    shards = sorted(entry["shards"], key=lambda s: s["global_offset"])
-    assert [s["global_offset"] for s in shards] == [[0, 0], [2, 0]]
-    for shard in shards:  # every entry is an object (room for more fields), with a byte range
-        assert isinstance(shard, dict) and shard["chunk_shape"] == [2, 6] and shard["flat_range"] is None
-        begin, end = shard["byte_range"]
+    assert entry["rows"] == [0, 2] and entry["blocks"] == [0, 2] and len(entry["table_crc32c"]) == 8
+    table = doc["shard_table"]
+    assert table["rows"] == 2 and table["ndim"] == 2 and table["blocks"] == 2
+    assert table["size"] == os.path.getsize(tmp_path / SAFETENSORS_DIR / table["file"]) == 2 * 9 * 8 + 2 * 4
+    assert [f["name"] for f in doc["files"]] == ["rank00000_0.safetensors", "rank00000_1.safetensors"]
+    shards = sorted(read_index(tmp_path).tensors["w"].shards, key=lambda s: s.global_offset)
+    assert [s.global_offset for s in shards] == [(0, 0), (2, 0)]
+    for shard in shards:
+        assert (
+            shard.chunk_shape == (2, 6) and shard.flat_range is None and shard.name == f"w@{shard.global_offset[0]}.0"
+        )
+        begin, end = shard.byte_range
         assert end - begin == 2 * 6 * 4
-        assert doc["files"][shard["file"]]["size"] == os.path.getsize(tmp_path / SAFETENSORS_DIR / shard["file"])
-    # nothing but JSON and safetensors files: no pickle
-    assert {p.suffix for p in (tmp_path / SAFETENSORS_DIR).iterdir()} == {".json", ".safetensors"}
+        file_entry = next(f for f in doc["files"] if f["name"] == shard.file)
+        assert file_entry["size"] == os.path.getsize(tmp_path / SAFETENSORS_DIR / shard.file)
+    # nothing but JSON, safetensors files and the table of little-endian ints: no pickle
+    assert {p.suffix for p in (tmp_path / SAFETENSORS_DIR).iterdir()} == {".json", ".safetensors", ".bin"}
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -576,7 +586,7 @@ def test_index_names_a_missing_file(saved):
 
 def test_index_lists_an_unknown_file(saved):
     path, _ = saved
-    doc = index_doc(path)
+    doc = write_legacy_index(path)
     doc["tensors"]["layer.w"]["shards"][0]["file"] = "nope.safetensors"
     (path / SAFETENSORS_DIR / INDEX_FILENAME).write_text(json.dumps(doc))
     with pytest.raises(CorruptCheckpointError, match="nope.safetensors") as info:
@@ -596,7 +606,7 @@ def test_index_lists_an_unknown_file(saved):
 )
 def test_malformed_shard_entry(saved, field, value, message):
     path, _ = saved
-    doc = index_doc(path)
+    doc = write_legacy_index(path)
     doc["tensors"]["layer.w"]["shards"][0][field] = value
     (path / SAFETENSORS_DIR / INDEX_FILENAME).write_text(json.dumps(doc))
     with pytest.raises(CorruptCheckpointError, match=message) as info:
@@ -606,7 +616,7 @@ def test_malformed_shard_entry(saved, field, value, message):
 
 def test_missing_shard_is_reported_not_read_as_zeros(saved):
     path, _ = saved
-    doc = index_doc(path)
+    doc = write_legacy_index(path)
     doc["tensors"]["layer.w"]["shards"].pop()
     (path / SAFETENSORS_DIR / INDEX_FILENAME).write_text(json.dumps(doc))
     with pytest.raises(CorruptCheckpointError, match="cover 24 of the 48"):
@@ -635,7 +645,13 @@ def test_index_of_a_newer_version(saved):
 
 def test_unknown_fields_are_ignored(saved):
     path, full = saved
-    doc = index_doc(path)
+    doc = index_doc(path)  # version 3
+    doc["future"] = 1
+    doc["tensors"]["layer.w"]["future"] = [1, 2]
+    doc["files"][0]["future"] = "x"
+    (path / SAFETENSORS_DIR / INDEX_FILENAME).write_text(json.dumps(doc))
+    assert torch.equal(load(_request(), path)["x"], full)
+    doc = write_legacy_index(path)
     doc["future"] = 1
     for shard in doc["tensors"]["layer.w"]["shards"]:
         shard["future_checksum"] = 1234  # ("crc32c" is a field of version 2)
@@ -691,7 +707,8 @@ def test_leftovers_of_an_interrupted_save_are_cleared(tmp_path):
     assert torch.equal(dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 4))}, tmp_path)["w"], full)
 
 
-def test_remove_sharded_tensors(tmp_path):
+@pytest.mark.parametrize("legacy", [False, True], ids=["index_v3", "index_v2"])
+def test_remove_sharded_tensors(tmp_path, legacy):
     sd = {
         "aw": ShardedTensor.from_rank_offsets("a.w", torch.ones(2)),
         "ab": ShardedTensor.from_rank_offsets("a.b", torch.ones(300)),
@@ -701,9 +718,16 @@ def test_remove_sharded_tensors(tmp_path):
     dc.save(sd, tmp_path, sharded_strategy=SafetensorsSaveShardedStrategy(SafetensorsSaveOptions(thread_count=2)))
     files_before = data_files(tmp_path)
     assert len(files_before) == 2  # "a.b" alone in one file (largest first), the rest in the other
+    if legacy:
+        write_legacy_index(tmp_path)
     dc.remove_sharded_tensors(tmp_path, "a.")
     assert set(dc.load_tensors_metadata(tmp_path)) == {"b.w", "ax"}
-    assert len(data_files(tmp_path)) == 1 and set(index_doc(tmp_path)["files"]) == {data_files(tmp_path)[0].name}
+    files = index_doc(tmp_path)["files"]
+    listed = set(files) if legacy else {f["name"] for f in files}
+    assert len(data_files(tmp_path)) == 1 and listed == {data_files(tmp_path)[0].name}
+    tables = sorted(p.name for p in (tmp_path / SAFETENSORS_DIR).glob("index.*.bin"))
+    assert tables == ([] if legacy else [index_doc(tmp_path)["shard_table"]["file"]])  # the old table is gone
+    assert dc.verify_checkpoint(tmp_path).ok
     out = dc.load({"b": ShardedTensor.from_rank_offsets("b.w", torch.empty(2))}, tmp_path)
     assert torch.equal(out["b"], torch.full((2,), 5.0))
     with pytest.raises(KeyMismatchError, match="'a.w'"):
