@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import time
 from dataclasses import dataclass
@@ -89,7 +90,12 @@ def get_default_save_common_strategy(
 
 
 def _owned_names(strategies: List[Any]) -> Set[str]:
+    """The top-level names the strategies write; an entry may be a glob pattern (``__*.distcp``)."""
     return {name for s in strategies for name in getattr(s, "owned_paths", ())}
+
+
+def _is_owned(name: str, owned: Set[str]) -> bool:
+    return name in owned or any(fnmatch.fnmatchcase(name, pattern) for pattern in owned if "*" in pattern)
 
 
 def _prepare_directory(checkpoint_dir: Storage, strategies: List[Any]) -> None:
@@ -110,7 +116,8 @@ def _prepare_directory(checkpoint_dir: Storage, strategies: List[Any]) -> None:
         )
     keys = {o.key for o in checkpoint_dir.list()}
     present = {k.split("/", 1)[0] for k in keys} | set(checkpoint_dir.list_dirs())  # empty directories too
-    leftovers = sorted(present & _owned_names(strategies))
+    owned = _owned_names(strategies)
+    leftovers = sorted(name for name in present if _is_owned(name, owned))
     if leftovers:
         logger.warning(
             "%s holds %s from an interrupted save (no %s); removing them before saving",
