@@ -1,6 +1,10 @@
 """Save and load throughput of each sharded backend and of torch.distributed.checkpoint (DCP),
 next to the raw disk bandwidth measured in the same run, and the peak memory of loading ranks.
 
+The ``vs DCP`` column compares each backend with DCP's own ``save``/``load`` of the same tensors;
+for ``torch_dist``, which writes through DCP, it is the cost of what dist_ckpt adds (planning,
+the common state, the commit, and the crc32c of every byte at save and at load).
+
 The state is the demo's GPT-like model (bf16) plus distributed-optimizer Adam moments (fp32)
 (:mod:`dist_ckpt.tools.gpt_state`), scaled to ``--size-gb`` GiB and sharded TP=N over N spawned
 ranks (gloo). For every system, in turns (so that slow and fast minutes of a noisy disk are
@@ -348,7 +352,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--size-gb", type=float, default=1.0, help="state size in GiB (default: %(default)s)")
     parser.add_argument("--ranks", type=int, default=2, help="ranks; even (default: %(default)s)")
     parser.add_argument(
-        "--backends", default="safetensors:1,zarr:1", help="comma-separated NAME:VERSION list (default: %(default)s)"
+        "--backends",
+        default="safetensors:1,zarr:1,torch_dist:1",
+        help="comma-separated NAME:VERSION list (default: %(default)s)",
     )
     parser.add_argument("--no-dcp", action="store_true", help="skip torch.distributed.checkpoint")
     parser.add_argument("--repeats", type=int, default=3, help="runs per system (default: %(default)s)")

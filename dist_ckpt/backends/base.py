@@ -16,7 +16,8 @@ Call order (all methods are collective unless noted: every rank calls them toget
 * verify (``dist-ckpt verify``, one process): ``LoadStrategyBase.verify_integrity``.
 * streaming save (``dist-ckpt convert``, one process, no collective): a strategy whose
   ``can_stream`` is True returns a :class:`TensorStreamWriter` from ``begin_stream``; the
-  caller ``add`` s whole tensors one at a time, calls ``finish``, then commits ``metadata.json``.
+  caller ``add`` s whole tensors one at a time (then, for a strategy that keeps ShardedObjects with
+  its tensors, ``add_object`` s them), calls ``finish``, then commits ``metadata.json``.
 * describe (``dist-ckpt inspect``, one process): ``LoadShardedStrategy.describe_stored_shards``.
 * load: ``LoadStrategyBase.check_backend_compatibility`` / ``check_version_compatibility``
   (local), ``LoadCommonStrategy.load_common``, ``load_sharded_objects``, then
@@ -35,7 +36,7 @@ since a ``LocalStorage`` is ``os.PathLike``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -185,6 +186,13 @@ class TensorStreamWriter(ABC):
     @abstractmethod
     def add(self, key: str, tensor: torch.Tensor) -> None:
         """Write the whole tensor ``key``: the next entry of the layout, with its dtype and shape."""
+
+    def add_object(self, unique_key: str, value: Any) -> None:
+        """Write one ShardedObject (its unique key and value), for writers of strategies that keep
+        ShardedObjects with the tensors (``can_handle_sharded_objects``, e.g. torch_dist): after
+        the last :meth:`add`, before :meth:`finish`. The default raises: the others' objects are
+        written by the common strategy."""
+        raise IncompatibleStrategyError(f"{type(self).__name__} does not store ShardedObjects ({unique_key!r})")
 
     @abstractmethod
     def finish(self) -> None:

@@ -43,11 +43,12 @@ def add_convert_command(subparsers: SubParsers, common: argparse.ArgumentParser)
     p = subparsers.add_parser(
         "convert",
         parents=[common],
-        help="write a checkpoint again in another backend (safetensors, zarr, hf), tensor by tensor",
+        help="write a checkpoint again in another backend (safetensors, zarr, torch_dist, hf), tensor by tensor",
         description=(
             "Read every tensor of the checkpoint SRC (any backend, saved by any number of ranks, "
-            "or a HuggingFace folder) and write it to DST in the backend --to: a dist_ckpt backend "
-            "(safetensors, zarr; NAME or NAME:VERSION) with the common state and every "
+            "a HuggingFace folder, or a torch.distributed.checkpoint directory) and write it to DST in the "
+            "backend --to: a dist_ckpt backend (safetensors, zarr, torch_dist; NAME or NAME:VERSION) with the "
+            "common state and every "
             "ShardedObject, or 'hf' for a HuggingFace folder (tensors only). One tensor is in memory "
             "at a time, so memory stays bounded by the largest tensor; no process group is needed. "
             "metadata.json is written last: an interrupted conversion is never a checkpoint, and a "
@@ -55,7 +56,10 @@ def add_convert_command(subparsers: SubParsers, common: argparse.ArgumentParser)
         ),
     )
     p.add_argument(
-        "src", metavar="SRC", help="a committed checkpoint or a HuggingFace folder: a directory or s3://bucket/prefix"
+        "src",
+        metavar="SRC",
+        help="a committed checkpoint, a HuggingFace folder or a torch.distributed.checkpoint directory: a directory "
+        "or s3://bucket/prefix",
     )
     p.add_argument(
         "dst",
@@ -68,7 +72,7 @@ def add_convert_command(subparsers: SubParsers, common: argparse.ArgumentParser)
         type=_target,
         required=True,
         metavar="BACKEND",
-        help="target backend: safetensors, zarr, NAME:VERSION, or hf (case-insensitive)",
+        help="target backend: safetensors, zarr, torch_dist, NAME:VERSION, or hf (case-insensitive)",
     )
     p.add_argument(
         "--max-shard-size",
@@ -80,7 +84,8 @@ def add_convert_command(subparsers: SubParsers, common: argparse.ArgumentParser)
     p.add_argument(
         "--allow-pickle",
         action="store_true",
-        help="read a common state that needs full pickle (runs code from SRC: only for checkpoints you trust)",
+        help="read a common state and ShardedObjects (and a DCP .metadata) that need full pickle (runs code "
+        "from SRC: only for checkpoints you trust)",
     )
     p.add_argument("--json", action="store_true", help="print what was done as one JSON document")
     # TensorStore's save strategy writes whole state dicts, not tensor by tensor: a zarr target
@@ -97,15 +102,12 @@ def add_convert_command(subparsers: SubParsers, common: argparse.ArgumentParser)
 def run_convert_command(args: argparse.Namespace) -> int:
     """Convert, with a progress bar in bytes, and print what was written."""
     from dist_ckpt.cli.progress import ProgressBars
-    from dist_ckpt.tools.convert import convert  # keeps `dist-ckpt --help` fast
+    from dist_ckpt.tools.convert import convert, trusting_strategies  # keeps `dist-ckpt --help` fast
 
     require_directory(args.src)
     use_engine(args.engine, include_save=False)  # before convert picks the zarr load strategy
-    common_strategy = None
-    if args.allow_pickle:
-        from dist_ckpt.backends.torch_common.strategy import TorchCommonLoadStrategy
-
-        common_strategy = TorchCommonLoadStrategy(allow_pickle=True)
+    # --allow-pickle trusts every loader of SRC that can unpickle (common state, ShardedObjects, DCP .metadata)
+    sharded_strategy, common_strategy = trusting_strategies(args.src) if args.allow_pickle else (None, None)
     quiet_notes = _DropNotesPrintedBelow()
     convert_logger = logging.getLogger(convert.__module__)  # the logger of dist_ckpt.tools.convert
     convert_logger.addFilter(quiet_notes)
@@ -117,6 +119,7 @@ def run_convert_command(args: argparse.Namespace) -> int:
                 args.to,
                 max_shard_size=args.max_shard_size,
                 common_strategy=common_strategy,
+                sharded_strategy=sharded_strategy,
                 progress=bars,
             )
     finally:

@@ -43,7 +43,12 @@ def add_export_hf_command(subparsers: SubParsers, common: argparse.ArgumentParse
             "no process group is needed."
         ),
     )
-    p.add_argument("src", metavar="SRC", help="a committed dist_ckpt checkpoint: a directory or s3://bucket/prefix")
+    p.add_argument(
+        "src",
+        metavar="SRC",
+        help="a committed dist_ckpt checkpoint (any backend, torch_dist of Megatron-Core included) or a "
+        "torch.distributed.checkpoint directory: a directory or s3://bucket/prefix",
+    )
     p.add_argument("dst", metavar="DST", help="the local folder to write (must not hold HF weights yet)")
     p.add_argument(
         "--max-shard-size",

@@ -39,8 +39,8 @@ def add_inspect_command(subparsers: SubParsers, common: argparse.ArgumentParser)
     p.add_argument(
         "dir",
         metavar="DIR",
-        help="a committed checkpoint or a HuggingFace folder: a directory, or "
-        "s3://bucket/prefix (credentials and endpoint from the AWS environment variables)",
+        help="a committed checkpoint, a HuggingFace folder or a torch.distributed.checkpoint directory: a "
+        "directory, or s3://bucket/prefix (credentials and endpoint from the AWS environment variables)",
     )
     p.add_argument(
         "--keys",
@@ -55,6 +55,9 @@ def add_inspect_command(subparsers: SubParsers, common: argparse.ArgumentParser)
     )
     p.add_argument("--json", action="store_true", help="print everything as one JSON document")
     p.set_defaults(run=run_inspect_command, parser=p)
+
+
+_KIND_NAMES = {"huggingface": "HuggingFace folder", "dcp": "torch.distributed.checkpoint directory (no metadata.json)"}
 
 
 def _shape(shape: Sequence[int]) -> str:
@@ -77,9 +80,9 @@ def run_inspect_command(args: argparse.Namespace) -> int:
     shards = "" if info.num_shards is None else f" in {info.num_shards} stored shards"
     files = "unknown" if info.files is None else f"{info.files}, {human_bytes(info.file_bytes or 0)} on disk"
     lines: List[str] = [
-        f"{info.path}: {'HuggingFace folder' if info.kind == 'huggingface' else 'dist_ckpt checkpoint'}",
+        f"{info.path}: {_KIND_NAMES.get(info.kind, 'dist_ckpt checkpoint')}",
         f"  backend   {info.sharded_backend} (common state: {info.common_backend})",
-        f"  saved by  {saved_by}{writer}" if info.kind != "huggingface" else "  saved by  (not recorded)",
+        f"  saved by  {saved_by}{writer}" if info.kind == "dist_ckpt" else "  saved by  (not recorded)",
         f"  tensors   {len(info.tensors)}{' matching ' + repr(args.keys) if args.keys else ''}, "
         f"{human_bytes(info.nbytes)}{shards}",
         f"  files     {files}",

@@ -24,6 +24,15 @@ checkpoint. Schema (format version 1)::
 record it lists that is missing, modified or downgraded is corruption, never "saved without
 checksums". A checkpoint without the field was saved before records existed and loads
 unverified, with a warning.
+
+Megatron-Core reads ``metadata.json`` with ``CheckpointingConfig(**json)`` and refuses any key it
+does not know. For the backends Megatron-Core loads (:data:`MEGATRON_BACKENDS`: ``torch_dist``)
+``metadata.json`` therefore holds exactly its four keys, as Megatron-Core writes them, and the
+``"dist_ckpt"`` record and the ``integrity_records`` go to ``dist_ckpt.json``
+(:data:`RECORD_FILENAME`) beside it, written before the commit; :func:`read_save_record` and
+:func:`read_integrity_records` find them in either place. (Such a checkpoint written by
+Megatron-Core itself has no ``dist_ckpt.json``, so there a deleted ``dist_ckpt.json`` cannot be
+told from one never written: it loads unverified, with the warning.)
 """
 
 from __future__ import annotations
@@ -49,21 +58,30 @@ __all__ = [
     "BIN_WEIGHTS_NAME",
     "CheckpointingConfig",
     "CheckpointingException",
+    "DCP_CONFIG",
+    "MEGATRON_BACKENDS",
     "METADATA_FILENAME",
     "HF_CONFIG",
     "HF_WEIGHT_FILES",
+    "RECORD_FILENAME",
     "SAFE_WEIGHTS_INDEX_NAME",
     "SAFE_WEIGHTS_NAME",
     "check_is_distributed_checkpoint",
     "detect_config",
+    "is_plain_dcp_directory",
     "maybe_load_config",
     "new_save_id",
     "read_config",
     "read_integrity_records",
+    "read_save_record",
     "save_config",
 ]
 
 METADATA_FILENAME = "metadata.json"
+#: where dist_ckpt's record of a save goes when ``metadata.json`` must hold Megatron-Core's keys only
+RECORD_FILENAME = "dist_ckpt.json"
+#: sharded backends whose ``metadata.json`` Megatron-Core reads (and refuses with unknown keys)
+MEGATRON_BACKENDS = frozenset({"torch_dist"})
 FORMAT_VERSION = 1
 LIBRARY_VERSION = __version__  # the version of the dist_ckpt that writes metadata.json
 
@@ -120,22 +138,29 @@ def save_config(
         save_config(CheckpointingConfig("safetensors"), "s3://bucket/ckpt/iter_10", world_size=8)
     """
     location = resolve_location(checkpoint_dir)
-    record: Dict[str, Any] = asdict(config)
-    record["dist_ckpt"] = {"format_version": FORMAT_VERSION, "library_version": LIBRARY_VERSION}
+    writer: Dict[str, Any] = {"format_version": FORMAT_VERSION, "library_version": LIBRARY_VERSION}
     if world_size is not None:
-        record["dist_ckpt"]["world_size"] = world_size
+        writer["world_size"] = world_size
     save_id = save_id or new_save_id()
-    record["dist_ckpt"]["save_id"] = save_id
-    if records is not None:
-        record[RECORDS_FIELD] = records_json(records)
-    data = json.dumps(record, indent=2, sort_keys=True).encode("utf-8")
+    writer["save_id"] = save_id
+    record: Dict[str, Any] = asdict(config)
+    if config.sharded_backend in MEGATRON_BACKENDS:
+        # Megatron-Core's exact metadata.json; dist_ckpt's records in their own file, written whole before the commit
+        data = json.dumps(record).encode("utf-8")
+        side: Dict[str, Any] = {"dist_ckpt": writer}
+        if records is not None:
+            side[RECORDS_FIELD] = records_json(records)
+        location.write(RECORD_FILENAME, json.dumps(side, indent=2, sort_keys=True).encode("utf-8"))
+    else:
+        record["dist_ckpt"] = writer
+        if records is not None:
+            record[RECORDS_FIELD] = records_json(records)
+        data = json.dumps(record, indent=2, sort_keys=True).encode("utf-8")
     try:
         location.put_if_absent(METADATA_FILENAME, data)
     except ObjectExistsError as e:
         try:
-            found = (
-                _parse_record(location.read(METADATA_FILENAME), METADATA_FILENAME).get("dist_ckpt", {}).get("save_id")
-            )
+            found = read_save_record(location).get("save_id")
         except (AttributeError, CheckpointingException):
             found = None
         if found != save_id:
@@ -148,19 +173,44 @@ def save_config(
         )
 
 
+def read_save_record(checkpoint_dir: LocationLike) -> Dict[str, Any]:
+    """dist_ckpt's record of the save that committed ``checkpoint_dir`` (``format_version``,
+    ``library_version``, ``world_size``, ``save_id``): the ``"dist_ckpt"`` entry of
+    ``metadata.json``, or of ``dist_ckpt.json`` for Megatron-format checkpoints; {} when there is
+    none (a checkpoint written by another tool) or it is damaged.
+
+    Raises:
+        StorageError: an object store refused the request (credentials, missing bucket, ...).
+
+    Example::
+
+        read_save_record("ckpt/iter_10").get("world_size")     # 8
+    """
+    location = resolve_location(checkpoint_dir)
+    for name in (METADATA_FILENAME, RECORD_FILENAME):
+        try:
+            found = _read_record(location, name)
+        except CorruptCheckpointError:  # damaged: not recorded there
+            continue
+        writer = None if found is None else found[0].get("dist_ckpt")
+        if isinstance(writer, dict):
+            return writer
+    return {}
+
+
 def _parse_record(raw: bytes, where: str) -> Dict[str, Any]:
-    """``metadata.json`` as a JSON object (any damage: :class:`CorruptCheckpointError`)."""
+    """A JSON object of the commit (any damage: :class:`CorruptCheckpointError`)."""
     return want_object(loads(raw, where, MAX_SMALL_JSON_BYTES), where)
 
 
-def _read_record(location: Storage) -> Optional[Tuple[Dict[str, Any], str]]:
-    """The parsed ``metadata.json`` of a location and where it is, or None if absent (a link
-    out of the checkpoint is refused by the storage, like every read)."""
+def _read_record(location: Storage, name: str = METADATA_FILENAME) -> Optional[Tuple[Dict[str, Any], str]]:
+    """The parsed ``name`` (``metadata.json`` or ``dist_ckpt.json``) of a location and where it
+    is, or None if absent (a link out of the checkpoint is refused by the storage, like every read)."""
     try:
-        raw = location.read(METADATA_FILENAME)
+        raw = location.read(name)
     except ObjectNotFoundError:
         return None
-    where = location.url_of(METADATA_FILENAME)
+    where = location.url_of(name)
     return _parse_record(raw, where), where
 
 
@@ -197,8 +247,9 @@ def maybe_load_config(checkpoint_dir: LocationLike) -> Optional[CheckpointingCon
 
 
 def read_integrity_records(checkpoint_dir: LocationLike) -> Optional[Dict[str, IntegrityRecord]]:
-    """The integrity records ``metadata.json`` lists (see :mod:`dist_ckpt.integrity.records`),
-    or None for a checkpoint saved before records existed (or without ``metadata.json``).
+    """The integrity records ``metadata.json`` lists (for Megatron-format checkpoints,
+    ``dist_ckpt.json``; see :mod:`dist_ckpt.integrity.records`), or None for a checkpoint saved
+    before records existed (or without ``metadata.json``).
 
     Raises:
         CorruptCheckpointError: ``metadata.json`` or its records are malformed.
@@ -207,9 +258,14 @@ def read_integrity_records(checkpoint_dir: LocationLike) -> Optional[Dict[str, I
 
         read_integrity_records("ckpt/iter_10")["safetensors/index.json"].version   # 2
     """
-    found = _read_record(resolve_location(checkpoint_dir))
-    if found is None or RECORDS_FIELD not in found[0]:
+    location = resolve_location(checkpoint_dir)
+    found = _read_record(location)
+    if found is None:
         return None
+    if RECORDS_FIELD not in found[0]:  # a Megatron-format checkpoint keeps them beside metadata.json
+        found = _read_record(location, RECORD_FILENAME)
+        if found is None or RECORDS_FIELD not in found[0]:
+            return None
     return parse_records(found[0][RECORDS_FIELD], found[1])
 
 
@@ -234,6 +290,11 @@ def read_config(checkpoint_dir: LocationLike) -> CheckpointingConfig:
 #: how a HuggingFace folder (safetensors weights and no metadata.json) is loaded: with the
 #: built-in read-only "hf" strategies (dist_ckpt.hf.strategy)
 HF_CONFIG = CheckpointingConfig("hf", 1, "hf", 1)
+#: how a plain torch.distributed.checkpoint directory (DCP's ``.metadata``, no metadata.json) is
+#: loaded: with the built-in read-only "dcp" strategies (dist_ckpt.backends.torch_dist.plain)
+DCP_CONFIG = CheckpointingConfig("dcp", 1, "dcp", 1)
+#: DCP's metadata file, written last by its save: what makes a directory a DCP checkpoint
+DCP_METADATA_FILENAME = ".metadata"
 
 # HuggingFace weight file names (transformers' names), defined here, where a location is told
 # to be a dist_ckpt checkpoint or an HF folder, for every package above (hf/, training/)
@@ -252,18 +313,40 @@ HF_WEIGHT_FILES: Tuple[Tuple[str, bool, bool], ...] = (
 
 
 def detect_config(checkpoint_dir: LocationLike) -> CheckpointingConfig:
-    """The config to load ``checkpoint_dir`` with: its ``metadata.json``, or :data:`HF_CONFIG` for
-    a local folder without one that holds HuggingFace weights (``model.safetensors`` or its index).
+    """The config to load ``checkpoint_dir`` with: its ``metadata.json``; for a local folder without
+    one, :data:`HF_CONFIG` if it holds HuggingFace weights (``model.safetensors`` or its index), or
+    :data:`DCP_CONFIG` if it is a plain DCP directory (:func:`is_plain_dcp_directory`).
 
-    An HF folder is not a committed dist_ckpt checkpoint (:func:`check_is_distributed_checkpoint`
-    stays False); this only lets ``load`` read it. HF folders are read from local disks only
-    (storages with ``local_paths``).
+    Neither is a committed dist_ckpt checkpoint (:func:`check_is_distributed_checkpoint` stays
+    False); this only lets ``load`` read them. Both are read from local disks only (storages with
+    ``local_paths``: the HF reader and DCP's file reader need files).
     """
     location = resolve_location(checkpoint_dir)
     if location.local_paths and not location.exists(METADATA_FILENAME):
         if any(location.exists(f) for f in (SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME)):
             return HF_CONFIG
+        if is_plain_dcp_directory(location):
+            return DCP_CONFIG
     return read_config(location)
+
+
+def is_plain_dcp_directory(checkpoint_dir: LocationLike) -> bool:
+    """Whether ``checkpoint_dir`` is what ``torch.distributed.checkpoint.save`` writes: DCP's
+    ``.metadata`` and nothing but DCP's files (``*.distcp``, per-rank ``__<r>.metadata``), no
+    subdirectory.
+
+    A directory that also holds other files -- the ``common.pt`` of Megatron-Core's or
+    dist_ckpt's torch_dist saves -- is not: there ``metadata.json`` is the commit record, and
+    without it the save did not finish.
+
+    Example::
+
+        is_plain_dcp_directory("torchtitan/step-1000")   # True
+    """
+    location = resolve_location(checkpoint_dir)
+    if not location.exists(DCP_METADATA_FILENAME) or location.list_dirs():
+        return False
+    return all(o.key == DCP_METADATA_FILENAME or o.key.endswith((".distcp", ".metadata")) for o in location.list())
 
 
 def check_is_distributed_checkpoint(checkpoint_dir: LocationLike) -> bool:

@@ -172,7 +172,8 @@ def _load_steps(
 
     # 4. sharded objects and tensors
     def load_sharded() -> Dict[int, Any]:
-        tensors = sharded_part
+        # a copy of the structure: strategies replace the leaves in place, and step 5 needs the request
+        tensors: ShardedStateDict = extract_matching_values(sharded_part, lambda v: True)[0]  # type: ignore[assignment]
         values: Dict[int, Any] = {}
         if not sharded_strat.can_handle_sharded_objects:
             validate_sharded_objects_handling(sharded_strat, common_strat)

@@ -28,7 +28,7 @@ import json
 import logging
 from typing import Dict, Iterable, Optional, Union
 
-from dist_ckpt.engine.commit import METADATA_FILENAME, read_integrity_records
+from dist_ckpt.engine.commit import METADATA_FILENAME, RECORD_FILENAME, read_integrity_records
 from dist_ckpt.errors import CorruptCheckpointError
 from dist_ckpt.integrity.records import RECORDS_FIELD, IntegrityRecord, check_record, record_of, records_json
 from dist_ckpt.integrity.safe_json import MAX_SMALL_JSON_BYTES, loads, want_object
@@ -99,20 +99,25 @@ def read_recorded(checkpoint_dir: Union[Storage, ObjectPath], key: str) -> Optio
 
 
 def refresh_record(storage: Storage, key: str) -> None:
-    """Update the entry of record ``key`` in ``metadata.json`` after a tool rewrote the record
-    (one process). Nothing to do for a checkpoint saved before records existed, or without
-    ``metadata.json``.
+    """Update the entry of record ``key`` in ``metadata.json`` (``dist_ckpt.json`` for a
+    Megatron-format checkpoint) after a tool rewrote the record (one process). Nothing to do for
+    a checkpoint saved before records existed, or without ``metadata.json``.
 
     Example::
 
         refresh_record(LocalStorage("ckpt"), "safetensors/index.json")   # after remove_sharded_tensors
     """
-    try:
-        raw = storage.read(METADATA_FILENAME)
-    except ObjectNotFoundError:  # not a committed checkpoint: no record to update
-        return
-    doc = want_object(loads(raw, storage.url_of(METADATA_FILENAME), MAX_SMALL_JSON_BYTES), METADATA_FILENAME)
-    if RECORDS_FIELD not in doc:
+    for name in (METADATA_FILENAME, RECORD_FILENAME):
+        try:
+            raw = storage.read(name)
+        except ObjectNotFoundError:  # not a committed checkpoint, or no side record: nothing to update
+            if name == METADATA_FILENAME:
+                return
+            continue
+        doc = want_object(loads(raw, storage.url_of(name), MAX_SMALL_JSON_BYTES), storage.url_of(name))
+        if RECORDS_FIELD in doc:
+            break
+    else:
         return
     records = read_integrity_records(storage) or {}
     try:
@@ -120,5 +125,5 @@ def refresh_record(storage: Storage, key: str) -> None:
     except ObjectNotFoundError:
         records.pop(key, None)
     doc[RECORDS_FIELD] = records_json(records)
-    storage.write(METADATA_FILENAME, json.dumps(doc, indent=2, sort_keys=True).encode("utf-8"))  # atomic
-    logger.debug("%s: record of %s updated", storage.url_of(METADATA_FILENAME), key)
+    storage.write(name, json.dumps(doc, indent=2, sort_keys=True).encode("utf-8"))  # atomic
+    logger.debug("%s: record of %s updated", storage.url_of(name), key)

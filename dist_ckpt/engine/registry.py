@@ -107,6 +107,20 @@ _BUILTINS: Dict[StrategyKey, _Builtin] = {
     _key(StrategyAction.LOAD_SHARDED, "safetensors", 1): _Builtin(
         "dist_ckpt.backends.safetensors.strategy:SafetensorsLoadShardedStrategy", None
     ),
+    # Megatron-Core's format, on torch.distributed.checkpoint
+    _key(StrategyAction.SAVE_SHARDED, "torch_dist", 1): _Builtin(
+        "dist_ckpt.backends.torch_dist.save:TorchDistSaveShardedStrategy", None
+    ),
+    _key(StrategyAction.LOAD_SHARDED, "torch_dist", 1): _Builtin(
+        "dist_ckpt.backends.torch_dist.load:TorchDistLoadShardedStrategy", None
+    ),
+    # plain DCP directories (read only): chosen for a folder with DCP's .metadata and no metadata.json
+    _key(StrategyAction.LOAD_SHARDED, "dcp", 1): _Builtin(
+        "dist_ckpt.backends.torch_dist.plain:DCPLoadShardedStrategy", None
+    ),
+    _key(StrategyAction.LOAD_COMMON, "dcp", 1): _Builtin(
+        "dist_ckpt.backends.torch_dist.plain:DCPCommonLoadStrategy", None
+    ),
     # HuggingFace folders (read only): chosen for a folder with HF weights and no metadata.json
     _key(StrategyAction.LOAD_SHARDED, "hf", 1): _Builtin("dist_ckpt.hf.strategy:HFLoadShardedStrategy", None),
     _key(StrategyAction.LOAD_COMMON, "hf", 1): _Builtin("dist_ckpt.hf.strategy:HFCommonLoadStrategy", None),

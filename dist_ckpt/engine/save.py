@@ -23,7 +23,7 @@ from dist_ckpt.backends.base import AsyncSaveShardedStrategy, SaveCommonStrategy
 from dist_ckpt.engine.checks.common_state import validate_common_state_dict
 from dist_ckpt.engine.checks.compatibility import validate_sharded_objects_handling
 from dist_ckpt.engine.checks.sharding import gather_and_validate_sharding
-from dist_ckpt.engine.commit import CheckpointingConfig, new_save_id, save_config
+from dist_ckpt.engine.commit import RECORD_FILENAME, CheckpointingConfig, new_save_id, save_config
 from dist_ckpt.engine.distributed import (
     broadcast_json,
     get_rank,
@@ -102,6 +102,7 @@ def get_default_save_common_strategy(
 
 
 def _owned_names(strategies: List[Any]) -> Set[str]:
+    """The top-level names the strategies write; an entry may be a glob pattern (``__*.distcp``)."""
     return {name for s in strategies for name in getattr(s, "owned_paths", ())}
 
 
@@ -109,7 +110,8 @@ def _claim(location: Storage, strategies: List[Any], claims: List[SaveClaim]) ->
     """On rank 0: make this save the owner of ``location`` (see :mod:`dist_ckpt.engine.save_claim`);
     the claim is appended to ``claims``."""
     if get_rank() == 0:
-        claims.append(claim_location(location, sorted(_owned_names(strategies)), new_save_id()))
+        owned = _owned_names(strategies) | {RECORD_FILENAME}  # dist_ckpt.json: written at a Megatron-format commit
+        claims.append(claim_location(location, sorted(owned), new_save_id()))
 
 
 def _abandon(location: Storage, claims: List[SaveClaim], error: BaseException) -> None:

@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 import shutil
@@ -98,16 +99,27 @@ class SaveClaim:
 
 
 def _present(storage: Storage, names: Sequence[str]) -> List[str]:
-    """Which of the top-level ``names`` exist (as files or as directories / prefixes)."""
+    """Which of the top-level ``names`` exist (as files or as directories / prefixes); a name may
+    be a glob pattern (``__*.distcp``), which stands for every top-level entry it matches."""
     dirs = set(storage.list_dirs())
-    return sorted(n for n in set(names) if n in dirs or storage.exists(n))
+    plain = {n for n in names if not _is_pattern(n)}
+    found = {n for n in plain if n in dirs or storage.exists(n)}
+    patterns = [n for n in names if _is_pattern(n)]
+    if patterns:
+        top = dirs | {o.key for o in storage.list() if "/" not in o.key}
+        found |= {e for e in top if any(fnmatch.fnmatchcase(e, p) for p in patterns)}
+    return sorted(found)
+
+
+def _is_pattern(name: str) -> bool:
+    return any(c in name for c in "*?[")
 
 
 def _delete_entries(storage: Storage, names: Sequence[str]) -> None:
-    """Remove the top-level entries ``names``: their objects, and where the storage has local
-    files, what listings hide (temporary files of interrupted atomic writes, empty directories;
-    a link is removed, never followed)."""
-    for name in names:
+    """Remove the top-level entries ``names`` (glob patterns expanded): their objects, and where
+    the storage has local files, what listings hide (temporary files of interrupted atomic
+    writes, empty directories; a link is removed, never followed)."""
+    for name in sorted(set(_present(storage, names)) | {n for n in names if not _is_pattern(n)}):
         if storage.local_paths:
             _delete_local_entry(storage, name)
         else:

@@ -6,8 +6,10 @@
 1. read ``metadata.json``: missing means the save never committed (a partial checkpoint that
    ``load`` refuses); unreadable means the commit record is damaged;
 2. pick the load strategies of the recorded backends -- or, without a usable ``metadata.json``,
-   those of the backend whose directory is present (``safetensors/`` or ``zarr/``), so that a
-   partial checkpoint's files are checked too;
+   those of the backend whose files are present (``safetensors/``, ``zarr/``, DCP's files), so that
+   a partial checkpoint's files are checked too; a plain torch.distributed.checkpoint directory
+   (``.metadata`` and ``.distcp`` files only) is committed by its ``.metadata`` and checked as
+   such (``dcp:1``);
 3. check every integrity record ``metadata.json`` lists (checksum manifests, the safetensors
    index) against its recorded size, crc32c and version: a deleted or downgraded record is a
    problem, never "saved without checksums" (see :mod:`dist_ckpt.engine.records`);
@@ -34,7 +36,15 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from dist_ckpt.backends.base import LoadStrategyBase
-from dist_ckpt.engine.commit import METADATA_FILENAME, CheckpointingConfig, maybe_load_config, read_integrity_records
+from dist_ckpt.engine.commit import (
+    DCP_CONFIG,
+    DCP_METADATA_FILENAME,
+    METADATA_FILENAME,
+    CheckpointingConfig,
+    is_plain_dcp_directory,
+    maybe_load_config,
+    read_integrity_records,
+)
 from dist_ckpt.engine.records import read_recorded
 from dist_ckpt.engine.registry import StrategyAction, get_default_strategy
 from dist_ckpt.engine.report import Operation, ProgressCallback, ProgressEvent
@@ -137,7 +147,13 @@ def verify_checkpoint(checkpoint_dir: LocationLike, progress: Optional[ProgressC
         raise  # refused credentials, a missing bucket: not a property of the checkpoint
     except CheckpointingException as e:
         report.problems.append(IntegrityProblem(METADATA_FILENAME, f"unreadable: {e}"))
-    if config is None and not report.problems and not _holds_save_files(directory):
+    if config is None and not report.problems and is_plain_dcp_directory(directory):
+        config = DCP_CONFIG  # DCP's .metadata, written last by its save, is its commit record
+        report.notes.append(
+            f"no {METADATA_FILENAME}: a plain torch.distributed.checkpoint directory, committed by its "
+            f"{DCP_METADATA_FILENAME}"
+        )
+    if config is None and not report.problems and not _holds_save_files(directory) and not _has_dcp_files(directory):
         report.found = False
         report.problems.append(
             IntegrityProblem(
@@ -158,7 +174,8 @@ def verify_checkpoint(checkpoint_dir: LocationLike, progress: Optional[ProgressC
     # 2. the strategies
     strategies = _strategies(directory, config, report)
     # 3. the integrity records
-    damaged_records = _check_records(directory, report) if config is not None else set()
+    committed_by_us = config is not None and config != DCP_CONFIG  # a plain DCP directory has no records
+    damaged_records = _check_records(directory, report) if committed_by_us else set()
     notify(f"checking {METADATA_FILENAME}", 1, 1 + len(strategies), True)
     # 4. every part's files
     for i, (name, strategy) in enumerate(strategies, start=2):
@@ -217,6 +234,8 @@ def _strategies(
     else:  # uncommitted: check the files that are there
         present = _top_level_names(directory)
         wanted = [(StrategyAction.LOAD_SHARDED, b, v) for d, b, v in _BACKEND_DIRS if d in present]
+        if _has_dcp_files(directory):
+            wanted.append((StrategyAction.LOAD_SHARDED, "torch_dist", 1))
         wanted.append((StrategyAction.LOAD_COMMON, "torch", 1))
     out: List[Tuple[str, LoadStrategyBase]] = []
     for action, backend, version in wanted:
@@ -233,6 +252,13 @@ def _strategies(
             continue
         out.append((f"{backend}:{version}", strategy))
     return out
+
+
+def _has_dcp_files(directory: Storage) -> bool:
+    """Whether an uncommitted checkpoint holds torch.distributed.checkpoint files (a torch_dist save)."""
+    return any(
+        o.key == DCP_METADATA_FILENAME or o.key.endswith(".distcp") for o in directory.list() if "/" not in o.key
+    )
 
 
 def _holds_save_files(directory: Storage) -> bool:

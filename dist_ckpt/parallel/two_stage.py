@@ -175,17 +175,29 @@ class TwoStageDataParallelLoadShardedStrategy(LoadShardedStrategy):
         self.global_rank = get_rank()
         self.dp_group_ranks: List[int] = []
         self.dp_group_rank = 0
+        # the checkpoint's format, as the compatibility checks saw it (for the registered loader)
+        self._loaded_backend: Optional[str] = None
+        self._loaded_version: Optional[int] = None
 
     # ----------------------------------------------------------------- compatibility
 
     @property
     def can_handle_sharded_objects(self) -> bool:
-        return self.base_strategy is not None and self.base_strategy.can_handle_sharded_objects
+        """The wrapped loader's answer: with no ``base_strategy``, that of the loader registered for
+        the checkpoint's format once the compatibility checks have seen it (torch_dist keeps
+        ShardedObjects with its tensors)."""
+        if self.base_strategy is not None:
+            return self.base_strategy.can_handle_sharded_objects
+        if self._loaded_backend is None or self._loaded_version is None:
+            return False
+        registered = get_default_strategy(StrategyAction.LOAD_SHARDED, self._loaded_backend, self._loaded_version)
+        return isinstance(registered, LoadShardedStrategy) and registered.can_handle_sharded_objects
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         if self.base_strategy is not None:
             self.base_strategy.check_backend_compatibility(loaded_backend)
             return
+        self._loaded_backend = loaded_backend
         if not any(
             k.action == StrategyAction.LOAD_SHARDED and k.backend == loaded_backend for k in registered_strategies()
         ):
@@ -194,6 +206,7 @@ class TwoStageDataParallelLoadShardedStrategy(LoadShardedStrategy):
     def check_version_compatibility(self, loaded_version: int) -> None:
         if self.base_strategy is not None:
             self.base_strategy.check_version_compatibility(loaded_version)
+        self._loaded_version = loaded_version
         # otherwise the registered loader of the checkpoint's (backend, version) is used
 
     def check_location(self, checkpoint_dir: Storage) -> None:

@@ -2,7 +2,8 @@
 
 :func:`convert` is what ``dist-ckpt convert SRC DST --to BACKEND`` runs: any dist_ckpt backend
 (or a HuggingFace folder) to any backend whose save strategy can stream
-(:attr:`~dist_ckpt.backends.base.SaveShardedStrategy.can_stream`: ``safetensors``, ``zarr``), or
+(:attr:`~dist_ckpt.backends.base.SaveShardedStrategy.can_stream`: ``safetensors``, ``zarr``,
+``torch_dist``), or
 to a HuggingFace folder (``"hf"``). One process, no process group. Source and destination may
 be ``s3://`` URLs where the backends support object stores (the source of any backend that reads
 from them; a ``safetensors`` destination, written as objects of about 256 MiB).
@@ -22,7 +23,8 @@ Steps (dist_ckpt target):
 3. copy the tensors, sorted by key, each whole (the result is what a one-rank save of the whole
    tensors writes: one stored shard per tensor);
 4. copy the common state, then every ShardedObject, one at a time (their checksum manifests
-   are written as a save writes them);
+   are written as a save writes them; a ``torch_dist`` target stores them inside its DCP files,
+   as Megatron-Core does, and finishes its writer after them);
 5. commit ``metadata.json`` last: an interrupted conversion is never a checkpoint, and a failed
    one removes what it wrote.
 
@@ -40,6 +42,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import math
@@ -47,7 +50,7 @@ import shutil
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from dist_ckpt.backends.base import LoadCommonStrategy, LoadShardedStrategy, SaveShardedStrategy
+from dist_ckpt.backends.base import LoadCommonStrategy, LoadShardedStrategy, SaveShardedStrategy, TensorStreamWriter
 from dist_ckpt.backends.torch_common.strategy import OBJECTS_CHECKSUMS_FNAME, OBJECTS_DIR, TorchCommonSaveStrategy
 from dist_ckpt.engine.checks.compatibility import verify_checkpoint_and_load_strategy
 from dist_ckpt.engine.commit import CheckpointingConfig, detect_config, save_config
@@ -70,7 +73,7 @@ from dist_ckpt.storage import Storage
 from dist_ckpt.storage.location import LocationLike, require_local, resolve_location
 from dist_ckpt.tools.unshard import iter_with, unsharded_metadata
 
-__all__ = ["HF_TARGET", "ConvertResult", "convert", "resolve_target"]
+__all__ = ["HF_TARGET", "ConvertResult", "convert", "resolve_target", "trusting_strategies"]
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +159,27 @@ def resolve_target(to: Union[str, Tuple[str, int]]) -> Union[str, SaveShardedStr
     return strategy
 
 
+def trusting_strategies(src: LocationLike) -> Tuple[LoadShardedStrategy, LoadCommonStrategy]:
+    """The load strategies of ``src``, set to unpickle what needs full pickle (``allow_pickle`` on
+    those that have it): for ``dist-ckpt convert --allow-pickle``, on checkpoints you trust only.
+
+    Example::
+
+        sharded, common = trusting_strategies("megatron_ckpt/iter_0001000")
+        convert("megatron_ckpt/iter_0001000", "out", to="safetensors", sharded_strategy=sharded, common_strategy=common)
+    """
+    found = verify_checkpoint_and_load_strategy(src)
+    trusting = []
+    for strategy in found:
+        strategy = copy.copy(strategy)  # a registered instance stays as it was
+        if hasattr(strategy, "allow_pickle"):
+            strategy.allow_pickle = True
+        trusting.append(strategy)
+    sharded, common = trusting
+    assert isinstance(sharded, LoadShardedStrategy) and isinstance(common, LoadCommonStrategy)
+    return sharded, common
+
+
 def _check_destination(src: Storage, dst: Storage) -> None:
     if src.local_paths and dst.local_paths:
         source, target = src.local_dir.resolve(), dst.local_dir.resolve()
@@ -183,6 +207,7 @@ def convert(
     *,
     max_shard_size: int = 2**31,
     common_strategy: StrategySpec = None,
+    sharded_strategy: StrategySpec = None,
     progress: Optional[ProgressCallback] = None,
     watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
 ) -> ConvertResult:
@@ -193,13 +218,15 @@ def convert(
             directory, an ``s3://bucket/prefix`` URL or a storage.
         dst: the new checkpoint: a directory that does not exist or is empty, or an empty
             object-store prefix when the target backend writes to object stores
-            (``safetensors``; a HuggingFace folder and ``zarr`` are written to local directories).
+            (``safetensors``; a HuggingFace folder, ``zarr`` and ``torch_dist`` are written to local directories).
         to: ``"safetensors"``, ``"zarr"``, ``"NAME:VERSION"``, ``"hf"``, or a save strategy
             object with ``can_stream`` (to choose its options).
         max_shard_size: most bytes per file of a HuggingFace target.
         common_strategy: how to read the source's common state (e.g.
             ``TorchCommonLoadStrategy(allow_pickle=True)`` for a trusted checkpoint whose
             common state needs pickle).
+        sharded_strategy: how to read the source's tensors (and, for torch_dist, ShardedObjects;
+            e.g. ``TorchDistLoadShardedStrategy(allow_pickle=True)`` for a trusted checkpoint).
         progress: called with a :class:`~dist_ckpt.engine.report.ProgressEvent` as each phase starts
             and ends, and after each tensor (with its key and the bytes done so far).
         watchdog_timeout_s: as in :func:`dist_ckpt.save`.
@@ -240,7 +267,9 @@ def convert(
     created = destination.local_paths and not destination.local_dir.exists()
     try:
         with monitor:
-            result = _convert_steps(monitor, source, destination, target, max_shard_size, common_strategy)
+            result = _convert_steps(
+                monitor, source, destination, target, max_shard_size, common_strategy, sharded_strategy
+            )
     except BaseException:
         _remove_written(destination, created)
         raise
@@ -273,10 +302,11 @@ def _convert_steps(
     target: Union[str, SaveShardedStrategy],
     max_shard_size: int,
     common_strategy: StrategySpec,
+    sharded_strategy: StrategySpec = None,
 ) -> ConvertResult:
     # 1. the source's strategies and tensors (2., the destination, was checked by the caller)
     def open_source() -> Tuple[LoadShardedStrategy, LoadCommonStrategy, Dict[str, ShardedTensor]]:
-        sharded, common = verify_checkpoint_and_load_strategy(src, common_strategy=common_strategy)
+        sharded, common = verify_checkpoint_and_load_strategy(src, sharded_strategy, common_strategy)
         _, metadata = unsharded_metadata(src, sharded)
         return sharded, common, metadata
 
@@ -311,7 +341,8 @@ def _convert_steps(
 
     assert isinstance(target, SaveShardedStrategy)
 
-    def copy_tensors() -> None:
+    def copy_tensors() -> Optional[TensorStreamWriter]:
+        """The tensors; returns the writer still open when the ShardedObjects go into it too."""
         dst.make_dir()
         writer = target.begin_stream(dst, [(k, metadata[k].dtype, tuple(metadata[k].global_shape)) for k in keys])
         try:
@@ -319,15 +350,18 @@ def _convert_steps(
                 writer.add(key, tensor)
                 del tensor  # before the next one is assembled
                 tensor_done(key, sizes[key])
+            if target.can_handle_sharded_objects:  # e.g. torch_dist: objects live with the tensors
+                return writer
             writer.finish()
         except BaseException:
             writer.abort()
             raise
+        return None
 
-    monitor.run(Step.COPY_TENSORS, copy_tensors)
+    open_writer = monitor.run(Step.COPY_TENSORS, copy_tensors)
     # 4. common state, ShardedObjects
     common_keys = monitor.run(Step.COPY_COMMON, lambda: _copy_common(common, src, dst))
-    objects = monitor.run(Step.COPY_OBJECTS, lambda: _copy_objects(sharded, common, src, dst))
+    objects = monitor.run(Step.COPY_OBJECTS, lambda: _copy_objects(sharded, common, src, dst, open_writer))
     # 5. commit
     commit = CheckpointingConfig(target.backend, target.version, "torch", 1)
     records = target.integrity_records + TorchCommonSaveStrategy.integrity_records
@@ -375,21 +409,41 @@ def _check_objects_complete(objects: List[ShardedObject], src: Storage) -> None:
             )
 
 
-def _copy_objects(sharded: LoadShardedStrategy, common: LoadCommonStrategy, src: Storage, dst: Storage) -> int:
-    """Each ShardedObject read and written on its own, then the manifest of ``objects/`` (the
-    one a save writes, from the files read back), so only one object is in memory at a time."""
+def _copy_objects(
+    sharded: LoadShardedStrategy,
+    common: LoadCommonStrategy,
+    src: Storage,
+    dst: Storage,
+    writer: Optional[TensorStreamWriter] = None,
+) -> int:
+    """Each ShardedObject read and written on its own -- into ``writer`` (then finished) when the
+    target keeps objects with its tensors, else as files of ``objects/`` followed by their manifest
+    (the one a save writes, from the files read back) -- so only one object is in memory at a time."""
     loader = _object_loader(sharded, common)
     saver = TorchCommonSaveStrategy(checksums=False)  # one manifest of every file, written below
-    objects = _stored_objects(sharded, common, src)
-    for obj in objects:
-        request = {obj.unique_key: obj}
-        loaded = (
-            loader.load(request, src)
-            if isinstance(loader, LoadShardedStrategy)
-            else loader.load_sharded_objects(request, src)
-        )
-        saver.save_sharded_objects({obj.unique_key: replace(obj, data=loaded[obj.unique_key], replica_id=0)}, dst)
-        del loaded
+    try:
+        objects = _stored_objects(sharded, common, src)
+        for obj in objects:
+            request = {obj.unique_key: obj}
+            loaded = (
+                loader.load(request, src)
+                if isinstance(loader, LoadShardedStrategy)
+                else loader.load_sharded_objects(request, src)
+            )
+            if writer is not None:
+                writer.add_object(obj.unique_key, loaded[obj.unique_key])
+            else:
+                saver.save_sharded_objects(
+                    {obj.unique_key: replace(obj, data=loaded[obj.unique_key], replica_id=0)}, dst
+                )
+            del loaded
+        if writer is not None:
+            writer.finish()
+            return len(objects)
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
     if objects:
         storage = dst.child(OBJECTS_DIR)
         digests: Dict[str, FileDigest] = {info.key: bytes_digest(storage.read(info.key)) for info in storage.list()}

@@ -31,14 +31,16 @@ import torch
 from dist_ckpt.backends.base import LoadCommonStrategy, LoadShardedStrategy
 from dist_ckpt.backends.stored_shards import StoredShardInfo
 from dist_ckpt.engine.checks.compatibility import verify_checkpoint_and_load_strategy
-from dist_ckpt.engine.commit import HF_CONFIG, METADATA_FILENAME, CheckpointingConfig
+from dist_ckpt.engine.commit import DCP_CONFIG, HF_CONFIG, CheckpointingConfig, detect_config, read_save_record
 from dist_ckpt.engine.monitor import count_files
 from dist_ckpt.errors import CheckpointingException, UnsafeObjectError
-from dist_ckpt.integrity.safe_json import MAX_SMALL_JSON_BYTES, loads
 from dist_ckpt.model.dtypes import dtype_to_name
 from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.storage import Storage
 from dist_ckpt.storage.location import LocationLike, resolve_location
+
+#: the kind of a folder loaded without ``metadata.json``, by the config it is loaded with
+_KINDS: Dict[CheckpointingConfig, str] = {HF_CONFIG: "huggingface", DCP_CONFIG: "dcp"}
 
 __all__ = ["CheckpointInfo", "TensorInfo", "inspect_checkpoint"]
 
@@ -119,7 +121,8 @@ class CheckpointInfo:
 
     Attributes:
         path: the checkpoint directory.
-        kind: ``"dist_ckpt"`` or ``"huggingface"``.
+        kind: ``"dist_ckpt"`` (a committed checkpoint: ``metadata.json``), ``"huggingface"`` or
+            ``"dcp"`` (a plain torch.distributed.checkpoint directory).
         sharded_backend: ``"name:version"`` of the tensors' format.
         common_backend: ``"name:version"`` of the common state's format.
         world_size: ranks that saved it (None if not recorded, e.g. HuggingFace).
@@ -212,7 +215,7 @@ def inspect_checkpoint(checkpoint_dir: LocationLike) -> CheckpointInfo:
     files, file_bytes = count_files(directory)
     return CheckpointInfo(
         path=directory.url,
-        kind="huggingface" if config == HF_CONFIG else "dist_ckpt",
+        kind=_KINDS.get(config, "dist_ckpt"),
         sharded_backend=f"{config.sharded_backend}:{config.sharded_backend_version}",
         common_backend=f"{config.common_backend}:{config.common_backend_version}",
         world_size=recorded.get("world_size"),
@@ -227,20 +230,12 @@ def inspect_checkpoint(checkpoint_dir: LocationLike) -> CheckpointInfo:
 
 
 def _read_record(directory: Storage) -> Tuple[CheckpointingConfig, Dict[str, Any]]:
-    """The config (HF_CONFIG for a HuggingFace folder) and the ``"dist_ckpt"`` entry of
-    ``metadata.json`` (who wrote it), which ``core`` does not parse."""
-    from dist_ckpt.engine.commit import detect_config
-
+    """The config (HF_CONFIG or DCP_CONFIG for folders without ``metadata.json``) and dist_ckpt's
+    record of the save (who wrote it), which ``core`` does not parse."""
     config = detect_config(directory)
-    if config == HF_CONFIG:
+    if config in _KINDS:
         return config, {}
-    try:
-        record = loads(directory.read(METADATA_FILENAME), directory.url_of(METADATA_FILENAME), MAX_SMALL_JSON_BYTES)
-        writer = record.get("dist_ckpt") if isinstance(record, dict) else None
-    except (OSError, ValueError):  # storage errors are OSErrors, CorruptCheckpointError a ValueError
-        writer = None
-    if not isinstance(writer, dict):
-        return config, {}
+    writer = read_save_record(directory)
     out: Dict[str, Any] = {}
     if isinstance(writer.get("world_size"), int):
         out["world_size"] = writer["world_size"]

@@ -68,6 +68,7 @@ MEGATRON_NAMES = {
         "open_ts_array",
         "register_default_tensorstore_strategies",
     ],
+    "strategies.torch": ["TorchDistLoadShardedStrategy", "TorchDistSaveShardedStrategy"],
     "strategies.two_stage": [
         "TwoStageDataParallelLoadShardedStrategy",
         "_ShardedTensorMetadata",

@@ -6,7 +6,7 @@ import logging
 from typing import Any, Tuple
 
 from dist_ckpt.backends.base import LoadCommonStrategy, LoadShardedStrategy
-from dist_ckpt.engine.commit import HF_CONFIG, detect_config, read_integrity_records
+from dist_ckpt.engine.commit import DCP_CONFIG, HF_CONFIG, detect_config, read_integrity_records
 from dist_ckpt.engine.distributed import get_rank
 from dist_ckpt.engine.registry import StrategyAction, StrategySpec, resolve_strategy
 from dist_ckpt.errors import IncompatibleStrategyError
@@ -55,7 +55,7 @@ def verify_checkpoint_and_load_strategy(
         except IncompatibleStrategyError as e:
             raise IncompatibleStrategyError(f"checkpoint {location.url!r}: {e}") from e
         strategy.check_location(location)
-    if config != HF_CONFIG and get_rank() == 0 and read_integrity_records(location) is None:
+    if config not in (HF_CONFIG, DCP_CONFIG) and get_rank() == 0 and read_integrity_records(location) is None:
         logger.warning(
             "checkpoint %s was saved before dist_ckpt recorded its integrity records in metadata.json: its checksum "
             "manifests and index cannot be checked against the commit record, so it loads unverified (a deleted "

@@ -28,6 +28,7 @@ ENGINES = {
     "safetensors": (("safetensors", 1), None),
     "zarr": (("zarr", 1), None),
     "tensorstore": (("zarr", 1), TensorStoreLoadShardedStrategy),
+    "torch_dist": (("torch_dist", 1), None),
 }
 FLAT = {"opt.exp_avg": (24, 10), "opt.dp1": (6, 4), "opt.empty": (0, 4)}
 SHAPED = {"w": (16, 12), "scalar": ()}

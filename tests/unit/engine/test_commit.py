@@ -10,11 +10,16 @@ import pytest
 
 import dist_ckpt
 from dist_ckpt.engine.commit import (
+    DCP_CONFIG,
     METADATA_FILENAME,
+    RECORD_FILENAME,
     CheckpointingConfig,
     check_is_distributed_checkpoint,
+    detect_config,
+    is_plain_dcp_directory,
     maybe_load_config,
     read_config,
+    read_save_record,
     save_config,
 )
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError, NotACheckpointError
@@ -85,6 +90,46 @@ class TestSaveAndRead:
     def test_valid_is_checkpoint(self, tmp_path):
         save_config(CheckpointingConfig("zarr"), tmp_path)
         assert check_is_distributed_checkpoint(tmp_path) is True
+
+    def test_megatron_backend_gets_megatron_metadata_json(self, tmp_path):
+        """Megatron-Core reads metadata.json with CheckpointingConfig(**json): for torch_dist it holds
+        exactly Megatron's keys, in Megatron's order, and dist_ckpt's record goes beside it."""
+        save_config(CheckpointingConfig("torch_dist"), tmp_path, world_size=4, save_id="abc")
+        raw = (tmp_path / METADATA_FILENAME).read_text()
+        assert raw == json.dumps(dataclasses.asdict(CheckpointingConfig("torch_dist")))
+        assert read_save_record(tmp_path) == {
+            "format_version": 1,
+            "library_version": dist_ckpt.engine.commit.LIBRARY_VERSION,
+            "world_size": 4,
+            "save_id": "abc",
+        }
+        assert sorted(os.listdir(tmp_path)) == [RECORD_FILENAME, METADATA_FILENAME]
+        assert maybe_load_config(tmp_path) == CheckpointingConfig("torch_dist")
+
+    def test_save_record_of_other_backends_is_in_metadata_json(self, tmp_path):
+        save_config(CheckpointingConfig("zarr"), tmp_path, world_size=2)
+        assert read_save_record(tmp_path)["world_size"] == 2 and not (tmp_path / RECORD_FILENAME).exists()
+        assert read_save_record(tmp_path / "nowhere") == {}
+
+
+class TestDetect:
+    def test_plain_dcp_directory(self, tmp_path):
+        (tmp_path / ".metadata").write_bytes(b"")
+        (tmp_path / "__0_0.distcp").write_bytes(b"")
+        assert is_plain_dcp_directory(tmp_path) and detect_config(tmp_path) == DCP_CONFIG
+        assert check_is_distributed_checkpoint(tmp_path) is False
+
+    def test_an_uncommitted_torch_dist_save_is_not_plain_dcp(self, tmp_path):
+        (tmp_path / ".metadata").write_bytes(b"")
+        (tmp_path / "common.pt").write_bytes(b"")
+        assert not is_plain_dcp_directory(tmp_path)
+        with pytest.raises(NotACheckpointError, match="metadata.json is missing"):
+            detect_config(tmp_path)
+
+    def test_metadata_json_wins(self, tmp_path):
+        (tmp_path / ".metadata").write_bytes(b"")
+        save_config(CheckpointingConfig("torch_dist"), tmp_path)
+        assert detect_config(tmp_path) == CheckpointingConfig("torch_dist")
 
 
 class TestCorrupt:

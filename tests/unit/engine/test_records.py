@@ -193,3 +193,18 @@ def test_a_wrapper_that_declares_no_records_still_gets_them_recorded(tmp_path):
     (tmp_path / "c" / "zarr" / "checksums.json").unlink()
     with pytest.raises(CorruptCheckpointError, match="zarr/checksums.json is missing"):
         _assert_loads(tmp_path / "c")
+
+
+def test_torch_dist_keeps_its_records_beside_megatrons_metadata_json(tmp_path):
+    """Megatron-Core refuses unknown keys in metadata.json, so a torch_dist checkpoint keeps its
+    integrity records in dist_ckpt.json; deleting the DCP checksum manifest still fails closed."""
+    path = tmp_path / "td"
+    dc.save(_state(), path, sharded_strategy=("torch_dist", 1))
+    assert "integrity_records" not in json.loads((path / "metadata.json").read_text())
+    side = json.loads((path / "dist_ckpt.json").read_text())
+    assert sorted(side["integrity_records"]) == ["common.checksums.json", "torch_dist.checksums.json"]
+    _assert_loads(path)
+    (path / "torch_dist.checksums.json").unlink()
+    with pytest.raises(CorruptCheckpointError, match=r"torch_dist\.checksums\.json is missing"):
+        _assert_loads(path)
+    assert main(["verify", str(path)]) == 1

@@ -359,6 +359,31 @@ class TestStrategies:
         )
         assert out["step"] == 7
 
+    def test_strategy_that_loads_objects_and_replaces_leaves_in_place(self, ckpt):
+        """A sharded strategy that handles ShardedObjects receives the request itself (no split):
+        replacing its leaves in place, as the built-in loaders do, must not lose them."""
+        from dist_ckpt.model.dict_utils import dict_list_map_inplace
+
+        base = get_default_strategy(StrategyAction.LOAD_SHARDED, *DEFAULT_SHARDED_BACKEND)
+
+        class InPlaceWithObjects(type(base)):  # type: ignore[misc]
+            @property
+            def can_handle_sharded_objects(self):
+                return True
+
+            def load(self, sharded_state_dict, checkpoint_dir):
+                return dict_list_map_inplace(
+                    lambda x: "obj" if isinstance(x, ShardedObject) else x,
+                    super().load(sharded_state_dict, checkpoint_dir),
+                )
+
+        request = {
+            "b": ShardedTensor.from_rank_offsets("b", torch.empty(3, dtype=torch.bfloat16)),
+            "o": ShardedObject("o", None, (1,), (0,)),
+        }
+        out = dc.load(request, ckpt, sharded_strategy=InPlaceWithObjects(), validate_access_integrity=False)
+        assert out["o"] == "obj" and torch.equal(out["b"], torch.ones(3, dtype=torch.bfloat16)) and out["step"] == 7
+
 
 # --------------------------------------------------------------------------- load errors
 

@@ -1,0 +1,261 @@
+"""crc32c checksums of the DCP files dist_ckpt writes, and their manifest.
+
+DCP's own files carry no checksum of their bytes. When dist_ckpt writes a torch_dist checkpoint
+it computes a crc32c of every *item* (one tensor chunk's ``torch.save`` archive, or one
+ShardedObject's bytes) while the bytes pass on their way to the file -- no second read -- and
+rank 0 records them, with every file's size, in ``torch_dist.checksums.json`` beside
+``.metadata``::
+
+    {"format": "dist_ckpt.torch_dist.checksums", "version": 1, "algorithm": "crc32c",
+     "files": {"__0_0.distcp": {"size": 5120, "spans": [[0, 1488, "8 hex digits"], ...]},
+               ".metadata":    {"size": 7490, "spans": [[0, 7490, "..."]]}}}
+
+A file's *spans* tile it from byte 0 to its size, each with its crc. Items are what a load reads
+(DCP reads each item whole), so a load checks exactly the spans of the items it reads, and
+``dist-ckpt verify`` checks every span of every file. Megatron-Core and DCP ignore the file.
+Checkpoints written by other tools have none: they load unverified and verify says so.
+
+How the spans are found: DCP's file writer asks the stream for its position (``tell()``) right
+before and right after each item; :class:`RecordingStream` starts a new span at every ``tell()``,
+so each item is one span (a writer that asked more often would only split spans further).
+
+Example::
+
+    fs = ChecksummingFileSystem()
+    with fs.create_stream(Path("ckpt/__0_0.distcp"), "wb") as stream:
+        stream.tell(); stream.write(b"item"); stream.tell()
+    fs.digests["__0_0.distcp"].spans          # ((0, 4, crc32c(b"item")),)
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Dict, Generator, List, Mapping, Optional, Sequence, Tuple, Union
+
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+from dist_ckpt.errors import ChecksumMismatchError, CorruptCheckpointError, IncompatibleStrategyError
+from dist_ckpt.integrity.checksums import ALGORITHM, crc32c, crc_from_hex, crc_to_hex
+
+__all__ = [
+    "CHECKSUMS_FILENAME",
+    "ChecksummingFileSystem",
+    "FileSpans",
+    "RecordingStream",
+    "check_bytes",
+    "manifest_json",
+    "parse_manifest",
+    "spans_within",
+]
+
+#: the manifest of a torch_dist checkpoint written by dist_ckpt
+CHECKSUMS_FILENAME = "torch_dist.checksums.json"
+_FORMAT = "dist_ckpt.torch_dist.checksums"
+_VERSION = 1
+
+#: ``(offset, length, crc32c)`` of a byte range of a file
+Span = Tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class FileSpans:
+    """A file's size and the crc32c of each span of it (the spans tile ``[0, size)``)."""
+
+    size: int
+    spans: Tuple[Span, ...]
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"size": self.size, "spans": [[o, n, crc_to_hex(c)] for o, n, c in self.spans]}
+
+
+class RecordingStream(io.RawIOBase):
+    """A write-only stream over ``raw`` that computes the crc32c of what passes, one span per
+    stretch between two ``tell()`` calls; :meth:`close` reports the file's :class:`FileSpans`.
+
+    Args:
+        raw: the open binary file.
+        name: the file's name, under which the spans are reported.
+        report: called once, with ``(name, spans)``, when the stream is closed.
+    """
+
+    def __init__(self, raw: IO[bytes], name: str, report: Any) -> None:
+        super().__init__()
+        self._raw = raw
+        self._name = name
+        self._report = report
+        self._pos = 0
+        self._start = 0
+        self._crc = 0
+        self._spans: List[Span] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        written = self._raw.write(view)
+        if written is None or written != view.nbytes:  # a regular file writes everything or raises
+            raise OSError(f"short write to {self._name}: {written} of {view.nbytes} bytes")
+        self._crc = crc32c(view, self._crc)
+        self._pos += written
+        return written
+
+    def _cut(self) -> None:
+        if self._pos > self._start:
+            self._spans.append((self._start, self._pos - self._start, self._crc))
+        self._start, self._crc = self._pos, 0
+
+    def tell(self) -> int:
+        self._cut()
+        return self._pos
+
+    def seekable(self) -> bool:
+        return False
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self._cut()
+        self._raw.flush()
+        super().close()
+        self._report(self._name, FileSpans(self._pos, tuple(self._spans)))
+
+
+class ChecksummingFileSystem(FileSystem):
+    """DCP's local file system, with every file written through a :class:`RecordingStream`;
+    the spans of each file written are in :attr:`digests`, by file name (thread-safe: DCP writes
+    a rank's files from several threads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.digests: Dict[str, FileSpans] = {}
+        self._lock = threading.Lock()
+
+    def _record(self, name: str, spans: FileSpans) -> None:
+        with self._lock:
+            self.digests[name] = spans
+
+    @contextmanager
+    def create_stream(self, path: Union[str, Any], mode: str) -> Generator[io.IOBase, None, None]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        target = Path(path)
+        with target.open(mode) as raw:
+            stream = RecordingStream(raw, target.name, self._record)
+            try:
+                yield stream
+            finally:
+                stream.close()
+
+
+def spans_within(spans: Sequence[Span], offset: int, length: int) -> Optional[List[Span]]:
+    """The spans that tile ``[offset, offset + length)`` exactly, or None when a span crosses its
+    ends (the range cannot be checked on its own) or the spans leave a gap.
+
+    Example::
+
+        spans_within([(0, 4, 1), (4, 6, 2)], 4, 6)     # [(4, 6, 2)]
+        spans_within([(0, 10, 1)], 4, 6)              # None
+    """
+    found = [s for s in spans if s[0] < offset + length and s[0] + s[1] > offset]
+    if length == 0:
+        return []
+    if not found or found[0][0] != offset or found[-1][0] + found[-1][1] != offset + length:
+        return None
+    position = offset
+    for start, n, _ in found:
+        if start != position:
+            return None
+        position += n
+    return found
+
+
+def check_bytes(data: Union[bytes, memoryview], offset: int, spans: Sequence[Span], where: str, what: str) -> None:
+    """Raise :class:`ChecksumMismatchError` unless every span (absolute offsets; ``data`` starts at
+    ``offset``) has its recorded crc32c.
+
+    Example::
+
+        check_bytes(raw, item_offset, spans, "ckpt/__0_0.distcp", "tensor 'w'")
+    """
+    view = memoryview(data)
+    for start, n, crc in spans:
+        found = crc32c(view[start - offset : start - offset + n])
+        if found != crc:
+            raise ChecksumMismatchError(
+                f"{what}: bytes {start}:{start + n} of {where} have crc32c {crc_to_hex(found)}, {crc_to_hex(crc)} "
+                f"was recorded at save time: the file is corrupt"
+            )
+
+
+def manifest_json(files: Mapping[str, FileSpans]) -> bytes:
+    """The manifest listing ``files`` (what rank 0 writes as :data:`CHECKSUMS_FILENAME`)."""
+    doc = {
+        "format": _FORMAT,
+        "version": _VERSION,
+        "algorithm": ALGORITHM,
+        "files": {name: files[name].to_json() for name in sorted(files)},
+    }
+    return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode("utf-8")
+
+
+def _spans(entry: Any, where: str) -> FileSpans:
+    if not isinstance(entry, dict) or not isinstance(entry.get("spans"), list):
+        raise CorruptCheckpointError(f"{where} must be an object with 'size' and 'spans', found {entry!r}")
+    size = entry.get("size")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise CorruptCheckpointError(f"{where}: 'size' must be an int >= 0, found {size!r}")
+    spans: List[Span] = []
+    position = 0
+    for span in entry["spans"]:
+        if not (isinstance(span, list) and len(span) == 3 and all(isinstance(v, int) for v in span[:2])):
+            raise CorruptCheckpointError(f"{where}: a span must be [offset, length, crc32c], found {span!r}")
+        if span[0] != position or span[1] <= 0:
+            raise CorruptCheckpointError(f"{where}: spans must tile the file from byte 0; {span[:2]} at {position}")
+        spans.append((span[0], span[1], crc_from_hex(span[2], f"{where}, span at {span[0]}")))
+        position += span[1]
+    if position != size:
+        raise CorruptCheckpointError(f"{where}: the spans cover {position} bytes of a {size}-byte file")
+    return FileSpans(size, tuple(spans))
+
+
+def parse_manifest(raw: bytes, where: str) -> Dict[str, FileSpans]:
+    """Validate a manifest; errors name ``where`` (its path) and the entry.
+
+    Raises:
+        CorruptCheckpointError: malformed.
+        IncompatibleStrategyError: a newer manifest version.
+    """
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CorruptCheckpointError(f"checksum manifest {where!r} is not valid JSON: {e}") from e
+    if not isinstance(doc, dict) or doc.get("format") != _FORMAT or doc.get("algorithm") != ALGORITHM:
+        raise CorruptCheckpointError(f"{where!r} is not a {_FORMAT} manifest of {ALGORITHM} checksums")
+    if doc.get("version") != _VERSION:
+        raise IncompatibleStrategyError(
+            f"checksum manifest {where!r} has version {doc.get('version')!r}; this dist_ckpt reads version "
+            f"{_VERSION}: upgrade dist_ckpt"
+        )
+    files = doc.get("files")
+    if not isinstance(files, dict):
+        raise CorruptCheckpointError(f"checksum manifest {where!r}: 'files' must be an object")
+    out = {}
+    for name, entry in files.items():
+        if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
+            raise CorruptCheckpointError(f"checksum manifest {where!r}: {name!r} is not a file of the checkpoint")
+        out[name] = _spans(entry, f"checksum manifest {where!r}, file {name!r}")
+    return out

@@ -1,0 +1,176 @@
+"""``dist-ckpt verify`` of the DCP part of a checkpoint (torch_dist, or a plain DCP directory).
+
+One process, never raises for damage. Checks, in order:
+
+1. ``.metadata`` is readable by the restricted unpickler (and matches its recorded crc32c);
+2. every file the metadata names exists and is long enough for the items it holds there;
+3. with a checksum manifest (checkpoints dist_ckpt wrote): every file's size, and the crc32c of
+   every span of it (each item); files the metadata names but the manifest lacks are problems;
+4. without one (Megatron-Core, torchtitan, ``dcp.save``): a note says no checksums were recorded,
+   and each item is checked as what DCP writes, a ``torch.save`` zip archive whose members carry
+   their own CRC-32.
+
+Example::
+
+    report = verify_torch_dist("ckpt/iter_10")
+    [str(p) for p in report.problems]
+"""
+
+from __future__ import annotations
+
+import io
+import zipfile
+from typing import Dict, List, Optional
+
+from dist_ckpt.backends.torch_dist.checksums import CHECKSUMS_FILENAME, FileSpans, parse_manifest
+from dist_ckpt.backends.torch_dist.layout import StoredItem, TorchDistLayout, parse_layout
+from dist_ckpt.backends.torch_dist.metadata import DCP_METADATA_FILENAME, unpickle_metadata
+from dist_ckpt.engine.records import read_recorded
+from dist_ckpt.errors import CheckpointingException
+from dist_ckpt.integrity.checksums import IntegrityReport, crc32c, crc_to_hex
+from dist_ckpt.storage import ObjectReader, Storage
+from dist_ckpt.storage.errors import ObjectNotFoundError, StorageError, TruncatedObjectError
+from dist_ckpt.storage.location import LocationLike, resolve_location
+
+__all__ = ["verify_torch_dist"]
+
+#: most bytes read at once while checking a span
+_READ_BYTES = 64 << 20
+
+
+def _keys_by_item(layout: TorchDistLayout) -> Dict[StoredItem, str]:
+    found = {c.item: key for key, t in layout.tensors.items() for c in t.chunks}
+    found.update({item: key for key, item in layout.byte_items.items()})
+    return found
+
+
+def _read(reader: ObjectReader, offset: int, length: int) -> bytes:
+    """``length`` bytes from ``offset`` (fewer where the file ends)."""
+    buf = bytearray(length)
+    try:
+        reader.read_into([memoryview(buf)], offset)
+    except TruncatedObjectError:
+        size = reader.size()
+        return bytes(buf[: max(0, size - offset)])
+    return bytes(buf)
+
+
+def _check_spans(storage: Storage, name: str, spans: FileSpans, keys: Dict[int, str], report: IntegrityReport) -> None:
+    with storage.open_reader(name) as reader:
+        for start, length, crc in spans.spans:
+            found, done = 0, 0
+            while done < length:
+                chunk = _read(reader, start + done, min(_READ_BYTES, length - done))
+                if not chunk:
+                    break
+                found = crc32c(chunk, found)
+                done += len(chunk)
+            report.bytes_checked += done
+            if done != length:
+                report.add(name, f"ends at byte {start + done}, inside an item recorded at {start}:{start + length}")
+                return
+            if found != crc:
+                report.add(
+                    name,
+                    f"bytes {start}:{start + length} have crc32c {crc_to_hex(found)}, {crc_to_hex(crc)} was recorded "
+                    f"at save time (corrupt)",
+                    keys.get(start),
+                )
+
+
+def _check_zip(data: bytes) -> Optional[str]:
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        return f"not a readable torch.save archive: {e}"
+    return None if bad is None else f"member {bad!r} fails its CRC-32 check (corrupt)"
+
+
+def _check_items(storage: Storage, layout: TorchDistLayout, report: IntegrityReport) -> None:
+    keys = _keys_by_item(layout)
+    by_file: Dict[str, List[StoredItem]] = {}
+    for item in keys:
+        by_file.setdefault(item.file, []).append(item)
+    for name, items in sorted(by_file.items()):
+        with storage.open_reader(name) as reader:
+            for item in sorted(items, key=lambda i: i.offset):
+                data = _read(reader, item.offset, item.length)
+                report.bytes_checked += len(data)
+                problem = _check_zip(data)
+                if problem is not None:
+                    report.add(name, f"item at byte {item.offset}: {problem}", keys[item])
+
+
+def _size(storage: Storage, name: str) -> Optional[int]:
+    try:
+        return storage.size(name)
+    except ObjectNotFoundError:
+        return None
+
+
+def verify_torch_dist(checkpoint_dir: LocationLike, allow_pickle: bool = False) -> IntegrityReport:
+    """The integrity report of the DCP files of the checkpoint at ``checkpoint_dir`` (see the
+    module docstring), read through its storage.
+
+    Raises:
+        StorageError: the storage refused a request (not a property of the checkpoint).
+    """
+    storage = resolve_location(checkpoint_dir)
+    report = IntegrityReport()
+    manifest: Optional[Dict[str, FileSpans]] = None
+    try:
+        manifest_raw = read_recorded(storage, CHECKSUMS_FILENAME)  # a recorded manifest must be there
+        if manifest_raw is not None:  # else written by another tool, or without checksums: noted below
+            manifest = parse_manifest(manifest_raw, CHECKSUMS_FILENAME)
+            report.files_checked += 1
+    except StorageError:
+        raise
+    except CheckpointingException as e:
+        report.add(CHECKSUMS_FILENAME, str(e))
+    try:
+        raw = storage.read(DCP_METADATA_FILENAME)
+        layout = parse_layout(unpickle_metadata(raw, DCP_METADATA_FILENAME, allow_pickle), storage.url)
+    except ObjectNotFoundError:
+        report.add(DCP_METADATA_FILENAME, "missing: the DCP save did not finish")
+        return report
+    except StorageError:
+        raise
+    except CheckpointingException as e:
+        report.add(DCP_METADATA_FILENAME, str(e))
+        return report
+    keys = _keys_by_item(layout)
+    ends: Dict[str, int] = {}
+    for item in keys:
+        ends[item.file] = max(ends.get(item.file, 0), item.offset + item.length)
+    for name, end in sorted(ends.items()):
+        size = _size(storage, name)
+        if size is None:
+            report.add(name, "missing (the DCP metadata lists items in it)")
+            continue
+        if size < end:
+            report.add(name, f"has {size} bytes, its items end at byte {end} (truncated)")
+    if report.problems:
+        return report
+    if manifest is None:
+        report.notes.append(
+            "no checksums recorded (written by another tool, or saved without checksums): each DCP item was "
+            "checked as a torch.save archive (its zip CRC-32s)"
+        )
+        report.files_checked += 1 + len(ends)
+        _check_items(storage, layout, report)
+        return report
+    for name in sorted(set(ends) - set(manifest)):
+        report.add(name, f"not listed in {CHECKSUMS_FILENAME} (written after the save?)")
+    for name, spans in sorted(manifest.items()):
+        report.files_checked += 1
+        size = _size(storage, name)
+        if size is None:
+            report.add(name, "missing")
+            continue
+        if size != spans.size:
+            report.add(name, f"has {size} bytes, {spans.size} were recorded at save time (truncated or replaced)")
+            continue
+        by_offset = {item.offset: key for item, key in keys.items() if item.file == name}
+        _check_spans(storage, name, spans, by_offset, report)
+    return report
