@@ -1,9 +1,9 @@
 """Reading HuggingFace checkpoint folders: which file holds which tensor, where in the file.
 
-:func:`open_folder` recognises ``model.safetensors.index.json`` (sharded) or ``model.safetensors``
-(single file) and returns an :class:`HFFolder`. Its :meth:`HFFolder.tensor_index` reads the
+`open_folder()` recognises ``model.safetensors.index.json`` (sharded) or ``model.safetensors``
+(single file) and returns an `HFFolder`. Its `HFFolder.tensor_index()` reads the
 headers of the files that hold the wanted tensors -- and nothing else -- and describes each
-tensor as one stored shard covering the whole tensor, in the same :class:`TensorIndex` the
+tensor as one stored shard covering the whole tensor, in the same `TensorIndex` the
 safetensors backend uses, so the same loader reads any slice of any of them, in place.
 """
 
@@ -29,9 +29,11 @@ INDEX_METADATA_KEY = "dist_ckpt.index_metadata"
 def has_hf_weights(directory: Union[str, Path]) -> bool:
     """Whether ``directory`` holds ``model.safetensors`` or ``model.safetensors.index.json``.
 
-    Example::
+    Example:
 
-        has_hf_weights("Llama-3-8B")   # True
+    ```python
+    has_hf_weights("Llama-3-8B")   # True
+    ```
     """
     d = Path(directory)
     return (d / SAFE_WEIGHTS_INDEX_NAME).is_file() or (d / SAFE_WEIGHTS_NAME).is_file()
@@ -40,9 +42,11 @@ def has_hf_weights(directory: Union[str, Path]) -> bool:
 def single_file_metadata(header_metadata: Dict[str, str], path: Path) -> Dict[str, Any]:
     """The index metadata stored in a single file's header (``{}`` if it has none).
 
-    Example::
+    Example:
 
-        single_file_metadata(read_header_at(path).metadata, path).get("param_sharing_metadata")
+    ```python
+    single_file_metadata(read_header_at(path).metadata, path).get("param_sharing_metadata")
+    ```
     """
     raw = header_metadata.get(INDEX_METADATA_KEY)
     if raw is None:
@@ -129,7 +133,7 @@ class HFFolder:
         return headers
 
     def tensor_index(self, names: Optional[Iterable[str]] = None) -> TensorIndex:
-        """A :class:`TensorIndex` of ``names`` (default: every tensor), reading only their files' headers.
+        """A `TensorIndex` of ``names`` (default: every tensor), reading only their files' headers.
 
         Raises:
             KeyMismatchError: a name is not in the checkpoint.
@@ -161,10 +165,12 @@ def open_folder(directory: Union[str, Path]) -> HFFolder:
         CheckpointingException: only ``.bin`` (pickle) weights, which are refused.
         CorruptCheckpointError: a malformed index or header.
 
-    Example::
+    Example:
 
-        folder = open_folder("Llama-3-8B")
-        folder.weight_map["lm_head.weight"]   # 'model-00004-of-00004.safetensors'
+    ```python
+    folder = open_folder("Llama-3-8B")
+    folder.weight_map["lm_head.weight"]   # 'model-00004-of-00004.safetensors'
+    ```
     """
     d = Path(directory)
     if (d / SAFE_WEIGHTS_INDEX_NAME).is_file():

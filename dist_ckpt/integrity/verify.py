@@ -1,7 +1,7 @@
 """Check a whole checkpoint directory: which files are missing, damaged or uncommitted.
 
-:func:`verify_checkpoint` is what ``dist-ckpt verify DIR`` runs, on a local directory or an
-``s3://bucket/prefix`` (reading every object once). One process, no process group:
+[`verify_checkpoint()`][dist_ckpt.integrity.verify.verify_checkpoint] is what ``dist-ckpt verify DIR`` runs, on a local
+directory or an ``s3://bucket/prefix`` (reading every object once). One process, no process group:
 
 1. read ``metadata.json``: missing means the save never committed (a partial checkpoint that
    ``load`` refuses); unreadable means the commit record is damaged;
@@ -14,15 +14,17 @@
    (``LoadStrategyBase.verify_integrity``): every safetensors block, every zarr file, common.pt
    and every ShardedObject file.
 
-Every problem is one :class:`~dist_ckpt.integrity.checksums.IntegrityProblem` (file, key, what is wrong);
+Every problem is one [`IntegrityProblem`][dist_ckpt.integrity.checksums.IntegrityProblem] (file, key, what is wrong);
 nothing raises for a damaged checkpoint.
 
-Example::
+Example:
 
-    report = verify_checkpoint("ckpt/iter_1000")
-    if not report.ok:
-        for problem in report.problems:
-            print(problem)          # "safetensors/rank00001_0.safetensors (key 'w'): bytes ..."
+```python
+report = verify_checkpoint("ckpt/iter_1000")
+if not report.ok:
+    for problem in report.problems:
+        print(problem)          # "safetensors/rank00001_0.safetensors (key 'w'): bytes ..."
+```
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ _BACKEND_DIRS: Tuple[Tuple[str, str, int], ...] = (("safetensors", "safetensors"
 
 @dataclass
 class VerifyReport:
-    """The outcome of :func:`verify_checkpoint`.
+    """The outcome of [`verify_checkpoint()`][dist_ckpt.integrity.verify.verify_checkpoint].
 
     Attributes:
         checkpoint_dir: the directory (or ``s3://`` URL) checked.
@@ -105,13 +107,15 @@ class VerifyReport:
 def verify_checkpoint(checkpoint_dir: LocationLike, progress: Optional[ProgressCallback] = None) -> VerifyReport:
     """Check every file of the checkpoint at ``checkpoint_dir`` (see the module docstring).
 
-    ``progress`` is called with a :class:`~dist_ckpt.engine.report.ProgressEvent` as the check of each
+    ``progress`` is called with a [`ProgressEvent`][dist_ckpt.engine.report.ProgressEvent] as the check of each
     part (the commit record, then each backend's files) starts and ends.
 
-    Example::
+    Example:
 
-        report = verify_checkpoint("ckpt/iter_1000")
-        assert report.ok, "\\n".join(map(str, report.problems))
+    ```python
+    report = verify_checkpoint("ckpt/iter_1000")
+    assert report.ok, "\\n".join(map(str, report.problems))
+    ```
 
     Raises:
         StorageError: an object store refused the requests (wrong credentials, a missing

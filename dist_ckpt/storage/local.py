@@ -1,9 +1,9 @@
-"""Objects as files under a root directory: :class:`LocalStorage`, the local Storage.
+"""Objects as files under a root directory: [`LocalStorage`][dist_ckpt.storage.local.LocalStorage], the local Storage.
 
-Every write goes through a temporary file, fsync and rename (:mod:`.files`), reads through
+Every write goes through a temporary file, fsync and rename (`files`), reads through
 ``os.preadv`` on an open descriptor, and the capabilities only a local disk has are declared
 (``local_paths``, ``positional_reads``, ``atomic_rename``), so code written against the
-:class:`~dist_ckpt.storage.base.Storage` interface runs unchanged on a disk or on S3 and takes
+[`Storage`][dist_ckpt.storage.base.Storage] interface runs unchanged on a disk or on S3 and takes
 the local fast paths where a capability says it can.
 """
 
@@ -35,7 +35,7 @@ _NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, er
 
 @dataclass(frozen=True)
 class LocalStorageOptions:
-    """How :class:`LocalStorage` writes and reads.
+    """How [`LocalStorage`][dist_ckpt.storage.local.LocalStorage] writes and reads.
 
     Attributes:
         fsync: flush every file and its directory before a write returns (durability across a
@@ -123,12 +123,14 @@ class LocalStorage(Storage):
     creation are one atomic step and the file is whole when it appears). Reads use
     ``os.preadv`` straight into the caller's buffers from a few threads.
 
-    Example::
+    Example:
 
-        storage = LocalStorage("/ckpt/iter_1000")
-        storage.write("a.bin", b"hello")
-        out = bytearray(4)
-        storage.read_into("a.bin", 1, out)     # out == b"ello"
+    ```python
+    storage = LocalStorage("/ckpt/iter_1000")
+    storage.write("a.bin", b"hello")
+    out = bytearray(4)
+    storage.read_into("a.bin", 1, out)     # out == b"ello"
+    ```
     """
 
     local_paths = True
@@ -176,9 +178,11 @@ class LocalStorage(Storage):
         Each directory is resolved (and checked) once, then remembered: resolving a whole path
         costs a system call per component, and the zarr engines ask for a path per chunk file.
 
-        Example::
+        Example:
 
-            LocalStorage("/ckpt").local_path("zarr/w/zarr.json")   # Path("/ckpt/zarr/w/zarr.json")
+        ```python
+        LocalStorage("/ckpt").local_path("zarr/w/zarr.json")   # Path("/ckpt/zarr/w/zarr.json")
+        ```
         """
         validate_object_key(key)
         parent, _, name = key.rpartition("/")

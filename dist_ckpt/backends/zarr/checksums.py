@@ -3,20 +3,21 @@
 At save time every rank digests the files it wrote (chunk files and ``zarr.json`` nodes: it
 reads them back once, from the page cache, since the bytes on disk are what the engine encoded),
 the digests are gathered to rank 0, and rank 0 writes ``zarr/checksums.json`` -- a checksum
-manifest (see :mod:`dist_ckpt.integrity.checksums`) of every file under ``zarr/``, by path relative to it.
+manifest (see [`dist_ckpt.integrity.checksums`][dist_ckpt.integrity.checksums]) of every file under ``zarr/``, by path
+relative to it.
 
 At load time:
 
 * the zarr-python engine sees the raw bytes of every file it reads: its store is a
-  :class:`VerifyingStore`, which checks each whole file it returns against the manifest, with
+  `VerifyingStore`, which checks each whole file it returns against the manifest, with
   no extra I/O;
 * TensorStore decodes chunks in its own threads and never shows their bytes, so its loader reads
-  every chunk file a load touches once more, before TensorStore does (:func:`check_files`; the
+  every chunk file a load touches once more, before TensorStore does (`check_files()`; the
   page cache then serves TensorStore's read): a second pass over the bytes, which
   ``TensorStoreLoadShardedStrategy(verify_checksums=False)`` skips.
 
 A checkpoint without the manifest (saved before checksums existed) loads without verification.
-:func:`verify_zarr` checks a whole checkpoint for ``dist-ckpt verify``.
+`verify_zarr()` checks a whole checkpoint for ``dist-ckpt verify``.
 """
 
 from __future__ import annotations
@@ -65,9 +66,11 @@ def commit_checksums(
     manifest of every rank's files. Files in ``known`` (digested as they were written) are not
     read again.
 
-    Example::
+    Example:
 
-        commit_checksums(ckpt / "zarr", files_this_rank_wrote)   # every rank, after the writes
+    ```python
+    commit_checksums(ckpt / "zarr", files_this_rank_wrote)   # every rank, after the writes
+    ```
     """
 
     def digest_all() -> Dict[str, Any]:
@@ -100,9 +103,11 @@ def _digest(path: ObjectPath, known: Optional[Mapping[ObjectPath, FileDigest]]) 
 def read_checksums(checkpoint_dir: ObjectPath) -> Optional[Dict[str, FileDigest]]:
     """The manifest of a zarr checkpoint, or None if it was saved without checksums.
 
-    Example::
+    Example:
 
-        manifest = read_checksums(checkpoint_node("ckpt/iter_1000", "verify")) or {}
+    ```python
+    manifest = read_checksums(checkpoint_node("ckpt/iter_1000", "verify")) or {}
+    ```
     """
     return read_manifest(checkpoint_dir / ZARR_DIR / CHECKSUMS_FILENAME)
 
@@ -110,9 +115,11 @@ def read_checksums(checkpoint_dir: ObjectPath) -> Optional[Dict[str, FileDigest]
 def drop_from_checksums(root: ObjectPath, tensor_dir_name: str) -> None:
     """Remove a deleted tensor's files from the manifest (if there is one); one process calls it.
 
-    Example::
+    Example:
 
-        drop_from_checksums(ckpt / "zarr", tensor_dir_name("old.w"))
+    ```python
+    drop_from_checksums(ckpt / "zarr", tensor_dir_name("old.w"))
+    ```
     """
     manifest = read_manifest(root / CHECKSUMS_FILENAME)
     if manifest is not None:
@@ -123,9 +130,11 @@ def drop_from_checksums(root: ObjectPath, tensor_dir_name: str) -> None:
 def chunk_files(array_path: ObjectPath, region: Box) -> List[ObjectPath]:
     """The chunk files of the array at ``array_path`` that hold ``region``.
 
-    Example::
+    Example:
 
-        chunk_files(ckpt / "zarr" / "w", Box((0, 0), (4, 8)))   # [.../w/c/0/0, ...]
+    ```python
+    chunk_files(ckpt / "zarr" / "w", Box((0, 0), (4, 8)))   # [.../w/c/0/0, ...]
+    ```
     """
     doc = read_zarr_json(array_path)
     if doc is None:
@@ -140,9 +149,11 @@ def chunk_files(array_path: ObjectPath, region: Box) -> List[ObjectPath]:
 def check_files(root: ObjectPath, paths: Sequence[ObjectPath], manifest: Mapping[str, FileDigest], key: str) -> None:
     """Check each file under ``root`` that the manifest lists against it (read once each).
 
-    Example::
+    Example:
 
-        check_files(ckpt / "zarr", chunk_files(array_path, region), manifest, "w")
+    ```python
+    check_files(ckpt / "zarr", chunk_files(array_path, region), manifest, "w")
+    ```
 
     Raises:
         CorruptCheckpointError: a missing or resized file; ChecksumMismatchError: other bytes.
@@ -157,7 +168,7 @@ class VerifyingStore:
     """Builds zarr-python stores that check every whole file they return against the manifest.
 
     A factory instead of a class at import time: zarr is an optional dependency, imported only
-    by the zarr engine that calls :meth:`open`.
+    by the zarr engine that calls `open()`.
     """
 
     def __init__(self, root: ObjectPath, manifest: Mapping[str, FileDigest]) -> None:
@@ -167,7 +178,7 @@ class VerifyingStore:
 
     def open(self, array_path: ObjectPath) -> Any:
         """A read-only ``LocalStore`` subclass rooted at ``array_path`` (a storage with
-        ``local_paths``; :meth:`open_objects` serves object stores)."""
+        ``local_paths``; `open_objects()` serves object stores)."""
         if self._cls is None:
             self._cls = _store_class()
         return self._cls(array_path.local_path(), array_path.relative_to(self.root), self.manifest)
@@ -217,9 +228,11 @@ def verify_zarr(checkpoint_dir: ObjectPath) -> IntegrityReport:
     checkpoints): every tensor's metadata must parse and every chunk file must exist with the
     size its array implies.
 
-    Example::
+    Example:
 
-        for problem in verify_zarr(checkpoint_node("ckpt/iter_1000", "verify")).problems: print(problem)
+    ```python
+    for problem in verify_zarr(checkpoint_node("ckpt/iter_1000", "verify")).problems: print(problem)
+    ```
     """
     root = checkpoint_dir / ZARR_DIR
     report = IntegrityReport()

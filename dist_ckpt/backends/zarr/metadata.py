@@ -1,11 +1,11 @@
 """Reading the metadata of a zarr-format checkpoint: plain JSON, no array library needed.
 
-Every tensor's ``zarr.json`` is parsed and checked here (:func:`open_tensor_info`): its key,
+Every tensor's ``zarr.json`` is parsed and checked here (`open_tensor_info()`): its key,
 dtype, shape, chunk grid, and for tensors saved as flattened ranges every fragment; a malformed
-document is a :class:`~dist_ckpt.errors.CorruptCheckpointError` naming the file. The tensors of a
-checkpoint are found by listing ``zarr/`` (:func:`list_tensor_names`), checked against the
+document is a [`CorruptCheckpointError`][dist_ckpt.errors.CorruptCheckpointError] naming the file. The tensors of a
+checkpoint are found by listing ``zarr/`` (`list_tensor_names()`), checked against the
 checksum manifest so that a deleted tensor directory is noticed. After a failed read,
-:func:`damaged_chunks` names the missing or wrongly sized chunk files; :func:`describe_zarr`
+`damaged_chunks()` names the missing or wrongly sized chunk files; `describe_zarr()`
 describes the stored pieces for ``dist-ckpt inspect``.
 """
 
@@ -237,7 +237,7 @@ def find_tensor_info(root: ObjectPath, key: str) -> Optional[StoredTensorInfo]:
 def tensors_metadata(root: ObjectPath) -> ShardedStateDict:
     """``{key: ShardedTensor}`` (whole, unsharded, data on the meta device) for every tensor, as
     it was saved: a tensor of the flattened layout is one flattened range covering all of it
-    (see :mod:`dist_ckpt.model.stored_metadata`)."""
+    (see `dist_ckpt.model.stored_metadata`)."""
     out: ShardedStateDict = {}
     for name in list_tensor_names(root):
         info = open_tensor_info(root, name)
@@ -282,9 +282,11 @@ def describe_zarr(checkpoint_dir: ObjectPath) -> Dict[str, List[StoredShardInfo]
     """The stored pieces of every tensor of a zarr-format checkpoint, from its ``zarr.json``
     files: a chunked tensor's chunks (each a saved shard), or a flattened tensor's fragments.
 
-    Example::
+    Example:
 
-        describe_zarr(checkpoint_node("ckpt", "inspect"))["w"][0].file    # "zarr/w/c/0/0"
+    ```python
+    describe_zarr(checkpoint_node("ckpt", "inspect"))["w"][0].file    # "zarr/w/c/0/0"
+    ```
     """
     root = checkpoint_dir / ZARR_DIR
     out: Dict[str, List[StoredShardInfo]] = {}
