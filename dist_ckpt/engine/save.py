@@ -278,7 +278,11 @@ def _save_steps(
     preprocess_common_before_consistancy_check: Optional[Callable[[StateDict], StateDict]],
 ) -> Tuple[Optional[AsyncRequest], int]:
     """The numbered steps of [`save()`][dist_ckpt.engine.save.save]; returns the async request (or None) and the bytes
-    of this rank's main replicas."""
+    of this rank's main replicas.
+
+    Long on purpose: the steps are nested functions run in order through ``monitor`` (which times each
+    one and names it in errors), so the whole save reads top to bottom in one place.
+    """
 
     # 1. strategies and directory
     def resolve() -> Tuple[SaveShardedStrategy, SaveCommonStrategy]:

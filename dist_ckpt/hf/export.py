@@ -92,6 +92,9 @@ def export(
 ) -> ExportResult:
     """Write the model weights of checkpoint ``src`` into the HuggingFace folder ``dst``.
 
+    Long on purpose: choosing keys, renaming, sharding into files and writing the index and config
+    are one pass over the tensors, written in the order they happen.
+
     Steps: 1. read ``src``'s metadata (shapes and dtypes; no tensor data), pick the keys and
     their names, and refuse a ``dst`` that already holds HF weights; 2. write ``config.json``
     when ``config`` is given; 3. plan files of at most ``max_shard_size`` bytes (names in sorted

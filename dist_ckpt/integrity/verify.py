@@ -110,6 +110,9 @@ def verify_checkpoint(checkpoint_dir: LocationLike, progress: Optional[ProgressC
     ``progress`` is called with a [`ProgressEvent`][dist_ckpt.engine.report.ProgressEvent] as the check of each
     part (the commit record, then each backend's files) starts and ends.
 
+    The checks run in the order of the module docstring's list, in one function so that each
+    early verdict (no directory, no checkpoint, never committed) can return the report at once.
+
     Example:
 
     ```python

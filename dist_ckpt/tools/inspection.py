@@ -42,7 +42,7 @@ from dist_ckpt.storage import Storage
 from dist_ckpt.storage.location import LocationLike, resolve_location
 
 #: the kind of a folder loaded without ``metadata.json``, by the config it is loaded with
-_KINDS: Dict[CheckpointingConfig, str] = {HF_CONFIG: "huggingface", DCP_CONFIG: "dcp"}
+_KINDS: Dict[CheckpointingConfig, str] = {config: config.sharded_backend for config in (HF_CONFIG, DCP_CONFIG)}
 
 __all__ = ["CheckpointInfo", "TensorInfo", "inspect_checkpoint"]
 
@@ -125,8 +125,9 @@ class CheckpointInfo:
 
     Attributes:
         path: the checkpoint directory.
-        kind: ``"dist_ckpt"`` (a committed checkpoint: ``metadata.json``), ``"huggingface"`` or
-            ``"dcp"`` (a plain torch.distributed.checkpoint directory).
+        kind: ``"dist_ckpt"`` (a committed checkpoint: ``metadata.json``), or the name of the backend a
+            folder without one is read with: ``"hf"`` (a HuggingFace folder), ``"dcp"`` (a plain
+            torch.distributed.checkpoint directory).
         sharded_backend: ``"name:version"`` of the tensors' format.
         common_backend: ``"name:version"`` of the common state's format.
         world_size: ranks that saved it (None if not recorded, e.g. HuggingFace).
