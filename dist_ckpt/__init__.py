@@ -1,12 +1,14 @@
 """dist_ckpt: distributed checkpointing of sharded model and optimizer state.
 
-Save a sharded state dict from N processes, load it back under another parallel layout::
+Save a sharded state dict from N processes, load it back under another parallel layout:
 
-    import dist_ckpt as dc
-    sd = {"layer.weight": dc.ShardedTensor.from_rank_offsets("layer.weight", w, (0, tp_rank, tp_size)),
-          "step": 1000}
-    dc.save(sd, "ckpt/iter_1000")
-    state = dc.load(sd_in_new_layout, "ckpt/iter_1000")
+```python
+import dist_ckpt as dc
+sd = {"layer.weight": dc.ShardedTensor.from_rank_offsets("layer.weight", w, (0, tp_rank, tp_size)),
+      "step": 1000}
+dc.save(sd, "ckpt/iter_1000")
+state = dc.load(sd_in_new_layout, "ckpt/iter_1000")
+```
 
 This module re-exports the public API; importing it imports no optional backend.
 """

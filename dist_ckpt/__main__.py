@@ -1,4 +1,4 @@
-"""``python -m dist_ckpt``: the ``dist-ckpt`` command (see :mod:`dist_ckpt.cli`)."""
+"""``python -m dist_ckpt``: the ``dist-ckpt`` command (see `dist_ckpt.cli`)."""
 
 from dist_ckpt.cli import main
 

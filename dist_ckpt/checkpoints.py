@@ -1,4 +1,5 @@
-"""Megatron-Core module path ``dist_ckpt.checkpoints``: re-exports :mod:`dist_ckpt.training.checkpoints`.
+"""Megatron-Core module path ``dist_ckpt.checkpoints``: re-exports
+[`dist_ckpt.training.checkpoints`][dist_ckpt.training.checkpoints].
 
 Code written for ``megatron.core.dist_checkpointing.checkpoints`` imports from here unchanged.
 """

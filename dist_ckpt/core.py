@@ -1,4 +1,4 @@
-"""Megatron-Core module path ``dist_ckpt.core``: re-exports :mod:`dist_ckpt.engine.commit`.
+"""Megatron-Core module path ``dist_ckpt.core``: re-exports [`dist_ckpt.engine.commit`][dist_ckpt.engine.commit].
 
 Code written for ``megatron.core.dist_checkpointing.core`` imports from here unchanged.
 """

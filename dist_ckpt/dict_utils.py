@@ -1,4 +1,5 @@
-"""Megatron-Core module path ``dist_ckpt.dict_utils``: re-exports :mod:`dist_ckpt.model.dict_utils`.
+"""Megatron-Core module path ``dist_ckpt.dict_utils``: re-exports
+[`dist_ckpt.model.dict_utils`][dist_ckpt.model.dict_utils].
 
 Code written for ``megatron.core.dist_checkpointing.dict_utils`` imports from here unchanged.
 """

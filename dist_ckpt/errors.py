@@ -1,7 +1,7 @@
 """The dist_ckpt exception family.
 
-Every error raised on purpose by dist_ckpt is a :class:`CheckpointingException`. Subclasses exist
-where a caller needs to tell cases apart, and each also inherits the matching builtin so that
+Every error raised on purpose by dist_ckpt is a [`CheckpointingException`][dist_ckpt.errors.CheckpointingException].
+Subclasses exist where a caller needs to tell cases apart, and each also inherits the matching builtin so that
 ``except KeyError`` / ``except FileNotFoundError`` style handlers keep working.
 
 Messages name the key, the rank, the checkpoint path and what was expected vs found, and say how
@@ -103,7 +103,7 @@ class AsyncSaveError(CheckpointingException):
 
 
 class CheckpointManagementError(CheckpointingException, ValueError):
-    """A request to :mod:`dist_ckpt.training.checkpoints` cannot be carried out as asked.
+    """A request to [`dist_ckpt.training.checkpoints`][dist_ckpt.training.checkpoints] cannot be carried out as asked.
 
     For example a checkpoint name that carries no step, ``max_checkpoints < 1``, metrics that
     are not finite numbers, or symlinks asked for a checkpoint that has no HuggingFace weights.
@@ -146,8 +146,8 @@ class ProcessGroupMismatchError(CheckpointingException, ValueError):
 class RankFailedError(CheckpointingException):
     """Raised on every rank when another rank failed a collective step in a non-library way.
 
-    Errors of the :class:`CheckpointingException` family are re-raised with their own type on
-    every rank; anything else (an ``OSError``, a bug) arrives as this type, with the failing
+    Errors of the [`CheckpointingException`][dist_ckpt.errors.CheckpointingException] family are re-raised with their
+    own type on every rank; anything else (an ``OSError``, a bug) arrives as this type, with the failing
     rank, the original type and its message. A rank that died (or stopped responding) during a
     collective arrives as this type too, on every survivor.
 
@@ -171,7 +171,7 @@ MAX_REPORTED_PROBLEMS = 10
 
 
 def format_problems(problems: Sequence[str], separator: str = "; ") -> str:
-    """The first :data:`MAX_REPORTED_PROBLEMS` of ``problems`` joined, and how many more there are."""
+    """The first `MAX_REPORTED_PROBLEMS` of ``problems`` joined, and how many more there are."""
     shown = separator.join(problems[:MAX_REPORTED_PROBLEMS])
     if len(problems) > MAX_REPORTED_PROBLEMS:
         shown += f"{separator}... and {len(problems) - MAX_REPORTED_PROBLEMS} more"

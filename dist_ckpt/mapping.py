@@ -1,4 +1,4 @@
-"""Megatron-Core module path ``dist_ckpt.mapping``: re-exports :mod:`dist_ckpt.model.sharded`.
+"""Megatron-Core module path ``dist_ckpt.mapping``: re-exports [`dist_ckpt.model.sharded`][dist_ckpt.model.sharded].
 
 Code written for ``megatron.core.dist_checkpointing.mapping`` imports from here unchanged.
 """

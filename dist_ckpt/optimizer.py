@@ -1,4 +1,5 @@
-"""Megatron-Core module path ``dist_ckpt.optimizer``: re-exports :mod:`dist_ckpt.model.optimizer`.
+"""Megatron-Core module path ``dist_ckpt.optimizer``: re-exports
+[`dist_ckpt.model.optimizer`][dist_ckpt.model.optimizer].
 
 Code written for ``megatron.core.dist_checkpointing.optimizer`` imports from here unchanged.
 """

@@ -1,6 +1,6 @@
 """Megatron-Core module path ``dist_ckpt.serialization``:
-re-exports :mod:`dist_ckpt.engine.save`, :mod:`dist_ckpt.engine.load`
-and :mod:`dist_ckpt.engine.load_parts`.
+re-exports [`dist_ckpt.engine.save`][dist_ckpt.engine.save], [`dist_ckpt.engine.load`][dist_ckpt.engine.load]
+and [`dist_ckpt.engine.load_parts`][dist_ckpt.engine.load_parts].
 
 Code written for ``megatron.core.dist_checkpointing.serialization`` imports from here unchanged.
 """

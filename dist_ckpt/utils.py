@@ -1,4 +1,5 @@
-"""Megatron-Core module path ``dist_ckpt.utils``: re-exports :mod:`dist_ckpt.model.state_dict_utils`.
+"""Megatron-Core module path ``dist_ckpt.utils``: re-exports
+[`dist_ckpt.model.state_dict_utils`][dist_ckpt.model.state_dict_utils].
 
 Code written for ``megatron.core.dist_checkpointing.utils`` imports from here unchanged.
 """

@@ -1,4 +1,4 @@
-"""Megatron-Core module path ``dist_ckpt.validation``: re-exports :mod:`dist_ckpt.engine.checks`.
+"""Megatron-Core module path ``dist_ckpt.validation``: re-exports `dist_ckpt.engine.checks`.
 
 Code written for ``megatron.core.dist_checkpointing.validation`` imports from here unchanged.
 """

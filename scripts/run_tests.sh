@@ -14,7 +14,10 @@ export OMP_NUM_THREADS=1
 export MPIEXEC_TIMEOUT="${MPIEXEC_TIMEOUT:-900}"
 
 echo "== documentation (mkdocs --strict: any warning fails)"
-NO_MKDOCS_2_WARNING=1 "$PYTHON" -m mkdocs build --strict --quiet -d "$(mktemp -d)/site"
+SITE_DIR="$(mktemp -d)/site"
+NO_MKDOCS_2_WARNING=1 "$PYTHON" -m mkdocs build --strict --quiet -d "$SITE_DIR"
+# tests/unit/test_docs_render.py scans this build instead of building the site a second time
+export DIST_CKPT_DOCS_SITE="$SITE_DIR"
 
 echo "== single-process tests"
 "$PYTHON" -m pytest tests/unit -q -p no:cacheprovider "$@"

@@ -1,20 +1,22 @@
 """Messages between a training process and its async writer process, over a Unix socket.
 
 A message is a pickle. Tensors in shared memory (an async save's snapshot, see
-:mod:`dist_ckpt.async_save.snapshot`) are not copied into it: each distinct shared storage is
+`dist_ckpt.async_save.snapshot`) are not copied into it: each distinct shared storage is
 passed as a file descriptor beside the bytes (``SCM_RIGHTS``), and the receiver maps the same
 memory. Every other object is pickled as usual.
 
 A frame on the socket is a header (payload length, number of descriptors; the descriptors ride
 on the header's bytes) followed by the payload.
 
-Example::
+Example:
 
-    payload, fds = encode((fn, args, kwargs))        # in the caller: errors raise here
-    send_frame(sock, payload, fds)
-    ...
-    payload, fds = recv_frame(sock)                  # in the writer
-    fn, args, kwargs = decode(payload, fds)
+```python
+payload, fds = encode((fn, args, kwargs))        # in the caller: errors raise here
+send_frame(sock, payload, fds)
+...
+payload, fds = recv_frame(sock)                  # in the writer
+fn, args, kwargs = decode(payload, fds)
+```
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ def encode(obj: Any) -> Tuple[bytes, List[int]]:
 
 
 def decode(payload: bytes, fds: Sequence[int] = ()) -> Any:
-    """The object :func:`encode` pickled, its shared tensors mapped from ``fds`` (which the
+    """The object `encode()` pickled, its shared tensors mapped from ``fds`` (which the
     caller closes afterwards)."""
     return _Unpickler(io.BytesIO(payload), fds).load()
 
@@ -155,11 +157,13 @@ class FrameReader:
     """Splits bytes read from a socket, as they come, into frames that carry no descriptors
     (what the writer sends back: statuses and results).
 
-    Example::
+    Example:
 
-        reader = FrameReader()
-        for payload in reader.feed(sock.recv(65536)):
-            message = pickle.loads(payload)
+    ```python
+    reader = FrameReader()
+    for payload in reader.feed(sock.recv(65536)):
+        message = pickle.loads(payload)
+    ```
     """
 
     def __init__(self) -> None:

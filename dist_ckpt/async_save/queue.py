@@ -6,23 +6,26 @@ An asynchronous save has three phases:
    bytes are copied (device-to-host, or memory to shared memory), so training may change its
    tensors as soon as the call returns;
 2. **write**, in a background process, with no collectives: ``async_fn(*async_fn_args,
-   **async_fn_kwargs)`` of the returned :class:`AsyncRequest`;
+   **async_fn_kwargs)`` of the returned [`AsyncRequest`][dist_ckpt.async_save.queue.AsyncRequest];
 3. **finalize**, collective, once the write finished on *every* rank: the ranks first exchange
    how their writes ended -- a failure on any rank raises
-   :class:`~dist_ckpt.errors.AsyncSaveError` on every rank, naming the rank and the cause, and
+   [`AsyncSaveError`][dist_ckpt.errors.AsyncSaveError] on every rank, naming the rank and the cause, and
    nothing is committed -- then run ``finalize_fns`` in order (e.g. gather the index, commit
    ``metadata.json``).
 
-:class:`AsyncCallsQueue` follows Megatron-Core's ``dist_checkpointing.strategies.async_utils``::
+[`AsyncCallsQueue`][dist_ckpt.async_save.queue.AsyncCallsQueue] follows Megatron-Core's
+``dist_checkpointing.strategies.async_utils``:
 
-    queue = AsyncCallsQueue()
-    for step in range(steps):
-        train_step()
-        if step % 1000 == 0:
-            request = dc.save(sd, f"ckpt/iter_{step}", async_sharded_save=True)
-            queue.schedule_async_request(request)
-        queue.maybe_finalize_async_calls(blocking=False)   # every rank, every step
-    queue.close()                                          # waits for, and finalizes, the rest
+```python
+queue = AsyncCallsQueue()
+for step in range(steps):
+    train_step()
+    if step % 1000 == 0:
+        request = dc.save(sd, f"ckpt/iter_{step}", async_sharded_save=True)
+        queue.schedule_async_request(request)
+    queue.maybe_finalize_async_calls(blocking=False)   # every rank, every step
+queue.close()                                          # waits for, and finalizes, the rest
+```
 
 Every rank must schedule the same requests and call ``maybe_finalize_async_calls`` the same
 number of times: the ranks agree (one all-reduce) on which requests finished everywhere before
@@ -67,15 +70,17 @@ class AsyncRequest:
         is_frozen: a frozen request accepts no more finalize functions.
         outcome: how ``async_fn`` ended (its return value or error), filled in when it has;
             finalize functions created with the request may read it. Shared by the request's
-            copies (:meth:`freeze`).
+            copies ([`freeze()`][.freeze]).
         abort_fns: called in order, on every rank, with the error when the request fails
             (``async_fn`` on any rank, or a finalize function): e.g. delete the files of the
             uncommitted save. Their own errors are logged, not raised.
 
-    Example::
+    Example:
 
-        request = AsyncRequest(write_files, (root, parts), [commit])
-        request.execute_sync()    # or AsyncCallsQueue().schedule_async_request(request)
+    ```python
+    request = AsyncRequest(write_files, (root, parts), [commit])
+    request.execute_sync()    # or AsyncCallsQueue().schedule_async_request(request)
+    ```
     """
 
     async_fn: Optional[Callable[..., Any]]
@@ -139,7 +144,8 @@ class _ActiveCall:
 
 
 class AsyncCallsQueue:
-    """Runs scheduled :class:`AsyncRequest` s in a background process and finalizes them in order.
+    """Runs scheduled [`AsyncRequest`][dist_ckpt.async_save.queue.AsyncRequest] s in a background process and finalizes
+    them in order.
 
     The background process is a fresh ``python -m dist_ckpt.async_save.writer``: it never imports
     the user's main module, so saving works from any script (no ``if __name__ == "__main__":``
@@ -152,15 +158,17 @@ class AsyncCallsQueue:
             stops it once the request is finalized.
         writer_timeout_s: how long a writer may take to start, or go without answering or using
             CPU while it writes, before it is killed: its request then fails, and finalization
-            raises :class:`~dist_ckpt.errors.AsyncSaveError` on every rank naming the rank and
+            raises [`AsyncSaveError`][dist_ckpt.errors.AsyncSaveError] on every rank naming the rank and
             what the writer was doing (keyword only; may be changed later).
 
-    Example::
+    Example:
 
-        queue = AsyncCallsQueue()
-        queue.schedule_async_request(dc.save(sd, path, async_sharded_save=True))
-        finished = queue.maybe_finalize_async_calls(blocking=False)   # call indices finalized
-        queue.close()
+    ```python
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(dc.save(sd, path, async_sharded_save=True))
+    finished = queue.maybe_finalize_async_calls(blocking=False)   # call indices finalized
+    queue.close()
+    ```
     """
 
     def __init__(self, persistent: bool = True, *, writer_timeout_s: float = DEFAULT_WRITER_TIMEOUT_S) -> None:

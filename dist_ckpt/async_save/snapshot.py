@@ -1,21 +1,23 @@
 """Snapshots of tensors in shared memory, for saves that write from another process.
 
 An asynchronous save must hold the values the tensors had when it was called, while training
-goes on changing them. :meth:`SnapshotPool.take` copies the tensors' bytes (device-to-host for
+goes on changing them. `SnapshotPool.take()` copies the tensors' bytes (device-to-host for
 GPU tensors, a memory copy for CPU ones) into one buffer in shared memory; the background
-writer process maps the same buffer (:mod:`.channel` passes it as a file descriptor,
+writer process maps the same buffer (`channel` passes it as a file descriptor,
 never as a pickled copy of the data) and writes the files from it.
 
 Touching fresh shared memory costs page faults (on the 2-core test VM a first copy into it ran
 at about a third of the speed of a copy into memory already touched), so the pool keeps its
 buffer for the next save, once the previous save's writer is done with it.
 
-Example::
+Example:
 
-    pool = SnapshotPool()
-    snap = pool.take([w, b], in_use=lambda: not outcome.done)
-    w.add_(1.0)                                  # the snapshot keeps the old values
-    old_w_bytes = snap.view(0)                   # uint8 view of the copy of w
+```python
+pool = SnapshotPool()
+snap = pool.take([w, b], in_use=lambda: not outcome.done)
+w.add_(1.0)                                  # the snapshot keeps the old values
+old_w_bytes = snap.view(0)                   # uint8 view of the copy of w
+```
 """
 
 from __future__ import annotations
@@ -37,9 +39,11 @@ ALIGN = 64
 def snapshot_layout(nbytes: Sequence[int]) -> Tuple[List[Tuple[int, int]], int]:
     """``([(offset, nbytes), ...], total)``: where each tensor's bytes go in a snapshot buffer.
 
-    Example::
+    Example:
 
-        snapshot_layout([10, 0, 70])   # ([(0, 10), (64, 0), (64, 70)], 134)
+    ```python
+    snapshot_layout([10, 0, 70])   # ([(0, 10), (64, 0), (64, 70)], 134)
+    ```
     """
     slots = []
     offset = 0
@@ -120,9 +124,11 @@ class SnapshotPool:
         page fault per page: on the test VM a first copy into 512 MiB took 0.3 s, a later one
         0.05 s). Does nothing if the pool already has a large enough buffer.
 
-        Example::
+        Example:
 
-            pool.reserve(512 << 20)   # at start-up, before the first checkpoint
+        ```python
+        pool.reserve(512 << 20)   # at start-up, before the first checkpoint
+        ```
         """
         if self._buffer is not None and self._buffer.numel() >= nbytes:
             return
@@ -132,9 +138,11 @@ class SnapshotPool:
         """Copy ``tensors`` into shared memory; ``in_use`` says whether the save that owns the
         snapshot still needs it (the buffer is not reused until it returns False).
 
-        Example::
+        Example:
 
-            snap = pool.take(tensors, in_use=lambda: not outcome.done)
+        ```python
+        snap = pool.take(tensors, in_use=lambda: not outcome.done)
+        ```
         """
         slots, total = snapshot_layout([t.numel() * t.element_size() for t in tensors])
         buffer = self._acquire(total)

@@ -1,8 +1,8 @@
 """The training process's handle on the background process that writes asynchronous saves.
 
-:class:`AsyncWorker` starts one writer process (:mod:`dist_ckpt.async_save.writer`) and sends it
+`AsyncWorker` starts one writer process (`dist_ckpt.async_save.writer`) and sends it
 calls (a function, its arguments), which it runs one after another, in the order submitted;
-:meth:`AsyncWorker.poll` collects their outcomes without blocking.
+`AsyncWorker.poll()` collects their outcomes without blocking.
 
 Why a separate process, and how it is started:
 
@@ -16,7 +16,7 @@ Why a separate process, and how it is started:
   environment that imports this dist_ckpt): a clean process that imports only dist_ckpt and the
   modules of the functions it is sent, under every launcher and from any script.
 
-Calls travel over a Unix socket (:mod:`.channel`): a tensor in shared memory (the snapshot) is
+Calls travel over a Unix socket (`channel`): a tensor in shared memory (the snapshot) is
 passed as a file descriptor, the writer maps the same memory, and no copy of the data is made.
 Each call is pickled *before* it is sent, in the caller, so an argument that cannot be sent
 raises there.
@@ -26,18 +26,20 @@ while it has calls, it is asked (at most every ``heartbeat_s``, whenever the tra
 polls or waits) what it is doing and how much CPU it used; a writer that does not answer for
 ``timeout_s`` seconds, or whose CPU time stops growing for ``timeout_s`` seconds (blocked on a
 hung file system, deadlocked), is killed and its calls fail with an
-:class:`~dist_ckpt.errors.AsyncSaveError` naming the rank and what the writer was doing. A
+[`AsyncSaveError`][dist_ckpt.errors.AsyncSaveError] naming the rank and what the writer was doing. A
 writer that dies (killed, out of memory) fails its calls the same way.
 
-Example::
+Example:
 
-    worker = AsyncWorker(rank=0)
-    outcome = AsyncOutcome()
-    worker.submit(0, write_files, (root, parts), {}, outcome)
-    ...                                   # training continues
-    worker.poll()                         # non-blocking; sets outcome.done / result / error
-    worker.wait(outcome)                  # blocking, bounded by the timeout
-    worker.close()
+```python
+worker = AsyncWorker(rank=0)
+outcome = AsyncOutcome()
+worker.submit(0, write_files, (root, parts), {}, outcome)
+...                                   # training continues
+worker.poll()                         # non-blocking; sets outcome.done / result / error
+worker.wait(outcome)                  # blocking, bounded by the timeout
+worker.close()
+```
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ class AsyncOutcome:
     Attributes:
         done: the call finished (successfully or not) or can no longer finish (its process died).
         result: the call's return value, on success.
-        error: an :class:`~dist_ckpt.errors.AsyncSaveError` describing the failure, naming the rank.
+        error: an [`AsyncSaveError`][dist_ckpt.errors.AsyncSaveError] describing the failure, naming the rank.
     """
 
     done: bool = False
@@ -129,7 +131,7 @@ class _Progress:
 
 
 class AsyncWorker:
-    """Handle on one writer process, started on the first :meth:`submit` (and again after one
+    """Handle on one writer process, started on the first `submit()` (and again after one
     that died or was stopped).
 
     Args:
@@ -138,12 +140,14 @@ class AsyncWorker:
             CPU while it has calls, before it is killed (the calls then fail). May be changed
             between calls.
 
-    Example::
+    Example:
 
-        worker = AsyncWorker(rank=0)
-        worker.submit(0, write_snapshot_parts, args, {}, outcome)
-        worker.wait(outcome)
-        worker.close()
+    ```python
+    worker = AsyncWorker(rank=0)
+    worker.submit(0, write_snapshot_parts, args, {}, outcome)
+    worker.wait(outcome)
+    worker.close()
+    ```
     """
 
     def __init__(self, rank: int = 0, timeout_s: float = DEFAULT_WRITER_TIMEOUT_S) -> None:

@@ -1,9 +1,9 @@
 """The async writer process: ``python -m dist_ckpt.async_save.writer FD``.
 
-Started by :class:`dist_ckpt.async_save.worker.AsyncWorker` as a fresh interpreter that imports
+Started by `dist_ckpt.async_save.worker.AsyncWorker` as a fresh interpreter that imports
 dist_ckpt and never the user's main module, so it works from any script: one without an
 ``if __name__ == "__main__":`` guard, ``python -c``, a script read from stdin, a notebook.
-``FD`` is its end of a Unix socket to the training process (see :mod:`.channel`).
+``FD`` is its end of a Unix socket to the training process (see `channel`).
 
 Two threads:
 

@@ -2,7 +2,7 @@
 
 A *strategy* saves or loads one part of a checkpoint: the sharded tensors (a *sharded backend*
 such as safetensors or Zarr) or the common, non-sharded state. Strategies are found through
-:mod:`dist_ckpt.engine.registry` by ``(action, backend, version)``, where ``backend`` is the
+[`dist_ckpt.engine.registry`][dist_ckpt.engine.registry] by ``(action, backend, version)``, where ``backend`` is the
 on-disk format name recorded in ``metadata.json``.
 
 Call order (all methods are collective unless noted: every rank calls them together):
@@ -15,16 +15,16 @@ Call order (all methods are collective unless noted: every rank calls them toget
   every rank's background write finished, are collective and end with the commit.
 * verify (``dist-ckpt verify``, one process): ``LoadStrategyBase.verify_integrity``.
 * streaming save (``dist-ckpt convert``, one process, no collective): a strategy whose
-  ``can_stream`` is True returns a :class:`TensorStreamWriter` from ``begin_stream``; the
-  caller ``add`` s whole tensors one at a time (then, for a strategy that keeps ShardedObjects with
-  its tensors, ``add_object`` s them), calls ``finish``, then commits ``metadata.json``.
+  ``can_stream`` is True returns a [`TensorStreamWriter`][dist_ckpt.backends.base.TensorStreamWriter] from
+  ``begin_stream``; the caller ``add`` s whole tensors one at a time (then, for a strategy that keeps ShardedObjects
+  with its tensors, ``add_object`` s them), calls ``finish``, then commits ``metadata.json``.
 * describe (``dist-ckpt inspect``, one process): ``LoadShardedStrategy.describe_stored_shards``.
 * load: ``LoadStrategyBase.check_backend_compatibility`` / ``check_version_compatibility``
   (local), ``LoadCommonStrategy.load_common``, ``load_sharded_objects``, then
   ``LoadShardedStrategy.load``. The ``*_metadata`` methods are local and need no process group.
 
-Where: every method receives ``checkpoint_dir``, a :class:`~dist_ckpt.storage.base.Storage`
-(:mod:`dist_ckpt.storage.location`): a ``LocalStorage`` for a local directory, an ``S3Storage``
+Where: every method receives ``checkpoint_dir``, a [`Storage`][dist_ckpt.storage.base.Storage]
+(`dist_ckpt.storage.location`): a ``LocalStorage`` for a local directory, an ``S3Storage``
 for an object store. A strategy that works through the Storage methods runs on both and
 declares ``object_storage = True``; its local fast paths branch on the storage's capabilities
 (``local_paths``, ``positional_reads``). A strategy written for directories leaves
@@ -75,14 +75,15 @@ class SaveStrategyBase(ABC):
         self.version = version
 
     def check_location(self, checkpoint_dir: Storage) -> None:
-        """Raise :class:`IncompatibleStrategyError` if this strategy cannot write to ``checkpoint_dir``
-        (by default: an object store unless ``object_storage``). Called on every rank before a save
-        writes anything."""
+        """Raise [`IncompatibleStrategyError`][dist_ckpt.errors.IncompatibleStrategyError] if this strategy cannot write
+        to ``checkpoint_dir`` (by default: an object store unless ``object_storage``). Called on every rank before a
+        save writes anything."""
         _check_location(self, self.object_storage, checkpoint_dir, "write to")
 
     @property
     def can_handle_sharded_objects(self) -> bool:
-        """Whether :meth:`SaveShardedStrategy.save` also saves ShardedObjects."""
+        """Whether [`SaveShardedStrategy.save()`][dist_ckpt.backends.base.SaveShardedStrategy.save] also saves
+        ShardedObjects."""
         return False
 
     def __str__(self) -> str:
@@ -104,16 +105,19 @@ class LoadStrategyBase(ABC):
 
     @property
     def can_handle_sharded_objects(self) -> bool:
-        """Whether :meth:`LoadShardedStrategy.load` also loads ShardedObjects."""
+        """Whether [`LoadShardedStrategy.load()`][dist_ckpt.backends.base.LoadShardedStrategy.load] also loads
+        ShardedObjects."""
         return False
 
     def check_location(self, checkpoint_dir: Storage) -> None:
-        """Raise :class:`IncompatibleStrategyError` if this strategy cannot read ``checkpoint_dir``
-        (by default: an object store unless ``object_storage``). Called before a load reads anything."""
+        """Raise [`IncompatibleStrategyError`][dist_ckpt.errors.IncompatibleStrategyError] if this strategy cannot read
+        ``checkpoint_dir`` (by default: an object store unless ``object_storage``). Called before a load reads
+        anything."""
         _check_location(self, self.object_storage, checkpoint_dir, "read from")
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
-        """Raise :class:`IncompatibleStrategyError` if this strategy cannot read ``loaded_backend``."""
+        """Raise [`IncompatibleStrategyError`][dist_ckpt.errors.IncompatibleStrategyError] if this strategy cannot read
+        ``loaded_backend``."""
         if loaded_backend not in self.supported_backends:
             raise IncompatibleStrategyError(
                 f"{self.__class__.__name__} reads backends {list(self.supported_backends)}, "
@@ -121,7 +125,8 @@ class LoadStrategyBase(ABC):
             )
 
     def check_version_compatibility(self, loaded_version: int) -> None:
-        """Raise :class:`IncompatibleStrategyError` if this strategy cannot read ``loaded_version``."""
+        """Raise [`IncompatibleStrategyError`][dist_ckpt.errors.IncompatibleStrategyError] if this strategy cannot read
+        ``loaded_version``."""
         if loaded_version not in self.supported_versions:
             raise IncompatibleStrategyError(
                 f"{self.__class__.__name__} reads format versions {list(self.supported_versions)}, "
@@ -171,16 +176,18 @@ class TensorStreamWriter(ABC):
     of the checkpoint. One process writes; no collective is called.
 
     Call order: ``SaveShardedStrategy.begin_stream(checkpoint_dir, layout)`` returns the writer;
-    then :meth:`add` once per entry of the layout, in the layout's order; then :meth:`finish`,
+    then [`add()`][.add] once per entry of the layout, in the layout's order; then [`finish()`][.finish],
     which makes every file durable and writes the backend's own index or manifest. The caller
     commits ``metadata.json`` after it, as ``dist_ckpt.save`` does. A writer that is not
     finished leaves no committed checkpoint.
 
-    Example::
+    Example:
 
-        writer = strategy.begin_stream(LocalStorage("out"), [("w", torch.float32, (4, 4))])
-        writer.add("w", torch.zeros(4, 4))
-        writer.finish()
+    ```python
+    writer = strategy.begin_stream(LocalStorage("out"), [("w", torch.float32, (4, 4))])
+    writer.add("w", torch.zeros(4, 4))
+    writer.finish()
+    ```
     """
 
     @abstractmethod
@@ -190,7 +197,7 @@ class TensorStreamWriter(ABC):
     def add_object(self, unique_key: str, value: Any) -> None:
         """Write one ShardedObject (its unique key and value), for writers of strategies that keep
         ShardedObjects with the tensors (``can_handle_sharded_objects``, e.g. torch_dist): after
-        the last :meth:`add`, before :meth:`finish`. The default raises: the others' objects are
+        the last [`add()`][..add], before [`finish()`][..finish]. The default raises: the others' objects are
         written by the common strategy."""
         raise IncompatibleStrategyError(f"{type(self).__name__} does not store ShardedObjects ({unique_key!r})")
 
@@ -208,9 +215,11 @@ class TensorStreamWriter(ABC):
 def check_stream_entry(layout: Sequence[TensorLayout], position: int, key: str, tensor: torch.Tensor) -> None:
     """Raise unless ``(key, tensor)`` is entry ``position`` of ``layout`` (for stream writers).
 
-    Example::
+    Example:
 
-        check_stream_entry([("w", torch.float32, (2,))], 0, "w", torch.zeros(2))   # passes
+    ```python
+    check_stream_entry([("w", torch.float32, (2,))], 0, "w", torch.zeros(2))   # passes
+    ```
     """
     from dist_ckpt.errors import CheckpointingException
 
@@ -261,8 +270,9 @@ class SaveShardedStrategy(SaveStrategyBase):
 
     def begin_stream(self, checkpoint_dir: Storage, layout: Sequence[TensorLayout]) -> TensorStreamWriter:
         """A writer of the whole tensors of ``layout``, one at a time, into ``checkpoint_dir``
-        (one process; see :class:`TensorStreamWriter`). Optional: available when
-        :attr:`can_stream` is True; the default raises :class:`IncompatibleStrategyError`."""
+        (one process; see [`TensorStreamWriter`][dist_ckpt.backends.base.TensorStreamWriter]). Optional: available when
+        `can_stream` is True; the default raises
+        [`IncompatibleStrategyError`][dist_ckpt.errors.IncompatibleStrategyError]."""
         raise IncompatibleStrategyError(
             f"{self} cannot save tensor by tensor (can_stream is False); convert to a backend that can, "
             f"e.g. safetensors or zarr"
@@ -307,7 +317,7 @@ class LoadShardedStrategy(LoadStrategyBase):
     @abstractmethod
     def load_tensors_metadata(self, checkpoint_dir: Storage) -> ShardedStateDict:
         """``{key: ShardedTensor}`` for every stored tensor, unsharded and without data, described
-        as it was saved (:func:`dist_ckpt.model.stored_metadata.stored_tensor_metadata`: a tensor
+        as it was saved (`dist_ckpt.model.stored_metadata.stored_tensor_metadata()`: a tensor
         saved as flattened ranges as one flattened range covering all of it)."""
 
     def load_sharded_metadata(self, checkpoint_dir: Storage) -> ShardedStateDict:
@@ -318,18 +328,20 @@ class LoadShardedStrategy(LoadStrategyBase):
 
     def with_dtype_cast(self, allow: bool) -> "LoadShardedStrategy":
         """This strategy, configured to convert (``allow``) or to refuse requested dtypes that
-        differ from the stored ones (see :mod:`dist_ckpt.model.dtype_cast`): what
+        differ from the stored ones (see `dist_ckpt.model.dtype_cast`): what
         ``dist_ckpt.load(..., allow_dtype_cast=...)`` uses. Local; the caller's strategy is not
         changed (a configured copy is returned when the setting differs).
 
         The built-in loaders take the setting as an option (casting is their default) and
         wrappers pass it to the strategy they wrap. The default raises
-        :class:`IncompatibleStrategyError`: a strategy that does not know the setting could
-        not honour it.
+        [`IncompatibleStrategyError`][dist_ckpt.errors.IncompatibleStrategyError]: a strategy that does not know the
+        setting could not honour it.
 
-        Example::
+        Example:
 
-            strict = SafetensorsLoadShardedStrategy().with_dtype_cast(False)
+        ```python
+        strict = SafetensorsLoadShardedStrategy().with_dtype_cast(False)
+        ```
         """
         raise IncompatibleStrategyError(
             f"{self} does not implement with_dtype_cast, so it cannot be told whether to cast dtypes on load; "
@@ -347,9 +359,11 @@ class LoadShardedStrategy(LoadStrategyBase):
         Optional: the default returns None, meaning the backend does not describe its layout
         (inspect then shows shapes and dtypes only).
 
-        Example::
+        Example:
 
-            shards = strategy.describe_stored_shards(LocalStorage("ckpt/iter_1000"))
-            len(shards["decoder.w"])   # number of stored pieces of that tensor
+        ```python
+        shards = strategy.describe_stored_shards(LocalStorage("ckpt/iter_1000"))
+        len(shards["decoder.w"])   # number of stored pieces of that tensor
+        ```
         """
         return None

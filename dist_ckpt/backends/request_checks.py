@@ -1,7 +1,7 @@
 """The checks every sharded loader makes before reading a byte.
 
 A load request names keys with a dtype and a global shape; the checkpoint must hold each key in
-a dtype the request may be cast from (:mod:`dist_ckpt.model.dtype_cast`: any dtype unless the
+a dtype the request may be cast from (`dist_ckpt.model.dtype_cast`: any dtype unless the
 load sets ``allow_dtype_cast=False``), and with the same global shape unless
 ``allow_shape_mismatch`` is set. All problems are collected and raised at once, naming the keys,
 the rank and the checkpoint; the casts a load will make are logged once, at INFO.
@@ -52,7 +52,7 @@ def check_requested_tensors(
         lookup: the stored ``(dtype, global_shape)`` of a key, None if absent.
         where: the checkpoint, as it should appear in messages.
         allow_dtype_cast: whether a requested dtype may differ from the stored one (see
-            :func:`~dist_ckpt.model.dtype_cast.cast_refusal`).
+            `cast_refusal()`).
 
     Raises:
         KeyMismatchError: keys requested but absent (Megatron-Core's "unexpected" keys).

@@ -2,17 +2,19 @@
 
 ``dist-ckpt inspect`` shows, for every tensor, how many pieces it was saved in, their shape (or
 flattened ranges) and the files that hold them, whatever the backend. A load strategy provides
-this through :meth:`~dist_ckpt.backends.base.LoadShardedStrategy.describe_stored_shards`,
-returning :class:`StoredShardInfo` records built from its metadata alone (no tensor data is
-read). Each backend builds them from its own metadata: the safetensors backend (and HuggingFace
-folders) in :func:`dist_ckpt.backends.safetensors.index.describe_tensor_index`, the zarr backend
-in :func:`dist_ckpt.backends.zarr.metadata.describe_zarr`.
+this through [`describe_stored_shards()`][dist_ckpt.backends.base.LoadShardedStrategy.describe_stored_shards],
+returning [`StoredShardInfo`][dist_ckpt.backends.stored_shards.StoredShardInfo] records built from its metadata alone
+(no tensor data is read). Each backend builds them from its own metadata: the safetensors backend (and HuggingFace
+folders) in `dist_ckpt.backends.safetensors.index.describe_tensor_index()`, the zarr backend
+in `dist_ckpt.backends.zarr.metadata.describe_zarr()`.
 
-Example::
+Example:
 
-    strategy = get_default_strategy(StrategyAction.LOAD_SHARDED, "safetensors", 1)
-    shards = strategy.describe_stored_shards(LocalStorage("ckpt/iter_1000"))
-    shards["decoder.w"][0].file     # "safetensors/rank00000_0.safetensors"
+```python
+strategy = get_default_strategy(StrategyAction.LOAD_SHARDED, "safetensors", 1)
+shards = strategy.describe_stored_shards(LocalStorage("ckpt/iter_1000"))
+shards["decoder.w"][0].file     # "safetensors/rank00000_0.safetensors"
+```
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 One module per subcommand, each with one ``add_<name>_command(subparsers, common)`` function that
 declares its options and sets ``run`` (a function from the parsed arguments to an exit status)
 and ``parser``; adding a command means writing one such module and listing its function in
-:data:`COMMANDS`. This package is the only part of dist_ckpt that prints, and the only one that
-imports tqdm (progress bars, :mod:`.progress`).
+`COMMANDS`. This package is the only part of dist_ckpt that prints, and the only one that
+imports tqdm (progress bars, `progress`).
 
 Exit status: 0 success; 1 failure (a checkpointing error such as a corrupt checkpoint, a failed
 rank, a failed verification, or an OS error such as an unwritable directory); 2 usage error,
@@ -13,14 +13,16 @@ is not empty, a malformed URL. Failures are one line on stderr (``--debug`` adds
 traceback). Commands with ``--json`` print one JSON document on stdout. Locations may be
 ``s3://bucket/prefix`` URLs wherever the backend supports object stores.
 
-Example::
+Example:
 
-    $ dist-ckpt inspect ckpt/iter_1000 --json
-    $ dist-ckpt verify ckpt/iter_1000
-    $ dist-ckpt convert ckpt/iter_1000 ckpt_zarr/iter_1000 --to zarr
-    $ dist-ckpt export-hf ckpt/iter_1000 hf/iter_1000 --max-shard-size 5GB
-    $ dist-ckpt bench --dir /mnt/nvme/scratch --size 4096 --ranks 4
-    $ dist-ckpt demo --ranks 2 --size 16
+```console
+$ dist-ckpt inspect ckpt/iter_1000 --json
+$ dist-ckpt verify ckpt/iter_1000
+$ dist-ckpt convert ckpt/iter_1000 ckpt_zarr/iter_1000 --to zarr
+$ dist-ckpt export-hf ckpt/iter_1000 hf/iter_1000 --max-shard-size 5GB
+$ dist-ckpt bench --dir /mnt/nvme/scratch --size 4096 --ranks 4
+$ dist-ckpt demo --ranks 2 --size 16
+```
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """What every ``dist-ckpt`` command shares: argument types, output formatting, failures.
 
-Example::
+Example:
 
-    parser.add_argument("--backend", type=backend_arg)      # "zarr" or "zarr:1", checked
-    print(format_table(["key", "size"], [["w", "4.0 MiB"]], [False, True]))
+```python
+parser.add_argument("--backend", type=backend_arg)      # "zarr" or "zarr:1", checked
+print(format_table(["key", "size"], [["w", "4.0 MiB"]], [False, True]))
+```
 """
 
 from __future__ import annotations
@@ -90,13 +92,15 @@ def format_table(
     """A plain-text table; ``right[i]`` right-aligns column ``i`` (numbers).
 
     With ``max_width``, the columns listed in ``shrink`` (widest first) are narrowed until every
-    line fits, down to :data:`MIN_COLUMN_WIDTH` each; their cells are shortened in the middle
-    (:func:`elide`), so both ends of a long key stay readable.
+    line fits, down to `MIN_COLUMN_WIDTH` each; their cells are shortened in the middle
+    (`elide()`), so both ends of a long key stay readable.
 
-    Example::
+    Example:
 
-        format_table(["key", "bytes"], [["w", "16"]], [False, True])
-        format_table(headers, rows, right, max_width=terminal_width(), shrink=[0])
+    ```python
+    format_table(["key", "bytes"], [["w", "16"]], [False, True])
+    format_table(headers, rows, right, max_width=terminal_width(), shrink=[0])
+    ```
     """
     widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
     if max_width is not None:
@@ -130,9 +134,11 @@ def _shrink_widths(widths: List[int], max_width: int, shrink: Sequence[int]) -> 
 def elide(text: str, width: int) -> str:
     """``text`` shortened to ``width`` characters by replacing its middle with ``...``.
 
-    Example::
+    Example:
 
-        elide("decoder.layers.self_attention.linear_qkv.weight", 24)   # "decoder.lay...qkv.weight"
+    ```python
+    elide("decoder.layers.self_attention.linear_qkv.weight", 24)   # "decoder.lay...qkv.weight"
+    ```
     """
     if len(text) <= width:
         return text
@@ -174,9 +180,11 @@ def print_json(doc: Any) -> None:
 def one_line(error: BaseException) -> str:
     """A single line describing ``error``; for failed ranks, the first one's final exception line.
 
-    Example::
+    Example:
 
-        one_line(NotACheckpointError("'x' does not exist"))   # "NotACheckpointError: 'x' does not exist"
+    ```python
+    one_line(NotACheckpointError("'x' does not exist"))   # "NotACheckpointError: 'x' does not exist"
+    ```
     """
     text = str(error).strip()
     lines = text.splitlines() or [type(error).__name__]

@@ -57,7 +57,7 @@ def add_inspect_command(subparsers: SubParsers, common: argparse.ArgumentParser)
     p.set_defaults(run=run_inspect_command, parser=p)
 
 
-_KIND_NAMES = {"huggingface": "HuggingFace folder", "dcp": "torch.distributed.checkpoint directory (no metadata.json)"}
+_KIND_NAMES = {"hf": "HuggingFace folder", "dcp": "torch.distributed.checkpoint directory (no metadata.json)"}
 
 
 def _shape(shape: Sequence[int]) -> str:
@@ -65,7 +65,11 @@ def _shape(shape: Sequence[int]) -> str:
 
 
 def run_inspect_command(args: argparse.Namespace) -> int:
-    """Inspect and print a summary, a table of tensors, the common keys and ShardedObjects."""
+    """Inspect and print a summary, a table of tensors, the common keys and ShardedObjects.
+
+    Long by nature: it lays the report out line by line in the order it is printed, so that the
+    output can be read off the code.
+    """
     from dist_ckpt.tools.inspection import inspect_checkpoint  # keeps `dist-ckpt --help` fast
 
     require_directory(args.dir)  # a file or a missing path: exit 2, saying which

@@ -1,6 +1,6 @@
 """Progress bars for long commands: library progress events drawn with tqdm, on stderr.
 
-The library reports progress through callbacks (:class:`~dist_ckpt.engine.report.ProgressEvent`) and
+The library reports progress through callbacks ([`ProgressEvent`][dist_ckpt.engine.report.ProgressEvent]) and
 never draws anything; this module -- imported by the CLI only, so that importing dist_ckpt never
 imports tqdm -- turns the events into bars:
 
@@ -9,10 +9,12 @@ imports tqdm -- turns the events into bars:
   just written;
 * other phases advance one bar of the operation's phases.
 
-Example::
+Example:
 
-    with ProgressBars(enabled=True) as bars:
-        convert(src, dst, to="zarr", progress=bars)
+```python
+with ProgressBars(enabled=True) as bars:
+    convert(src, dst, to="zarr", progress=bars)
+```
 """
 
 from __future__ import annotations

@@ -2,36 +2,39 @@
 
 ``metadata.json`` is the last file of a save, written by rank 0 after every rank has flushed its
 files. Its presence (with valid content) is what makes a directory (or an object-store prefix) a
-checkpoint. Schema (format version 1)::
+checkpoint. Schema (format version 1):
 
-    {
-      "sharded_backend": "zarr",          # str: format of the sharded tensors
-      "sharded_backend_version": 1,       # int
-      "common_backend": "torch",          # str: format of the common (non-sharded) state
-      "common_backend_version": 1,        # int
-      "dist_ckpt": {                      # optional; written by dist_ckpt
-        "format_version": 1,
-        "library_version": "0.1.0",
-        "world_size": 4,
-        "save_id": "3f2a..."              # random id of the save that committed it
-      },
-      "integrity_records": {              # optional; every integrity record the save wrote
-        "safetensors/index.json": {"size": 1834, "crc32c": "1a2b3c4d", "version": 2}
-      }
-    }
+```python
+{
+  "sharded_backend": "zarr",          # str: format of the sharded tensors
+  "sharded_backend_version": 1,       # int
+  "common_backend": "torch",          # str: format of the common (non-sharded) state
+  "common_backend_version": 1,        # int
+  "dist_ckpt": {                      # optional; written by dist_ckpt
+    "format_version": 1,
+    "library_version": "0.1.0",
+    "world_size": 4,
+    "save_id": "3f2a..."              # random id of the save that committed it
+  },
+  "integrity_records": {              # optional; every integrity record the save wrote
+    "safetensors/index.json": {"size": 1834, "crc32c": "1a2b3c4d", "version": 2}
+  }
+}
+```
 
-``integrity_records`` (see :mod:`dist_ckpt.integrity.records`) makes integrity fail closed: a
+``integrity_records`` (see `dist_ckpt.integrity.records`) makes integrity fail closed: a
 record it lists that is missing, modified or downgraded is corruption, never "saved without
 checksums". A checkpoint without the field was saved before records existed and loads
 unverified, with a warning.
 
 Megatron-Core reads ``metadata.json`` with ``CheckpointingConfig(**json)`` and refuses any key it
-does not know. For the backends Megatron-Core loads (:data:`MEGATRON_BACKENDS`: ``torch_dist``)
+does not know. For the backends Megatron-Core loads (`MEGATRON_BACKENDS`: ``torch_dist``)
 ``metadata.json`` therefore holds exactly its four keys, as Megatron-Core writes them, and the
 ``"dist_ckpt"`` record and the ``integrity_records`` go to ``dist_ckpt.json``
-(:data:`RECORD_FILENAME`) beside it, written before the commit; :func:`read_save_record` and
-:func:`read_integrity_records` find them in either place. (Such a checkpoint written by
-Megatron-Core itself has no ``dist_ckpt.json``, so there a deleted ``dist_ckpt.json`` cannot be
+(`RECORD_FILENAME`) beside it, written before the commit;
+[`read_save_record()`][dist_ckpt.engine.commit.read_save_record] and
+[`read_integrity_records()`][dist_ckpt.engine.commit.read_integrity_records] find them in either place. (Such a
+checkpoint written by Megatron-Core itself has no ``dist_ckpt.json``, so there a deleted ``dist_ckpt.json`` cannot be
 told from one never written: it loads unverified, with the warning.)
 """
 
@@ -108,7 +111,8 @@ _FIELD_TYPES = {
 
 
 def new_save_id() -> str:
-    """A random identifier of one save, recorded in ``metadata.json`` (see :func:`save_config`)."""
+    """A random identifier of one save, recorded in ``metadata.json`` (see
+    [`save_config()`][dist_ckpt.engine.commit.save_config])."""
     return uuid.uuid4().hex
 
 
@@ -122,20 +126,22 @@ def save_config(
     """Write ``metadata.json`` atomically and durably: the commit of a checkpoint (rank 0 only).
 
     ``records`` are the integrity records the save wrote (see
-    :func:`dist_ckpt.engine.records.digest_records`); None writes none, which readers take for a
+    `dist_ckpt.engine.records.digest_records()`); None writes none, which readers take for a
     checkpoint saved before records existed (unverified).
 
-    The marker is created only if absent (:meth:`~dist_ckpt.storage.base.Storage.put_if_absent`:
+    The marker is created only if absent ([`put_if_absent()`][dist_ckpt.storage.base.Storage.put_if_absent]:
     on a local disk a fsynced temporary file hard-linked into place, then the directory fsynced;
     on an object store a put with ``If-None-Match: *``), so a commit never overwrites another
     save's marker. If the marker is already there -- e.g. the server applied a first attempt
     whose response was lost, and the client retried -- it is read back and accepted only if it
-    carries this save's ``save_id``; otherwise :class:`~dist_ckpt.errors.CheckpointExistsError`
+    carries this save's ``save_id``; otherwise [`CheckpointExistsError`][dist_ckpt.errors.CheckpointExistsError]
     is raised.
 
-    Example::
+    Example:
 
-        save_config(CheckpointingConfig("safetensors"), "s3://bucket/ckpt/iter_10", world_size=8)
+    ```python
+    save_config(CheckpointingConfig("safetensors"), "s3://bucket/ckpt/iter_10", world_size=8)
+    ```
     """
     location = resolve_location(checkpoint_dir)
     writer: Dict[str, Any] = {"format_version": FORMAT_VERSION, "library_version": LIBRARY_VERSION}
@@ -182,9 +188,11 @@ def read_save_record(checkpoint_dir: LocationLike) -> Dict[str, Any]:
     Raises:
         StorageError: an object store refused the request (credentials, missing bucket, ...).
 
-    Example::
+    Example:
 
-        read_save_record("ckpt/iter_10").get("world_size")     # 8
+    ```python
+    read_save_record("ckpt/iter_10").get("world_size")     # 8
+    ```
     """
     location = resolve_location(checkpoint_dir)
     for name in (METADATA_FILENAME, RECORD_FILENAME):
@@ -199,7 +207,7 @@ def read_save_record(checkpoint_dir: LocationLike) -> Dict[str, Any]:
 
 
 def _parse_record(raw: bytes, where: str) -> Dict[str, Any]:
-    """A JSON object of the commit (any damage: :class:`CorruptCheckpointError`)."""
+    """A JSON object of the commit (any damage: [`CorruptCheckpointError`][dist_ckpt.errors.CorruptCheckpointError])."""
     return want_object(loads(raw, where, MAX_SMALL_JSON_BYTES), where)
 
 
@@ -248,15 +256,17 @@ def maybe_load_config(checkpoint_dir: LocationLike) -> Optional[CheckpointingCon
 
 def read_integrity_records(checkpoint_dir: LocationLike) -> Optional[Dict[str, IntegrityRecord]]:
     """The integrity records ``metadata.json`` lists (for Megatron-format checkpoints,
-    ``dist_ckpt.json``; see :mod:`dist_ckpt.integrity.records`), or None for a checkpoint saved
+    ``dist_ckpt.json``; see `dist_ckpt.integrity.records`), or None for a checkpoint saved
     before records existed (or without ``metadata.json``).
 
     Raises:
         CorruptCheckpointError: ``metadata.json`` or its records are malformed.
 
-    Example::
+    Example:
 
-        read_integrity_records("ckpt/iter_10")["safetensors/index.json"].version   # 2
+    ```python
+    read_integrity_records("ckpt/iter_10")["safetensors/index.json"].version   # 2
+    ```
     """
     location = resolve_location(checkpoint_dir)
     found = _read_record(location)
@@ -314,12 +324,14 @@ HF_WEIGHT_FILES: Tuple[Tuple[str, bool, bool], ...] = (
 
 def detect_config(checkpoint_dir: LocationLike) -> CheckpointingConfig:
     """The config to load ``checkpoint_dir`` with: its ``metadata.json``; for a local folder without
-    one, :data:`HF_CONFIG` if it holds HuggingFace weights (``model.safetensors`` or its index), or
-    :data:`DCP_CONFIG` if it is a plain DCP directory (:func:`is_plain_dcp_directory`).
+    one, `HF_CONFIG` if it holds HuggingFace weights (``model.safetensors`` or its index), or
+    `DCP_CONFIG` if it is a plain DCP directory
+    ([`is_plain_dcp_directory()`][dist_ckpt.engine.commit.is_plain_dcp_directory]).
 
-    Neither is a committed dist_ckpt checkpoint (:func:`check_is_distributed_checkpoint` stays
-    False); this only lets ``load`` read them. Both are read from local disks only (storages with
-    ``local_paths``: the HF reader and DCP's file reader need files).
+    Neither is a committed dist_ckpt checkpoint
+    ([`check_is_distributed_checkpoint()`][dist_ckpt.engine.commit.check_is_distributed_checkpoint] stays False); this
+    only lets ``load`` read them. Both are read from local disks only (storages with ``local_paths``: the HF reader and
+    DCP's file reader need files).
     """
     location = resolve_location(checkpoint_dir)
     if location.local_paths and not location.exists(METADATA_FILENAME):
@@ -339,9 +351,11 @@ def is_plain_dcp_directory(checkpoint_dir: LocationLike) -> bool:
     dist_ckpt's torch_dist saves -- is not: there ``metadata.json`` is the commit record, and
     without it the save did not finish.
 
-    Example::
+    Example:
 
-        is_plain_dcp_directory("torchtitan/step-1000")   # True
+    ```python
+    is_plain_dcp_directory("torchtitan/step-1000")   # True
+    ```
     """
     location = resolve_location(checkpoint_dir)
     if not location.exists(DCP_METADATA_FILENAME) or location.list_dirs():
@@ -353,8 +367,8 @@ def check_is_distributed_checkpoint(checkpoint_dir: LocationLike) -> bool:
     """True if ``checkpoint_dir`` holds a ``metadata.json`` with a valid config.
 
     A damaged ``metadata.json`` gives False; on an object store, a refused request (wrong
-    credentials, missing bucket, retries exhausted) raises its :class:`StorageError` instead of
-    passing for "no checkpoint".
+    credentials, missing bucket, retries exhausted) raises its [`StorageError`][dist_ckpt.storage.errors.StorageError]
+    instead of passing for "no checkpoint".
     """
     try:
         return maybe_load_config(checkpoint_dir) is not None

@@ -4,16 +4,16 @@ Everything else asks here for the rank, the world size, and for collectives that
 JSON documents (never pickles). With no process group initialized, the world is a single rank
 and every collective is a local no-op, so single-process users need no process group.
 
-Errors must never leave the other ranks hanging: :func:`raise_if_any_rank_failed` exchanges a
+Errors must never leave the other ranks hanging: `raise_if_any_rank_failed()` exchanges a
 success flag after each step that could fail on some ranks only, and raises the same
-:class:`~dist_ckpt.errors.CheckpointingException` on every rank, naming the rank that failed.
+[`CheckpointingException`][dist_ckpt.errors.CheckpointingException] on every rank, naming the rank that failed.
 
 A rank that dies (killed, out of memory, a crashed host) cannot report anything: the transport
 of the next collective fails instead (gloo: "Connection closed by peer", NCCL: a
 ``DistBackendError``, either: a timeout). Every collective here turns that into
-:class:`~dist_ckpt.errors.RankFailedError` on each survivor, naming the step it was in and the
+[`RankFailedError`][dist_ckpt.errors.RankFailedError] on each survivor, naming the step it was in and the
 ranks that did not answer a short roll call over the process group's store
-(:func:`_failed_ranks`); the process group is unusable afterwards, so no further exchange
+(`_failed_ranks()`); the process group is unusable afterwards, so no further exchange
 is attempted.
 """
 
@@ -48,7 +48,7 @@ _local_only = threading.local()
 
 def is_distributed() -> bool:
     """True when a torch.distributed process group is initialized (and this thread is not in a
-    :func:`local_only` block)."""
+    `local_only()` block)."""
     return dist.is_available() and dist.is_initialized() and not getattr(_local_only, "depth", 0)
 
 
@@ -61,10 +61,12 @@ def local_only() -> Iterator[None]:
     whole tensors, as Megatron-Core's do), so that nothing they call waits for other ranks
     that never come. Messages written inside say rank 0.
 
-    Example::
+    Example:
 
-        with local_only():
-            tensors = strategy.load(metadata, location)   # no collective, on any one rank
+    ```python
+    with local_only():
+        tensors = strategy.load(metadata, location)   # no collective, on any one rank
+    ```
     """
     _local_only.depth = getattr(_local_only, "depth", 0) + 1
     try:
@@ -207,12 +209,14 @@ def _as_uint8(data: bytes) -> torch.Tensor:
 def gather_bytes(data: bytes, dst: int = 0, group: Optional[ProcessGroup] = None) -> Optional[List[bytes]]:
     """Every rank's ``data`` on group rank ``dst`` (None elsewhere), in group-rank order.
 
-    For compact binary metadata (see :mod:`dist_ckpt.model.columns`): two collectives, the sizes
+    For compact binary metadata (see `dist_ckpt.model.columns`): two collectives, the sizes
     and the payloads padded to the largest; only rank ``dst`` holds ``world * largest`` bytes.
 
-    Example::
+    Example:
 
-        blobs = gather_bytes(encode_table(local_table))   # list of bytes on rank 0, None elsewhere
+    ```python
+    blobs = gather_bytes(encode_table(local_table))   # list of bytes on rank 0, None elsewhere
+    ```
     """
     if get_world_size(group) == 1:
         return [bytes(data)]
@@ -238,9 +242,11 @@ def all_gather_bytes(data: bytes, group: Optional[ProcessGroup] = None) -> List[
 def all_reduce_max(values: Sequence[int], group: Optional[ProcessGroup] = None) -> List[int]:
     """Collective: the element-wise maximum of every rank's ``values`` (int64; one all-reduce).
 
-    Example::
+    Example:
 
-        changed_anywhere, = all_reduce_max([1 if changed else 0])
+    ```python
+    changed_anywhere, = all_reduce_max([1 if changed else 0])
+    ```
     """
     if get_world_size(group) == 1:
         return [int(v) for v in values]
@@ -282,10 +288,10 @@ def broadcast_tensor(
 ) -> None:
     """Broadcast ``tensor`` in place from group rank ``src`` to every rank of ``group``.
 
-    ``tensor`` must be contiguous, live on :func:`comm_device` and have the same shape and dtype
+    ``tensor`` must be contiguous, live on `comm_device()` and have the same shape and dtype
     on every rank. Only call it once every rank knows the source succeeded (exchange a success
     flag first): a broadcast cannot report a failure of its source. A failure of the transport
-    itself (a peer rank exited, a timeout) raises :class:`RankFailedError` naming ``what``,
+    itself (a peer rank exited, a timeout) raises [`RankFailedError`][dist_ckpt.errors.RankFailedError] naming ``what``,
     the source and this rank; the other ranks see the same transport failure.
     """
     if get_world_size(group) == 1:
@@ -307,10 +313,12 @@ def _any_rank_true(flag: bool, group: Optional[ProcessGroup]) -> bool:
 def all_ranks_true(flag: bool, group: Optional[ProcessGroup] = None) -> bool:
     """Collective: whether ``flag`` is True on every rank of ``group`` (one small all-reduce).
 
-    Example::
+    Example:
 
-        if all_ranks_true(my_write_finished):   # every rank agrees on the answer
-            finalize()
+    ```python
+    if all_ranks_true(my_write_finished):   # every rank agrees on the answer
+        finalize()
+    ```
     """
     if get_world_size(group) == 1:
         return flag
@@ -337,7 +345,7 @@ def _default_store() -> Any:
 def _publish_identity() -> None:
     """Once per default process group: put this process's identity in the group's store, so
     that after a transport failure the survivors can tell a dead rank of their own machine from
-    one blocked in a collective (:func:`_failed_ranks`). One small store write per process."""
+    one blocked in a collective (`_failed_ranks()`). One small store write per process."""
     default = dist.distributed_c10d._get_default_group()
     if _published and _published[0]() is default:
         return
@@ -366,7 +374,7 @@ def _failed_ranks(group: Optional[ProcessGroup]) -> Optional[List[int]]:
     is checked directly: its process exists or not. The others get a roll call: each survivor
     sets ``dist_ckpt/alive/<n>/<rank>`` in the store (every survivor hits the failure, so each
     calls this for the same ``n``-th failure of its process) and waits up to
-    :data:`ROLL_CALL_S` for theirs; a rank that never answers is reported (dead, or blocked in
+    `ROLL_CALL_S` for theirs; a rank that never answers is reported (dead, or blocked in
     a collective). The store lives on rank 0 (TCPStore): when it is unreachable, rank 0 is
     reported.
     """
@@ -403,13 +411,15 @@ def _failed_ranks(group: Optional[ProcessGroup]) -> Optional[List[int]]:
 
 
 def is_transport_failure(error: BaseException) -> bool:
-    """Whether ``error`` is the :class:`RankFailedError` of a failed collective transport (a peer
-    rank died or stopped responding): the process group cannot be used any more.
+    """Whether ``error`` is the [`RankFailedError`][dist_ckpt.errors.RankFailedError] of a failed collective transport
+    (a peer rank died or stopped responding): the process group cannot be used any more.
 
-    Example::
+    Example:
 
-        except RankFailedError as e:
-            if is_transport_failure(e): print("ranks", e.failed_ranks, "died during", e.step)
+    ```text
+    except RankFailedError as e:
+        if is_transport_failure(e): print("ranks", e.failed_ranks, "died during", e.step)
+    ```
     """
     return bool(getattr(error, _TRANSPORT_FAILED, False))
 
@@ -458,8 +468,9 @@ def _is_transport_error(error: RuntimeError) -> bool:
 
 def _collective(what: str, group: Optional[ProcessGroup], fn: Callable[[], Any]) -> Any:
     """Run the collective ``fn``; a failure of its transport (a peer rank died or stopped
-    responding: gloo and NCCL raise ``RuntimeError`` subclasses) becomes :class:`RankFailedError`
-    naming the step this thread is in and the ranks that did not answer the roll call."""
+    responding: gloo and NCCL raise ``RuntimeError`` subclasses) becomes
+    [`RankFailedError`][dist_ckpt.errors.RankFailedError] naming the step this thread is in and the ranks that did not
+    answer the roll call."""
     _publish_identity()
     try:
         return fn()
@@ -502,7 +513,7 @@ def _with_rank(info: dict[str, Any]) -> str:
 def _key_mismatch(failures: List[dict[str, Any]], failed_ranks: List[int]) -> KeyMismatchError:
     """One KeyMismatchError naming the keys of every rank that had one: each rank may request
     keys of its own, and the error every rank raises must name them all. Ranks whose messages
-    differ only in the rank are listed once; at most :data:`~dist_ckpt.errors.MAX_REPORTED_PROBLEMS`
+    differ only in the rank are listed once; at most `MAX_REPORTED_PROBLEMS`
     different messages are shown. The key attributes are the union of what the ranks sent."""
     mismatches = [i for i in failures if i["type"] == KeyMismatchError.__name__]
     by_text: Dict[str, List[int]] = {}
@@ -549,8 +560,8 @@ def raise_if_any_rank_failed(error: Optional[BaseException], step: str, group: O
 
     Every rank of ``group`` must call this with its own outcome of ``step`` (None for success).
     Errors of the CheckpointingException family keep their type; others become
-    :class:`RankFailedError`. The error of the lowest failing rank is reported. Without a process
-    group the local error is re-raised unchanged.
+    [`RankFailedError`][dist_ckpt.errors.RankFailedError]. The error of the lowest failing rank is reported. Without a
+    process group the local error is re-raised unchanged.
 
     Steps nest (a strategy's steps run inside ``save``'s). Every exchange has the same message
     pattern, so a rank failing in an outer step pairs with ranks inside an inner step; an error
@@ -585,12 +596,14 @@ _active_steps_lock = threading.Lock()
 
 
 def active_steps(thread_id: Optional[int] = None) -> Tuple[str, ...]:
-    """The :func:`run_collectively` steps that thread ``thread_id`` (default: the calling thread)
+    """The `run_collectively()` steps that thread ``thread_id`` (default: the calling thread)
     is in right now, outermost first.
 
-    Example::
+    Example:
 
-        active_steps()   # ('saving sharded tensors', 'writing safetensors files') inside a save
+    ```python
+    active_steps()   # ('saving sharded tensors', 'writing safetensors files') inside a save
+    ```
     """
     with _active_steps_lock:
         return tuple(_active_steps.get(threading.get_ident() if thread_id is None else thread_id, ()))
@@ -614,11 +627,13 @@ def _leave_step() -> None:
 def run_collectively(step: str, fn: Callable[[], T], group: Optional[ProcessGroup] = None) -> T:
     """Run ``fn`` on every rank; if it raises on any rank, raise on every rank.
 
-    While it runs, ``step`` is listed by :func:`active_steps` (for the watchdog's messages).
+    While it runs, ``step`` is listed by `active_steps()` (for the watchdog's messages).
 
-    Example::
+    Example:
 
-        run_collectively("writing common.pt", lambda: strategy.save_common(common, ckpt_dir))
+    ```python
+    run_collectively("writing common.pt", lambda: strategy.save_common(common, ckpt_dir))
+    ```
     """
     _enter_step(step)
     try:

@@ -4,10 +4,12 @@ The request's ShardedTensors say which part of each global tensor this rank want
 layout the loading job uses; the stored layout may differ. Numbered steps read ``metadata.json``,
 the common state, match keys, read the tensors (in place where allocated) and reassemble.
 
-Example::
+Example:
 
-    import dist_ckpt as dc
-    loaded = dc.load(sd_for_new_layout, "ckpt/iter_10")
+```python
+import dist_ckpt as dc
+loaded = dc.load(sd_for_new_layout, "ckpt/iter_10")
+```
 """
 
 from __future__ import annotations
@@ -46,13 +48,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LoadResult:
-    """What :func:`load_with_report` returns, whatever the ``strict`` mode.
+    """What [`load_with_report()`][dist_ckpt.engine.load.load_with_report] returns, whatever the ``strict`` mode.
 
     Attributes:
         state_dict: the loaded state dict.
         missing_keys: keys in the checkpoint that no rank requested (found by ``*_ALL`` modes).
         unexpected_keys: keys this rank requested that the checkpoint lacks (skipped).
-        report: seconds per phase, bytes read, files, throughput (see :mod:`dist_ckpt.engine.report`).
+        report: seconds per phase, bytes read, files, throughput (see
+            [`dist_ckpt.engine.report`][dist_ckpt.engine.report]).
     """
 
     state_dict: StateDict
@@ -89,8 +92,9 @@ def load_with_report(
     watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
     allow_dtype_cast: Optional[bool] = None,
 ) -> LoadResult:
-    """Load like :func:`load`, always returning a :class:`LoadResult` (collective), with the
-    load's report (seconds per phase, bytes, files, throughput; also logged at INFO on rank 0).
+    """Load like [`load()`][dist_ckpt.engine.load.load], always returning a
+    [`LoadResult`][dist_ckpt.engine.load.LoadResult] (collective), with the load's report (seconds per phase, bytes,
+    files, throughput; also logged at INFO on rank 0).
 
     Steps:
 
@@ -101,17 +105,19 @@ def load_with_report(
        ``validate_access_integrity``, check the requested sharding on rank 0.
     4. Load ShardedObjects and ShardedTensors (in place where ``data`` is allocated).
     5. Put loaded values and LocalNonPersistentObjects' local values where the request has
-       them (see :mod:`dist_ckpt.engine.state_assembly`), then apply factory merges.
+       them (see `dist_ckpt.engine.state_assembly`), then apply factory merges.
 
     A key requested but absent from the checkpoint raises (naming it) unless ``strict`` says
     to skip it; it is never silently left unloaded. ``progress`` and ``watchdog_timeout_s`` are
-    as in :func:`save`, ``allow_dtype_cast`` as in :func:`load`.
+    as in [`save()`][dist_ckpt.engine.save.save], ``allow_dtype_cast`` as in [`load()`][dist_ckpt.engine.load.load].
 
-    Example::
+    Example:
 
-        result = load_with_report(sd, "ckpt/iter_10")
-        model_state, report = result.state_dict, result.report
-        print(report.summary())
+    ```python
+    result = load_with_report(sd, "ckpt/iter_10")
+    model_state, report = result.state_dict, result.report
+    print(report.summary())
+    ```
     """
     phases = [Step.OPEN_CHECKPOINT, Step.LOAD_COMMON, Step.MATCH_KEYS, Step.LOAD_SHARDED, Step.ASSEMBLE]
     location = run_collectively("opening the checkpoint location", lambda: resolve_location(checkpoint_dir))
@@ -140,8 +146,8 @@ def _load_steps(
     strict: StrictHandling,
     allow_dtype_cast: Optional[bool],
 ) -> Tuple[StateDict, Set[str], Set[str], int]:
-    """The numbered steps of :func:`load_with_report`; returns the state, the missing and
-    unexpected keys, and the tensor bytes this rank requested."""
+    """The numbered steps of [`load_with_report()`][dist_ckpt.engine.load.load_with_report]; returns the state, the
+    missing and unexpected keys, and the tensor bytes this rank requested."""
 
     # 1. strategies
     def strategies() -> Tuple[LoadShardedStrategy, LoadCommonStrategy]:
@@ -210,10 +216,10 @@ def load(
 ) -> Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]:
     """Load a checkpoint into the layout described by ``sharded_state_dict`` (collective).
 
-    See :func:`load_with_report` for the steps. Megatron-Core compatible: with
+    See [`load_with_report()`][dist_ckpt.engine.load.load_with_report] for the steps. Megatron-Core compatible: with
     ``strict=StrictHandling.RETURN_UNEXPECTED`` or ``RETURN_ALL`` the result is
     ``(state_dict, missing_keys, unexpected_keys)``, otherwise the state dict. New code that
-    wants one return type should call :func:`load_with_report`.
+    wants one return type should call [`load_with_report()`][dist_ckpt.engine.load.load_with_report].
 
     Args:
         sharded_state_dict: what to load: ShardedTensors describe this rank's part of each
@@ -223,22 +229,25 @@ def load(
             registered for the checkpoint's backend.
         common_strategy: a LoadCommonStrategy or ``(backend, version)``.
         validate_access_integrity: check that the requested main replicas form a valid sharding.
-        strict: how to handle key mismatches (:class:`StrictHandling` or its value).
-        progress: called with a :class:`~dist_ckpt.engine.report.ProgressEvent` as each step starts
+        strict: how to handle key mismatches ([`StrictHandling`][dist_ckpt.engine.checks.strict.StrictHandling] or its
+            value).
+        progress: called with a [`ProgressEvent`][dist_ckpt.engine.report.ProgressEvent] as each step starts
             and ends (keyword only).
-        watchdog_timeout_s: as in :func:`save` (keyword only).
+        watchdog_timeout_s: as in [`save()`][dist_ckpt.engine.save.save] (keyword only).
         allow_dtype_cast: whether a requested dtype may differ from the stored one (keyword
             only). The loaders cast by default, as Megatron-Core and torch.distributed.checkpoint
             do: each stored piece is read in its dtype and converted while copied into the
-            requested tensor (:mod:`dist_ckpt.model.dtype_cast` has the rule; the keys cast are
+            requested tensor (`dist_ckpt.model.dtype_cast` has the rule; the keys cast are
             logged at INFO). ``False`` raises ``LoadMismatchError`` naming the key, rank,
             checkpoint and both dtypes instead; ``None`` leaves the choice to the strategy's own
             option (e.g. ``SafetensorsLoadOptions(allow_dtype_cast=...)``).
 
-    Example::
+    Example:
 
-        dc.load(bf16_model_sd, "ckpt/iter_10")                            # fp32 on disk: cast
-        dc.load(bf16_model_sd, "ckpt/iter_10", allow_dtype_cast=False)    # LoadMismatchError
+    ```python
+    dc.load(bf16_model_sd, "ckpt/iter_10")                            # fp32 on disk: cast
+    dc.load(bf16_model_sd, "ckpt/iter_10", allow_dtype_cast=False)    # LoadMismatchError
+    ```
     """
     result = load_with_report(
         sharded_state_dict,

@@ -1,9 +1,9 @@
 """Read one part of a checkpoint: common state, metadata, whole tensors, ShardedObjects.
 
-Unlike :func:`dist_ckpt.load`, these read what the checkpoint holds rather than a layout the
+Unlike [`dist_ckpt.load()`][dist_ckpt.engine.load.load], these read what the checkpoint holds rather than a layout the
 caller describes, and need no process group. None is collective: any one rank may call them on
 its own while a process group is initialized (as with Megatron-Core's), since they run inside
-:func:`~dist_ckpt.engine.distributed.local_only`.
+`local_only()`.
 """
 
 from __future__ import annotations
@@ -29,15 +29,17 @@ def load_tensors_metadata(checkpoint_dir: LocationLike, sharded_strategy: Strate
 
     The ShardedTensors describe whole, unsharded tensors as they were saved, as Megatron-Core's
     do: ``local_shape == global_shape``, and a tensor saved as flattened ranges (distributed
-    optimizer) has a ``flattened_range`` covering all of it. Passed to :func:`load`, the result
-    reads every tensor whole: with its shape, or flat (1-D) when it was saved flattened
-    (:func:`dist_ckpt.model.stored_metadata.shaped` gives the shaped description instead).
+    optimizer) has a ``flattened_range`` covering all of it. Passed to [`load()`][dist_ckpt.engine.load.load], the
+    result reads every tensor whole: with its shape, or flat (1-D) when it was saved flattened
+    (`dist_ckpt.model.stored_metadata.shaped()` gives the shaped description instead).
     Needs no process group, not collective.
 
-    Example::
+    Example:
 
-        meta = load_tensors_metadata("ckpt/iter_10")
-        meta["optimizer.exp_avg"].flattened_range      # slice(0, numel) if saved flattened
+    ```python
+    meta = load_tensors_metadata("ckpt/iter_10")
+    meta["optimizer.exp_avg"].flattened_range      # slice(0, numel) if saved flattened
+    ```
     """
     with local_only():
         location = resolve_location(checkpoint_dir)
@@ -62,9 +64,10 @@ def load_sharded_metadata(
 
 def load_plain_tensors(checkpoint_dir: LocationLike) -> StateDict:
     """Every stored tensor, whole, keyed by its checkpoint key (the common state is not included):
-    :func:`load` of :func:`load_tensors_metadata`, as in Megatron-Core, so a tensor saved as
-    flattened ranges comes back flat (1-D); :func:`dist_ckpt.unshard` returns every tensor with
-    its shape.
+    [`load()`][dist_ckpt.engine.load.load] of
+    [`load_tensors_metadata()`][dist_ckpt.engine.load_parts.load_tensors_metadata], as in Megatron-Core, so a tensor
+    saved as flattened ranges comes back flat (1-D); [`dist_ckpt.unshard()`][dist_ckpt.tools.unshard.unshard] returns
+    every tensor with its shape.
 
     Not collective: the calling rank alone reads every tensor, whether or not the other ranks
     call it too.

@@ -1,25 +1,27 @@
 """Instrumentation of the numbered steps of ``save`` and ``load``: timings, progress, watchdog.
 
 ``dist_ckpt.save`` and ``dist_ckpt.load`` are sequences of named collective steps
-(:func:`~dist_ckpt.engine.distributed.run_collectively`). A :class:`StepMonitor` runs each of them
+(`run_collectively()`). A [`StepMonitor`][dist_ckpt.engine.monitor.StepMonitor] runs each of them
 instead, adding three things around it, without any change to the backends:
 
-* the seconds of the step, into a :class:`~dist_ckpt.engine.report.CheckpointReport`;
+* the seconds of the step, into a [`CheckpointReport`][dist_ckpt.engine.report.CheckpointReport];
 * ``progress`` callbacks when the step starts and ends (inside the step, so a callback that
   raises fails the step on every rank instead of leaving the others waiting);
-* the step's name for the :class:`~dist_ckpt.engine.watchdog.Watchdog`, whose thread runs while the
+* the step's name for the [`Watchdog`][dist_ckpt.engine.watchdog.Watchdog], whose thread runs while the
   monitor is entered.
 
-:meth:`StepMonitor.finish` then completes the report (collective: one small gather of every
-rank's bytes and time; rank 0 lists the checkpoint's files) and logs it.
+[`StepMonitor.finish()`][dist_ckpt.engine.monitor.StepMonitor.finish] then completes the report (collective: one small
+gather of every rank's bytes and time; rank 0 lists the checkpoint's files) and logs it.
 
-Example::
+Example:
 
-    monitor = StepMonitor(Operation.SAVE, "ckpt/iter_10", [Step.SAVE_SHARDED, Step.COMMIT], progress=None)
-    with monitor:
-        monitor.run(Step.SAVE_SHARDED, write_files)
-        monitor.run(Step.COMMIT, commit)
-    report = monitor.finish(count_files=True)
+```python
+monitor = StepMonitor(Operation.SAVE, "ckpt/iter_10", [Step.SAVE_SHARDED, Step.COMMIT], progress=None)
+with monitor:
+    monitor.run(Step.SAVE_SHARDED, write_files)
+    monitor.run(Step.COMMIT, commit)
+report = monitor.finish(count_files=True)
+```
 """
 
 from __future__ import annotations
@@ -49,9 +51,11 @@ T = TypeVar("T")
 def main_replica_bytes(sharded_state_dict: ShardedStateDict) -> int:
     """Tensor bytes a rank saves: the data of its main-replica ShardedTensors.
 
-    Example::
+    Example:
 
-        main_replica_bytes({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4))})   # 16
+    ```python
+    main_replica_bytes({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4))})   # 16
+    ```
     """
     return sum(
         sh.data.numel() * sh.data.element_size()
@@ -64,9 +68,11 @@ def requested_bytes(sharded_state_dict: ShardedStateDict) -> int:
     """Tensor bytes a rank loads: every ShardedTensor it requests, replicas included (a flattened
     one counts its range).
 
-    Example::
+    Example:
 
-        requested_bytes({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4))})   # 16
+    ```python
+    requested_bytes({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4))})   # 16
+    ```
     """
     total = 0
     for sh in nested_values(sharded_state_dict):
@@ -81,9 +87,11 @@ def count_files(checkpoint_dir: LocationLike) -> Tuple[Optional[int], Optional[i
     """``(files, bytes)`` of the checkpoint at ``checkpoint_dir`` as its storage lists them, or
     ``(None, None)`` if it cannot be listed (a report is no reason to fail a save).
 
-    Example::
+    Example:
 
-        files, nbytes = count_files("ckpt/iter_10")
+    ```python
+    files, nbytes = count_files("ckpt/iter_10")
+    ```
     """
     try:
         objects = resolve_location(checkpoint_dir).list()
@@ -101,7 +109,7 @@ class StepMonitor:
         checkpoint_dir: the checkpoint: a path, a URL or a storage.
         phases: the names of the steps that will run, in order (for the progress events'
             ``index`` / ``total``; a step not listed is numbered after them).
-        progress: called with a :class:`~dist_ckpt.engine.report.ProgressEvent` when a step starts and
+        progress: called with a [`ProgressEvent`][dist_ckpt.engine.report.ProgressEvent] when a step starts and
             when it ends.
         watchdog_timeout_s: log a WARNING when a step lasts longer (None: no watchdog).
     """
@@ -169,13 +177,14 @@ class StepMonitor:
         )
 
     def heartbeat(self) -> None:
-        """The current step made progress: restart its watchdog clock (see :meth:`Watchdog.touch`)."""
+        """The current step made progress: restart its watchdog clock (see
+        [`Watchdog.touch()`][dist_ckpt.engine.watchdog.Watchdog.touch])."""
         if self._watchdog is not None:
             self._watchdog.touch()
 
     def run(self, phase: Step, fn: Callable[[], T]) -> T:
         """Run ``fn`` as the collective step ``phase`` (see
-        :func:`~dist_ckpt.engine.distributed.run_collectively`), timed and reported."""
+        `run_collectively()`), timed and reported."""
 
         def body() -> T:
             self.notify(phase, done=False)
@@ -192,7 +201,7 @@ class StepMonitor:
             self.report.phases.append(PhaseTiming(phase.value, time.perf_counter() - start))
 
     def add_phase(self, phase: Step, seconds: float) -> None:
-        """Record a phase that ran outside :meth:`run` (e.g. an async save's background write)."""
+        """Record a phase that ran outside [`run()`][..run] (e.g. an async save's background write)."""
         self.report.phases.append(PhaseTiming(phase.value, seconds))
 
     # ----------------------------------------------------------------------- the end

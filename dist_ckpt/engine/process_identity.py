@@ -1,17 +1,19 @@
 """Which process is which, across machines: enough to prove that a process is gone.
 
-A :class:`ProcessIdentity` names one process: the machine's kernel boot (``boot_id``), its PID
+A `ProcessIdentity` names one process: the machine's kernel boot (``boot_id``), its PID
 namespace, its PID and that process's start time (so a reused PID is not mistaken for it).
-:meth:`ProcessIdentity.running` answers True or False only for a process of this machine and
+`ProcessIdentity.running()` answers True or False only for a process of this machine and
 namespace, None elsewhere: a process on another machine can never be proven dead from here.
 
-Used by :mod:`dist_ckpt.engine.save_claim` (may an interrupted save's files be cleared?) and
-:mod:`dist_ckpt.engine.distributed` (which rank died during a collective?).
+Used by `dist_ckpt.engine.save_claim` (may an interrupted save's files be cleared?) and
+`dist_ckpt.engine.distributed` (which rank died during a collective?).
 
-Example::
+Example:
 
-    me = ProcessIdentity.current()
-    me.running()                      # True
+```python
+me = ProcessIdentity.current()
+me.running()                      # True
+```
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ class ProcessIdentity:
 
     @classmethod
     def from_json(cls, doc: Any) -> Optional["ProcessIdentity"]:
-        """The identity in ``doc`` (a dict as :meth:`to_json` writes), or None if malformed."""
+        """The identity in ``doc`` (a dict as `to_json()` writes), or None if malformed."""
         if not isinstance(doc, dict):
             return None
 

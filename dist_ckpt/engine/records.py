@@ -1,13 +1,13 @@
 """Integrity records on disk: digested at commit, checked at every read (fails closed).
 
 The records a save writes (checksum manifests, the safetensors index; see
-:mod:`dist_ckpt.integrity.records`) are declared by its strategies
+`dist_ckpt.integrity.records`) are declared by its strategies
 (``SaveStrategyBase.integrity_records``). At commit, rank 0 digests the ones present
-(:func:`digest_records`) and :func:`~dist_ckpt.engine.commit.save_config` lists them in
-``metadata.json``. Every reader of a record goes through :func:`read_recorded`:
+(`digest_records()`) and [`save_config()`][dist_ckpt.engine.commit.save_config] lists them in
+``metadata.json``. Every reader of a record goes through `read_recorded()`:
 
 * the record is listed: it must exist with the recorded size, crc32c and version, else
-  :class:`~dist_ckpt.errors.CorruptCheckpointError` (deleting ``zarr/checksums.json`` or rewriting
+  [`CorruptCheckpointError`][dist_ckpt.errors.CorruptCheckpointError] (deleting ``zarr/checksums.json`` or rewriting
   ``safetensors/index.json`` as version 1 no longer switches verification off);
 * ``metadata.json`` lists records but not this one: the save did not write it (e.g. saved
   without checksums); a file found there anyway was not written by the save and is refused;
@@ -15,11 +15,13 @@ The records a save writes (checksum manifests, the safetensors index; see
   engine logs that once per load).
 
 Tools that change a committed checkpoint (``remove_sharded_tensors``) rewrite the record and
-then its entry (:func:`refresh_record`).
+then its entry (`refresh_record()`).
 
-Example::
+Example:
 
-    raw = read_recorded(LocalStorage("ckpt/iter_10"), "zarr/checksums.json")   # None: none was written
+```python
+raw = read_recorded(LocalStorage("ckpt/iter_10"), "zarr/checksums.json")   # None: none was written
+```
 """
 
 from __future__ import annotations
@@ -50,9 +52,11 @@ def location_of_node(node: Union[Storage, ObjectPath]) -> Storage:
 def digest_records(storage: Storage, names: Iterable[str]) -> Dict[str, IntegrityRecord]:
     """The records of the files ``names`` that exist in the checkpoint ``storage`` (rank 0, at commit).
 
-    Example::
+    Example:
 
-        digest_records(LocalStorage("ckpt"), ["safetensors/index.json", "zarr/checksums.json"])
+    ```python
+    digest_records(LocalStorage("ckpt"), ["safetensors/index.json", "zarr/checksums.json"])
+    ```
     """
     records: Dict[str, IntegrityRecord] = {}
     for name in sorted(set(names)):
@@ -103,9 +107,11 @@ def refresh_record(storage: Storage, key: str) -> None:
     Megatron-format checkpoint) after a tool rewrote the record (one process). Nothing to do for
     a checkpoint saved before records existed, or without ``metadata.json``.
 
-    Example::
+    Example:
 
-        refresh_record(LocalStorage("ckpt"), "safetensors/index.json")   # after remove_sharded_tensors
+    ```python
+    refresh_record(LocalStorage("ckpt"), "safetensors/index.json")   # after remove_sharded_tensors
+    ```
     """
     for name in (METADATA_FILENAME, RECORD_FILENAME):
         try:

@@ -2,16 +2,17 @@
 
 Where strategies come from (nothing registers at import time):
 
-1. :func:`register_default_strategy` calls made by the application;
+1. [`register_default_strategy()`][dist_ckpt.engine.registry.register_default_strategy] calls made by the application;
 2. the built-in table below (``"module:Class"`` strings imported on first use);
 3. the entry-point group ``dist_ckpt.strategies``: an entry point named
    ``<action>.<backend>.<version>`` (e.g. ``load_sharded.mybackend.1``) pointing at a strategy
    class or factory.
 
 A key has one default. Other built-in engines for the same on-disk format (TensorStore for
-``("zarr", 1)``) are *alternatives*, listed by :func:`alternative_strategies` and built by
-:func:`get_alternative_strategy`; they are never chosen implicitly. The engine looks backends up
-here and never imports a concrete one.
+``("zarr", 1)``) are *alternatives*, listed by
+[`alternative_strategies()`][dist_ckpt.engine.registry.alternative_strategies] and built by
+[`get_alternative_strategy()`][dist_ckpt.engine.registry.get_alternative_strategy]; they are never chosen implicitly.
+The engine looks backends up here and never imports a concrete one.
 """
 
 from __future__ import annotations
@@ -163,9 +164,11 @@ def register_default_strategy(
             factory, such as the class itself (called on every lookup).
         override: replace an existing registration instead of raising.
 
-    Example::
+    Example:
 
-        register_default_strategy(StrategyAction.LOAD_SHARDED, "mybackend", 1, MyLoadStrategy)
+    ```python
+    register_default_strategy(StrategyAction.LOAD_SHARDED, "mybackend", 1, MyLoadStrategy)
+    ```
     """
     if not isinstance(action, StrategyAction):
         raise StrategyRegistrationError(f"action must be a StrategyAction, got {action!r}")
@@ -205,7 +208,7 @@ def _entry_points() -> Dict[StrategyKey, importlib_metadata.EntryPoint]:
 
 
 def registered_strategies() -> List[StrategyKey]:
-    """Every key that :func:`get_default_strategy` can resolve, sorted."""
+    """Every key that [`get_default_strategy()`][dist_ckpt.engine.registry.get_default_strategy] can resolve, sorted."""
     keys = set(_registry) | set(_BUILTINS) | set(_entry_points())
     return sorted(keys, key=lambda k: (k.action.value, k.backend, k.version))
 
@@ -261,9 +264,11 @@ def alternative_strategies(action: StrategyAction, backend: str, version: int) -
     """Names of the built-in alternatives to the default strategy of ``(action, backend, version)``:
     other engines for the same on-disk format (e.g. ``"tensorstore"`` for ``("zarr", 1)``).
 
-    Listing imports nothing. Example::
+    Listing imports nothing. Example:
 
-        alternative_strategies(StrategyAction.LOAD_SHARDED, "zarr", 1)   # ['tensorstore']
+    ```python
+    alternative_strategies(StrategyAction.LOAD_SHARDED, "zarr", 1)   # ['tensorstore']
+    ```
     """
     return sorted(_ALTERNATIVES.get(_key(action, backend, version), {}))
 

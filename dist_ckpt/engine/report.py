@@ -1,24 +1,26 @@
 """What a save, load or conversion did: reports and progress events.
 
-A :class:`CheckpointReport` is the summary of one operation on one rank -- the seconds of each
-phase, the tensor bytes this rank wrote or read, and, gathered from every rank at the end, the
+A [`CheckpointReport`][dist_ckpt.engine.report.CheckpointReport] is the summary of one operation on one rank -- the
+seconds of each phase, the tensor bytes this rank wrote or read, and, gathered from every rank at the end, the
 total bytes, the time of the slowest rank and the files of the checkpoint -- with the throughput
 derived from them. ``dist_ckpt.save_with_report`` and ``dist_ckpt.load_with_report`` return one;
 every save and load logs it at INFO (rank 0, the whole job) and DEBUG (each rank).
 
-A :class:`ProgressEvent` is what an opt-in progress callback receives: a phase starts or ends,
-or (in a conversion) one more tensor is done. Callbacks run on the calling thread, inside the
+A [`ProgressEvent`][dist_ckpt.engine.report.ProgressEvent] is what an opt-in progress callback receives: a phase starts
+or ends, or (in a conversion) one more tensor is done. Callbacks run on the calling thread, inside the
 operation's steps: an exception raised by a callback fails the operation on every rank, like
 any other error of that step.
 
-Example::
+Example:
 
-    def progress(event: ProgressEvent) -> None:
-        if event.done:
-            print(f"{event.phase}: {event.seconds:.2f} s")
+```python
+def progress(event: ProgressEvent) -> None:
+    if event.done:
+        print(f"{event.phase}: {event.seconds:.2f} s")
 
-    result = dc.save_with_report(sd, "ckpt/iter_10", progress=progress)
-    print(result.report.summary())     # "save of ckpt/iter_10: 1020 MiB in 0.53 s (1.88 GiB/s), ..."
+result = dc.save_with_report(sd, "ckpt/iter_10", progress=progress)
+print(result.report.summary())     # "save of ckpt/iter_10: 1020 MiB in 0.53 s (1.88 GiB/s), ..."
+```
 """
 
 from __future__ import annotations
@@ -40,13 +42,15 @@ __all__ = [
 
 def format_bytes(nbytes: int) -> str:
     """A byte count for people, in the largest binary unit that keeps it >= 1 (the unit of every
-    size dist_ckpt prints; throughputs are in GiB/s, :func:`gib_per_s`).
+    size dist_ckpt prints; throughputs are in GiB/s, [`gib_per_s()`][dist_ckpt.engine.report.gib_per_s]).
 
-    Example::
+    Example:
 
-        format_bytes(212)            # "212 B"
-        format_bytes(1_070_000_000)  # "1020 MiB"
-        format_bytes(3 * 2**30)      # "3 GiB"
+    ```python
+    format_bytes(212)            # "212 B"
+    format_bytes(1_070_000_000)  # "1020 MiB"
+    format_bytes(3 * 2**30)      # "3 GiB"
+    ```
     """
     value = float(nbytes)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -116,7 +120,7 @@ class PhaseTiming:
 class CheckpointReport:
     """The summary of one save, load or conversion, on one rank.
 
-    Filled in as the operation goes; :attr:`complete` once it ended. An asynchronous save's
+    Filled in as the operation goes; `complete` once it ended. An asynchronous save's
     report is complete only after the request is finalized (its last phases are added then).
 
     Attributes:
@@ -162,26 +166,30 @@ class CheckpointReport:
     @property
     def gb_per_s(self) -> float:
         """The job's throughput in decimal GB/s (10**9 bytes), kept for code written against
-        dist_ckpt 0.1.0; everything dist_ckpt prints uses :attr:`gib_per_s`."""
+        dist_ckpt 0.1.0; everything dist_ckpt prints uses [`gib_per_s`][..gib_per_s]."""
         return self.total_nbytes / 1e9 / self.max_seconds if self.max_seconds > 0 else 0.0
 
     def phase_seconds(self, name: str) -> float:
         """Seconds spent in the phase(s) named ``name`` (0 if it did not run); ``name`` is a
-        :class:`~dist_ckpt.engine.steps.Step` (a str) or its value.
+        [`Step`][dist_ckpt.engine.steps.Step] (a str) or its value.
 
-        Example::
+        Example:
 
-            report.phase_seconds(Step.SAVE_SHARDED)   # == report.phase_seconds("saving sharded tensors")
+        ```python
+        report.phase_seconds(Step.SAVE_SHARDED)   # == report.phase_seconds("saving sharded tensors")
+        ```
         """
         return sum(p.seconds for p in self.phases if p.name == name)
 
     def summary(self) -> str:
         """One line for people and logs: the whole job's figures, then each phase.
 
-        Example::
+        Example:
 
-            "save of ckpt/iter_10: 1020 MiB in 0.53 s (1.88 GiB/s) on 2 ranks; 5 files, 1020 MiB;
-             phases: preparing the save 0.01 s, ..."
+        ```text
+        "save of ckpt/iter_10: 1020 MiB in 0.53 s (1.88 GiB/s) on 2 ranks; 5 files, 1020 MiB;
+         phases: preparing the save 0.01 s, ..."
+        ```
         """
         files = "" if self.files is None else f"; {self.files} files, {format_bytes(self.file_bytes or 0)}"
         ranks = f" on {self.world_size} rank{'s' if self.world_size != 1 else ''}"
@@ -195,9 +203,11 @@ class CheckpointReport:
     def to_json(self) -> Dict[str, Any]:
         """The report as a JSON-serializable dict.
 
-        Example::
+        Example:
 
-            json.dumps(report.to_json())
+        ```python
+        json.dumps(report.to_json())
+        ```
         """
         return {
             "operation": self.operation.value,

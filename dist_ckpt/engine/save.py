@@ -4,11 +4,13 @@ Every rank calls it together (or one process without a process group). The shard
 split into common and sharded parts, checked, written by the chosen strategies, and committed
 by rank 0 writing ``metadata.json`` last, once every rank succeeded.
 
-Example::
+Example:
 
-    import dist_ckpt as dc
-    sd = {"w": dc.ShardedTensor.from_rank_offsets("w", w_local, (0, tp_rank, tp_size)), "step": 10}
-    dc.save(sd, "ckpt/iter_10")
+```python
+import dist_ckpt as dc
+sd = {"w": dc.ShardedTensor.from_rank_offsets("w", w_local, (0, tp_rank, tp_size)), "step": 10}
+dc.save(sd, "ckpt/iter_10")
+```
 """
 
 from __future__ import annotations
@@ -70,11 +72,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SaveResult:
-    """What :func:`save_with_report` returns, whether the save is synchronous or not.
+    """What [`save_with_report()`][dist_ckpt.engine.save.save_with_report] returns, whether the save is synchronous or
+    not.
 
     Attributes:
         report: seconds per phase, bytes written, files, throughput (see
-            :mod:`dist_ckpt.engine.report`). For an asynchronous save it is completed -- its last
+            [`dist_ckpt.engine.report`][dist_ckpt.engine.report]). For an asynchronous save it is completed -- its last
             phases added, ``complete`` set -- when the request is finalized.
         async_request: the request to schedule for an asynchronous save, else None.
     """
@@ -107,7 +110,7 @@ def _owned_names(strategies: List[Any]) -> Set[str]:
 
 
 def _claim(location: Storage, strategies: List[Any], claims: List[SaveClaim]) -> None:
-    """On rank 0: make this save the owner of ``location`` (see :mod:`dist_ckpt.engine.save_claim`);
+    """On rank 0: make this save the owner of ``location`` (see `dist_ckpt.engine.save_claim`);
     the claim is appended to ``claims``."""
     if get_rank() == 0:
         owned = _owned_names(strategies) | {RECORD_FILENAME}  # dist_ckpt.json: written at a Megatron-format commit
@@ -178,13 +181,13 @@ def save(
 ) -> Optional[AsyncRequest]:
     """Save a sharded state dict (collective).
 
-    Megatron-Core compatible; :func:`save_with_report` does the same and also returns the
-    save's report (which ``save`` logs at INFO on rank 0).
+    Megatron-Core compatible; [`save_with_report()`][dist_ckpt.engine.save.save_with_report] does the same and also
+    returns the save's report (which ``save`` logs at INFO on rank 0).
 
     Steps:
 
     1. Resolve the strategies; rank 0 claims the location (``save_in_progress.json``; see
-       :mod:`dist_ckpt.engine.save_claim`): a committed checkpoint, another save in progress
+       `dist_ckpt.engine.save_claim`): a committed checkpoint, another save in progress
        there, or entries this save would write that no save record explains are refused.
     2. Apply factories, drop LocalNonPersistentObjects, split into sharded and common parts.
     3. Check keys; if ``validate_access_integrity``, check the sharding on rank 0 and warn if
@@ -201,7 +204,7 @@ def save(
     Args:
         sharded_state_dict: the state to save; modified in place by factories.
         checkpoint_dir: target directory (created if missing; must not hold a checkpoint), an
-            ``s3://bucket/prefix`` URL or an opened :class:`~dist_ckpt.storage.Storage`.
+            ``s3://bucket/prefix`` URL or an opened [`Storage`][dist_ckpt.storage.base.Storage].
         sharded_strategy: a SaveShardedStrategy, a ``(backend, version)`` tuple, or None for
             the default backend.
         common_strategy: a SaveCommonStrategy, a ``(backend, version)`` tuple, or None.
@@ -210,10 +213,11 @@ def save(
             them (needs an AsyncSaveShardedStrategy).
         preprocess_common_before_consistancy_check: applied to the common state before the
             cross-rank consistency check only (e.g. to drop entries expected to differ).
-        progress: called with a :class:`~dist_ckpt.engine.report.ProgressEvent` as each step starts
+        progress: called with a [`ProgressEvent`][dist_ckpt.engine.report.ProgressEvent] as each step starts
             and ends (keyword only).
         watchdog_timeout_s: log a WARNING naming the rank and step when a step lasts longer
-            than this (see :mod:`dist_ckpt.engine.watchdog`); None disables the watchdog (keyword only).
+            than this (see [`dist_ckpt.engine.watchdog`][dist_ckpt.engine.watchdog]); None disables the watchdog
+            (keyword only).
 
     Returns:
         None, or the AsyncRequest when ``async_sharded_save`` is set.
@@ -243,14 +247,17 @@ def save_with_report(
     progress: Optional[ProgressCallback] = None,
     watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
 ) -> SaveResult:
-    """Save like :func:`save` and return a :class:`SaveResult`: the report and, for an
-    asynchronous save, the request (collective; same arguments and steps as :func:`save`).
+    """Save like [`save()`][dist_ckpt.engine.save.save] and return a [`SaveResult`][dist_ckpt.engine.save.SaveResult]:
+    the report and, for an asynchronous save, the request (collective; same arguments and steps as
+    [`save()`][dist_ckpt.engine.save.save]).
 
-    Example::
+    Example:
 
-        result = save_with_report(sd, "ckpt/iter_10", progress=lambda e: print(e.phase, e.done))
-        print(result.report.summary())
-        print(result.report.phase_seconds(Step.SAVE_SHARDED), result.report.gib_per_s)
+    ```python
+    result = save_with_report(sd, "ckpt/iter_10", progress=lambda e: print(e.phase, e.done))
+    print(result.report.summary())
+    print(result.report.phase_seconds(Step.SAVE_SHARDED), result.report.gib_per_s)
+    ```
     """
     phases = [Step.PREPARE_SAVE, Step.CHECK_STATE]
     phases += [Step.VALIDATE_SHARDING] if validate_access_integrity else []
@@ -293,8 +300,12 @@ def _save_steps(
     async_sharded_save: bool,
     preprocess_common_before_consistancy_check: Optional[Callable[[StateDict], StateDict]],
 ) -> Tuple[Optional[AsyncRequest], int]:
-    """The numbered steps of :func:`save`; returns the async request (or None) and the bytes
-    of this rank's main replicas."""
+    """The numbered steps of [`save()`][dist_ckpt.engine.save.save]; returns the async request (or None) and the bytes
+    of this rank's main replicas.
+
+    Long on purpose: the steps are nested functions run in order through ``monitor`` (which times each
+    one and names it in errors), so the whole save reads top to bottom in one place.
+    """
 
     # 1. strategies and directory
     def resolve() -> Tuple[SaveShardedStrategy, SaveCommonStrategy]:

@@ -5,20 +5,22 @@ create-if-absent write (``Storage.put_if_absent``: a hard link on a local disk, 
 on S3), so of two saves racing for one location exactly one gets it. The record names the save
 (its id, the host and process of its rank 0, the top-level entries its strategies write) and is:
 
-* checked before the commit (:func:`check_claim`): the save still owns the location;
-* removed after the commit (:func:`release_claim`);
-* the proof that lets a failed save delete its own files (:func:`abandon_claim`), and lets a
+* checked before the commit (`check_claim()`): the save still owns the location;
+* removed after the commit (`release_claim()`);
+* the proof that lets a failed save delete its own files (`abandon_claim()`), and lets a
   later save clear the files of an interrupted one -- but only when that save is provably dead:
   its rank 0 ran on this machine, in this PID namespace, and that process is gone. Anything
   else found in a target is left alone and the save refuses with
-  :class:`~dist_ckpt.errors.SaveConflictError`, saying what to remove.
+  [`SaveConflictError`][dist_ckpt.errors.SaveConflictError], saying what to remove.
 
-Example::
+Example:
 
-    location = LocalStorage("ckpt/iter_10")
-    claim = claim_location(location, ["safetensors", "common.pt"], new_save_id())
-    ...                                   # every rank writes
-    check_claim(location, claim); save_config(...); release_claim(location, claim)
+```python
+location = LocalStorage("ckpt/iter_10")
+claim = claim_location(location, ["safetensors", "common.pt"], new_save_id())
+...                                   # every rank writes
+check_claim(location, claim); save_config(...); release_claim(location, claim)
+```
 """
 
 from __future__ import annotations
@@ -128,7 +130,7 @@ def _delete_entries(storage: Storage, names: Sequence[str]) -> None:
 
 
 def _delete_local_entry(storage: Storage, name: str) -> None:
-    """:func:`_delete_entries` of one entry on a storage with ``local_paths``."""
+    """`_delete_entries()` of one entry on a storage with ``local_paths``."""
     root = storage.local_dir
     path = root / name
     if path.is_dir() and not path.is_symlink():
@@ -234,8 +236,8 @@ def _take_over(storage: Storage, claim: SaveClaim) -> None:
 
 
 def check_claim(storage: Storage, claim: SaveClaim) -> None:
-    """Raise :class:`SaveConflictError` unless ``storage`` is still owned by ``claim`` (rank 0,
-    right before the commit)."""
+    """Raise [`SaveConflictError`][dist_ckpt.errors.SaveConflictError] unless ``storage`` is still owned by ``claim``
+    (rank 0, right before the commit)."""
     found = _read_claim(storage)
     if found is None or found.save_id != claim.save_id:
         holder = "no save" if found is None else found.describe()

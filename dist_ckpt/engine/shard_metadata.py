@@ -1,16 +1,18 @@
 """Exchange of shard metadata between ranks: one compact binary table per rank, never a pickle.
 
 Each rank describes its ShardedTensors and ShardedObjects (data excluded) as a
-:class:`~dist_ckpt.engine.shard_table.ShardTable` and sends it as bytes (a few dozen per shard,
-zlib-compressed columns; see :mod:`dist_ckpt.model.columns`). The receiver decodes every rank's
+`ShardTable` and sends it as bytes (a few dozen per shard,
+zlib-compressed columns; see `dist_ckpt.model.columns`). The receiver decodes every rank's
 bytes into one table with numpy -- identical key tables, as the ranks of one pipeline stage
 send, are decoded once -- and checks it without building a Python object per shard. Only
-Megatron-Core's API (:func:`all_gather_metadata`, :func:`gather_metadata`), which returns
+Megatron-Core's API (`all_gather_metadata()`, `gather_metadata()`), which returns
 ShardedBase lists, turns the rows back into objects.
 
-Example::
+Example:
 
-    table = gather_shard_tables(ShardTable.from_shards(local_metadata, get_rank()))   # rank 0: every rank's
+```python
+table = gather_shard_tables(ShardTable.from_shards(local_metadata, get_rank()))   # rank 0: every rank's
+```
 """
 
 from __future__ import annotations

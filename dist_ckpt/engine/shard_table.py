@@ -1,21 +1,23 @@
 """Shard metadata as columns: what ranks exchange for validation, and what rank 0 checks.
 
-A rank's ShardedTensors and ShardedObjects (data excluded) become one :class:`ShardTable`: a key
+A rank's ShardedTensors and ShardedObjects (data excluded) become one `ShardTable`: a key
 table, a dtype table, a small table of *signatures* (kind, dtype, prepend_axis_num,
 allow_shape_mismatch, global shape, local shape with the prepended axes, axis fragmentations:
 what a tensor's shards usually share) and one row per shard (key, signature, global offset,
 flattened range, main-replica flag, rank, replica id). Many ranks' tables concatenate into one
-(:func:`concat_tables`), whose columns the vectorized sharding check reads
-(:mod:`dist_ckpt.engine.checks.coverage`), so rank 0 never builds a Python object per shard.
+(`concat_tables()`), whose columns the vectorized sharding check reads
+(`dist_ckpt.engine.checks.coverage`), so rank 0 never builds a Python object per shard.
 
 Shapes are padded to the table's widest rank ``D``: global and local shapes with 1, offsets and
 fragmentations with 0; ``ndim`` says how many entries are real.
 
-Example::
+Example:
 
-    table = ShardTable.from_shards(local_metadata, rank=3)
-    blob = encode_table(table)                       # bytes, a few dozen per shard
-    again = decode_table(blob, rank=3, where="rank 3's shard metadata")
+```python
+table = ShardTable.from_shards(local_metadata, rank=3)
+blob = encode_table(table)                       # bytes, a few dozen per shard
+again = decode_table(blob, rank=3, where="rank 3's shard metadata")
+```
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def dtype_token(dtype: torch.dtype) -> str:
 
 
 def dtype_from_token(token: str) -> torch.dtype:
-    """Inverse of :func:`dtype_token`."""
+    """Inverse of `dtype_token()`."""
     dtype = getattr(torch, token, None)
     if not isinstance(dtype, torch.dtype):
         raise CorruptCheckpointError(f"unknown dtype {token!r} in exchanged shard metadata")
@@ -91,8 +93,8 @@ class ShardTable:
 
     Attributes:
         keys: the key table; ``key`` indexes it.
-        dtypes: dtype tokens (:func:`dtype_token`); a signature's DTYPE indexes it (-1: object).
-        sigs: ``(S, 6 + 3 * D)`` signature rows (:class:`SIG` says which column is what).
+        dtypes: dtype tokens (`dtype_token()`); a signature's DTYPE indexes it (-1: object).
+        sigs: ``(S, 6 + 3 * D)`` signature rows (`SIG` says which column is what).
         key: ``(N,)`` key of each shard.
         sig: ``(N,)`` signature of each shard.
         offset: ``(N, D)`` global offset (ShardedObject: position in the grid of objects).
@@ -130,7 +132,7 @@ class ShardTable:
 
     @classmethod
     def from_fields(cls, fields: Sequence[ShardFields], rank: int = 0) -> "ShardTable":
-        """The table of one rank's :func:`shard_fields`."""
+        """The table of one rank's `shard_fields()`."""
         return _Builder(fields).table(rank)
 
     @classmethod
@@ -200,7 +202,7 @@ ShardFields = Tuple[Any, ...]
 
 
 def _fields(sh: ShardedBase) -> ShardFields:
-    """The fields of a shard in :data:`_TENSOR_FIELDS` order; an object has dtype None."""
+    """The fields of a shard in `_TENSOR_FIELDS` order; an object has dtype None."""
     if isinstance(sh, ShardedTensor):
         return _TENSOR_FIELDS(sh)
     if isinstance(sh, ShardedObject):
@@ -298,7 +300,7 @@ class _Builder:
 
 
 def encode_table(table: ShardTable) -> bytes:
-    """One rank's table as bytes (:mod:`dist_ckpt.model.columns`; no pickle)."""
+    """One rank's table as bytes (`dist_ckpt.model.columns`; no pickle)."""
     columns = {
         "sigs": table.sigs,
         "key": table.key,
@@ -315,7 +317,7 @@ def encode_table(table: ShardTable) -> bytes:
 def decode_table(
     blob: bytes, rank: int, where: str, string_cache: Optional[MutableMapping[bytes, List[str]]] = None
 ) -> ShardTable:
-    """Inverse of :func:`encode_table`; the rows get rank ``rank``.
+    """Inverse of `encode_table()`; the rows get rank ``rank``.
 
     Raises:
         CorruptCheckpointError: naming ``where``, for bytes that are not such a table.
@@ -389,7 +391,7 @@ def _widen_offsets(offset: np.ndarray, width: int) -> np.ndarray:
 def concat_tables(tables: Sequence[ShardTable]) -> ShardTable:
     """One table of every row of ``tables``, in order, with shared key, dtype and signature tables.
 
-    Tables that share a key table (the same list object, as :func:`decode_table` returns for
+    Tables that share a key table (the same list object, as `decode_table()` returns for
     equal bytes with a string cache) are mapped once.
     """
     width = max((t.width for t in tables), default=0)

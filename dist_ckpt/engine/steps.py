@@ -1,13 +1,15 @@
 """The named steps of a save, a load and a conversion: one definition of each name.
 
-Reports (:class:`~dist_ckpt.engine.report.CheckpointReport`), progress events and watchdog
+Reports ([`CheckpointReport`][dist_ckpt.engine.report.CheckpointReport]), progress events and watchdog
 warnings show these names, and callers look phases up by them, so they are an enum rather than
 strings typed at each call: a misspelt step is an AttributeError, not a new, empty phase.
 
-Example::
+Example:
 
-    result = save_with_report(sd, "ckpt/iter_10")
-    result.report.phase_seconds(Step.SAVE_SHARDED)
+```python
+result = save_with_report(sd, "ckpt/iter_10")
+result.report.phase_seconds(Step.SAVE_SHARDED)
+```
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from enum import Enum
 
 
 class Step(str, Enum):
-    """A step of :func:`~dist_ckpt.save`, :func:`~dist_ckpt.load` or :func:`~dist_ckpt.convert`.
+    """A step of [`save()`][dist_ckpt.engine.save.save], [`load()`][dist_ckpt.engine.load.load] or
+    [`convert()`][dist_ckpt.tools.convert.convert].
 
     The value is the name reports and progress events show; a member compares equal to it.
     """

@@ -2,26 +2,30 @@
 
 A collective that one rank never reaches, or an I/O call on a hung file system, makes a save
 wait forever, silently: every rank sits in some step and nothing says which. The
-:class:`Watchdog` runs one daemon thread while a save or load is in progress; the save enters
-each of its steps with :meth:`Watchdog.step`, and when a step has lasted ``timeout_s`` seconds
-the thread logs a WARNING::
+[`Watchdog`][dist_ckpt.engine.watchdog.Watchdog] runs one daemon thread while a save or load is in progress; the save
+enters each of its steps with [`Watchdog.step()`][dist_ckpt.engine.watchdog.Watchdog.step], and when a step has lasted
+``timeout_s`` seconds the thread logs a WARNING:
 
-    rank 3 has been in step 'saving sharded tensors' > 'writing the safetensors index' of the save of
-    ckpt/iter_1000 for 600 s
+```text
+rank 3 has been in step 'saving sharded tensors' > 'writing the safetensors index' of the save of
+ckpt/iter_1000 for 600 s
+```
 
 and again every further ``timeout_s`` seconds while the step lasts. It only logs: the step keeps
 going (a slow disk is not an error), and nothing is killed. The nested step names after ``>``
 are the collective steps the strategies are in at that moment
-(:func:`dist_ckpt.engine.distributed.active_steps`).
+(`dist_ckpt.engine.distributed.active_steps()`).
 
 The thread starts when the watchdog is entered and is joined when it exits, so no thread is
 left behind after a save or load returns.
 
-Example::
+Example:
 
-    with Watchdog(timeout_s=600, what="the save of ckpt/iter_1000") as watchdog:
-        with watchdog.step("saving sharded tensors"):
-            strategy.save(sharded_state_dict, checkpoint_dir)
+```python
+with Watchdog(timeout_s=600, what="the save of ckpt/iter_1000") as watchdog:
+    with watchdog.step("saving sharded tensors"):
+        strategy.save(sharded_state_dict, checkpoint_dir)
+```
 """
 
 from __future__ import annotations
@@ -48,8 +52,8 @@ DEFAULT_WATCHDOG_TIMEOUT_S = 600.0
 class Watchdog:
     """Logs a WARNING naming the rank and the step when a step exceeds ``timeout_s`` seconds.
 
-    Use it as a context manager around the whole operation, and :meth:`step` around each step.
-    Only the thread that entered the watchdog may call :meth:`step` (the steps of one save run
+    Use it as a context manager around the whole operation, and [`step()`][.step] around each step.
+    Only the thread that entered the watchdog may call [`step()`][.step] (the steps of one save run
     on one thread).
 
     Args:
@@ -58,11 +62,13 @@ class Watchdog:
         what: the operation, for the message (e.g. ``"the save of ckpt/iter_10"``).
         poll_s: how often the thread checks (default: a tenth of the timeout, at most 5 s).
 
-    Example::
+    Example:
 
-        with Watchdog(timeout_s=0.5, what="the load of ckpt") as dog:
-            with dog.step("loading sharded tensors"):
-                time.sleep(1.2)        # logs twice: after 0.5 s and after 1.0 s
+    ```python
+    with Watchdog(timeout_s=0.5, what="the load of ckpt") as dog:
+        with dog.step("loading sharded tensors"):
+            time.sleep(1.2)        # logs twice: after 0.5 s and after 1.0 s
+    ```
     """
 
     def __init__(self, timeout_s: float, what: str = "the operation", poll_s: Optional[float] = None) -> None:

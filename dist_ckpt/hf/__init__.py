@@ -1,27 +1,29 @@
 """HuggingFace interoperability: HF-format checkpoints (safetensors), partial loads, export.
 
-* :mod:`.index` -- shard indexes and tied parameters: ``make_shard_index``, ``save_shard_index``,
+* `index` -- shard indexes and tied parameters: ``make_shard_index``, ``save_shard_index``,
   ``load_shard_index``, ``index_file_name``, ``create_sharing_metadata``, ``retie_parameters``;
-* :mod:`.io` -- whole checkpoints from modules or dicts: ``save_checkpoint``,
+* `io` -- whole checkpoints from modules or dicts: ``save_checkpoint``,
   ``load_checkpoint``, ``save_sharded_checkpoint``, ``load_sharded_checkpoint``;
-* :mod:`.partial` -- a process loads only what it owns: ``is_in_safetensors_format``,
+* `partial` -- a process loads only what it owns: ``is_in_safetensors_format``,
   ``load_sharded_state_dict``, ``load_state_dict_to_shards``, ``save_sharded_model``,
   ``set_submodule``;
-* :mod:`.export` -- ``export(src, dst, max_shard_size, include=, exclude=, rename=, config=)``:
+* `export` -- ``export(src, dst, max_shard_size, include=, exclude=, rename=, config=)``:
   the model weights of any dist_ckpt checkpoint to an HF folder (optimizer state left out by
-  default; :mod:`.select` decides which keys and under which names);
-* :mod:`.strategy` -- the ``("hf", 1)`` load strategies with which ``dist_ckpt.load`` reads an HF
+  default; `select` decides which keys and under which names);
+* `strategy` -- the ``("hf", 1)`` load strategies with which ``dist_ckpt.load`` reads an HF
   folder into a sharded state dict, each rank reading only its slices.
 
 Only safetensors is read and written; ``.bin`` (pickle) checkpoints are refused with an error
 that says why (loading one would run code from the file).
 
-Example::
+Example:
 
-    from dist_ckpt import hf
-    hf.save_checkpoint("out/model", model, max_shard_size=2**30)
-    state = hf.load_checkpoint("out/model", None, keys={"lm_head.weight"})
-    hf.export("ckpt/iter_1000", "hf/iter_1000", rename={"model.": ""}, config="config.json")
+```python
+from dist_ckpt import hf
+hf.save_checkpoint("out/model", model, max_shard_size=2**30)
+state = hf.load_checkpoint("out/model", None, keys={"lm_head.weight"})
+hf.export("ckpt/iter_1000", "hf/iter_1000", rename={"model.": ""}, config="config.json")
+```
 """
 
 from dist_ckpt.hf.export import ExportResult, export

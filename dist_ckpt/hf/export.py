@@ -1,14 +1,14 @@
 """Export any checkpoint to a HuggingFace folder, streaming one tensor at a time.
 
 Every stored tensor is assembled whole from its shards (by the checkpoint's own load strategy,
-see :mod:`dist_ckpt.tools.unshard`) and written into ``model.safetensors`` -- or into shard files of
-at most ``max_shard_size`` bytes plus ``model.safetensors.index.json`` -- then freed before the
+see [`dist_ckpt.tools.unshard`][dist_ckpt.tools.unshard]) and written into ``model.safetensors`` -- or into shard files
+of at most ``max_shard_size`` bytes plus ``model.safetensors.index.json`` -- then freed before the
 next one is read: memory for one tensor suffices, whatever the size of the state. Runs in one
 process without a process group; the CLI runs it as ``dist-ckpt export-hf SRC DST``. The source
 may be on an object store (``s3://bucket/prefix``: each tensor's bytes are fetched with ranged
 GETs); the destination is a local folder.
 
-What is exported (:mod:`dist_ckpt.hf.select`): by default the model weights only -- optimizer
+What is exported (`dist_ckpt.hf.select`): by default the model weights only -- optimizer
 state (Adam moments, fp32 master copies, ...) is left out, and so is the common state, which a
 HuggingFace folder cannot hold; ``include`` / ``exclude`` shell patterns choose otherwise. Keys
 are written as stored unless ``rename`` maps prefixes (``{"model.": ""}`` for a checkpoint of
@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ExportResult:
-    """What :func:`export` wrote.
+    """What `export()` wrote.
 
     Attributes:
         directory: the HuggingFace folder.
@@ -92,6 +92,9 @@ def export(
 ) -> ExportResult:
     """Write the model weights of checkpoint ``src`` into the HuggingFace folder ``dst``.
 
+    Long on purpose: choosing keys, renaming, sharding into files and writing the index and config
+    are one pass over the tensors, written in the order they happen.
+
     Steps: 1. read ``src``'s metadata (shapes and dtypes; no tensor data), pick the keys and
     their names, and refuse a ``dst`` that already holds HF weights; 2. write ``config.json``
     when ``config`` is given; 3. plan files of at most ``max_shard_size`` bytes (names in sorted
@@ -107,11 +110,11 @@ def export(
         metadata: extra JSON-serializable entries of the index metadata.
         device: where tensors are assembled (``"cuda"`` to use GPU memory instead of host).
         include: shell patterns of the stored keys to export; None (default) exports every key
-            that is not optimizer state (:func:`dist_ckpt.hf.select.is_optimizer_key`), ``["*"]``
-            everything.
+            that is not optimizer state
+            ([`dist_ckpt.hf.select.is_optimizer_key()`][dist_ckpt.hf.select.is_optimizer_key]), ``["*"]`` everything.
         exclude: shell patterns of stored keys to leave out (after ``include``).
         rename: ``{old prefix: new prefix}`` of whole dot-separated key parts, longest first
-            (:func:`dist_ckpt.hf.select.rename_keys`); e.g. ``{"model.": ""}``.
+            ([`dist_ckpt.hf.select.rename_keys()`][dist_ckpt.hf.select.rename_keys]); e.g. ``{"model.": ""}``.
         config: the model's ``config.json`` (a path to a JSON file, or a dict), written into
             ``dst`` as ``config.json``.
         on_tensor: called with ``(key, bytes)`` after each tensor is written (for progress).
@@ -125,11 +128,13 @@ def export(
         IncompatibleStrategyError: ``dst`` is an object-store URL (export to a local folder,
             then upload it).
 
-    Example::
+    Example:
 
-        result = export("ckpt/iter_1000", "hf/iter_1000", max_shard_size=5 * 10**9,
-                        rename={"model.": ""}, config="configs/gpt.json")
-        # then: safetensors.torch.load_file("hf/iter_1000/model-00001-of-00003.safetensors")
+    ```python
+    result = export("ckpt/iter_1000", "hf/iter_1000", max_shard_size=5 * 10**9,
+                    rename={"model.": ""}, config="configs/gpt.json")
+    # then: safetensors.torch.load_file("hf/iter_1000/model-00001-of-00003.safetensors")
+    ```
     """
     out = require_local(resolve_location(dst), "export-hf's destination")
     source = resolve_location(src)

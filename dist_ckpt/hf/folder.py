@@ -1,9 +1,9 @@
 """Reading HuggingFace checkpoint folders: which file holds which tensor, where in the file.
 
-:func:`open_folder` recognises ``model.safetensors.index.json`` (sharded) or ``model.safetensors``
-(single file) and returns an :class:`HFFolder`. Its :meth:`HFFolder.tensor_index` reads the
+`open_folder()` recognises ``model.safetensors.index.json`` (sharded) or ``model.safetensors``
+(single file) and returns an `HFFolder`. Its `HFFolder.tensor_index()` reads the
 headers of the files that hold the wanted tensors -- and nothing else -- and describes each
-tensor as one stored shard covering the whole tensor, in the same :class:`TensorIndex` the
+tensor as one stored shard covering the whole tensor, in the same `TensorIndex` the
 safetensors backend uses, so the same loader reads any slice of any of them, in place.
 """
 
@@ -29,13 +29,15 @@ INDEX_METADATA_KEY = "dist_ckpt.index_metadata"
 def folder_storage(directory: Path) -> LocalStorage:
     """The storage a HuggingFace folder is read through: the folder, whose files may lead
     through symbolic links to nowhere else (the one link policy of every local read; see
-    :class:`~dist_ckpt.storage.LocalStorage`) -- except, for a snapshot of the HuggingFace hub
+    [`LocalStorage`][dist_ckpt.storage.local.LocalStorage]) -- except, for a snapshot of the HuggingFace hub
     cache (``models--org--name/snapshots/<revision>``), its repository's ``blobs`` directory,
     where the cache keeps the files every snapshot links to.
 
-    Example::
+    Example:
 
-        folder_storage(Path("~/.cache/huggingface/hub/models--gpt2/snapshots/abc").expanduser())
+    ```python
+    folder_storage(Path("~/.cache/huggingface/hub/models--gpt2/snapshots/abc").expanduser())
+    ```
     """
     real = Path(directory).resolve()
     blobs = (real.parent.parent / "blobs",) if real.parent.name == "snapshots" else ()
@@ -45,9 +47,11 @@ def folder_storage(directory: Path) -> LocalStorage:
 def has_hf_weights(directory: Union[str, Path]) -> bool:
     """Whether ``directory`` holds ``model.safetensors`` or ``model.safetensors.index.json``.
 
-    Example::
+    Example:
 
-        has_hf_weights("Llama-3-8B")   # True
+    ```python
+    has_hf_weights("Llama-3-8B")   # True
+    ```
     """
     d = Path(directory)
     return (d / SAFE_WEIGHTS_INDEX_NAME).is_file() or (d / SAFE_WEIGHTS_NAME).is_file()
@@ -56,9 +60,11 @@ def has_hf_weights(directory: Union[str, Path]) -> bool:
 def single_file_metadata(header_metadata: Dict[str, str], path: Path) -> Dict[str, Any]:
     """The index metadata stored in a single file's header (``{}`` if it has none).
 
-    Example::
+    Example:
 
-        single_file_metadata(read_header_at(path).metadata, path).get("param_sharing_metadata")
+    ```python
+    single_file_metadata(read_header_at(path).metadata, path).get("param_sharing_metadata")
+    ```
     """
     raw = header_metadata.get(INDEX_METADATA_KEY)
     if raw is None:
@@ -91,7 +97,7 @@ class HFFolder:
 
     @property
     def storage(self) -> LocalStorage:
-        """The folder as a storage: its files are read through it (see :func:`folder_storage`)."""
+        """The folder as a storage: its files are read through it (see `folder_storage()`)."""
         return folder_storage(self.directory)
 
     @property
@@ -140,7 +146,7 @@ class HFFolder:
         return headers
 
     def tensor_index(self, names: Optional[Iterable[str]] = None) -> TensorIndex:
-        """A :class:`TensorIndex` of ``names`` (default: every tensor), reading only their files' headers.
+        """A `TensorIndex` of ``names`` (default: every tensor), reading only their files' headers.
 
         Raises:
             KeyMismatchError: a name is not in the checkpoint.
@@ -172,10 +178,12 @@ def open_folder(directory: Union[str, Path]) -> HFFolder:
         CheckpointingException: only ``.bin`` (pickle) weights, which are refused.
         CorruptCheckpointError: a malformed index or header.
 
-    Example::
+    Example:
 
-        folder = open_folder("Llama-3-8B")
-        folder.weight_map["lm_head.weight"]   # 'model-00004-of-00004.safetensors'
+    ```python
+    folder = open_folder("Llama-3-8B")
+    folder.weight_map["lm_head.weight"]   # 'model-00004-of-00004.safetensors'
+    ```
     """
     d = Path(directory)
     if (d / SAFE_WEIGHTS_INDEX_NAME).is_file():

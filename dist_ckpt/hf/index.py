@@ -1,19 +1,21 @@
 """HuggingFace shard indexes and tied parameters.
 
 A sharded HuggingFace checkpoint is a folder of safetensors files and an index,
-``model.safetensors.index.json``::
+``model.safetensors.index.json``:
 
-    {"metadata": {"total_size": 123456, ...},
-     "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors", ...}}
+```text
+{"metadata": {"total_size": 123456, ...},
+ "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors", ...}}
+```
 
 A checkpoint small enough for one file is just ``model.safetensors``. Tied parameters (e.g. the
 input embedding and the output projection) are stored once: only the first name of each sharing
 group is in the weight map; the groups themselves are kept in the index metadata under
 ``"param_sharing_metadata"`` (or, for a single file, in its header's ``__metadata__``), so that
-:func:`retie_parameters` can restore the tying on load.
+[`retie_parameters()`][dist_ckpt.hf.index.retie_parameters] can restore the tying on load.
 
 Only safetensors is written and read: a ``.bin`` checkpoint is a pickle, which loading would
-have to execute, so ``safetensors=False`` raises :class:`~dist_ckpt.errors.CheckpointingException`
+have to execute, so ``safetensors=False`` raises [`CheckpointingException`][dist_ckpt.errors.CheckpointingException]
 with the reason instead.
 """
 
@@ -77,9 +79,11 @@ def refuse_bin(safetensors: bool) -> None:
 def index_file_name(safetensors: bool = True) -> str:
     """File name of the shard index: ``model.safetensors.index.json``.
 
-    Example::
+    Example:
 
-        load_shard_index(model_dir, index_file_name(True))
+    ```python
+    load_shard_index(model_dir, index_file_name(True))
+    ```
     """
     refuse_bin(safetensors)
     return SAFE_WEIGHTS_INDEX_NAME
@@ -88,15 +92,17 @@ def index_file_name(safetensors: bool = True) -> str:
 def shard_file_name(i: int, count: int) -> str:
     """HuggingFace's name of shard ``i`` (0-based) of ``count``.
 
-    Example::
+    Example:
 
-        shard_file_name(0, 3)   # "model-00001-of-00003.safetensors"
+    ```python
+    shard_file_name(0, 3)   # "model-00001-of-00003.safetensors"
+    ```
     """
     return f"model-{i + 1:05d}-of-{count:05d}.safetensors"
 
 
 def is_shard_file_name(name: str) -> bool:
-    """Whether ``name`` has the form of :func:`shard_file_name`."""
+    """Whether ``name`` has the form of `shard_file_name()`."""
     return bool(_SHARD_NAME.fullmatch(name))
 
 
@@ -115,9 +121,11 @@ def plan_shards(sizes: Sequence[Tuple[str, int]], max_shard_size: int) -> List[L
     """Cut ``(name, nbytes)`` (in order) into consecutive shards of at most ``max_shard_size``
     bytes; a tensor larger than the limit gets a shard of its own.
 
-    Example::
+    Example:
 
-        plan_shards([("a", 6), ("b", 6), ("c", 2)], 10)  # [["a"], ["b", "c"]]
+    ```python
+    plan_shards([("a", 6), ("b", 6), ("c", 2)], 10)  # [["a"], ["b", "c"]]
+    ```
     """
     if not isinstance(max_shard_size, int) or isinstance(max_shard_size, bool) or max_shard_size < 1:
         raise CheckpointingException(f"max_shard_size must be a positive number of bytes, got {max_shard_size!r}")
@@ -152,10 +160,12 @@ def make_shard_index(
         max_shard_size: most bytes per shard file (a larger tensor gets a file of its own).
         param_sharing_metadata: groups of tied names.
 
-    Example::
+    Example:
 
-        index = make_shard_index([model.state_dict()], max_shard_size=2**30)
-        index["weight_map"]["lm_head.weight"]  # 'model-00002-of-00002.safetensors'
+    ```python
+    index = make_shard_index([model.state_dict()], max_shard_size=2**30)
+    index["weight_map"]["lm_head.weight"]  # 'model-00002-of-00002.safetensors'
+    ```
     """
     refuse_bin(safetensors)
     shards: List[List[str]] = []
@@ -183,7 +193,8 @@ def make_shard_index(
 
 
 def validate_shard_index(index: Any, where: str) -> ShardIndex:
-    """Check the structure of a shard index; raise :class:`CorruptCheckpointError` naming ``where``."""
+    """Check the structure of a shard index; raise [`CorruptCheckpointError`][dist_ckpt.errors.CorruptCheckpointError]
+    naming ``where``."""
     if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
         raise CorruptCheckpointError(f"shard index {where} must be a JSON object with a 'weight_map' object")
     for name, file in index["weight_map"].items():
@@ -205,9 +216,11 @@ def validate_shard_index(index: Any, where: str) -> ShardIndex:
 def save_shard_index(shard_index: ShardIndex, output_dir: Union[str, Path], index_name: str) -> None:
     """Write ``shard_index`` to ``output_dir/index_name`` atomically (temporary file + rename).
 
-    Example::
+    Example:
 
-        save_shard_index(index, "out/model", index_file_name(True))
+    ```python
+    save_shard_index(index, "out/model", index_file_name(True))
+    ```
     """
     path = Path(output_dir) / index_name
     validate_shard_index(shard_index, repr(str(path)))
@@ -222,9 +235,11 @@ def load_shard_index(output_dir: Union[str, Path], index_name: str) -> ShardInde
     Raises:
         CorruptCheckpointError: the file is missing, not JSON, or malformed (naming it).
 
-    Example::
+    Example:
 
-        index = load_shard_index("out/model", "model.safetensors.index.json")
+    ```python
+    index = load_shard_index("out/model", "model.safetensors.index.json")
+    ```
     """
     path = Path(output_dir) / index_name
     try:
@@ -255,10 +270,12 @@ def create_sharing_metadata(model: Module) -> SharingMetadataT:
     Tensors are the same when they are one object (``lm_head.weight = embed.weight``) or, off
     the meta device, views of the same memory with the same shape and strides.
 
-    Example::
+    Example:
 
-        model.lm_head.weight = model.embed.weight
-        create_sharing_metadata(model)  # [["embed.weight", "lm_head.weight"]]
+    ```python
+    model.lm_head.weight = model.embed.weight
+    create_sharing_metadata(model)  # [["embed.weight", "lm_head.weight"]]
+    ```
     """
     groups: Dict[Any, List[str]] = {}
     names = ModuleNames(model)
@@ -290,10 +307,12 @@ def retie_parameters(module: Module, sharing_metadata: SharingMetadataT) -> None
     Loading a state dict copies values but leaves tied parameters as separate tensors (or, with
     ``assign=True``, replaces them); this restores the tying.
 
-    Example::
+    Example:
 
-        load_checkpoint(model_dir, model)  # calls it with the checkpoint's groups
-        retie_parameters(model, [["embed.weight", "lm_head.weight"]])
+    ```python
+    load_checkpoint(model_dir, model)  # calls it with the checkpoint's groups
+    retie_parameters(model, [["embed.weight", "lm_head.weight"]])
+    ```
     """
     names = ModuleNames(module)  # groups name entries as the unwrapped model does
     for group in sharing_metadata:

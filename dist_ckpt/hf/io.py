@@ -8,12 +8,14 @@ re-ties tied parameters) or into a dict. The low-level pair ``save_sharded_check
 ``load_sharded_checkpoint`` works from an index, so several processes can each write or read the
 files they own.
 
-Example::
+Example:
 
-    from dist_ckpt.hf import save_checkpoint, load_checkpoint
-    save_checkpoint("out/model", model, max_shard_size=2**30)
-    load_checkpoint("out/model", model)                     # in place, tied weights re-tied
-    state = load_checkpoint("out/model", None, keys={"lm_head.weight"})
+```python
+from dist_ckpt.hf import save_checkpoint, load_checkpoint
+save_checkpoint("out/model", model, max_shard_size=2**30)
+load_checkpoint("out/model", model)                     # in place, tied weights re-tied
+state = load_checkpoint("out/model", None, keys={"lm_head.weight"})
+```
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ Device = Union[str, torch.device]
 def as_state_dict(module: StateDictLike) -> Dict[str, Tensor]:
     """The tensors to save: ``module.state_dict()`` for a module, by the names of the unwrapped
     model (no ``module.`` of DDP, ``_orig_mod.`` of ``torch.compile``, ...: see
-    :mod:`dist_ckpt.model.module_names`), the dict itself otherwise."""
+    `dist_ckpt.model.module_names`), the dict itself otherwise."""
     if isinstance(module, Module):
         return canonical_state_dict(module)[0]
     if isinstance(module, dict):
@@ -92,15 +94,17 @@ def save_sharded_checkpoint(
 
     Args:
         output_dir: the checkpoint folder (created if missing).
-        shard_index: from :func:`make_shard_index`.
+        shard_index: from [`make_shard_index()`][dist_ckpt.hf.index.make_shard_index].
         module: an ``nn.Module`` or a dict of tensors.
         safetensors: must be True (``.bin`` is refused).
         debug: log each file written at INFO instead of DEBUG.
 
-    Example::
+    Example:
 
-        index = make_shard_index([stage.state_dict() for stage in stages])
-        save_sharded_checkpoint("out", index, stages[rank])
+    ```python
+    index = make_shard_index([stage.state_dict() for stage in stages])
+    save_sharded_checkpoint("out", index, stages[rank])
+    ```
     """
     refuse_bin(safetensors)
     index = validate_shard_index(shard_index, "given to save_sharded_checkpoint")
@@ -168,10 +172,12 @@ def save_checkpoint(
         include_param_sharing: detect tied parameters of a module (stored once, re-tied on load).
         param_sharing_metadata: tied groups to use instead of detecting them.
 
-    Example::
+    Example:
 
-        save_checkpoint("out/my_model", model)                      # module mode
-        save_checkpoint("out/agg", {"layer.weight": w}, max_shard_size=2**30)   # dict mode
+    ```python
+    save_checkpoint("out/my_model", model)                      # module mode
+    save_checkpoint("out/agg", {"layer.weight": w}, max_shard_size=2**30)   # dict mode
+    ```
     """
     refuse_bin(safetensors)
     state_dict = as_state_dict(module)
@@ -336,15 +342,17 @@ def load_sharded_checkpoint(
     Module mode (``module`` given): reads the module's tensors in place (or assigns new ones on
     ``device`` with ``assign``), re-ties tied parameters, and returns the names of the module
     that the index does not hold (another process may load them); with ``strict``, names in
-    the index that the module lacks raise :class:`KeyMismatchError` before anything is read.
-    Dict mode (``module=None``): returns ``{name: tensor}`` on ``device`` for ``keys`` (default:
+    the index that the module lacks raise [`KeyMismatchError`][dist_ckpt.errors.KeyMismatchError] before anything is
+    read. Dict mode (``module=None``): returns ``{name: tensor}`` on ``device`` for ``keys`` (default:
     every tensor of the index, tied names included).
 
-    Example::
+    Example:
 
-        index = load_shard_index(model_dir, index_file_name(True))
-        unloaded = load_sharded_checkpoint(model_dir, index, model_shard, device="cuda")
-        tensors = load_sharded_checkpoint(model_dir, index, None, keys={"lm_head.weight"})
+    ```python
+    index = load_shard_index(model_dir, index_file_name(True))
+    unloaded = load_sharded_checkpoint(model_dir, index, model_shard, device="cuda")
+    tensors = load_sharded_checkpoint(model_dir, index, None, keys={"lm_head.weight"})
+    ```
     """
     refuse_bin(safetensors)
     index = validate_shard_index(shard_index, "given to load_sharded_checkpoint")
@@ -397,16 +405,18 @@ def load_checkpoint(
 
     Module mode loads into ``module`` (in place, or assigned on ``device`` with ``assign``),
     re-ties tied parameters, and returns None; with ``strict`` any name missing on either side
-    raises :class:`KeyMismatchError` before anything is read. Parameters in another dtype than
-    the stored one are filled converted, as ``Module.load_state_dict`` does
-    (``allow_dtype_cast=False`` raises :class:`LoadMismatchError` instead; see
-    :mod:`dist_ckpt.model.dtype_cast`). Dict mode (``module=None``) returns ``{name: tensor}``
+    raises [`KeyMismatchError`][dist_ckpt.errors.KeyMismatchError] before anything is read. Parameters in another dtype
+    than the stored one are filled converted, as ``Module.load_state_dict`` does
+    (``allow_dtype_cast=False`` raises [`LoadMismatchError`][dist_ckpt.errors.LoadMismatchError] instead; see
+    `dist_ckpt.model.dtype_cast`). Dict mode (``module=None``) returns ``{name: tensor}``
     on ``device`` in the stored dtypes, restricted to ``keys`` if given.
 
-    Example::
+    Example:
 
-        load_checkpoint("out/my_model", model, device="cuda:0")
-        subset = load_checkpoint("out/my_model", None, keys={"layer.weight", "layer.bias"})
+    ```python
+    load_checkpoint("out/my_model", model, device="cuda:0")
+    subset = load_checkpoint("out/my_model", None, keys={"layer.weight", "layer.bias"})
+    ```
     """
     folder = open_folder(model_dir)
     if module is None:

@@ -5,12 +5,14 @@ A pipeline- or block-sharded job builds only its part of a model (the other bloc
 on the meta device), asks for exactly those keys, and reads only the files and byte ranges that
 hold them: nothing else is read, and no process holds the whole model.
 
-Example::
+Example:
 
-    owned = {k for k in model_shard.state_dict() if k.startswith(("model.layers.4.", "model.layers.5."))}
-    state = load_sharded_state_dict("Llama-3-8B", keys_to_load=owned)
-    load_state_dict_to_shards(model_shard, state)
-    save_sharded_model(model_shard, out_dir / f"model-rank{rank}.safetensors")
+```python
+owned = {k for k in model_shard.state_dict() if k.startswith(("model.layers.4.", "model.layers.5."))}
+state = load_sharded_state_dict("Llama-3-8B", keys_to_load=owned)
+load_state_dict_to_shards(model_shard, state)
+save_sharded_model(model_shard, out_dir / f"model-rank{rank}.safetensors")
+```
 """
 
 from __future__ import annotations
@@ -40,10 +42,12 @@ __all__ = [
 def is_in_safetensors_format(checkpoint_dir: Union[str, Path]) -> bool:
     """Whether ``checkpoint_dir`` holds HuggingFace safetensors weights (a single file or an index).
 
-    Example::
+    Example:
 
-        if is_in_safetensors_format(path):
-            state = load_sharded_state_dict(path, keys_to_load=my_keys)
+    ```python
+    if is_in_safetensors_format(path):
+        state = load_sharded_state_dict(path, keys_to_load=my_keys)
+    ```
     """
     return has_hf_weights(checkpoint_dir)
 
@@ -61,9 +65,11 @@ def load_sharded_state_dict(
     Raises:
         KeyMismatchError: a key is not in the checkpoint (before anything is read).
 
-    Example::
+    Example:
 
-        block3 = load_sharded_state_dict(path, [k for k in all_keys if k.startswith("model.layers.3.")])
+    ```python
+    block3 = load_sharded_state_dict(path, [k for k in all_keys if k.startswith("model.layers.3.")])
+    ```
     """
     folder = open_folder(model_name_or_path)
     return load_into_dict(folder, folder.names() if keys_to_load is None else keys_to_load, device)
@@ -81,10 +87,12 @@ def load_state_dict_to_shards(
     when they are on the meta device), with shapes and dtypes checked first. With
     ``checkpoint_dir`` instead of a dict, exactly the shard's keys are read from the folder.
 
-    Example::
+    Example:
 
-        load_state_dict_to_shards(model_shard, load_sharded_state_dict(path, model_shard.state_dict().keys()))
-        load_state_dict_to_shards(model_shard, checkpoint_dir=path)   # the same, in one call
+    ```python
+    load_state_dict_to_shards(model_shard, load_sharded_state_dict(path, model_shard.state_dict().keys()))
+    load_state_dict_to_shards(model_shard, checkpoint_dir=path)   # the same, in one call
+    ```
     """
     if loaded_state_dict is None:
         if checkpoint_dir is None:
@@ -116,11 +124,14 @@ def save_sharded_model(model_shard: Union[Module, Dict[str, Tensor]], out_path: 
 
     ``out_path`` is usually ``<checkpoint>/model.safetensors``; when several processes each save
     their shard, give each its own file name and write an index with
-    :func:`~dist_ckpt.hf.make_shard_index` / :func:`~dist_ckpt.hf.save_shard_index`.
+    [`make_shard_index()`][dist_ckpt.hf.index.make_shard_index] /
+    [`save_shard_index()`][dist_ckpt.hf.index.save_shard_index].
 
-    Example::
+    Example:
 
-        save_sharded_model(model_shard, out_dir / "model.safetensors")
+    ```python
+    save_sharded_model(model_shard, out_dir / "model.safetensors")
+    ```
     """
     path = Path(out_path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -131,9 +142,11 @@ def save_sharded_model(model_shard: Union[Module, Dict[str, Tensor]], out_path: 
 def set_submodule(model: Module, module_name: str, new_submodule: Module) -> None:
     """Replace (or add) the submodule at dotted path ``module_name``, e.g. ``"model.layers.3"``.
 
-    Example::
+    Example:
 
-        set_submodule(model, "model.layers.3", DecoderLayer(config))   # materialize an owned block
+    ```python
+    set_submodule(model, "model.layers.3", DecoderLayer(config))   # materialize an owned block
+    ```
     """
     if not module_name:
         raise CheckpointingException("set_submodule needs a non-empty dotted module name")

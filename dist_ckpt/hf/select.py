@@ -1,12 +1,14 @@
 """Which tensors an HF export writes, and under which names.
 
 A training checkpoint holds more than an inference model needs: optimizer state (Adam moments,
-fp32 master copies, momentum buffers) and common state. :func:`select_keys` keeps the model
-weights by default and lets ``include`` / ``exclude`` shell patterns decide otherwise;
-:func:`rename_keys` maps stored names to the names a model class expects (``model.`` -> ``""``
-for a checkpoint of :func:`dist_ckpt.save_model_and_optim_state`).
+fp32 master copies, momentum buffers) and common state. [`select_keys()`][dist_ckpt.hf.select.select_keys] keeps the
+model weights by default and lets ``include`` / ``exclude`` shell patterns decide otherwise;
+[`rename_keys()`][dist_ckpt.hf.select.rename_keys] maps stored names to the names a model class expects (``model.`` ->
+``""`` for a checkpoint of
+[`dist_ckpt.save_model_and_optim_state()`][dist_ckpt.training.model_optim.save_model_and_optim_state]).
 
-What counts as optimizer state (:func:`is_optimizer_key`), by the key's dot-separated parts:
+What counts as optimizer state ([`is_optimizer_key()`][dist_ckpt.hf.select.is_optimizer_key]), by the key's
+dot-separated parts:
 
 * the first part is ``optimizer``, ``optim`` or ``optimizer_state`` -- dist_ckpt's one-call API
   stores ``optim.state.<param>.<state>``, Megatron-Core ``optimizer.state.<state>.<param>``,
@@ -15,10 +17,12 @@ What counts as optimizer state (:func:`is_optimizer_key`), by the key's dot-sepa
   ``exp_avg_sq``, ``max_exp_avg_sq``, ``momentum_buffer``, ``fp32_param``,
   ``fp32_from_fp16_params``, ``master_param``, ``main_param``.
 
-Example::
+Example:
 
-    keys = select_keys(["model.fc.weight", "optim.state.fc.weight.exp_avg"])   # ["model.fc.weight"]
-    names = rename_keys(keys, {"model.": ""})                                  # {"model.fc.weight": "fc.weight"}
+```python
+keys = select_keys(["model.fc.weight", "optim.state.fc.weight.exp_avg"])   # ["model.fc.weight"]
+names = rename_keys(keys, {"model.": ""})                                  # {"model.fc.weight": "fc.weight"}
+```
 """
 
 from __future__ import annotations
@@ -59,13 +63,16 @@ def select_keys(keys: Iterable[str], include: Optional[Sequence[str]] = None, ex
     Args:
         keys: stored tensor keys.
         include: shell patterns (``fnmatch``, case-sensitive); a key is kept if it matches one.
-            None (default): every key that is not optimizer state (:func:`is_optimizer_key`).
-            Patterns override that default: ``["*"]`` keeps optimizer state too.
+            None (default): every key that is not optimizer state
+            ([`is_optimizer_key()`][dist_ckpt.hf.select.is_optimizer_key]). Patterns override that default: ``["*"]``
+            keeps optimizer state too.
         exclude: shell patterns of keys to leave out, applied after ``include``.
 
-    Example::
+    Example:
 
-        select_keys(keys, exclude=["*.extra_state", "rotary_pos_emb.*"])
+    ```python
+    select_keys(keys, exclude=["*.extra_state", "rotary_pos_emb.*"])
+    ```
     """
 
     def included(key: str) -> bool:
@@ -90,16 +97,18 @@ def rename_keys(keys: Iterable[str], rename: Optional[Mapping[str, str]] = None)
     Args:
         keys: the keys to export.
         rename: ``{old prefix: new prefix}``. A prefix matches whole dot-separated parts
-            (:func:`_matches`), so ``{"decoder.layers.1": "h.1"}`` leaves ``decoder.layers.10``
+            (`_matches()`), so ``{"decoder.layers.1": "h.1"}`` leaves ``decoder.layers.10``
             alone; ``{"model.": ""}`` strips a leading ``model.``. Keys no prefix matches keep
             their names.
 
     Raises:
         InvalidKeyError: two keys get the same name, or a key's new name is empty.
 
-    Example::
+    Example:
 
-        rename_keys(["model.fc.weight"], {"model.": ""})      # {"model.fc.weight": "fc.weight"}
+    ```python
+    rename_keys(["model.fc.weight"], {"model.": ""})      # {"model.fc.weight": "fc.weight"}
+    ```
     """
     by_length = sorted((rename or {}).items(), key=lambda item: len(item[0]), reverse=True)
     names: Dict[str, str] = {}

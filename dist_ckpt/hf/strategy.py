@@ -1,17 +1,19 @@
 """Load strategies that let ``dist_ckpt.load`` read HuggingFace folders like any checkpoint.
 
 A folder with ``model.safetensors`` or ``model.safetensors.index.json`` and no ``metadata.json``
-is read with the built-in backend ``("hf", 1)`` (see :func:`dist_ckpt.engine.commit.detect_config`):
-each rank asks for the slices its ShardedTensors describe -- any TP split, flattened ranges,
-prepended axes -- and reads only those bytes, in place, from the files that hold them. The
-common state of such a checkpoint is empty, and it holds no ShardedObjects.
+is read with the built-in backend ``("hf", 1)`` (see
+[`dist_ckpt.engine.commit.detect_config()`][dist_ckpt.engine.commit.detect_config]): each rank asks for the slices its
+ShardedTensors describe -- any TP split, flattened ranges, prepended axes -- and reads only those bytes, in place, from
+the files that hold them. The common state of such a checkpoint is empty, and it holds no ShardedObjects.
 
-Example::
+Example:
 
-    sd = {"embed": ShardedTensor.from_rank_offsets("model.embed_tokens.weight", local, (0, tp_rank, tp))}
-    dist_ckpt.load(sd, "Llama-3-8B")                       # reads this rank's rows only
-    tied = HFLoadShardedStrategy(aliases={"lm_head.weight": "model.embed_tokens.weight"})
-    dist_ckpt.load(sd, path, sharded_strategy=tied)
+```python
+sd = {"embed": ShardedTensor.from_rank_offsets("model.embed_tokens.weight", local, (0, tp_rank, tp))}
+dist_ckpt.load(sd, "Llama-3-8B")                       # reads this rank's rows only
+tied = HFLoadShardedStrategy(aliases={"lm_head.weight": "model.embed_tokens.weight"})
+dist_ckpt.load(sd, path, sharded_strategy=tied)
+```
 """
 
 from __future__ import annotations
@@ -44,10 +46,12 @@ class HFLoadShardedStrategy(LoadShardedStrategy):
         aliases: tied names absent from the files -> the stored name (for checkpoints that omit
             tied weights without recording the tie; recorded ties are used anyway).
 
-    Example::
+    Example:
 
-        strategy = HFLoadShardedStrategy(aliases={"lm_head.weight": "model.embed_tokens.weight"})
-        dc.load(sharded_state_dict, "Llama-3-8B", sharded_strategy=strategy)
+    ```python
+    strategy = HFLoadShardedStrategy(aliases={"lm_head.weight": "model.embed_tokens.weight"})
+    dc.load(sharded_state_dict, "Llama-3-8B", sharded_strategy=strategy)
+    ```
     """
 
     supported_backends: ClassVar[Tuple[str, ...]] = (HF_BACKEND[0],)

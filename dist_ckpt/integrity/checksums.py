@@ -5,22 +5,26 @@ Every backend records, at save time, a crc32c (Castagnoli; hardware-accelerated 
 
 * **Blocks** (the ``safetensors`` backend): a stored shard's byte range is cut into blocks of
   ``block_bytes`` (the last one shorter), each with its own crc, so a load that reads part of a
-  shard verifies only the blocks it touches. :class:`BlockChecksums` computes them while the bytes
-  stream past; :func:`encode_block_crcs` / :func:`decode_block_crcs` store them as one hex string.
+  shard verifies only the blocks it touches. [`BlockChecksums`][dist_ckpt.integrity.checksums.BlockChecksums] computes
+  them while the bytes stream past; [`encode_block_crcs()`][dist_ckpt.integrity.checksums.encode_block_crcs] /
+  [`decode_block_crcs()`][dist_ckpt.integrity.checksums.decode_block_crcs] store them as one hex string.
 * **Files** (zarr chunk files, ``common.pt``, ShardedObject files): one crc and size per file,
   listed in a *manifest*: a JSON document ``{"format": "dist_ckpt.checksums", "version": 1,
   "algorithm": "crc32c", "files": {"<relative path>": {"size": n, "crc32c": "8 hex digits"}}}``
-  (:func:`write_manifest`, :func:`read_manifest`).
+  (`write_manifest()`, `read_manifest()`).
 
 A checkpoint written before checksums existed has none: its loads skip verification, and
-``dist-ckpt verify`` says so. :class:`IntegrityProblem` and :class:`IntegrityReport` are what
-each strategy's ``verify_integrity`` returns to :mod:`dist_ckpt.integrity.verify`.
+``dist-ckpt verify`` says so. [`IntegrityProblem`][dist_ckpt.integrity.checksums.IntegrityProblem] and
+[`IntegrityReport`][dist_ckpt.integrity.checksums.IntegrityReport] are what each strategy's ``verify_integrity`` returns
+to [`dist_ckpt.integrity.verify`][dist_ckpt.integrity.verify].
 
-Example::
+Example:
 
-    crc = crc32c(b"hello")                       # 0x9a71bb4c
-    blocks = BlockChecksums(block_bytes=4)
-    blocks.update(b"abcdefghij"); blocks.finish()  # three crcs: "abcd", "efgh", "ij"
+```python
+crc = crc32c(b"hello")                       # 0x9a71bb4c
+blocks = BlockChecksums(block_bytes=4)
+blocks.update(b"abcdefghij"); blocks.finish()  # three crcs: "abcd", "efgh", "ij"
+```
 """
 
 from __future__ import annotations
@@ -100,9 +104,11 @@ def _as_array(data: Bytes) -> Any:
 def crc32c(data: Bytes, crc: int = 0) -> int:
     """crc32c of ``data``, continuing from ``crc`` (the crc of the bytes before it).
 
-    Example::
+    Example:
 
-        crc32c(b"hello world") == crc32c(b" world", crc32c(b"hello"))   # True
+    ```python
+    crc32c(b"hello world") == crc32c(b" world", crc32c(b"hello"))   # True
+    ```
     """
     if len(data) == 0:
         return crc
@@ -112,9 +118,11 @@ def crc32c(data: Bytes, crc: int = 0) -> int:
 def crc_to_hex(crc: int) -> str:
     """The 8-hex-digit form of a crc stored in JSON (big-endian, lowercase).
 
-    Example::
+    Example:
 
-        crc_to_hex(0x9A71BB4C)   # "9a71bb4c"
+    ```python
+    crc_to_hex(0x9A71BB4C)   # "9a71bb4c"
+    ```
     """
     return f"{crc:08x}"
 
@@ -122,9 +130,11 @@ def crc_to_hex(crc: int) -> str:
 def crc_from_hex(text: Any, where: str) -> int:
     """Parse an 8-hex-digit crc; ``where`` names the file and field for the error.
 
-    Example::
+    Example:
 
-        crc_from_hex("9a71bb4c", "index.json, file entry 'a' field 'header_crc32c'")   # 0x9A71BB4C
+    ```python
+    crc_from_hex("9a71bb4c", "index.json, file entry 'a' field 'header_crc32c'")   # 0x9A71BB4C
+    ```
 
     Raises:
         CorruptCheckpointError: ``text`` is not 8 hex digits.
@@ -140,9 +150,11 @@ def crc_from_hex(text: Any, where: str) -> int:
 def block_count(nbytes: int, block_bytes: int) -> int:
     """Number of blocks of a byte range of ``nbytes`` (0 for an empty range).
 
-    Example::
+    Example:
 
-        block_count(10, 4)   # 3
+    ```python
+    block_count(10, 4)   # 3
+    ```
     """
     return -(-nbytes // block_bytes)
 
@@ -150,9 +162,11 @@ def block_count(nbytes: int, block_bytes: int) -> int:
 def block_spans(begin: int, end: int, block_bytes: int) -> List[Tuple[int, int]]:
     """``[(start, stop), ...]`` absolute byte spans of the blocks of the range ``[begin, end)``.
 
-    Example::
+    Example:
 
-        block_spans(100, 110, 4)   # [(100, 104), (104, 108), (108, 110)]
+    ```python
+    block_spans(100, 110, 4)   # [(100, 104), (104, 108), (108, 110)]
+    ```
     """
     return [(s, min(s + block_bytes, end)) for s in range(begin, end, block_bytes)]
 
@@ -160,12 +174,14 @@ def block_spans(begin: int, end: int, block_bytes: int) -> List[Tuple[int, int]]
 class BlockChecksums:
     """Computes one crc per ``block_bytes`` of a byte stream fed in pieces of any size.
 
-    Example::
+    Example:
 
-        blocks = BlockChecksums(1 << 20)
-        for piece in pieces:
-            blocks.update(piece)
-        crcs = blocks.finish()     # one per started block
+    ```python
+    blocks = BlockChecksums(1 << 20)
+    for piece in pieces:
+        blocks.update(piece)
+    crcs = blocks.finish()     # one per started block
+    ```
     """
 
     def __init__(self, block_bytes: int) -> None:
@@ -200,19 +216,24 @@ class BlockChecksums:
 def encode_block_crcs(crcs: Sequence[int]) -> str:
     """Block crcs as one string of 8 hex digits per block (compact in JSON).
 
-    Example::
+    Example:
 
-        encode_block_crcs([1, 0xFFFFFFFF])   # "00000001ffffffff"
+    ```python
+    encode_block_crcs([1, 0xFFFFFFFF])   # "00000001ffffffff"
+    ```
     """
     return b"".join(_BE32.pack(c) for c in crcs).hex()
 
 
 def decode_block_crcs(text: Any, blocks: int, where: str) -> Tuple[int, ...]:
-    """Inverse of :func:`encode_block_crcs`, checking there is one crc per block.
+    """Inverse of [`encode_block_crcs()`][dist_ckpt.integrity.checksums.encode_block_crcs], checking there is one crc
+    per block.
 
-    Example::
+    Example:
 
-        decode_block_crcs("00000001ffffffff", 2, "index.json (tensor 'w')")   # (1, 4294967295)
+    ```python
+    decode_block_crcs("00000001ffffffff", 2, "index.json (tensor 'w')")   # (1, 4294967295)
+    ```
 
     Raises:
         CorruptCheckpointError: not a hex string of ``8 * blocks`` digits (``where`` names the
@@ -249,9 +270,11 @@ def file_digest(path: FileLike) -> FileDigest:
     With positional reads (a local file) the file streams through a buffer of a few MiB; an
     object on an object store is downloaded in one request.
 
-    Example::
+    Example:
 
-        file_digest(ckpt / "common.pt").crc32c
+    ```python
+    file_digest(ckpt / "common.pt").crc32c
+    ```
     """
     node = ObjectPath.of(path)
     if not node.storage.positional_reads:
@@ -271,9 +294,11 @@ def file_digest(path: FileLike) -> FileDigest:
 def bytes_digest(data: Bytes) -> FileDigest:
     """Size and crc32c of bytes already in memory (what was just written, or just read).
 
-    Example::
+    Example:
 
-        bytes_digest(b"hello")   # FileDigest(size=5, crc32c=0x9a71bb4c)
+    ```python
+    bytes_digest(b"hello")   # FileDigest(size=5, crc32c=0x9a71bb4c)
+    ```
     """
     size = data.nbytes if isinstance(data, (memoryview, np.ndarray)) else len(data)
     return FileDigest(int(size), crc32c(data))
@@ -282,9 +307,11 @@ def bytes_digest(data: Bytes) -> FileDigest:
 def manifest_document(files: Mapping[str, FileDigest]) -> Dict[str, Any]:
     """The JSON document of a manifest listing ``files`` (relative paths, ``/``-separated).
 
-    Example::
+    Example:
 
-        manifest_document({"common.pt": FileDigest(3, 0x12345678)})["files"]   # {"common.pt": {...}}
+    ```python
+    manifest_document({"common.pt": FileDigest(3, 0x12345678)})["files"]   # {"common.pt": {...}}
+    ```
     """
     return {
         "format": MANIFEST_FORMAT,
@@ -297,19 +324,23 @@ def manifest_document(files: Mapping[str, FileDigest]) -> Dict[str, Any]:
 def write_manifest(path: FileLike, files: Mapping[str, FileDigest]) -> None:
     """Write a manifest atomically and durably.
 
-    Example::
+    Example:
 
-        write_manifest(ckpt / "common.checksums.json", {"common.pt": file_digest(ckpt / "common.pt")})
+    ```python
+    write_manifest(ckpt / "common.checksums.json", {"common.pt": file_digest(ckpt / "common.pt")})
+    ```
     """
     ObjectPath.of(path).write_bytes(manifest_bytes(files))
 
 
 def manifest_bytes(files: Mapping[str, FileDigest]) -> bytes:
-    """The serialized manifest of ``files`` (what :func:`write_manifest` writes).
+    """The serialized manifest of ``files`` (what `write_manifest()` writes).
 
-    Example::
+    Example:
 
-        storage.write("common.checksums.json", manifest_bytes({"common.pt": bytes_digest(data)}))
+    ```python
+    storage.write("common.checksums.json", manifest_bytes({"common.pt": bytes_digest(data)}))
+    ```
     """
     return json.dumps(manifest_document(files), indent=1, sort_keys=True).encode("utf-8")
 
@@ -317,9 +348,11 @@ def manifest_bytes(files: Mapping[str, FileDigest]) -> bytes:
 def parse_manifest(doc: Any, path: Union[str, Path]) -> Dict[str, FileDigest]:
     """Validate a manifest document; every error names ``path`` and the offending entry.
 
-    Example::
+    Example:
 
-        files = parse_manifest(json.loads(raw), Path("ckpt/zarr/checksums.json"))
+    ```python
+    files = parse_manifest(json.loads(raw), Path("ckpt/zarr/checksums.json"))
+    ```
 
     Raises:
         CorruptCheckpointError: malformed document or entry.
@@ -365,9 +398,11 @@ def read_manifest(path: FileLike) -> Optional[Dict[str, FileDigest]]:
         CorruptCheckpointError: the file exists but is not a valid manifest (names the file and
             the entry).
 
-    Example::
+    Example:
 
-        digests = read_manifest(ckpt / "zarr" / "checksums.json") or {}
+    ```python
+    digests = read_manifest(ckpt / "zarr" / "checksums.json") or {}
+    ```
     """
     node = ObjectPath.of(path)
     try:
@@ -378,11 +413,14 @@ def read_manifest(path: FileLike) -> Optional[Dict[str, FileDigest]]:
 
 
 def parse_manifest_bytes(raw: bytes, where: str) -> Dict[str, FileDigest]:
-    """:func:`parse_manifest` of a serialized manifest; ``where`` names it (path or URL) in errors.
+    """[`parse_manifest()`][dist_ckpt.integrity.checksums.parse_manifest] of a serialized manifest; ``where`` names it
+    (path or URL) in errors.
 
-    Example::
+    Example:
 
-        files = parse_manifest_bytes(storage.read("zarr/checksums.json"), storage.url_of("zarr/checksums.json"))
+    ```python
+    files = parse_manifest_bytes(storage.read("zarr/checksums.json"), storage.url_of("zarr/checksums.json"))
+    ```
     """
     return parse_manifest(loads(raw, f"checksum manifest {where!r}"), where)
 
@@ -391,9 +429,11 @@ def file_problem(path: FileLike, expected: FileDigest, data: Optional[Bytes] = N
     """What is wrong with the file at ``path`` (or ``data``, its bytes already read) compared with
     ``expected``: ``(problem, is_checksum_mismatch)``, or None if it matches.
 
-    Example::
+    Example:
 
-        file_problem(ckpt / "common.pt", manifest["common.pt"])   # None, or ("missing", False), ...
+    ```python
+    file_problem(ckpt / "common.pt", manifest["common.pt"])   # None, or ("missing", False), ...
+    ```
     """
     if data is None:
         try:
@@ -413,9 +453,11 @@ def file_problem(path: FileLike, expected: FileDigest, data: Optional[Bytes] = N
 def check_file(path: FileLike, expected: FileDigest, what: str, data: Optional[Bytes] = None) -> None:
     """Raise if the file at ``path`` (or ``data``, its already-read bytes) does not match ``expected``.
 
-    Example::
+    Example:
 
-        check_file(ckpt / "common.pt", manifest["common.pt"], "the common state", data=raw_bytes)
+    ```python
+    check_file(ckpt / "common.pt", manifest["common.pt"], "the common state", data=raw_bytes)
+    ```
 
     Raises:
         CorruptCheckpointError: missing or of another size.

@@ -5,21 +5,25 @@ A checkpoint's data is verified against *integrity records*: the checksum manife
 safetensors ``index.json``, whose version 2 carries block checksums. A record that is missing or
 replaced by an older version would switch verification off -- "saved without checksums" -- so
 ``metadata.json``, written last, lists every record the save wrote with its size, crc32c and
-format version (:mod:`dist_ckpt.engine.commit`). Loaders read records through
-:func:`dist_ckpt.engine.records.read_recorded`, which checks them against that list: a missing,
-truncated, tampered or downgraded record is a :class:`~dist_ckpt.errors.CorruptCheckpointError`.
+format version ([`dist_ckpt.engine.commit`][dist_ckpt.engine.commit]). Loaders read records through
+`dist_ckpt.engine.records.read_recorded()`, which checks them against that list: a missing,
+truncated, tampered or downgraded record is a [`CorruptCheckpointError`][dist_ckpt.errors.CorruptCheckpointError].
 
-This module holds the data model and the pure checks (no I/O)::
+This module holds the data model and the pure checks (no I/O):
 
-    "integrity_records": {
-      "safetensors/index.json": {"size": 1834, "crc32c": "1a2b3c4d", "version": 2},
-      "common.checksums.json":  {"size": 201,  "crc32c": "5e6f7a8b", "version": 1}
-    }
+```text
+"integrity_records": {
+  "safetensors/index.json": {"size": 1834, "crc32c": "1a2b3c4d", "version": 2},
+  "common.checksums.json":  {"size": 201,  "crc32c": "5e6f7a8b", "version": 1}
+}
+```
 
-Example::
+Example:
 
-    record = record_of(raw_index_bytes)      # IntegrityRecord(size=1834, crc32c=..., version=2)
-    check_record(raw_index_bytes, record, "ckpt/safetensors/index.json")   # passes
+```python
+record = record_of(raw_index_bytes)      # IntegrityRecord(size=1834, crc32c=..., version=2)
+check_record(raw_index_bytes, record, "ckpt/safetensors/index.json")   # passes
+```
 """
 
 from __future__ import annotations
@@ -67,9 +71,11 @@ def _version_of(data: bytes) -> Optional[int]:
 def record_of(data: bytes) -> IntegrityRecord:
     """The record of a file whose bytes are ``data`` (read back at commit, on rank 0).
 
-    Example::
+    Example:
 
-        record_of(b'{"version": 2}')   # IntegrityRecord(size=14, crc32c=..., version=2)
+    ```python
+    record_of(b'{"version": 2}')   # IntegrityRecord(size=14, crc32c=..., version=2)
+    ```
     """
     return IntegrityRecord(len(data), crc32c(data), _version_of(data))
 

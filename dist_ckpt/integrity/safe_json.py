@@ -2,22 +2,24 @@
 
 Every metadata file of a checkpoint (``metadata.json``, the safetensors ``index.json`` and file
 headers, zarr's ``zarr.json``, checksum manifests, HuggingFace indexes) is untrusted input: a
-damaged or hostile file must end in a :class:`~dist_ckpt.errors.CorruptCheckpointError` that
+damaged or hostile file must end in a [`CorruptCheckpointError`][dist_ckpt.errors.CorruptCheckpointError] that
 names the file, never in a ``RecursionError``, a ``UnicodeDecodeError``, a ``KeyError`` from a
 parser that trusted a field, or an allocation sized by a number read from the file.
 
-:func:`loads` and :func:`read_json` parse with a size cap (checked before reading a local file
+`loads()` and `read_json()` parse with a size cap (checked before reading a local file
 whole), a nesting-depth cap (checked on the raw bytes before parsing, in C-speed passes, so
 ``json`` never recurses deeply), strict UTF-8 and no ``NaN``/``Infinity``. The ``want_*``
-helpers check the type of one field and name it in the error; :func:`check_tensor_bytes`
-refuses shapes whose byte size overflows before anything is allocated from them; :func:`shown`
+helpers check the type of one field and name it in the error; `check_tensor_bytes()`
+refuses shapes whose byte size overflows before anything is allocated from them; `shown()`
 renders a value for a message with bounded length and depth.
 
-Example::
+Example:
 
-    doc = want_object(loads(raw, "ckpt/safetensors/index.json"), "ckpt/safetensors/index.json")
-    shape = want_ints(doc.get("global_shape"), "index.json, tensor 'w', field 'global_shape'")
-    check_tensor_bytes(shape, 4, "index.json, tensor 'w'")
+```python
+doc = want_object(loads(raw, "ckpt/safetensors/index.json"), "ckpt/safetensors/index.json")
+shape = want_ints(doc.get("global_shape"), "index.json, tensor 'w', field 'global_shape'")
+check_tensor_bytes(shape, 4, "index.json, tensor 'w'")
+```
 """
 
 from __future__ import annotations
@@ -76,9 +78,11 @@ _SHOWN.maxlong = 40
 def shown(value: Any) -> str:
     """``repr(value)`` cut to a bounded length and depth, for error messages.
 
-    Example::
+    Example:
 
-        shown(list(range(1000)))   # "[0, 1, 2, 3, 4, 5, ...]"
+    ```python
+    shown(list(range(1000)))   # "[0, 1, 2, 3, 4, 5, ...]"
+    ```
     """
     return _SHOWN.repr(value)
 
@@ -87,9 +91,11 @@ def json_depth(raw: bytes) -> int:
     """Deepest nesting of arrays and objects in the JSON text ``raw`` (an upper bound for
     malformed text); brackets inside strings do not count.
 
-    Example::
+    Example:
 
-        json_depth(b'{"a": [[1], "]]"]}')   # 3
+    ```python
+    json_depth(b'{"a": [[1], "]]"]}')   # 3
+    ```
     """
     brackets = np.frombuffer(_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS), dtype=np.uint8)
     if not brackets.size:
@@ -106,12 +112,14 @@ def loads(raw: Union[bytes, bytearray, memoryview], where: str, max_bytes: int =
     """Parse the JSON document ``raw`` read from ``where`` (a path or URL, named in errors).
 
     Raises:
-        CorruptCheckpointError: larger than ``max_bytes``, nested deeper than :data:`MAX_DEPTH`,
+        CorruptCheckpointError: larger than ``max_bytes``, nested deeper than `MAX_DEPTH`,
             not UTF-8, or not JSON (``NaN`` and ``Infinity`` included).
 
-    Example::
+    Example:
 
-        loads(b'{"version": 2}', "ckpt/safetensors/index.json")   # {"version": 2}
+    ```python
+    loads(b'{"version": 2}', "ckpt/safetensors/index.json")   # {"version": 2}
+    ```
     """
     data = bytes(raw)
     if len(data) > max_bytes:
@@ -138,11 +146,13 @@ def read_json(path: Union[str, "os.PathLike[str]"], max_bytes: int = MAX_JSON_BY
     (``os.stat``) before the file is read.
 
     Raises:
-        CorruptCheckpointError: as :func:`loads`, or the path is not a regular file.
+        CorruptCheckpointError: as `loads()`, or the path is not a regular file.
 
-    Example::
+    Example:
 
-        doc = read_json("ckpt/zarr/w/zarr.json", MAX_SMALL_JSON_BYTES)
+    ```python
+    doc = read_json("ckpt/zarr/w/zarr.json", MAX_SMALL_JSON_BYTES)
+    ```
     """
     where = str(path)
     try:
@@ -164,21 +174,24 @@ def read_json(path: Union[str, "os.PathLike[str]"], max_bytes: int = MAX_JSON_BY
 
 
 def want_object(value: Any, where: str) -> Dict[str, Any]:
-    """``value`` if it is a JSON object, else :class:`CorruptCheckpointError` naming ``where``."""
+    """``value`` if it is a JSON object, else [`CorruptCheckpointError`][dist_ckpt.errors.CorruptCheckpointError] naming
+    ``where``."""
     if not isinstance(value, dict):
         raise CorruptCheckpointError(f"{where} must be a JSON object, found {shown(value)}")
     return value
 
 
 def want_list(value: Any, where: str) -> List[Any]:
-    """``value`` if it is a JSON array, else :class:`CorruptCheckpointError` naming ``where``."""
+    """``value`` if it is a JSON array, else [`CorruptCheckpointError`][dist_ckpt.errors.CorruptCheckpointError] naming
+    ``where``."""
     if not isinstance(value, list):
         raise CorruptCheckpointError(f"{where} must be a JSON array, found {shown(value)}")
     return value
 
 
 def want_str(value: Any, where: str) -> str:
-    """``value`` if it is a string, else :class:`CorruptCheckpointError` naming ``where``."""
+    """``value`` if it is a string, else [`CorruptCheckpointError`][dist_ckpt.errors.CorruptCheckpointError] naming
+    ``where``."""
     if not isinstance(value, str):
         raise CorruptCheckpointError(f"{where} must be a string, found {shown(value)}")
     return value
@@ -186,7 +199,7 @@ def want_str(value: Any, where: str) -> str:
 
 def want_int(value: Any, where: str, minimum: int = 0, maximum: int = MAX_TENSOR_BYTES) -> int:
     """``value`` if it is an int (not a bool) in ``[minimum, maximum]``, else
-    :class:`CorruptCheckpointError` naming ``where``."""
+    [`CorruptCheckpointError`][dist_ckpt.errors.CorruptCheckpointError] naming ``where``."""
     if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= maximum:
         raise CorruptCheckpointError(f"{where} must be an int in [{minimum}, {maximum}], found {shown(value)}")
     return value
@@ -194,7 +207,8 @@ def want_int(value: Any, where: str, minimum: int = 0, maximum: int = MAX_TENSOR
 
 def want_ints(value: Any, where: str, length: Optional[int] = None, minimum: int = 0) -> Tuple[int, ...]:
     """``value`` as a tuple if it is a list (of ``length`` items, when given) of ints in
-    ``[minimum, MAX_TENSOR_BYTES]``, else :class:`CorruptCheckpointError` naming ``where``."""
+    ``[minimum, MAX_TENSOR_BYTES]``, else [`CorruptCheckpointError`][dist_ckpt.errors.CorruptCheckpointError] naming
+    ``where``."""
     if (
         not isinstance(value, list)
         or (length is not None and len(value) != length)
@@ -206,7 +220,8 @@ def want_ints(value: Any, where: str, length: Optional[int] = None, minimum: int
 
 
 def want_str_map(value: Any, where: str) -> Dict[str, str]:
-    """``value`` if it is a JSON object of strings, else :class:`CorruptCheckpointError`."""
+    """``value`` if it is a JSON object of strings, else
+    [`CorruptCheckpointError`][dist_ckpt.errors.CorruptCheckpointError]."""
     if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
         raise CorruptCheckpointError(f"{where} must map strings to strings, found {shown(value)}")
     return value
@@ -218,9 +233,11 @@ def check_tensor_bytes(shape: Sequence[int], itemsize: int, where: str) -> int:
     Call it on shapes read from a checkpoint before allocating (even on the meta device: torch
     raises "Storage size calculation overflowed" for them).
 
-    Example::
+    Example:
 
-        check_tensor_bytes((1024, 512), 2, "index.json, tensor 'w'")   # 1048576
+    ```python
+    check_tensor_bytes((1024, 512), 2, "index.json, tensor 'w'")   # 1048576
+    ```
     """
     nbytes = math.prod(shape) * itemsize
     if nbytes > MAX_TENSOR_BYTES:

@@ -1,7 +1,7 @@
 """Check a whole checkpoint directory: which files are missing, damaged or uncommitted.
 
-:func:`verify_checkpoint` is what ``dist-ckpt verify DIR`` runs, on a local directory or an
-``s3://bucket/prefix`` (reading every object once). One process, no process group:
+[`verify_checkpoint()`][dist_ckpt.integrity.verify.verify_checkpoint] is what ``dist-ckpt verify DIR`` runs, on a local
+directory or an ``s3://bucket/prefix`` (reading every object once). One process, no process group:
 
 1. read ``metadata.json``: missing means the save never committed (a partial checkpoint that
    ``load`` refuses); unreadable means the commit record is damaged;
@@ -12,20 +12,22 @@
    such (``dcp:1``);
 3. check every integrity record ``metadata.json`` lists (checksum manifests, the safetensors
    index) against its recorded size, crc32c and version: a deleted or downgraded record is a
-   problem, never "saved without checksums" (see :mod:`dist_ckpt.engine.records`);
+   problem, never "saved without checksums" (see `dist_ckpt.engine.records`);
 4. let each strategy check its files against the checksums recorded at save time
    (``LoadStrategyBase.verify_integrity``): every safetensors block, every zarr file, common.pt
    and every ShardedObject file.
 
-Every problem is one :class:`~dist_ckpt.integrity.checksums.IntegrityProblem` (file, key, what is wrong);
+Every problem is one [`IntegrityProblem`][dist_ckpt.integrity.checksums.IntegrityProblem] (file, key, what is wrong);
 nothing raises for a damaged checkpoint.
 
-Example::
+Example:
 
-    report = verify_checkpoint("ckpt/iter_1000")
-    if not report.ok:
-        for problem in report.problems:
-            print(problem)          # "safetensors/rank00001_0.safetensors (key 'w'): bytes ..."
+```python
+report = verify_checkpoint("ckpt/iter_1000")
+if not report.ok:
+    for problem in report.problems:
+        print(problem)          # "safetensors/rank00001_0.safetensors (key 'w'): bytes ..."
+```
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ _BACKEND_DIRS: Tuple[Tuple[str, str, int], ...] = (("safetensors", "safetensors"
 
 @dataclass
 class VerifyReport:
-    """The outcome of :func:`verify_checkpoint`.
+    """The outcome of [`verify_checkpoint()`][dist_ckpt.integrity.verify.verify_checkpoint].
 
     Attributes:
         checkpoint_dir: the directory (or ``s3://`` URL) checked.
@@ -110,13 +112,18 @@ class VerifyReport:
 def verify_checkpoint(checkpoint_dir: LocationLike, progress: Optional[ProgressCallback] = None) -> VerifyReport:
     """Check every file of the checkpoint at ``checkpoint_dir`` (see the module docstring).
 
-    ``progress`` is called with a :class:`~dist_ckpt.engine.report.ProgressEvent` as the check of each
+    ``progress`` is called with a [`ProgressEvent`][dist_ckpt.engine.report.ProgressEvent] as the check of each
     part (the commit record, then each backend's files) starts and ends.
 
-    Example::
+    The checks run in the order of the module docstring's list, in one function so that each
+    early verdict (no directory, no checkpoint, never committed) can return the report at once.
 
-        report = verify_checkpoint("ckpt/iter_1000")
-        assert report.ok, "\\n".join(map(str, report.problems))
+    Example:
+
+    ```python
+    report = verify_checkpoint("ckpt/iter_1000")
+    assert report.ok, "\\n".join(map(str, report.problems))
+    ```
 
     Raises:
         StorageError: an object store refused the requests (wrong credentials, a missing

@@ -8,20 +8,24 @@ that holds its values, and a few string tables, each zlib-compressed. Decoding i
 string tables (ranks of one pipeline stage hold the same keys) are decoded once when the caller
 passes a cache.
 
-Layout::
+Layout:
 
-    b"DCKC" | u32 LE header length | header (JSON) | string sections | column section
+```text
+b"DCKC" | u32 LE header length | header (JSON) | string sections | column section
+```
 
 The header lists each string table (name, count, encoding, compressed size) and each column
 (name, numpy dtype, shape); the column section is one zlib stream of every column's bytes in
 that order. A string table is its strings joined by ``"\\n"`` (or a JSON list when a string holds
 a newline), zlib-compressed.
 
-Example::
+Example:
 
-    blob = pack_columns({"offset": np.array([[0, 4], [4, 0]])}, {"keys": ["a", "b"]}, {"rank": 3})
-    unpacked = unpack_columns(blob, "rank 3's shard metadata")
-    unpacked.columns["offset"].tolist(), unpacked.strings["keys"], unpacked.meta["rank"]
+```python
+blob = pack_columns({"offset": np.array([[0, 4], [4, 0]])}, {"keys": ["a", "b"]}, {"rank": 3})
+unpacked = unpack_columns(blob, "rank 3's shard metadata")
+unpacked.columns["offset"].tolist(), unpacked.strings["keys"], unpacked.meta["rank"]
+```
 """
 
 from __future__ import annotations
@@ -49,9 +53,11 @@ _INT_TYPES = (np.int8, np.int16, np.int32, np.int64)
 def narrowest(values: np.ndarray) -> np.ndarray:
     """``values`` (integers) as the narrowest signed integer type that holds them.
 
-    Example::
+    Example:
 
-        narrowest(np.array([-1, 300])).dtype   # int16
+    ```python
+    narrowest(np.array([-1, 300])).dtype   # int16
+    ```
     """
     if values.size == 0:
         return values.astype(np.int8)
@@ -74,7 +80,7 @@ def pack_columns(
 ) -> bytes:
     """Encode integer ``columns`` (any shape), string tables and a small JSON-able ``meta``.
 
-    Integer columns are narrowed (:func:`narrowest`); boolean columns travel as int8.
+    Integer columns are narrowed (`narrowest()`); boolean columns travel as int8.
     """
     header: Dict[str, Any] = {"version": _VERSION, "meta": meta or {}, "strings": [], "columns": []}
     sections: List[bytes] = []
@@ -95,12 +101,12 @@ def pack_columns(
 
 @dataclass
 class ColumnBlob:
-    """What :func:`unpack_columns` decoded.
+    """What `unpack_columns()` decoded.
 
     Attributes:
         columns: integer arrays by name (narrowest dtype, little endian, read-only views).
         strings: string tables by name.
-        meta: the JSON-able ``meta`` given to :func:`pack_columns`.
+        meta: the JSON-able ``meta`` given to `pack_columns()`.
         string_sections: the compressed bytes of each string table (equal bytes, equal table).
     """
 
@@ -126,7 +132,7 @@ def _decode_strings(raw: bytes, encoding: str, count: int, where: str) -> List[s
 def unpack_columns(
     data: bytes, where: str, string_cache: Optional[MutableMapping[bytes, List[str]]] = None
 ) -> ColumnBlob:
-    """Decode a blob of :func:`pack_columns`; ``where`` names it in errors.
+    """Decode a blob of `pack_columns()`; ``where`` names it in errors.
 
     With ``string_cache`` (compressed section -> strings), a string table seen before is not
     decoded again; the cached list is returned (do not modify it).

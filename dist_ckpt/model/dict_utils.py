@@ -28,10 +28,12 @@ def extract_matching_values(
         return_lists_as_dicts: if True, lists come back as ``{index: value}`` dicts so that the
             original positions are kept; otherwise each part is a compacted list.
 
-    Example::
+    Example:
 
-        >>> extract_matching_values({"a": 1, "b": "x"}, lambda v: isinstance(v, int))
-        ({'a': 1}, {'b': 'x'})
+    ```pycon
+    >>> extract_matching_values({"a": 1, "b": "x"}, lambda v: isinstance(v, int))
+    ({'a': 1}, {'b': 'x'})
+    ```
     """
     if isinstance(x, dict):
         matching: Dict[Any, Any] = {}
@@ -218,7 +220,8 @@ def merge(x1: Nested, x2: Nested, key: Tuple[Any, ...] = ()) -> Nested:
     """Merge ``x2`` into ``x1`` recursively (in place) and return ``x1``.
 
     Dicts are merged key by key; lists must have equal lengths and are merged element-wise;
-    any other pair of values present in both raises :class:`StateDictStructureError`.
+    any other pair of values present in both raises
+    [`StateDictStructureError`][dist_ckpt.errors.StateDictStructureError].
     """
     if isinstance(x1, dict) and isinstance(x2, dict):
         for k, v2 in x2.items():

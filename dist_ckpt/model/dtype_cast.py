@@ -4,11 +4,11 @@ Megatron-Core and ``torch.distributed.checkpoint`` fill the requested tensor wha
 dtype: fp32 master weights load into a bf16 model, an int64 counter into a float32 request.
 dist_ckpt does the same by default. Every loader reads each stored piece in its stored dtype --
 into a scratch buffer of at most that piece (a bounce buffer, a decoded chunk) -- and copies it
-into the requested tensor's view with :func:`copy_cast`, ``Tensor.copy_``, which converts. A
+into the requested tensor's view with `copy_cast()`, ``Tensor.copy_``, which converts. A
 request in the stored dtype is read straight into the destination, as before; the checksums of
 a load are always computed over the stored bytes.
 
-The rule (:func:`cast_refusal`):
+The rule (`cast_refusal()`):
 
 * any real or integer dtype, and ``bool``, to any other: as ``Tensor.copy_`` converts
   (``Tensor.to`` gives the same values). Floats round to nearest; a float becomes an integer by
@@ -18,16 +18,18 @@ The rule (:func:`cast_refusal`):
 * complex to real is refused, even when casting is allowed: it would silently drop the
   imaginary part (torch only warns). Request a complex dtype.
 
-With ``allow_dtype_cast=False`` (a load option; see :func:`dist_ckpt.load`) any difference is
+With ``allow_dtype_cast=False`` (a load option; see [`dist_ckpt.load()`][dist_ckpt.engine.load.load]) any difference is
 refused, as before casting existed: the loader raises
-:class:`~dist_ckpt.errors.LoadMismatchError` naming the key, the rank, the checkpoint and both
+[`LoadMismatchError`][dist_ckpt.errors.LoadMismatchError] naming the key, the rank, the checkpoint and both
 dtypes before reading anything.
 
-Example::
+Example:
 
-    cast_refusal(torch.float32, torch.bfloat16, allow=True)      # None: allowed
-    cast_refusal(torch.complex64, torch.float32, allow=True)     # "... would drop the imaginary part ..."
-    copy_cast(bf16_view, fp32_piece)                              # converts while copying
+```python
+cast_refusal(torch.float32, torch.bfloat16, allow=True)      # None: allowed
+cast_refusal(torch.complex64, torch.float32, allow=True)     # "... would drop the imaginary part ..."
+copy_cast(bf16_view, fp32_piece)                              # converts while copying
+```
 """
 
 from __future__ import annotations
@@ -45,10 +47,12 @@ def cast_refusal(stored: torch.dtype, requested: torch.dtype, allow: bool) -> Op
     ``allow`` is the load's ``allow_dtype_cast``. The reason is phrased to follow the key in a
     message (``"'w' is stored as ..."``) and says how to fix it.
 
-    Example::
+    Example:
 
-        cast_refusal(torch.float32, torch.float16, allow=False)
-        # "is stored as torch.float32, requested as torch.float16 (allow_dtype_cast=False; ...)"
+    ```python
+    cast_refusal(torch.float32, torch.float16, allow=False)
+    # "is stored as torch.float32, requested as torch.float16 (allow_dtype_cast=False; ...)"
+    ```
     """
     if stored == requested:
         return None
@@ -72,12 +76,14 @@ def describe_cast(key: str, stored: torch.dtype, requested: torch.dtype) -> str:
 
 def copy_cast(destination: torch.Tensor, stored: torch.Tensor) -> None:
     """Copy ``stored`` (a piece read in its stored dtype) into ``destination`` (a view of the
-    requested tensor, any device), converting to the destination's dtype as :func:`cast_refusal`
+    requested tensor, any device), converting to the destination's dtype as `cast_refusal()`
     describes. No copy beyond the destination's is made: ``copy_`` converts element by element
     (a piece on another device than the destination is moved first, by torch).
 
-    Example::
+    Example:
 
-        copy_cast(dest[0:2], torch.tensor([1.5, 2.5]))   # dest is bfloat16: holds 1.5, 2.5
+    ```python
+    copy_cast(dest[0:2], torch.tensor([1.5, 2.5]))   # dest is bfloat16: holds 1.5, 2.5
+    ```
     """
     destination.copy_(stored)

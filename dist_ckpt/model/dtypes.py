@@ -84,7 +84,7 @@ def dtype_to_name(dtype: torch.dtype) -> str:
 
 
 def dtype_from_name(name: str) -> torch.dtype:
-    """Inverse of :func:`dtype_to_name`; raises for names this torch build does not know."""
+    """Inverse of `dtype_to_name()`; raises for names this torch build does not know."""
     try:
         return _BY_NAME[name].torch_dtype
     except KeyError:

@@ -1,6 +1,6 @@
 """Factories: tensors transformed into sharded sub-state-dicts on save, merged back on load.
 
-Re-exported by :mod:`dist_ckpt.model.sharded`, where Megatron-Core code looks for them.
+Re-exported by [`dist_ckpt.model.sharded`][dist_ckpt.model.sharded], where Megatron-Core code looks for them.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class ShardedTensorFactory(ShardedBase):
             to functions that take one).
         merge_fn: ``merge_fn(loaded_sub_state_dict)`` turns the loaded sub-state-dict back into
             one tensor (the inverse of ``build_fn``).
-        replica_id: see :class:`ShardedTensor`.
+        replica_id: see [`ShardedTensor`][dist_ckpt.model.sharded.ShardedTensor].
         flattened_range: passed on to a four-argument ``build_fn``.
     """
 
@@ -93,7 +93,8 @@ class ShardedTensorFactory(ShardedBase):
 
 
 def apply_factories(sharded_state_dict: ShardedStateDict) -> None:
-    """Replace every :class:`ShardedTensorFactory` by the sub-state-dict it builds (in place)."""
+    """Replace every [`ShardedTensorFactory`][dist_ckpt.model.factories.ShardedTensorFactory] by the sub-state-dict it
+    builds (in place)."""
 
     def apply(x: Any) -> Any:
         return x.build() if isinstance(x, ShardedTensorFactory) else x

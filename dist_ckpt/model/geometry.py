@@ -4,7 +4,7 @@ Resharding reduces to one question asked many times: which part of a stored shar
 which part of a requested shard? A shard covers either a hyper-rectangle ("box") of the global
 tensor, or, with ``flattened_range``, a contiguous range of the row-major flattening of such a
 box. A flat range splits into at most ``2 * ndim - 1`` boxes that are each contiguous in that
-flattening (:func:`flat_range_boxes`), so every shard is a short list of :class:`ShardPiece`
+flattening (`flat_range_boxes()`), so every shard is a short list of `ShardPiece`
 and any two shards overlap in a few box intersections. Every backend uses this module; nothing
 here touches storage or torch.distributed.
 """

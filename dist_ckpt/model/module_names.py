@@ -11,14 +11,16 @@ wrapped model loads into the plain one and the reverse.
 An attribute is dropped only where the module that holds it is such a wrapper (found by type,
 not by name): a plain submodule that happens to be called ``module`` keeps its name.
 Checkpoints written before canonical names (keys such as ``module.fc.weight``) still match, by
-:func:`match_stored_names`.
+`match_stored_names()`.
 
-Example::
+Example:
 
-    ddp = DistributedDataParallel(torch.compile(net))
-    names = ModuleNames(ddp)
-    names.canonical("module._orig_mod.fc.weight")    # "fc.weight"
-    sd, raw = canonical_state_dict(ddp)              # {"fc.weight": ...}, {"fc.weight": "module._orig_mod.fc.weight"}
+```python
+ddp = DistributedDataParallel(torch.compile(net))
+names = ModuleNames(ddp)
+names.canonical("module._orig_mod.fc.weight")    # "fc.weight"
+sd, raw = canonical_state_dict(ddp)              # {"fc.weight": ...}, {"fc.weight": "module._orig_mod.fc.weight"}
+```
 """
 
 from __future__ import annotations
@@ -152,10 +154,12 @@ def canonical_state_dict(
 ) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
     """``model.state_dict()`` keyed by canonical names, and ``{canonical: raw}`` for each key.
 
-    Example::
+    Example:
 
-        sd, raw = canonical_state_dict(ddp_model)
-        ddp_model.load_state_dict({raw[k]: v for k, v in sd.items()})
+    ```python
+    sd, raw = canonical_state_dict(ddp_model)
+    ddp_model.load_state_dict({raw[k]: v for k, v in sd.items()})
+    ```
     """
     state = model.state_dict(keep_vars=keep_vars)
     raw_of = ModuleNames(model).canonical_map(state)
@@ -168,10 +172,12 @@ def strip_wrapper_prefixes(name: str) -> str:
     ``_orig_mod``, ``_fsdp_wrapped_module`` and ``_checkpoint_wrapped_module`` atoms are dropped
     wherever they are; ``module`` only among the leading atoms (where DDP puts it).
 
-    Example::
+    Example:
 
-        strip_wrapper_prefixes("module._orig_mod.fc.weight")   # "fc.weight"
-        strip_wrapper_prefixes("encoder.module.weight")         # unchanged
+    ```python
+    strip_wrapper_prefixes("module._orig_mod.fc.weight")   # "fc.weight"
+    strip_wrapper_prefixes("encoder.module.weight")         # unchanged
+    ```
     """
     atoms = name.split(".")
     kept: List[str] = []
@@ -188,13 +194,15 @@ def match_stored_names(live: Iterable[str], stored: Iterable[str]) -> Dict[str, 
     """``{live name: stored name}`` for every live (canonical) name found among ``stored``.
 
     A name is found as it is, or else as a stored name that equals it once
-    :func:`strip_wrapper_prefixes` drops wrapper attributes (a checkpoint written with the
+    `strip_wrapper_prefixes()` drops wrapper attributes (a checkpoint written with the
     wrapped names), when exactly one stored name does. Unmatched names on either side are left
     for the caller to report.
 
-    Example::
+    Example:
 
-        match_stored_names(["fc.weight"], ["module.fc.weight"])   # {"fc.weight": "module.fc.weight"}
+    ```python
+    match_stored_names(["fc.weight"], ["module.fc.weight"])   # {"fc.weight": "module.fc.weight"}
+    ```
     """
     stored_set = set(stored)
     matched = {name: name for name in live if name in stored_set}

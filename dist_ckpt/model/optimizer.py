@@ -1,11 +1,13 @@
 """Helpers that derive the sharding of optimizer state from the sharding of model parameters.
 
-Typical use with a ``torch.optim`` optimizer::
+Typical use with a ``torch.optim`` optimizer:
 
-    model_sd = model.sharded_state_dict()               # ShardedTensors wrapping the params
-    id_map = get_param_id_to_sharded_param_map(model_sd, optim.param_groups[0]["params"])
-    optim_sd = optim.state_dict()
-    optim_state_to_sharding_state(optim_sd, id_map, exclude_keys=("step",))
+```python
+model_sd = model.sharded_state_dict()               # ShardedTensors wrapping the params
+id_map = get_param_id_to_sharded_param_map(model_sd, optim.param_groups[0]["params"])
+optim_sd = optim.state_dict()
+optim_state_to_sharding_state(optim_sd, id_map, exclude_keys=("step",))
+```
 """
 
 from __future__ import annotations

@@ -1,21 +1,25 @@
 """Classes that describe how a rank's local data maps onto global checkpoint entries.
 
 A *sharded state dict* is a nested dict/list whose leaves are ordinary objects (saved once, by
-rank 0, as the "common" state) or :class:`ShardedBase` instances:
+rank 0, as the "common" state) or `ShardedBase` instances:
 
-* :class:`ShardedTensor` -- this rank's part of a global tensor, resharded freely on load;
-* :class:`ShardedObject` -- this rank's part of a global grid of opaque objects;
-* :class:`ShardedTensorFactory` -- a tensor transformed into a sub-state-dict before saving and
-  merged back after loading;
-* :class:`LocalNonPersistentObject` -- a value kept out of the checkpoint and restored locally.
+* [`ShardedTensor`][dist_ckpt.model.sharded.ShardedTensor] -- this rank's part of a global tensor, resharded freely on
+  load;
+* [`ShardedObject`][dist_ckpt.model.sharded.ShardedObject] -- this rank's part of a global grid of opaque objects;
+* [`ShardedTensorFactory`][dist_ckpt.model.factories.ShardedTensorFactory] -- a tensor transformed into a sub-state-dict
+  before saving and merged back after loading;
+* [`LocalNonPersistentObject`][dist_ckpt.model.sharded_base.LocalNonPersistentObject] -- a value kept out of the
+  checkpoint and restored locally.
 
 Every class checks its own arguments on construction and raises
-:class:`~dist_ckpt.errors.InvalidShardedTensorError` naming the key.
+[`InvalidShardedTensorError`][dist_ckpt.errors.InvalidShardedTensorError] naming the key.
 
-Example::
+Example:
 
-    w = ShardedTensor.from_rank_offsets("layer.weight", local_w, (0, tp_rank, tp_size),
-                                        replica_id=dp_rank)
+```python
+w = ShardedTensor.from_rank_offsets("layer.weight", local_w, (0, tp_rank, tp_size),
+                                    replica_id=dp_rank)
+```
 """
 
 from __future__ import annotations
@@ -311,13 +315,15 @@ class ShardedTensor(ShardedBase):
             rank_offsets: ``(axis, axis_rank_offset, axis_fragm)`` tuples: along global axis
                 ``axis`` the tensor is split into ``axis_fragm`` equal chunks and ``data`` is
                 chunk number ``axis_rank_offset``.
-            replica_id: see :class:`ShardedTensor`.
-            prepend_axis_num: see :class:`ShardedTensor`.
+            replica_id: see [`ShardedTensor`][dist_ckpt.model.sharded.ShardedTensor].
+            prepend_axis_num: see [`ShardedTensor`][dist_ckpt.model.sharded.ShardedTensor].
 
-        Example::
+        Example:
 
-            # column-parallel weight: rows split over 4 tensor-parallel ranks
-            ShardedTensor.from_rank_offsets("fc1.weight", w, (0, tp_rank, 4), replica_id=dp_rank)
+        ```python
+        # column-parallel weight: rows split over 4 tensor-parallel ranks
+        ShardedTensor.from_rank_offsets("fc1.weight", w, (0, tp_rank, 4), replica_id=dp_rank)
+        ```
         """
         _check_key(key)
         if flattened_range is not None:
@@ -376,7 +382,7 @@ class ShardedTensor(ShardedBase):
         flattened_range: Optional[slice] = None,
         **kwargs: Any,
     ) -> "ShardedTensor":
-        """Like :meth:`from_rank_offsets` for a flattened slice of the local tensor.
+        """Like [`from_rank_offsets()`][..from_rank_offsets] for a flattened slice of the local tensor.
 
         ``data`` is 1-D and equals ``local.flatten()[flattened_range]`` for a local tensor of
         shape ``non_flat_local_shape`` (distributed-optimizer state).
@@ -447,7 +453,7 @@ class ShardedObject(ShardedBase):
 
     @classmethod
     def empty_from_unique_key(cls, unique_key: str, replica_id: ReplicaId = 0) -> "ShardedObject":
-        """Inverse of :attr:`unique_key`, with ``data=None``."""
+        """Inverse of [`unique_key`][..unique_key], with ``data=None``."""
         key, sep, shard = unique_key.rpartition("/shard_")
         parts = shard.split("_")
         if not sep or len(parts) != 2:

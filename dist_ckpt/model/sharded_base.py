@@ -1,7 +1,7 @@
 """The common base of sharded checkpoint entries, and the checks every one of them shares.
 
-Split from :mod:`dist_ckpt.model.sharded` (which re-exports everything here) so that
-:mod:`dist_ckpt.model.factories` can build on it without an import cycle.
+Split from [`dist_ckpt.model.sharded`][dist_ckpt.model.sharded] (which re-exports everything here) so that
+`dist_ckpt.model.factories` can build on it without an import cycle.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ class ShardedBase(ABC):
 
     @abstractmethod
     def validate_metadata_integrity(self) -> None:
-        """Raise :class:`InvalidShardedTensorError` if the fields are inconsistent."""
+        """Raise [`InvalidShardedTensorError`][dist_ckpt.errors.InvalidShardedTensorError] if the fields are
+        inconsistent."""
 
     @abstractmethod
     def without_data(self) -> "ShardedBase":

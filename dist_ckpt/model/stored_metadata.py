@@ -12,13 +12,15 @@ tensor, built here, so that all describe a tensor the same way -- Megatron-Core'
   beside the other tensors with their shapes.
 
 Callers that want every tensor with its shape whatever the saved form (``unshard``, ``convert``,
-the HuggingFace export) use :func:`shaped`.
+the HuggingFace export) use `shaped()`.
 
-Example::
+Example:
 
-    meta = stored_tensor_metadata("optimizer.exp_avg", torch.float32, (24, 10), flattened=True)
-    meta.local_shape, meta.flattened_range          # (24, 10), slice(0, 240)
-    shaped(meta).flattened_range                    # None
+```python
+meta = stored_tensor_metadata("optimizer.exp_avg", torch.float32, (24, 10), flattened=True)
+meta.local_shape, meta.flattened_range          # (24, 10), slice(0, 240)
+shaped(meta).flattened_range                    # None
+```
 """
 
 from __future__ import annotations
@@ -46,9 +48,11 @@ def stored_tensor_metadata(key: str, dtype: torch.dtype, global_shape: Sequence[
 def shaped(meta: ShardedTensor) -> ShardedTensor:
     """``meta`` (a description from ``load_tensors_metadata``) as the whole tensor with its shape.
 
-    Example::
+    Example:
 
-        request = {k: shaped(sh) for k, sh in dc.load_tensors_metadata(ckpt).items()}
+    ```python
+    request = {k: shaped(sh) for k, sh in dc.load_tensors_metadata(ckpt).items()}
+    ```
     """
     if meta.flattened_range is None:
         return meta

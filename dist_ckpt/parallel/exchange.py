@@ -2,13 +2,14 @@
 
 When several ranks of a group (the data-parallel replicas of a model) load the same shard,
 reading it from storage once and sending it over the network is faster than every rank reading
-it. This module is the machinery shared by :mod:`.two_stage` and :mod:`.fully_parallel`:
+it. This module is the machinery shared by [`two_stage`][dist_ckpt.parallel.two_stage] and
+[`fully_parallel`][dist_ckpt.parallel.fully_parallel]:
 
-* pure functions, tested without processes: a shard's identity (:func:`shard_id`), the choice
-  of the rank that reads or writes each shard (:func:`distribute_shards_to_ranks`), the
-  packing of shards into broadcast buckets (:func:`plan_buckets`), the consistency of the
-  process groups the ranks pass (:func:`check_group_consistency`);
-* :func:`load_with_exchange`, the collective load itself, in numbered steps.
+* pure functions, tested without processes: a shard's identity (`shard_id()`), the choice
+  of the rank that reads or writes each shard (`distribute_shards_to_ranks()`), the
+  packing of shards into broadcast buckets (`plan_buckets()`), the consistency of the
+  process groups the ranks pass (`check_group_consistency()`);
+* `load_with_exchange()`, the collective load itself, in numbered steps.
 
 Error discipline: data moves inside the group, but every success flag is exchanged over the
 default group (every rank calls the strategy, whatever its group), so a failure anywhere
@@ -79,7 +80,7 @@ def shard_id(sh: ShardedTensor) -> ShardId:
 
 
 def shard_from_id(sid: ShardId) -> ShardedTensor:
-    """The ShardedTensor (without data, replica 0) that :func:`shard_id` describes."""
+    """The ShardedTensor (without data, replica 0) that `shard_id()` describes."""
     key, dtype, global_shape, offset, local_shape, prepend, rng, allow = json.loads(sid)
     return ShardedTensor(
         key,
@@ -119,10 +120,12 @@ def distribute_shards_to_ranks(
     larger before smaller, then by id; each goes to its candidate with the fewest bytes so far
     (the lowest rank on ties).
 
-    Example::
+    Example:
 
-        distribute_shards_to_ranks({"a": [0, 1], "b": [0, 1], "c": [1]}, {"a": 4, "b": 4, "c": 4}, 2)
-        # {'c': 1, 'a': 0, 'b': 0}
+    ```python
+    distribute_shards_to_ranks({"a": [0, 1], "b": [0, 1], "c": [1]}, {"a": 4, "b": 4, "c": 4}, 2)
+    # {'c': 1, 'a': 0, 'b': 0}
+    ```
 
     Raises:
         CheckpointingException: a shard has no candidate, or a candidate is not in ``range(num_ranks)``.
@@ -230,8 +233,8 @@ def _members(group: Optional[ProcessGroup]) -> Any:
 def agree_on_group(group: Optional[ProcessGroup], what: str) -> List[Tuple[List[int], str]]:
     """Collective over the default group: every rank's ``(group members, group backend)``.
 
-    Raises :class:`ProcessGroupMismatchError` on every rank (each computes the same verdict from
-    the same gathered lists) if the groups passed by the ranks do not partition consistently.
+    Raises [`ProcessGroupMismatchError`][dist_ckpt.errors.ProcessGroupMismatchError] on every rank (each computes the
+    same verdict from the same gathered lists) if the groups passed by the ranks do not partition consistently.
     Costs one all-gather of ``world x group size`` integers.
     """
     members = _members(group)
@@ -378,12 +381,15 @@ def load_with_exchange(
     1. Index this rank's request: one primary ShardedTensor per shard id (a rank may request a
        shard under several state-dict keys), and its destination.
     2. Gather the group's requests; choose each shard's reader (``assign``, pure) and plan the
-       broadcasts (:func:`plan_buckets`, pure).
+       broadcasts (`plan_buckets()`, pure).
     3. Every rank reads the shards it owns with ``base`` (all at once, so ``base`` can read
        them concurrently), into their destinations. Success flags are exchanged: nothing is
        broadcast unless every reader succeeded.
     4. Broadcast bucket by bucket; receivers unpack into their destinations and free the bucket.
     5. Copy shards requested twice; replace each ShardedTensor by its tensor.
+
+    The five steps stay in one function (about 60 lines) because they share the failure protocol:
+    every collective must be reached by every rank, which is easiest to check in one place.
     """
     hooks = hooks or ExchangeHooks()
     rank = get_rank()
@@ -452,7 +458,7 @@ def load_with_exchange(
 
 
 class ExchangeHooks:
-    """The three steps of :func:`load_with_exchange` that touch data, overridable by wrappers
+    """The three steps of `load_with_exchange()` that touch data, overridable by wrappers
     that time them (two-stage) or count them (tests)."""
 
     def gather(self, primaries: Mapping[ShardId, ShardedTensor], group: Optional[ProcessGroup]) -> GroupRequests:

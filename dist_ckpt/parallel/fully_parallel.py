@@ -2,25 +2,27 @@
 
 Save: a plain save writes each shard from its main replica (``replica_id`` 0), so with data
 parallelism the ranks of DP replica 0 write everything while the other replicas idle.
-:class:`FullyParallelSaveStrategyWrapper` chooses, for every shard whose main replica lies in
-the parallelization group, which holder writes it -- balancing bytes over the group -- makes
-that rank's copy the main replica and every other copy a replica, and calls the wrapped
+[`FullyParallelSaveStrategyWrapper`][dist_ckpt.parallel.fully_parallel.FullyParallelSaveStrategyWrapper] chooses, for
+every shard whose main replica lies in the parallelization group, which holder writes it -- balancing bytes over the
+group -- makes that rank's copy the main replica and every other copy a replica, and calls the wrapped
 strategy. The checkpoint has the same contents as a plain save. Replicas must hold identical
 data, as data-parallel replicas do: any of them may be the one written.
 
-Load: :class:`FullyParallelLoadStrategyWrapper` has each shard requested by several ranks of
-the group read by one of them (balancing bytes) and broadcast to the others
-(:mod:`.exchange`).
+Load: [`FullyParallelLoadStrategyWrapper`][dist_ckpt.parallel.fully_parallel.FullyParallelLoadStrategyWrapper] has each
+shard requested by several ranks of the group read by one of them (balancing bytes) and broadcast to the others
+(`exchange`).
 
 Both wrap any sharded strategy. Public names follow Megatron-Core's ``fully_parallel`` module.
 
-Example::
+Example:
 
-    save_strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), dp_group)
-    dc.save(sd, "ckpt", sharded_strategy=save_strategy)
-    zarr_loader = dc.get_default_strategy(StrategyAction.LOAD_SHARDED, "zarr", 1)
-    load_strategy = FullyParallelLoadStrategyWrapper(zarr_loader, dp_group)
-    state = dc.load(request, "ckpt", sharded_strategy=load_strategy)
+```python
+save_strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), dp_group)
+dc.save(sd, "ckpt", sharded_strategy=save_strategy)
+zarr_loader = dc.get_default_strategy(StrategyAction.LOAD_SHARDED, "zarr", 1)
+load_strategy = FullyParallelLoadStrategyWrapper(zarr_loader, dp_group)
+state = dc.load(request, "ckpt", sharded_strategy=load_strategy)
+```
 """
 
 from __future__ import annotations
@@ -66,12 +68,14 @@ def distribute_main_replicas(gathered: Sequence[Sequence[HeldShard]]) -> Dict[Sh
 
     ``gathered[r]`` lists the shards group rank ``r`` holds with data. Only shards whose main
     replica is in the group are distributed (a shard mainly held elsewhere is written there);
-    each goes to one of its holders, balancing bytes (:func:`distribute_shards_to_ranks`).
+    each goes to one of its holders, balancing bytes (`distribute_shards_to_ranks()`).
 
-    Example::
+    Example:
 
-        distribute_main_replicas([[("a", 8, True), ("b", 8, True)], [("a", 8, False), ("b", 8, False)]])
-        # {'a': 0, 'b': 1}
+    ```python
+    distribute_main_replicas([[("a", 8, True), ("b", 8, True)], [("a", 8, False), ("b", 8, False)]])
+    # {'a': 0, 'b': 1}
+    ```
     """
     holders: Dict[ShardId, List[int]] = defaultdict(list)
     sizes: Dict[ShardId, int] = {}
@@ -98,11 +102,12 @@ def _cache_valid(fingerprint: str, cached: Optional[str], group: Optional[Proces
 class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
     """Saves with ``strategy`` after spreading the writing of replicated shards over replicas.
 
-    Steps of :meth:`save` (collective):
+    Steps of `save()` (collective):
 
     1. Check that the ranks' parallelization groups agree.
     2. Gather, within the group, which shards each rank holds with data (and whether as the
-       main replica); choose each shard's writer (:func:`distribute_main_replicas`).
+       main replica); choose each shard's writer
+       ([`distribute_main_replicas()`][dist_ckpt.parallel.fully_parallel.distribute_main_replicas]).
     3. Rewrite the replica ids in a copy of the state dict: the writer's (first) copy becomes
        the main replica, every other copy a replica. The caller's objects are not modified.
     4. Save the copy with the wrapped strategy.
@@ -237,8 +242,8 @@ class _CachingHooks(ExchangeHooks):
 class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
     """Loads with ``strategy``, each shard requested by several ranks of the group read once.
 
-    Steps of :meth:`load` (collective): check the groups agree, then
-    :func:`~dist_ckpt.parallel.exchange.load_with_exchange`: gather the group's requests,
+    Steps of `load()` (collective): check the groups agree, then
+    `load_with_exchange()`: gather the group's requests,
     give each shard to one of the ranks requesting it (balancing bytes), read, broadcast.
 
     Args:

@@ -11,11 +11,13 @@ It wraps any sharded loader (by default the one registered for the checkpoint's 
 the checkpoint format does not matter. Public names follow Megatron-Core's ``two_stage``
 module.
 
-Example::
+Example:
 
-    strategy = TwoStageDataParallelLoadShardedStrategy(dp_group)
-    state = dc.load(request, "ckpt", sharded_strategy=strategy)
-    strategy.summarize_load_times()   # collective; logs min/mean/max per step
+```python
+strategy = TwoStageDataParallelLoadShardedStrategy(dp_group)
+state = dc.load(request, "ckpt", sharded_strategy=strategy)
+strategy.summarize_load_times()   # collective; logs min/mean/max per step
+```
 """
 
 from __future__ import annotations
@@ -61,8 +63,8 @@ def timed(verbose: bool = True) -> Callable[[F], F]:
     """Decorate a method so each call's duration is recorded in ``self.timings[name]``.
 
     The timings belong to the strategy instance (no process-wide table);
-    :meth:`TwoStageDataParallelLoadShardedStrategy.summarize_load_times` reports them. With
-    ``verbose`` every call is also logged at DEBUG.
+    [`TwoStageDataParallelLoadShardedStrategy.summarize_load_times()`][dist_ckpt.parallel.two_stage.TwoStageDataParallelLoadShardedStrategy.summarize_load_times]
+    reports them. With ``verbose`` every call is also logged at DEBUG.
     """
 
     def decorate(fn: F) -> F:
@@ -131,13 +133,13 @@ class _TimedHooks(ExchangeHooks):
 class TwoStageDataParallelLoadShardedStrategy(LoadShardedStrategy):
     """Loads each chunk once per data-parallel group and broadcasts it to the other replicas.
 
-    Steps of :meth:`load` (collective over the default group; data moves inside each DP group):
+    Steps of `load()` (collective over the default group; data moves inside each DP group):
 
-    0. :meth:`maybe_init_gloo_group`: check that the ranks' DP groups agree; with
+    0. [`maybe_init_gloo_group()`][.maybe_init_gloo_group]: check that the ranks' DP groups agree; with
        ``cpu_transfer``, mirror DP groups of another backend (NCCL) with gloo groups, so
        broadcasts go through host memory.
     1. Exchange the requested chunks' metadata within the DP group.
-    2. :meth:`deduplicate_chunks`: each chunk requested by the group is assigned to one rank
+    2. [`deduplicate_chunks()`][.deduplicate_chunks]: each chunk requested by the group is assigned to one rank
        that requested it, balancing bytes (pure, deterministic).
     3. Every rank reads its assigned chunks from storage with the base strategy, all at once
        and into their destinations; success flags are exchanged before any broadcast.
@@ -216,7 +218,7 @@ class TwoStageDataParallelLoadShardedStrategy(LoadShardedStrategy):
 
     def with_dtype_cast(self, allow: bool) -> "TwoStageDataParallelLoadShardedStrategy":
         """A copy of this strategy whose reading loader is configured with ``allow`` (the copy
-        shares the timings, so :meth:`summarize_load_times` on either reports its loads)."""
+        shares the timings, so [`summarize_load_times()`][..summarize_load_times] on either reports its loads)."""
         if self.allow_dtype_cast == allow:
             return self
         clone = copy.copy(self)

@@ -1,13 +1,13 @@
 """Where checkpoint bytes go: a local directory or an S3-compatible object store, one interface.
 
-:class:`Storage` (``base.py``) is the interface: whole-object writes, streaming writers,
+[`Storage`][dist_ckpt.storage.base.Storage] (``base.py``) is the interface: whole-object writes, streaming writers,
 create-if-absent for the commit marker, concurrent ranged reads and positional readers into
 caller buffers, list, delete, with declared capabilities for what only a local disk can do
-(``local_paths``, ``positional_reads``, ...). :class:`LocalStorage` (``local.py``) keeps files
-on disk with atomic renames, fsync and ``os.preadv``; ``S3Storage`` (``s3.py``, the ``s3``
+(``local_paths``, ``positional_reads``, ...). [`LocalStorage`][dist_ckpt.storage.local.LocalStorage] (``local.py``)
+keeps files on disk with atomic renames, fsync and ``os.preadv``; ``S3Storage`` (``s3.py``, the ``s3``
 extra) talks to S3 through obstore and is imported only when an ``s3://`` URL is opened.
-:func:`open_storage` picks one from a path or URL; ``location.py`` does the same for the entry
-points. ``files.py`` writes and reads local files durably, ``paths.py`` holds the rules for
+[`open_storage()`][dist_ckpt.storage.base.open_storage] picks one from a path or URL; ``location.py`` does the same for
+the entry points. ``files.py`` writes and reads local files durably, ``paths.py`` holds the rules for
 keys, ``ranges.py`` buffers and byte ranges,
 ``stats.py`` the I/O counters, ``object_path.py`` a path-like view of keys.
 """

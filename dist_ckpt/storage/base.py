@@ -1,41 +1,36 @@
 """The storage interface: where a checkpoint's bytes go, on a local disk or in an object store.
 
-A :class:`Storage` is rooted at one location (a directory, or ``s3://bucket/prefix``) and
+A [`Storage`][dist_ckpt.storage.base.Storage] is rooted at one location (a directory, or ``s3://bucket/prefix``) and
 addresses *objects* by relative keys such as ``"safetensors/rank00000_0.safetensors"``. It is
 deliberately small -- the operations a checkpoint needs and nothing else:
 
-=====================  =====================================================================
-operation              what it guarantees
-=====================  =====================================================================
-``write``              the whole object appears at once, or not at all (never a torn object)
-``write_buffers``      the same, gathered from several buffers (header + tensor memory) without
-                       concatenating them first where the backend allows
-``open_writer``        a streaming writer: many ``write`` calls, visible only after
-                       ``commit`` (clean ``with`` exit); an exception aborts, leaving nothing
-``put_if_absent``      create-if-absent: the commit marker; raises :class:`ObjectExistsError`
-                       when the object is already there, never overwrites it
-``read``               a whole (small) object
-``read_ranges``        many byte ranges, concurrently, straight into the caller's buffers
-``open_reader``        positional reads of one object into the caller's buffers, many times
-``size`` / ``exists``  object metadata
-``list``               every object under a prefix (recursive), sorted by key
-``list_dirs``          the "directories" directly under a prefix (one level)
-``dir_exists``         whether a "directory" (a prefix) exists
-``make_dir``           create a directory where the storage has them (nothing on object stores)
-``delete`` /           remove one object (missing is fine) / everything under a prefix
-``delete_prefix``
-=====================  =====================================================================
+* ``write`` -- the whole object appears at once, or not at all (never a torn object)
+* ``write_buffers`` -- the same, gathered from several buffers (header + tensor memory) without concatenating them first
+  where the backend allows
+* ``open_writer`` -- a streaming writer: many ``write`` calls, visible only after ``commit`` (clean ``with`` exit); an
+  exception aborts, leaving nothing
+* ``put_if_absent`` -- create-if-absent: the commit marker; raises `ObjectExistsError` when the object is already there,
+  never overwrites it
+* ``read`` -- a whole (small) object
+* ``read_ranges`` -- many byte ranges, concurrently, straight into the caller's buffers
+* ``open_reader`` -- positional reads of one object into the caller's buffers, many times
+* ``size`` / ``exists`` -- object metadata
+* ``list`` -- every object under a prefix (recursive), sorted by key
+* ``list_dirs`` -- the "directories" directly under a prefix (one level)
+* ``dir_exists`` -- whether a "directory" (a prefix) exists
+* ``make_dir`` -- create a directory where the storage has them (nothing on object stores)
+* ``delete`` / ``delete_prefix`` -- remove one object (missing is fine) / everything under a prefix
 
 Local directories and object stores go through this one interface; what only a local disk can
 do is declared as class-level capabilities (``ClassVar[bool]``), so callers branch on a
 capability, never on a concrete class:
 
-* ``local_paths``: objects are files under :attr:`Storage.local_dir`. Code that needs a path
-  uses it: TensorStore's ``file`` driver and zarr's ``LocalStore``, files written in parts at
+* ``local_paths``: objects are files under [`Storage.local_dir`][dist_ckpt.storage.base.Storage.local_dir]. Code that
+  needs a path uses it: TensorStore's ``file`` driver and zarr's ``LocalStore``, files written in parts at
   planned offsets by several processes with early writeback (the safetensors backend), symlinks
   and directory renames (checkpoint rotation), HuggingFace folders.
-* ``positional_reads``: :meth:`Storage.open_reader` reads with ``os.preadv`` on an open
-  descriptor, straight into the destination memory, so small reads cost a system call, not a
+* ``positional_reads``: [`Storage.open_reader()`][dist_ckpt.storage.base.Storage.open_reader] reads with ``os.preadv``
+  on an open descriptor, straight into the destination memory, so small reads cost a system call, not a
   request: loaders use more, smaller reads (and check checksums piece by piece) where it is set.
 * ``atomic_rename`` / ``conditional_put``: the two ways to make a save atomic (Orbax's two
   implementations): a local disk writes every file under a temporary name and renames it, an
@@ -56,10 +51,11 @@ Call sequence in a distributed save:
 In a load every rank calls ``read`` for small metadata and ``read_ranges`` (or an
 ``open_reader`` per file) for the byte ranges of the shards it needs. Methods are thread-safe;
 a storage object is *not* shared across processes (each rank opens its own with
-:func:`open_storage`; a pickled storage carries its location and options, not its connection).
+[`open_storage()`][dist_ckpt.storage.base.open_storage]; a pickled storage carries its location and options, not its
+connection).
 
-Keys are ``/``-separated relative names (:func:`~dist_ckpt.storage.paths.validate_object_key`);
-keys derived from checkpoint keys go through :func:`dist_ckpt.storage.paths.encode_key` first.
+Keys are ``/``-separated relative names (`validate_object_key()`);
+keys derived from checkpoint keys go through `dist_ckpt.storage.paths.encode_key()` first.
 """
 
 from __future__ import annotations
@@ -88,7 +84,7 @@ S3_SCHEMES: Tuple[str, ...] = ("s3", "s3a")
 
 @dataclass(frozen=True)
 class ObjectInfo:
-    """An object found by :meth:`Storage.list`.
+    """An object found by [`Storage.list()`][dist_ckpt.storage.base.Storage.list].
 
     Attributes:
         key: the object's key relative to the storage root.
@@ -104,11 +100,14 @@ class ObjectReader(abc.ABC):
 
     ``read_into`` fills the caller's buffers (a tensor's own memory) from a byte offset, like
     ``os.preadv``; a reader may be used from several threads at once. Open one with
-    :meth:`Storage.open_reader`, close it when done (or use it as a context manager)::
+    [`Storage.open_reader()`][dist_ckpt.storage.base.Storage.open_reader], close it when done (or use it as a context
+    manager):
 
-        with storage.open_reader("safetensors/rank00000_0.safetensors") as reader:
-            header_length = bytearray(8)
-            reader.read_into([memoryview(header_length)], 0)
+    ```python
+    with storage.open_reader("safetensors/rank00000_0.safetensors") as reader:
+        header_length = bytearray(8)
+        reader.read_into([memoryview(header_length)], 0)
+    ```
 
     Attributes:
         positional: the storage's ``positional_reads`` capability: each read is a system call
@@ -155,8 +154,8 @@ class ObjectReader(abc.ABC):
 
 
 class _RangeReader(ObjectReader):
-    """The reader of any storage: each read is one :meth:`Storage.read_ranges` call (on an
-    object store, ranged GETs -- split into concurrent ones when large -- into the caller's
+    """The reader of any storage: each read is one [`Storage.read_ranges()`][dist_ckpt.storage.base.Storage.read_ranges]
+    call (on an object store, ranged GETs -- split into concurrent ones when large -- into the caller's
     buffers)."""
 
     def __init__(self, storage: "Storage", key: str) -> None:
@@ -182,14 +181,16 @@ class _RangeReader(ObjectReader):
 class ObjectWriter(abc.ABC):
     """A streaming write of one object: ``write`` many buffers, then ``commit`` (or ``abort``).
 
-    Nothing is visible at the key before :meth:`commit` returns; after :meth:`abort` (or an
-    exception inside the ``with`` block) nothing is left behind. Use it as a context manager::
+    Nothing is visible at the key before [`commit()`][.commit] returns; after [`abort()`][.abort] (or an
+    exception inside the ``with`` block) nothing is left behind. Use it as a context manager:
 
-        with storage.open_writer("rank0.safetensors") as w:
-            w.write(header)
-            for t in tensors:
-                w.write(memoryview(t.numpy()))
-        # committed here; an exception in the block aborts instead
+    ```python
+    with storage.open_writer("rank0.safetensors") as w:
+        w.write(header)
+        for t in tensors:
+            w.write(memoryview(t.numpy()))
+    # committed here; an exception in the block aborts instead
+    ```
 
     A writer is used by one thread.
     """
@@ -225,10 +226,10 @@ class Storage(abc.ABC):
     distributed save. Every method may be called from several threads of one process.
 
     Capabilities (class attributes; see the module docstring for what uses them):
-        local_paths: objects are files under :attr:`local_dir` (:meth:`local_path`), so code
+        local_paths: objects are files under [`local_dir`][.local_dir] ([`local_path()`][.local_path]), so code
             and libraries that need a path (TensorStore's ``file`` driver, zarr's LocalStore,
             files written in parts, symlinks) can use them directly.
-        positional_reads: :meth:`open_reader` reads with ``os.preadv`` on an open descriptor:
+        positional_reads: [`open_reader()`][.open_reader] reads with ``os.preadv`` on an open descriptor:
             many small reads are cheap.
         atomic_rename: writes go to a temporary name and are renamed into place (local disk).
         conditional_put: ``put_if_absent`` is atomic at the server (never overwrites).
@@ -260,7 +261,7 @@ class Storage(abc.ABC):
 
     @property
     def stats(self) -> IOStats:
-        """What this storage and every storage derived from it by :meth:`child` moved so far."""
+        """What this storage and every storage derived from it by [`child()`][..child] moved so far."""
         return self._counters.snapshot()
 
     def reset_stats(self) -> None:
@@ -282,10 +283,12 @@ class Storage(abc.ABC):
         Raises:
             StorageConfigError: the storage has no local files (an object store).
 
-        Example::
+        Example:
 
-            if storage.local_paths:
-                directory = storage.local_dir          # a pathlib.Path
+        ```python
+        if storage.local_paths:
+            directory = storage.local_dir          # a pathlib.Path
+        ```
         """
         raise StorageConfigError(f"{self.url} is not a local directory: {type(self).__name__} has no local paths")
 
@@ -295,9 +298,11 @@ class Storage(abc.ABC):
         Raises:
             StorageConfigError: the storage has no local files (an object store).
 
-        Example::
+        Example:
 
-            LocalStorage("/ckpt").local_path("zarr/w/zarr.json")   # Path("/ckpt/zarr/w/zarr.json")
+        ```python
+        LocalStorage("/ckpt").local_path("zarr/w/zarr.json")   # Path("/ckpt/zarr/w/zarr.json")
+        ```
         """
         validate_object_key(key)
         return self.local_dir / key
@@ -308,32 +313,38 @@ class Storage(abc.ABC):
     def write(self, key: str, data: BufferLike) -> None:
         """Write the whole object ``key`` (replacing any previous one); visible whole or not at all.
 
-        Example::
+        Example:
 
-            storage.write("common.pt", buffer.getvalue())
+        ```python
+        storage.write("common.pt", buffer.getvalue())
+        ```
         """
 
     @abc.abstractmethod
     def write_buffers(self, key: str, buffers: Sequence[BufferLike]) -> None:
-        """Write the concatenation of ``buffers`` as object ``key`` (same guarantees as :meth:`write`).
+        """Write the concatenation of ``buffers`` as object ``key`` (same guarantees as [`write()`][..write]).
 
         The buffers are sent from their own memory where the backend allows (a local file is
         written buffer by buffer; an S3 multipart upload copies once into its part buffers).
 
-        Example::
+        Example:
 
-            storage.write_buffers("rank0.bin", [header, memoryview(t.numpy())])
+        ```python
+        storage.write_buffers("rank0.bin", [header, memoryview(t.numpy())])
+        ```
         """
 
     @abc.abstractmethod
     def open_writer(self, key: str) -> ObjectWriter:
-        """Start a streaming write of object ``key`` (see :class:`ObjectWriter`).
+        """Start a streaming write of object ``key`` (see [`ObjectWriter`][dist_ckpt.storage.base.ObjectWriter]).
 
-        Example::
+        Example:
 
-            with storage.open_writer("big.bin") as w:
-                for chunk in chunks:
-                    w.write(chunk)
+        ```python
+        with storage.open_writer("big.bin") as w:
+            for chunk in chunks:
+                w.write(chunk)
+        ```
         """
 
     @abc.abstractmethod
@@ -343,9 +354,11 @@ class Storage(abc.ABC):
         Raises:
             ObjectExistsError: an object already exists at ``key``; it is left untouched.
 
-        Example::
+        Example:
 
-            storage.put_if_absent("metadata.json", json.dumps(meta).encode())
+        ```python
+        storage.put_if_absent("metadata.json", json.dumps(meta).encode())
+        ```
         """
 
     # -- reading -----------------------------------------------------------------------------
@@ -357,9 +370,11 @@ class Storage(abc.ABC):
         Raises:
             ObjectNotFoundError: no such object.
 
-        Example::
+        Example:
 
-            meta = json.loads(storage.read("metadata.json"))
+        ```python
+        meta = json.loads(storage.read("metadata.json"))
+        ```
         """
 
     @abc.abstractmethod
@@ -373,35 +388,42 @@ class Storage(abc.ABC):
             ObjectNotFoundError: an object does not exist.
             TruncatedObjectError: an object ends before a range does.
 
-        Example::
+        Example:
 
-            out = bytearray(100)
-            storage.read_ranges([RangeRead.into("a.bin", 0, memoryview(out)[:50]),
-                                 RangeRead.into("b.bin", 10, memoryview(out)[50:])])
+        ```python
+        out = bytearray(100)
+        storage.read_ranges([RangeRead.into("a.bin", 0, memoryview(out)[:50]),
+                             RangeRead.into("b.bin", 10, memoryview(out)[50:])])
+        ```
         """
 
     def open_reader(self, key: str) -> ObjectReader:
-        """A reader of object ``key`` for many positional reads (see :class:`ObjectReader`).
+        """A reader of object ``key`` for many positional reads (see
+        [`ObjectReader`][dist_ckpt.storage.base.ObjectReader]).
 
-        The default reads through :meth:`read_ranges`; a local storage reads with ``os.preadv``
+        The default reads through [`read_ranges()`][..read_ranges]; a local storage reads with ``os.preadv``
         on a descriptor it opens here (``positional_reads``).
 
         Raises:
             ObjectNotFoundError: the object does not exist (here, or at the first read).
 
-        Example::
+        Example:
 
-            with storage.open_reader("a.bin") as reader:
-                reader.read_into([memoryview(out)], 4096)
+        ```python
+        with storage.open_reader("a.bin") as reader:
+            reader.read_into([memoryview(out)], 4096)
+        ```
         """
         return _RangeReader(self, key)
 
     def read_into(self, key: str, offset: int, out: BufferLike) -> None:
         """Fill ``out`` with the bytes of ``key`` starting at ``offset`` (one range).
 
-        Example::
+        Example:
 
-            storage.read_into("a.bin", 4096, memoryview(tensor.numpy()))
+        ```python
+        storage.read_into("a.bin", 4096, memoryview(tensor.numpy()))
+        ```
         """
         self.read_ranges([RangeRead.into(key, offset, out)])
 
@@ -425,9 +447,11 @@ class Storage(abc.ABC):
 
         In-progress writes (temporary files, incomplete uploads) are not listed.
 
-        Example::
+        Example:
 
-            files = [o.key for o in storage.list("safetensors")]
+        ```python
+        files = [o.key for o in storage.list("safetensors")]
+        ```
         """
 
     def list_dirs(self, prefix: str = "") -> List[str]:
@@ -437,9 +461,11 @@ class Storage(abc.ABC):
 
         This default lists every object; implementations list one level.
 
-        Example::
+        Example:
 
-            open_storage("s3://bucket/run1").list_dirs()   # ["iter_0000100", "iter_0000200"]
+        ```python
+        open_storage("s3://bucket/run1").list_dirs()   # ["iter_0000100", "iter_0000200"]
+        ```
         """
         start = len(prefix) + 1 if prefix else 0
         return sorted({o.key[start:].split("/", 1)[0] for o in self.list(prefix) if "/" in o.key[start:]})
@@ -450,9 +476,11 @@ class Storage(abc.ABC):
 
         This default lists; implementations ask in one request.
 
-        Example::
+        Example:
 
-            open_storage("s3://bucket/run1").dir_exists("iter_0000100")
+        ```python
+        open_storage("s3://bucket/run1").dir_exists("iter_0000100")
+        ```
         """
         validate_prefix(prefix)
         return bool(self.list_dirs(prefix)) or bool(self.list(prefix))
@@ -465,9 +493,11 @@ class Storage(abc.ABC):
         directory, as before); ``make_dir`` is for directories whose entries must survive a
         crash, such as a checkpoint's own.
 
-        Example::
+        Example:
 
-            storage.make_dir("zarr")
+        ```python
+        storage.make_dir("zarr")
+        ```
         """
         validate_prefix(prefix)
 
@@ -483,9 +513,11 @@ class Storage(abc.ABC):
     def child(self, prefix: str) -> "Storage":
         """The storage rooted at ``prefix`` under this one (same options, shared counters).
 
-        Example::
+        Example:
 
-            ckpt = open_storage("s3://bucket/run1").child("iter_0001000")
+        ```python
+        ckpt = open_storage("s3://bucket/run1").child("iter_0001000")
+        ```
         """
 
 
@@ -497,23 +529,25 @@ def open_storage(
 ) -> Storage:
     """The storage for a local path or an ``s3://bucket/prefix`` URL.
 
-    A :class:`Storage` is returned as given. ``file://`` URLs and plain paths are local. S3
+    A [`Storage`][dist_ckpt.storage.base.Storage] is returned as given. ``file://`` URLs and plain paths are local. S3
     needs the ``s3`` extra (``pip install "dist_ckpt[s3]"``); its endpoint, region and
     credentials come from the usual AWS environment variables (``AWS_ENDPOINT_URL``,
-    ``AWS_ACCESS_KEY_ID``, ...; see :mod:`dist_ckpt.storage.s3`).
+    ``AWS_ACCESS_KEY_ID``, ...; see [`dist_ckpt.storage.s3`][dist_ckpt.storage.s3]).
 
     Args:
         location: a directory path, ``file:///abs/path`` or ``s3://bucket[/prefix]``.
-        options: :class:`~dist_ckpt.storage.local.LocalStorageOptions` for paths,
-            :class:`~dist_ckpt.storage.s3.S3StorageOptions` for ``s3://`` URLs.
+        options: [`LocalStorageOptions`][dist_ckpt.storage.local.LocalStorageOptions] for paths,
+            [`S3StorageOptions`][dist_ckpt.storage.s3_client.S3StorageOptions] for ``s3://`` URLs.
 
     Raises:
         StorageConfigError: unknown URL scheme, malformed URL, or options of the wrong kind.
 
-    Example::
+    Example:
 
-        storage = open_storage("s3://my-bucket/runs/exp1/iter_0001000")
-        storage.write("hello.txt", b"hi")
+    ```python
+    storage = open_storage("s3://my-bucket/runs/exp1/iter_0001000")
+    storage.write("hello.txt", b"hi")
+    ```
     """
     if isinstance(location, Storage):
         if options is not None:

@@ -1,4 +1,5 @@
-"""Errors of the storage layer, members of the :class:`~dist_ckpt.errors.CheckpointingException` family.
+"""Errors of the storage layer, members of the [`CheckpointingException`][dist_ckpt.errors.CheckpointingException]
+family.
 
 Each also inherits the builtin a caller would catch for the same problem on a local disk
 (``FileNotFoundError``, ``FileExistsError``, ``PermissionError``, ``OSError``, ``ValueError``),
@@ -83,6 +84,6 @@ class StorageConfigError(CheckpointingException, ValueError):
 class TruncatedObjectError(CorruptCheckpointError):
     """An object holds fewer bytes than a ranged read asked for: it was truncated or the index lies.
 
-    A :class:`~dist_ckpt.errors.CorruptCheckpointError`, so loaders treat a short object on S3
+    A [`CorruptCheckpointError`][dist_ckpt.errors.CorruptCheckpointError], so loaders treat a short object on S3
     exactly like a short file on disk.
     """

@@ -1,13 +1,13 @@
-"""Local files: durable writes and positional reads, the machinery under :class:`LocalStorage`.
+"""Local files: durable writes and positional reads, the machinery under `LocalStorage`.
 
 A file is written under a temporary name in its final directory, flushed and fsynced, then
 renamed over its final name, and the directory is fsynced: a crash leaves either no file or the
-whole file, never a torn one (:func:`write_temp_file`, :func:`write_bytes_atomic`,
-:func:`atomic_write`). A new directory's entry is fsynced in its parent (:func:`make_dirs`).
-Reads fill the caller's buffers with ``os.preadv`` (:func:`preadv_into`), from an open
-descriptor that several threads share (:class:`FileReader`).
+whole file, never a torn one (`write_temp_file()`, `write_bytes_atomic()`,
+`atomic_write()`). A new directory's entry is fsynced in its parent (`make_dirs()`).
+Reads fill the caller's buffers with ``os.preadv`` (`preadv_into()`), from an open
+descriptor that several threads share (`FileReader`).
 
-:class:`~dist_ckpt.storage.local.LocalStorage` is this behind the Storage interface; the
+[`LocalStorage`][dist_ckpt.storage.local.LocalStorage] is this behind the Storage interface; the
 functions also serve the local fast paths that write files by path (a storage with
 ``local_paths``).
 """
@@ -112,12 +112,14 @@ def sync_filesystem(path: Union[str, Path]) -> bool:
 
 def fsync_tree(files: Iterable[Union[str, Path]], top: Union[str, Path]) -> None:
     """Make new ``files`` under the directory ``top`` durable, with the directories between them
-    and ``top`` (``top`` included): one :func:`sync_filesystem` per file system they are on, or
+    and ``top`` (``top`` included): one `sync_filesystem()` per file system they are on, or
     where that is unavailable an fsync of each file, then of each directory, deepest first.
 
-    Example::
+    Example:
 
-        fsync_tree([ckpt / "zarr/w/c/0/0", ckpt / "zarr/w/zarr.json"], ckpt / "zarr")
+    ```python
+    fsync_tree([ckpt / "zarr/w/c/0/0", ckpt / "zarr/w/zarr.json"], ckpt / "zarr")
+    ```
     """
     top = Path(top)
     paths = [Path(f) for f in files]
@@ -141,9 +143,11 @@ def make_dirs(path: Union[str, Path], *, fsync: bool = True) -> None:
     """Create the directory ``path`` and its missing parents; with ``fsync``, fsync the parent of
     each directory created, so that a crash cannot lose the new entries.
 
-    Example::
+    Example:
 
-        make_dirs(ckpt / "safetensors")   # then files written in it are found after a crash
+    ```python
+    make_dirs(ckpt / "safetensors")   # then files written in it are found after a crash
+    ```
     """
     path = Path(path)
     missing = []
@@ -167,16 +171,18 @@ def preadv_into(fd: int, buffers: Sequence[memoryview], offset: int, what: str =
     """Fill ``buffers`` (in order) from the open file ``fd`` at byte ``offset`` with ``os.preadv``.
 
     The one place local reads happen: a read may return fewer bytes than asked (the kernel caps
-    one call, and takes at most :data:`IOV_MAX` buffers), so it loops until every buffer is full.
+    one call, and takes at most `IOV_MAX` buffers), so it loops until every buffer is full.
     Returns the number of bytes read.
 
     Raises:
         TruncatedObjectError: the file ends first (``what`` names it in the message).
 
-    Example::
+    Example:
 
-        out = bytearray(8)
-        preadv_into(fd, [memoryview(out)], 0)     # the first 8 bytes
+    ```python
+    out = bytearray(8)
+    preadv_into(fd, [memoryview(out)], 0)     # the first 8 bytes
+    ```
     """
     pending = [b for b in buffers if len(b)]
     requested = sum(len(b) for b in pending)
@@ -201,16 +207,18 @@ def preadv_into(fd: int, buffers: Sequence[memoryview], offset: int, what: str =
 
 
 class FileReader(int, ObjectReader):
-    """An open, read-only file descriptor that reads with :func:`preadv_into`: the reader of a
-    :class:`LocalStorage` (``positional_reads``).
+    """An open, read-only file descriptor that reads with `preadv_into()`: the reader of a
+    `LocalStorage` (``positional_reads``).
 
     It is the descriptor itself (an ``int``), so it can be handed to anything that takes one;
     several threads may read through it at once (``preadv`` has no file position).
 
-    Example::
+    Example:
 
-        with FileReader.open("/ckpt/safetensors/rank00000_0.safetensors") as reader:
-            reader.read_into([memoryview(out)], 128)
+    ```python
+    with FileReader.open("/ckpt/safetensors/rank00000_0.safetensors") as reader:
+        reader.read_into([memoryview(out)], 128)
+    ```
     """
 
     positional: ClassVar[bool] = True
@@ -267,13 +275,15 @@ def temp_name(path: Path) -> Path:
 def write_temp_file(path: Union[str, Path], buffers: Sequence[BufferLike], *, fsync: bool = True) -> Path:
     """Write ``buffers`` to a new temporary file next to ``path`` (flushed, fsynced) and return
     its name: the first half of every whole-file write here, which then renames it over ``path``
-    (:func:`write_bytes_atomic`, :meth:`LocalStorage.write`) or links it to ``path`` if absent
-    (:meth:`LocalStorage.put_if_absent`). On an error nothing is left behind.
+    (`write_bytes_atomic()`, `LocalStorage.write()`) or links it to ``path`` if absent
+    (`LocalStorage.put_if_absent()`). On an error nothing is left behind.
 
-    Example::
+    Example:
 
-        tmp = write_temp_file(ckpt / "a.json", [b"{}"])
-        os.replace(tmp, ckpt / "a.json")
+    ```python
+    tmp = write_temp_file(ckpt / "a.json", [b"{}"])
+    os.replace(tmp, ckpt / "a.json")
+    ```
     """
     tmp = temp_name(Path(path))
     try:
@@ -306,10 +316,12 @@ def replace_durably(tmp: Path, final: Path, fsync: bool = True) -> None:
 def atomic_write(path: Union[str, Path], *, fsync: bool = True) -> Iterator[IO[bytes]]:
     """Open ``path`` for binary writing so that it appears whole or not at all.
 
-    Example::
+    Example:
 
-        with atomic_write(ckpt / "common.pt") as f:
-            torch.save(obj, f)
+    ```python
+    with atomic_write(ckpt / "common.pt") as f:
+        torch.save(obj, f)
+    ```
     """
     final = Path(path)
     tmp = temp_name(final)
@@ -330,14 +342,16 @@ def write_bytes_atomic(path: Union[str, Path], data: BufferLike, *, fsync: bool 
     """Write ``data`` to ``path`` atomically and durably (temporary file, fsync, rename, fsync
     of the directory).
 
-    Example::
+    Example:
 
-        write_bytes_atomic(ckpt / "index.json", json.dumps(doc).encode())
+    ```python
+    write_bytes_atomic(ckpt / "index.json", json.dumps(doc).encode())
+    ```
     """
     final = Path(path)
     replace_durably(write_temp_file(final, [data], fsync=fsync), final, fsync)
 
 
 def is_temp_name(name: str) -> bool:
-    """Whether ``name`` is an in-progress write of :func:`write_temp_file` (never listed)."""
+    """Whether ``name`` is an in-progress write of `write_temp_file()` (never listed)."""
     return name.startswith(".") and ".tmp-" in name

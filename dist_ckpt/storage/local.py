@@ -1,9 +1,9 @@
-"""Objects as files under a root directory: :class:`LocalStorage`, the local Storage.
+"""Objects as files under a root directory: [`LocalStorage`][dist_ckpt.storage.local.LocalStorage], the local Storage.
 
-Every write goes through a temporary file, fsync and rename (:mod:`.files`), reads through
+Every write goes through a temporary file, fsync and rename (`files`), reads through
 ``os.preadv`` on an open descriptor, and the capabilities only a local disk has are declared
 (``local_paths``, ``positional_reads``, ``atomic_rename``), so code written against the
-:class:`~dist_ckpt.storage.base.Storage` interface runs unchanged on a disk or on S3 and takes
+[`Storage`][dist_ckpt.storage.base.Storage] interface runs unchanged on a disk or on S3 and takes
 the local fast paths where a capability says it can.
 """
 
@@ -36,7 +36,7 @@ _NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, er
 
 @dataclass(frozen=True)
 class LocalStorageOptions:
-    """How :class:`LocalStorage` writes and reads.
+    """How [`LocalStorage`][dist_ckpt.storage.local.LocalStorage] writes and reads.
 
     Attributes:
         fsync: flush every file and its directory before a write returns (durability across a
@@ -127,15 +127,17 @@ class LocalStorage(Storage):
     Symbolic links (the one policy of every local read and write): the root itself may be a link;
     links inside it are followed; a link that leads outside the root -- and outside ``link_roots``,
     the directories it may also lead into -- is refused with
-    :class:`~dist_ckpt.errors.UnsafeLinkError`. A :meth:`child` keeps its parent's root among its
+    [`UnsafeLinkError`][dist_ckpt.errors.UnsafeLinkError]. A `child()` keeps its parent's root among its
     link roots, so ``child("safetensors")`` may follow a link elsewhere inside the checkpoint.
 
-    Example::
+    Example:
 
-        storage = LocalStorage("/ckpt/iter_1000")
-        storage.write("a.bin", b"hello")
-        out = bytearray(4)
-        storage.read_into("a.bin", 1, out)     # out == b"ello"
+    ```python
+    storage = LocalStorage("/ckpt/iter_1000")
+    storage.write("a.bin", b"hello")
+    out = bytearray(4)
+    storage.read_into("a.bin", 1, out)     # out == b"ello"
+    ```
     """
 
     local_paths = True
@@ -182,14 +184,16 @@ class LocalStorage(Storage):
 
     def local_path(self, key: str) -> Path:
         """The file of object ``key`` (checked to stay under the root, symlinks resolved; a link
-        leading out of the root and the link roots raises :class:`~dist_ckpt.errors.UnsafeLinkError`).
+        leading out of the root and the link roots raises [`UnsafeLinkError`][dist_ckpt.errors.UnsafeLinkError]).
 
         Each directory is resolved (and checked) once, then remembered: resolving a whole path
         costs a system call per component, and the zarr engines ask for a path per chunk file.
 
-        Example::
+        Example:
 
-            LocalStorage("/ckpt").local_path("zarr/w/zarr.json")   # Path("/ckpt/zarr/w/zarr.json")
+        ```python
+        LocalStorage("/ckpt").local_path("zarr/w/zarr.json")   # Path("/ckpt/zarr/w/zarr.json")
+        ```
         """
         validate_object_key(key)
         parent, _, name = key.rpartition("/")
@@ -205,7 +209,7 @@ class LocalStorage(Storage):
     def _confined(self, parts: Sequence[str]) -> Path:
         """The real path of ``parts`` (components of a validated key: no ``..``) under the root;
         a link on the way that leads out of the root and the link roots raises
-        :class:`~dist_ckpt.errors.UnsafeLinkError` (:func:`~dist_ckpt.storage.paths.confined`)."""
+        [`UnsafeLinkError`][dist_ckpt.errors.UnsafeLinkError] (`confined()`)."""
         return confined(self.root.joinpath(*parts), self.root, *self.link_roots)
 
     def _not_found(self, key: str, operation: str, error: OSError) -> ObjectNotFoundError:

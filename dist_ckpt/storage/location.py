@@ -1,9 +1,9 @@
-"""Where a checkpoint lives, as the save and load paths see it: always a :class:`Storage`.
+"""Where a checkpoint lives, as the save and load paths see it: always a [`Storage`][dist_ckpt.storage.base.Storage].
 
 Entry points (``save``, ``load``, ``unshard``, the CLI, ...) accept a path, a ``file://`` or
-``s3://`` URL, or an opened :class:`~dist_ckpt.storage.base.Storage` (:data:`LocationLike`).
-:func:`resolve_location` turns any of them into the storage that strategies receive as
-``checkpoint_dir``: a :class:`~dist_ckpt.storage.local.LocalStorage` for a local directory, an
+``s3://`` URL, or an opened [`Storage`][dist_ckpt.storage.base.Storage] (`LocationLike`).
+`resolve_location()` turns any of them into the storage that strategies receive as
+``checkpoint_dir``: a [`LocalStorage`][dist_ckpt.storage.local.LocalStorage] for a local directory, an
 ``S3Storage`` for an object store. There is one I/O path; what only a local disk can do is a
 capability of the storage (``local_paths``, ``positional_reads``, ...), never a second type.
 
@@ -11,11 +11,13 @@ A strategy that declares ``object_storage = False`` (one written for directories
 object stores before any byte moves; on a local disk it receives a ``LocalStorage``, which is
 ``os.PathLike`` (``Path(checkpoint_dir)`` is the directory) and has ``local_dir``.
 
-Example::
+Example:
 
-    location = resolve_location("s3://bucket/run/iter_1000")   # an S3Storage
-    location = resolve_location("ckpt/iter_1000")              # LocalStorage('ckpt/iter_1000')
-    location.exists("metadata.json")
+```python
+location = resolve_location("s3://bucket/run/iter_1000")   # an S3Storage
+location = resolve_location("ckpt/iter_1000")              # LocalStorage('ckpt/iter_1000')
+location.exists("metadata.json")
+```
 """
 
 from __future__ import annotations
@@ -38,16 +40,18 @@ def resolve_location(location: LocationLike) -> Storage:
     """The storage of a path, URL or storage (a storage is returned as given, with its options).
 
     Local paths and ``file://`` URLs give a ``LocalStorage``; object-store URLs are opened
-    (:func:`~dist_ckpt.storage.base.open_storage`, configured from the AWS environment).
+    ([`open_storage()`][dist_ckpt.storage.base.open_storage], configured from the AWS environment).
 
     Raises:
         StorageConfigError: a malformed URL, an unknown scheme, or an ``s3://`` URL that went
-            through :class:`pathlib.Path` (which folds ``//``: pass URLs as strings).
+            through `pathlib.Path` (which folds ``//``: pass URLs as strings).
 
-    Example::
+    Example:
 
-        resolve_location("s3://bucket/ckpt")      # S3Storage('s3://bucket/ckpt')
-        resolve_location(Path("/ckpt"))           # LocalStorage('/ckpt')
+    ```python
+    resolve_location("s3://bucket/ckpt")      # S3Storage('s3://bucket/ckpt')
+    resolve_location(Path("/ckpt"))           # LocalStorage('/ckpt')
+    ```
     """
     if isinstance(location, Storage):
         return location
@@ -63,9 +67,11 @@ def resolve_location(location: LocationLike) -> Storage:
 def require_local(location: Storage, what: str) -> Path:
     """The directory of a storage with local files; for an object store, an error naming ``what``.
 
-    Example::
+    Example:
 
-        directory = require_local(checkpoint_dir, "the HuggingFace folder reader")
+    ```python
+    directory = require_local(checkpoint_dir, "the HuggingFace folder reader")
+    ```
     """
     if location.local_paths:
         return location.local_dir

@@ -1,20 +1,22 @@
-"""A key under a :class:`Storage`, usable where code walks a directory tree.
+"""A key under a [`Storage`][dist_ckpt.storage.base.Storage], usable where code walks a directory tree.
 
-The zarr layout (:mod:`dist_ckpt.backends.zarr.metadata`) and its checksums address nodes and
+The zarr layout (`dist_ckpt.backends.zarr.metadata`) and its checksums address nodes and
 chunk files as paths: ``root / key / "zarr.json"``, ``read_bytes()``, ``stat().st_size``,
-listing a directory. :class:`ObjectPath` gives a storage key that part of the
-:class:`pathlib.Path` interface, so the same layout code serves a local directory (under a
+listing a directory. `ObjectPath` gives a storage key that part of the
+`pathlib.Path` interface, so the same layout code serves a local directory (under a
 ``LocalStorage``) and an ``s3://`` checkpoint alike.
 
 "Directories" of an object store are key prefixes: one exists when an object lives under it,
-and :meth:`ObjectPath.mkdir` has nothing to create there (on a local disk it creates the
+and `ObjectPath.mkdir()` has nothing to create there (on a local disk it creates the
 directory durably).
 
-Example::
+Example:
 
-    root = ObjectPath(open_storage("s3://bucket/ckpt/iter_10"), "zarr")
-    doc = (root / "layer.weight" / "zarr.json").read_bytes()
-    str(root / "layer.weight")        # "s3://bucket/ckpt/iter_10/zarr/layer.weight"
+```python
+root = ObjectPath(open_storage("s3://bucket/ckpt/iter_10"), "zarr")
+doc = (root / "layer.weight" / "zarr.json").read_bytes()
+str(root / "layer.weight")        # "s3://bucket/ckpt/iter_10/zarr/layer.weight"
+```
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ __all__ = ["ObjectPath", "ObjectStat", "node_files", "subdirs"]
 
 @dataclass(frozen=True)
 class ObjectStat:
-    """What :meth:`ObjectPath.stat` reports (the field :func:`os.stat` callers here use)."""
+    """What `ObjectPath.stat()` reports (the field `os.stat()` callers here use)."""
 
     st_size: int
 
@@ -49,9 +51,11 @@ class ObjectPath:
         """``path`` as a node: a local file or directory becomes its entry in a ``LocalStorage``
         of its parent directory (a node is returned as given).
 
-        Example::
+        Example:
 
-            ObjectPath.of("ckpt/zarr/w").local_path()    # the directory, resolved
+        ```python
+        ObjectPath.of("ckpt/zarr/w").local_path()    # the directory, resolved
+        ```
         """
         if isinstance(path, ObjectPath):
             return path
@@ -72,7 +76,7 @@ class ObjectPath:
         return ObjectPath(self.storage, self.key.rsplit("/", 1)[0] if "/" in self.key else "")
 
     def read_bytes(self) -> bytes:
-        """The whole object; :class:`~dist_ckpt.storage.errors.ObjectNotFoundError` (a
+        """The whole object; [`ObjectNotFoundError`][dist_ckpt.storage.errors.ObjectNotFoundError] (a
         ``FileNotFoundError``) if it does not exist."""
         return self.storage.read(self.key)
 

@@ -2,15 +2,15 @@
 
 Two kinds of key, each checked by one function here:
 
-* a *checkpoint key* (``ShardedTensor.key``) is a name, not a path (:func:`validate_key`): one
+* a *checkpoint key* (``ShardedTensor.key``) is a name, not a path (`validate_key()`): one
   whose ``/``-separated parts include ``..`` or ``.``, that starts with ``/`` or holds control
   characters is rejected; every other key maps to a single file-name component
-  (:func:`encode_key`): characters outside ``[A-Za-z0-9_.-]`` (and a leading ``.``) are
+  (`encode_key()`): characters outside ``[A-Za-z0-9_.-]`` (and a leading ``.``) are
   percent-encoded, and very long results are shortened with a hash, so distinct keys get
   distinct names;
-* an *object key* (what a :class:`~dist_ckpt.storage.base.Storage` stores under, e.g.
+* an *object key* (what a [`Storage`][dist_ckpt.storage.base.Storage] stores under, e.g.
   ``"safetensors/index.json"``) is a relative ``/``-separated path that is safe both as a file
-  under a directory and as an S3 key under a prefix (:func:`validate_object_key`, which applies
+  under a directory and as an S3 key under a prefix (`validate_object_key()`, which applies
   the checkpoint-key rules and the limits of file systems and S3).
 """
 
@@ -43,7 +43,7 @@ _MAX_COMPONENT_BYTES = 255  # the usual limit on a file name
 
 
 def validate_key(key: str, rank: Optional[int] = None) -> None:
-    """Raise :class:`InvalidKeyError` if ``key`` could not be stored safely."""
+    """Raise [`InvalidKeyError`][dist_ckpt.errors.InvalidKeyError] if ``key`` could not be stored safely."""
     problem = None
     if not isinstance(key, str) or not key:
         problem = "keys must be non-empty strings"
@@ -62,17 +62,20 @@ def validate_key(key: str, rank: Optional[int] = None) -> None:
 
 
 def validate_object_key(key: str) -> str:
-    """Return ``key`` if it is a valid relative object key, else raise :class:`InvalidKeyError`.
+    """Return ``key`` if it is a valid relative object key, else raise
+    [`InvalidKeyError`][dist_ckpt.errors.InvalidKeyError].
 
     A key is ``/``-separated; no component is empty, ``.`` or ``..``; it does not start with
     ``/``; it has no backslash or control character; components fit in 255 bytes and the key in
     1024 bytes (UTF-8). The same key is then safe as a file path under a directory and as an S3
     key under a prefix.
 
-    Example::
+    Example:
 
-        validate_object_key("safetensors/index.json")   # ok
-        validate_object_key("../etc/passwd")            # raises InvalidKeyError
+    ```python
+    validate_object_key("safetensors/index.json")   # ok
+    validate_object_key("../etc/passwd")            # raises InvalidKeyError
+    ```
     """
     validate_key(key)
     problem = None
@@ -92,10 +95,12 @@ def validate_object_key(key: str) -> str:
 def validate_prefix(prefix: str) -> str:
     """Return ``prefix`` for listings and deletions: "" (everything) or a valid object key.
 
-    Example::
+    Example:
 
-        validate_prefix("")             # everything under the root
-        validate_prefix("safetensors")  # everything under safetensors/
+    ```python
+    validate_prefix("")             # everything under the root
+    validate_prefix("safetensors")  # everything under safetensors/
+    ```
     """
     return prefix if prefix == "" else validate_object_key(prefix)
 
@@ -117,7 +122,7 @@ def encode_key(key: str) -> str:
 
 
 def decode_key(name: str) -> Optional[str]:
-    """Inverse of :func:`encode_key`, or None for a name shortened with a hash."""
+    """Inverse of `encode_key()`, or None for a name shortened with a hash."""
     if "~" in name:
         return None
     raw = bytearray()
@@ -133,12 +138,12 @@ def decode_key(name: str) -> Optional[str]:
 
 
 def is_shortened(name: str) -> bool:
-    """Whether :func:`encode_key` shortened this name (the key must be recorded elsewhere)."""
+    """Whether `encode_key()` shortened this name (the key must be recorded elsewhere)."""
     return "~" in name
 
 
 def safe_join(root: Union[str, Path], *parts: str) -> Path:
-    """Join ``parts`` under ``root``, refusing any result outside ``root`` (see :func:`confined`).
+    """Join ``parts`` under ``root``, refusing any result outside ``root`` (see `confined()`).
 
     Raises:
         InvalidKeyError: ``parts`` name a place outside ``root`` (``..``, an absolute path).
@@ -158,9 +163,11 @@ def confined(path: Union[str, Path], *roots: Union[str, Path]) -> Path:
     followed; a link (of the file or of any directory on its way) that leads outside is refused.
     A path that does not exist is returned resolved as far as it goes (opening it then fails).
 
-    Example::
+    Example:
 
-        fd = os.open(confined(ckpt / "safetensors" / name, ckpt), os.O_RDONLY)
+    ```python
+    fd = os.open(confined(ckpt / "safetensors" / name, ckpt), os.O_RDONLY)
+    ```
 
     Raises:
         UnsafeLinkError: naming the path, where its links lead, and the checkpoint directory.

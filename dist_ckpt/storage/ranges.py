@@ -1,8 +1,8 @@
 """Buffers and byte ranges: what storage reads fill and writes send, without copies.
 
-A write accepts any contiguous buffer (:data:`BufferLike`); a read fills the caller's buffers
-(:class:`RangeRead`: an object's byte range into a list of writable views, like ``os.preadv``).
-:func:`split_range` and :func:`coalesce_ranges` turn the ranges a load needs into the requests a
+A write accepts any contiguous buffer (`BufferLike`); a read fills the caller's buffers
+(`RangeRead`: an object's byte range into a list of writable views, like ``os.preadv``).
+`split_range()` and `coalesce_ranges()` turn the ranges a load needs into the requests a
 storage issues: large ranges split so that several requests share them, neighbours merged so that
 an object store is asked fewer times.
 """
@@ -24,9 +24,11 @@ BufferLike = Union[bytes, bytearray, memoryview]
 def as_byte_view(buffer: BufferLike, *, writable: bool = False) -> memoryview:
     """A flat unsigned-byte view of ``buffer`` (no copy); raises if it is not C-contiguous.
 
-    Example::
+    Example:
 
-        view = as_byte_view(memoryview(tensor.numpy()), writable=True)   # len(view) == tensor.nbytes
+    ```python
+    view = as_byte_view(memoryview(tensor.numpy()), writable=True)   # len(view) == tensor.nbytes
+    ```
     """
     view = memoryview(buffer)
     if not view.c_contiguous:
@@ -44,7 +46,7 @@ class RangeRead:
 
     The buffers are filled in order, like ``os.preadv``: a stretch of an object that maps onto
     several destination pieces (the rows of a tensor slice) is one read. Build it with
-    :meth:`into`, which accepts any writable contiguous buffers.
+    `into()`, which accepts any writable contiguous buffers.
 
     Attributes:
         key: object key.
@@ -65,10 +67,12 @@ class RangeRead:
     def into(cls, key: str, offset: int, *buffers: BufferLike) -> "RangeRead":
         """A read of ``key`` at ``offset`` filling ``buffers`` (each writable and contiguous).
 
-        Example::
+        Example:
 
-            out = torch.empty(1024, dtype=torch.uint8)
-            storage.read_ranges([RangeRead.into("a.bin", 4096, memoryview(out.numpy()))])
+        ```python
+        out = torch.empty(1024, dtype=torch.uint8)
+        storage.read_ranges([RangeRead.into("a.bin", 4096, memoryview(out.numpy()))])
+        ```
         """
         return cls(key, offset, tuple(as_byte_view(b, writable=True) for b in buffers))
 
@@ -84,9 +88,11 @@ def split_range(read: RangeRead, max_bytes: int) -> List[RangeRead]:
     Lets one large range be fetched by several concurrent requests (and bounds what a single
     request holds in memory).
 
-    Example::
+    Example:
 
-        parts = split_range(RangeRead.into("a", 0, bytearray(10)), 4)   # lengths 4, 4, 2
+    ```python
+    parts = split_range(RangeRead.into("a", 0, bytearray(10)), 4)   # lengths 4, 4, 2
+    ```
     """
     if max_bytes < 1:
         raise StorageConfigError(f"split_range: max_bytes must be >= 1, got {max_bytes}")
@@ -122,11 +128,13 @@ def coalesce_ranges(reads: Sequence[RangeRead], max_bytes: int, max_gap: int = 0
     Overlapping ranges are never merged. Fewer, larger requests matter on object stores, where
     every request has a latency and a price.
 
-    Example::
+    Example:
 
-        a, b = bytearray(4), bytearray(4)
-        coalesce_ranges([RangeRead.into("k", 0, a), RangeRead.into("k", 4, b)], 1 << 20)
-        # -> one RangeRead("k", 0, (a, b))
+    ```python
+    a, b = bytearray(4), bytearray(4)
+    coalesce_ranges([RangeRead.into("k", 0, a), RangeRead.into("k", 4, b)], 1 << 20)
+    # -> one RangeRead("k", 0, (a, b))
+    ```
     """
     pieces = sorted(
         (p for r in reads for p in split_range(r, max_bytes) if p.length > 0), key=lambda p: (p.key, p.offset)

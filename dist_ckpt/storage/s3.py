@@ -1,4 +1,4 @@
-"""S3-compatible object storage behind the :class:`~dist_ckpt.storage.base.Storage` interface.
+"""S3-compatible object storage behind the [`Storage`][dist_ckpt.storage.base.Storage] interface.
 
 Client library: `obstore <https://developmentseed.org/obstore>`_ (Python bindings of the Rust
 ``object_store`` crate of Apache Arrow), installed with the ``s3`` extra
@@ -14,40 +14,44 @@ Client library: `obstore <https://developmentseed.org/obstore>`_ (Python binding
   exponential backoff and jitter (each multipart part is retried on its own, so a 503 on one
   part does not restart a multi-GB upload), ranged GETs, bulk deletes;
 * zarr-python 3 ships a store on top of it (``zarr.storage.ObjectStore``), so the Zarr backend
-  uses the same client on S3 (:meth:`S3Storage.obstore_store`).
+  uses the same client on S3 ([`S3Storage.obstore_store()`][dist_ckpt.storage.s3.S3Storage.obstore_store]).
 
 Configuration comes from the usual AWS environment variables, read when a storage is opened:
 endpoint ``AWS_ENDPOINT_URL_S3`` > ``AWS_ENDPOINT_URL`` > ``AWS_ENDPOINT`` (or
-:attr:`S3StorageOptions.endpoint_url`); region ``AWS_REGION`` > ``AWS_DEFAULT_REGION``;
+`S3StorageOptions.endpoint_url`); region ``AWS_REGION`` > ``AWS_DEFAULT_REGION``;
 credentials ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``, web
 identity (``AWS_WEB_IDENTITY_TOKEN_FILE`` + ``AWS_ROLE_ARN``), ECS container credentials or the
 EC2 instance metadata service, all resolved by obstore. Without key variables but with a
 profile (``AWS_PROFILE`` or ``~/.aws/credentials`` / ``~/.aws/config``) and boto3 installed,
 boto3's credential chain supplies (and refreshes) the keys. With none of these and
-``AWS_EC2_METADATA_DISABLED=true``, opening fails with :class:`StorageAuthError` before any
+``AWS_EC2_METADATA_DISABLED=true``, opening fails with `StorageAuthError` before any
 request (otherwise the instance metadata service is asked, as every AWS SDK does). Plain ``http://`` endpoints (a local
 MinIO or moto) are allowed only when the endpoint itself says ``http://``. Credentials are
 never written into a checkpoint, a log or an error message (messages are redacted).
 
-Errors: :class:`ObjectNotFoundError`, :class:`BucketNotFoundError`, :class:`StorageAuthError`,
-:class:`ObjectExistsError`, :class:`RetriesExhaustedError` (operation, attempts, last HTTP
-status), :class:`TruncatedObjectError` -- see :mod:`dist_ckpt.storage.errors`.
+Errors: [`ObjectNotFoundError`][dist_ckpt.storage.errors.ObjectNotFoundError], `BucketNotFoundError`,
+`StorageAuthError`, `ObjectExistsError`, `RetriesExhaustedError` (operation, attempts, last HTTP
+status), [`TruncatedObjectError`][dist_ckpt.storage.errors.TruncatedObjectError] -- see
+[`dist_ckpt.storage.errors`][dist_ckpt.storage.errors].
 
 Processes: obstore's runtime does not survive ``fork`` (a forked child hangs on its first
 request). A storage used in a forked child of a process that already made S3 requests raises a
-:class:`StorageError` instead of hanging; start workers with ``spawn`` (as
-:mod:`dist_ckpt.tools.launch` does).
+[`StorageError`][dist_ckpt.storage.errors.StorageError] instead of hanging; start workers with ``spawn`` (as
+`dist_ckpt.tools.launch` does).
 
 Array libraries with their own S3 clients get the location from here:
-:meth:`S3Storage.obstore_store` for zarr-python 3 (``zarr.storage.ObjectStore``) and
-:meth:`S3Storage.tensorstore_kvstore` for TensorStore's ``s3`` kvstore driver. How the save and
-load paths use all this (phase B of issue 7) is in ``docs/storage.md``.
+[`S3Storage.obstore_store()`][dist_ckpt.storage.s3.S3Storage.obstore_store] for zarr-python 3
+(``zarr.storage.ObjectStore``) and
+[`S3Storage.tensorstore_kvstore()`][dist_ckpt.storage.s3.S3Storage.tensorstore_kvstore] for TensorStore's ``s3`` kvstore
+driver. How the save and load paths use all this (phase B of issue 7) is in ``docs/storage.md``.
 
-Example::
+Example:
 
-    storage = S3Storage.from_url("s3://my-bucket/runs/exp1/iter_0001000")
-    storage.write("common.pt", data)
-    storage.put_if_absent("metadata.json", meta)      # the commit marker, created once
+```python
+storage = S3Storage.from_url("s3://my-bucket/runs/exp1/iter_0001000")
+storage.write("common.pt", data)
+storage.put_if_absent("metadata.json", meta)      # the commit marker, created once
+```
 """
 
 from __future__ import annotations
@@ -85,16 +89,18 @@ T = TypeVar("T")
 class S3Storage(Storage):
     """Objects under ``s3://bucket/prefix`` on AWS S3 or any S3-compatible server.
 
-    Open one with :func:`~dist_ckpt.storage.base.open_storage` or :meth:`from_url`. Each rank
+    Open one with [`open_storage()`][dist_ckpt.storage.base.open_storage] or [`from_url()`][.from_url]. Each rank
     opens its own; a storage is thread-safe. See the module docstring for configuration.
 
-    Example::
+    Example:
 
-        storage = S3Storage.from_url("s3://bucket/ckpt/iter_1000", S3StorageOptions(part_size=32 * 2**20))
-        storage.write_buffers("rank0.bin", [header, memoryview(t.numpy())])
-        out = torch.empty(1024, dtype=torch.uint8)
-        storage.read_ranges([RangeRead.into("rank0.bin", 4096, memoryview(out.numpy()))])
-        storage.stats.bytes_read                       # 1024
+    ```python
+    storage = S3Storage.from_url("s3://bucket/ckpt/iter_1000", S3StorageOptions(part_size=32 * 2**20))
+    storage.write_buffers("rank0.bin", [header, memoryview(t.numpy())])
+    out = torch.empty(1024, dtype=torch.uint8)
+    storage.read_ranges([RangeRead.into("rank0.bin", 4096, memoryview(out.numpy()))])
+    storage.stats.bytes_read                       # 1024
+    ```
     """
 
     atomic_rename = False
@@ -126,9 +132,11 @@ class S3Storage(Storage):
     def from_url(cls, url: str, options: Optional[S3StorageOptions] = None) -> "S3Storage":
         """The storage rooted at ``s3://bucket/prefix``.
 
-        Example::
+        Example:
 
-            storage = S3Storage.from_url("s3://bucket/runs/exp1")
+        ```python
+        storage = S3Storage.from_url("s3://bucket/runs/exp1")
+        ```
         """
         bucket, prefix = parse_s3_url(url)
         return cls(bucket, prefix, options)
@@ -156,10 +164,12 @@ class S3Storage(Storage):
         For zarr-python 3 on S3: ``zarr.storage.ObjectStore(storage.obstore_store())`` reads and
         writes arrays under this prefix with the same endpoint, credentials and retries.
 
-        Example::
+        Example:
 
-            import zarr
-            group = zarr.open_group(zarr.storage.ObjectStore(storage.obstore_store()), path="zarr")
+        ```python
+        import zarr
+        group = zarr.open_group(zarr.storage.ObjectStore(storage.obstore_store()), path="zarr")
+        ```
         """
         from obstore.store import S3Store
 
@@ -173,9 +183,11 @@ class S3Storage(Storage):
         Credentials are not in the spec: TensorStore reads the same AWS environment variables
         and profiles itself.
 
-        Example::
+        Example:
 
-            spec = {"driver": "zarr3", "kvstore": storage.tensorstore_kvstore("zarr/layer.weight")}
+        ```python
+        spec = {"driver": "zarr3", "kvstore": storage.tensorstore_kvstore("zarr/layer.weight")}
+        ```
         """
         path = self._path(key) if key else self.prefix
         opts = self.options
@@ -214,12 +226,14 @@ class S3Storage(Storage):
         self, error: BaseException, operation: str, key: str = ""
     ) -> "StorageError | TruncatedObjectError":
         """The storage error (redacted, naming the URL) for ``error`` raised by a request that
-        another library (zarr-python's ObjectStore over :meth:`obstore_store`) made for ``key``.
+        another library (zarr-python's ObjectStore over [`obstore_store()`][..obstore_store]) made for ``key``.
 
-        Example::
+        Example:
 
-            except obstore.exceptions.BaseError as e:
-                raise storage.storage_error(e, "PUT", "zarr/w/zarr.json") from e
+        ```text
+        except obstore.exceptions.BaseError as e:
+            raise storage.storage_error(e, "PUT", "zarr/w/zarr.json") from e
+        ```
         """
         url = self.url_of(key) if key else self.url
         return translate_error(error, operation=operation, url=url, bucket=self.bucket, client=self._client)
@@ -341,7 +355,7 @@ class S3Storage(Storage):
             raise
 
     def _check_bucket(self, key: str) -> None:
-        """Raise :class:`BucketNotFoundError` if the bucket is missing (one LIST, once per client)."""
+        """Raise `BucketNotFoundError` if the bucket is missing (one LIST, once per client)."""
         if self._client.bucket_seen:
             return
         obstore = import_obstore()
@@ -421,9 +435,9 @@ class _S3Writer(ObjectWriter):
     """Streaming upload through obstore's buffered writer: parts of ``part_size``, uploaded concurrently.
 
     ``write`` copies the data once (obstore keeps references to what it is given until the part
-    is sent, and the caller may reuse its buffer); :meth:`S3Storage.write_buffers` is the
+    is sent, and the caller may reuse its buffer); `S3Storage.write_buffers()` is the
     zero-copy path for data that stays put until the call returns. The object
-    appears when the upload completes in :meth:`commit`; :meth:`abort` cancels the multipart
+    appears when the upload completes in `commit()`; `abort()` cancels the multipart
     upload, leaving nothing.
     """
 

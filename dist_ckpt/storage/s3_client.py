@@ -1,10 +1,11 @@
-"""Configuration of the S3 client for :mod:`dist_ckpt.storage.s3`: options, URLs, credentials, errors.
+"""Configuration of the S3 client for [`dist_ckpt.storage.s3`][dist_ckpt.storage.s3]: options, URLs, credentials,
+errors.
 
 Everything here runs once per opened storage (or once per failed request): the options and
 their limits, ``s3://`` URL parsing, the lazy ``obstore`` import (importing dist_ckpt never
 imports it), the fork guard, how endpoint / region / credentials are resolved from the AWS
 environment, and how a failed request becomes a clear, redacted error of the storage family.
-See :mod:`dist_ckpt.storage.s3` for the storage itself and why obstore.
+See [`dist_ckpt.storage.s3`][dist_ckpt.storage.s3] for the storage itself and why obstore.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 
 @dataclass(frozen=True)
 class S3StorageOptions:
-    """How :class:`S3Storage` talks to the object store.
+    """How `S3Storage` talks to the object store.
 
     Attributes:
         part_size: multipart part size in bytes (S3 allows 5 MiB .. 5 GiB); objects larger than
@@ -106,9 +107,11 @@ class S3StorageOptions:
 def parse_s3_url(url: str) -> Tuple[str, str]:
     """Split ``s3://bucket/prefix`` into ``(bucket, prefix)``; the prefix has no outer slashes.
 
-    Example::
+    Example:
 
-        parse_s3_url("s3://my-bucket/runs/exp1/")   # ("my-bucket", "runs/exp1")
+    ```python
+    parse_s3_url("s3://my-bucket/runs/exp1/")   # ("my-bucket", "runs/exp1")
+    ```
     """
     scheme, sep, rest = url.partition("://")
     if not sep or scheme.lower() not in S3_SCHEMES:
@@ -132,7 +135,8 @@ _pid_lock = threading.Lock()
 
 
 def import_obstore() -> Any:
-    """The ``obstore`` module, or a :class:`MissingDependencyError` naming the extra."""
+    """The ``obstore`` module, or a [`MissingDependencyError`][dist_ckpt.errors.MissingDependencyError] naming the
+    extra."""
     try:
         import obstore
     except ImportError as e:

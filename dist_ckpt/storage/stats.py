@@ -30,7 +30,7 @@ class IOStats:
 
 @dataclass
 class IOCounters:
-    """Thread-safe running totals behind :attr:`Storage.stats` (shared by a storage and its children)."""
+    """Thread-safe running totals behind `Storage.stats` (shared by a storage and its children)."""
 
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _totals: IOStats = field(default_factory=IOStats)

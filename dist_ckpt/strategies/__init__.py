@@ -1,7 +1,7 @@
 """Checkpoint formats (backends) and saving/loading algorithms (strategies).
 
 Importing this package imports no backend: built-ins are resolved lazily by
-:mod:`dist_ckpt.backends.base`.
+[`dist_ckpt.backends.base`][dist_ckpt.backends.base].
 """
 
 from dist_ckpt.backends.base import (

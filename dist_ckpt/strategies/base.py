@@ -1,7 +1,8 @@
 """Megatron-Core module path ``dist_ckpt.strategies.base``: the strategy interfaces and the registry.
 
-Re-exports :mod:`dist_ckpt.backends.base` (interfaces) and :mod:`dist_ckpt.engine.registry`; code written
-for ``megatron.core.dist_checkpointing.strategies.base`` imports from here unchanged.
+Re-exports [`dist_ckpt.backends.base`][dist_ckpt.backends.base] (interfaces) and
+[`dist_ckpt.engine.registry`][dist_ckpt.engine.registry]; code written for
+``megatron.core.dist_checkpointing.strategies.base`` imports from here unchanged.
 """
 
 from dist_ckpt.backends.base import (

@@ -1,5 +1,5 @@
 """Megatron-Core module path ``dist_ckpt.strategies.common``:
-re-exports :mod:`dist_ckpt.backends.torch_common.strategy`.
+re-exports `dist_ckpt.backends.torch_common.strategy`.
 
 Code written for ``megatron.core.dist_checkpointing.strategies.common`` imports from here unchanged.
 """

@@ -1,5 +1,5 @@
 """Megatron-Core module path ``dist_ckpt.strategies.fully_parallel``:
-re-exports :mod:`dist_ckpt.parallel.fully_parallel`.
+re-exports [`dist_ckpt.parallel.fully_parallel`][dist_ckpt.parallel.fully_parallel].
 
 Code written for ``megatron.core.dist_checkpointing.strategies.fully_parallel`` imports from here unchanged.
 """

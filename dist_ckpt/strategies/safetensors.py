@@ -1,5 +1,5 @@
 """Megatron-Core module path ``dist_ckpt.strategies.safetensors``:
-re-exports :mod:`dist_ckpt.backends.safetensors.strategy`.
+re-exports [`dist_ckpt.backends.safetensors.strategy`][dist_ckpt.backends.safetensors.strategy].
 
 Code written for ``megatron.core.dist_checkpointing.strategies.safetensors`` imports from here unchanged.
 """

@@ -1,5 +1,5 @@
 """Megatron-Core module path ``dist_ckpt.strategies.tensorstore``:
-re-exports :mod:`dist_ckpt.backends.zarr.tensorstore_engine`.
+re-exports [`dist_ckpt.backends.zarr.tensorstore_engine`][dist_ckpt.backends.zarr.tensorstore_engine].
 
 Code written for ``megatron.core.dist_checkpointing.strategies.tensorstore`` imports from here unchanged.
 """

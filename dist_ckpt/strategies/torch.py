@@ -1,5 +1,5 @@
 """Megatron-Core module path ``dist_ckpt.strategies.torch``:
-re-exports the ``torch_dist`` strategies of :mod:`dist_ckpt.backends.torch_dist`.
+re-exports the ``torch_dist`` strategies of `dist_ckpt.backends.torch_dist`.
 
 Code written for ``megatron.core.dist_checkpointing.strategies.torch`` imports from here unchanged.
 """

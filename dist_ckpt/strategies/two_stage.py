@@ -1,4 +1,5 @@
-"""Megatron-Core module path ``dist_ckpt.strategies.two_stage``: re-exports :mod:`dist_ckpt.parallel.two_stage`.
+"""Megatron-Core module path ``dist_ckpt.strategies.two_stage``: re-exports
+[`dist_ckpt.parallel.two_stage`][dist_ckpt.parallel.two_stage].
 
 Code written for ``megatron.core.dist_checkpointing.strategies.two_stage`` imports from here unchanged.
 """

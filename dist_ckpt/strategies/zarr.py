@@ -1,4 +1,5 @@
-"""Megatron-Core module path ``dist_ckpt.strategies.zarr``: re-exports :mod:`dist_ckpt.backends.zarr.zarr_python`.
+"""Megatron-Core module path ``dist_ckpt.strategies.zarr``: re-exports
+[`dist_ckpt.backends.zarr.zarr_python`][dist_ckpt.backends.zarr.zarr_python].
 
 Code written for ``megatron.core.dist_checkpointing.strategies.zarr`` imports from here unchanged.
 """

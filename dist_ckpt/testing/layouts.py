@@ -5,7 +5,7 @@ ranks: participant ``v`` lives on rank ``v % world_size``, so a rank may hold se
 one tensor (stored under distinct state-dict keys). This lets a 2-rank job save "at TP=4" and a
 4-rank job load "at TP=2" with real processes, and is itself a valid sharding.
 
-Values are deterministic functions of the key (:func:`full_tensor`), so any rank can compute
+Values are deterministic functions of the key (`full_tensor()`), so any rank can compute
 the expected contents of any slice.
 """
 

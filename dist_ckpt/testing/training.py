@@ -9,7 +9,7 @@ Why the numerics do not depend on the layout:
 * Every rank computes the loss of the same batch on the whole (all-gathered) parameters, so the
   local gradient is the same on every rank, equal to the single-process one.
 * FSDP2 sums gradients over ranks (reduce-scatter, in an unspecified order) and divides by the
-  world size W. :func:`exact_loss_scale` makes rank 0's loss count W times and the others' zero
+  world size W. `exact_loss_scale()` makes rank 0's loss count W times and the others' zero
   times: the sum is ``W * g + 0 + ... + 0`` (exact in any order) and the division by a power of
   two gives back ``g`` exactly, for W in {1, 2, 4, ...}.
 * Adam, AdamW and SGD update each element from that element alone, so a shard's update equals
@@ -19,12 +19,14 @@ Why the numerics do not depend on the layout:
 A plain (unsharded) model on several ranks needs no communication: every rank computes the
 same update (use a loss scale of 1).
 
-Example::
+Example:
 
-    model, optim = make_model(seed=0), None
-    optim = make_optimizer("adamw", model)
-    train(model, optim, range(0, 3))
-    state = full_state(model, optim)      # {"model.0.weight": ndarray, "optim.0.weight.exp_avg": ...}
+```python
+model, optim = make_model(seed=0), None
+optim = make_optimizer("adamw", model)
+train(model, optim, range(0, 3))
+state = full_state(model, optim)      # {"model.0.weight": ndarray, "optim.0.weight.exp_avg": ...}
+```
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def make_model(seed: int) -> nn.Sequential:
 
 
 def make_optimizer(name: str, model: nn.Module, lr_scale: float = 1.0) -> torch.optim.Optimizer:
-    """``name`` in :data:`OPTIMIZERS`, with two param groups (weights; biases and norms) of
+    """``name`` in `OPTIMIZERS`, with two param groups (weights; biases and norms) of
     different hyperparameters. ``lr_scale`` != 1 builds a wrongly configured optimizer, to
     check that loading restores the saved hyperparameters."""
     decay = [p for n, p in model.named_parameters() if n.endswith("weight") and p.ndim > 1]

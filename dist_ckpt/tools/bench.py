@@ -1,22 +1,24 @@
 """Measure a storage: dist_ckpt's save and load throughput next to the raw disk, in one run.
 
 What ``dist-ckpt bench`` and ``benchmarks/bench_save_load.py`` run. The state is the demo's
-(:mod:`dist_ckpt.tools.demo`): a GPT-like model in bf16 plus distributed-optimizer Adam moments in
+(`dist_ckpt.tools.demo`): a GPT-like model in bf16 plus distributed-optimizer Adam moments in
 fp32, scaled to the requested size. It is saved from N spawned ranks (TP=N), loaded back on them
 resharded (TP=N/2 x DP=2), then loaded whole by one process, and every value is verified. Before
-and after, :func:`measure_disk` writes a file of the same size with large sequential writes +
-fsync and reads it back cold: the better of the two runs is what the storage can give, and the
+and after, [`measure_disk()`][dist_ckpt.tools.bench.measure_disk] writes a file of the same size with large sequential
+writes + fsync and reads it back cold: the better of the two runs is what the storage can give, and the
 ratios say how much of it dist_ckpt gets. Every timed load starts from a cold page cache
 (``posix_fadvise(DONTNEED)`` on every file after fsync).
 
-Nothing is asserted about time; :attr:`BenchResult.ok` is False only if a loaded value differs
-from what was saved. Throughputs are in GiB/s (2**30 bytes per second), like the demo's.
+Nothing is asserted about time; [`BenchResult.ok`][dist_ckpt.tools.bench.BenchResult.ok] is False only if a loaded value
+differs from what was saved. Throughputs are in GiB/s (2**30 bytes per second), like the demo's.
 
-Example::
+Example:
 
-    result = run_bench(BenchOptions(directory=Path("/mnt/nvme/scratch"), size_mib=1024, ranks=2))
-    print(render_table(result))
-    result.rows()[2].ratio     # the save's fraction of the disk's write bandwidth
+```python
+result = run_bench(BenchOptions(directory=Path("/mnt/nvme/scratch"), size_mib=1024, ranks=2))
+print(render_table(result))
+result.rows()[2].ratio     # the save's fraction of the disk's write bandwidth
+```
 """
 
 from __future__ import annotations
@@ -42,9 +44,11 @@ def measure_disk(directory: Path, nbytes: int, block: int = BLOCK_BYTES) -> Tupl
     """Seconds to write ``nbytes`` sequentially + fsync into a new file under ``directory``, and
     to read them back from a cold page cache. The file is deleted afterwards.
 
-    Example::
+    Example:
 
-        write_s, read_s = measure_disk(Path("/tmp"), 2**30)
+    ```python
+    write_s, read_s = measure_disk(Path("/tmp"), 2**30)
+    ```
     """
     path = Path(directory) / f"bench_raw_{os.getpid()}.bin"
     data = memoryview(os.urandom(block))  # incompressible, in case the file system compresses
@@ -81,7 +85,7 @@ def _gib_s(nbytes: int, seconds: float) -> float:
 
 @dataclass(frozen=True)
 class BenchOptions:
-    """What :func:`run_bench` measures.
+    """What [`run_bench()`][dist_ckpt.tools.bench.run_bench] measures.
 
     Attributes:
         directory: where the checkpoint and the raw test file are written (on the storage to
@@ -131,7 +135,7 @@ class BenchRow:
 
 @dataclass(frozen=True)
 class BenchResult:
-    """Everything :func:`run_bench` measured.
+    """Everything [`run_bench()`][dist_ckpt.tools.bench.run_bench] measured.
 
     Attributes:
         demo: the save and loads, timed and verified.
@@ -222,12 +226,14 @@ def _table(rows: Sequence[Sequence[str]]) -> str:
 
 
 def render_table(result: BenchResult) -> str:
-    """The results for people: a header, then the table of :meth:`BenchResult.rows`, then the
-    raw disk before and after.
+    """The results for people: a header, then the table of
+    [`BenchResult.rows()`][dist_ckpt.tools.bench.BenchResult.rows], then the raw disk before and after.
 
-    Example::
+    Example:
 
-        print(render_table(run_bench(BenchOptions(size_mib=256))))
+    ```python
+    print(render_table(run_bench(BenchOptions(size_mib=256))))
+    ```
     """
     demo, cfg = result.demo, result.demo.config
     rows = [["operation", "seconds", "GiB/s", "ratio", "ratio to"]]
@@ -257,14 +263,16 @@ def run_bench(options: BenchOptions = BenchOptions(), on_phase: Optional[Callabl
     (``"measuring the raw disk"``, ``"saving and loading"``, ``"measuring the raw disk again"``).
 
     Raises:
-        ValueError: invalid options (see :func:`dist_ckpt.tools.demo.run_demo`).
+        ValueError: invalid options (see `dist_ckpt.tools.demo.run_demo()`).
         CheckpointingException: the backend is unknown or a step failed in this process.
         dist_ckpt.tools.launch.RankError: a spawned rank raised.
 
-    Example::
+    Example:
 
-        result = run_bench(BenchOptions(directory=Path("/scratch"), size_mib=4096, ranks=4))
-        assert result.ok
+    ```python
+    result = run_bench(BenchOptions(directory=Path("/scratch"), size_mib=4096, ranks=4))
+    assert result.ok
+    ```
     """
     demo_options = options.demo_options()
     Path(options.directory).mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,8 @@
 """Convert a checkpoint from one backend to another, one tensor in memory at a time.
 
-:func:`convert` is what ``dist-ckpt convert SRC DST --to BACKEND`` runs: any dist_ckpt backend
-(or a HuggingFace folder) to any backend whose save strategy can stream
-(:attr:`~dist_ckpt.backends.base.SaveShardedStrategy.can_stream`: ``safetensors``, ``zarr``,
+[`convert()`][dist_ckpt.tools.convert.convert] is what ``dist-ckpt convert SRC DST --to BACKEND`` runs: any dist_ckpt
+backend (or a HuggingFace folder) to any backend whose save strategy can stream
+(`can_stream`: ``safetensors``, ``zarr``,
 ``torch_dist``), or
 to a HuggingFace folder (``"hf"``). One process, no process group. Source and destination may
 be ``s3://`` URLs where the backends support object stores (the source of any backend that reads
@@ -10,9 +10,9 @@ from them; a ``safetensors`` destination, written as objects of about 256 MiB).
 
 Memory stays bounded by the largest tensor, whatever the size of the checkpoint: the source
 side assembles each tensor whole from its stored shards
-(:func:`~dist_ckpt.tools.unshard.iter_unsharded`, which keeps no reference to a tensor once the next
+([`iter_unsharded()`][dist_ckpt.tools.unshard.iter_unsharded], which keeps no reference to a tensor once the next
 one is asked for), the target side writes it straight away
-(:class:`~dist_ckpt.backends.base.TensorStreamWriter`: the file layout is planned up front
+([`TensorStreamWriter`][dist_ckpt.backends.base.TensorStreamWriter]: the file layout is planned up front
 from shapes and dtypes, so no tensor has to wait for another) and drops it before the next one
 is read.
 
@@ -33,11 +33,13 @@ ShardedObjects (the result lists what was dropped); converting *from* ``hf`` giv
 with an empty common state. Tied names that the HF folder stores once are written as tensors of
 their own.
 
-Example::
+Example:
 
-    result = convert("ckpt/iter_1000", "ckpt_zarr/iter_1000", to="zarr")
-    print(result.report.summary())
-    convert("ckpt/iter_1000", "hf/iter_1000", to="hf", max_shard_size=5 * 10**9)
+```python
+result = convert("ckpt/iter_1000", "ckpt_zarr/iter_1000", to="zarr")
+print(result.report.summary())
+convert("ckpt/iter_1000", "hf/iter_1000", to="hf", max_shard_size=5 * 10**9)
+```
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ HF_TARGET = "hf"
 
 @dataclass(frozen=True)
 class ConvertResult:
-    """What :func:`convert` did.
+    """What [`convert()`][dist_ckpt.tools.convert.convert] did.
 
     Attributes:
         source: the source checkpoint.
@@ -123,17 +125,19 @@ class ConvertResult:
 
 
 def resolve_target(to: Union[str, Tuple[str, int]]) -> Union[str, SaveShardedStrategy]:
-    """:data:`HF_TARGET`, or the registered save strategy of ``to``: ``"NAME"`` (its newest
+    """`HF_TARGET`, or the registered save strategy of ``to``: ``"NAME"`` (its newest
     version), ``"NAME:VERSION"`` or ``(name, version)``.
 
     Raises:
         UnknownStrategyError: no such backend (the message lists the registered ones).
         IncompatibleStrategyError: its save strategy cannot stream whole tensors.
 
-    Example::
+    Example:
 
-        resolve_target("zarr")        # a ZarrSaveShardedStrategy
-        resolve_target("hf")          # "hf"
+    ```python
+    resolve_target("zarr")        # a ZarrSaveShardedStrategy
+    resolve_target("hf")          # "hf"
+    ```
     """
     if to == HF_TARGET:
         return HF_TARGET
@@ -163,10 +167,12 @@ def trusting_strategies(src: LocationLike) -> Tuple[LoadShardedStrategy, LoadCom
     """The load strategies of ``src``, set to unpickle what needs full pickle (``allow_pickle`` on
     those that have it): for ``dist-ckpt convert --allow-pickle``, on checkpoints you trust only.
 
-    Example::
+    Example:
 
-        sharded, common = trusting_strategies("megatron_ckpt/iter_0001000")
-        convert("megatron_ckpt/iter_0001000", "out", to="safetensors", sharded_strategy=sharded, common_strategy=common)
+    ```python
+    sharded, common = trusting_strategies("megatron_ckpt/iter_0001000")
+    convert("megatron_ckpt/iter_0001000", "out", to="safetensors", sharded_strategy=sharded, common_strategy=common)
+    ```
     """
     found = verify_checkpoint_and_load_strategy(src)
     trusting = []
@@ -227,9 +233,9 @@ def convert(
             common state needs pickle).
         sharded_strategy: how to read the source's tensors (and, for torch_dist, ShardedObjects;
             e.g. ``TorchDistLoadShardedStrategy(allow_pickle=True)`` for a trusted checkpoint).
-        progress: called with a :class:`~dist_ckpt.engine.report.ProgressEvent` as each phase starts
+        progress: called with a [`ProgressEvent`][dist_ckpt.engine.report.ProgressEvent] as each phase starts
             and ends, and after each tensor (with its key and the bytes done so far).
-        watchdog_timeout_s: as in :func:`dist_ckpt.save`.
+        watchdog_timeout_s: as in [`dist_ckpt.save()`][dist_ckpt.engine.save.save].
 
     Raises:
         CheckpointExistsError: ``dst`` is not empty, or is the source.
@@ -237,10 +243,12 @@ def convert(
             store), or a process group of several ranks is initialized (run it from one process).
         CheckpointingException: the source is not a checkpoint, or is damaged.
 
-    Example::
+    Example:
 
-        result = convert("ckpt/iter_1000", "ckpt_zarr/iter_1000", to="zarr")
-        assert result.tensors == len(dc.load_tensors_metadata("ckpt/iter_1000"))
+    ```python
+    result = convert("ckpt/iter_1000", "ckpt_zarr/iter_1000", to="zarr")
+    assert result.tensors == len(dc.load_tensors_metadata("ckpt/iter_1000"))
+    ```
     """
     if get_world_size() > 1:
         raise IncompatibleStrategyError(
@@ -278,7 +286,7 @@ def convert(
 
 def _remove_written(dst: Storage, created: bool) -> None:
     """Leave the destination as it was: absent, or empty (an object-store prefix: no objects;
-    :func:`_check_destination` refused a prefix that held any)."""
+    `_check_destination()` refused a prefix that held any)."""
     if not dst.local_paths:
         try:
             dst.delete_prefix("")

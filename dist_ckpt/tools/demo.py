@@ -12,14 +12,16 @@ promise of dist_ckpt on one machine:
    flattened) and verifies it again.
 
 Every value is a pure function of (seed, key, global element index), so any rank can compute the
-expected content of any slice without communication. Nothing here prints: :func:`run_demo`
-returns a :class:`DemoResult` and the CLI renders it.
+expected content of any slice without communication. Nothing here prints: `run_demo()`
+returns a `DemoResult` and the CLI renders it.
 
-Example::
+Example:
 
-    from dist_ckpt.tools.demo import DemoOptions, run_demo
-    result = run_demo(DemoOptions(size_mib=16, ranks=2))
-    assert result.ok, result.mismatches
+```python
+from dist_ckpt.tools.demo import DemoOptions, run_demo
+result = run_demo(DemoOptions(size_mib=16, ranks=2))
+assert result.ok, result.mismatches
+```
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DemoOptions:
-    """What :func:`run_demo` does.
+    """What `run_demo()` does.
 
     Attributes:
         size_mib: target size of the whole state in MiB (model in bf16 + Adam moments in fp32).
@@ -103,7 +105,7 @@ class PhaseResult:
         layout: the parallel layout, e.g. ``"TP=2 DP=2"``.
         ranks: number of processes that took part.
         seconds: wall time of the slowest rank, between barriers.
-        nbytes: bytes of the state (each tensor once): the basis of :attr:`gib_per_s`.
+        nbytes: bytes of the state (each tensor once): the basis of `gib_per_s`.
         checked: values compared after a load (None for a save).
         failed: how many of them differ from what was saved.
         mismatches: descriptions of the first few that differ.

@@ -1,22 +1,24 @@
 """What a checkpoint holds and how it is stored, read from its metadata alone.
 
-:func:`inspect_checkpoint` is what ``dist-ckpt inspect DIR`` runs. It works on committed
-dist_ckpt checkpoints of any registered backend and on HuggingFace folders, in one process and
+[`inspect_checkpoint()`][dist_ckpt.tools.inspection.inspect_checkpoint] is what ``dist-ckpt inspect DIR`` runs. It works
+on committed dist_ckpt checkpoints of any registered backend and on HuggingFace folders, in one process and
 without any process group, and reads no tensor data:
 
 1. the commit record (``metadata.json``): backends and versions, how many ranks saved it, which
    dist_ckpt wrote it (a HuggingFace folder has none: it is read as backend ``hf``);
 2. every stored tensor's global shape and dtype, and -- when the backend describes its layout
-   (:meth:`~dist_ckpt.backends.base.LoadShardedStrategy.describe_stored_shards`) -- its
+   ([`describe_stored_shards()`][dist_ckpt.backends.base.LoadShardedStrategy.describe_stored_shards]) -- its
    stored pieces: boxes or flattened ranges, files, bytes;
 3. the common state's keys (loaded safely, ``weights_only``) and the ShardedObjects' keys;
 4. the files of the checkpoint, as its storage lists them.
 
-Example::
+Example:
 
-    info = inspect_checkpoint("ckpt/iter_1000")
-    for t in info.tensors:
-        print(t.key, t.global_shape, t.dtype, t.num_shards, t.layout)
+```python
+info = inspect_checkpoint("ckpt/iter_1000")
+for t in info.tensors:
+    print(t.key, t.global_shape, t.dtype, t.num_shards, t.layout)
+```
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from dist_ckpt.storage import Storage
 from dist_ckpt.storage.location import LocationLike, resolve_location
 
 #: the kind of a folder loaded without ``metadata.json``, by the config it is loaded with
-_KINDS: Dict[CheckpointingConfig, str] = {HF_CONFIG: "huggingface", DCP_CONFIG: "dcp"}
+_KINDS: Dict[CheckpointingConfig, str] = {config: config.sharded_backend for config in (HF_CONFIG, DCP_CONFIG)}
 
 __all__ = ["CheckpointInfo", "TensorInfo", "inspect_checkpoint"]
 
@@ -82,9 +84,11 @@ class TensorInfo:
         """How it is cut, in words: ``"whole"``, ``"4 chunks of [256, 512]"``,
         ``"6 flattened ranges of chunks [512, 512]"``, or ``"unknown"``.
 
-        Example::
+        Example:
 
-            TensorInfo("w", "float32", (8, 4), 128, (piece_a, piece_b)).layout   # "2 chunks of [4, 4]"
+        ```python
+        TensorInfo("w", "float32", (8, 4), 128, (piece_a, piece_b)).layout   # "2 chunks of [4, 4]"
+        ```
         """
         if self.shards is None:
             return "unknown"
@@ -117,12 +121,13 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """Everything :func:`inspect_checkpoint` found.
+    """Everything [`inspect_checkpoint()`][dist_ckpt.tools.inspection.inspect_checkpoint] found.
 
     Attributes:
         path: the checkpoint directory.
-        kind: ``"dist_ckpt"`` (a committed checkpoint: ``metadata.json``), ``"huggingface"`` or
-            ``"dcp"`` (a plain torch.distributed.checkpoint directory).
+        kind: ``"dist_ckpt"`` (a committed checkpoint: ``metadata.json``), or the name of the backend a
+            folder without one is read with: ``"hf"`` (a HuggingFace folder), ``"dcp"`` (a plain
+            torch.distributed.checkpoint directory).
         sharded_backend: ``"name:version"`` of the tensors' format.
         common_backend: ``"name:version"`` of the common state's format.
         world_size: ranks that saved it (None if not recorded, e.g. HuggingFace).
@@ -191,10 +196,12 @@ def inspect_checkpoint(checkpoint_dir: LocationLike) -> CheckpointInfo:
             checkpoint nor HuggingFace weights.
         CheckpointingException: its metadata is damaged, or its backend is not registered.
 
-    Example::
+    Example:
 
-        info = inspect_checkpoint("ckpt/iter_1000")
-        print(info.sharded_backend, len(info.tensors), info.nbytes)
+    ```python
+    info = inspect_checkpoint("ckpt/iter_1000")
+    print(info.sharded_backend, len(info.tensors), info.nbytes)
+    ```
     """
     directory = resolve_location(checkpoint_dir)
     sharded, common = verify_checkpoint_and_load_strategy(directory)
@@ -256,10 +263,12 @@ def _stored_shards(
 def describe_value(value: Any) -> str:
     """A short description of a common-state value: its type, and the value itself when short.
 
-    Example::
+    Example:
 
-        describe_value(1000)                  # "int = 1000"
-        describe_value(torch.zeros(2, 3))     # "tensor [2, 3] float32"
+    ```python
+    describe_value(1000)                  # "int = 1000"
+    describe_value(torch.zeros(2, 3))     # "tensor [2, 3] float32"
+    ```
     """
     if isinstance(value, torch.Tensor):
         return f"tensor [{', '.join(map(str, value.shape))}] {dtype_to_name(value.dtype)}"

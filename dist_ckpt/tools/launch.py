@@ -4,11 +4,13 @@ Used by tests that need a particular world size, by the demo and by the benchmar
 separate *spawned* processes (never forked: torch and zarr keep threads and event loops that do
 not survive ``fork``). The function and its arguments must be picklable (module-level).
 
-Example::
+Example:
 
-    def work(rank: int, world_size: int, ckpt_dir: str) -> float:
-        ...
-    results = spawn_ranks(work, 4, "/tmp/ckpt")   # [result of rank 0, ..., rank 3]
+```python
+def work(rank: int, world_size: int, ckpt_dir: str) -> float:
+    ...
+results = spawn_ranks(work, 4, "/tmp/ckpt")   # [result of rank 0, ..., rank 3]
+```
 """
 
 from __future__ import annotations

@@ -1,19 +1,21 @@
 """Full (unsharded) tensors from any checkpoint, in one process, without a process group.
 
-A checkpoint saved by N ranks holds each tensor in pieces. :func:`iter_unsharded` yields the
-whole tensors one at a time -- each is read, assembled and handed over before the next one is
+A checkpoint saved by N ranks holds each tensor in pieces. [`iter_unsharded()`][dist_ckpt.tools.unshard.iter_unsharded]
+yields the whole tensors one at a time -- each is read, assembled and handed over before the next one is
 allocated -- so a consumer that writes them elsewhere (an export, a conversion) needs memory for
-one tensor, not for the state. :func:`unshard` collects them into a dict. Both work for every
-registered backend (they use its load strategy, asking for each tensor whole), for checkpoints
+one tensor, not for the state. [`unshard()`][dist_ckpt.tools.unshard.unshard] collects them into a dict. Both work for
+every registered backend (they use its load strategy, asking for each tensor whole), for checkpoints
 on object stores (``s3://bucket/prefix``) and for HuggingFace folders (``model.safetensors`` or an
 index), which ``dist_ckpt.load`` also reads.
 
-Example::
+Example:
 
-    import dist_ckpt as dc
-    full = dc.unshard("ckpt/iter_1000", keys=["embedding.word_embeddings.weight"])
-    for key, tensor in dc.iter_unsharded("ckpt/iter_1000"):
-        writer.add(key, tensor)   # one tensor in memory at a time
+```python
+import dist_ckpt as dc
+full = dc.unshard("ckpt/iter_1000", keys=["embedding.word_embeddings.weight"])
+for key, tensor in dc.iter_unsharded("ckpt/iter_1000"):
+    writer.add(key, tensor)   # one tensor in memory at a time
+```
 """
 
 from __future__ import annotations
@@ -44,10 +46,12 @@ def unsharded_metadata(
     """The checkpoint's load strategy and ``{key: ShardedTensor}`` (global shape and dtype, no
     data) of every stored tensor, read from the metadata alone.
 
-    Example::
+    Example:
 
-        strategy, meta = unsharded_metadata("ckpt/iter_1000")
-        sizes = {k: sh.global_shape for k, sh in meta.items()}
+    ```python
+    strategy, meta = unsharded_metadata("ckpt/iter_1000")
+    sizes = {k: sh.global_shape for k, sh in meta.items()}
+    ```
     """
     location = resolve_location(checkpoint_dir)
     strategy, _ = verify_checkpoint_and_load_strategy(location, sharded_strategy)
@@ -91,10 +95,12 @@ def iter_unsharded(
     Raises:
         KeyMismatchError: a requested key is not stored (nothing is read then).
 
-    Example::
+    Example:
 
-        for key, tensor in iter_unsharded("ckpt/iter_1000", device="cuda"):
-            print(key, tuple(tensor.shape))
+    ```python
+    for key, tensor in iter_unsharded("ckpt/iter_1000", device="cuda"):
+        print(key, tuple(tensor.shape))
+    ```
     """
     location = resolve_location(checkpoint_dir)
     strategy, metadata = unsharded_metadata(location, sharded_strategy)
@@ -109,8 +115,8 @@ def iter_with(
     checkpoint_dir: Storage,
     device: Device = "cpu",
 ) -> Iterator[Tuple[str, torch.Tensor]]:
-    """:func:`iter_unsharded` with the strategy and metadata already at hand (for callers that
-    iterate over several groups of keys, such as the HF export)."""
+    """[`iter_unsharded()`][dist_ckpt.tools.unshard.iter_unsharded] with the strategy and metadata already at hand (for
+    callers that iterate over several groups of keys, such as the HF export)."""
     for key in keys:
         meta = metadata[key]
         dest = torch.empty(meta.global_shape, dtype=meta.dtype, device=device)
@@ -129,11 +135,13 @@ def unshard(
 ) -> Dict[str, torch.Tensor]:
     """Every stored tensor (or ``keys``), whole, keyed by its checkpoint key.
 
-    Needs no process group and works for every backend; see :func:`iter_unsharded` to stream
-    the tensors with memory for one at a time.
+    Needs no process group and works for every backend; see [`iter_unsharded()`][dist_ckpt.tools.unshard.iter_unsharded]
+    to stream the tensors with memory for one at a time.
 
-    Example::
+    Example:
 
-        state = unshard("ckpt/iter_1000", keys=["decoder.final_layernorm.weight"])
+    ```python
+    state = unshard("ckpt/iter_1000", keys=["decoder.final_layernorm.weight"])
+    ```
     """
     return dict(iter_unsharded(checkpoint_dir, keys, device, sharded_strategy))

@@ -1,8 +1,8 @@
-"""The asynchronous saves a :class:`~dist_ckpt.training.checkpointer.Checkpointer` has scheduled.
+"""The asynchronous saves a [`Checkpointer`][dist_ckpt.training.checkpointer.Checkpointer] has scheduled.
 
 ``Checkpointer.save(..., async_save=True)`` runs a save up to its snapshot (``dist_ckpt.save``
-with ``async_sharded_save=True``) and hands the request to :class:`PendingSaves`, which schedules
-it on its :class:`~dist_ckpt.async_save.queue.AsyncCallsQueue` -- one writer process per rank,
+with ``async_sharded_save=True``) and hands the request to `PendingSaves`, which schedules
+it on its [`AsyncCallsQueue`][dist_ckpt.async_save.queue.AsyncCallsQueue] -- one writer process per rank,
 started at the first save and reused -- and remembers the checkpoint's directory. The semantics
 are the queue's, nothing is re-implemented here:
 
@@ -10,7 +10,7 @@ are the queue's, nothing is re-implemented here:
   after every rank's writer finished it; until then ``find_latest_checkpoint`` skips it and
   rotation (``maybe_delete_oldest_checkpoint``) does not count it as complete;
 * saves are finalized in the order they were scheduled;
-* a writer's failure on any rank raises :class:`~dist_ckpt.errors.AsyncSaveError` on every rank
+* a writer's failure on any rank raises [`AsyncSaveError`][dist_ckpt.errors.AsyncSaveError] on every rank
   at finalization, naming the rank and the cause, and that save is never committed.
 
 What this module adds is the bookkeeping the queue does not do: which directories were committed
@@ -18,14 +18,16 @@ by a finalization (so that the caller can rotate, record metrics or print), and 
 second save into a directory whose save is still in flight (its preparation would delete the
 files the first save's writer is writing).
 
-Example::
+Example:
 
-    pending = PendingSaves()
-    pending.schedule(dc.save(sd, "ckpt/iter_10", async_sharded_save=True), "ckpt/iter_10")
-    ...
-    for path in pending.maybe_finalize(blocking=False):   # every rank, every step
-        print("committed", path)
-    pending.close()
+```python
+pending = PendingSaves()
+pending.schedule(dc.save(sd, "ckpt/iter_10", async_sharded_save=True), "ckpt/iter_10")
+...
+for path in pending.maybe_finalize(blocking=False):   # every rank, every step
+    print("committed", path)
+pending.close()
+```
 """
 
 from __future__ import annotations
@@ -60,11 +62,11 @@ class PendingSaves:
     """An asynchronous-save queue and the directories of the saves scheduled on it, in order.
 
     Every method that finalizes is collective: all ranks call it, equally often (the queue's
-    rule). The queue starts its writer processes at the first :meth:`schedule`.
+    rule). The queue starts its writer processes at the first `schedule()`.
 
     Args:
         writer_timeout_s: the queue's bound on a writer that does not start or stops making
-            progress (see :class:`~dist_ckpt.async_save.queue.AsyncCallsQueue`).
+            progress (see [`AsyncCallsQueue`][dist_ckpt.async_save.queue.AsyncCallsQueue]).
     """
 
     def __init__(self, writer_timeout_s: float = DEFAULT_WRITER_TIMEOUT_S) -> None:
@@ -124,7 +126,7 @@ class PendingSaves:
         """Finalize every pending save (collective, waiting for the writers) and stop the
         writer processes; returns the directories committed. With ``abort``, nothing is
         finalized: the writers are killed and the pending saves are never committed. A later
-        :meth:`schedule` starts new writers.
+        `schedule()` starts new writers.
         """
         if self._queue is None:
             return []

@@ -1,12 +1,12 @@
 """Flat state dicts of tensors saved and loaded at any world size, and read back whole.
 
-:class:`Checkpointer` (OLMo-core's name and signatures) saves ``{key: tensor | DTensor |
-ShardedTensor}`` collectively, loads in place at another world size, and reads tensors whole
+[`Checkpointer`][dist_ckpt.training.checkpointer.Checkpointer] (OLMo-core's name and signatures) saves ``{key: tensor |
+DTensor | ShardedTensor}`` collectively, loads in place at another world size, and reads tensors whole
 (``unshard``) or their metadata. Its saves may be asynchronous: ``save(..., async_save=True)``
 returns after a snapshot and schedules the write on the checkpointer's own queue;
-:meth:`Checkpointer.maybe_finalize_async_saves` commits them (see
-:mod:`dist_ckpt.training.async_saves`). The one-call API for a model and its optimizer
-(:mod:`dist_ckpt.training.model_optim`) is built on it.
+[`Checkpointer.maybe_finalize_async_saves()`][dist_ckpt.training.checkpointer.Checkpointer.maybe_finalize_async_saves]
+commits them (see `dist_ckpt.training.async_saves`). The one-call API for a model and its optimizer
+([`dist_ckpt.training.model_optim`][dist_ckpt.training.model_optim]) is built on it.
 
 Everything is collective (all ranks call it together) unless ``no_dist=True``; an error on any
 rank is raised on every rank. Without a process group the world is one process.
@@ -16,12 +16,14 @@ rank wrote -- dist_ckpt backends decide the files; ``Checkpointer.unshard`` has 
 ``num_threads``; the backend is chosen by ``Checkpointer(save_strategy=..., load_strategy=...)``,
 the default being dist_ckpt's.
 
-Example::
+Example:
 
-    ckpt = Checkpointer()
-    ckpt.save("ckpt/step_100", {"emb": emb_dtensor, "head": head_weight})     # e.g. at 4 ranks
-    ckpt.load("ckpt/step_100", {"emb": emb_dtensor2, "head": head_weight2})  # e.g. at 2 ranks
-    full = ckpt.unshard("ckpt/step_100", no_dist=True)                       # {key: tensor}
+```python
+ckpt = Checkpointer()
+ckpt.save("ckpt/step_100", {"emb": emb_dtensor, "head": head_weight})     # e.g. at 4 ranks
+ckpt.load("ckpt/step_100", {"emb": emb_dtensor2, "head": head_weight2})  # e.g. at 2 ranks
+full = ckpt.unshard("ckpt/step_100", no_dist=True)                       # {key: tensor}
+```
 """
 
 from __future__ import annotations
@@ -92,37 +94,41 @@ class Checkpointer:
     """Saves and loads flat state dicts of tensors, and reads checkpoints whole.
 
     Values may be plain tensors (taken as replicated: rank 0 writes them), DTensors (each rank
-    writes its shard; see :mod:`dist_ckpt.training.dtensor_shards`) or :class:`ShardedTensor`\\ s.
-    Loads are in place. For a model and its optimizer use :func:`save_model_and_optim_state`.
+    writes its shard; see `dist_ckpt.training.dtensor_shards`) or
+    [`ShardedTensor`][dist_ckpt.model.sharded.ShardedTensor]s. Loads are in place. For a model and its optimizer use
+    [`save_model_and_optim_state()`][dist_ckpt.training.model_optim.save_model_and_optim_state].
 
     Saves may be asynchronous (``save(..., async_save=True)``): they return after a snapshot of
     the tensors, the files are written by one background process per rank (started at the first
-    such save), and :meth:`maybe_finalize_async_saves` -- called by every rank, e.g. every step
-    -- commits the saves every rank has written, in order; :meth:`close` waits for the rest.
-    Until then a checkpoint is not committed (see :mod:`dist_ckpt.training.async_saves`).
+    such save), and [`maybe_finalize_async_saves()`][.maybe_finalize_async_saves] -- called by every rank, e.g. every
+    step -- commits the saves every rank has written, in order; [`close()`][.close] waits for the rest.
+    Until then a checkpoint is not committed (see `dist_ckpt.training.async_saves`).
 
     Args:
-        save_strategy: sharded save strategy for :meth:`save` (None: dist_ckpt's default).
+        save_strategy: sharded save strategy for [`save()`][.save] (None: dist_ckpt's default).
         load_strategy: sharded load strategy (None: the one registered for the checkpoint's
             backend). With ``no_dist=True`` it must not communicate (built-in backends don't).
-        progress: called with a :class:`~dist_ckpt.engine.report.ProgressEvent` as each step of a save
-            or load starts and ends (see :func:`dist_ckpt.save`).
+        progress: called with a [`ProgressEvent`][dist_ckpt.engine.report.ProgressEvent] as each step of a save
+            or load starts and ends (see [`dist_ckpt.save()`][dist_ckpt.engine.save.save]).
         watchdog_timeout_s: log a WARNING naming the rank and step when a step of a save or load
-            lasts longer than this; None disables the watchdog (see :mod:`dist_ckpt.engine.watchdog`).
+            lasts longer than this; None disables the watchdog (see
+            [`dist_ckpt.engine.watchdog`][dist_ckpt.engine.watchdog]).
         writer_timeout_s: for asynchronous saves, how long a background writer may take to
             start, or go without making progress, before its save fails (see
-            :class:`~dist_ckpt.async_save.queue.AsyncCallsQueue`).
+            [`AsyncCallsQueue`][dist_ckpt.async_save.queue.AsyncCallsQueue]).
 
-    Example::
+    Example:
 
-        ckpt = Checkpointer()
-        ckpt.save("ckpt", {"w": w, "emb": emb_dtensor})
-        ckpt.load("ckpt", {"w": w, "emb": emb_dtensor})
-        ckpt.get_metadata("ckpt").tensors["w"].shape
+    ```python
+    ckpt = Checkpointer()
+    ckpt.save("ckpt", {"w": w, "emb": emb_dtensor})
+    ckpt.load("ckpt", {"w": w, "emb": emb_dtensor})
+    ckpt.get_metadata("ckpt").tensors["w"].shape
 
-        ckpt.save("ckpt2", {"w": w}, async_save=True)    # returns after a snapshot
-        w.add_(1.0)                                      # the checkpoint keeps the old values
-        ckpt.maybe_finalize_async_saves(blocking=True)   # ["ckpt2"]: committed on every rank
+    ckpt.save("ckpt2", {"w": w}, async_save=True)    # returns after a snapshot
+    w.add_(1.0)                                      # the checkpoint keeps the old values
+    ckpt.maybe_finalize_async_saves(blocking=True)   # ["ckpt2"]: committed on every rank
+    ```
     """
 
     METADATA_FILENAME: ClassVar[str] = METADATA_FILENAME
@@ -155,16 +161,18 @@ class Checkpointer:
             dir: checkpoint directory.
             state_dict: ``{key: tensor | DTensor | ShardedTensor}``.
             save_overwrite: replace a committed checkpoint in ``dir`` (otherwise
-                :class:`~dist_ckpt.errors.CheckpointExistsError`).
+                [`CheckpointExistsError`][dist_ckpt.errors.CheckpointExistsError]).
             async_save: return once the tensors are snapshotted; the checkpoint is committed by
-                :meth:`maybe_finalize_async_saves` (see :meth:`save_sharded`).
+                [`maybe_finalize_async_saves()`][..maybe_finalize_async_saves] (see [`save_sharded()`][..save_sharded]).
 
         Returns:
             The saved tensors' global shapes and dtypes.
 
-        Example::
+        Example:
 
-            Checkpointer().save("ckpt/emb", {"emb": model.emb.weight})
+        ```python
+        Checkpointer().save("ckpt/emb", {"emb": model.emb.weight})
+        ```
         """
         sharded = run_collectively("describing the tensors to save", lambda: _flat_sharded(state_dict))
         self.save_sharded(dir, dict(sharded), save_overwrite, async_save=async_save)
@@ -183,11 +191,11 @@ class Checkpointer:
         Steps:
 
         1. With ``async_save``, refuse ``dir`` while an asynchronous save into it is not
-           finalized (:class:`~dist_ckpt.errors.CheckpointExistsError` on every rank).
+           finalized ([`CheckpointExistsError`][dist_ckpt.errors.CheckpointExistsError] on every rank).
         2. With ``save_overwrite``, rank 0 de-commits (``metadata.json`` first) and removes a
            committed checkpoint in ``dir``.
-        3. :func:`dist_ckpt.save` with this checkpointer's save strategy; with ``async_save``,
-           :meth:`async_save_request` (up to the snapshot of the tensors), and the request --
+        3. [`dist_ckpt.save()`][dist_ckpt.engine.save.save] with this checkpointer's save strategy; with ``async_save``,
+           [`async_save_request()`][..async_save_request] (up to the snapshot of the tensors), and the request --
            write in the background, then commit -- is scheduled on this checkpointer's queue.
         """
         path = Path(dir)
@@ -212,8 +220,8 @@ class Checkpointer:
 
         It is Megatron-Core's ``save(..., async_sharded_save=True)`` with this checkpointer's
         strategy -- resolved once and reused, so that its snapshot buffer is too -- for a caller
-        with its own :class:`~dist_ckpt.async_save.queue.AsyncCallsQueue`;
-        :meth:`save_sharded` with ``async_save=True`` schedules it on this checkpointer's queue.
+        with its own [`AsyncCallsQueue`][dist_ckpt.async_save.queue.AsyncCallsQueue];
+        [`save_sharded()`][..save_sharded] with ``async_save=True`` schedules it on this checkpointer's queue.
         With ``save_overwrite``, a committed checkpoint in ``dir`` is removed now.
 
         Raises:
@@ -257,7 +265,7 @@ class Checkpointer:
         counts it -- only here, once every rank wrote its files.
 
         Returns:
-            The directories committed by this call (as passed to :meth:`save`), the same on
+            The directories committed by this call (as passed to [`save()`][..save]), the same on
             every rank: the place to rotate, record metrics or report.
 
         Raises:
@@ -265,11 +273,13 @@ class Checkpointer:
                 ``writer_timeout_s``): raised on every rank, naming the rank and the cause; that
                 save is not committed.
 
-        Example::
+        Example:
 
-            for path in ckpt.maybe_finalize_async_saves():
-                if rank == 0:
-                    maybe_delete_oldest_checkpoint("runs/gpt", max_checkpoints=3)
+        ```python
+        for path in ckpt.maybe_finalize_async_saves():
+            if rank == 0:
+                maybe_delete_oldest_checkpoint("runs/gpt", max_checkpoints=3)
+        ```
         """
         return self._pending.maybe_finalize(blocking)
 
@@ -300,11 +310,13 @@ class Checkpointer:
             no_dist: read without any communication (each process alone).
             metadata: the checkpoint's metadata if already known (saves reading it).
             validate: NaN-fill floating-point targets first and raise
-                :class:`~dist_ckpt.errors.ShardingIntegrityError` if any element stays unloaded.
+                [`ShardingIntegrityError`][dist_ckpt.errors.ShardingIntegrityError] if any element stays unloaded.
 
-        Example::
+        Example:
 
-            Checkpointer().load("ckpt/emb", {"emb": model.emb.weight})
+        ```python
+        Checkpointer().load("ckpt/emb", {"emb": model.emb.weight})
+        ```
         """
         if metadata is None:
             metadata = self.get_metadata(dir, no_dist=no_dist)
@@ -350,8 +362,8 @@ class Checkpointer:
         1. With ``validate``, fill the destinations with NaN.
         2. Load (``dist_ckpt.load``; with ``no_dist`` the load strategy alone).
         3. Copy values that were not loaded in place into their destinations.
-        4. With ``validate``, raise :class:`ShardingIntegrityError` naming every key where NaN
-           remains (on every rank).
+        4. With ``validate``, raise [`ShardingIntegrityError`][dist_ckpt.errors.ShardingIntegrityError] naming every key
+           where NaN remains (on every rank).
         """
         location = resolve_location(dir)
         request = {f"t{i}": t.sharded for i, t in enumerate(targets)}
@@ -397,9 +409,11 @@ class Checkpointer:
             rank0_only: only rank 0 reads; other ranks get ``{}``.
             no_dist: read in this process without any communication (overrides ``rank0_only``).
 
-        Example::
+        Example:
 
-            full = Checkpointer().unshard("ckpt", no_dist=True)
+        ```python
+        full = Checkpointer().unshard("ckpt", no_dist=True)
+        ```
         """
         return self.read_full_tensors(dir, lambda key: True, device, rank0_only, no_dist)
 
@@ -411,7 +425,7 @@ class Checkpointer:
         rank0_only: bool = False,
         no_dist: bool = False,
     ) -> Dict[str, torch.Tensor]:
-        """The whole stored tensors whose key ``select`` accepts (see :meth:`unshard`).
+        """The whole stored tensors whose key ``select`` accepts (see [`unshard()`][..unshard]).
 
         Only the selected tensors are read (unlike ``dist_ckpt.load_plain_tensors``, which
         reads all of them on every rank), so unsharding a model does not load its optimizer.
@@ -432,10 +446,12 @@ class Checkpointer:
     def get_metadata(self, dir: PathOrStr, no_dist: bool = False) -> CheckpointMetadata:
         """Key, global shape and dtype of every stored tensor (collective unless ``no_dist``).
 
-        Example::
+        Example:
 
-            meta = Checkpointer().get_metadata("ckpt")
-            meta.tensors["model.fc.weight"]      # TensorMetadata(shape=(7, 5), dtype=torch.float32)
+        ```python
+        meta = Checkpointer().get_metadata("ckpt")
+        meta.tensors["model.fc.weight"]      # TensorMetadata(shape=(7, 5), dtype=torch.float32)
+        ```
         """
         return _maybe_collective(
             no_dist,
@@ -469,6 +485,6 @@ def _remove_committed(path: Path) -> None:
 
 
 def _maybe_remove_committed(path: Path, save_overwrite: bool) -> None:
-    """With ``save_overwrite``, :func:`_remove_committed` on rank 0 (collective)."""
+    """With ``save_overwrite``, `_remove_committed()` on rank 0 (collective)."""
     if save_overwrite:
         run_collectively("removing the checkpoint to overwrite", lambda: _remove_committed(path))

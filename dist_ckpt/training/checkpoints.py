@@ -1,23 +1,25 @@
 """Checkpoint directories over time: the latest complete one, rotation, best, metrics.
 
-A training run writes its checkpoints into one directory, ``model_dir``::
+A training run writes its checkpoints into one directory, ``model_dir``:
 
-    model_dir/
-      checkpoint-1000/     complete dist_ckpt checkpoint (its metadata.json is committed)
-      checkpoint-2000/     complete HuggingFace-format checkpoint (model.safetensors)
-      checkpoint-3000/     a save in progress or a crashed one (no commit marker): not complete
-      model.safetensors -> checkpoint-2000/model.safetensors    (create_pretrained_symlinks)
+```text
+model_dir/
+  checkpoint-1000/     complete dist_ckpt checkpoint (its metadata.json is committed)
+  checkpoint-2000/     complete HuggingFace-format checkpoint (model.safetensors)
+  checkpoint-3000/     a save in progress or a crashed one (no commit marker): not complete
+  model.safetensors -> checkpoint-2000/model.safetensors    (create_pretrained_symlinks)
+```
 
 The functions here are single-process utilities: call them from one process (e.g. rank 0),
 never from every rank at once, and not while another process rotates the same ``model_dir``.
 
 **Names.** The name of a checkpoint directory carries its step. Recognised names
-(:data:`CHECKPOINT_NAME_PATTERNS`, ``N`` = decimal digits, leading zeros allowed):
-``checkpoint-N`` (HuggingFace Trainer; what :func:`next_checkpoint_path` creates),
-``checkpoint_N``, ``iter_N`` (Megatron, ``iter_0001000``), ``step-N``, ``step_N`` and
-``global_stepN`` (DeepSpeed). Any other entry of ``model_dir`` (files, ``runs/``, ``final/``,
-hidden names) is not managed: never returned as the latest checkpoint, never counted or deleted
-by rotation. Unlike the reference, checkpoints live directly in ``model_dir`` (Megatron's
+(`CHECKPOINT_NAME_PATTERNS`, ``N`` = decimal digits, leading zeros allowed):
+``checkpoint-N`` (HuggingFace Trainer; what
+[`next_checkpoint_path()`][dist_ckpt.training.checkpoints.next_checkpoint_path] creates), ``checkpoint_N``, ``iter_N``
+(Megatron, ``iter_0001000``), ``step-N``, ``step_N`` and ``global_stepN`` (DeepSpeed). Any other entry of ``model_dir``
+(files, ``runs/``, ``final/``, hidden names) is not managed: never returned as the latest checkpoint, never counted or
+deleted by rotation. Unlike the reference, checkpoints live directly in ``model_dir`` (Megatron's
 layout), not in a ``checkpoints/`` subdirectory.
 
 **Order.** Checkpoints are ordered by ``(step, name)``: by step, never by modification time
@@ -28,7 +30,7 @@ layout), not in a ``checkpoints/`` subdirectory.
 directory is a *complete* checkpoint iff
 
 * it is a committed dist_ckpt checkpoint: its ``metadata.json`` is valid
-  (:func:`dist_ckpt.engine.commit.maybe_load_config`), or
+  ([`dist_ckpt.engine.commit.maybe_load_config()`][dist_ckpt.engine.commit.maybe_load_config]), or
 * it holds HuggingFace weights, looked for in this order: ``model.safetensors.index.json``,
   ``model.safetensors``, ``pytorch_model.bin.index.json``, ``pytorch_model.bin`` (the first
   one present decides). An index must hold a non-empty ``weight_map`` whose every shard file
@@ -40,7 +42,8 @@ A directory that holds dist_ckpt files (``metadata.json``, even a corrupt one, o
 ``common.pt``) is judged as dist_ckpt only: HF-named files in it never make it complete, so an
 uncommitted dist_ckpt save of HF-style files cannot pass for a finished HF checkpoint. Anything
 else (no marker, a corrupt ``metadata.json``, an index with a missing shard) is *partial*:
-ignored by :func:`find_latest_checkpoint`, never counted as complete.
+ignored by [`find_latest_checkpoint()`][dist_ckpt.training.checkpoints.find_latest_checkpoint], never counted as
+complete.
 
 **Deletion.** No crash leaves a half-deleted directory that looks complete: on a local disk
 it is (1) renamed to a hidden trash name (``.dist_ckpt-trash-...``) no pattern recognises, (2)
@@ -49,13 +52,14 @@ trash left by a crash. An object store cannot rename: the markers (``metadata.js
 names) are deleted *first*, so a crash leaves a partial directory, skipped and later removed.
 
 **Any storage.** ``model_dir`` and checkpoint paths may be paths, ``s3://`` URLs or a
-:class:`~dist_ckpt.storage.base.Storage`; one implementation works through the storage (a
+[`Storage`][dist_ckpt.storage.base.Storage]; one implementation works through the storage (a
 run's checkpoints are the directories directly under it: ``list_dirs``, one request on S3) and
 returns paths named as the run was. Where the storage has ``local_paths`` it also uses what only
-a local directory has: the trash rename and symlinks (:func:`create_pretrained_symlinks`).
+a local directory has: the trash rename and symlinks
+([`create_pretrained_symlinks()`][dist_ckpt.training.checkpoints.create_pretrained_symlinks]).
 
-The structural checks of HF weight files live in :mod:`dist_ckpt.training.hf_weights`, the metrics
-file in :mod:`dist_ckpt.training.metrics` (its functions are re-exported here).
+The structural checks of HF weight files live in `dist_ckpt.training.hf_weights`, the metrics
+file in [`dist_ckpt.training.metrics`][dist_ckpt.training.metrics] (its functions are re-exported here).
 """
 
 from __future__ import annotations
@@ -130,7 +134,7 @@ class CheckpointFormat(str, Enum):
 
 @dataclass(frozen=True)
 class CheckpointMeta:
-    """What :func:`get_checkpoint_metadata` found in a directory.
+    """What [`get_checkpoint_metadata()`][dist_ckpt.training.checkpoints.get_checkpoint_metadata] found in a directory.
 
     Attributes:
         file_name: HF: the index file if there is one, else the weights file; dist_ckpt:
@@ -162,10 +166,12 @@ class CheckpointMeta:
 def parse_checkpoint_step(name: str) -> Optional[int]:
     """The step a checkpoint directory name carries, or None if it matches no pattern.
 
-    Example::
+    Example:
 
-        parse_checkpoint_step("iter_0001000")   # 1000
-        parse_checkpoint_step("final")          # None
+    ```python
+    parse_checkpoint_step("iter_0001000")   # 1000
+    parse_checkpoint_step("final")          # None
+    ```
     """
     for pattern in _NAME_RES:
         match = pattern.fullmatch(name)
@@ -180,11 +186,13 @@ def next_checkpoint_path(model_dir: LocationLike, checkpoint_id: Union[int, str]
     Creates nothing. An int (or a string of digits) gives ``model_dir/checkpoint-<step>``; any
     other string must be a recognised checkpoint name and is used as it is.
 
-    Example::
+    Example:
 
-        path = next_checkpoint_path("runs/gpt", 1000)        # "runs/gpt/checkpoint-1000"
-        dist_ckpt.save(sharded_state_dict, path)
-        next_checkpoint_path("runs/gpt", "iter_0001000")     # "runs/gpt/iter_0001000"
+    ```python
+    path = next_checkpoint_path("runs/gpt", 1000)        # "runs/gpt/checkpoint-1000"
+    dist_ckpt.save(sharded_state_dict, path)
+    next_checkpoint_path("runs/gpt", "iter_0001000")     # "runs/gpt/iter_0001000"
+    ```
 
     Raises:
         CheckpointManagementError: a negative step, or a name that carries no step (it would
@@ -214,9 +222,11 @@ def checkpoint_names(storage: Storage) -> List[Tuple[int, str]]:
     """``(step, name)`` of the directories directly under ``storage`` whose names carry a step,
     oldest first (one listing of one level).
 
-    Example::
+    Example:
 
-        checkpoint_names(open_storage("runs/gpt"))   # [(1000, "checkpoint-1000"), (2000, "iter_0002000")]
+    ```python
+    checkpoint_names(open_storage("runs/gpt"))   # [(1000, "checkpoint-1000"), (2000, "iter_0002000")]
+    ```
     """
     entries = []
     for name in storage.list_dirs():
@@ -255,15 +265,18 @@ def get_checkpoint_metadata(path: LocationLike) -> Optional[CheckpointMeta]:
     checkpoint (None), and so is a dist_ckpt save that has not committed yet (``common.pt`` but
     no ``metadata.json``).
 
-    Example::
+    Example:
 
-        meta = get_checkpoint_metadata("runs/gpt/checkpoint-1000")
-        if meta is not None and meta.complete and meta.format == "hf":
-            print(meta.file_name, meta.is_index, meta.safetensors)
-        get_checkpoint_metadata("s3://bucket/runs/gpt/checkpoint-1000")   # the same on S3
+    ```python
+    meta = get_checkpoint_metadata("runs/gpt/checkpoint-1000")
+    if meta is not None and meta.complete and meta.format == "hf":
+        print(meta.file_name, meta.is_index, meta.safetensors)
+    get_checkpoint_metadata("s3://bucket/runs/gpt/checkpoint-1000")   # the same on S3
+    ```
 
     Returns:
-        A :class:`CheckpointMeta` (``complete=False`` for a corrupt ``metadata.json`` or an HF
+        A [`CheckpointMeta`][dist_ckpt.training.checkpoints.CheckpointMeta] (``complete=False`` for a corrupt
+            ``metadata.json`` or an HF
         folder with missing or truncated weights), or None for a missing directory or one that
         is no checkpoint.
 
@@ -300,10 +313,12 @@ def get_checkpoint_metadata(path: LocationLike) -> Optional[CheckpointMeta]:
 def validate_checkpoint(checkpoint_path: LocationLike) -> bool:
     """Whether ``checkpoint_path`` is a complete (committed) checkpoint directory.
 
-    Example::
+    Example:
 
-        if not validate_checkpoint("runs/gpt/checkpoint-1000"):
-            raise SystemExit("that save did not finish")
+    ```python
+    if not validate_checkpoint("runs/gpt/checkpoint-1000"):
+        raise SystemExit("that save did not finish")
+    ```
     """
     meta = get_checkpoint_metadata(checkpoint_path)
     return meta is not None and meta.complete
@@ -315,11 +330,13 @@ def find_latest_checkpoint(model_dir: LocationLike) -> Optional[str]:
     Partial directories (a save in progress or a crashed one) are skipped, whatever their step
     or modification time; ties on the step go to the greater name (module docstring).
 
-    Example::
+    Example:
 
-        latest = find_latest_checkpoint("runs/gpt")
-        if latest is not None:
-            state = dist_ckpt.load(sharded_state_dict, latest)
+    ```python
+    latest = find_latest_checkpoint("runs/gpt")
+    if latest is not None:
+        state = dist_ckpt.load(sharded_state_dict, latest)
+    ```
     """
     storage = resolve_location(model_dir)
     for step, name in reversed(checkpoint_names(storage)):
@@ -426,8 +443,8 @@ def maybe_delete_oldest_checkpoint(
     Complete checkpoints are deleted oldest step first, never one of these: the newest complete
     checkpoint (so the only complete one survives too), ``best_checkpoint``, any of
     ``preserved_checkpoints``, a checkpoint that a symlink directly in ``model_dir`` points into
-    (e.g. the links of :func:`create_pretrained_symlinks`, which would dangle). Kept checkpoints
-    count towards ``max_checkpoints``, so fewer others may remain.
+    (e.g. the links of [`create_pretrained_symlinks()`][dist_ckpt.training.checkpoints.create_pretrained_symlinks],
+    which would dangle). Kept checkpoints count towards ``max_checkpoints``, so fewer others may remain.
 
     With ``delete_partial``, partial directories with a step *below* the newest complete one are
     removed as leftovers of crashed saves; a partial directory with the same or a higher step is
@@ -435,11 +452,13 @@ def maybe_delete_oldest_checkpoint(
     rolled back and is saving again at steps below an existing checkpoint. Symlinked checkpoint
     directories are neither counted nor deleted. Deletion is crash-safe (module docstring).
 
-    Example::
+    Example:
 
-        dist_ckpt.save(sharded_state_dict, next_checkpoint_path("runs/gpt", step))
-        maybe_delete_oldest_checkpoint("runs/gpt", max_checkpoints=3,
-                                       best_checkpoint="runs/gpt/checkpoint-2000")
+    ```python
+    dist_ckpt.save(sharded_state_dict, next_checkpoint_path("runs/gpt", step))
+    maybe_delete_oldest_checkpoint("runs/gpt", max_checkpoints=3,
+                                   best_checkpoint="runs/gpt/checkpoint-2000")
+    ```
 
     Args:
         model_dir: the run's directory of checkpoints.
@@ -528,10 +547,12 @@ def create_pretrained_symlinks(
     when the latest one is a single file) are removed, so ``from_pretrained`` cannot pick stale
     weights. Conflicts are checked before anything changes.
 
-    Example::
+    Example:
 
-        links = create_pretrained_symlinks("runs/gpt")
-        model = AutoModelForCausalLM.from_pretrained("runs/gpt")   # config.json is in runs/gpt
+    ```python
+    links = create_pretrained_symlinks("runs/gpt")
+    model = AutoModelForCausalLM.from_pretrained("runs/gpt")   # config.json is in runs/gpt
+    ```
 
     Args:
         model_dir: the run's directory of checkpoints.

@@ -1,11 +1,12 @@
-"""Describe a torch tensor -- plain or DTensor -- as this rank's :class:`ShardedTensor`.
+"""Describe a torch tensor -- plain or DTensor -- as this rank's
+[`ShardedTensor`][dist_ckpt.model.sharded.ShardedTensor].
 
 This module is the one place that looks inside ``torch.distributed.tensor.DTensor``. It reads
 DTensor *metadata* only -- the global shape, the placements (``Shard(d)`` / ``Replicate()``),
 the device mesh's shape and this rank's coordinate in it -- and the local shard
 (``to_local()``). It never calls a collective (``full_tensor``, ``redistribute``): the data
 movement of a resharded load is done by the checkpoint backends, so the rule that only
-:mod:`dist_ckpt.engine.distributed` communicates still holds.
+`dist_ckpt.engine.distributed` communicates still holds.
 
 How a DTensor maps onto a ShardedTensor:
 
@@ -19,7 +20,7 @@ How a DTensor maps onto a ShardedTensor:
 * Other dims must be split evenly (size divisible by the number of chunks): they become the
   regular chunk grid of ``from_rank_offsets``. An uneven split of a dim other than 0, a
   ``Partial`` placement (a pending reduction), a ``_StridedShard`` (FSDP2 + TP on the same dim)
-  and a rank outside the mesh raise :class:`~dist_ckpt.errors.InvalidShardedTensorError`
+  and a rank outside the mesh raise [`InvalidShardedTensorError`][dist_ckpt.errors.InvalidShardedTensorError]
   naming the key.
 * ``Replicate()`` mesh dimensions make replicas: the replica id is this rank's coordinate
   along them, so exactly one rank (coordinate 0 everywhere) holds the main replica.
@@ -29,10 +30,12 @@ value is one chunk with ``replica_id = rank``, so rank 0 alone writes it. Models
 ranks *without* DTensor (for example pipeline stages holding different plain modules) are not
 described correctly by this rule; wrap such state in ShardedTensors yourself.
 
-Example::
+Example:
 
-    sh = to_sharded_tensor("model.fc.weight", fsdp_param)   # DTensor with (Shard(0),)
-    sh.flattened_range, sh.global_shape                     # rows [a, b) of (out, in)
+```python
+sh = to_sharded_tensor("model.fc.weight", fsdp_param)   # DTensor with (Shard(0),)
+sh.flattened_range, sh.global_shape                     # rows [a, b) of (out, in)
+```
 """
 
 from __future__ import annotations
@@ -89,9 +92,11 @@ def chunk_range(size: int, chunks: int, index: int) -> Tuple[int, int]:
     Chunks hold ``ceil(size / chunks)`` rows; the last ones are shorter, possibly empty
     (then ``start == stop == size``).
 
-    Example::
+    Example:
 
-        [chunk_range(7, 4, i) for i in range(4)]   # [(0, 2), (2, 4), (4, 6), (6, 7)]
+    ```python
+    [chunk_range(7, 4, i) for i in range(4)]   # [(0, 2), (2, 4), (4, 6), (6, 7)]
+    ```
     """
     if chunks < 1 or not 0 <= index < chunks:
         raise InvalidShardedTensorError(f"chunk index {index} out of range for {chunks} chunks")
@@ -242,10 +247,12 @@ def to_sharded_tensor(key: str, tensor: torch.Tensor, data: Optional[torch.Tenso
         data: what the ShardedTensor holds instead of ``tensor``'s local shard (for example a
             load buffer of another dtype); it must have the local shard's shape.
 
-    Example::
+    Example:
 
-        sh = to_sharded_tensor("model.fc.weight", model.fc.weight)
-        dc.save({"w": sh}, "ckpt")
+    ```python
+    sh = to_sharded_tensor("model.fc.weight", model.fc.weight)
+    dc.save({"w": sh}, "ckpt")
+    ```
     """
     local = local_tensor(tensor) if data is None else data
     return sharded_tensor_from_box(key, local, tensor_box(key, tensor))

@@ -1,15 +1,17 @@
 """Whether the HuggingFace weight files of a checkpoint are whole, on a disk or an object store.
 
 Cheap structural checks through the checkpoint's storage, no tensor is read: a safetensors file's
-size must be what its header describes (:func:`dist_ckpt.backends.safetensors.is_whole`: two
+size must be what its header describes (`dist_ckpt.backends.safetensors.is_whole()`: two
 small reads), a torch.save zip must still end with its central directory (one read of the tail:
 a truncated one has lost it), an HF index must list shard files inside the directory.
-:mod:`dist_ckpt.training.checkpoints` uses them to tell a complete HF checkpoint from one whose
-save was interrupted.
+[`dist_ckpt.training.checkpoints`][dist_ckpt.training.checkpoints] uses them to tell a complete HF checkpoint from one
+whose save was interrupted.
 
-Example::
+Example:
 
-    weights_file_whole(open_storage("runs/gpt/checkpoint-1000"), "model.safetensors")   # True
+```python
+weights_file_whole(open_storage("runs/gpt/checkpoint-1000"), "model.safetensors")   # True
+```
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def shard_names(record: object) -> Optional[List[str]]:
 
 def torch_file_whole(reader: ObjectReader) -> bool:
     """Whether a torch.save file is whole: a zip whose end of central directory record is in
-    its tail (as :func:`zipfile.is_zipfile` looks for it), or a non-empty legacy pickle."""
+    its tail (as `zipfile.is_zipfile()` looks for it), or a non-empty legacy pickle."""
     size = reader.size()
     if size == 0:
         return False

@@ -1,29 +1,31 @@
 """Load into live tensors in place, and check afterwards that every element was loaded.
 
-A :class:`LoadTarget` pairs a live tensor (a parameter, an optimizer state, a DTensor's local
-shard) with the :class:`ShardedTensor` that requests it from the checkpoint. The ShardedTensor's
-``data`` is the live memory itself whenever possible (same dtype; for a flattened range, a
+A `LoadTarget` pairs a live tensor (a parameter, an optimizer state, a DTensor's local
+shard) with the [`ShardedTensor`][dist_ckpt.model.sharded.ShardedTensor] that requests it from the checkpoint. The
+ShardedTensor's ``data`` is the live memory itself whenever possible (same dtype; for a flattened range, a
 contiguous tensor viewed as 1-D), so the backend writes straight into it. Otherwise -- a dtype
 that differs from the stored one, a non-contiguous local shard that must be flattened -- it is
 a separate buffer, copied (and cast, like ``torch.nn.Module.load_state_dict``) into the live
-tensor by :func:`finish_targets`.
+tensor by `finish_targets()`.
 
-Validation (``validate=True`` in :func:`dist_ckpt.training.model_optim.load_model_and_optim_state`),
-as in OLMo-core: :func:`fill_for_validation` fills every floating-point (or complex) destination
-with NaN before loading, and :func:`find_holes` reports the keys where NaN remains, i.e.
-elements that no stored shard covered. Integer and bool tensors cannot hold a sentinel that a
-valid checkpoint could not also contain, so they are skipped (logged at DEBUG); their coverage
-is still checked by the backends, which refuse a request that the stored fragments do not
+Validation (``validate=True`` in
+[`dist_ckpt.training.model_optim.load_model_and_optim_state()`][dist_ckpt.training.model_optim.load_model_and_optim_state]),
+as in OLMo-core: `fill_for_validation()` fills every floating-point (or complex) destination with NaN before loading,
+and `find_holes()` reports the keys where NaN remains, i.e. elements that no stored shard covered. Integer and bool
+tensors cannot hold a sentinel that a valid checkpoint could not also contain, so they are skipped (logged at DEBUG);
+their coverage is still checked by the backends, which refuse a request that the stored fragments do not
 cover. A checkpoint that legitimately stores NaN fails this check: load it with
 ``validate=False``.
 
-Example::
+Example:
 
-    target = make_target("model.fc.weight", model.fc.weight, stored_dtype=torch.float32)
-    fill_for_validation([target])
-    loaded = dc.load({"w": target.sharded}, "ckpt")
-    finish_targets([target], [loaded["w"]])
-    assert not find_holes([target])
+```python
+target = make_target("model.fc.weight", model.fc.weight, stored_dtype=torch.float32)
+fill_for_validation([target])
+loaded = dc.load({"w": target.sharded}, "ckpt")
+finish_targets([target], [loaded["w"]])
+assert not find_holes([target])
+```
 """
 
 from __future__ import annotations

@@ -1,14 +1,16 @@
 """Evaluation metrics stored beside a checkpoint: ``eval_metrics.json``, a dict of finite numbers.
 
-Part of :mod:`dist_ckpt.training.checkpoints` (which re-exports both functions): written atomically and
-durably on disk, as one object on an object store; rejected on save and on load when a name is
+Part of [`dist_ckpt.training.checkpoints`][dist_ckpt.training.checkpoints] (which re-exports both functions): written
+atomically and durably on disk, as one object on an object store; rejected on save and on load when a name is
 not a string or a value is not a finite number, so ``maybe_delete_oldest_checkpoint`` can rank
 checkpoints by a metric without surprises.
 
-Example::
+Example:
 
-    save_checkpoint_metrics("runs/gpt/checkpoint-1000", {"eval_loss": 2.31})
-    load_checkpoint_metrics("runs/gpt/checkpoint-1000")   # {"eval_loss": 2.31}
+```python
+save_checkpoint_metrics("runs/gpt/checkpoint-1000", {"eval_loss": 2.31})
+load_checkpoint_metrics("runs/gpt/checkpoint-1000")   # {"eval_loss": 2.31}
+```
 """
 
 from __future__ import annotations
@@ -59,9 +61,11 @@ def _checked_metrics(raw: Any, error: Callable[[str], CheckpointingException]) -
 def save_checkpoint_metrics(checkpoint_path: LocationLike, metrics: Dict[str, float]) -> None:
     """Store evaluation metrics in ``checkpoint_path/eval_metrics.json`` (atomically, durably).
 
-    Example::
+    Example:
 
-        save_checkpoint_metrics("runs/gpt/checkpoint-1000", {"eval_loss": 2.31, "accuracy": 0.58})
+    ```python
+    save_checkpoint_metrics("runs/gpt/checkpoint-1000", {"eval_loss": 2.31, "accuracy": 0.58})
+    ```
 
     Raises:
         NotACheckpointError: ``checkpoint_path`` is not a directory (on an object store: no object
@@ -83,11 +87,14 @@ def save_checkpoint_metrics(checkpoint_path: LocationLike, metrics: Dict[str, fl
 
 
 def load_checkpoint_metrics(checkpoint_path: LocationLike) -> Optional[Dict[str, float]]:
-    """The metrics stored by :func:`save_checkpoint_metrics`, or None if there are none.
+    """The metrics stored by [`save_checkpoint_metrics()`][dist_ckpt.training.metrics.save_checkpoint_metrics], or None
+    if there are none.
 
-    Example::
+    Example:
 
-        metrics = load_checkpoint_metrics("runs/gpt/checkpoint-1000")   # {"eval_loss": 2.31, ...}
+    ```python
+    metrics = load_checkpoint_metrics("runs/gpt/checkpoint-1000")   # {"eval_loss": 2.31, ...}
+    ```
 
     Raises:
         CorruptCheckpointError: the metrics file is not valid JSON or not a dict of finite numbers.

@@ -1,19 +1,21 @@
 """A model and its optimizer in one call, with OLMo-core's names and signatures.
 
-* :func:`save_model_and_optim_state` / :func:`load_model_and_optim_state` -- a module (plain,
-  or sharded with DTensor / FSDP2 ``fully_shard``) and its ``torch.optim`` optimizer, saved at
-  one world size and loaded in place at another. Keys are parameter names (see
-  :mod:`dist_ckpt.training.model_state`), so the optimizer continues exactly where it stopped.
-  Names are those of the unwrapped model, as ``torch.distributed.checkpoint``'s
+* [`save_model_and_optim_state()`][dist_ckpt.training.model_optim.save_model_and_optim_state] /
+  [`load_model_and_optim_state()`][dist_ckpt.training.model_optim.load_model_and_optim_state] -- a module (plain, or
+  sharded with DTensor / FSDP2 ``fully_shard``) and its ``torch.optim`` optimizer, saved at one world size and loaded in
+  place at another. Keys are parameter names (see `dist_ckpt.training.model_state`), so the optimizer continues exactly
+  where it stopped. Names are those of the unwrapped model, as ``torch.distributed.checkpoint``'s
   ``get_state_dict`` makes them: save a ``DistributedDataParallel`` or ``torch.compile`` model
   and load into the plain one, or the reverse.
-* :func:`async_save_model_and_optim_state` -- the same save, asynchronous: it returns after a
-  snapshot of the tensors, as a Megatron-style :class:`~dist_ckpt.async_save.queue.AsyncRequest`
-  to schedule on an :class:`~dist_ckpt.async_save.queue.AsyncCallsQueue`; the checkpoint is
-  committed when the queue finalizes it on every rank.
-* :func:`unshard_model_state` / :func:`unshard_optim_state` -- whole tensors in one process.
+* [`async_save_model_and_optim_state()`][dist_ckpt.training.model_optim.async_save_model_and_optim_state] -- the same
+  save, asynchronous: it returns after a snapshot of the tensors, as a Megatron-style
+  [`AsyncRequest`][dist_ckpt.async_save.queue.AsyncRequest] to schedule on an
+  [`AsyncCallsQueue`][dist_ckpt.async_save.queue.AsyncCallsQueue]; the checkpoint is committed when the queue finalizes
+  it on every rank.
+* [`unshard_model_state()`][dist_ckpt.training.model_optim.unshard_model_state] /
+  [`unshard_optim_state()`][dist_ckpt.training.model_optim.unshard_optim_state] -- whole tensors in one process.
 
-They are built on :class:`~dist_ckpt.training.checkpointer.Checkpointer`. Everything is
+They are built on [`Checkpointer`][dist_ckpt.training.checkpointer.Checkpointer]. Everything is
 collective (all ranks call it together) unless ``no_dist=True``; an error on any rank is raised
 on every rank. Without a process group the world is one process.
 
@@ -22,15 +24,17 @@ backends decide the files; the asynchronous save returns Megatron-Core's request
 a queue, collectively) rather than a future; the backend is chosen by the ``*_strategy``
 keyword, the default being dist_ckpt's.
 
-Example::
+Example:
 
-    save_model_and_optim_state("ckpt/step_100", model, optim)          # e.g. at 4 ranks
-    load_model_and_optim_state("ckpt/step_100", model2, optim2)        # e.g. at 2 ranks
-    full = unshard_model_state("ckpt/step_100", no_dist=True)          # {fqn: tensor}
+```python
+save_model_and_optim_state("ckpt/step_100", model, optim)          # e.g. at 4 ranks
+load_model_and_optim_state("ckpt/step_100", model2, optim2)        # e.g. at 2 ranks
+full = unshard_model_state("ckpt/step_100", no_dist=True)          # {fqn: tensor}
 
-    request = async_save_model_and_optim_state("ckpt/step_200", model, optim)  # after a snapshot
-    queue.schedule_async_request(request)                              # queue = AsyncCallsQueue()
-    queue.maybe_finalize_async_calls(blocking=False)                   # every rank; commits when written
+request = async_save_model_and_optim_state("ckpt/step_200", model, optim)  # after a snapshot
+queue.schedule_async_request(request)                              # queue = AsyncCallsQueue()
+queue.maybe_finalize_async_calls(blocking=False)                   # every rank; commits when written
+```
 """
 
 from __future__ import annotations
@@ -80,7 +84,7 @@ def save_model_and_optim_state(
     ``model`` may be plain (replicated on every rank; rank 0 writes it) or sharded with DTensor
     / FSDP2 (each rank writes its shard), and wrapped or not: keys are parameter names without
     the ``module.`` of DDP, the ``_orig_mod.`` of ``torch.compile`` or the wrapper attributes of
-    FSDP1 and activation checkpointing (see :mod:`dist_ckpt.training.model_state`), for the
+    FSDP1 and activation checkpointing (see `dist_ckpt.training.model_state`), for the
     optimizer state too. An FSDP1 model is saved with ``optim=None`` only.
 
     Args:
@@ -91,11 +95,14 @@ def save_model_and_optim_state(
         save_overwrite: replace a committed checkpoint in ``dir``.
         save_strategy: sharded save strategy (None: dist_ckpt's default backend).
 
-    Example::
+    Example:
 
-        save_model_and_optim_state("ckpt/step_100", model, optim)
+    ```python
+    save_model_and_optim_state("ckpt/step_100", model, optim)
+    ```
 
-    See :func:`async_save_model_and_optim_state` for the save that returns after a snapshot.
+    See [`async_save_model_and_optim_state()`][dist_ckpt.training.model_optim.async_save_model_and_optim_state] for the
+    save that returns after a snapshot.
     """
     sd = run_collectively("describing the model and optimizer", lambda: model_optim_state_dict(model, optim))
     Checkpointer(save_strategy=save_strategy).save_sharded(dir, sd, save_overwrite)
@@ -109,20 +116,22 @@ def async_save_model_and_optim_state(
     *,
     save_strategy: StrategySpec = None,
 ) -> AsyncRequest:
-    """Save like :func:`save_model_and_optim_state`, asynchronously: return once the tensors are
-    snapshotted, with the request that writes and commits the checkpoint (collective).
+    """Save like [`save_model_and_optim_state()`][dist_ckpt.training.model_optim.save_model_and_optim_state],
+    asynchronously: return once the tensors are snapshotted, with the request that writes and commits the checkpoint
+    (collective).
 
-    The semantics are Megatron-Core's asynchronous save (:class:`~dist_ckpt.async_save.queue.AsyncCallsQueue`):
-    schedule the request on a queue, call ``queue.maybe_finalize_async_calls()`` on every rank
-    equally often (e.g. every step) and ``queue.close()`` before the process group goes. Training
-    may change the model and optimizer as soon as this returns: the checkpoint holds their values
-    at the call.
+    The semantics are Megatron-Core's asynchronous save
+    ([`AsyncCallsQueue`][dist_ckpt.async_save.queue.AsyncCallsQueue]): schedule the request on a queue, call
+    ``queue.maybe_finalize_async_calls()`` on every rank equally often (e.g. every step) and ``queue.close()`` before
+    the process group goes. Training may change the model and optimizer as soon as this returns: the checkpoint holds
+    their values at the call.
 
     Steps:
 
-    1. Describe the model and optimizer, as :func:`save_model_and_optim_state` does.
-    2. :func:`dist_ckpt.save` with ``async_sharded_save=True``: checks, the common state (param
-       groups, optimizer steps) written now by rank 0, and this rank's tensors copied into a
+    1. Describe the model and optimizer, as
+       [`save_model_and_optim_state()`][dist_ckpt.training.model_optim.save_model_and_optim_state] does.
+    2. [`dist_ckpt.save()`][dist_ckpt.engine.save.save] with ``async_sharded_save=True``: checks, the common state
+       (param groups, optimizer steps) written now by rank 0, and this rank's tensors copied into a
        shared-memory snapshot.
 
     Then, in the queue: each rank's writer process writes its files; finalization -- collective,
@@ -131,12 +140,13 @@ def async_save_model_and_optim_state(
     committed (rotation, metrics). Until then the checkpoint is not committed:
     ``find_latest_checkpoint`` skips it, ``maybe_delete_oldest_checkpoint`` does not count it, a
     load refuses it. A writer's failure on any rank raises
-    :class:`~dist_ckpt.errors.AsyncSaveError` on every rank at finalization, and nothing of that
+    [`AsyncSaveError`][dist_ckpt.errors.AsyncSaveError] on every rank at finalization, and nothing of that
     save is committed.
 
     Args:
         dir: checkpoint directory.
-        model: the model (as for :func:`save_model_and_optim_state`).
+        model: the model (as for
+            [`save_model_and_optim_state()`][dist_ckpt.training.model_optim.save_model_and_optim_state]).
         optim: its optimizer, or None to save the model alone.
         save_overwrite: replace a committed checkpoint in ``dir`` (removed now, before the new
             one is written).
@@ -145,21 +155,23 @@ def async_save_model_and_optim_state(
             buffer instead of allocating shared memory per save.
 
     Returns:
-        The :class:`~dist_ckpt.async_save.queue.AsyncRequest`, not scheduled yet.
+        The [`AsyncRequest`][dist_ckpt.async_save.queue.AsyncRequest], not scheduled yet.
 
     Raises:
         IncompatibleStrategyError: ``save_strategy`` cannot save asynchronously (e.g. zarr):
             raised on every rank, before anything is written.
 
-    Example::
+    Example:
 
-        queue = dc.AsyncCallsQueue()                     # one writer process per rank
-        request = async_save_model_and_optim_state("ckpt/step_100", model, optim)
-        request.add_finalize_fn(lambda: print("ckpt/step_100 committed"))
-        queue.schedule_async_request(request)
-        ...                                              # training goes on
-        queue.maybe_finalize_async_calls(blocking=False) # every rank, every step
-        queue.close()                                    # waits for and commits the rest
+    ```python
+    queue = dc.AsyncCallsQueue()                     # one writer process per rank
+    request = async_save_model_and_optim_state("ckpt/step_100", model, optim)
+    request.add_finalize_fn(lambda: print("ckpt/step_100 committed"))
+    queue.schedule_async_request(request)
+    ...                                              # training goes on
+    queue.maybe_finalize_async_calls(blocking=False) # every rank, every step
+    queue.close()                                    # waits for and commits the rest
+    ```
     """
     sd = run_collectively("describing the model and optimizer", lambda: model_optim_state_dict(model, optim))
     return Checkpointer(save_strategy=save_strategy).async_save_request(dir, sd, save_overwrite)
@@ -173,8 +185,8 @@ def load_model_and_optim_state(
     *,
     load_strategy: StrategySpec = None,
 ) -> None:
-    """Load a checkpoint of :func:`save_model_and_optim_state` into ``model`` (and ``optim``)
-    in place, whatever the world size and sharding at save time (collective).
+    """Load a checkpoint of [`save_model_and_optim_state()`][dist_ckpt.training.model_optim.save_model_and_optim_state]
+    into ``model`` (and ``optim``) in place, whatever the world size and sharding at save time (collective).
 
     Steps:
 
@@ -190,7 +202,7 @@ def load_model_and_optim_state(
             ``torch.compile`` or FSDP1 or not, whatever the saved model was).
         optim: its optimizer, or None to load the model only.
         validate: check that every floating-point element was loaded (see
-            :mod:`dist_ckpt.training.load_targets`; integer tensors are not NaN-checked).
+            `dist_ckpt.training.load_targets`; integer tensors are not NaN-checked).
         load_strategy: sharded load strategy (None: the checkpoint's registered backend).
 
     Raises:
@@ -201,9 +213,11 @@ def load_model_and_optim_state(
     Mismatches are found in step 2, before any tensor is touched. An error in step 3 leaves
     the model partially loaded (NaN where ``validate`` filled it) and the optimizer unchanged.
 
-    Example::
+    Example:
 
-        load_model_and_optim_state("ckpt/step_100", model, optim)
+    ```python
+    load_model_and_optim_state("ckpt/step_100", model, optim)
+    ```
     """
     path = str(dir)
     checkpointer = Checkpointer(load_strategy=load_strategy)
@@ -236,7 +250,8 @@ def load_model_and_optim_state(
 def unshard_model_state(
     dir: PathOrStr, device: Optional[torch.device] = None, rank0_only: bool = False, no_dist: bool = False
 ) -> Dict[str, torch.Tensor]:
-    """The whole model state of a :func:`save_model_and_optim_state` checkpoint, by FQN.
+    """The whole model state of a
+    [`save_model_and_optim_state()`][dist_ckpt.training.model_optim.save_model_and_optim_state] checkpoint, by FQN.
 
     Args:
         dir: the checkpoint directory.
@@ -244,10 +259,12 @@ def unshard_model_state(
         rank0_only: only rank 0 reads; other ranks get ``{}`` (collective).
         no_dist: read in this process, without any communication.
 
-    Example::
+    Example:
 
-        sd = unshard_model_state("ckpt/step_100", no_dist=True)
-        plain_model.load_state_dict(sd)
+    ```python
+    sd = unshard_model_state("ckpt/step_100", no_dist=True)
+    plain_model.load_state_dict(sd)
+    ```
     """
     full = Checkpointer().read_full_tensors(dir, lambda k: k.startswith(MODEL_PREFIX), device, rank0_only, no_dist)
     return {k[len(MODEL_PREFIX) :]: v for k, v in full.items()}
@@ -256,7 +273,8 @@ def unshard_model_state(
 def unshard_optim_state(
     dir: PathOrStr, device: Optional[torch.device] = None, rank0_only: bool = False, no_dist: bool = False
 ) -> OptimStateDict:
-    """The whole optimizer state of a :func:`save_model_and_optim_state` checkpoint.
+    """The whole optimizer state of a
+    [`save_model_and_optim_state()`][dist_ckpt.training.model_optim.save_model_and_optim_state] checkpoint.
 
     A ``torch.optim`` style dict keyed by parameter FQN: ``{"state": {fqn: {"step": ...,
     "exp_avg": tensor, ...}}, "param_groups": [{"lr": ..., "params": [fqn, ...]}, ...]}``.
@@ -267,10 +285,12 @@ def unshard_optim_state(
         rank0_only: only rank 0 reads; other ranks get ``{"state": {}, "param_groups": []}``.
         no_dist: read in this process, without any communication.
 
-    Example::
+    Example:
 
-        osd = unshard_optim_state("ckpt/step_100", no_dist=True)
-        osd["state"]["fc.weight"]["exp_avg"].shape
+    ```python
+    osd = unshard_optim_state("ckpt/step_100", no_dist=True)
+    osd["state"]["fc.weight"]["exp_avg"].shape
+    ```
     """
     path = str(dir)
     full = Checkpointer().read_full_tensors(

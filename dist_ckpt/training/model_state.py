@@ -6,7 +6,7 @@ entry is keyed by the parameter's fully qualified name (FQN, as in ``model.named
 so a checkpoint is independent of the layout -- world size, FSDP2 sharding or none -- and of the
 order of parameters in the optimizer.
 
-Names are canonical (:mod:`dist_ckpt.model.module_names`), as ``torch.distributed.checkpoint``'s
+Names are canonical (`dist_ckpt.model.module_names`), as ``torch.distributed.checkpoint``'s
 ``get_state_dict`` makes them: the ``module.`` of DDP, the ``_orig_mod.`` of ``torch.compile``,
 the ``_fsdp_wrapped_module.`` of FSDP1 and the ``_checkpoint_wrapped_module.`` of activation
 checkpointing are left out, so a checkpoint of a wrapped model loads into the plain one and the
@@ -17,18 +17,20 @@ optimizer state (flattened per-rank shards) is refused: use FSDP2's ``fully_shar
 Key scheme (checkpoint keys of ShardedTensors; ``<fqn>`` is e.g. ``layers.0.attn.weight``):
 
 * ``model.<key>`` -- every entry ``<key>`` of ``model.state_dict()`` (parameters and persistent
-  buffers), sharded like the live tensor (see :mod:`dist_ckpt.training.dtensor_shards`).
+  buffers), sharded like the live tensor (see `dist_ckpt.training.dtensor_shards`).
 * ``optim.state.<fqn>.<name>`` -- every optimizer state tensor with at least one dim
   (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``, ``max_exp_avg_sq``), sharded like its
   parameter when it is a DTensor, else replicated.
 
-The common state (saved once, by rank 0; readable with ``torch.load(weights_only=True)``)::
+The common state (saved once, by rank 0; readable with ``torch.load(weights_only=True)``):
 
-    {"format": {"name": "dist_ckpt.model_state", "version": 1},
-     "optim": {"class": "AdamW",
-               "param_groups": [{"lr": ..., "betas": ..., ..., "params": [fqn, ...]}, ...],
-               "tensor_state": {fqn: ["exp_avg", "exp_avg_sq"]},
-               "state": {fqn: {"step": tensor(12.)}}}}
+```text
+{"format": {"name": "dist_ckpt.model_state", "version": 1},
+ "optim": {"class": "AdamW",
+           "param_groups": [{"lr": ..., "betas": ..., ..., "params": [fqn, ...]}, ...],
+           "tensor_state": {fqn: ["exp_avg", "exp_avg_sq"]},
+           "state": {fqn: {"step": tensor(12.)}}}}
+```
 
 ``state`` holds the per-parameter scalars (0-d tensors such as ``step``, Python numbers); they
 are equal on every rank. ``param_groups`` carry every hyperparameter and list their parameters by
@@ -36,14 +38,16 @@ FQN, so on load each live group takes the hyperparameters of the saved group tha
 parameters. The optimizer part is absent when no optimizer was saved.
 
 Loading is strict: a model entry or optimizer parameter missing from the checkpoint, or present
-in the checkpoint but not in the model/optimizer, is a :class:`~dist_ckpt.errors.KeyMismatchError`;
-a global shape that differs is a :class:`~dist_ckpt.errors.LoadMismatchError`. A stored dtype
+in the checkpoint but not in the model/optimizer, is a [`KeyMismatchError`][dist_ckpt.errors.KeyMismatchError];
+a global shape that differs is a [`LoadMismatchError`][dist_ckpt.errors.LoadMismatchError]. A stored dtype
 that differs from the live one is cast, like ``torch.nn.Module.load_state_dict``.
 
-Example::
+Example:
 
-    sd = model_optim_state_dict(model, optim)    # for dc.save
-    plan = plan_model_load(model, tensors_metadata, "ckpt")
+```python
+sd = model_optim_state_dict(model, optim)    # for dc.save
+plan = plan_model_load(model, tensors_metadata, "ckpt")
+```
 """
 
 from __future__ import annotations
@@ -153,7 +157,7 @@ class ModelEntries:
         tensors: ``{canonical name: tensor}`` of ``model.state_dict()``.
         raw_names: ``{canonical name: the model's own state-dict key}``.
         copies: the tensors are copies, not the model's own (FSDP1): after loading into them,
-            :meth:`give_back` hands them to ``model.load_state_dict``.
+            `give_back()` hands them to ``model.load_state_dict``.
     """
 
     tensors: Dict[str, torch.Tensor]
@@ -167,7 +171,7 @@ class ModelEntries:
 
 
 def model_entries(model: torch.nn.Module) -> ModelEntries:
-    """``model.state_dict()``'s tensors by canonical name (see :class:`ModelEntries`).
+    """``model.state_dict()``'s tensors by canonical name (see `ModelEntries`).
 
     Raises:
         CheckpointingException: an entry is not a tensor, or two entries share a canonical name.
@@ -195,14 +199,16 @@ def _optim_state_entry(fqn: str, param: torch.Tensor, name: str, value: Any) -> 
 
 
 def model_optim_state_dict(model: torch.nn.Module, optim: Optional[torch.optim.Optimizer]) -> ShardedStateDict:
-    """The sharded state dict that :func:`dist_ckpt.save` writes for ``model`` and ``optim``.
+    """The sharded state dict that [`dist_ckpt.save()`][dist_ckpt.engine.save.save] writes for ``model`` and ``optim``.
 
     See the module docstring for the keys. ShardedTensors hold this rank's local data (a
     DTensor's local shard, or the whole tensor as a replica on every rank).
 
-    Example::
+    Example:
 
-        dc.save(model_optim_state_dict(model, optim), "ckpt/step_100")
+    ```python
+    dc.save(model_optim_state_dict(model, optim), "ckpt/step_100")
+    ```
     """
     sd: ShardedStateDict = {
         "format": dict(FORMAT),
@@ -265,14 +271,14 @@ def plan_model_load(
     """Load targets for every ``model.state_dict()`` entry, checked against the checkpoint.
 
     Entries match by canonical name; a checkpoint that stores wrapped names (``module.fc.weight``)
-    matches too (:func:`~dist_ckpt.model.module_names.match_stored_names`).
+    matches too (`match_stored_names()`).
 
     Args:
         model: the model to load into.
         tensors_metadata: ``dist_ckpt.load_tensors_metadata(checkpoint_dir)``.
         common: ``dist_ckpt.load_common_state_dict(checkpoint_dir)``.
         checkpoint_dir: for error messages.
-        entries: ``model_entries(model)``, when the caller keeps them (to :meth:`~ModelEntries.give_back`
+        entries: ``model_entries(model)``, when the caller keeps them (to `give_back()`
             copies); taken here otherwise.
 
     Raises:
@@ -305,7 +311,7 @@ def plan_model_load(
 
 @dataclass
 class OptimLoadPlan:
-    """What :func:`plan_optim_load` prepared: state tensors to fill, and how to assemble them.
+    """What `plan_optim_load()` prepared: state tensors to fill, and how to assemble them.
 
     Attributes:
         targets: load targets of the tensor states (in freshly allocated tensors).
@@ -380,7 +386,7 @@ def plan_optim_load(
     common: Mapping[str, Any],
     checkpoint_dir: str,
 ) -> OptimLoadPlan:
-    """Allocate ``optim``'s state as saved and plan its loading (see :class:`OptimLoadPlan`).
+    """Allocate ``optim``'s state as saved and plan its loading (see `OptimLoadPlan`).
 
     State tensors of a DTensor parameter are DTensors with the parameter's placements; those of
     a plain parameter are plain tensors of the stored shape. Parameters without saved state (no

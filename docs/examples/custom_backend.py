@@ -3,14 +3,14 @@
 This file is the worked example of docs/backends/custom.md and is executed by the test suite
 (tests/unit/test_docs_examples.py), so it stays correct. It shows the whole contract:
 
-* every method receives ``checkpoint_dir``, a :class:`~dist_ckpt.storage.base.Storage`; these
+* every method receives ``checkpoint_dir``, a `Storage`; these
   strategies are written for local directories (they leave ``object_storage`` False, so they are
   refused on object stores before any byte moves) and take the directory from
   ``checkpoint_dir.local_dir``;
 * a save strategy writes this rank's main-replica shards and returns once they are durable;
 * a load strategy declares the backends and versions it reads, checks the request before
   reading, and fills each requested shard from the stored shards it overlaps (any resharding,
-  via :mod:`dist_ckpt.model.geometry`);
+  via `dist_ckpt.model.geometry`);
 * both are registered under ``("rawbin", 1)``; ``dist_ckpt.save`` commits ``metadata.json``
   and ``dist_ckpt.load`` picks the loader from it.
 

@@ -8,8 +8,8 @@ data model), ``index`` (the backend's ``index.json``; ``index_v3``: its binary s
 ``index_parts`` (each rank's compact part of the index and rank 0's merge), ``index_write`` (rank
 0 writing the index), ``write`` / ``stream`` (saves), ``load``, ``verify``, ``strategy``.
 
-What other packages use (HuggingFace folders in :mod:`dist_ckpt.hf`, completeness checks in
-:mod:`dist_ckpt.training`) is exported here; everything else is the backend's own.
+What other packages use (HuggingFace folders in [`dist_ckpt.hf`][dist_ckpt.hf], completeness checks in
+`dist_ckpt.training`) is exported here; everything else is the backend's own.
 """
 
 from dist_ckpt.backends.safetensors.format import (

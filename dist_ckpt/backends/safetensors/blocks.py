@@ -1,16 +1,16 @@
 """Checking the crc32c blocks of safetensors shards as a load reads them.
 
 A version-2 index records a crc per block of each shard's byte range (see
-:mod:`.safetensors_index`). A load hands each read from such a shard a :class:`ShardCheck` (a
-:class:`~.safetensors_io.ReadCheck`): the read is widened to whole blocks
-(:meth:`ShardCheck.widen` -- the extra bytes land in scratch buffers, never in the destination),
+`safetensors_index`). A load hands each read from such a shard a `ShardCheck` (a
+`ReadCheck`): the read is widened to whole blocks
+(`ShardCheck.widen()` -- the extra bytes land in scratch buffers, never in the destination),
 and every block in it is checked from the bytes just read, with no further I/O (from local files
 piece by piece, each piece right after its ``preadv``, while it is still in the CPU cache). A load
 therefore reads at most the blocks it touches: for each contiguous range, at most one
 block's worth of extra bytes at each end; reads that skip gaps shorter than a block read through
-the gaps instead (see :func:`~.safetensors_io.plan_copy`).
+the gaps instead (see `plan_copy()`).
 
-Whole checkpoints are checked by :mod:`.safetensors_verify`.
+Whole checkpoints are checked by `safetensors_verify`.
 """
 
 from __future__ import annotations
@@ -41,11 +41,13 @@ class ShardCheck:
         block_bytes: checksum block size.
         crcs: the recorded crc of each block.
 
-    Example::
+    Example:
 
-        check = ShardCheck(path, "w", "w@0.0", 128, 128 + 4096, 1024, crcs)
-        check.widen(1000, 2000)            # (128, 2176): blocks 0 and 1
-        check.after_read(128, [buffer])    # raises ChecksumMismatchError on a mismatch
+    ```python
+    check = ShardCheck(path, "w", "w@0.0", 128, 128 + 4096, 1024, crcs)
+    check.widen(1000, 2000)            # (128, 2176): blocks 0 and 1
+    check.after_read(128, [buffer])    # raises ChecksumMismatchError on a mismatch
+    ```
     """
 
     path: Union[str, Path]
@@ -86,7 +88,8 @@ class ShardCheck:
             self.compare(j, cursor.crc(*self.span(j)))
 
     def compare(self, j: int, found: int) -> None:
-        """Raise :class:`ChecksumMismatchError` unless block ``j`` has crc ``found``."""
+        """Raise [`ChecksumMismatchError`][dist_ckpt.errors.ChecksumMismatchError] unless block ``j`` has crc
+        ``found``."""
         if found != self.crcs[j]:
             start, stop = self.span(j)
             raise ChecksumMismatchError(

@@ -6,14 +6,14 @@ each tensor name to ``{"dtype": "BF16", "shape": [...], "data_offsets": [begin, 
 offsets relative to the data section, and may hold ``"__metadata__": {str: str}``. Tensors tile
 the data section exactly, without gaps, and the file ends where the last one ends.
 
-This module is shared by the ``safetensors`` backend, :mod:`dist_ckpt.hf` and the completeness
-checks of :mod:`dist_ckpt.training`: it is the one parser of safetensors headers. It writes files
+This module is shared by the ``safetensors`` backend, [`dist_ckpt.hf`][dist_ckpt.hf] and the completeness
+checks of `dist_ckpt.training`: it is the one parser of safetensors headers. It writes files
 that any safetensors reader opens, straight from each tensor's own memory (no serialized copy),
 and reads headers defensively: every field is checked before any tensor byte is read, so a
-truncated or damaged file raises :class:`~dist_ckpt.errors.CorruptCheckpointError` naming the
+truncated or damaged file raises [`CorruptCheckpointError`][dist_ckpt.errors.CorruptCheckpointError] naming the
 file and the tensor instead of a raw ``json`` / ``struct`` / safetensors error
-(:func:`read_header`); :func:`is_whole` only asks whether a file is as long as its header says.
-Files are read through a storage's :class:`~dist_ckpt.storage.base.ObjectReader` (a local file
+(`read_header()`); `is_whole()` only asks whether a file is as long as its header says.
+Files are read through a storage's [`ObjectReader`][dist_ckpt.storage.base.ObjectReader] (a local file
 or an object).
 """
 
@@ -72,10 +72,12 @@ def storage_layout(dtype: torch.dtype, shape: Sequence[int]) -> Tuple[str, Shape
     name: it is stored as ``F64`` with a trailing axis of 2 (real, imaginary), its exact bytes, so
     the file stays readable by every safetensors reader.
 
-    Example::
+    Example:
 
-        storage_layout(torch.bfloat16, (4, 8))    # ("BF16", (4, 8))
-        storage_layout(torch.complex128, (3,))    # ("F64", (3, 2))
+    ```python
+    storage_layout(torch.bfloat16, (4, 8))    # ("BF16", (4, 8))
+    storage_layout(torch.complex128, (3,))    # ("F64", (3, 2))
+    ```
     """
     if dtype == torch.complex128:
         return "F64", tuple(shape) + (2,)
@@ -131,10 +133,12 @@ def encode_header(
         tensors: ``(name, safetensors dtype name, shape, nbytes)`` in data-section order.
         metadata: the ``__metadata__`` map (strings only, as the format requires).
 
-    Example::
+    Example:
 
-        prefix, ranges = encode_header([("w", "F32", (2, 3), 24)])
-        # prefix = 8-byte length + JSON; ranges[0] == (len(prefix), len(prefix) + 24)
+    ```python
+    prefix, ranges = encode_header([("w", "F32", (2, 3), 24)])
+    # prefix = 8-byte length + JSON; ranges[0] == (len(prefix), len(prefix) + 24)
+    ```
     """
     doc: Dict[str, object] = {}
     if metadata:
@@ -204,11 +208,13 @@ def read_header(fd: ObjectReader, path: Union[str, Path]) -> SafetensorsHeader:
     Raises:
         CorruptCheckpointError: naming the file (and the tensor) on any inconsistency.
 
-    Example::
+    Example:
 
-        with LocalStorage("Llama-3-8B").open_reader("model.safetensors") as reader:
-            header = read_header(reader, reader.url)
-        entry = header.entries["lm_head.weight"]   # absolute byte range entry.begin:entry.end
+    ```python
+    with LocalStorage("Llama-3-8B").open_reader("model.safetensors") as reader:
+        header = read_header(reader, reader.url)
+    entry = header.entries["lm_head.weight"]   # absolute byte range entry.begin:entry.end
+    ```
     """
     file_size = fd.size()
     if file_size < _LEN.size:
@@ -252,11 +258,13 @@ def read_header(fd: ObjectReader, path: Union[str, Path]) -> SafetensorsHeader:
 
 
 def read_header_at(path: Union[str, Path]) -> SafetensorsHeader:
-    """:func:`read_header` of the local file at ``path`` (opened and closed here).
+    """`read_header()` of the local file at ``path`` (opened and closed here).
 
-    Example::
+    Example:
 
-        read_header_at("model.safetensors").metadata    # {"format": "pt"}
+    ```python
+    read_header_at("model.safetensors").metadata    # {"format": "pt"}
+    ```
     """
     path = Path(path)
     try:
@@ -272,9 +280,11 @@ def data_end(header: object) -> Optional[int]:
     malformed -- read leniently: only the ``data_offsets`` matter. A whole file is
     ``8 + header length + data_end`` bytes.
 
-    Example::
+    Example:
 
-        data_end({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})   # 8
+    ```python
+    data_end({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})   # 8
+    ```
     """
     if not isinstance(header, dict):
         return None
@@ -294,10 +304,12 @@ def is_whole(reader: ObjectReader) -> bool:
     (two small reads), lenient about everything else a loader checks (dtypes, tiling), so that a
     weights file of a dtype this library does not load still counts as complete.
 
-    Example::
+    Example:
 
-        with storage.open_reader("model.safetensors") as reader:
-            complete = is_whole(reader)
+    ```python
+    with storage.open_reader("model.safetensors") as reader:
+        complete = is_whole(reader)
+    ```
     """
     try:
         size = reader.size()
@@ -319,11 +331,13 @@ def is_whole(reader: ObjectReader) -> bool:
 class SequentialWriter:
     """Appends to an open file with large ``write`` calls, optionally starting writeback early.
 
-    Example::
+    Example:
 
-        writer = SequentialWriter(fd, early_writeback=True)
-        writer.write(tensor_bytes(t))
-        writer.finish()   # fsync
+    ```python
+    writer = SequentialWriter(fd, early_writeback=True)
+    writer.write(tensor_bytes(t))
+    writer.finish()   # fsync
+    ```
 
     With ``early_writeback`` the kernel is asked (``posix_fadvise(DONTNEED)``) to start writing
     dirty pages to the disk after every ``chunk_bytes`` written, and to drop them from the page
@@ -362,7 +376,7 @@ class SequentialWriter:
 
 
 class ByteSink(Protocol):
-    """Anything bytes can be appended to (a :class:`SequentialWriter`, a storage ``ObjectWriter``)."""
+    """Anything bytes can be appended to (a `SequentialWriter`, a storage ``ObjectWriter``)."""
 
     def write(self, data: memoryview) -> Any:
         """Append all of ``data``."""
@@ -385,7 +399,7 @@ class StagingBuffer:
     ) -> None:
         """Write ``tensor`` (on any non-CPU device) through the pinned buffer; ``observe`` (e.g. a
         checksum) sees every piece of host bytes after it is written. ``writer`` is a
-        :class:`SequentialWriter` or a storage's ``ObjectWriter`` (which copies what it is given,
+        `SequentialWriter` or a storage's ``ObjectWriter`` (which copies what it is given,
         so the buffer can be reused right away)."""
         if self._buffer is None:
             self._buffer = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
@@ -414,12 +428,14 @@ class SafetensorsFileWriter:
     manager: the file is complete, fsynced (and renamed into place if ``atomic``) on a clean
     exit, and removed on an error.
 
-    Example::
+    Example:
 
-        layout = [("w", torch.float32, (2, 2)), ("b", torch.float32, (2,))]
-        with SafetensorsFileWriter("model.safetensors", layout, atomic=True) as writer:
-            writer.write(torch.ones(2, 2))
-            writer.write(torch.zeros(2))
+    ```python
+    layout = [("w", torch.float32, (2, 2)), ("b", torch.float32, (2,))]
+    with SafetensorsFileWriter("model.safetensors", layout, atomic=True) as writer:
+        writer.write(torch.ones(2, 2))
+        writer.write(torch.zeros(2))
+    ```
     """
 
     def __init__(
@@ -520,14 +536,16 @@ def write_safetensors_file(
         atomic: write to a temporary name and rename it over ``path`` (the file appears whole
             or not at all); otherwise ``path`` must not exist yet.
         staging: the pinned buffer for non-CPU tensors (one is made if needed).
-        early_writeback: start writing to the disk while writing (see :class:`SequentialWriter`).
+        early_writeback: start writing to the disk while writing (see `SequentialWriter`).
 
     Returns:
         ``(file size, [(begin, end) absolute byte range of each tensor])``.
 
-    Example::
+    Example:
 
-        size, ranges = write_safetensors_file("model.safetensors", [("w", torch.ones(2, 2))])
+    ```python
+    size, ranges = write_safetensors_file("model.safetensors", [("w", torch.ones(2, 2))])
+    ```
     """
     layout = [(name, t.dtype, tuple(t.shape)) for name, t in tensors]
     with SafetensorsFileWriter(

@@ -1,54 +1,61 @@
 """The safetensors backend's index: ``index.json`` (and, from version 3, its shard table).
 
-:func:`read_index` reads it into a :class:`~.tensor_index.TensorIndex` (the data model every
+`read_index()` reads it into a `TensorIndex` (the data model every
 safetensors reader shares: where every stored tensor lives -- file, byte range, box of the global
-tensor), from which one loader reads any sharding (:mod:`.load`). Dependencies point one way:
-:mod:`.format` <- :mod:`.write` <- :mod:`.index_parts` <- :mod:`.index_v3` (with
-:mod:`.tensor_index`) <- this module <- :mod:`.index_write`, :mod:`.load`, :mod:`.verify` <-
-:mod:`.strategy`.
+tensor), from which one loader reads any sharding (`load`). Dependencies point one way:
+`format` <- `write` <- `index_parts` <- `index_v3` (with
+`tensor_index`) <- this module <- `index_write`, `load`, `verify` <-
+[`strategy`][dist_ckpt.backends.safetensors.strategy].
 
-Layout inside a checkpoint directory::
+Layout inside a checkpoint directory:
 
-    safetensors/index.json                      the global index (written last, by rank 0)
-    safetensors/index.<crc>.bin                 its shard table (version 3, written just before)
-    safetensors/rank<rank>_<i>.safetensors      rank's main-replica shards, one file per writer
-                                                thread (a valid safetensors file each)
+```text
+safetensors/index.json                      the global index (written last, by rank 0)
+safetensors/index.<crc>.bin                 its shard table (version 3, written just before)
+safetensors/rank<rank>_<i>.safetensors      rank's main-replica shards, one file per writer
+                                            thread (a valid safetensors file each)
+```
 
-``index.json`` (version 1) says which file and byte range holds which shard of which key::
+``index.json`` (version 1) says which file and byte range holds which shard of which key:
 
-    {
-      "format": "dist_ckpt.safetensors",
-      "version": 1,
-      "files": {"rank00000_0.safetensors": {"size": 1048704, "rank": 0}, ...},
-      "tensors": {
-        "decoder.w": {
-          "dtype": "bfloat16",                 # dist_ckpt.model.dtypes name
-          "global_shape": [1024, 512],
-          "shards": [
-            {"file": "rank00000_0.safetensors", "name": "decoder.w@0.0",
-             "global_offset": [0, 0], "chunk_shape": [512, 512],
-             "flat_range": null,               # or [start, stop] of the chunk's flattening
-             "byte_range": [128, 524416]}      # absolute offsets in the file
-          ]
-        }
-      }
+```text
+{
+  "format": "dist_ckpt.safetensors",
+  "version": 1,
+  "files": {"rank00000_0.safetensors": {"size": 1048704, "rank": 0}, ...},
+  "tensors": {
+    "decoder.w": {
+      "dtype": "bfloat16",                 # dist_ckpt.model.dtypes name
+      "global_shape": [1024, 512],
+      "shards": [
+        {"file": "rank00000_0.safetensors", "name": "decoder.w@0.0",
+         "global_offset": [0, 0], "chunk_shape": [512, 512],
+         "flat_range": null,               # or [start, stop] of the chunk's flattening
+         "byte_range": [128, 524416]}      # absolute offsets in the file
+      ]
     }
+  }
+}
+```
 
 A tensor saved as flattened ranges (distributed-optimizer state) has ``"flattened": true`` in its
 entry (absent otherwise), so its metadata describes it as saved even when none of its shards
 holds an element; indexes of versions 1 and 2 written before the field existed are read from the
 shards' ``flat_range`` (version 3 records it from the start).
 
-Version 2 adds crc32c checksums (see :mod:`dist_ckpt.integrity.checksums`); everything else is unchanged::
+Version 2 adds crc32c checksums (see [`dist_ckpt.integrity.checksums`][dist_ckpt.integrity.checksums]); everything else
+is unchanged:
 
-    {
-      "format": "dist_ckpt.safetensors",
-      "version": 2,
-      "checksum": {"algorithm": "crc32c", "block_bytes": 1048576},
-      "files": {"rank00000_0.safetensors": {"size": 1048704, "rank": 0,
-                                            "header_crc32c": "1a2b3c4d"}, ...},   # the header bytes
-      "tensors": {"decoder.w": {..., "shards": [{..., "crc32c": "0f1e2d3c..."}]}}
-    }
+```text
+{
+  "format": "dist_ckpt.safetensors",
+  "version": 2,
+  "checksum": {"algorithm": "crc32c", "block_bytes": 1048576},
+  "files": {"rank00000_0.safetensors": {"size": 1048704, "rank": 0,
+                                        "header_crc32c": "1a2b3c4d"}, ...},   # the header bytes
+  "tensors": {"decoder.w": {..., "shards": [{..., "crc32c": "0f1e2d3c..."}]}}
+}
+```
 
 A shard's ``crc32c`` holds 8 hex digits per block of its ``byte_range``: block ``i`` covers bytes
 ``begin + i * block_bytes`` up to the next block or the range's end, so a partial read verifies
@@ -57,7 +64,7 @@ only the blocks it touches.
 Version 3 (what a save writes, with or without checksums) keeps ``index.json`` small -- the files,
 and per tensor its dtype, global shape and where its shards are -- and stores the shards as rows
 of a binary table, ``index.<crc>.bin``, so that a rank loading a checkpoint of a million shards
-reads and checks only the rows of the tensors it loads (see :mod:`.index_v3`). Versions 1 and 2
+reads and checks only the rows of the tensors it loads (see `index_v3`). Versions 1 and 2
 are still read.
 
 Every file, tensor and shard entry of versions 1 and 2 is a JSON object, so later versions can
@@ -123,9 +130,11 @@ READABLE_VERSIONS = (1, 2, 3)
 def file_name(rank: int, writer: int) -> str:
     """Name of the file that writer thread ``writer`` of ``rank`` writes.
 
-    Example::
+    Example:
 
-        file_name(3, 1)   # "rank00003_1.safetensors"
+    ```python
+    file_name(3, 1)   # "rank00003_1.safetensors"
+    ```
     """
     return f"rank{rank:05d}_{writer}.safetensors"
 
@@ -133,9 +142,11 @@ def file_name(rank: int, writer: int) -> str:
 def shard_name(sh: ShardedTensor) -> str:
     """Name of a shard inside its safetensors file: key, chunk offset and flat start.
 
-    Example::
+    Example:
 
-        shard_name(ShardedTensor.from_rank_offsets("w", torch.empty(2, 4), (0, 1, 2)))   # "w@2.0"
+    ```python
+    shard_name(ShardedTensor.from_rank_offsets("w", torch.empty(2, 4), (0, 1, 2)))   # "w@2.0"
+    ```
     """
     name = f"{sh.key}@{'.'.join(map(str, sh.global_offset))}"
     if sh.flattened_range is not None:
@@ -147,9 +158,11 @@ def index_files(merged: MergedIndex, block_bytes: Optional[int]) -> Tuple[bytes,
     """``(index.json bytes, shard table bytes, shard table file name)`` of the current version
     for a merged index (block checksums of ``block_bytes``, or none).
 
-    Example::
+    Example:
 
-        doc, table, table_name = index_files(merge_index_parts(gather_bytes(part)), 1 << 20)   # rank 0
+    ```python
+    doc, table, table_name = index_files(merge_index_parts(gather_bytes(part)), 1 << 20)   # rank 0
+    ```
     """
     doc, table, name = index_v3.v3_document(merged, block_bytes, {"format": INDEX_FORMAT, "version": INDEX_VERSION})
     return json.dumps(doc, separators=(",", ":")).encode("utf-8"), table, name
@@ -248,7 +261,7 @@ def _prod(shape: Sequence[int]) -> int:
 
 
 def parse_index(doc: Any, storage: Storage) -> TensorIndex:
-    """The :class:`TensorIndex` described by an index document; validates every field.
+    """The `TensorIndex` described by an index document; validates every field.
 
     ``storage`` is rooted at the files' directory (``<checkpoint>/safetensors``, which holds the
     index itself); messages name the index by its path or URL.
@@ -257,9 +270,11 @@ def parse_index(doc: Any, storage: Storage) -> TensorIndex:
         CorruptCheckpointError: naming the index file and the key, for any malformed entry.
         IncompatibleStrategyError: for an index of a newer version.
 
-    Example::
+    Example:
 
-        index = parse_index(json.loads(raw), LocalStorage("ckpt/iter_10/safetensors"))
+    ```python
+    index = parse_index(json.loads(raw), LocalStorage("ckpt/iter_10/safetensors"))
+    ```
     """
     p = _Parser(storage.url_of(INDEX_FILENAME))
     doc = p.obj(doc, "the index")
@@ -308,10 +323,12 @@ def _checksum_spec(p: _Parser, raw: Any) -> int:
 def read_index(checkpoint_dir: LocationLike) -> TensorIndex:
     """Read and validate ``<checkpoint_dir>/safetensors/index.json`` (a directory or an object store).
 
-    Example::
+    Example:
 
-        index = read_index("ckpt/iter_1000")
-        index.tensors["decoder.w"].shards[0].file   # "rank00000_0.safetensors"
+    ```python
+    index = read_index("ckpt/iter_1000")
+    index.tensors["decoder.w"].shards[0].file   # "rank00000_0.safetensors"
+    ```
     """
     location = resolve_location(checkpoint_dir)
     storage = location.child(SAFETENSORS_DIR)  # the index names its files relative to safetensors/

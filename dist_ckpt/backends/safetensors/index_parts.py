@@ -3,17 +3,19 @@
 After writing its files, each rank describes what it wrote -- its files (name, size, header
 crc), its tensors (dtype, global shape, whether saved as flattened ranges) and one row per shard
 (file, box, flattened range, byte range, block crcs) -- as one column blob
-(:mod:`dist_ckpt.model.columns`), a few dozen bytes per shard. Rank 0 gathers the blobs and
-merges them with numpy into a :class:`MergedIndex`: the tensors sorted by key, each tensor's
+(`dist_ckpt.model.columns`), a few dozen bytes per shard. Rank 0 gathers the blobs and
+merges them with numpy into a `MergedIndex`: the tensors sorted by key, each tensor's
 shard rows contiguous, its block crcs contiguous too; that is what index version 3 stores
-(:mod:`.index_v3`). Nothing here is per-shard Python work on rank 0, so a million shards merge
+(`index_v3`). Nothing here is per-shard Python work on rank 0, so a million shards merge
 in well under a second.
 
-Example::
+Example:
 
-    part = IndexPart(rank, shards, planned_files)           # before writing: no tensor data kept
-    blob = part.encode(part_results, checksums=True)        # after writing
-    merged = merge_index_parts(gather_bytes(blob))          # rank 0
+```python
+part = IndexPart(rank, shards, planned_files)           # before writing: no tensor data kept
+blob = part.encode(part_results, checksums=True)        # after writing
+merged = merge_index_parts(gather_bytes(blob))          # rank 0
+```
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class MergedIndex:
         shapes: global shape of each tensor.
         flattened: whether each tensor was saved as flattened ranges (by any rank).
         ndim: ``D``, the widest global shape.
-        rows: ``(R, 5 + 2 * D)`` int64 shard rows (:data:`COLUMNS`, offsets, chunk sizes),
+        rows: ``(R, 5 + 2 * D)`` int64 shard rows (`COLUMNS`, offsets, chunk sizes),
             the rows of each tensor contiguous, tensors in key order.
         key_rows: ``(K, 2)`` first row and row count of each tensor.
         crcs: block crc32c of every shard, in row order (uint32).
@@ -226,7 +228,7 @@ def _check_agreement(parts: Sequence[_Part], keys: Dict[str, int], width: int) -
 
 
 def merge_index_parts(blobs: Sequence[bytes]) -> MergedIndex:
-    """Merge every rank's :func:`encode_index_part` (``blobs[r]`` from rank r; runs on rank 0).
+    """Merge every rank's `encode_index_part()` (``blobs[r]`` from rank r; runs on rank 0).
 
     Raises:
         CheckpointingException: two ranks describe a key with different dtypes or global shapes,

@@ -5,21 +5,23 @@ a JSON object, so every loading rank would parse hundreds of megabytes of JSON a
 million Python objects to plan its own few reads. Version 3 keeps ``index.json`` small -- the
 files, and per tensor its dtype, global shape and where its rows are -- and stores the shards in
 ``index.<crc>.bin``, one fixed-size row of little-endian int64 per shard, each tensor's rows
-contiguous, followed by the block crcs (uint32) of every shard, each tensor's contiguous too::
+contiguous, followed by the block crcs (uint32) of every shard, each tensor's contiguous too:
 
-    {
-      "format": "dist_ckpt.safetensors",
-      "version": 3,
-      "checksum": {"algorithm": "crc32c", "block_bytes": 1048576},     # absent: no block crcs
-      "files": [{"name": "rank00000_0.safetensors", "size": 1048704, "rank": 0,
-                 "header_crc32c": "1a2b3c4d"}, ...],                   # a row's "file" indexes this list
-      "shard_table": {"file": "index.0f1e2d3c.bin", "size": 200, "rows": 2, "ndim": 2, "blocks": 2,
-                      "columns": ["file", "flat_start", "flat_stop", "byte_begin", "byte_end",
-                                  "offset", "chunk"]},
-      "tensors": {"decoder.w": {"dtype": "bfloat16", "global_shape": [1024, 512],
-                                "rows": [0, 2], "blocks": [0, 2], "table_crc32c": "9a71bb4c"},
-                  "optimizer.exp_avg": {..., "flattened": true}}    # saved as flattened ranges
-    }
+```text
+{
+  "format": "dist_ckpt.safetensors",
+  "version": 3,
+  "checksum": {"algorithm": "crc32c", "block_bytes": 1048576},     # absent: no block crcs
+  "files": [{"name": "rank00000_0.safetensors", "size": 1048704, "rank": 0,
+             "header_crc32c": "1a2b3c4d"}, ...],                   # a row's "file" indexes this list
+  "shard_table": {"file": "index.0f1e2d3c.bin", "size": 200, "rows": 2, "ndim": 2, "blocks": 2,
+                  "columns": ["file", "flat_start", "flat_stop", "byte_begin", "byte_end",
+                              "offset", "chunk"]},
+  "tensors": {"decoder.w": {"dtype": "bfloat16", "global_shape": [1024, 512],
+                            "rows": [0, 2], "blocks": [0, 2], "table_crc32c": "9a71bb4c"},
+              "optimizer.exp_avg": {..., "flattened": true}}    # saved as flattened ranges
+}
+```
 
 A row holds, for ``D = ndim``: the file id, the flattened range (``-1, -1`` for a whole chunk),
 the absolute byte range in the file, the ``D`` offsets and the ``D`` chunk sizes of the shard's
@@ -35,10 +37,12 @@ tensor's rows (memory-mapped where the storage has ``local_paths``; elsewhere th
 fetched once), checks them with numpy and builds Python objects only for the shards that overlap
 what it reads.
 
-Example::
+Example:
 
-    doc, table, name = v3_document(merged, block_bytes=1 << 20, header={"format": ..., "version": 3})
-    index = parse_v3(json.loads(raw), LocalStorage("ckpt/safetensors"), "ckpt/safetensors/index.json", 1 << 20, "")
+```python
+doc, table, name = v3_document(merged, block_bytes=1 << 20, header={"format": ..., "version": 3})
+index = parse_v3(json.loads(raw), LocalStorage("ckpt/safetensors"), "ckpt/safetensors/index.json", 1 << 20, "")
+```
 """
 
 from __future__ import annotations
@@ -203,8 +207,8 @@ class ShardTableFile:
 class TableTensor(StoredTensor):
     """A stored tensor of an index v3: its shards come from the shard table, on first use.
 
-    :meth:`overlapping` checks the tensor's rows once and builds a :class:`StoredShard` only for
-    the rows that overlap the region asked for; :attr:`shards` builds all of them.
+    `overlapping()` checks the tensor's rows once and builds a `StoredShard` only for
+    the rows that overlap the region asked for; `shards` builds all of them.
     """
 
     #: at most this many rows are searched in Python (cheaper than numpy's per-call overhead)
@@ -276,7 +280,7 @@ class TableTensor(StoredTensor):
             yield self._shard(int(position))
 
     def _row_overlaps(self, row: List[int], region: Box) -> bool:
-        """:meth:`overlapping`'s test for one row, in Python."""
+        """`overlapping()`'s test for one row, in Python."""
         first = len(COLUMNS)
         size = first + self._table.ndim
         begin = last = 0
@@ -508,7 +512,7 @@ def _tensor_entry(key: str, entry: Any, table: ShardTableFile, fail: _Fail) -> _
 
 
 def _checked_tensor_entry(key: str, entry: Any, table: ShardTableFile, fail: _Fail) -> _Entry:
-    """:func:`_tensor_entry`'s slow path: raises naming what is wrong."""
+    """`_tensor_entry()`'s slow path: raises naming what is wrong."""
     if not isinstance(entry, dict):
         raise fail(f"a tensor entry must be a JSON object, found {shown(entry)}", key)
     name = entry.get("dtype")
@@ -531,12 +535,12 @@ def _checked_tensor_entry(key: str, entry: Any, table: ShardTableFile, fail: _Fa
 def parse_v3(
     doc: Dict[str, Any], storage: Storage, where: str, block_bytes: Optional[int], description: str
 ) -> TensorIndex:
-    """The :class:`TensorIndex` of a version-3 index document (format and version already
+    """The `TensorIndex` of a version-3 index document (format and version already
     checked; ``block_bytes`` parsed from its ``checksum``, or None). ``storage`` is rooted at the
     files' directory, which holds the shard table; ``where`` names the index in messages.
 
     Checks the document and the table's size now, each tensor's rows when a load first needs
-    them (see :class:`TableTensor`).
+    them (see `TableTensor`).
 
     Raises:
         CorruptCheckpointError: naming the index file (and the key), for any malformed entry.

@@ -2,14 +2,16 @@
 version-3 index without some tensors.
 
 The shard table (``index.<crc>.bin``) is written first, then ``index.json``, each whole or not
-at all (:meth:`~dist_ckpt.storage.base.Storage.write`: a durable rename on a local disk, a PUT
+at all ([`write()`][dist_ckpt.storage.base.Storage.write]: a durable rename on a local disk, a PUT
 on an object store); since a table's name is the crc of its content, a rewritten index never
 changes the table an older ``index.json`` names, and a crash leaves either the old pair or the
 new one.
 
-Example::
+Example:
 
-    write_index(gather_bytes(part.encode(results, True)), LocalStorage("ckpt/iter_10"), block_bytes=1 << 20)
+```python
+write_index(gather_bytes(part.encode(results, True)), LocalStorage("ckpt/iter_10"), block_bytes=1 << 20)
+```
 """
 
 from __future__ import annotations
@@ -36,9 +38,11 @@ def write_index(gathered: Optional[Sequence[bytes]], checkpoint_dir: Storage, bl
     """Rank 0: merge every rank's index part (``gathered[r]`` from rank r) and write the index
     (the other ranks return at once).
 
-    Example::
+    Example:
 
-        write_index(gather_bytes(local_part), storage, 1 << 20)
+    ```python
+    write_index(gather_bytes(local_part), storage, 1 << 20)
+    ```
     """
     if get_rank() != 0:
         return
@@ -50,9 +54,11 @@ def write_merged(merged: MergedIndex, checkpoint_dir: Storage, block_bytes: Opti
     """Write the shard table, then ``index.json`` (a save without tensor bytes gets both too);
     returns the table's file name.
 
-    Example::
+    Example:
 
-        write_merged(merge_index_parts(parts), LocalStorage("ckpt/iter_10"), None)   # "index.1a2b3c4d.bin"
+    ```python
+    write_merged(merge_index_parts(parts), LocalStorage("ckpt/iter_10"), None)   # "index.1a2b3c4d.bin"
+    ```
     """
     doc, table, table_name = index_files(merged, block_bytes)
     checkpoint_dir.write(f"{SAFETENSORS_DIR}/{table_name}", table)
@@ -70,7 +76,7 @@ def write_merged(merged: MergedIndex, checkpoint_dir: Storage, block_bytes: Opti
 
 
 def merged_from_index(index: TensorIndex, keep: Callable[[str], bool]) -> MergedIndex:
-    """The kept tensors of a read index as a :class:`MergedIndex` (files no kept shard uses are left out)."""
+    """The kept tensors of a read index as a `MergedIndex` (files no kept shard uses are left out)."""
     keys = sorted(k for k in index.tensors if keep(k))
     width = max((len(index.tensors[k].global_shape) for k in keys), default=0)
     rows: List[List[int]] = []
@@ -122,9 +128,11 @@ def remove_from_v3(location: Storage, key_prefix: str) -> Tuple[List[str], List[
     delete the files no remaining shard uses and the old shard table. Returns (removed keys,
     deleted files).
 
-    Example::
+    Example:
 
-        removed, deleted = remove_from_v3(LocalStorage("ckpt/iter_10"), "optimizer.")
+    ```python
+    removed, deleted = remove_from_v3(LocalStorage("ckpt/iter_10"), "optimizer.")
+    ```
     """
     index = read_index(location)
     for tensor in index.tensors.values():

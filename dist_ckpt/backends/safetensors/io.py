@@ -3,20 +3,20 @@
 A stored shard is a box of a global tensor laid out row-major at some byte offset of a file; a
 destination is a box of the same global tensor laid out row-major in a tensor (or a flattened
 range of one). Copying their intersection reduces to *runs*: stretches that are contiguous in
-both. :func:`contiguous_runs` finds them (vectorized, no per-element work) and :func:`plan_copy`
+both. `contiguous_runs()` finds them (vectorized, no per-element work) and `plan_copy()`
 turns them into read operations:
 
-* :class:`DirectRead` -- one ``preadv`` of a contiguous stretch of the file straight into one
+* `DirectRead` -- one ``preadv`` of a contiguous stretch of the file straight into one
   or more memoryviews of the destination tensor's own memory (in place, no second copy). Used
   for CPU destinations whose runs are at least ``ReadOptions.small_run_bytes`` long.
-* :class:`BounceRead` -- read the file span covering the intersection into a bounded bounce
+* `BounceRead` -- read the file span covering the intersection into a bounded bounce
   buffer, then copy the strided part out with torch. Used for short runs separated by short
   gaps (the disk reads whole pages anyway, and a system call per few bytes would dominate),
   for non-contiguous destinations, for destinations on other devices (the buffer is
   pinned then), and for destinations of another dtype than the stored one: the buffer holds the
-  stored values and the copy out converts them (:func:`~dist_ckpt.model.dtype_cast.copy_cast`).
+  stored values and the copy out converts them (`copy_cast()`).
 
-A read may carry a :class:`ReadCheck` (see :mod:`.safetensors_blocks`): the read is then widened
+A read may carry a `ReadCheck` (see `safetensors_blocks`): the read is then widened
 to whole checksum blocks -- the extra bytes before and after a direct read land in scratch
 buffers of the same ``preadv`` -- and the check sees every byte right after it is read (in the
 destination for direct reads, in the bounce buffer otherwise). From a local file, a checked read
@@ -24,11 +24,11 @@ is issued in pieces of ``ReadOptions.checked_piece_bytes`` (whole blocks), each 
 same thread as soon as its ``preadv`` returns, while its bytes are still in the CPU cache: a
 check after a whole read of tens of MiB would fetch every byte from memory a second time.
 
-A file is read through an :class:`~dist_ckpt.storage.base.ObjectReader`, whatever the storage
-(:meth:`~dist_ckpt.storage.base.Storage.open_reader`): on a local disk an open descriptor read
+A file is read through an [`ObjectReader`][dist_ckpt.storage.base.ObjectReader], whatever the storage
+([`open_reader()`][dist_ckpt.storage.base.Storage.open_reader]): on a local disk an open descriptor read
 with ``os.preadv`` (``positional_reads``), on an object store ranged GETs into the same
-destination buffers. Every byte read from a file goes through :func:`read_into`, the one place
-that reads, so tests can count what a load reads. :func:`execute` spreads the operations over a
+destination buffers. Every byte read from a file goes through `read_into()`, the one place
+that reads, so tests can count what a load reads. `execute()` spreads the operations over a
 few threads (``os.preadv`` and the S3 client release the GIL), which take them from a queue while
 later ones are planned.
 """
@@ -95,7 +95,7 @@ class ReadOptions:
             gaps are fetched as one range (the gaps are downloaded and dropped).
         allow_dtype_cast: a requested dtype may differ from the stored one: the stored values
             are read through the bounce buffers and converted (see
-            :mod:`dist_ckpt.model.dtype_cast`); False raises ``LoadMismatchError`` instead.
+            `dist_ckpt.model.dtype_cast`); False raises ``LoadMismatchError`` instead.
     """
 
     thread_count: int = 4
@@ -130,9 +130,11 @@ class ReadOptions:
     def for_object_store(self) -> "ReadOptions":
         """These options with the object-store thread count and run threshold in effect.
 
-        Example::
+        Example:
 
-            ReadOptions().for_object_store().thread_count   # 16
+        ```python
+        ReadOptions().for_object_store().thread_count   # 16
+        ```
         """
         return replace(self, thread_count=self.object_store_threads, small_run_bytes=self.object_store_small_run_bytes)
 
@@ -142,7 +144,7 @@ class ReadOptions:
 
 def as_reader(fd: Union[ObjectReader, int]) -> ObjectReader:
     """``fd`` as a reader: a storage's reader as it is, a plain open descriptor (an ``int``, not
-    closed here) as a :class:`~dist_ckpt.storage.files.FileReader`."""
+    closed here) as a `FileReader`."""
     return fd if isinstance(fd, ObjectReader) else FileReader(fd, owned=False)
 
 
@@ -150,15 +152,17 @@ def read_into(fd: Union[ObjectReader, int], buffers: Sequence[memoryview], offse
     """Fill ``buffers`` (in order) from the file ``fd`` starting at byte ``offset``.
 
     The single function through which dist_ckpt reads safetensors files: ``fd`` is a storage's
-    :class:`~dist_ckpt.storage.base.ObjectReader` (``os.preadv`` on a local descriptor, ranged
+    [`ObjectReader`][dist_ckpt.storage.base.ObjectReader] (``os.preadv`` on a local descriptor, ranged
     GETs on an object store); a plain open descriptor (an ``int``) is read as a
-    :class:`~dist_ckpt.storage.local.FileReader`. Returns the number of bytes read (their total
-    size); raises :class:`EOFError` if the file ends first.
+    `FileReader`. Returns the number of bytes read (their total
+    size); raises `EOFError` if the file ends first.
 
-    Example::
+    Example:
 
-        buf = bytearray(8)
-        read_into(reader, [memoryview(buf)], 0)   # the 8-byte header length
+    ```python
+    buf = bytearray(8)
+    read_into(reader, [memoryview(buf)], 0)   # the 8-byte header length
+    ```
     """
     try:
         return as_reader(fd).read_into(buffers, offset)
@@ -167,11 +171,13 @@ def read_into(fd: Union[ObjectReader, int], buffers: Sequence[memoryview], offse
 
 
 def read_bytes(fd: Union[ObjectReader, int], nbytes: int, offset: int) -> bytes:
-    """``nbytes`` bytes of ``fd`` at ``offset`` (through :func:`read_into`).
+    """``nbytes`` bytes of ``fd`` at ``offset`` (through `read_into()`).
 
-    Example::
+    Example:
 
-        header_length = int.from_bytes(read_bytes(reader, 8, 0), "little")
+    ```python
+    header_length = int.from_bytes(read_bytes(reader, 8, 0), "little")
+    ```
     """
     buf = bytearray(nbytes)
     read_into(fd, [memoryview(buf)], offset)
@@ -197,11 +203,13 @@ def contiguous_runs(inter: Box, src: Box, dst: Box) -> Tuple[np.ndarray, np.ndar
     length in elements. Trailing axes that ``inter`` spans completely in both boxes merge into
     one run.
 
-    Example::
+    Example:
 
-        # columns 2..5 of rows 0..3 of a stored (4, 8) shard, into a (4, 4) destination
-        contiguous_runs(Box((0, 2), (4, 4)), Box((0, 0), (4, 8)), Box((0, 2), (4, 4)))
-        # -> (array([2, 10, 18, 26]), array([0, 4, 8, 12]), 4)
+    ```python
+    # columns 2..5 of rows 0..3 of a stored (4, 8) shard, into a (4, 4) destination
+    contiguous_runs(Box((0, 2), (4, 4)), Box((0, 0), (4, 8)), Box((0, 2), (4, 4)))
+    # -> (array([2, 10, 18, 26]), array([0, 4, 8, 12]), 4)
+    ```
     """
     n = len(inter.shape)
     ss, ds = _strides(src.shape), _strides(dst.shape)
@@ -269,7 +277,7 @@ class ReadCheck(Protocol):
 
     def after_read(self, offset: int, buffers: Sequence[memoryview]) -> None:
         """``buffers`` (in order) hold the file's bytes from ``offset`` on, whole blocks (a range
-        returned by :meth:`widen`, or a piece of one cut at block boundaries); raise if they are bad."""
+        returned by `widen()`, or a piece of one cut at block boundaries); raise if they are bad."""
 
 
 @dataclass(frozen=True)
@@ -348,17 +356,19 @@ def plan_copy(
             directly (not a contiguous CPU tensor).
         target: view of the destination holding exactly ``inter`` (for bounce reads).
         options: thresholds.
-        check: sees the bytes of every read (see :class:`ReadCheck`).
+        check: sees the bytes of every read (see `ReadCheck`).
         src_dtype: the stored dtype, when it differs from ``target``'s: every byte then goes
             through a bounce buffer and is converted on the way out.
 
-    Example::
+    Example:
 
-        # rows 2..3 of a (4, 8) float32 shard stored at byte 128, into a (2, 8) tensor
-        dest = torch.empty(2, 8)
-        ops = plan_copy(fd, path, "w", Box((0, 0), (4, 8)), 128, Box((2, 0), (2, 8)), Box((2, 0), (2, 8)), 0,
-                        byte_view(dest), dest, ReadOptions())
-        execute(ops, ReadOptions())
+    ```python
+    # rows 2..3 of a (4, 8) float32 shard stored at byte 128, into a (2, 8) tensor
+    dest = torch.empty(2, 8)
+    ops = plan_copy(fd, path, "w", Box((0, 0), (4, 8)), 128, Box((2, 0), (2, 8)), Box((2, 0), (2, 8)), 0,
+                    byte_view(dest), dest, ReadOptions())
+    execute(ops, ReadOptions())
+    ```
     """
     fd = as_reader(fd)
     if src_dtype is not None and src_dtype != target.dtype:
@@ -580,9 +590,11 @@ def execute(ops: Iterable[ReadOp], options: ReadOptions) -> int:
     from a shared queue, which balances the load. After a failure no further operation starts;
     the first failure is raised once every thread has stopped.
 
-    Example::
+    Example:
 
-        copied = execute(ops, ReadOptions(thread_count=4))
+    ```python
+    copied = execute(ops, ReadOptions(thread_count=4))
+    ```
     """
     total = 0
     if options.thread_count == 1:

@@ -1,9 +1,9 @@
-"""Load ShardedTensors from safetensors files described by a :class:`TensorIndex`.
+"""Load ShardedTensors from safetensors files described by a `TensorIndex`.
 
 Both the ``safetensors`` backend (whose index is its ``index.json``) and HuggingFace checkpoints
 (whose index is built from the files' headers) describe where each stored shard lives: file,
 byte range, and which box (or flattened range of a box) of the global tensor it holds. Given that
-description, :func:`load_from_index` loads any sharding of the tensors:
+description, `load_from_index()` loads any sharding of the tensors:
 
 1. check every requested key, dtype and global shape against the index (one error listing
    every problem, before anything is opened);
@@ -12,12 +12,12 @@ description, :func:`load_from_index` loads any sharding of the tensors:
 3. open each file the plan touches once and validate its header (size, dtype, shape and byte
    range of every stored shard in it) -- still before any tensor byte is read;
 4. zero the parts outside the stored tensor (``allow_shape_mismatch``), then read, in place
-   where the destination allows it (see :mod:`.safetensors_io`), on a few threads; a request
+   where the destination allows it (see `safetensors_io`), on a few threads; a request
    in another dtype than the stored one is read through the bounce buffers and converted
-   (``ReadOptions.allow_dtype_cast``; see :mod:`dist_ckpt.model.dtype_cast`);
+   (``ReadOptions.allow_dtype_cast``; see `dist_ckpt.model.dtype_cast`);
 5. when the index records checksums (and ``ReadOptions.verify_checksums``), check the crc32c of
    each file's header when it is opened and of every block as the reads complete (reads are
-   widened to whole blocks; see :mod:`.safetensors_blocks`).
+   widened to whole blocks; see `safetensors_blocks`).
 
 The files are read through readers of ``TensorIndex.storage`` (each file opened once): with
 ``positional_reads`` (a local disk) ``os.preadv`` straight into the destination; otherwise (an
@@ -211,7 +211,7 @@ PlannedReads = Dict[int, Tuple[List[_Planned], List[ShardPiece]]]
 def plan_reads(
     requested: Sequence[ShardedTensor], index: TensorIndex, allow_dtype_cast: bool = False
 ) -> Tuple[PlannedReads, Dict[str, List[Tuple[str, StoredShard]]]]:
-    """Steps 1 and 2 of :func:`load_from_index`, without any I/O: check the requests against the
+    """Steps 1 and 2 of `load_from_index()`, without any I/O: check the requests against the
     index (a request in another dtype than the stored one is refused unless ``allow_dtype_cast``),
     and intersect each with the stored shards it overlaps (checking that they cover it).
 
@@ -219,9 +219,11 @@ def plan_reads(
     to read, by file. Only the index entries of the requested tensors are looked at, so a rank's
     planning costs O(its requests + the entries they need) whatever the size of the checkpoint.
 
-    Example::
+    Example:
 
-        plans, by_file = plan_reads([ShardedTensor.from_rank_offsets("w", torch.empty(4))], read_index(ckpt))
+    ```python
+    plans, by_file = plan_reads([ShardedTensor.from_rank_offsets("w", torch.empty(4))], read_index(ckpt))
+    ```
     """
     _check_requests(requested, index, allow_dtype_cast)
     if index.prefetch is not None:
@@ -253,12 +255,14 @@ def load_from_index(
         sharded_state_dict: the request; other leaves are returned unchanged.
         index: where the stored tensors live.
         options: read threads and buffer sizes.
-        check: validates each opened file against the index (default: :func:`default_file_check`).
+        check: validates each opened file against the index (default: `default_file_check()`).
 
-    Example::
+    Example:
 
-        index = TensorIndex(LocalStorage(ckpt), {"w": StoredTensor("w", torch.float32, (4,), [shard])})
-        loaded = load_from_index({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4))}, index, ReadOptions())
+    ```python
+    index = TensorIndex(LocalStorage(ckpt), {"w": StoredTensor("w", torch.float32, (4,), [shard])})
+    loaded = load_from_index({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4))}, index, ReadOptions())
+    ```
     """
     requested = [s for s in nested_values(sharded_state_dict) if isinstance(s, ShardedTensor)]
     # 1. and 2. keys, dtypes (cast or refused, per options.allow_dtype_cast), shapes; every overlap, checking coverage

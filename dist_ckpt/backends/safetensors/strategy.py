@@ -3,15 +3,15 @@
 Each rank writes its main-replica shards into a constant number of files -- one per writer
 thread -- each a valid safetensors file that ``safetensors.safe_open`` reads. Rank 0 then writes
 ``safetensors/index.json``, which says which file and byte range holds which shard of which key,
-with a crc32c per block of every shard (see :mod:`.safetensors_index`); ``dist_ckpt.save``
+with a crc32c per block of every shard (see `safetensors_index`); ``dist_ckpt.save``
 commits ``metadata.json`` after it. Loads verify the blocks they read.
 
-Saves are synchronous (:meth:`SafetensorsSaveShardedStrategy.save`: straight from the tensors'
-memory) or asynchronous (:meth:`~SafetensorsSaveShardedStrategy.async_save`: snapshot into shared
-memory, write in a background process, gather the index at finalization; see
-:mod:`.async_utils`).
+Saves are synchronous (`SafetensorsSaveShardedStrategy.save()`: straight from the tensors'
+memory) or asynchronous
+([`async_save()`][dist_ckpt.backends.safetensors.strategy.SafetensorsSaveShardedStrategy.async_save]: snapshot into
+shared memory, write in a background process, gather the index at finalization; see `async_utils`).
 
-On an object store (``s3://``; ``checkpoint_dir`` is then a :class:`~dist_ckpt.storage.Storage`)
+On an object store (``s3://``; ``checkpoint_dir`` is then a [`Storage`][dist_ckpt.storage.base.Storage])
 the layout is the same: each writer thread uploads its file as one object (multipart above the
 storage's part size, parts in parallel) straight from the tensors' memory, rank 0 writes the
 index object, and loads fetch only the byte ranges they need with concurrent ranged GETs into the
@@ -25,17 +25,19 @@ Why it is fast:
   in large sequential writes spread over ``thread_count`` files written in parallel, with one
   fsync per file;
 * a load reads only the byte ranges that overlap the requested shards, with positional reads
-  straight into the destination tensors (see :mod:`.safetensors_io`);
+  straight into the destination tensors (see `safetensors_io`);
 * the metadata exchanged is one compact binary index part per rank, gathered once to rank 0,
   which merges them with numpy into index version 3: a small ``index.json`` and a binary table
   of shards, so that a load reads only the rows of the tensors it requests.
 
-Example::
+Example:
 
-    import dist_ckpt as dc
-    from dist_ckpt.backends.safetensors.strategy import SafetensorsSaveOptions, SafetensorsSaveShardedStrategy
-    dc.save(sd, "ckpt/iter_10", sharded_strategy=("safetensors", 1))
-    dc.save(sd, "ckpt/iter_20", sharded_strategy=SafetensorsSaveShardedStrategy(SafetensorsSaveOptions(thread_count=4)))
+```python
+import dist_ckpt as dc
+from dist_ckpt.backends.safetensors.strategy import SafetensorsSaveOptions, SafetensorsSaveShardedStrategy
+dc.save(sd, "ckpt/iter_10", sharded_strategy=("safetensors", 1))
+dc.save(sd, "ckpt/iter_20", sharded_strategy=SafetensorsSaveShardedStrategy(SafetensorsSaveOptions(thread_count=4)))
+```
 """
 
 from __future__ import annotations
@@ -112,7 +114,8 @@ SafetensorsLoadOptions = ReadOptions
 
 @dataclass(frozen=True)
 class SafetensorsSaveOptions:
-    """How :class:`SafetensorsSaveShardedStrategy` writes.
+    """How [`SafetensorsSaveShardedStrategy`][dist_ckpt.backends.safetensors.strategy.SafetensorsSaveShardedStrategy]
+    writes.
 
     Attributes:
         thread_count: writer threads per rank; each writes one file, so this is also the number
@@ -120,13 +123,13 @@ class SafetensorsSaveOptions:
         staging_buffer_bytes: size of each writer's pinned host buffer for GPU tensors.
         early_writeback: have the kernel write dirty pages to the disk while later ones are
             still being written, and drop them from the page cache once clean (see
-            :class:`~.safetensors_format.SequentialWriter`); off, the save only fsyncs at the end.
+            `SequentialWriter`); off, the save only fsyncs at the end.
         checksum_block_bytes: record a crc32c per block of this many bytes of every shard
             (recorded in the index); None records none.
         snapshot_budget_bytes: most bytes an asynchronous save copies into its snapshot. When a
             rank's shards are larger, the save streams: the shards that do not fit are written
-            before :meth:`~SafetensorsSaveShardedStrategy.async_save` returns, straight from the
-            tensors' memory (so the call blocks longer), and only the rest is written in the
+            before [`async_save()`][dist_ckpt.backends.safetensors.strategy.SafetensorsSaveShardedStrategy.async_save]
+            returns, straight from the tensors' memory (so the call blocks longer), and only the rest is written in the
             background. On an object store the choice is by whole files (an object is written
             by one process). None: no bound, everything is snapshotted.
     """
@@ -177,10 +180,12 @@ def deferred_starts(sizes: Sequence[Sequence[int]], budget: Optional[int]) -> Li
     file without a budget): files take turns adding their last not-yet-chosen tensor while it
     fits.
 
-    Example::
+    Example:
 
-        deferred_starts([[8, 4], [6, 2]], budget=7)   # [1, 1]: the 4 and the 2 are snapshotted
-        deferred_starts([[8, 4], [6, 2]], budget=None) # [0, 0]
+    ```python
+    deferred_starts([[8, 4], [6, 2]], budget=7)   # [1, 1]: the 4 and the 2 are snapshotted
+    deferred_starts([[8, 4], [6, 2]], budget=None) # [0, 0]
+    ```
     """
     if budget is None:
         return [0] * len(sizes)
@@ -199,13 +204,15 @@ def deferred_starts(sizes: Sequence[Sequence[int]], budget: Optional[int]) -> Li
 
 
 def whole_file_starts(sizes: Sequence[Sequence[int]], budget: Optional[int]) -> List[int]:
-    """:func:`deferred_starts` for object stores, where a file is uploaded by one process: each
-    file is snapshotted whole (0) or written before the call returns (its length). Smaller files
-    are taken first while they fit the budget.
+    """[`deferred_starts()`][dist_ckpt.backends.safetensors.strategy.deferred_starts] for object stores, where a file is
+    uploaded by one process: each file is snapshotted whole (0) or written before the call returns (its length). Smaller
+    files are taken first while they fit the budget.
 
-    Example::
+    Example:
 
-        whole_file_starts([[8, 4], [6, 2]], budget=9)    # [2, 0]: the second file (8 bytes) fits
+    ```python
+    whole_file_starts([[8, 4], [6, 2]], budget=9)    # [2, 0]: the second file (8 bytes) fits
+    ```
     """
     if budget is None:
         return [0] * len(sizes)
@@ -221,16 +228,16 @@ def whole_file_starts(sizes: Sequence[Sequence[int]], budget: Optional[int]) -> 
 class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
     """Writes each rank's main-replica shards into ``thread_count`` safetensors files.
 
-    Synchronous :meth:`save`, collective steps, each ending with an error exchange so that a
+    Synchronous `save()`, collective steps, each ending with an error exchange so that a
     failure on one rank raises on all:
 
     1. every rank writes and fsyncs its files (in parallel threads), computing the checksums
        as the bytes pass (on an object store: uploads each file as one object);
-    2. the ranks' index parts are gathered to rank 0 (compact bytes, see :mod:`.index_parts`);
+    2. the ranks' index parts are gathered to rank 0 (compact bytes, see `index_parts`);
     3. rank 0 writes the shard table and ``safetensors/index.json`` atomically and durably.
 
-    Asynchronous :meth:`async_save` (not collective) snapshots the shards and returns an
-    :class:`~.async_utils.AsyncRequest` whose background function writes the files (step 1) in
+    Asynchronous [`async_save()`][.async_save] (not collective) snapshots the shards and returns an
+    `AsyncRequest` whose background function writes the files (step 1) in
     another process and whose finalization runs steps 2 and 3.
 
     Args:
@@ -238,11 +245,13 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
         backend: format name recorded in ``metadata.json``.
         version: format version.
 
-    Example::
+    Example:
 
-        strategy = SafetensorsSaveShardedStrategy(SafetensorsSaveOptions(thread_count=4))
-        dc.save(sharded_state_dict, "ckpt/iter_10", sharded_strategy=strategy)
-        request = dc.save(sd, "ckpt/iter_20", sharded_strategy=strategy, async_sharded_save=True)
+    ```python
+    strategy = SafetensorsSaveShardedStrategy(SafetensorsSaveOptions(thread_count=4))
+    dc.save(sharded_state_dict, "ckpt/iter_10", sharded_strategy=strategy)
+    request = dc.save(sd, "ckpt/iter_20", sharded_strategy=strategy, async_sharded_save=True)
+    ```
 
     Reuse one strategy object for every save: it keeps its pinned staging buffers and its
     shared-memory snapshot buffer, which are slow to allocate.
@@ -326,7 +335,7 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
         run_collectively("writing the safetensors index", lambda: write_index(gathered, storage, block))
 
     def begin_stream(self, checkpoint_dir: Storage, layout: Sequence[TensorLayout]) -> TensorStreamWriter:
-        """Write whole tensors one at a time (one process; see :mod:`.stream`)."""
+        """Write whole tensors one at a time (one process; see `stream`)."""
         options = self.options
         return SafetensorsStreamWriter(
             resolve_location(checkpoint_dir), layout, options.checksum_block_bytes, options.early_writeback
@@ -342,10 +351,12 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
         With a ``snapshot_budget_bytes``, pass ``object_store=True`` for saves to an object store
         (which snapshot whole files).
 
-        Example::
+        Example:
 
-            strategy = SafetensorsSaveShardedStrategy()
-            strategy.reserve_snapshot(model_sharded_state_dict)
+        ```python
+        strategy = SafetensorsSaveShardedStrategy()
+        strategy.reserve_snapshot(model_sharded_state_dict)
+        ```
         """
         shards = [sh for sh in main_replica_shards(sharded_state_dict) if sh.data is not None]
         files = self._plan(shards, smallest_last=self.options.snapshot_budget_bytes is not None)
@@ -362,12 +373,13 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
 
         1. Plan every file: which shards, in which order, at which byte ranges.
         2. Choose what the snapshot holds: every shard, or with ``snapshot_budget_bytes`` the
-           ends of the files that fit (:func:`deferred_starts`; on an object store, the whole
-           files that fit: :func:`whole_file_starts`).
+           ends of the files that fit ([`deferred_starts()`][dist_ckpt.backends.safetensors.strategy.deferred_starts];
+           on an object store, the whole files that fit:
+           [`whole_file_starts()`][dist_ckpt.backends.safetensors.strategy.whole_file_starts]).
         3. Write what the snapshot does not hold, now, straight from the tensors.
-        4. Copy the rest into shared memory (:class:`~.snapshot.SnapshotPool`).
-        5. Return the request: in the background, :func:`~.safetensors_write.write_snapshot_parts`
-           writes and fsyncs the files (:func:`~.safetensors_write.write_snapshot_objects`
+        4. Copy the rest into shared memory (`SnapshotPool`).
+        5. Return the request: in the background, `write_snapshot_parts()`
+           writes and fsyncs the files (`write_snapshot_objects()`
            uploads them, with the worker's own client); at finalization (collective) the index
            parts are gathered and rank 0 writes ``index.json``.
 
@@ -454,10 +466,12 @@ class SafetensorsLoadShardedStrategy(LoadShardedStrategy):
     Args:
         options: read threads and buffer sizes.
 
-    Example::
+    Example:
 
-        strategy = SafetensorsLoadShardedStrategy(SafetensorsLoadOptions(thread_count=4))
-        dc.load(sd, "ckpt/iter_10", sharded_strategy=strategy)
+    ```python
+    strategy = SafetensorsLoadShardedStrategy(SafetensorsLoadOptions(thread_count=4))
+    dc.load(sd, "ckpt/iter_10", sharded_strategy=strategy)
+    ```
     """
 
     supported_backends: ClassVar[Tuple[str, ...]] = ("safetensors",)

@@ -1,34 +1,36 @@
 """Streaming saves of the ``safetensors`` backend: whole tensors, one at a time, one process.
 
 What ``dist-ckpt convert --to safetensors`` writes with: the same checkpoint a one-rank
-:meth:`~.safetensors.SafetensorsSaveShardedStrategy.save` of whole tensors produces -- one file,
+`save()` of whole tensors produces -- one file,
 ``safetensors/rank00000_0.safetensors``, each tensor one shard covering all of it, and
 ``safetensors/index.json`` (index version 3, with the crc32c of every block unless the strategy's
 options record no checksums) -- but written tensor by tensor:
 
-1. at :meth:`~dist_ckpt.backends.base.SaveShardedStrategy.begin_stream`, the file's header is
+1. at [`begin_stream()`][dist_ckpt.backends.base.SaveShardedStrategy.begin_stream], the file's header is
    planned from the layout (dtypes and shapes: no data needed);
-2. each :meth:`SafetensorsStreamWriter.add` writes one tensor at its planned offset, computing
+2. each `SafetensorsStreamWriter.add()` writes one tensor at its planned offset, computing
    its block checksums as the bytes pass, and keeps only the checksums;
-3. :meth:`SafetensorsStreamWriter.finish` fsyncs the file and writes the index, atomically.
+3. `SafetensorsStreamWriter.finish()` fsyncs the file and writes the index, atomically.
 
 On an object store the tensors are grouped, in order, into objects of about
-:data:`STREAM_OBJECT_BYTES` (``safetensors/rank00000_<i>.safetensors``; a larger tensor gets an
+`STREAM_OBJECT_BYTES` (``safetensors/rank00000_<i>.safetensors``; a larger tensor gets an
 object of its own): each object is one streaming (multipart) upload that the tensors are
 appended to as they are added, so memory still holds one tensor at a time and a model of many
 small tensors does not become as many small objects. The index describes several files, as after
-a save by several writer threads. An upload that is not finished is aborted (:meth:`abort`), and
+a save by several writer threads. An upload that is not finished is aborted (`abort()`), and
 an unfinished object is never visible.
 
 Local files are written by path (the storage's ``local_paths`` capability: one file, written
 in place at planned offsets with early writeback); elsewhere objects are uploaded.
 
-Example::
+Example:
 
-    strategy = SafetensorsSaveShardedStrategy()
-    writer = strategy.begin_stream(LocalStorage("out"), [("w", torch.float32, (4, 4))])   # or an S3Storage
-    writer.add("w", torch.zeros(4, 4))
-    writer.finish()          # then commit metadata.json
+```python
+strategy = SafetensorsSaveShardedStrategy()
+writer = strategy.begin_stream(LocalStorage("out"), [("w", torch.float32, (4, 4))])   # or an S3Storage
+writer.add("w", torch.zeros(4, 4))
+writer.finish()          # then commit metadata.json
+```
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ class SafetensorsStreamWriter(TensorStreamWriter):
         checksum_block_bytes: record a crc32c per block of this many bytes (None: none), as
             ``SafetensorsSaveOptions.checksum_block_bytes``.
         early_writeback: start writing local files to the disk while writing (see
-            :class:`~.format.SequentialWriter`).
+            `SequentialWriter`).
     """
 
     def __init__(

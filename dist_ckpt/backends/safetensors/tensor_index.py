@@ -1,16 +1,18 @@
 """Where stored safetensors shards live: the data model every safetensors reader shares.
 
-:class:`TensorIndex` says where every stored tensor lives (file, byte range, box of the global
-tensor): the ``safetensors`` backend reads it from its index (:func:`.index.read_index`; the
-shard table of index version 3 fills it lazily, see :mod:`.index_v3`), HuggingFace folders build
-it from their files' headers (:mod:`dist_ckpt.hf.folder`), and one loader reads any sharding from
-it (:mod:`.load`). It is its own module so that the index readers of every version can build it
+`TensorIndex` says where every stored tensor lives (file, byte range, box of the global
+tensor): the ``safetensors`` backend reads it from its index (`index.read_index()`; the
+shard table of index version 3 fills it lazily, see `index_v3`), HuggingFace folders build
+it from their files' headers (`dist_ckpt.hf.folder`), and one loader reads any sharding from
+it (`load`). It is its own module so that the index readers of every version can build it
 without depending on each other.
 
-Example::
+Example:
 
-    shard = StoredShard("rank00000_0.safetensors", "w@0", (0,), (4,), None, (128, 144))
-    index = TensorIndex(LocalStorage("ckpt/safetensors"), {"w": StoredTensor("w", torch.float32, (4,), [shard])})
+```python
+shard = StoredShard("rank00000_0.safetensors", "w@0", (0,), (4,), None, (128, 144))
+index = TensorIndex(LocalStorage("ckpt/safetensors"), {"w": StoredTensor("w", torch.float32, (4,), [shard])})
+```
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class StoredShard:
 @dataclass
 class StoredTensor:
     """Everything stored about one global tensor; ``flattened``: it was saved as flattened
-    ranges (distributed-optimizer state), which :func:`tensors_metadata` reports."""
+    ranges (distributed-optimizer state), which `tensors_metadata()` reports."""
 
     key: str
     dtype: torch.dtype
@@ -119,7 +121,7 @@ class TensorIndex:
 
     Both the ``safetensors`` backend (from its ``index.json``) and HuggingFace folders (from the
     files' headers) describe their tensors this way, so one loader
-    (:func:`~dist_ckpt.backends.safetensors.load.load_from_index`) reads any sharding of either.
+    (`load_from_index()`) reads any sharding of either.
 
     Attributes:
         storage: the storage rooted at the files' directory (a ``LocalStorage`` of a local
@@ -161,12 +163,14 @@ class TensorIndex:
 def tensors_metadata(index: TensorIndex) -> ShardedStateDict:
     """``{key: ShardedTensor}`` (whole, unsharded, data on the meta device) for every tensor, as
     it was saved: a tensor saved as flattened ranges is one flattened range covering all of it
-    (see :mod:`dist_ckpt.model.stored_metadata`).
+    (see `dist_ckpt.model.stored_metadata`).
 
-    Example::
+    Example:
 
-        meta = tensors_metadata(read_index(ckpt))
-        meta["decoder.w"].global_shape, meta["decoder.w"].dtype
+    ```python
+    meta = tensors_metadata(read_index(ckpt))
+    meta["decoder.w"].global_shape, meta["decoder.w"].dtype
+    ```
     """
     out: ShardedStateDict = {}
     for key in sorted(set(index.tensors) | set(index.aliases)):
@@ -177,13 +181,15 @@ def tensors_metadata(index: TensorIndex) -> ShardedStateDict:
 
 
 def describe_tensor_index(index: TensorIndex, prefix: str = "") -> Dict[str, List[StoredShardInfo]]:
-    """The stored pieces of every tensor of a :class:`TensorIndex` (for ``dist-ckpt inspect``);
+    """The stored pieces of every tensor of a `TensorIndex` (for ``dist-ckpt inspect``);
     ``prefix`` is the files' directory relative to the checkpoint (``"safetensors/"``). A tied
     name stored once (an alias) is described by the pieces of the name it shares them with.
 
-    Example::
+    Example:
 
-        describe_tensor_index(read_index(ckpt), "safetensors/")["w"][0].nbytes
+    ```python
+    describe_tensor_index(read_index(ckpt), "safetensors/")["w"][0].nbytes
+    ```
     """
     out: Dict[str, List[StoredShardInfo]] = {}
     for key in sorted(set(index.tensors) | set(index.aliases)):

@@ -1,6 +1,6 @@
 """``dist-ckpt verify`` for the safetensors backend: every file, header and checksum block.
 
-:func:`verify_safetensors` reads the whole checkpoint once: each file the index lists must exist
+`verify_safetensors()` reads the whole checkpoint once: each file the index lists must exist
 with its recorded size, hold a valid header that agrees with the index (and whose bytes have the
 recorded crc), and every block of every shard must have its recorded crc32c. Every problem
 becomes one line of the report; nothing is raised for a damaged checkpoint.
@@ -31,10 +31,12 @@ def verify_safetensors(checkpoint_dir: LocationLike, read_bytes: int = 16 << 20)
     Never raises for a damaged checkpoint: every problem found becomes one line of the report
     (a missing file, a wrong size, a damaged header, a block whose crc differs).
 
-    Example::
+    Example:
 
-        report = verify_safetensors("ckpt/iter_1000")
-        for problem in report.problems: print(problem)
+    ```python
+    report = verify_safetensors("ckpt/iter_1000")
+    for problem in report.problems: print(problem)
+    ```
     """
     report = IntegrityReport()
     index_rel = f"{SAFETENSORS_DIR}/{INDEX_FILENAME}"

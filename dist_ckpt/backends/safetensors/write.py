@@ -2,31 +2,31 @@
 
 The synchronous and the asynchronous save of the ``safetensors`` backend share this module:
 
-* :func:`plan_file` fixes, before any byte is written, each file's header and the byte range of
+* `plan_file()` fixes, before any byte is written, each file's header and the byte range of
   every tensor in it (a safetensors header needs dtypes and shapes, not data). A file can then be
   written in *parts* -- the header and the first tensors by the training process, the rest by a
   background process -- each at its planned offsets;
-* :func:`write_part` writes one part: the header if the part starts the file, then each tensor's
+* `write_part()` writes one part: the header if the part starts the file, then each tensor's
   bytes, computing the crc32c of every ``block_bytes`` block of each tensor's byte range while the
   bytes stream past (no second pass over the data), and fsyncs the file if asked;
-* :func:`write_parts` writes several parts at once, one thread each (``os.write`` and the crc
+* `write_parts()` writes several parts at once, one thread each (``os.write`` and the crc
   computation run while other threads write);
-* :func:`write_snapshot_parts` is the function a background worker runs: :func:`write_parts` with
-  tensors that are views of a shared-memory :class:`~.snapshot.Snapshot`.
+* `write_snapshot_parts()` is the function a background worker runs: `write_parts()` with
+  tensors that are views of a shared-memory `Snapshot`.
 
-What was written is then described to rank 0 by :mod:`.index_parts` and indexed by
-:mod:`.index_write`.
+What was written is then described to rank 0 by `index_parts` and indexed by
+`index_write`.
 
 Local files are written by path (the storage's ``local_paths`` capability): a file can be written
 in parts by two processes at planned offsets, with early writeback and one fsync per file.
 
-On an object store a file is one object, written whole by one process: :func:`write_objects`
+On an object store a file is one object, written whole by one process: `write_objects()`
 uploads each planned file from its tensors' memory (a multipart upload, parts in parallel, when
 it is larger than the storage's part size), one file per thread, with the same checksums;
-:func:`write_snapshot_objects` is its background-worker counterpart (the worker opens its own
+`write_snapshot_objects()` is its background-worker counterpart (the worker opens its own
 client: a pickled storage carries its location and options, not its connection).
 
-Every data byte goes through :class:`~.safetensors_format.SequentialWriter`, so tests can slow
+Every data byte goes through `SequentialWriter`, so tests can slow
 down or count writes in one place.
 """
 
@@ -110,10 +110,12 @@ def plan_file(
 ) -> PlannedFile:
     """The layout of a file holding ``(name, dtype, shape)`` tensors in this order.
 
-    Example::
+    Example:
 
-        plan = plan_file("rank00000_0.safetensors", [("w@0.0", torch.float32, (2, 3))], {"format": "pt"})
-        plan.ranges[0]   # (len(plan.prefix), len(plan.prefix) + 24)
+    ```python
+    plan = plan_file("rank00000_0.safetensors", [("w@0.0", torch.float32, (2, 3))], {"format": "pt"})
+    plan.ranges[0]   # (len(plan.prefix), len(plan.prefix) + 24)
+    ```
     """
     entries = [(n, *storage_layout(dtype, shape), math.prod(shape) * dtype.itemsize) for n, dtype, shape in tensors]
     prefix, ranges = encode_header(entries, metadata)
@@ -150,8 +152,8 @@ class PartResult:
     Attributes:
         file: the file name.
         first: index of the part's first tensor.
-        crcs: per tensor written, its block crcs encoded with :func:`~dist_ckpt.integrity.checksums.encode_block_crcs`
-            (empty strings without checksums).
+        crcs: per tensor written, its block crcs encoded with
+            [`encode_block_crcs()`][dist_ckpt.integrity.checksums.encode_block_crcs] (empty strings without checksums).
         header_crc: crc32c of the file's prefix (hex), for a part that wrote it with checksums on.
     """
 
@@ -169,18 +171,20 @@ def write_part(
     early_writeback: bool = True,
     staging: Optional[StagingBuffer] = None,
 ) -> PartResult:
-    """Write one part of a planned file (see :class:`WritePart`).
+    """Write one part of a planned file (see `WritePart`).
 
     Args:
         directory: where the file is.
         part: what to write.
         block_bytes: checksum block size, or None to compute no checksums.
-        early_writeback: see :class:`~.safetensors_format.SequentialWriter`.
+        early_writeback: see `SequentialWriter`.
         staging: pinned buffer for tensors not on the CPU (one is made if needed).
 
-    Example::
+    Example:
 
-        result = write_part(root, WritePart(plan, 0, (t,)), block_bytes=1 << 20)
+    ```python
+    result = write_part(root, WritePart(plan, 0, (t,)), block_bytes=1 << 20)
+    ```
     """
     plan = part.plan
     path = Path(directory) / plan.name
@@ -230,22 +234,26 @@ def partial_name(name: str) -> str:
     """The name file ``name`` has while it is written: hidden, and not its final name, so a
     save that fails or is killed never leaves a data file under a name the index uses. Every
     part of a file (the caller's and the background process's) writes this same name;
-    :func:`publish` renames it once all are written.
+    `publish()` renames it once all are written.
 
-    Example::
+    Example:
 
-        partial_name("rank00000_0.safetensors")   # ".partial-rank00000_0.safetensors"
+    ```python
+    partial_name("rank00000_0.safetensors")   # ".partial-rank00000_0.safetensors"
+    ```
     """
     return f".partial-{name}"
 
 
 def publish(directory: Path, names: Sequence[str]) -> None:
-    """Rename the written files ``names`` from their :func:`partial_name` to their final names
+    """Rename the written files ``names`` from their `partial_name()` to their final names
     and fsync ``directory`` (after every part of them is durable).
 
-    Example::
+    Example:
 
-        publish(root, [plan.name for plan, _ in files])
+    ```python
+    publish(root, [plan.name for plan, _ in files])
+    ```
     """
     directory = Path(directory)
     for name in names:
@@ -281,10 +289,12 @@ def write_parts(
     """Write ``parts`` (of distinct files) on one thread each; fsync ``directory`` if any part
     created a file. Returns the results in the order of ``parts``.
 
-    Example::
+    Example:
 
-        parts = [WritePart(plan_a, 0, tensors_a), WritePart(plan_b, 0, tensors_b)]
-        results = write_parts(root, parts, block_bytes=1 << 20)
+    ```python
+    parts = [WritePart(plan_a, 0, tensors_a), WritePart(plan_b, 0, tensors_b)]
+    results = write_parts(root, parts, block_bytes=1 << 20)
+    ```
     """
     directory = Path(directory)
     buffers = list(staging) if staging else [None] * len(parts)
@@ -311,7 +321,7 @@ def write_parts(
 
 @dataclass(frozen=True)
 class SnapshotPart:
-    """A :class:`WritePart` whose tensors are slots of a snapshot (picklable without the data)."""
+    """A `WritePart` whose tensors are slots of a snapshot (picklable without the data)."""
 
     plan: PlannedFile
     first: int
@@ -325,9 +335,11 @@ def write_snapshot_parts(
 
     Runs in the async worker process; it calls no collective and needs no process group.
 
-    Example::
+    Example:
 
-        request = AsyncRequest(write_snapshot_parts, (str(root), parts, snapshot, 1 << 20, True))
+    ```python
+    request = AsyncRequest(write_snapshot_parts, (str(root), parts, snapshot, 1 << 20, True))
+    ```
     """
     write = [WritePart(p.plan, p.first, tuple(snapshot.view(i) for i in p.slots), fsync=True) for p in parts]
     return write_parts(Path(directory), write, block_bytes=block_bytes, early_writeback=early_writeback)
@@ -353,9 +365,11 @@ def write_object(
     computes their block checksums; tensors on other devices go through ``staging`` and a
     streaming upload. The object appears whole when the upload completes, or not at all.
 
-    Example::
+    Example:
 
-        result = write_object(storage, WritePart(plan, 0, tensors), block_bytes=1 << 20)
+    ```python
+    result = write_object(storage, WritePart(plan, 0, tensors), block_bytes=1 << 20)
+    ```
     """
     plan = part.plan
     if part.first != 0 or len(part.tensors) != len(plan.names):
@@ -416,9 +430,11 @@ def write_objects(
 ) -> List[PartResult]:
     """Upload whole planned files (``parts``), one thread each; results in the order of ``parts``.
 
-    Example::
+    Example:
 
-        results = write_objects(storage.child("safetensors"), [WritePart(plan, 0, tensors)], block_bytes=1 << 20)
+    ```python
+    results = write_objects(storage.child("safetensors"), [WritePart(plan, 0, tensors)], block_bytes=1 << 20)
+    ```
     """
     buffers = list(staging) if staging else [None] * len(parts)
 
@@ -437,9 +453,11 @@ def write_snapshot_objects(
     object store. Runs in the async worker process, which opens its own client when it unpickles
     ``storage``; it calls no collective.
 
-    Example::
+    Example:
 
-        request = AsyncRequest(write_snapshot_objects, (storage.child("safetensors"), parts, snapshot, 1 << 20))
+    ```python
+    request = AsyncRequest(write_snapshot_objects, (storage.child("safetensors"), parts, snapshot, 1 << 20))
+    ```
     """
     write = [WritePart(p.plan, p.first, tuple(snapshot.view(i) for i in p.slots)) for p in parts]
     return write_objects(storage, write, block_bytes=block_bytes)

@@ -4,8 +4,8 @@
 every other class, so a checkpoint cannot run code on load. Megatron-Core trainers also keep
 plain standard-library data in their common state and ShardedObjects: ``io.BytesIO`` buffers
 (data-loader and RNG states), ``argparse.Namespace`` (the training arguments), dates, paths.
-Rebuilding those runs no code from the file either, so :data:`PLAIN_DATA_TYPES` adds them to
-torch's allow-list for the duration of dist_ckpt's own loads (:func:`plain_data_allowed`).
+Rebuilding those runs no code from the file either, so `PLAIN_DATA_TYPES` adds them to
+torch's allow-list for the duration of dist_ckpt's own loads (`plain_data_allowed()`).
 
 What the unpickler may do with an allowed class is fixed by torch: call the class itself, or
 ``cls.__new__(cls, *args)`` followed by ``__setstate__(state)`` (or an update of ``__dict__``),
@@ -31,12 +31,14 @@ Left out, on purpose:
 * ``zoneinfo.ZoneInfo`` (reads time-zone files named in the checkpoint) and numpy arrays
   (rebuilt through numpy's internals): ``allow_pickle=True`` for checkpoints you trust.
 
-Anything else still fails the load with :class:`~dist_ckpt.errors.UnsafeObjectError`.
+Anything else still fails the load with [`UnsafeObjectError`][dist_ckpt.errors.UnsafeObjectError].
 
-Example::
+Example:
 
-    with plain_data_allowed():
-        state = torch.load(io.BytesIO(data), weights_only=True)   # may hold BytesIO, Namespace, ...
+```python
+with plain_data_allowed():
+    state = torch.load(io.BytesIO(data), weights_only=True)   # may hold BytesIO, Namespace, ...
+```
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ _SCOPE_LOCK = threading.Lock()
 
 @contextmanager
 def plain_data_allowed(extra: Sequence[Any] = ()) -> Iterator[None]:
-    """Allow :data:`PLAIN_DATA_TYPES` (and ``extra``) in ``torch.load(weights_only=True)`` inside
+    """Allow `PLAIN_DATA_TYPES` (and ``extra``) in ``torch.load(weights_only=True)`` inside
     the block.
 
     Only the classes torch's allow-list lacks are added, and exactly those are removed on exit,
@@ -92,10 +94,12 @@ def plain_data_allowed(extra: Sequence[Any] = ()) -> Iterator[None]:
     The allow-list is process-wide: another thread's ``torch.load`` during the block sees the
     same classes (they are plain data there too).
 
-    Example::
+    Example:
 
-        with plain_data_allowed([MyEnum]):
-            torch.load(buffer, weights_only=True)
+    ```python
+    with plain_data_allowed([MyEnum]):
+        torch.load(buffer, weights_only=True)
+    ```
     """
     with _SCOPE_LOCK:
         present = torch.serialization.get_safe_globals()

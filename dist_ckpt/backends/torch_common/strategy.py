@@ -1,27 +1,29 @@
 """The common-state strategy (backend ``torch``, version 1).
 
-Layout inside a checkpoint directory::
+Layout inside a checkpoint directory:
 
-    common.pt                               rank 0's common state (torch.save)
-    common.unsafe.json                      keys whose values need full pickle (only if any)
-    objects/<key>/shard_<offset>_<shape>.pt one file per main-replica ShardedObject
-    objects/<key>/_key.txt                  the full key, when <key> had to be shortened
+```text
+common.pt                               rank 0's common state (torch.save)
+common.unsafe.json                      keys whose values need full pickle (only if any)
+objects/<key>/shard_<offset>_<shape>.pt one file per main-replica ShardedObject
+objects/<key>/_key.txt                  the full key, when <key> had to be shortened
 
-    common.checksums.json                   size and crc32c of common.pt (and common.unsafe.json)
-    objects/checksums.json                  size and crc32c of every file under objects/
+common.checksums.json                   size and crc32c of common.pt (and common.unsafe.json)
+objects/checksums.json                  size and crc32c of every file under objects/
+```
 
 Loading uses ``torch.load(weights_only=True)``: a checkpoint cannot run code on load. Besides
 tensors and containers it rebuilds plain standard-library data (``io.BytesIO``,
-``argparse.Namespace``, dates, paths, ...: see :mod:`.plain_types`). Values that need full pickle
-(other classes, numpy arrays) raise :class:`UnsafeObjectError` naming the key and the opt-ins:
-``TorchCommonLoadStrategy(safe_globals=[...])`` for classes you trust, or
+``argparse.Namespace``, dates, paths, ...: see `plain_types`). Values that need full pickle
+(other classes, numpy arrays) raise [`UnsafeObjectError`][dist_ckpt.errors.UnsafeObjectError] naming the key and the
+opt-ins: ``TorchCommonLoadStrategy(safe_globals=[...])`` for classes you trust, or
 ``TorchCommonLoadStrategy(allow_pickle=True)`` for checkpoints you trust.
 
-The two checksum manifests (see :mod:`dist_ckpt.integrity.checksums`; the second is gathered from every
-rank to rank 0) let a load check each file's bytes before unpickling them, and let
+The two checksum manifests (see [`dist_ckpt.integrity.checksums`][dist_ckpt.integrity.checksums]; the second is gathered
+from every rank to rank 0) let a load check each file's bytes before unpickling them, and let
 ``dist-ckpt verify`` check them all. Checkpoints saved before they existed load unverified.
 
-Every file goes through a :class:`~dist_ckpt.storage.Storage` (a ``LocalStorage`` of the
+Every file goes through a [`Storage`][dist_ckpt.storage.base.Storage] (a ``LocalStorage`` of the
 directory: temporary file, fsync, rename; or an object store), so this strategy works on local
 disks and on S3 alike; the files are small and each is written and read whole.
 """
@@ -79,7 +81,7 @@ _SAFE_GLOBALS_OPT_IN = "common_strategy=TorchCommonLoadStrategy(safe_globals=[..
 
 def _needs_pickle(value: Any) -> Optional[str]:
     """Type name of ``value`` if the loader (``weights_only`` with the plain-data types of
-    :mod:`.plain_types`) cannot restore it, else None."""
+    `plain_types`) cannot restore it, else None."""
     if type(value) in _SAFE_LEAF_TYPES or type(value) in (torch.Tensor, torch.nn.Parameter):
         return None
     buf = io.BytesIO()
@@ -219,9 +221,9 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
 
 
 class TorchCommonLoadStrategy(LoadCommonStrategy):
-    """Loads what :class:`TorchCommonSaveStrategy` wrote, without executing pickled code.
+    """Loads what `TorchCommonSaveStrategy` wrote, without executing pickled code.
 
-    Tensors, containers and plain standard-library data (:data:`.plain_types.PLAIN_DATA_TYPES`:
+    Tensors, containers and plain standard-library data (`plain_types.PLAIN_DATA_TYPES`:
     ``io.BytesIO``, ``argparse.Namespace``, dates, paths, ...) load by default; their
     reconstruction runs no code from the file.
 
@@ -234,9 +236,11 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
             own ``Enum`` types; allowed for this strategy's loads only (torch's
             ``add_safe_globals`` allows them process-wide, and is honoured too).
 
-    Example::
+    Example:
 
-        dc.load(sd, "ckpt", common_strategy=TorchCommonLoadStrategy(safe_globals=[AttnBackend]))
+    ```python
+    dc.load(sd, "ckpt", common_strategy=TorchCommonLoadStrategy(safe_globals=[AttnBackend]))
+    ```
     """
 
     supported_backends: ClassVar[Tuple[str, ...]] = ("torch",)
@@ -380,9 +384,11 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
 def verify_common(checkpoint_dir: LocationLike) -> IntegrityReport:
     """The integrity report of the common part of a checkpoint (never raises for damage).
 
-    Example::
+    Example:
 
-        for problem in verify_common("ckpt/iter_1000").problems: print(problem)
+    ```python
+    for problem in verify_common("ckpt/iter_1000").problems: print(problem)
+    ```
     """
     storage = resolve_location(checkpoint_dir)
     report = IntegrityReport()

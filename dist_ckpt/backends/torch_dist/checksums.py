@@ -4,11 +4,13 @@ DCP's own files carry no checksum of their bytes. When dist_ckpt writes a torch_
 it computes a crc32c of every *item* (one tensor chunk's ``torch.save`` archive, or one
 ShardedObject's bytes) while the bytes pass on their way to the file -- no second read -- and
 rank 0 records them, with every file's size, in ``torch_dist.checksums.json`` beside
-``.metadata``::
+``.metadata``:
 
-    {"format": "dist_ckpt.torch_dist.checksums", "version": 1, "algorithm": "crc32c",
-     "files": {"__0_0.distcp": {"size": 5120, "spans": [[0, 1488, "8 hex digits"], ...]},
-               ".metadata":    {"size": 7490, "spans": [[0, 7490, "..."]]}}}
+```python
+{"format": "dist_ckpt.torch_dist.checksums", "version": 1, "algorithm": "crc32c",
+ "files": {"__0_0.distcp": {"size": 5120, "spans": [[0, 1488, "8 hex digits"], ...]},
+           ".metadata":    {"size": 7490, "spans": [[0, 7490, "..."]]}}}
+```
 
 A file's *spans* tile it from byte 0 to its size, each with its crc. Items are what a load reads
 (DCP reads each item whole), so a load checks exactly the spans of the items it reads, and
@@ -16,15 +18,17 @@ A file's *spans* tile it from byte 0 to its size, each with its crc. Items are w
 Checkpoints written by other tools have none: they load unverified and verify says so.
 
 How the spans are found: DCP's file writer asks the stream for its position (``tell()``) right
-before and right after each item; :class:`RecordingStream` starts a new span at every ``tell()``,
+before and right after each item; `RecordingStream` starts a new span at every ``tell()``,
 so each item is one span (a writer that asked more often would only split spans further).
 
-Example::
+Example:
 
-    fs = ChecksummingFileSystem()
-    with fs.create_stream(Path("ckpt/__0_0.distcp"), "wb") as stream:
-        stream.tell(); stream.write(b"item"); stream.tell()
-    fs.digests["__0_0.distcp"].spans          # ((0, 4, crc32c(b"item")),)
+```python
+fs = ChecksummingFileSystem()
+with fs.create_stream(Path("ckpt/__0_0.distcp"), "wb") as stream:
+    stream.tell(); stream.write(b"item"); stream.tell()
+fs.digests["__0_0.distcp"].spans          # ((0, 4, crc32c(b"item")),)
+```
 """
 
 from __future__ import annotations
@@ -75,7 +79,7 @@ class FileSpans:
 
 class RecordingStream(io.RawIOBase):
     """A write-only stream over ``raw`` that computes the crc32c of what passes, one span per
-    stretch between two ``tell()`` calls; :meth:`close` reports the file's :class:`FileSpans`.
+    stretch between two ``tell()`` calls; `close()` reports the file's `FileSpans`.
 
     Args:
         raw: the open binary file.
@@ -133,8 +137,8 @@ class RecordingStream(io.RawIOBase):
 
 
 class ChecksummingFileSystem(FileSystem):
-    """DCP's local file system, with every file written through a :class:`RecordingStream`;
-    the spans of each file written are in :attr:`digests`, by file name (thread-safe: DCP writes
+    """DCP's local file system, with every file written through a `RecordingStream`;
+    the spans of each file written are in `digests`, by file name (thread-safe: DCP writes
     a rank's files from several threads)."""
 
     def __init__(self) -> None:
@@ -165,10 +169,12 @@ def spans_within(spans: Sequence[Span], offset: int, length: int) -> Optional[Li
     """The spans that tile ``[offset, offset + length)`` exactly, or None when a span crosses its
     ends (the range cannot be checked on its own) or the spans leave a gap.
 
-    Example::
+    Example:
 
-        spans_within([(0, 4, 1), (4, 6, 2)], 4, 6)     # [(4, 6, 2)]
-        spans_within([(0, 10, 1)], 4, 6)              # None
+    ```python
+    spans_within([(0, 4, 1), (4, 6, 2)], 4, 6)     # [(4, 6, 2)]
+    spans_within([(0, 10, 1)], 4, 6)              # None
+    ```
     """
     found = [s for s in spans if s[0] < offset + length and s[0] + s[1] > offset]
     if length == 0:
@@ -184,12 +190,14 @@ def spans_within(spans: Sequence[Span], offset: int, length: int) -> Optional[Li
 
 
 def check_bytes(data: Union[bytes, memoryview], offset: int, spans: Sequence[Span], where: str, what: str) -> None:
-    """Raise :class:`ChecksumMismatchError` unless every span (absolute offsets; ``data`` starts at
-    ``offset``) has its recorded crc32c.
+    """Raise [`ChecksumMismatchError`][dist_ckpt.errors.ChecksumMismatchError] unless every span (absolute offsets;
+    ``data`` starts at ``offset``) has its recorded crc32c.
 
-    Example::
+    Example:
 
-        check_bytes(raw, item_offset, spans, "ckpt/__0_0.distcp", "tensor 'w'")
+    ```python
+    check_bytes(raw, item_offset, spans, "ckpt/__0_0.distcp", "tensor 'w'")
+    ```
     """
     view = memoryview(data)
     for start, n, crc in spans:
@@ -202,7 +210,7 @@ def check_bytes(data: Union[bytes, memoryview], offset: int, spans: Sequence[Spa
 
 
 def manifest_json(files: Mapping[str, FileSpans]) -> bytes:
-    """The manifest listing ``files`` (what rank 0 writes as :data:`CHECKSUMS_FILENAME`)."""
+    """The manifest listing ``files`` (what rank 0 writes as `CHECKSUMS_FILENAME`)."""
     doc = {
         "format": _FORMAT,
         "version": _VERSION,

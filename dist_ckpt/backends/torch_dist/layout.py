@@ -14,13 +14,15 @@ The mapping is Megatron-Core's (``megatron.core.dist_checkpointing.strategies.to
 * a ShardedObject is a bytes item keyed by its unique key ``<key>/shard_<offset>_<shape>``, holding
   ``torch.save`` of a list of the values this rank saved under that key (normally one).
 
-:func:`parse_layout` reads what a ``.metadata`` describes into :class:`StoredTensor` records (with
-every chunk's file and byte range); :func:`write_chunk` gives the chunk a ShardedTensor is saved as.
+`parse_layout()` reads what a ``.metadata`` describes into `StoredTensor` records (with
+every chunk's file and byte range); `write_chunk()` gives the chunk a ShardedTensor is saved as.
 
-Example::
+Example:
 
-    layout = parse_layout(read_metadata(ckpt), str(ckpt))
-    layout.tensors["decoder.w"].shape, layout.tensors["decoder.w"].chunks[0].file
+```python
+layout = parse_layout(read_metadata(ckpt), str(ckpt))
+layout.tensors["decoder.w"].shape, layout.tensors["decoder.w"].chunks[0].file
+```
 """
 
 from __future__ import annotations
@@ -179,10 +181,12 @@ def parse_layout(md: Metadata, where: str) -> TorchDistLayout:
         CorruptCheckpointError: an entry of an unknown kind, a chunk with no file, a chunk
             outside its tensor, or a reformulated tensor whose recorded shape does not fit.
 
-    Example::
+    Example:
 
-        layout = parse_layout(md, "ckpt/iter_10")
-        [c.item.file for c in layout.tensors["w"].chunks]
+    ```python
+    layout = parse_layout(md, "ckpt/iter_10")
+    [c.item.file for c in layout.tensors["w"].chunks]
+    ```
     """
     extra = mcore_data(md)
     tensors: Dict[str, StoredTensor] = {}
@@ -218,7 +222,7 @@ def parse_layout(md: Metadata, where: str) -> TorchDistLayout:
 
 def tensors_metadata(layout: TorchDistLayout) -> ShardedStateDict:
     """``{key: ShardedTensor}`` (data on the meta device) of every stored tensor, described as it
-    was saved (:func:`~dist_ckpt.model.stored_metadata.stored_tensor_metadata`), as Megatron-Core
+    was saved (`stored_tensor_metadata()`), as Megatron-Core
     describes them: with its global shape, or -- stored reformulated (saved as flattened ranges) --
     by its original shape with one flattened range covering all of it."""
     return {
@@ -228,7 +232,7 @@ def tensors_metadata(layout: TorchDistLayout) -> ShardedStateDict:
 
 
 def sharded_metadata(layout: TorchDistLayout, with_objects: bool) -> ShardedStateDict:
-    """:func:`tensors_metadata` plus, when ``with_objects``, every ShardedObject by unique key
+    """`tensors_metadata()` plus, when ``with_objects``, every ShardedObject by unique key
     (bytes entries whose key is not a unique key are skipped)."""
     out = tensors_metadata(layout)
     if with_objects:
@@ -273,10 +277,12 @@ def write_chunk(sh: ShardedTensor) -> Tuple[Shape, Shape, Shape]:
         InvalidShardedTensorError: a flattened ShardedTensor whose local chunks do not tile its
             global shape (the reformulated layout needs a regular grid).
 
-    Example::
+    Example:
 
-        write_chunk(ShardedTensor.from_rank_offsets("w", torch.zeros(2, 4), (0, 1, 2)))
-        # ((2, 0), (2, 4), (4, 4))
+    ```python
+    write_chunk(ShardedTensor.from_rank_offsets("w", torch.zeros(2, 4), (0, 1, 2)))
+    # ((2, 0), (2, 4), (4, 4))
+    ```
     """
     full_local = sh.full_local_shape
     if sh.flattened_range is None:

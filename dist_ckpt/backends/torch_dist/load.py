@@ -4,13 +4,13 @@ Reads what Megatron-Core's ``torch_dist`` backend (and dist_ckpt's) writes, in a
 request describes: TP/PP/DP resharding, flattened ranges -- requested, or stored in Megatron-Core's
 reformulated layout --, ``allow_shape_mismatch``, dtype casting, ShardedObjects. Steps:
 
-1. read ``.metadata`` with the restricted unpickler (:mod:`.metadata`: nothing from the file is
+1. read ``.metadata`` with the restricted unpickler (`metadata`: nothing from the file is
    run) and, when the checkpoint has one, the checksum manifest;
 2. check every request against it before reading a byte: absent keys raise
-   :class:`~dist_ckpt.errors.KeyMismatchError`, global shapes that differ raise
-   :class:`~dist_ckpt.errors.LoadMismatchError` (unless ``allow_shape_mismatch``), dtypes that differ
+   [`KeyMismatchError`][dist_ckpt.errors.KeyMismatchError], global shapes that differ raise
+   [`LoadMismatchError`][dist_ckpt.errors.LoadMismatchError] (unless ``allow_shape_mismatch``), dtypes that differ
    are cast (logged at INFO) unless ``allow_dtype_cast=False``;
-3. plan the reads (:mod:`.read_plan`: DCP's own resharding helper), in the order of the bytes in
+3. plan the reads (`read_plan`: DCP's own resharding helper), in the order of the bytes in
    the files (DCP reads in plan order: a cold read is then sequential), and run them with DCP's
    ``load`` on this rank alone (``no_dist=True``: no collective, so it also works without a process
    group), through DCP's ``FileSystemReader``, which ``copy_`` s each stored item into the result
@@ -18,17 +18,20 @@ reformulated layout --, ``allow_shape_mismatch``, dtype casting, ShardedObjects.
 4. when the manifest records checksums, each item's bytes are checked against their crc32c
    (through a memory map: one crc pass, no copy) before DCP unpickles them; ShardedObjects are
    unpickled with ``torch.load(weights_only=True)`` (with
-   :data:`~dist_ckpt.backends.torch_common.plain_types.PLAIN_DATA_TYPES` allowed), never with
+   `PLAIN_DATA_TYPES` allowed), never with
    full pickle unless ``allow_pickle``.
 
 Plain DCP directories (``torch.distributed.checkpoint.save`` of torchtitan, OLMo-core, ...: no
 ``metadata.json``) are read by the same code; their bytes entries are not ShardedObjects but the
-state dict's other values, which :class:`~.plain.DCPCommonLoadStrategy` returns as the common state.
+state dict's other values, which [`DCPCommonLoadStrategy`][dist_ckpt.backends.torch_dist.plain.DCPCommonLoadStrategy]
+returns as the common state.
 
-Example::
+Example:
 
-    dc.load(sharded_state_dict, "megatron_ckpt/iter_0001000")      # metadata.json says torch_dist
-    dc.load(sd, ckpt, sharded_strategy=TorchDistLoadShardedStrategy(allow_pickle=True))  # trusted
+```python
+dc.load(sharded_state_dict, "megatron_ckpt/iter_0001000")      # metadata.json says torch_dist
+dc.load(sd, ckpt, sharded_strategy=TorchDistLoadShardedStrategy(allow_pickle=True))  # trusted
+```
 """
 
 from __future__ import annotations
@@ -152,7 +155,7 @@ def open_checkpoint(
 
     Raises:
         NotACheckpointError: no ``.metadata``.
-        UnsafeObjectError, CorruptCheckpointError, ChecksumMismatchError: see :mod:`.metadata`.
+        UnsafeObjectError, CorruptCheckpointError, ChecksumMismatchError: see `metadata`.
     """
     storage = resolve_location(checkpoint_dir)
     where = storage.url_of(DCP_METADATA_FILENAME)
@@ -318,11 +321,13 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         verify_checksums: check each item read against the crc32c recorded at save time (when
             the checkpoint has ``torch_dist.checksums.json``).
         allow_dtype_cast: load a tensor stored in another dtype into the requested one (as
-            Megatron-Core and DCP do); False raises :class:`~dist_ckpt.errors.LoadMismatchError`.
+            Megatron-Core and DCP do); False raises [`LoadMismatchError`][dist_ckpt.errors.LoadMismatchError].
 
-    Example::
+    Example:
 
-        dc.load(sd, "ckpt", sharded_strategy=TorchDistLoadShardedStrategy(verify_checksums=False))
+    ```python
+    dc.load(sd, "ckpt", sharded_strategy=TorchDistLoadShardedStrategy(verify_checksums=False))
+    ```
     """
 
     supported_backends: ClassVar[Tuple[str, ...]] = ("torch_dist",)
@@ -399,7 +404,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
     def _check_tensors(self, tensors: Sequence[ShardedTensor], layout: TorchDistLayout) -> None:
         """Absent keys, global shapes and dtypes against ``.metadata``, as every loader checks them
-        (:func:`~dist_ckpt.backends.request_checks.check_requested_tensors`)."""
+        (`check_requested_tensors()`)."""
 
         def lookup(key: str) -> Optional[Tuple[torch.dtype, Tuple[int, ...]]]:
             stored = layout.tensors.get(key)
@@ -409,7 +414,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
     def with_dtype_cast(self, allow: bool) -> "TorchDistLoadShardedStrategy":
         """This loader, converting (``allow``) or refusing requested dtypes that differ from the
-        stored ones (see :mod:`dist_ckpt.model.dtype_cast`); a copy when the setting differs."""
+        stored ones (see `dist_ckpt.model.dtype_cast`); a copy when the setting differs."""
         if self.allow_dtype_cast == allow:
             return self
         clone = copy.copy(self)

@@ -1,6 +1,6 @@
 """Read DCP's ``.metadata`` without running code from the checkpoint.
 
-``.metadata`` is a pickle of :class:`torch.distributed.checkpoint.metadata.Metadata`. Unpickling
+``.metadata`` is a pickle of `torch.distributed.checkpoint.metadata.Metadata`. Unpickling
 an arbitrary pickle runs whatever callables it names, so DCP's own reader (``pickle.load``),
 Megatron-Core and torchtitan all execute code from the checkpoint directory. This module reads
 it with a restricted unpickler that admits only what DCP metadata is made of:
@@ -19,14 +19,16 @@ it with a restricted unpickler that admits only what DCP metadata is made of:
 
 Rebuilding any of them runs no code from the file (dataclass instances are created with
 ``__new__`` and their fields set; ``torch.Size``, the enums and ``_get_layout`` only convert
-values). Any other global raises :class:`~dist_ckpt.errors.UnsafeObjectError` naming the file,
+values). Any other global raises [`UnsafeObjectError`][dist_ckpt.errors.UnsafeObjectError] naming the file,
 the global and the opt-in (``allow_pickle=True`` on the load strategy, for checkpoints you
 trust), before it is called.
 
-Example::
+Example:
 
-    md = read_metadata("ckpt/iter_10")                 # a DcpMetadata
-    md.state_dict_metadata["decoder.w"].size
+```python
+md = read_metadata("ckpt/iter_10")                 # a DcpMetadata
+md.state_dict_metadata["decoder.w"].size
+```
 """
 
 from __future__ import annotations
@@ -162,9 +164,11 @@ def unpickle_metadata(data: bytes, where: str, allow_pickle: bool = False) -> Me
         UnsafeObjectError: the pickle references a global DCP metadata does not use.
         CorruptCheckpointError: not a pickle, truncated, or not a ``Metadata``.
 
-    Example::
+    Example:
 
-        md = unpickle_metadata(Path("ckpt/.metadata").read_bytes(), "ckpt/.metadata")
+    ```python
+    md = unpickle_metadata(Path("ckpt/.metadata").read_bytes(), "ckpt/.metadata")
+    ```
     """
     try:
         found = RestrictedUnpickler(io.BytesIO(data), where, allow_pickle).load()
@@ -187,12 +191,14 @@ def read_metadata(checkpoint_dir: LocationLike, allow_pickle: bool = False) -> M
 
     Raises:
         NotACheckpointError: the checkpoint has no ``.metadata`` (a DCP save that never finished).
-        UnsafeObjectError, CorruptCheckpointError: see :func:`unpickle_metadata`.
+        UnsafeObjectError, CorruptCheckpointError: see `unpickle_metadata()`.
 
-    Example::
+    Example:
 
-        md = read_metadata("ckpt/iter_10")
-        sorted(md.state_dict_metadata)
+    ```python
+    md = read_metadata("ckpt/iter_10")
+    sorted(md.state_dict_metadata)
+    ```
     """
     storage = resolve_location(checkpoint_dir)
     try:

@@ -1,8 +1,8 @@
 """Plain DCP directories: what ``torch.distributed.checkpoint.save`` writes (torchtitan, OLMo-core).
 
 A directory with DCP's ``.metadata`` and no ``metadata.json`` is loaded with the backend
-``("dcp", 1)`` (see :func:`dist_ckpt.engine.commit.detect_config`), as HuggingFace folders are with
-``("hf", 1)``:
+``("dcp", 1)`` (see [`dist_ckpt.engine.commit.detect_config()`][dist_ckpt.engine.commit.detect_config]), as HuggingFace
+folders are with ``("hf", 1)``:
 
 * tensors are requested by their DCP key -- the state dict's flattened path, ``model.layers.0.w``
   -- with ShardedTensors describing the part each rank wants, in any layout (DTensor and
@@ -11,14 +11,16 @@ A directory with DCP's ``.metadata`` and no ``metadata.json`` is loaded with the
   entries: they form the *common state*, nested again along the paths DCP recorded in its
   ``planner_data`` (lists where a path has integer components; a key without a recorded path
   stays flat), unpickled with
-  ``torch.load(weights_only=True)`` (:data:`~dist_ckpt.backends.torch_common.plain_types.PLAIN_DATA_TYPES`
+  ``torch.load(weights_only=True)`` (`PLAIN_DATA_TYPES`
   allowed) unless ``allow_pickle``;
-* there are no ShardedObjects: requesting one raises :class:`~dist_ckpt.errors.KeyMismatchError`.
+* there are no ShardedObjects: requesting one raises [`KeyMismatchError`][dist_ckpt.errors.KeyMismatchError].
 
-Example::
+Example:
 
-    sd = {"w": ShardedTensor.from_rank_offsets("model.layers.0.w", local, (0, rank, world))}
-    state = dc.load(sd, "torchtitan/step-1000")          # state["step"] comes from the bytes entries
+```python
+sd = {"w": ShardedTensor.from_rank_offsets("model.layers.0.w", local, (0, rank, world))}
+state = dc.load(sd, "torchtitan/step-1000")          # state["step"] comes from the bytes entries
+```
 """
 
 from __future__ import annotations
@@ -47,8 +49,9 @@ _OPT_IN = "common_strategy=DCPCommonLoadStrategy(allow_pickle=True)"
 
 
 class DCPLoadShardedStrategy(TorchDistLoadShardedStrategy):
-    """The tensors of a plain DCP directory, in any sharding (see :class:`TorchDistLoadShardedStrategy`
-    for the arguments); its bytes entries are common state, not ShardedObjects."""
+    """The tensors of a plain DCP directory, in any sharding (see
+    [`TorchDistLoadShardedStrategy`][dist_ckpt.backends.torch_dist.load.TorchDistLoadShardedStrategy] for the
+    arguments); its bytes entries are common state, not ShardedObjects."""
 
     supported_backends: ClassVar[Tuple[str, ...]] = (DCP_BACKEND[0],)
     supported_versions: ClassVar[Tuple[int, ...]] = (DCP_BACKEND[1],)

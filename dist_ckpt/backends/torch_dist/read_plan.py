@@ -1,17 +1,17 @@
 """Which DCP items a load reads, and where their values go: a DCP ``LoadPlanner`` for ShardedTensors.
 
-DCP reshards with :func:`torch.distributed.checkpoint.planner_helpers.create_read_items_for_chunk_list`:
+DCP reshards with `torch.distributed.checkpoint.planner_helpers.create_read_items_for_chunk_list()`:
 given the chunks a rank wants of a stored tensor, it returns ``ReadItem`` s (which stored chunk,
 which box of it, which box of the wanted chunk). DCP's reader then loads each stored item,
 narrows it and ``copy_`` s it into the tensor the planner's ``resolve_tensor`` returns -- casting
 to that tensor's dtype on the way. This module turns dist_ckpt requests into wanted chunks:
 
 * a ShardedTensor wants the box ``global_offset`` / ``(1,) * prepend_axis_num + local_shape``; a
-  flattened one the few boxes its flat range is made of (:func:`~dist_ckpt.model.geometry.shard_pieces`);
+  flattened one the few boxes its flat range is made of (`shard_pieces()`);
   each box's destination is a view of the result tensor, so DCP copies straight into it (in place
   when the request's ``data`` is allocated);
 * with ``allow_shape_mismatch`` the box is clipped to the stored tensor and the rest zero-filled;
-* a tensor stored *reformulated* (Megatron-Core's flattened layout, see :mod:`.layout`) keeps each
+* a tensor stored *reformulated* (Megatron-Core's flattened layout, see `layout`) keeps each
   block's elements in row-major order on its flat axis: a flattened request of the saved layout,
   or a whole block wanted in contiguous memory, is read straight into place; otherwise, for each
   block a box overlaps, the plan reads the flat range from the box's first to its last element
@@ -19,10 +19,10 @@ to that tensor's dtype on the way. This module turns dist_ckpt requests into wan
   of the range arrived.
 
 Every wanted chunk must be covered exactly by stored chunks; a gap (a damaged ``.metadata``)
-raises :class:`~dist_ckpt.errors.CorruptCheckpointError` before anything is read.
+raises [`CorruptCheckpointError`][dist_ckpt.errors.CorruptCheckpointError] before anything is read.
 
 ShardedObjects are ``BYTE_IO`` items; ``load_bytes`` unpickles them with
-``torch.load(weights_only=True)`` (see :mod:`.objects`), never with DCP's default full pickle.
+``torch.load(weights_only=True)`` (see `objects`), never with DCP's default full pickle.
 """
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ def object_read_item(unique_key: str) -> ReadItem:
 
 
 class ReadPlanner(LoadPlanner):
-    """A DCP ``LoadPlanner`` whose plan is made beforehand (:func:`plan_tensor_reads`), for one rank
+    """A DCP ``LoadPlanner`` whose plan is made beforehand (`plan_tensor_reads()`), for one rank
     without collectives (``dcp.load(..., no_dist=True)``).
 
     Args:

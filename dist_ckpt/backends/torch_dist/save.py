@@ -3,11 +3,11 @@
 A save writes what Megatron-Core's ``dist_checkpointing.save`` writes with its ``torch_dist``
 backend, so that megatron-core (and DCP's own reader) load it: DCP's ``.metadata`` and each rank's
 ``__<rank>_<n>.distcp`` files (``thread_count`` per rank), one ``torch.save`` archive per tensor
-chunk, ShardedObjects as bytes entries inside DCP (see :mod:`.layout`). ``dist_ckpt.save`` adds
+chunk, ShardedObjects as bytes entries inside DCP (see `layout`). ``dist_ckpt.save`` adds
 ``common.pt`` (the ``torch`` common backend) and commits ``metadata.json`` with exactly Megatron's
 four keys (dist_ckpt's own record of the save goes to ``dist_ckpt.json``: Megatron-Core refuses
 unknown keys in ``metadata.json``). The crc32c of every item written is recorded in
-``torch_dist.checksums.json`` (see :mod:`.checksums`).
+``torch_dist.checksums.json`` (see `checksums`).
 
 DCP does the writing: each rank builds DCP ``WriteItem`` s for its main replicas and hands them
 to DCP's ``FileSystemWriter.write_data`` (which names, splits and serializes the files); the
@@ -19,16 +19,18 @@ it, so both produce the same files:
 
 1. (local) plan this rank's items; synchronous: write them now, straight from the tensors;
    asynchronous: copy the tensors into a shared-memory snapshot and return an
-   :class:`~dist_ckpt.async_save.queue.AsyncRequest` whose background process writes them;
+   [`AsyncRequest`][dist_ckpt.async_save.queue.AsyncRequest] whose background process writes them;
 2. (collective, at the end of ``save`` or at finalization) gather what each rank wrote; rank 0
    writes ``.metadata`` and the checksum manifest, atomically and durably.
 
 Local directories only (DCP's file system writer).
 
-Example::
+Example:
 
-    dc.save(sd, "ckpt/iter_10", sharded_strategy=("torch_dist", 1))
-    request = dc.save(sd, "ckpt/iter_20", sharded_strategy=("torch_dist", 1), async_sharded_save=True)
+```python
+dc.save(sd, "ckpt/iter_10", sharded_strategy=("torch_dist", 1))
+request = dc.save(sd, "ckpt/iter_20", sharded_strategy=("torch_dist", 1), async_sharded_save=True)
+```
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ TORCH_DIST_BACKEND: Tuple[str, int] = ("torch_dist", 1)
 
 @dataclass(frozen=True)
 class TorchDistSaveOptions:
-    """How :class:`TorchDistSaveShardedStrategy` writes.
+    """How [`TorchDistSaveShardedStrategy`][dist_ckpt.backends.torch_dist.save.TorchDistSaveShardedStrategy] writes.
 
     Attributes:
         thread_count: writer threads per rank, each writing one file (``__<rank>_<n>.distcp``),
@@ -158,7 +160,7 @@ def _torch_bytes(value: Any) -> bytes:
 
 
 def plan_rank(sharded_state_dict: ShardedStateDict) -> Tuple[RankPlan, List[torch.Tensor]]:
-    """This rank's :class:`RankPlan` and the data of its chunks (views shaped like the chunks).
+    """This rank's `RankPlan` and the data of its chunks (views shaped like the chunks).
 
     ShardedObjects with the same unique key on this rank are saved together as one list, as
     Megatron-Core does; only main replicas are saved.
@@ -221,10 +223,12 @@ def write_rank(
 
     Local: no collective (it also runs in the asynchronous save's background process).
 
-    Example::
+    Example:
 
-        plan, tensors = plan_rank(sharded_state_dict)
-        written = write_rank("ckpt/iter_10", plan, tensors, TorchDistSaveOptions())
+    ```python
+    plan, tensors = plan_rank(sharded_state_dict)
+    written = write_rank("ckpt/iter_10", plan, tensors, TorchDistSaveOptions())
+    ```
     """
     items: List[WriteItem] = []
     data: Dict[MetadataIndex, Union[torch.Tensor, bytes]] = {}
@@ -253,7 +257,7 @@ def write_rank(
 
 
 def write_snapshot(directory: str, plan: RankPlan, snapshot: Snapshot, options: TorchDistSaveOptions) -> Dict[str, Any]:
-    """:func:`write_rank` from a shared-memory snapshot: the background half of an asynchronous
+    """`write_rank()` from a shared-memory snapshot: the background half of an asynchronous
     save (runs in the async worker process, calls no collective)."""
     tensors = []
     for i, entry in enumerate(plan.chunks):
@@ -341,8 +345,8 @@ def commit_metadata(storage: Storage, written: Dict[str, Any], options: TorchDis
 class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
     """Saves in Megatron-Core's ``torch_dist`` format through torch.distributed.checkpoint.
 
-    Synchronous :meth:`save` (collective): every rank writes its files (step 1 of the module
-    docstring), then rank 0 writes ``.metadata`` and the manifest (step 2). :meth:`async_save`
+    Synchronous `save()` (collective): every rank writes its files (step 1 of the module
+    docstring), then rank 0 writes ``.metadata`` and the manifest (step 2). [`async_save()`][.async_save]
     (local) snapshots the tensors and returns the request whose background process writes the
     files and whose finalization runs step 2. ShardedObjects are saved inside DCP.
 
@@ -355,11 +359,13 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         thread_count: writer threads (files) per rank; overrides ``options.thread_count``.
         options: threads, checksums, fsync.
 
-    Example::
+    Example:
 
-        strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=4)
-        dc.save(sd, "ckpt/iter_10", sharded_strategy=strategy)
-        TorchDistSaveShardedStrategy(options=TorchDistSaveOptions(checksums=False))
+    ```python
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=4)
+    dc.save(sd, "ckpt/iter_10", sharded_strategy=strategy)
+    TorchDistSaveShardedStrategy(options=TorchDistSaveOptions(checksums=False))
+    ```
     """
 
     owned_paths: ClassVar[Tuple[str, ...]] = (
@@ -415,7 +421,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         return AsyncRequest(write_snapshot, args, [finalize], outcome=outcome)
 
     def begin_stream(self, checkpoint_dir: Storage, layout: Sequence[TensorLayout]) -> TensorStreamWriter:
-        """Write whole tensors (and ShardedObjects) one at a time (one process; see :mod:`.stream`)."""
+        """Write whole tensors (and ShardedObjects) one at a time (one process; see `stream`)."""
         from dist_ckpt.backends.torch_dist.stream import TorchDistStreamWriter
 
         return TorchDistStreamWriter(local_storage(checkpoint_dir), layout, self.options)

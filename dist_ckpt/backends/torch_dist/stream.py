@@ -5,18 +5,20 @@ tensors produces -- one file ``__0_0.distcp`` holding one DCP item per tensor (a
 archive, as DCP's writer makes it) and one per ShardedObject, then DCP's ``.metadata`` and the
 checksum manifest -- written tensor by tensor, so memory holds one tensor at a time:
 
-1. :meth:`TorchDistStreamWriter.add` appends a tensor's item and keeps only its byte range and
+1. `TorchDistStreamWriter.add()` appends a tensor's item and keeps only its byte range and
    crc32c;
-2. :meth:`TorchDistStreamWriter.add_object` appends a ShardedObject (after the tensors);
-3. :meth:`TorchDistStreamWriter.finish` fsyncs the file; DCP's planner builds the ``Metadata``
-   and DCP's ``FileSystemWriter.finish`` writes ``.metadata`` (see :mod:`.save`).
+2. `TorchDistStreamWriter.add_object()` appends a ShardedObject (after the tensors);
+3. `TorchDistStreamWriter.finish()` fsyncs the file; DCP's planner builds the ``Metadata``
+   and DCP's ``FileSystemWriter.finish`` writes ``.metadata`` (see [`save`][dist_ckpt.backends.torch_dist.save]).
 
-Example::
+Example:
 
-    writer = TorchDistSaveShardedStrategy().begin_stream(LocalStorage("out"), [("w", torch.float32, (4, 4))])
-    writer.add("w", torch.zeros(4, 4))
-    writer.add_object("rng/shard_0_1", {"seed": 1})
-    writer.finish()          # then commit metadata.json
+```python
+writer = TorchDistSaveShardedStrategy().begin_stream(LocalStorage("out"), [("w", torch.float32, (4, 4))])
+writer.add("w", torch.zeros(4, 4))
+writer.add_object("rng/shard_0_1", {"seed": 1})
+writer.finish()          # then commit metadata.json
+```
 """
 
 from __future__ import annotations

@@ -10,10 +10,12 @@ One process, never raises for damage. Checks, in order:
    and each item is checked as what DCP writes, a ``torch.save`` zip archive whose members carry
    their own CRC-32.
 
-Example::
+Example:
 
-    report = verify_torch_dist("ckpt/iter_10")
-    [str(p) for p in report.problems]
+```python
+report = verify_torch_dist("ckpt/iter_10")
+[str(p) for p in report.problems]
+```
 """
 
 from __future__ import annotations

@@ -3,20 +3,21 @@
 At save time every rank digests the files it wrote (chunk files and ``zarr.json`` nodes: it
 reads them back once, from the page cache, since the bytes on disk are what the engine encoded),
 the digests are gathered to rank 0, and rank 0 writes ``zarr/checksums.json`` -- a checksum
-manifest (see :mod:`dist_ckpt.integrity.checksums`) of every file under ``zarr/``, by path relative to it.
+manifest (see [`dist_ckpt.integrity.checksums`][dist_ckpt.integrity.checksums]) of every file under ``zarr/``, by path
+relative to it.
 
 At load time:
 
 * the zarr-python engine sees the raw bytes of every file it reads: its store is a
-  :class:`VerifyingStore`, which checks each whole file it returns against the manifest, with
+  `VerifyingStore`, which checks each whole file it returns against the manifest, with
   no extra I/O;
 * TensorStore decodes chunks in its own threads and never shows their bytes, so its loader reads
-  every chunk file a load touches once more, before TensorStore does (:func:`check_files`; the
+  every chunk file a load touches once more, before TensorStore does (`check_files()`; the
   page cache then serves TensorStore's read): a second pass over the bytes, which
   ``TensorStoreLoadShardedStrategy(verify_checksums=False)`` skips.
 
 A checkpoint without the manifest (saved before checksums existed) loads without verification.
-:func:`verify_zarr` checks a whole checkpoint for ``dist-ckpt verify``.
+`verify_zarr()` checks a whole checkpoint for ``dist-ckpt verify``.
 """
 
 from __future__ import annotations
@@ -74,9 +75,11 @@ def commit_checksums(
     manifest of every rank's files. Files in ``known`` (digested as they were written) are not
     read again.
 
-    Example::
+    Example:
 
-        commit_checksums(ckpt / "zarr", files_this_rank_wrote)   # every rank, after the writes
+    ```python
+    commit_checksums(ckpt / "zarr", files_this_rank_wrote)   # every rank, after the writes
+    ```
     """
 
     def digest_all() -> Dict[str, Any]:
@@ -113,12 +116,14 @@ MANIFEST_KEY = f"{ZARR_DIR}/{CHECKSUMS_FILENAME}"
 def read_checksums(checkpoint_dir: ObjectPath) -> Optional[Dict[str, FileDigest]]:
     """The manifest of a zarr checkpoint, or None if it was saved without checksums.
 
-    Read through :func:`~dist_ckpt.engine.records.read_recorded`: a manifest that
+    Read through `read_recorded()`: a manifest that
     ``metadata.json`` records but that is missing or changed raises (fails closed).
 
-    Example::
+    Example:
 
-        manifest = read_checksums(checkpoint_node("ckpt/iter_1000", "verify")) or {}
+    ```python
+    manifest = read_checksums(checkpoint_node("ckpt/iter_1000", "verify")) or {}
+    ```
     """
     raw = read_recorded(checkpoint_dir, MANIFEST_KEY)
     return None if raw is None else parse_manifest_bytes(raw, str(checkpoint_dir / MANIFEST_KEY))
@@ -128,9 +133,11 @@ def manifest_check(root: ObjectPath, manifest: Optional[Mapping[str, FileDigest]
     """A check of each ``zarr.json`` read under ``root`` (``zarr/``) against ``manifest``, or None
     without one: a node the manifest does not list was not written by the save.
 
-    Example::
+    Example:
 
-        plan_request(requested, ckpt, manifest_check(ckpt / "zarr", read_checksums(ckpt)))
+    ```python
+    plan_request(requested, ckpt, manifest_check(ckpt / "zarr", read_checksums(ckpt)))
+    ```
     """
     if manifest is None:
         return None
@@ -152,9 +159,11 @@ def drop_from_checksums(root: ObjectPath, tensor_dir_name: str) -> None:
     """Remove a deleted tensor's files from the manifest (if there is one), and update the
     manifest's integrity record in ``metadata.json``; one process calls it.
 
-    Example::
+    Example:
 
-        drop_from_checksums(ckpt / "zarr", tensor_dir_name("old.w"))
+    ```python
+    drop_from_checksums(ckpt / "zarr", tensor_dir_name("old.w"))
+    ```
     """
     manifest = read_checksums(root.parent)
     if manifest is not None:
@@ -166,9 +175,11 @@ def drop_from_checksums(root: ObjectPath, tensor_dir_name: str) -> None:
 def chunk_files(array_path: ObjectPath, region: Box) -> List[ObjectPath]:
     """The chunk files of the array at ``array_path`` that hold ``region``.
 
-    Example::
+    Example:
 
-        chunk_files(ckpt / "zarr" / "w", Box((0, 0), (4, 8)))   # [.../w/c/0/0, ...]
+    ```python
+    chunk_files(ckpt / "zarr" / "w", Box((0, 0), (4, 8)))   # [.../w/c/0/0, ...]
+    ```
     """
     doc = read_zarr_json(array_path)
     if doc is None:
@@ -183,9 +194,11 @@ def chunk_files(array_path: ObjectPath, region: Box) -> List[ObjectPath]:
 def check_files(root: ObjectPath, paths: Sequence[ObjectPath], manifest: Mapping[str, FileDigest], key: str) -> None:
     """Check each file under ``root`` that the manifest lists against it (read once each).
 
-    Example::
+    Example:
 
-        check_files(ckpt / "zarr", chunk_files(array_path, region), manifest, "w")
+    ```python
+    check_files(ckpt / "zarr", chunk_files(array_path, region), manifest, "w")
+    ```
 
     Raises:
         CorruptCheckpointError: a missing or resized file; ChecksumMismatchError: other bytes.
@@ -200,7 +213,7 @@ class VerifyingStore:
     """Builds zarr-python stores that check every whole file they return against the manifest.
 
     A factory instead of a class at import time: zarr is an optional dependency, imported only
-    by the zarr engine that calls :meth:`open`.
+    by the zarr engine that calls `open()`.
     """
 
     def __init__(self, root: ObjectPath, manifest: Mapping[str, FileDigest]) -> None:
@@ -210,7 +223,7 @@ class VerifyingStore:
 
     def open(self, array_path: ObjectPath) -> Any:
         """A read-only ``LocalStore`` subclass rooted at ``array_path`` (a storage with
-        ``local_paths``; :meth:`open_objects` serves object stores)."""
+        ``local_paths``; `open_objects()` serves object stores)."""
         if self._cls is None:
             self._cls = _store_class()
         return self._cls(array_path.local_path(), array_path.relative_to(self.root), self.manifest)
@@ -260,9 +273,11 @@ def verify_zarr(checkpoint_dir: ObjectPath) -> IntegrityReport:
     checkpoints): every tensor's metadata must parse and every chunk file must exist with the
     size its array implies.
 
-    Example::
+    Example:
 
-        for problem in verify_zarr(checkpoint_node("ckpt/iter_1000", "verify")).problems: print(problem)
+    ```python
+    for problem in verify_zarr(checkpoint_node("ckpt/iter_1000", "verify")).problems: print(problem)
+    ```
     """
     root = checkpoint_dir / ZARR_DIR
     report = IntegrityReport()

@@ -2,7 +2,7 @@
 checkpoints that stored them under their zarr-extensions names.
 
 dist_ckpt now writes these tensors as raw bits in ``uint16`` / ``uint8`` arrays, which every zarr
-v3 reader opens (:func:`dist_ckpt.backends.zarr.nodes.stored_numpy_dtype`); checkpoints written
+v3 reader opens (`dist_ckpt.backends.zarr.nodes.stored_numpy_dtype()`); checkpoints written
 before that name them ``"bfloat16"``, ``"float8_e4m3fn"``, ... (the zarr-extensions registry, which
 TensorStore reads natively). The zarr-python load strategy registers the names on first use,
 never at import of dist_ckpt, and leaves alone any name zarr-python already knows (a later zarr

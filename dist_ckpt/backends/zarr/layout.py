@@ -1,18 +1,20 @@
 """Where things are in a zarr-format checkpoint: directory and file names, chunk keys, the root.
 
-Both engines -- zarr-python (:mod:`.zarr_python`) and TensorStore (:mod:`.tensorstore_engine`) --
-and the modules that read the metadata (:mod:`.metadata`), plan reads (:mod:`.read_plan`) and
-write nodes (:mod:`.nodes`) share these names; this module imports neither library.
+Both engines -- zarr-python ([`zarr_python`][dist_ckpt.backends.zarr.zarr_python]) and TensorStore
+([`tensorstore_engine`][dist_ckpt.backends.zarr.tensorstore_engine]) -- and the modules that read the metadata
+(`metadata`), plan reads (`read_plan`) and write nodes (`nodes`) share these names; this module imports neither library.
 
-Layout::
+Layout:
 
-    zarr/zarr.json                              root group
-    zarr/checksums.json                         checksum manifest (see :mod:`.checksums`)
-    zarr/<encoded key>/zarr.json                array, chunk shape = saved shard shape
-    zarr/<encoded key>/c/<i>/<j>/...            one chunk per main-replica shard
-    zarr/<encoded key>/zarr.json                group (tensor saved as flattened ranges)
-    zarr/<encoded key>/<chunk idx>_<start>/     one 1-D fragment array per flattened shard
-    .partial-zarr/                              zarr/ while a save writes it (local disks)
+```text
+zarr/zarr.json                              root group
+zarr/checksums.json                         checksum manifest (see `checksums`)
+zarr/<encoded key>/zarr.json                array, chunk shape = saved shard shape
+zarr/<encoded key>/c/<i>/<j>/...            one chunk per main-replica shard
+zarr/<encoded key>/zarr.json                group (tensor saved as flattened ranges)
+zarr/<encoded key>/<chunk idx>_<start>/     one 1-D fragment array per flattened shard
+.partial-zarr/                              zarr/ while a save writes it (local disks)
+```
 
 Attributes under ``"dist_ckpt"``: ``key``, ``dtype`` and ``layout`` on each tensor; for the
 flattened layout also ``global_shape`` and ``chunk_shape``, and on each fragment its
@@ -22,12 +24,12 @@ Data types: an array's ``data_type`` is the tensor's dtype, except for the dtype
 has no data type for (bfloat16 and the float8 types), which are stored as the unsigned integers
 of their width holding the raw bits (``uint16``, ``uint8``) so that any zarr v3 reader opens
 them; the ``dtype`` attribute names the tensor's dtype
-(:func:`~dist_ckpt.backends.zarr.nodes.stored_numpy_dtype`). Readers take the dtype from the
+(`stored_numpy_dtype()`). Readers take the dtype from the
 attribute and view the bits, so checkpoints written with the zarr-extensions names
 (``"data_type": "bfloat16"``) load as well.
 
-Locations: every node is an :class:`~dist_ckpt.storage.object_path.ObjectPath` under the
-checkpoint's storage (:func:`checkpoint_node`), so one layout serves local directories and
+Locations: every node is an `ObjectPath` under the
+checkpoint's storage (`checkpoint_node()`), so one layout serves local directories and
 ``s3://`` checkpoints. The engines open arrays by local path where the storage has
 ``local_paths``, and through their own S3 clients where it is ``s3_compatible``.
 """
@@ -91,9 +93,11 @@ def checkpoint_node(location: LocationLike, engine: str) -> ObjectPath:
     Raises:
         IncompatibleStrategyError: an object store the engines' clients cannot reach.
 
-    Example::
+    Example:
 
-        root = checkpoint_node("s3://bucket/ckpt", "the zarr backend") / ZARR_DIR
+    ```python
+    root = checkpoint_node("s3://bucket/ckpt", "the zarr backend") / ZARR_DIR
+    ```
     """
     storage = resolve_location(location)
     if not storage.local_paths and not storage.s3_compatible:
@@ -105,7 +109,7 @@ def checkpoint_node(location: LocationLike, engine: str) -> ObjectPath:
 
 
 def s3_storage(node: ObjectPath) -> "S3Storage":
-    """The S3 storage of a node on an object store (:func:`checkpoint_node` made sure it is one),
+    """The S3 storage of a node on an object store (`checkpoint_node()` made sure it is one),
     whose ``obstore_store()`` and ``tensorstore_kvstore()`` hand the location to the engines."""
     storage: Storage = node.storage
     assert storage.s3_compatible, f"{storage!r} is not reachable by S3 clients"

@@ -1,7 +1,7 @@
 """Helpers of Megatron-Core's zarr strategy module, kept under its names.
 
 ``megatron.core.dist_checkpointing.strategies.zarr`` exposes these to code that loads zarr
-checkpoints its own way; :mod:`dist_ckpt.strategies.zarr` re-exports them from here.
+checkpoints its own way; `dist_ckpt.strategies.zarr` re-exports them from here.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def load_zarr_based_sharded_metadata(
     Args:
         checkpoint_dir: the checkpoint: a path, URL or storage, or its root node.
         get_shape_dtype_fn: returns ``(shape, numpy dtype)`` of the zarr array at a path (a
-            ``str`` for a local array, the :class:`ObjectPath` for one on S3); lets each engine
+            ``str`` for a local array, the `ObjectPath` for one on S3); lets each engine
             (zarr-python, TensorStore) open arrays its own way.
         manifest: the checkpoint's checksum manifest (None: saved without one); every tensor
             directory it lists must be present.

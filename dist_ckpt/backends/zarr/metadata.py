@@ -1,11 +1,11 @@
 """Reading the metadata of a zarr-format checkpoint: plain JSON, no array library needed.
 
-Every tensor's ``zarr.json`` is parsed and checked here (:func:`open_tensor_info`): its key,
+Every tensor's ``zarr.json`` is parsed and checked here (`open_tensor_info()`): its key,
 dtype, shape, chunk grid, and for tensors saved as flattened ranges every fragment; a malformed
-document is a :class:`~dist_ckpt.errors.CorruptCheckpointError` naming the file. The tensors of a
-checkpoint are found by listing ``zarr/`` (:func:`list_tensor_names`), checked against the
+document is a [`CorruptCheckpointError`][dist_ckpt.errors.CorruptCheckpointError] naming the file. The tensors of a
+checkpoint are found by listing ``zarr/`` (`list_tensor_names()`), checked against the
 checksum manifest so that a deleted tensor directory is noticed. After a failed read,
-:func:`damaged_chunks` names the missing or wrongly sized chunk files; :func:`describe_zarr`
+`damaged_chunks()` names the missing or wrongly sized chunk files; `describe_zarr()`
 describes the stored pieces for ``dist-ckpt inspect``.
 """
 
@@ -62,8 +62,8 @@ JsonCheck = Optional[Callable[[ObjectPath, bytes], None]]
 def read_zarr_json(node_dir: ObjectPath, check: JsonCheck = None) -> Optional[Dict[str, Any]]:
     """The parsed ``zarr.json`` of a node, or None if the node does not exist; with ``check``,
     its bytes are verified before they are parsed. Damage of any kind (size, depth, encoding,
-    type) is a :class:`CorruptCheckpointError` naming the file; a link leading out of the
-    checkpoint is refused by the storage (:class:`~dist_ckpt.errors.UnsafeLinkError`)."""
+    type) is a [`CorruptCheckpointError`][dist_ckpt.errors.CorruptCheckpointError] naming the file; a link leading out
+    of the checkpoint is refused by the storage ([`UnsafeLinkError`][dist_ckpt.errors.UnsafeLinkError])."""
     path = node_dir / "zarr.json"
     try:
         if path.storage.local_paths and path.stat().st_size > MAX_SMALL_JSON_BYTES:  # a stat is cheap there
@@ -122,10 +122,10 @@ def open_tensor_info(root: ObjectPath, name: str, check: JsonCheck = None) -> Op
     """Parse the metadata of the tensor stored under ``root/name`` (None if absent).
 
     Where the storage has directories (``local_paths``), a tensor directory without its
-    ``zarr.json`` is damage (:class:`CorruptCheckpointError`): a tensor is removed by renaming its
-    directory away, never by deleting ``zarr.json`` first. On an object store, which cannot
+    ``zarr.json`` is damage ([`CorruptCheckpointError`][dist_ckpt.errors.CorruptCheckpointError]): a tensor is removed
+    by renaming its directory away, never by deleting ``zarr.json`` first. On an object store, which cannot
     rename, removal deletes ``zarr.json`` first, so a prefix without it is a removed key (see
-    :func:`tensors_metadata` for the damage the manifest reveals)."""
+    `tensors_metadata()` for the damage the manifest reveals)."""
     path = root / name
     doc = read_zarr_json(path, check)
     if doc is None:
@@ -265,10 +265,10 @@ def tensors_metadata(
 ) -> ShardedStateDict:
     """``{key: ShardedTensor}`` (whole, unsharded, data on the meta device) for every tensor, as
     it was saved: a tensor of the flattened layout is one flattened range covering all of it
-    (see :mod:`dist_ckpt.model.stored_metadata`).
+    (see `dist_ckpt.model.stored_metadata`).
 
     Every tensor directory is listed or raises: a directory without its ``zarr.json`` is damage
-    (:func:`open_tensor_info`); on an object store, whose "directories" exist only through their
+    (`open_tensor_info()`); on an object store, whose "directories" exist only through their
     objects, a prefix without a ``zarr.json`` is damage when ``manifest`` lists that file (else
     it is what an interrupted ``remove_sharded_tensors`` leaves: the key is gone).
     """
@@ -321,9 +321,11 @@ def describe_zarr(checkpoint_dir: ObjectPath) -> Dict[str, List[StoredShardInfo]
     """The stored pieces of every tensor of a zarr-format checkpoint, from its ``zarr.json``
     files: a chunked tensor's chunks (each a saved shard), or a flattened tensor's fragments.
 
-    Example::
+    Example:
 
-        describe_zarr(checkpoint_node("ckpt", "inspect"))["w"][0].file    # "zarr/w/c/0/0"
+    ```python
+    describe_zarr(checkpoint_node("ckpt", "inspect"))["w"][0].file    # "zarr/w/c/0/0"
+    ```
     """
     root = checkpoint_dir / ZARR_DIR
     out: Dict[str, List[StoredShardInfo]] = {}

@@ -1,11 +1,11 @@
 """What the zarr engines write, as plain data: node metadata, attributes, groups, durability.
 
 The zarr-python engine builds the same nodes with zarr-python's own API; an engine without group
-support (TensorStore) uses :func:`array_metadata` and :func:`write_group`. Which rank creates
-which node (:func:`creates_array`, :func:`creates_flattened_group`) and what every node's
+support (TensorStore) uses `array_metadata()` and `write_group()`. Which rank creates
+which node (`creates_array()`, `creates_flattened_group()`) and what every node's
 ``dist_ckpt`` attributes hold are decided here, once, so both engines write the same checkpoint.
-:func:`fsync_written` makes what an engine wrote by local path durable. A save writes its tree
-into :func:`writing_root` and gives it its final name with :func:`publish_written` once every
+`fsync_written()` makes what an engine wrote by local path durable. A save writes its tree
+into `writing_root()` and gives it its final name with `publish_written()` once every
 rank is done, so a failed save leaves no data under the names a checkpoint uses.
 """
 
@@ -136,10 +136,12 @@ def stored_numpy_dtype(dtype: torch.dtype) -> np.dtype:
     for a dtype numpy lacks (bfloat16, float8: ml_dtypes types, which zarr-python 3 cannot name)
     the unsigned integer of the same width, holding the raw bits.
 
-    Example::
+    Example:
 
-        stored_numpy_dtype(torch.bfloat16)   # dtype('uint16')
-        stored_numpy_dtype(torch.float32)    # dtype('float32')
+    ```python
+    stored_numpy_dtype(torch.bfloat16)   # dtype('uint16')
+    stored_numpy_dtype(torch.float32)    # dtype('float32')
+    ```
     """
     info = dtype_info(dtype)
     if info.bits_dtype is None:
@@ -148,7 +150,7 @@ def stored_numpy_dtype(dtype: torch.dtype) -> np.dtype:
 
 
 def as_stored(array: np.ndarray, dtype: torch.dtype) -> np.ndarray:
-    """``array`` (holding ``dtype``'s values) viewed as :func:`stored_numpy_dtype`, no copy."""
+    """``array`` (holding ``dtype``'s values) viewed as `stored_numpy_dtype()`, no copy."""
     return array.view(stored_numpy_dtype(dtype))
 
 
@@ -205,7 +207,7 @@ def cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
 def fsync_written(paths: Sequence[ObjectPath], root: ObjectPath) -> None:
     """Make the files an engine wrote by local path durable, with every directory from their
     parents up to ``root``, so that a crash after a save returns cannot lose them: one
-    ``syncfs`` of the file system (:func:`~dist_ckpt.storage.files.fsync_tree`; a file and a
+    ``syncfs`` of the file system (`fsync_tree()`; a file and a
     directory at a time where there is no ``syncfs``), not an fsync per chunk file.
 
     Only a storage with ``local_paths`` needs it: the engines write object stores through their
@@ -217,12 +219,14 @@ def fsync_written(paths: Sequence[ObjectPath], root: ObjectPath) -> None:
 
 
 def in_threads(fn: Callable[[_T], _R], items: Sequence[_T]) -> List[_R]:
-    """``[fn(item) for item in items]``, :data:`IO_THREADS` at a time; the first failure (in
+    """``[fn(item) for item in items]``, `IO_THREADS` at a time; the first failure (in
     ``items``' order) is raised once the calls under way have ended, and no further call starts.
 
-    Example::
+    Example:
 
-        digests = in_threads(file_digest, paths)
+    ```python
+    digests = in_threads(file_digest, paths)
+    ```
     """
     if len(items) <= 1:
         return [fn(item) for item in items]
@@ -235,14 +239,16 @@ def in_threads(fn: Callable[[_T], _R], items: Sequence[_T]) -> List[_R]:
 
 
 class ByteBudget:
-    """At most ``limit`` bytes held at once by concurrent callers of :meth:`hold`; a caller that
+    """At most ``limit`` bytes held at once by concurrent callers of `hold()`; a caller that
     asks for more than the limit waits until it is alone, then holds it all.
 
-    Example::
+    Example:
 
-        budget = ByteBudget(64 << 20)
-        with budget.hold(tensor_bytes):
-            read(tensor)
+    ```python
+    budget = ByteBudget(64 << 20)
+    with budget.hold(tensor_bytes):
+        read(tensor)
+    ```
     """
 
     def __init__(self, limit: int) -> None:
@@ -267,13 +273,15 @@ class ByteBudget:
 
 def writing_root(checkpoint: ObjectPath) -> ObjectPath:
     """The directory a save writes the zarr tree into: ``.partial-zarr`` where the storage has
-    local directories (renamed to ``zarr`` by :func:`publish_written`), ``zarr/`` itself on an
+    local directories (renamed to ``zarr`` by `publish_written()`), ``zarr/`` itself on an
     object store (objects appear whole when their upload completes, and a prefix cannot be
     renamed).
 
-    Example::
+    Example:
 
-        root = writing_root(checkpoint_node(storage, "zarr"))   # <ckpt>/.partial-zarr on a disk
+    ```python
+    root = writing_root(checkpoint_node(storage, "zarr"))   # <ckpt>/.partial-zarr on a disk
+    ```
     """
     return checkpoint / (PARTIAL_ZARR_DIR if checkpoint.storage.local_paths else ZARR_DIR)
 
@@ -283,9 +291,11 @@ def publish_written(checkpoint: ObjectPath) -> None:
     name (one atomic rename of a directory, where the storage has local directories) and make
     the rename durable.
 
-    Example::
+    Example:
 
-        publish_written(checkpoint_node(storage, "zarr"))   # .partial-zarr -> zarr
+    ```python
+    publish_written(checkpoint_node(storage, "zarr"))   # .partial-zarr -> zarr
+    ```
     """
     if checkpoint.storage.local_paths:
         directory = checkpoint.local_path()

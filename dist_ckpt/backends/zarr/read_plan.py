@@ -1,8 +1,8 @@
 """Planning the reads of a load from a zarr-format checkpoint, before any byte is read.
 
-A requested ShardedTensor becomes a :class:`ReadPlan`: which region of which array to read, how
+A requested ShardedTensor becomes a `ReadPlan`: which region of which array to read, how
 to view it in global coordinates, and which part goes where in the destination
-(:class:`ReadOp`), plus the destination parts outside the stored tensor to zero-fill
+(`ReadOp`), plus the destination parts outside the stored tensor to zero-fill
 (``allow_shape_mismatch``). Keys, dtypes and shapes are checked for the whole request first, and
 a plan that does not cover the request (missing fragments) is refused.
 """
@@ -43,7 +43,7 @@ class ReadPlan:
     """Every read needed to load one ShardedTensor, and the destination parts to zero-fill.
 
     ``stored_dtype`` is the dtype of the values read; the request's dtype may differ (each
-    piece read is then converted while copied into place: :mod:`dist_ckpt.model.dtype_cast`).
+    piece read is then converted while copied into place: `dist_ckpt.model.dtype_cast`).
     """
 
     ops: List[ReadOp]
@@ -92,7 +92,7 @@ def plan_request(
     """The reads of every requested shard (by ``id``), after checking keys, dtypes and shapes.
 
     Everything is checked before any tensor byte is read; see
-    :func:`~dist_ckpt.backends.request_checks.check_requested_tensors` (``allow_dtype_cast``:
+    `check_requested_tensors()` (``allow_dtype_cast``:
     whether a requested dtype may differ from the stored one). ``check`` verifies every
     ``zarr.json`` read (against the checksum manifest).
     """

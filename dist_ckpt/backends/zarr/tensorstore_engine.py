@@ -1,9 +1,9 @@
 """The TensorStore engine for the zarr backend (``zarr``, version 1).
 
-It reads and writes exactly the layout of :mod:`.zarr_layout` -- zarr v3, one chunk per saved
+It reads and writes exactly the layout of `zarr_layout` -- zarr v3, one chunk per saved
 shard, one 1-D fragment array per flattened shard, the same ``dist_ckpt`` attributes -- with
 TensorStore instead of zarr-python, so a checkpoint written by either engine loads with the
-other, bit for bit, for every dtype of :mod:`dist_ckpt.model.dtypes`.
+other, bit for bit, for every dtype of `dist_ckpt.model.dtypes`.
 
 Why a second engine: TensorStore runs I/O on its own thread pool and returns futures. A rank
 issues all its reads (or writes) before waiting for any, so they proceed concurrently, and a
@@ -11,28 +11,30 @@ whole-chunk read lands directly in the destination tensor without a staging copy
 
 Missing data is never read as zeros: arrays are opened with ``fill_missing_data_reads=False``
 (a missing chunk fails the read), and a failed read is reported as a
-:class:`~dist_ckpt.errors.CorruptCheckpointError` naming the key and the damaged chunk file.
+[`CorruptCheckpointError`][dist_ckpt.errors.CorruptCheckpointError] naming the key and the damaged chunk file.
 
 Checksums: saves end with ``zarr/checksums.json``, like the zarr-python engine's. TensorStore
 decodes chunks in its own threads without showing their bytes, so the loader checks every chunk
 file a load touches by reading it once before TensorStore does (a second pass over those bytes,
 the second one from the page cache); ``verify_checksums=False`` skips it (see
-:mod:`.zarr_checksums`).
+`zarr_checksums`).
 
 Object stores: an ``s3://`` checkpoint is written and read by TensorStore's own ``s3`` kvstore
 driver, configured from the checkpoint's ``S3Storage``
-(:meth:`~dist_ckpt.storage.s3.S3Storage.tensorstore_kvstore`: bucket, path, region, endpoint,
+([`tensorstore_kvstore()`][dist_ckpt.storage.s3.S3Storage.tensorstore_kvstore]: bucket, path, region, endpoint,
 retries; credentials from the same AWS environment). Chunks are PUT whole
 (``store_data_equal_to_fill_value=True``: an all-zero chunk is written, never deleted), nothing
 is fsynced, and -- since TensorStore never shows the bytes -- both the save's digests and the
 load's checksum verification download each chunk object once more (pass
 ``verify_checksums=False`` to load without the second download).
 
-Selecting it (the zarr-python engine stays the registered default)::
+Selecting it (the zarr-python engine stays the registered default):
 
-    from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreLoadShardedStrategy
-    dc.load(sd, "ckpt", sharded_strategy=TensorStoreLoadShardedStrategy())
-    register_default_tensorstore_strategies()  # or: make it the default loader, as Megatron does
+```python
+from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreLoadShardedStrategy
+dc.load(sd, "ckpt", sharded_strategy=TensorStoreLoadShardedStrategy())
+register_default_tensorstore_strategies()  # or: make it the default loader, as Megatron does
+```
 """
 
 from __future__ import annotations
@@ -139,7 +141,7 @@ _ENGINE = "the TensorStore engine"
 
 def _spec(arr_path: ObjectPath) -> Dict[str, Any]:
     """The array's TensorStore spec: the ``file`` driver where the storage has ``local_paths``,
-    else the ``s3`` driver configured from the storage (:func:`checkpoint_node` checked)."""
+    else the ``s3`` driver configured from the storage (`checkpoint_node()` checked)."""
     if arr_path.storage.local_paths:
         return {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(arr_path.local_path())}}
     return {"driver": "zarr3", "kvstore": s3_storage(arr_path).tensorstore_kvstore(arr_path.key)}
@@ -153,13 +155,15 @@ def open_ts_array(
     Missing chunks make reads fail (``fill_missing_data_reads=False``) instead of returning the
     fill value, so a damaged checkpoint is never loaded as zeros. The array has its stored data
     type: raw bits (``uint16``, ``uint8``) for bfloat16 and float8 tensors (see
-    :mod:`dist_ckpt.backends.zarr.layout`); :func:`postprocess_numpy_array` makes the tensor.
+    `dist_ckpt.backends.zarr.layout`); `postprocess_numpy_array()` makes the tensor.
 
-    Example::
+    Example:
 
-        arr = open_ts_array("ckpt/zarr/layer.weight")          # a local path, or a node of any storage
-        first_rows = arr[0:4].read().result()   # numpy array
-        tensor = postprocess_numpy_array(first_rows, sharded_tensor)   # its dtype, e.g. bfloat16
+    ```python
+    arr = open_ts_array("ckpt/zarr/layer.weight")          # a local path, or a node of any storage
+    first_rows = arr[0:4].read().result()   # numpy array
+    tensor = postprocess_numpy_array(first_rows, sharded_tensor)   # its dtype, e.g. bfloat16
+    ```
     """
     spec = dict(_spec(ObjectPath.of(arr_path)), fill_missing_data_reads=False)
     try:
@@ -179,9 +183,11 @@ def merge_global_slice_with_shape(
     index must be cut to the stored shape before indexing the array. Integer entries (prepended
     axes) and slice starts must lie inside the stored tensor.
 
-    Example::
+    Example:
 
-        merge_global_slice_with_shape((0, slice(4, 12)), (2, 10), "w")  # -> (0, slice(4, 10))
+    ```python
+    merge_global_slice_with_shape((0, slice(4, 12)), (2, 10), "w")  # -> (0, slice(4, 10))
+    ```
 
     Raises:
         LoadMismatchError: the index has another number of axes, or starts outside the tensor.
@@ -383,7 +389,7 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
 
     Every check happens before the first read: each requested key must be stored, dtype and
     global shape must match (``allow_shape_mismatch`` pads or crops), and the stored chunks or
-    fragments must cover the request (:func:`~dist_ckpt.backends.zarr.layout.plan_reads`).
+    fragments must cover the request (`plan_reads()`).
 
     Args:
         load_directly_on_device: where a ShardedTensor's ``data`` is allocated off the CPU (a
@@ -397,7 +403,7 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
             (when the checkpoint has one) before reading it.
         allow_dtype_cast: a requested dtype may differ from the stored one: such reads are
             staged (in the stored dtype, within ``max_staged_bytes``) and converted while copied
-            into place (see :mod:`dist_ckpt.model.dtype_cast`); False raises
+            into place (see `dist_ckpt.model.dtype_cast`); False raises
             ``LoadMismatchError`` instead.
     """
 
@@ -554,7 +560,7 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
         return load_zarr_based_sharded_metadata(node, shape_dtype, manifest, manifest_check(node / ZARR_DIR, manifest))
 
     def verify_integrity(self, checkpoint_dir: Storage) -> IntegrityReport:
-        """Every file of ``zarr/`` against ``zarr/checksums.json`` (see :mod:`.zarr_checksums`)."""
+        """Every file of ``zarr/`` against ``zarr/checksums.json`` (see `zarr_checksums`)."""
         return verify_zarr(checkpoint_node(checkpoint_dir, _ENGINE))
 
     def describe_stored_shards(self, checkpoint_dir: Storage) -> Optional[Dict[str, List[StoredShardInfo]]]:
@@ -597,10 +603,12 @@ def register_default_tensorstore_strategies(include_save: bool = False) -> None:
     does (``override=True``: it replaces the zarr-python loader); with ``include_save`` also the
     default saver.
 
-    Example::
+    Example:
 
-        register_default_tensorstore_strategies()
-        dc.load(sd, "ckpt")          # now reads with TensorStore
+    ```python
+    register_default_tensorstore_strategies()
+    dc.load(sd, "ckpt")          # now reads with TensorStore
+    ```
     """
     register_default_strategy(StrategyAction.LOAD_SHARDED, "zarr", 1, TensorStoreLoadShardedStrategy, override=True)
     if include_save:

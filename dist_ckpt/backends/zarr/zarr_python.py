@@ -1,13 +1,15 @@
 """The Zarr backend (``zarr``, version 1): zarr v3 arrays written with zarr-python 3.
 
 Layout inside a checkpoint directory (every node is plain zarr v3, uncompressed little-endian
-``bytes`` codec, so TensorStore and any zarr v3 reader open it)::
+``bytes`` codec, so TensorStore and any zarr v3 reader open it):
 
-    zarr/zarr.json                          root group
-    zarr/<key>/zarr.json                    a tensor saved as a regular grid of shards:
-    zarr/<key>/c/<i>/<j>...                   one zarr chunk per saved shard
-    zarr/<key>/zarr.json                    a tensor saved as flattened ranges (distributed
-    zarr/<key>/<chunk>_<start>/...            optimizer): a group of 1-D fragment arrays
+```text
+zarr/zarr.json                          root group
+zarr/<key>/zarr.json                    a tensor saved as a regular grid of shards:
+zarr/<key>/c/<i>/<j>...                   one zarr chunk per saved shard
+zarr/<key>/zarr.json                    a tensor saved as flattened ranges (distributed
+zarr/<key>/<chunk>_<start>/...            optimizer): a group of 1-D fragment arrays
+```
 
 A chunk is exactly one main-replica shard, so each chunk file is written once, by one rank, with
 no read-modify-write. Flattened shards cannot be chunk-aligned (their boundaries are arbitrary),
@@ -19,14 +21,14 @@ for a missing chunk; the loader checks that every chunk it reads exists, so a de
 reported instead of silently read as zeros.
 
 Checksums: the save ends with ``zarr/checksums.json``, a crc32c of every file under ``zarr/``
-(see :mod:`.zarr_checksums`); the loader checks every file it reads against it, from the bytes
+(see `zarr_checksums`); the loader checks every file it reads against it, from the bytes
 zarr-python reads (no extra I/O).
 
 Object stores: an ``s3://`` checkpoint is written and read by zarr-python itself, through
 ``zarr.storage.ObjectStore`` over the obstore client of the checkpoint's ``S3Storage`` (same
 endpoint, credentials, retries): each chunk is one object, PUT once by one rank. Nothing is
 fsynced there (an object is durable when its PUT returns), and the save digests each object from
-the bytes zarr-python hands the store (:class:`_Stores`), not by downloading it again.
+the bytes zarr-python hands the store (`_Stores`), not by downloading it again.
 """
 
 from __future__ import annotations
@@ -180,7 +182,7 @@ def _client_error(node: ObjectPath, error: BaseException, operation: str) -> Opt
 @contextlib.contextmanager
 def _typed(node: ObjectPath, operation: str) -> Iterator[None]:
     """Raise the S3 client's errors from inside zarr-python as storage errors (see
-    :func:`_client_error`); everything else unchanged."""
+    `_client_error()`); everything else unchanged."""
     try:
         yield
     except Exception as e:
@@ -323,7 +325,7 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
         return [path / "zarr.json"] + chunk_files
 
     def _write_chunks(self, root: ObjectPath, shards: List[ShardedTensor], stores: _Stores) -> List[ObjectPath]:
-        """Write every chunk of this rank, several at a time (:data:`~.nodes.IO_THREADS`:
+        """Write every chunk of this rank, several at a time (`IO_THREADS`:
         zarr-python's per-array work and the writes overlap); the caller makes them durable."""
         by_key: Dict[str, List[ShardedTensor]] = {}
         for sh in shards:
@@ -348,7 +350,8 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
 
 class _ZarrStreamWriter(TensorStreamWriter):
     """Creates the root group, then each tensor's array and its one chunk as it is added; the
-    checksum manifest at :meth:`finish` (see :meth:`ZarrSaveShardedStrategy.begin_stream`)."""
+    checksum manifest at `finish()` (see
+    [`ZarrSaveShardedStrategy.begin_stream()`][dist_ckpt.backends.zarr.zarr_python.ZarrSaveShardedStrategy.begin_stream])."""
 
     def __init__(self, strategy: ZarrSaveShardedStrategy, root: ObjectPath, layout: Sequence[TensorLayout]) -> None:
         self.strategy, self.root, self.layout = strategy, root, list(layout)
@@ -456,7 +459,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         verify_checksums: check every file read against ``zarr/checksums.json`` (when the
             checkpoint has one).
         allow_dtype_cast: a requested dtype may differ from the stored one (see
-            :mod:`dist_ckpt.model.dtype_cast`); False raises ``LoadMismatchError`` instead.
+            `dist_ckpt.model.dtype_cast`); False raises ``LoadMismatchError`` instead.
     """
 
     supported_backends: ClassVar[Tuple[str, ...]] = ("zarr",)
@@ -531,7 +534,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         return load_zarr_based_sharded_metadata(node, shape_dtype, manifest, manifest_check(node / ZARR_DIR, manifest))
 
     def verify_integrity(self, checkpoint_dir: Storage) -> IntegrityReport:
-        """Every file of ``zarr/`` against ``zarr/checksums.json`` (see :mod:`.zarr_checksums`)."""
+        """Every file of ``zarr/`` against ``zarr/checksums.json`` (see `zarr_checksums`)."""
         return verify_zarr(checkpoint_node(checkpoint_dir, _ENGINE))
 
     def describe_stored_shards(self, checkpoint_dir: Storage) -> Optional[Dict[str, List[StoredShardInfo]]]:
@@ -559,8 +562,8 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
 
 
 def remove_tensor_objects(root: ObjectPath, key_prefix: str) -> None:
-    """:meth:`ZarrLoadShardedStrategy.remove_sharded_tensors` on an object store (either engine's
-    checkpoints: the layout is the same)."""
+    """[`ZarrLoadShardedStrategy.remove_sharded_tensors()`][dist_ckpt.backends.zarr.zarr_python.ZarrLoadShardedStrategy.remove_sharded_tensors]
+    on an object store (either engine's checkpoints: the layout is the same)."""
     zarr_dir = root.storage.child(root.key)
     for name in list_tensor_names(root):
         info = open_tensor_info(root, name)

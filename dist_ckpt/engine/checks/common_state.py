@@ -71,10 +71,12 @@ class _Shown:
 def common_state_fingerprints(common_state_dict: Any) -> Fingerprints:
     """``{path: (type, fingerprint)}`` for every node of the common state (compact, comparable).
 
-    Example::
+    Example:
 
-        common_state_fingerprints({"a": [1]})
-        # {("a",): ("<class 'list'>", "list"), ("a", 0): ("<class 'int'>", "1")}
+    ```python
+    common_state_fingerprints({"a": [1]})
+    # {("a",): ("<class 'list'>", "list"), ("a", 0): ("<class 'int'>", "1")}
+    ```
     """
     out: Fingerprints = {}
 

@@ -30,7 +30,7 @@ def verify_checkpoint_and_load_strategy(
     """Read ``metadata.json`` and return load strategies compatible with it.
 
     A folder holding HuggingFace weights and no ``metadata.json`` is read with the ``hf``
-    strategies (see :func:`dist_ckpt.engine.commit.detect_config`).
+    strategies (see [`dist_ckpt.engine.commit.detect_config()`][dist_ckpt.engine.commit.detect_config]).
 
     Strategies the caller passes are checked for compatibility; missing ones come from the
     registry, keyed by the backend and version the checkpoint records. On an object store

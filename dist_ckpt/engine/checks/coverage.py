@@ -1,4 +1,4 @@
-"""The sharding check, vectorized: every problem of a :class:`~dist_ckpt.engine.shard_table.ShardTable`.
+"""The sharding check, vectorized: every problem of a `ShardTable`.
 
 Rank 0 runs it on every rank's shard metadata at each save, so it must stay fast at a million
 shards: every step is a numpy operation over the table's columns, and Python runs only per
@@ -21,9 +21,11 @@ Chunk positions are linear indices on each tensor's grid. A grid too large for 6
 indices (more than 2**62 chunks: only metadata that cannot be valid has it) is ranked by the
 chunks its shards hold instead, which orders them the same way.
 
-Example::
+Example:
 
-    find_table_problems(ShardTable.from_global(global_metadata))   # [] for a valid sharding
+```python
+find_table_problems(ShardTable.from_global(global_metadata))   # [] for a valid sharding
+```
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Sharding integrity: the main replicas of every tensor cover it exactly once, with one shape and dtype.
 
 Pure functions over per-rank metadata, and the collective check a save runs: each rank sends its
-shard metadata to rank 0 once, as a compact binary table (:mod:`dist_ckpt.engine.shard_metadata`),
-rank 0 checks every rank's table at once (:mod:`dist_ckpt.engine.checks.coverage`), and the
+shard metadata to rank 0 once, as a compact binary table (`dist_ckpt.engine.shard_metadata`),
+rank 0 checks every rank's table at once (`dist_ckpt.engine.checks.coverage`), and the
 verdict reaches every rank. A save whose shard metadata is unchanged since the last passing check
-skips the gather (:mod:`dist_ckpt.engine.checks.verdict_cache`): one all-reduce of 4 ints.
+skips the gather (`dist_ckpt.engine.checks.verdict_cache`): one all-reduce of 4 ints.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def find_sharding_problems(global_metadata: Sequence[Sequence[ShardedBase]]) -> 
 
     Main replicas of each tensor must cover it exactly once (no overlap, no gap), and every
     rank must agree on global shape, dtype and local shape; likewise for ShardedObjects. The
-    check itself is vectorized (:mod:`dist_ckpt.engine.checks.coverage`); this builds its table
+    check itself is vectorized (`dist_ckpt.engine.checks.coverage`); this builds its table
     from ShardedBase lists (Megatron-Core's ``global_metadata``: ``global_metadata[r]`` is rank r's).
     """
     return find_table_problems(ShardTable.from_global(global_metadata))
@@ -50,7 +50,8 @@ def _integrity_error(problems: Sequence[str], world_size: int) -> ShardingIntegr
 
 
 def check_sharding_integrity(global_metadata: Sequence[Sequence[ShardedBase]]) -> None:
-    """Raise :class:`ShardingIntegrityError` listing the problems (pure, no communication)."""
+    """Raise [`ShardingIntegrityError`][dist_ckpt.errors.ShardingIntegrityError] listing the problems (pure, no
+    communication)."""
     problems = find_sharding_problems(global_metadata)
     if problems:
         raise _integrity_error(problems, len(global_metadata))
@@ -86,7 +87,8 @@ def validate_sharding_integrity(
 
 
 def check_shard_table(table: ShardTable, world_size: int) -> None:
-    """Raise :class:`ShardingIntegrityError` listing the problems of every rank's ``table`` (pure)."""
+    """Raise [`ShardingIntegrityError`][dist_ckpt.errors.ShardingIntegrityError] listing the problems of every rank's
+    ``table`` (pure)."""
     problems = find_table_problems(table)
     if problems:
         raise _integrity_error(problems, world_size)

@@ -60,7 +60,7 @@ class StrictHandling(Enum):
 
 
 def parse_strict_flag(strict: Union[str, StrictHandling]) -> StrictHandling:
-    """Accept a :class:`StrictHandling` or its string value."""
+    """Accept a [`StrictHandling`][dist_ckpt.engine.checks.strict.StrictHandling] or its string value."""
     if isinstance(strict, StrictHandling):
         return strict
     try:
@@ -88,7 +88,7 @@ def determine_missing_and_unexpected_keys(
 def maybe_report_missing_and_unexpected_keys(
     missing_keys: Iterable[str], unexpected_keys: Iterable[str], raise_error: bool = True
 ) -> None:
-    """Raise :class:`KeyMismatchError` (or log at WARNING) describing mismatched keys."""
+    """Raise [`KeyMismatchError`][dist_ckpt.errors.KeyMismatchError] (or log at WARNING) describing mismatched keys."""
     missing, unexpected = sorted(missing_keys), sorted(unexpected_keys)
     if not missing and not unexpected:
         return

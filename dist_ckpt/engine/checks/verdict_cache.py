@@ -1,7 +1,7 @@
 """Skip the sharding check of a save whose shard metadata is the same as at the last check.
 
 Training saves one structure every N steps. Each rank compares its own shard metadata --
-:func:`~dist_ckpt.engine.shard_table.shard_fields`: every field the check depends on, one tuple
+`shard_fields()`: every field the check depends on, one tuple
 per shard -- with the copy it kept at the last successful check over the same process group,
 exactly (tuple equality, no hash that could collide). The ranks then agree in one small
 all-reduce whether *every* rank's metadata is unchanged since the *same* check. Only then is the
@@ -22,17 +22,19 @@ Why this is safe:
   whether to gather (which would hang).
 
 The cache is per process: one record per process group (keyed by the global world size and the
-group's members), at most :data:`MAX_GROUPS`, least recently used dropped first. It holds
+group's members), at most `MAX_GROUPS`, least recently used dropped first. It holds
 references to the recorded shards' field values (strings, small tuples), not to the shards or
 their data. There is no flag to turn it on or off and nothing to configure: a hit is proof that
 the check would pass.
 
-Example::
+Example:
 
-    fields = shard_fields(local_metadata)
-    if VERDICTS.agree(fields, group) is Agreement.MISS:   # collective: one all-reduce of 4 ints
-        ...gather and check...
-        VERDICTS.record(fields, group)                     # only after the check passed on every rank
+```text
+fields = shard_fields(local_metadata)
+if VERDICTS.agree(fields, group) is Agreement.MISS:   # collective: one all-reduce of 4 ints
+    ...gather and check...
+    VERDICTS.record(fields, group)                     # only after the check passed on every rank
+```
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ MAX_GROUPS = 8
 
 
 class Agreement(Enum):
-    """What the ranks agreed in :meth:`VerdictCache.agree`."""
+    """What the ranks agreed in `VerdictCache.agree()`."""
 
     #: every rank's metadata is unchanged since the same passing check: skip the check
     HIT = "hit"
@@ -106,7 +108,7 @@ class VerdictCache:
         return Agreement.HIT if miss == 0 and newest == -minus_oldest else Agreement.MISS
 
     def record(self, fields: List[ShardFields], group: Optional[ProcessGroup] = None) -> None:
-        """Remember ``fields`` after a check passed on every rank (all ranks call it, after :meth:`agree`)."""
+        """Remember ``fields`` after a check passed on every rank (all ranks call it, after `agree()`)."""
         key = group_identity(group)
         with self._lock:
             generation = self._agreed.pop(key, 0) + 1  # the same on every rank: the all-reduced maximum

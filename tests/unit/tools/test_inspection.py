@@ -54,7 +54,7 @@ def test_inspect_a_huggingface_folder(tmp_path):
     fulls = save_sample(tmp_path / "ckpt")
     export(tmp_path / "ckpt", tmp_path / "hf", max_shard_size=2000, include=["*"])
     info = dc.inspect_checkpoint(tmp_path / "hf")
-    assert info.kind == "huggingface" and info.sharded_backend == "hf:1" and info.world_size is None
+    assert info.kind == "hf" and info.sharded_backend == "hf:1" and info.world_size is None
     assert {t.key for t in info.tensors} == set(fulls)
     assert all(t.layout in ("whole", "no stored bytes") for t in info.tensors)
     assert info.common_keys == {} and info.sharded_objects == ()

@@ -673,8 +673,8 @@ class TestPretrainedSymlinks:
 
 
 class TestModule:
-    def test_public_functions_are_documented_with_an_example(self):
+    def test_public_functions_are_documented_with_a_fenced_example(self):
         for name in C.__all__:
             obj = getattr(C, name)
             if callable(obj) and not isinstance(obj, type):
-                assert obj.__doc__ and "Example::" in obj.__doc__, name
+                assert obj.__doc__ and "Example:\n" in obj.__doc__ and "```python" in obj.__doc__, name
