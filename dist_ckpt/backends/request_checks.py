@@ -16,8 +16,9 @@ import torch
 
 from dist_ckpt.engine.distributed import get_rank
 from dist_ckpt.errors import UNEXPECTED_KEYS, KeyMismatchError, LoadMismatchError, format_keys, format_problems
+from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
 from dist_ckpt.model.dtype_cast import cast_refusal, describe_cast
-from dist_ckpt.model.sharded import ShardedTensor
+from dist_ckpt.model.sharded import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 
 logger = logging.getLogger(__name__)
 
@@ -88,3 +89,18 @@ def check_requested_tensors(
             len(casts),
             format_problems(casts, ", "),
         )
+
+
+def refuse_sharded_objects(sharded_objects_state_dict: ShardedStateDict, why: str) -> StateDict:
+    """The loaders of checkpoints that hold no ShardedObjects (HF folders, plain DCP directories).
+
+    Raises KeyMismatchError naming this rank and the requested objects' keys after ``why`` (which
+    says which checkpoint and what it holds instead); with none requested, returns the state dict
+    unchanged, as ``load_sharded_objects`` must.
+    """
+    requested = sorted({o.key for o in nested_values(sharded_objects_state_dict) if isinstance(o, ShardedObject)})
+    if requested:
+        raise KeyMismatchError(
+            f"[rank {get_rank()}] {why}; ShardedObjects requested: {format_keys(requested)}", unexpected_keys=requested
+        )
+    return dict_list_map_inplace(lambda x: x, sharded_objects_state_dict)  # type: ignore[no-any-return]

@@ -22,13 +22,14 @@ from dataclasses import replace
 from typing import ClassVar, Dict, List, Mapping, Optional, Tuple
 
 from dist_ckpt.backends.base import LoadCommonStrategy, LoadShardedStrategy
+from dist_ckpt.backends.request_checks import refuse_sharded_objects
 from dist_ckpt.backends.safetensors import ReadOptions, describe_tensor_index, load_from_index, tensors_metadata
 from dist_ckpt.backends.stored_shards import StoredShardInfo
 from dist_ckpt.engine.distributed import get_rank
 from dist_ckpt.errors import KeyMismatchError, format_keys
 from dist_ckpt.hf.folder import HFFolder, open_folder
-from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
-from dist_ckpt.model.sharded import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
+from dist_ckpt.model.dict_utils import nested_values
+from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
 from dist_ckpt.storage import Storage
 from dist_ckpt.storage.location import LocationLike, require_local, resolve_location
 
@@ -108,14 +109,10 @@ class HFCommonLoadStrategy(LoadCommonStrategy):
         return {}
 
     def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Storage) -> StateDict:
-        requested = sorted({o.key for o in nested_values(sharded_objects_state_dict) if isinstance(o, ShardedObject)})
-        if requested:
-            raise KeyMismatchError(
-                f"[rank {get_rank()}] HuggingFace checkpoint {resolve_location(checkpoint_dir).url!r} holds tensors "
-                f"only; ShardedObjects requested: {format_keys(requested)}",
-                unexpected_keys=requested,
-            )
-        return dict_list_map_inplace(lambda x: x, sharded_objects_state_dict)  # type: ignore[no-any-return]
+        return refuse_sharded_objects(
+            sharded_objects_state_dict,
+            f"HuggingFace checkpoint {resolve_location(checkpoint_dir).url!r} holds tensors only",
+        )
 
     def load_sharded_metadata(self, checkpoint_dir: Storage) -> ShardedStateDict:
         return {}

@@ -28,17 +28,15 @@ from __future__ import annotations
 from typing import Any, ClassVar, Dict, Tuple
 
 from dist_ckpt.backends.base import LoadCommonStrategy
+from dist_ckpt.backends.request_checks import refuse_sharded_objects
 from dist_ckpt.backends.torch_dist.load import (
     TorchDistLoadShardedStrategy,
     local_storage,
     open_checkpoint,
     unpickle_item,
 )
-from dist_ckpt.engine.distributed import get_rank
-from dist_ckpt.errors import KeyMismatchError, format_keys
 from dist_ckpt.integrity.checksums import IntegrityReport
-from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
-from dist_ckpt.model.sharded import ShardedObject, ShardedStateDict, StateDict
+from dist_ckpt.model.sharded import ShardedStateDict, StateDict
 from dist_ckpt.storage import RangeRead, Storage
 
 __all__ = ["DCP_BACKEND", "DCPCommonLoadStrategy", "DCPLoadShardedStrategy"]
@@ -124,14 +122,11 @@ class DCPCommonLoadStrategy(LoadCommonStrategy):
         return state
 
     def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Storage) -> StateDict:
-        requested = sorted({o.key for o in nested_values(sharded_objects_state_dict) if isinstance(o, ShardedObject)})
-        if requested:
-            raise KeyMismatchError(
-                f"[rank {get_rank()}] DCP checkpoint {checkpoint_dir.url!r} holds no ShardedObjects (its non-tensor "
-                f"values are its common state); requested: {format_keys(requested)}",
-                unexpected_keys=requested,
-            )
-        return dict_list_map_inplace(lambda x: x, sharded_objects_state_dict)  # type: ignore[no-any-return]
+        return refuse_sharded_objects(
+            sharded_objects_state_dict,
+            f"DCP checkpoint {checkpoint_dir.url!r} holds no ShardedObjects "
+            "(its non-tensor values are its common state)",
+        )
 
     def load_sharded_metadata(self, checkpoint_dir: Storage) -> ShardedStateDict:
         return {}
