@@ -99,6 +99,18 @@ def drop_cache(directory: str, how: str) -> None:
 # --------------------------------------------------------------------------- systems
 
 
+def sharded_state_dict(sharded_tensor: Any, pieces: List[S.Shard], tensors: Dict[str, torch.Tensor]) -> Dict[str, Any]:
+    """This rank's pieces as ShardedTensors of ``sharded_tensor``'s class (dist_ckpt's or Megatron-Core's: same API)."""
+    rank = dist.get_rank()
+    out = {}
+    for p in pieces:
+        axes = [(p.spec.tp_axis, p.tp_rank, p.tp)] if p.spec.tp_axis is not None else []
+        out[p.spec.key] = sharded_tensor.from_rank_offsets(
+            p.spec.key, tensors[p.spec.key], *axes, replica_id=0 if p.main else rank
+        )
+    return out
+
+
 class System(abc.ABC):
     """How one checkpointing system saves and loads the suite's tensors."""
 
@@ -144,14 +156,7 @@ class DistCkpt(System):
     def _sd(pieces: List[S.Shard], tensors: Dict[str, torch.Tensor]) -> Dict[str, Any]:
         from dist_ckpt.model.sharded import ShardedTensor
 
-        rank = dist.get_rank()
-        out = {}
-        for p in pieces:
-            axes = [(p.spec.tp_axis, p.tp_rank, p.tp)] if p.spec.tp_axis is not None else []
-            out[p.spec.key] = ShardedTensor.from_rank_offsets(
-                p.spec.key, tensors[p.spec.key], *axes, replica_id=0 if p.main else rank
-            )
-        return out
+        return sharded_state_dict(ShardedTensor, pieces, tensors)
 
     def save(self, pieces: List[S.Shard], tensors: Dict[str, torch.Tensor], directory: str) -> None:
         from dist_ckpt.engine.save import save
@@ -233,14 +238,7 @@ class MCore(System):
     def _sd(pieces: List[S.Shard], tensors: Dict[str, torch.Tensor]) -> Dict[str, Any]:
         from megatron.core.dist_checkpointing import ShardedTensor
 
-        rank = dist.get_rank()
-        out = {}
-        for p in pieces:
-            axes = [(p.spec.tp_axis, p.tp_rank, p.tp)] if p.spec.tp_axis is not None else []
-            out[p.spec.key] = ShardedTensor.from_rank_offsets(
-                p.spec.key, tensors[p.spec.key], *axes, replica_id=0 if p.main else rank
-            )
-        return out
+        return sharded_state_dict(ShardedTensor, pieces, tensors)
 
     @staticmethod
     def _mkdir(directory: str) -> None:
