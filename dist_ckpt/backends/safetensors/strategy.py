@@ -51,7 +51,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from dist_ckpt.async_save.queue import AsyncOutcome, AsyncRequest
-from dist_ckpt.async_save.snapshot import SnapshotPool, snapshot_layout
+from dist_ckpt.async_save.snapshot import PROCESS_SNAPSHOTS, snapshot_layout
 from dist_ckpt.backends.base import (
     AsyncSaveShardedStrategy,
     LoadShardedStrategy,
@@ -253,8 +253,10 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
     request = dc.save(sd, "ckpt/iter_20", sharded_strategy=strategy, async_sharded_save=True)
     ```
 
-    Reuse one strategy object for every save: it keeps its pinned staging buffers and its
-    shared-memory snapshot buffer, which are slow to allocate.
+    Reuse one strategy object for every save where you can: it keeps its pinned staging buffers,
+    which are slow to allocate. The shared-memory snapshot buffer is kept for the process (see
+    [`PROCESS_SNAPSHOTS`][dist_ckpt.async_save.snapshot.PROCESS_SNAPSHOTS]), so a new strategy object
+    does not fault in a fresh one.
     """
 
     owned_paths: ClassVar[Tuple[str, ...]] = (SAFETENSORS_DIR,)
@@ -270,7 +272,7 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
         # one pinned buffer per writer thread, allocated at the first GPU tensor and kept for
         # later saves with this strategy (pinning memory is slow)
         self._staging = [StagingBuffer(self.options.staging_buffer_bytes) for _ in range(self.options.thread_count)]
-        self._snapshots = SnapshotPool()
+        self._snapshots = PROCESS_SNAPSHOTS  # shared: a new strategy object reuses the last buffer
 
     # ----------------------------------------------------------------------- synchronous
 

@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from torch.distributed.checkpoint.storage import WriteResult
 
 from dist_ckpt.async_save.queue import AsyncOutcome, AsyncRequest
-from dist_ckpt.async_save.snapshot import Snapshot, SnapshotPool
+from dist_ckpt.async_save.snapshot import PROCESS_SNAPSHOTS, Snapshot
 from dist_ckpt.backends.base import AsyncSaveShardedStrategy, TensorLayout, TensorStreamWriter, main_replica_shards
 from dist_ckpt.backends.torch_dist.checksums import CHECKSUMS_FILENAME, ChecksummingFileSystem, FileSpans, manifest_json
 from dist_ckpt.backends.torch_dist.layout import REFORMULATED_SHAPE, chunk_data, write_chunk
@@ -388,7 +388,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         super().__init__(backend, version)
         options = options or TorchDistSaveOptions()
         self.options = options if thread_count is None else replace(options, thread_count=thread_count)
-        self._snapshots = SnapshotPool()
+        self._snapshots = PROCESS_SNAPSHOTS  # shared: a new strategy object reuses the last buffer
 
     @property
     def can_handle_sharded_objects(self) -> bool:

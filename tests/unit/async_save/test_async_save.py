@@ -17,7 +17,7 @@ import torch
 
 import dist_ckpt as dc
 from dist_ckpt.async_save.queue import AsyncCallsQueue, AsyncRequest
-from dist_ckpt.async_save.snapshot import SnapshotPool, snapshot_layout
+from dist_ckpt.async_save.snapshot import PROCESS_SNAPSHOTS, SnapshotPool, snapshot_layout
 from dist_ckpt.backends.safetensors.strategy import (
     SafetensorsSaveOptions,
     SafetensorsSaveShardedStrategy,
@@ -269,7 +269,25 @@ def test_snapshot_buffer_is_reused_across_saves(tmp_path, queue):
     assert pointers[0] == pointers[1] == pointers[2]
 
 
+def test_a_new_strategy_object_reuses_the_process_snapshot_buffer(tmp_path, queue):
+    """``save(..., async_sharded_save=True)`` without a strategy (a new strategy object each
+    time, as Megatron-Core's training loop does) reuses the previous save's buffer."""
+    buffers = []  # kept alive: a fresh buffer could not land at the same address
+    for i in range(3):
+        strategy = None if i < 2 else SafetensorsSaveShardedStrategy()
+        request = dc.save(_state(i), tmp_path / f"c{i}", sharded_strategy=strategy, async_sharded_save=True)
+        buffers.append(request.async_fn_args[2].buffer)
+        queue.schedule_async_request(request)
+        queue.maybe_finalize_async_calls(blocking=True)
+        _assert_loads(tmp_path / f"c{i}", _values(_state(i)), _state(i))
+    assert buffers[0].data_ptr() == buffers[1].data_ptr() == buffers[2].data_ptr()
+    assert PROCESS_SNAPSHOTS.nbytes > 0
+    PROCESS_SNAPSHOTS.release()
+    assert PROCESS_SNAPSHOTS.nbytes == 0
+
+
 def test_reserved_snapshot_buffer_serves_the_first_save(tmp_path, queue):
+    PROCESS_SNAPSHOTS.release()  # the buffer of an earlier test would serve this one
     strategy = SafetensorsSaveShardedStrategy()
     sd = _state(7)
     nbytes = strategy.reserve_snapshot(sd)
