@@ -28,25 +28,21 @@ A file is read through an [`ObjectReader`][dist_ckpt.storage.base.ObjectReader],
 ([`open_reader()`][dist_ckpt.storage.base.Storage.open_reader]): on a local disk an open descriptor read
 with ``os.preadv`` (``positional_reads``), on an object store ranged GETs into the same
 destination buffers. Every byte read from a file goes through `read_into()`, the one place
-that reads, so tests can count what a load reads. `execute()` spreads the operations over a
-few threads (``os.preadv`` and the S3 client release the GIL), which take them from a queue while
-later ones are planned.
+that reads, so tests can count what a load reads. Running the operations is
+`dist_ckpt.backends.safetensors.read_threads`'s job.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import queue
-import threading
 from dataclasses import dataclass, replace
-from typing import Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple, Union
+from typing import Iterator, List, Optional, Protocol, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
-from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
-from dist_ckpt.model.dtype_cast import copy_cast
+from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.model.geometry import Box
 from dist_ckpt.storage import FileReader, ObjectReader, TruncatedObjectError
 from dist_ckpt.storage.files import IOV_MAX
@@ -59,10 +55,12 @@ __all__ = [
     "ReadOptions",
     "as_reader",
     "contiguous_runs",
-    "execute",
     "plan_copy",
     "read_bytes",
     "read_into",
+    "slabs",
+    "src_span",
+    "row_major_strides",
 ]
 
 
@@ -187,7 +185,7 @@ def read_bytes(fd: Union[ObjectReader, int], nbytes: int, offset: int) -> bytes:
 # --------------------------------------------------------------------------- geometry of runs
 
 
-def _strides(shape: Sequence[int]) -> List[int]:
+def row_major_strides(shape: Sequence[int]) -> List[int]:
     return [math.prod(shape[d + 1 :]) for d in range(len(shape))]
 
 
@@ -212,7 +210,7 @@ def contiguous_runs(inter: Box, src: Box, dst: Box) -> Tuple[np.ndarray, np.ndar
     ```
     """
     n = len(inter.shape)
-    ss, ds = _strides(src.shape), _strides(dst.shape)
+    ss, ds = row_major_strides(src.shape), row_major_strides(dst.shape)
     s0 = _flat([i - o for i, o in zip(inter.offset, src.offset)], ss)
     d0 = _flat([i - o for i, o in zip(inter.offset, dst.offset)], ds)
     if n == 0:
@@ -232,13 +230,13 @@ def contiguous_runs(inter: Box, src: Box, dst: Box) -> Tuple[np.ndarray, np.ndar
 
 def src_span(box: Box, src: Box) -> Tuple[int, int]:
     """``(first, count)``: the element range of the row-major ``src`` box that covers ``box``."""
-    ss = _strides(src.shape)
+    ss = row_major_strides(src.shape)
     first = _flat([b - s for b, s in zip(box.offset, src.offset)], ss)
     last = _flat([b + n - 1 - s for b, n, s in zip(box.offset, box.shape, src.offset)], ss)
     return first, last - first + 1
 
 
-def _slabs(box: Box, src: Box, limit: int) -> Iterator[Box]:
+def slabs(box: Box, src: Box, limit: int) -> Iterator[Box]:
     """Split ``box`` into sub-boxes whose span in ``src`` is at most ``limit`` elements."""
     if src_span(box, src)[1] <= limit or box.numel <= 1:
         yield box
@@ -246,14 +244,14 @@ def _slabs(box: Box, src: Box, limit: int) -> Iterator[Box]:
     axis = next(d for d, n in enumerate(box.shape) if n > 1)
     row_shape = box.shape[:axis] + (1,) + box.shape[axis + 1 :]
     row_span = src_span(Box(box.offset, row_shape), src)[1]
-    stride = _strides(src.shape)[axis]
+    stride = row_major_strides(src.shape)[axis]
     rows = 1 if row_span > limit else 1 + (limit - row_span) // stride
     for start in range(0, box.shape[axis], rows):
         count = min(rows, box.shape[axis] - start)
         offset = box.offset[:axis] + (box.offset[axis] + start,) + box.offset[axis + 1 :]
         sub = Box(offset, box.shape[:axis] + (count,) + box.shape[axis + 1 :])
         if rows == 1 and row_span > limit:
-            yield from _slabs(sub, src, limit)
+            yield from slabs(sub, src, limit)
         else:
             yield sub
 
@@ -483,160 +481,3 @@ def _direct_reads(
             expect = src + done
     if spans:
         yield flush()
-
-
-# --------------------------------------------------------------------------- execution
-
-
-class _Worker:
-    """Runs reads; owns one bounce buffer, allocated on first use (pinned for GPU targets)."""
-
-    def __init__(self, options: ReadOptions) -> None:
-        self.options = options
-        self._buffer: Optional[torch.Tensor] = None
-        self._edges = bytearray()  # the extra bytes of widened direct reads
-
-    def buffer(self, nbytes: int, pinned: bool) -> torch.Tensor:
-        if self._buffer is None or self._buffer.numel() < nbytes or (pinned and not self._buffer.is_pinned()):
-            size = max(nbytes, min(self.options.bounce_buffer_bytes, 1 << 20))
-            self._buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
-        return self._buffer
-
-    def run(self, op: ReadOp) -> None:
-        try:
-            if isinstance(op, DirectRead):
-                if op.check is None:
-                    read_into(op.fd, op.buffers, op.offset)
-                else:
-                    self._checked_direct(op, op.check)
-            else:
-                self._bounce(op)
-        except EOFError as e:
-            raise CorruptCheckpointError(
-                f"tensor {op.key!r}: safetensors file {str(op.path)!r} is truncated: {e}"
-            ) from e
-
-    def _checked_direct(self, op: DirectRead, check: ReadCheck) -> None:
-        """A direct read widened to whole blocks: the extra bytes before and after go to scratch
-        buffers in the same ``preadv``, then every byte is checked."""
-        start, stop = check.widen(op.offset, op.offset + op.nbytes)
-        head, tail = op.offset - start, stop - op.offset - op.nbytes
-        if len(self._edges) < head + tail:
-            self._edges = bytearray(head + tail)
-        edges = memoryview(self._edges)
-        self._read_checked(op.fd, [edges[:head], *op.buffers, edges[head : head + tail]], start, check)
-
-    def _read_checked(self, fd: ObjectReader, buffers: Sequence[memoryview], offset: int, check: ReadCheck) -> None:
-        """Fill ``buffers`` from byte ``offset`` of ``fd`` (a range of whole blocks) and check
-        every byte: with positional reads (a local file) in pieces of whole blocks, each checked
-        right after it is read (still in the CPU cache); from an object in one request, checked
-        after."""
-        if not fd.positional:
-            read_into(fd, buffers, offset)
-            check.after_read(offset, buffers)
-            return
-        step = max(1, self.options.checked_piece_bytes // check.block_bytes) * check.block_bytes
-        for piece_offset, piece in _pieces(buffers, offset, step):
-            read_into(fd, piece, piece_offset)
-            check.after_read(piece_offset, piece)
-
-    def _bounce(self, op: BounceRead) -> None:
-        itemsize = op.stored_dtype.itemsize
-        limit = max(1, self.options.bounce_buffer_bytes // itemsize)
-        strides = _strides(op.src_box.shape)
-        pinned = op.target.is_cuda and torch.cuda.is_available()
-        for slab in _slabs(op.inter, op.src_box, limit):
-            first, count = src_span(slab, op.src_box)
-            lo = op.src_offset + first * itemsize
-            start, stop = (lo, lo + count * itemsize) if op.check is None else op.check.widen(lo, lo + count * itemsize)
-            # the values must start at a multiple of their size in the buffer, wherever the
-            # widened read starts
-            pad = -(lo - start) % itemsize
-            whole = self.buffer(pad + stop - start, pinned)[pad : pad + stop - start]
-            if op.check is None:
-                read_into(op.fd, [whole.numpy().data], start)
-            else:
-                self._read_checked(op.fd, [whole.numpy().data], start, op.check)
-            buf = whole[lo - start : lo - start + count * itemsize]
-            values = buf.view(op.stored_dtype)
-            stored = values.as_strided(slab.shape, tuple(strides), values.storage_offset())
-            copy_cast(op.target[slab.slices_within(op.inter)], stored)
-
-
-def _pieces(buffers: Sequence[memoryview], offset: int, step: int) -> Iterator[Tuple[int, List[memoryview]]]:
-    """``buffers`` (holding a file's bytes from ``offset`` on) cut at every ``step`` bytes:
-    ``(file offset, views)`` of each piece, in order."""
-    piece: List[memoryview] = []
-    room = step
-    for buf in buffers:
-        while len(buf):
-            take = min(room, len(buf))
-            piece.append(buf[:take])
-            buf = buf[take:]
-            room -= take
-            if room == 0:
-                yield offset, piece
-                offset += step
-                piece, room = [], step
-    if piece:
-        yield offset, piece
-
-
-def execute(ops: Iterable[ReadOp], options: ReadOptions) -> int:
-    """Run ``ops`` on ``options.thread_count`` threads as they are produced; return the bytes copied.
-
-    ``ops`` may be a generator: the threads start reading the first operations while the caller
-    is still planning later ones, so planning overlaps I/O. Each thread takes the next operation
-    from a shared queue, which balances the load. After a failure no further operation starts;
-    the first failure is raised once every thread has stopped.
-
-    Example:
-
-    ```python
-    copied = execute(ops, ReadOptions(thread_count=4))
-    ```
-    """
-    total = 0
-    if options.thread_count == 1:
-        worker = _Worker(options)
-        for op in ops:
-            worker.run(op)
-            total += op.nbytes
-        return total
-    pending: "queue.SimpleQueue[Optional[ReadOp]]" = queue.SimpleQueue()
-    errors: List[BaseException] = []
-    failed = threading.Event()
-
-    def work() -> None:
-        worker = _Worker(options)
-        while True:
-            op = pending.get()
-            if op is None:
-                return
-            if failed.is_set():
-                continue
-            try:
-                worker.run(op)
-            except BaseException as e:  # noqa: BLE001 -- re-raised by the calling thread
-                errors.append(e)
-                failed.set()
-
-    threads = [
-        threading.Thread(target=work, name=f"dist_ckpt_read_{i}", daemon=True) for i in range(options.thread_count)
-    ]
-    for t in threads:
-        t.start()
-    try:
-        for op in ops:
-            if failed.is_set():
-                break
-            pending.put(op)
-            total += op.nbytes
-    finally:
-        for _ in threads:
-            pending.put(None)
-        for t in threads:
-            t.join()
-    if errors:
-        raise errors[0]
-    return total

@@ -11,8 +11,11 @@ description, `load_from_index()` loads any sharding of the tensors:
    stored chunk grid, not by scanning every shard), check that the stored data covers it;
 3. open each file the plan touches once and validate its header (size, dtype, shape and byte
    range of every stored shard in it) -- still before any tensor byte is read;
-4. zero the parts outside the stored tensor (``allow_shape_mismatch``), then read, in place
-   where the destination allows it (see `safetensors_io`), on a few threads; a request
+4. zero the parts outside the stored tensor (``allow_shape_mismatch``), then read, tensor by
+   tensor in the order their bytes lie in the files (a cold read is then sequential, which the
+   kernel's readahead serves at the disk's speed; in the order of the state dict the reads of
+   a 2-rank load jumped between files and offsets), in place where the destination allows it
+   (see `safetensors_io`), on a few threads (`read_threads`); a request
    in another dtype than the stored one is read through the bounce buffers and converted
    (``ReadOptions.allow_dtype_cast``; see `dist_ckpt.model.dtype_cast`);
 5. when the index records checksums (and ``ReadOptions.verify_checksums``), check the crc32c of
@@ -40,7 +43,8 @@ from dist_ckpt.backends.base import load_destination
 from dist_ckpt.backends.request_checks import check_requested_tensors
 from dist_ckpt.backends.safetensors.blocks import ShardCheck
 from dist_ckpt.backends.safetensors.format import SafetensorsHeader, read_header, storage_layout
-from dist_ckpt.backends.safetensors.io import ReadOp, ReadOptions, byte_view, execute, plan_copy
+from dist_ckpt.backends.safetensors.io import ReadOp, ReadOptions, byte_view, plan_copy
+from dist_ckpt.backends.safetensors.read_threads import execute
 from dist_ckpt.backends.safetensors.tensor_index import StoredShard, StoredTensor, TensorIndex
 from dist_ckpt.engine.distributed import get_rank
 from dist_ckpt.errors import ChecksumMismatchError, CorruptCheckpointError, format_keys
@@ -275,7 +279,7 @@ def load_from_index(
     files = _OpenFiles(index, check or default_file_check(index), verify)
 
     def read_ops() -> Iterator[ReadOp]:
-        for sh in requested:
+        for sh in _in_file_order(requested, plans):
             dest, (planned, pad) = dests[id(sh)], plans[id(sh)]
             holder = Box(sh.global_offset, sh.full_local_shape)
             for piece in pad:  # zero-fill the parts the checkpoint does not have, before reading
@@ -296,6 +300,17 @@ def load_from_index(
         return dests[id(x)] if isinstance(x, ShardedTensor) else x
 
     return dict_list_map_inplace(result, sharded_state_dict)  # type: ignore[no-any-return]
+
+
+def _in_file_order(requested: Sequence[ShardedTensor], plans: PlannedReads) -> List[ShardedTensor]:
+    """``requested`` sorted by where their first stored bytes lie: (file, byte offset); requests
+    that read nothing first."""
+
+    def first_byte(sh: ShardedTensor) -> Tuple[str, int]:
+        planned = plans[id(sh)][0]
+        return min(((p.shard.file, p.src_offset) for p in planned), default=("", -1))
+
+    return sorted(requested, key=first_byte)
 
 
 def _read_ops(

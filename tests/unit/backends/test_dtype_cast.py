@@ -19,6 +19,7 @@ import torch
 import dist_ckpt as dc
 from dist_ckpt.backends.base import LoadShardedStrategy
 from dist_ckpt.backends.safetensors import io as safetensors_io
+from dist_ckpt.backends.safetensors import read_threads
 from dist_ckpt.backends.safetensors.strategy import (
     SafetensorsLoadOptions,
     SafetensorsLoadShardedStrategy,
@@ -183,13 +184,13 @@ def test_safetensors_cast_uses_bounded_scratch_buffers(tmp_path: Path, monkeypat
     full = torch.randn(256, 1024)  # 1 MiB
     SafetensorsSaveShardedStrategy().save({"w": ShardedTensor.from_rank_offsets("w", full)}, tmp_path)
     sizes: List[int] = []
-    real = safetensors_io._Worker.buffer
+    real = read_threads._Worker.buffer
 
     def spy(self: Any, nbytes: int, pinned: bool) -> torch.Tensor:
         sizes.append(nbytes)
         return real(self, nbytes, pinned)
 
-    monkeypatch.setattr(safetensors_io._Worker, "buffer", spy)
+    monkeypatch.setattr(read_threads._Worker, "buffer", spy)
     options = SafetensorsLoadOptions(bounce_buffer_bytes=64 << 10, verify_checksums=False, thread_count=2)
     dest = torch.empty(256, 1024, dtype=torch.bfloat16)
     out = SafetensorsLoadShardedStrategy(options).load({"w": ShardedTensor.from_rank_offsets("w", dest)}, tmp_path)

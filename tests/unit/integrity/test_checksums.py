@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from dist_ckpt.backends.safetensors import io as safetensors_io
+from dist_ckpt.backends.safetensors import read_threads
 from dist_ckpt.backends.safetensors.blocks import ShardCheck
 from dist_ckpt.backends.safetensors.index import INDEX_FILENAME, SAFETENSORS_DIR, read_index
 from dist_ckpt.backends.safetensors.strategy import (
@@ -295,13 +296,13 @@ def test_checked_reads_in_pieces_report_damage_in_any_piece(tmp_path, read_count
 def test_pieces_cut_buffers_at_every_step():
     data = memoryview(bytearray(range(100)))
     buffers = [data[0:0], data[0:7], data[7:8], data[8:30], data[30:0], data[30:31]]
-    pieces = list(safetensors_io._pieces(buffers, 1000, 10))
+    pieces = list(read_threads._pieces(buffers, 1000, 10))
     assert [offset for offset, _ in pieces] == [1000, 1010, 1020, 1030]
     assert [b"".join(bytes(v) for v in views) for _, views in pieces] == [
         bytes(range(a, min(a + 10, 31))) for a in (0, 10, 20, 30)
     ]
     assert all(len(v) for _, views in pieces for v in views)
-    assert list(safetensors_io._pieces([data[0:0]], 0, 10)) == []
+    assert list(read_threads._pieces([data[0:0]], 0, 10)) == []
 
 
 def test_row_slices_read_at_most_one_extra_block_per_end(tmp_path, read_counter):

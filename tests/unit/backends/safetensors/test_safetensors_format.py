@@ -25,12 +25,12 @@ from dist_ckpt.backends.safetensors.io import (
     DirectRead,
     ReadOptions,
     contiguous_runs,
-    execute,
     plan_copy,
     read_bytes,
     read_into,
     src_span,
 )
+from dist_ckpt.backends.safetensors.read_threads import execute
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
 from dist_ckpt.model.geometry import Box
 

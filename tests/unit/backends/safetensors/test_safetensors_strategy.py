@@ -733,3 +733,31 @@ def test_remove_sharded_tensors(tmp_path, legacy):
     assert torch.equal(out["b"], torch.full((2,), 5.0))
     with pytest.raises(KeyMismatchError, match="'a.w'"):
         dc.load({"a": ShardedTensor.from_rank_offsets("a.w", torch.empty(2))}, tmp_path)
+
+
+def test_a_load_reads_in_file_order_whatever_the_order_of_the_state_dict(tmp_path, monkeypatch):
+    """A cold read is sequential only if the reads follow the files: the tensors are read in the
+    order of their bytes, not in the order the state dict lists them."""
+    tensors = {f"t{i}": random_tensor(torch.float32, (64, 64), seed=i) for i in range(12)}
+    save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in tensors.items()}, tmp_path, thread_count=2)
+    reads: List[Tuple[int, int]] = []
+    original = safetensors_io.read_into
+
+    def recording(fd, buffers, offset):
+        reads.append((int(fd), offset))
+        return original(fd, buffers, offset)
+
+    monkeypatch.setattr(safetensors_io, "read_into", recording)
+    keys = sorted(tensors, reverse=True)
+    gen = torch.Generator().manual_seed(0)
+    keys = [keys[i] for i in torch.randperm(len(keys), generator=gen).tolist()]  # neither sorted nor saved order
+    out = load({k: ShardedTensor.from_rank_offsets(k, torch.empty(64, 64)) for k in keys}, tmp_path, thread_count=1)
+    for k in keys:
+        assert_bits_equal(out[k], tensors[k])
+    data_reads = [r for r in reads if r[1] > 8]  # not the headers (length at 0, JSON at 8)
+    files = [fd for fd, _ in data_reads]
+    assert len(set(files)) == 2  # both files were read ...
+    assert files == sorted(files, key=files.index)  # ... one after the other,
+    for fd in set(files):  # each from start to end
+        offsets = [off for f, off in data_reads if f == fd]
+        assert offsets == sorted(offsets) and len(offsets) >= 6
