@@ -4,7 +4,8 @@ Pure functions over per-rank metadata, and the collective check a save runs: eac
 shard metadata to rank 0 once, as a compact binary table (`dist_ckpt.engine.shard_metadata`),
 rank 0 checks every rank's table at once (`dist_ckpt.engine.checks.coverage`), and the
 verdict reaches every rank. A save whose shard metadata is unchanged since the last passing check
-skips the gather (`dist_ckpt.engine.checks.verdict_cache`): one all-reduce of 4 ints.
+skips the gather (`dist_ckpt.engine.checks.verdict_cache`): one all-reduce of 4 ints (which a save
+folds into the one all-reduce of its validation step: `dist_ckpt.engine.checks.save_checks`).
 """
 
 from __future__ import annotations
@@ -118,6 +119,13 @@ def gather_and_validate_sharding(local_metadata: Sequence[ShardedBase], group: O
         logger.debug("sharding unchanged since the last passing check; not checked again")
         return
     assert fields is not None  # FAILED raised above
+    check_fields_in_full(fields, group)
+
+
+def check_fields_in_full(fields: List[ShardFields], group: Optional[ProcessGroup] = None) -> None:
+    """Collective: steps 3 and 4 of `gather_and_validate_sharding()`, after the ranks agreed to
+    check in full: gather every rank's ``fields`` (``shard_fields()`` of its metadata) to rank 0
+    as tables, check them there, raise the same error on every rank or record the pass."""
     blobs = gather_bytes(encode_table(ShardTable.from_fields(fields, get_rank(group))), group=group)
 
     def check() -> None:
@@ -131,6 +139,7 @@ def gather_and_validate_sharding(local_metadata: Sequence[ShardedBase], group: O
 __all__ = [
     "FLATTENED_GAP",
     "GlobalMetadata",
+    "check_fields_in_full",
     "check_shard_table",
     "check_sharding_integrity",
     "determine_global_metadata",
