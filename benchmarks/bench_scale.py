@@ -344,6 +344,8 @@ def main() -> None:
     parser.add_argument("--real", action="store_true", help="real ranks: run under mpiexec")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
+    if args.dir is not None:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)  # every rank: exist_ok makes the race harmless
     if args.real:
         real(args.tensors[0], args.rounds, args.dir)
         return
