@@ -190,8 +190,8 @@ class StepMonitor:
             phase: the step.
             fn: what it does.
             exchanges_errors: ``fn`` raises only errors it raised on every rank (it exchanges
-                them itself, e.g. [`validate_save()`][dist_ckpt.engine.checks.save_checks.validate_save]),
-                so the step adds no exchange after it succeeds. Honoured only without a
+                them itself, e.g. ``dist_ckpt.engine.checks.save_checks.validate_save``), so the
+                step adds no exchange after it succeeds. Honoured only without a
                 ``progress`` callback: a callback may fail on one rank, and the step's own
                 exchange is what carries that error to the others.
         """
