@@ -45,7 +45,7 @@ from dist_ckpt.engine.checks.common_state import (
     fingerprint_common_state,
     report_common_state_differences,
 )
-from dist_ckpt.engine.checks.sharding import check_fields_in_full
+from dist_ckpt.engine.checks.sharding import DESCRIBING_SHARDS, check_fields_in_full
 from dist_ckpt.engine.checks.verdict_cache import VERDICTS, VOTES, Agreement
 from dist_ckpt.engine.distributed import all_reduce_max, raise_if_any_rank_failed, run_collectively
 from dist_ckpt.engine.shard_table import ShardFields, shard_fields
@@ -56,9 +56,6 @@ __all__ = ["validate_save"]
 
 logger = logging.getLogger(__name__)
 
-#: the step named in errors of describing the shards (as `gather_and_validate_sharding` names it)
-_DESCRIBING = "describing the shards"
-
 
 class _Local:
     """What this rank computed before the all-reduce, or the error it failed with and where."""
@@ -68,7 +65,7 @@ class _Local:
         self.doc: FingerprintDoc = []
         self.digest = 0
         self.error: Optional[Exception] = None
-        self.step = _DESCRIBING
+        self.step = DESCRIBING_SHARDS
 
 
 def _prepare(

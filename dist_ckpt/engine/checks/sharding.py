@@ -34,6 +34,9 @@ logger = logging.getLogger(__name__)
 
 GlobalMetadata = List[List[ShardedBase]]
 
+#: the step named in the error of a rank that could not describe its shards
+DESCRIBING_SHARDS = "describing the shards"
+
 
 def find_sharding_problems(global_metadata: Sequence[Sequence[ShardedBase]]) -> List[str]:
     """Every way in which the ranks' shards fail to form a valid sharding (pure).
@@ -114,7 +117,7 @@ def gather_and_validate_sharding(local_metadata: Sequence[ShardedBase], group: O
         fields, error = None, e
     agreement = VERDICTS.agree(fields, group)
     if agreement is Agreement.FAILED or fields is None:
-        raise_if_any_rank_failed(error, "describing the shards", group)
+        raise_if_any_rank_failed(error, DESCRIBING_SHARDS, group)
     if agreement is Agreement.HIT:
         logger.debug("sharding unchanged since the last passing check; not checked again")
         return
@@ -137,6 +140,7 @@ def check_fields_in_full(fields: List[ShardFields], group: Optional[ProcessGroup
 
 
 __all__ = [
+    "DESCRIBING_SHARDS",
     "FLATTENED_GAP",
     "GlobalMetadata",
     "check_fields_in_full",
