@@ -311,6 +311,7 @@ def real(tensors: int, rounds: int, directory: Optional[str]) -> None:
             if clear:
                 VERDICTS.clear()  # every rank: the next check runs in full
             target = root / f"r{r}_{name.replace(' ', '_')}"
+            gc.collect()  # a full collection's pause, due from earlier saves' garbage, is charged to no save
             barrier()
             t0 = time.perf_counter()
             result = dc.save_with_report(sd, target, validate_access_integrity=validate)

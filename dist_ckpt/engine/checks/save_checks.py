@@ -114,8 +114,9 @@ def validate_save(
 
     Raises:
         ShardingIntegrityError: the shards do not form a valid sharding (on every rank).
-        CheckpointingException: a rank failed to describe its shards or its common state
-            (on every rank, naming it).
+        CheckpointingException: a rank failed to describe its shards or its common state (on
+            every rank, naming it; RankFailedError for an error outside the family; in a world
+            of one, the error itself).
     """
     local = _prepare(local_metadata, common_state_dict, preprocess)
     agreement, same_common_state = _agree(local)
