@@ -624,10 +624,21 @@ def _leave_step() -> None:
             _active_steps.pop(thread, None)
 
 
-def run_collectively(step: str, fn: Callable[[], T], group: Optional[ProcessGroup] = None) -> T:
+def run_collectively(
+    step: str, fn: Callable[[], T], group: Optional[ProcessGroup] = None, *, exchanges_own_errors: bool = False
+) -> T:
     """Run ``fn`` on every rank; if it raises on any rank, raise on every rank.
 
     While it runs, ``step`` is listed by `active_steps()` (for the watchdog's messages).
+
+    Args:
+        step: the step's name, for errors and the watchdog.
+        fn: the step.
+        group: the ranks that run it.
+        exchanges_own_errors: ``fn`` raises only errors it raised on every rank of ``group``
+            (exchanged by `raise_if_any_rank_failed()` or a nested `run_collectively()`), so
+            nothing is exchanged after it succeeds: no collective is added. Only for a ``fn``
+            whose every failure on one rank reaches an exchange that every rank makes.
 
     Example:
 
@@ -640,9 +651,10 @@ def run_collectively(step: str, fn: Callable[[], T], group: Optional[ProcessGrou
         try:
             result = fn()
         except Exception as e:  # noqa: BLE001 -- every failure must reach the other ranks
-            raise_if_any_rank_failed(e, step, group)
+            raise_if_any_rank_failed(e, step, group)  # an error exchanged already is re-raised as it is
             raise  # unreachable: the call above always raises when given an error
-        raise_if_any_rank_failed(None, step, group)
+        if not exchanges_own_errors:
+            raise_if_any_rank_failed(None, step, group)
         return result
     finally:
         _leave_step()

@@ -182,9 +182,19 @@ class StepMonitor:
         if self._watchdog is not None:
             self._watchdog.touch()
 
-    def run(self, phase: Step, fn: Callable[[], T]) -> T:
+    def run(self, phase: Step, fn: Callable[[], T], *, exchanges_errors: bool = False) -> T:
         """Run ``fn`` as the collective step ``phase`` (see
-        `run_collectively()`), timed and reported."""
+        `run_collectively()`), timed and reported.
+
+        Args:
+            phase: the step.
+            fn: what it does.
+            exchanges_errors: ``fn`` raises only errors it raised on every rank (it exchanges
+                them itself, e.g. ``dist_ckpt.engine.checks.save_checks.validate_save``), so the
+                step adds no exchange after it succeeds. Honoured only without a
+                ``progress`` callback: a callback may fail on one rank, and the step's own
+                exchange is what carries that error to the others.
+        """
 
         def body() -> T:
             self.notify(phase, done=False)
@@ -196,7 +206,8 @@ class StepMonitor:
         guard: ContextManager[Any] = self._watchdog.step(phase.value) if self._watchdog is not None else nullcontext()
         try:
             with guard:
-                return run_collectively(phase.value, body)
+                own = exchanges_errors and self.progress is None
+                return run_collectively(phase.value, body, exchanges_own_errors=own)
         finally:
             self.report.phases.append(PhaseTiming(phase.value, time.perf_counter() - start))
 

@@ -22,9 +22,8 @@ from typing import Any, Callable, List, Optional, Set, Tuple
 
 from dist_ckpt.async_save.queue import AsyncRequest
 from dist_ckpt.backends.base import AsyncSaveShardedStrategy, SaveCommonStrategy, SaveShardedStrategy
-from dist_ckpt.engine.checks.common_state import validate_common_state_dict
 from dist_ckpt.engine.checks.compatibility import validate_sharded_objects_handling
-from dist_ckpt.engine.checks.sharding import gather_and_validate_sharding
+from dist_ckpt.engine.checks.save_checks import validate_save
 from dist_ckpt.engine.commit import RECORD_FILENAME, CheckpointingConfig, new_save_id, save_config
 from dist_ckpt.engine.distributed import (
     broadcast_json,
@@ -191,15 +190,16 @@ def save(
        there, or entries this save would write that no save record explains are refused.
     2. Apply factories, drop LocalNonPersistentObjects, split into sharded and common parts.
     3. Check keys; if ``validate_access_integrity``, check the sharding on rank 0 and warn if
-       the common state differs between ranks.
+       the common state differs between ranks (one small all-reduce in all when both are
+       unchanged since the last save: see `dist_ckpt.engine.checks.save_checks`).
     4. Save the common state (rank 0) and this rank's ShardedObjects.
     5. Save the sharded tensors (in the background if ``async_sharded_save``).
     6. Commit: once every rank succeeded, rank 0 checks the location is still its own, writes
        ``metadata.json`` (listing the integrity records the save wrote) and removes its claim.
 
-    Each step ends with an error exchange, so a failure on any rank raises the same
-    CheckpointingException on every rank, and no partial checkpoint is ever committed; rank 0
-    then deletes what the save wrote (its claim proves they are its files).
+    Each step ends with an error exchange (step 3 exchanges its errors itself), so a failure on
+    any rank raises the same CheckpointingException on every rank, and no partial checkpoint is
+    ever committed; rank 0 then deletes what the save wrote (its claim proves they are its files).
 
     Args:
         sharded_state_dict: the state to save; modified in place by factories.
@@ -333,15 +333,11 @@ def _save_steps(
     nbytes = main_replica_bytes(sharded_part)
 
     # 3. validation
-    def validate() -> None:
-        gather_and_validate_sharding(local_metadata)
-        to_compare = common_state_dict
-        if preprocess_common_before_consistancy_check is not None:
-            to_compare = preprocess_common_before_consistancy_check(common_state_dict)
-        validate_common_state_dict(to_compare)
+    def validate() -> None:  # one all-reduce for an unchanged structure; raises on every rank or none
+        validate_save(local_metadata, common_state_dict, preprocess_common_before_consistancy_check)
 
     if validate_access_integrity:
-        monitor.run(Step.VALIDATE_SHARDING, validate)
+        monitor.run(Step.VALIDATE_SHARDING, validate, exchanges_errors=True)
 
     # 4. common state and ShardedObjects
     def save_common() -> ShardedStateDict:

@@ -1,4 +1,11 @@
-"""Whether the common (non-sharded) state agrees across ranks: rank 0 saves it for everyone."""
+"""Whether the common (non-sharded) state agrees across ranks: rank 0 saves it for everyone.
+
+Each rank fingerprints its common state (`fingerprint_common_state()`: local); the ranks compare
+a digest of the fingerprints in one all-reduce, and only when the digests differ gather the
+fingerprints to rank 0, which warns how they differ (`report_common_state_differences()`).
+`validate_common_state_dict()` does all three; a save folds the all-reduce into the one of its
+validation step (`dist_ckpt.engine.checks.save_checks`).
+"""
 
 from __future__ import annotations
 
@@ -135,28 +142,32 @@ def find_common_state_differences(
     return out
 
 
-def validate_common_state_dict(common_state_dict: Dict[str, Any]) -> None:
-    """Collective: log at WARNING (on rank 0) how the ranks' common states differ.
+#: the exchanged form of one rank's common state: ``common_state_fingerprints`` as JSON
+FingerprintDoc = List[Any]
 
-    Only rank 0's common state is saved, so a difference usually means a bug (or rank-specific
-    state that belongs in a ShardedObject). Fingerprints, not the objects, are gathered -- and
-    only when they differ: one all-reduce of a digest of them tells every rank whether all ranks
-    hold the same, the usual case at every save. The message starts as Megatron-Core's does
-    (callers match on it): "There is difference in the common state dict in different ranks. The
-    differences are {rank: (only on rank 0, only on that rank, differing values)}", listing at
-    most 10 ranks and 20 keys of each kind per rank.
+
+def fingerprint_common_state(common_state_dict: Any) -> Tuple[FingerprintDoc, int]:
+    """This rank's fingerprints of the common state, as exchanged, and a 63-bit digest of them
+    (local; equal digests on every rank mean equal common states, bar a hash collision).
+
+    A save all-reduces ``[digest, -digest]`` (maximum): the state is the same on every rank
+    when the maximum equals minus the other maximum, and only then is nothing gathered.
     """
-    fingerprints = _to_json(common_state_fingerprints(common_state_dict))
-    if get_world_size() > 1:
-        text = json.dumps(fingerprints, sort_keys=True).encode("utf-8")
-        digest = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1  # fits an int64
-        newest, minus_oldest = all_reduce_max([digest, -digest])
-        if newest == -minus_oldest:
-            return
-    gathered = gather_json(fingerprints)
+    doc = _to_json(common_state_fingerprints(common_state_dict))
+    text = json.dumps(doc, sort_keys=True).encode("utf-8")
+    return doc, int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1  # fits an int64
+
+
+def report_common_state_differences(doc: FingerprintDoc) -> None:
+    """Collective: gather every rank's fingerprints to rank 0 and log at WARNING how they differ.
+
+    Called by every rank once the digests showed a difference (see
+    `validate_common_state_dict()` for the message).
+    """
+    gathered = gather_json(doc)
     if gathered is None:
         return
-    differences = find_common_state_differences([_from_json(doc) for doc in gathered])
+    differences = find_common_state_differences([_from_json(d) for d in gathered])
     if differences:
         shown = {
             rank: tuple(keys[:_KEYS_PER_RANK] for keys in diff)
@@ -172,4 +183,30 @@ def validate_common_state_dict(common_state_dict: Dict[str, Any]) -> None:
         )
 
 
-__all__ = ["common_state_fingerprints", "find_common_state_differences", "validate_common_state_dict"]
+def validate_common_state_dict(common_state_dict: Dict[str, Any]) -> None:
+    """Collective: log at WARNING (on rank 0) how the ranks' common states differ.
+
+    Only rank 0's common state is saved, so a difference usually means a bug (or rank-specific
+    state that belongs in a ShardedObject). Fingerprints, not the objects, are gathered -- and
+    only when they differ: one all-reduce of a digest of them tells every rank whether all ranks
+    hold the same, the usual case at every save. The message starts as Megatron-Core's does
+    (callers match on it): "There is difference in the common state dict in different ranks. The
+    differences are {rank: (only on rank 0, only on that rank, differing values)}", listing at
+    most 10 ranks and 20 keys of each kind per rank.
+    """
+    doc, digest = fingerprint_common_state(common_state_dict)
+    if get_world_size() > 1:
+        newest, minus_oldest = all_reduce_max([digest, -digest])
+        if newest == -minus_oldest:
+            return
+    report_common_state_differences(doc)
+
+
+__all__ = [
+    "FingerprintDoc",
+    "common_state_fingerprints",
+    "find_common_state_differences",
+    "fingerprint_common_state",
+    "report_common_state_differences",
+    "validate_common_state_dict",
+]

@@ -4,7 +4,8 @@ Pure functions over per-rank metadata, and the collective check a save runs: eac
 shard metadata to rank 0 once, as a compact binary table (`dist_ckpt.engine.shard_metadata`),
 rank 0 checks every rank's table at once (`dist_ckpt.engine.checks.coverage`), and the
 verdict reaches every rank. A save whose shard metadata is unchanged since the last passing check
-skips the gather (`dist_ckpt.engine.checks.verdict_cache`): one all-reduce of 4 ints.
+skips the gather (`dist_ckpt.engine.checks.verdict_cache`): one all-reduce of 4 ints (which a save
+folds into the one all-reduce of its validation step: `dist_ckpt.engine.checks.save_checks`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from dist_ckpt.model.sharded import ShardedBase, ShardedStateDict
 logger = logging.getLogger(__name__)
 
 GlobalMetadata = List[List[ShardedBase]]
+
+#: the step named in the error of a rank that could not describe its shards
+DESCRIBING_SHARDS = "describing the shards"
 
 
 def find_sharding_problems(global_metadata: Sequence[Sequence[ShardedBase]]) -> List[str]:
@@ -113,11 +117,18 @@ def gather_and_validate_sharding(local_metadata: Sequence[ShardedBase], group: O
         fields, error = None, e
     agreement = VERDICTS.agree(fields, group)
     if agreement is Agreement.FAILED or fields is None:
-        raise_if_any_rank_failed(error, "describing the shards", group)
+        raise_if_any_rank_failed(error, DESCRIBING_SHARDS, group)
     if agreement is Agreement.HIT:
         logger.debug("sharding unchanged since the last passing check; not checked again")
         return
     assert fields is not None  # FAILED raised above
+    check_fields_in_full(fields, group)
+
+
+def check_fields_in_full(fields: List[ShardFields], group: Optional[ProcessGroup] = None) -> None:
+    """Collective: steps 3 and 4 of `gather_and_validate_sharding()`, after the ranks agreed to
+    check in full: gather every rank's ``fields`` (``shard_fields()`` of its metadata) to rank 0
+    as tables, check them there, raise the same error on every rank or record the pass."""
     blobs = gather_bytes(encode_table(ShardTable.from_fields(fields, get_rank(group))), group=group)
 
     def check() -> None:
@@ -129,8 +140,10 @@ def gather_and_validate_sharding(local_metadata: Sequence[ShardedBase], group: O
 
 
 __all__ = [
+    "DESCRIBING_SHARDS",
     "FLATTENED_GAP",
     "GlobalMetadata",
+    "check_fields_in_full",
     "check_shard_table",
     "check_sharding_integrity",
     "determine_global_metadata",

@@ -35,6 +35,10 @@ if VERDICTS.agree(fields, group) is Agreement.MISS:   # collective: one all-redu
     ...gather and check...
     VERDICTS.record(fields, group)                     # only after the check passed on every rank
 ```
+
+A save folds the agreement into the one all-reduce of its validation step
+(`dist_ckpt.engine.checks.save_checks`): `VerdictCache.votes()` gives this rank's ints for it,
+`VerdictCache.decide()` reads the agreement from the reduced ints.
 """
 
 from __future__ import annotations
@@ -43,15 +47,18 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from enum import Enum
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from dist_ckpt.engine.distributed import ProcessGroup, all_reduce_max, get_rank, group_identity
 from dist_ckpt.engine.shard_table import ShardFields
 
-__all__ = ["MAX_GROUPS", "VERDICTS", "Agreement", "VerdictCache"]
+__all__ = ["MAX_GROUPS", "VERDICTS", "VOTES", "Agreement", "VerdictCache"]
 
 #: process groups whose last passing check is remembered
 MAX_GROUPS = 8
+
+#: how many ints a rank contributes to the agreement's all-reduce (`VerdictCache.votes()`)
+VOTES = 4
 
 
 class Agreement(Enum):
@@ -91,6 +98,15 @@ class VerdictCache:
         ``fields`` is None on a rank that could not describe its shards: then every rank gets
         ``Agreement.FAILED`` (and exchanges the error). Every rank gets the same answer.
         """
+        return self.decide(all_reduce_max(self.votes(fields, group), group), group)
+
+    def votes(self, fields: Optional[List[ShardFields]], group: Optional[ProcessGroup] = None) -> List[int]:
+        """This rank's `VOTES` ints for `agree()`'s all-reduce (local; no communication).
+
+        With `decide()`, for a caller that folds them into an all-reduce of its own: every rank
+        of ``group`` all-reduces (maximum) its votes, in the same place of the same collective,
+        and passes the first `VOTES` results to `decide()`.
+        """
         key = group_identity(group)
         with self._lock:
             record = self._records.get(key)
@@ -98,11 +114,14 @@ class VerdictCache:
                 self._records.move_to_end(key)
         hit = fields is not None and record is not None and record.rank == get_rank(group) and record.fields == fields
         generation = record.generation if record is not None else 0
-        failed, miss, newest, minus_oldest = all_reduce_max(
-            [int(fields is None), 0 if hit else 1, generation, -generation], group
-        )
+        return [int(fields is None), 0 if hit else 1, generation, -generation]
+
+    def decide(self, reduced: Sequence[int], group: Optional[ProcessGroup] = None) -> Agreement:
+        """The agreement from the element-wise maximum of every rank's `votes()` (local; the same
+        on every rank, since every rank has the same maximum)."""
+        failed, miss, newest, minus_oldest = reduced
         with self._lock:
-            self._agreed[key] = newest
+            self._agreed[group_identity(group)] = newest
         if failed:
             return Agreement.FAILED
         return Agreement.HIT if miss == 0 and newest == -minus_oldest else Agreement.MISS
