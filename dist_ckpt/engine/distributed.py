@@ -13,8 +13,8 @@ of the next collective fails instead (gloo: "Connection closed by peer", NCCL: a
 ``DistBackendError``, either: a timeout). Every collective here turns that into
 [`RankFailedError`][dist_ckpt.errors.RankFailedError] on each survivor, naming the step it was in and the
 ranks that did not answer a short roll call over the process group's store
-(`_failed_ranks()`); the process group is unusable afterwards, so no further exchange
-is attempted.
+(how, and the roll call, are [`peer_failures`][dist_ckpt.engine.peer_failures]'s job); the process
+group is unusable afterwards, so no further exchange is attempted.
 """
 
 from __future__ import annotations
@@ -32,7 +32,13 @@ import torch
 import torch.distributed as dist
 
 from dist_ckpt import errors
-from dist_ckpt.engine.process_identity import ProcessIdentity
+from dist_ckpt.engine.peer_failures import (
+    is_transport_error,
+    is_transport_failure,
+    publish_identity,
+    roll_call,
+    transport_failure,
+)
 from dist_ckpt.errors import CheckpointingException, KeyMismatchError, RankFailedError, format_problems
 from dist_ckpt.storage import errors as storage_errors
 
@@ -326,12 +332,6 @@ def all_ranks_true(flag: bool, group: Optional[ProcessGroup] = None) -> bool:
 
 
 _SYNCED = "_dist_ckpt_synced"
-#: set on a RankFailedError raised for a failed transport: the process group is unusable
-_TRANSPORT_FAILED = "_dist_ckpt_transport_failed"
-#: how long each survivor of a transport failure waits for ranks on other machines to answer
-#: the roll call (ranks on its own machine are checked directly)
-ROLL_CALL_S = 5.0
-_IDENTITY_PREFIX = "dist_ckpt/process/"
 _roll_calls = 0
 _roll_calls_lock = threading.Lock()
 _published: List[Any] = []  # a weak reference to the default group the identity was published for
@@ -343,85 +343,31 @@ def _default_store() -> Any:
 
 
 def _publish_identity() -> None:
-    """Once per default process group: put this process's identity in the group's store, so
-    that after a transport failure the survivors can tell a dead rank of their own machine from
-    one blocked in a collective (`_failed_ranks()`). One small store write per process."""
+    """Once per default process group: put this process's identity in the group's store (see
+    [`peer_failures`][dist_ckpt.engine.peer_failures]). One small store write per process."""
     default = dist.distributed_c10d._get_default_group()
     if _published and _published[0]() is default:
         return
     try:
         _published[:] = [weakref.ref(default)]
-        _default_store().set(f"{_IDENTITY_PREFIX}{dist.get_rank()}", ProcessIdentity.current().to_bytes())
+        publish_identity(_default_store(), dist.get_rank())
     except Exception as e:  # noqa: BLE001 -- only diagnostics depend on it
         logger.debug("could not publish this process's identity in the store: %s", e)
 
 
-def _identity_of(store: Any, rank: int) -> Optional[ProcessIdentity]:
-    key = f"{_IDENTITY_PREFIX}{rank}"
-    if not store.check([key]):
-        return None
-    try:
-        return ProcessIdentity.from_json(json.loads(store.get(key)))
-    except ValueError:
-        return None
-
-
 def _failed_ranks(group: Optional[ProcessGroup]) -> Optional[List[int]]:
-    """After a transport failure: the ranks of ``group`` that are gone, or None when the store
-    cannot be used.
-
-    A rank on this machine (same kernel boot and PID namespace, from the identity it published)
-    is checked directly: its process exists or not. The others get a roll call: each survivor
-    sets ``dist_ckpt/alive/<n>/<rank>`` in the store (every survivor hits the failure, so each
-    calls this for the same ``n``-th failure of its process) and waits up to
-    `ROLL_CALL_S` for theirs; a rank that never answers is reported (dead, or blocked in
-    a collective). The store lives on rank 0 (TCPStore): when it is unreachable, rank 0 is
-    reported.
-    """
+    """After a transport failure: the ranks of ``group`` that are gone (`roll_call()` over the
+    default store), or None when the store cannot be used."""
     global _roll_calls
     with _roll_calls_lock:
         call = _roll_calls
         _roll_calls += 1
     me = dist.get_rank()
-    others = [r for r in group_ranks(group) if r != me]
-    prefix = f"dist_ckpt/alive/{call}/"
     try:
         store = _default_store()
-        if store is None:
-            return None
-        store.set(f"{prefix}{me}", "1")
-
-        def silent(ranks: List[int]) -> List[int]:
-            return [r for r in ranks if not store.check([f"{prefix}{r}"])]
-
-        running = {
-            r: (i.running() if i is not None else None) for r in silent(others) for i in [_identity_of(store, r)]
-        }
-        dead = [r for r, up in running.items() if up is False]  # (a survivor may answer, then exit)
-        remote = [r for r, up in running.items() if up is None]
-        deadline = time.monotonic() + ROLL_CALL_S
-        while remote:
-            remote = silent(remote)
-            if not remote or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        return sorted(silent(dead) + remote)
     except Exception:  # noqa: BLE001 -- the store went down with its host, rank 0
         return [0] if me != 0 else None
-
-
-def is_transport_failure(error: BaseException) -> bool:
-    """Whether ``error`` is the [`RankFailedError`][dist_ckpt.errors.RankFailedError] of a failed collective transport
-    (a peer rank died or stopped responding): the process group cannot be used any more.
-
-    Example:
-
-    ```text
-    except RankFailedError as e:
-        if is_transport_failure(e): print("ranks", e.failed_ranks, "died during", e.step)
-    ```
-    """
-    return bool(getattr(error, _TRANSPORT_FAILED, False))
+    return None if store is None else roll_call(store, me, [r for r in group_ranks(group) if r != me], call)
 
 
 def _abort(group: Optional[ProcessGroup]) -> None:
@@ -439,33 +385,6 @@ def _abort(group: Optional[ProcessGroup]) -> None:
         logger.debug("could not abort the process group after a transport failure: %s", e)
 
 
-#: words of the messages of gloo, NCCL and the c10d store when a peer is gone or silent
-_TRANSPORT_HINTS = (
-    "connection",
-    "closed by peer",
-    "reset by peer",
-    "read error",
-    "write error",
-    "broken pipe",
-    "timed out",
-    "timeout",
-    "socket",
-    "remote worker",
-    "nccl error",
-    "aborted",
-)
-
-
-def _is_transport_error(error: RuntimeError) -> bool:
-    """Whether a collective's ``RuntimeError`` means its transport failed (a peer died or stopped
-    responding), as opposed to a misuse that leaves the group working."""
-    dist_error = getattr(torch.distributed, "DistError", None)
-    if dist_error is not None and isinstance(error, dist_error):
-        return True
-    text = str(error).lower()
-    return any(hint in text for hint in _TRANSPORT_HINTS)
-
-
 def _collective(what: str, group: Optional[ProcessGroup], fn: Callable[[], Any]) -> Any:
     """Run the collective ``fn``; a failure of its transport (a peer rank died or stopped
     responding: gloo and NCCL raise ``RuntimeError`` subclasses) becomes
@@ -475,22 +394,11 @@ def _collective(what: str, group: Optional[ProcessGroup], fn: Callable[[], Any])
     try:
         return fn()
     except RuntimeError as e:
-        if not _is_transport_error(e):
+        if not is_transport_error(e, getattr(torch.distributed, "DistError", None)):
             raise  # a bug (a wrong tensor, a wrong group): the group still works
         step = " > ".join(active_steps()) or "no dist_ckpt step"
         _abort(group)
-        failed = _failed_ranks(group)
-        me = get_rank()
-        who = "a peer rank" if not failed else f"rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))}"
-        exc = RankFailedError(
-            f"[rank {me}] {who} failed (exited, was killed, or stopped responding) during step {step!r}: "
-            f"{what} could not complete ({type(e).__name__}: {e}); the process group is unusable, restart the job "
-            "(no checkpoint was committed by this step)"
-        )
-        exc.failed_ranks = tuple(failed or ())
-        exc.step = step
-        setattr(exc, _TRANSPORT_FAILED, True)
-        raise exc from e
+        raise transport_failure(get_rank(), _failed_ranks(group), step, what, e) from e
 
 
 #: how many keys of each kind one rank sends with a KeyMismatchError (its message names them too)
@@ -570,7 +478,7 @@ def raise_if_any_rank_failed(error: Optional[BaseException], step: str, group: O
     the ranks outside the inner group learn about it too.
     """
     members = frozenset(group_ranks(group))
-    if error is not None and (getattr(error, _SYNCED, None) == members or getattr(error, _TRANSPORT_FAILED, False)):
+    if error is not None and (getattr(error, _SYNCED, None) == members or is_transport_failure(error)):
         raise error  # already exchanged, or the process group is broken: no exchange is possible
     if get_world_size(group) == 1:
         if error is not None:

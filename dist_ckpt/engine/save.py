@@ -25,14 +25,9 @@ from dist_ckpt.backends.base import AsyncSaveShardedStrategy, SaveCommonStrategy
 from dist_ckpt.engine.checks.compatibility import validate_sharded_objects_handling
 from dist_ckpt.engine.checks.save_checks import validate_save
 from dist_ckpt.engine.commit import RECORD_FILENAME, CheckpointingConfig, new_save_id, save_config
-from dist_ckpt.engine.distributed import (
-    broadcast_json,
-    get_rank,
-    get_world_size,
-    is_transport_failure,
-    run_collectively,
-)
+from dist_ckpt.engine.distributed import broadcast_json, get_rank, get_world_size, run_collectively
 from dist_ckpt.engine.monitor import StepMonitor, main_replica_bytes
+from dist_ckpt.engine.peer_failures import is_transport_failure
 from dist_ckpt.engine.records import digest_records
 from dist_ckpt.engine.registry import (
     DEFAULT_COMMON_BACKEND,
