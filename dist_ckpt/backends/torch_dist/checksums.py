@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from dist_ckpt.errors import ChecksumMismatchError, CorruptCheckpointError, IncompatibleStrategyError
 from dist_ckpt.integrity.checksums import ALGORITHM, crc32c, crc_from_hex, crc_to_hex
+from dist_ckpt.integrity.safe_json import loads
 
 __all__ = [
     "CHECKSUMS_FILENAME",
@@ -247,10 +248,7 @@ def parse_manifest(raw: bytes, where: str) -> Dict[str, FileSpans]:
         CorruptCheckpointError: malformed.
         IncompatibleStrategyError: a newer manifest version.
     """
-    try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise CorruptCheckpointError(f"checksum manifest {where!r} is not valid JSON: {e}") from e
+    doc = loads(raw, f"checksum manifest {where!r}")  # bounded size and depth: damage is a typed error
     if not isinstance(doc, dict) or doc.get("format") != _FORMAT or doc.get("algorithm") != ALGORITHM:
         raise CorruptCheckpointError(f"{where!r} is not a {_FORMAT} manifest of {ALGORITHM} checksums")
     if doc.get("version") != _VERSION:

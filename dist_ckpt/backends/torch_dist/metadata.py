@@ -39,7 +39,14 @@ from dataclasses import dataclass, field
 from typing import IO, Any, Dict, FrozenSet, Mapping, Optional, Tuple
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import SavePlan
 
 from dist_ckpt.engine.commit import DCP_METADATA_FILENAME
@@ -179,11 +186,58 @@ def unpickle_metadata(data: bytes, where: str, allow_pickle: bool = False) -> Me
             f"{where} is not a readable DCP metadata pickle ({type(e).__name__}: {e}); the checkpoint's metadata "
             f"is truncated or corrupt"
         ) from e
-    if not isinstance(found, Metadata) or not isinstance(found.state_dict_metadata, dict):
+    if not isinstance(found, Metadata) or not isinstance(getattr(found, "state_dict_metadata", None), dict):
         raise CorruptCheckpointError(f"{where} holds a {type(found).__name__}, not DCP's checkpoint Metadata")
-    if not isinstance(found.storage_data, dict):
+    if not isinstance(getattr(found, "storage_data", None), dict):
         raise CorruptCheckpointError(f"{where}: the DCP metadata records no storage locations (storage_data)")
+    _check_structure(found, where)
     return found
+
+
+def _ints(value: Any) -> bool:
+    return isinstance(value, (tuple, list)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+
+
+def _check_structure(md: Metadata, where: str) -> None:
+    """Raise CorruptCheckpointError unless every entry of ``md`` has the fields, of the types,
+    that readers use: a damaged pickle can rebuild DCP's dataclasses with fields renamed or of
+    other types, which would otherwise surface later as AttributeError or TypeError."""
+    for key, entry in md.state_dict_metadata.items():
+        if not isinstance(key, str):
+            raise CorruptCheckpointError(f"{where}: a DCP key is a {type(key).__name__}, not a str: {key!r}")
+        if isinstance(entry, BytesStorageMetadata):
+            continue
+        if not isinstance(entry, TensorStorageMetadata):
+            raise CorruptCheckpointError(f"{where}: {key!r} has metadata of unknown kind {type(entry).__name__}")
+        chunks = getattr(entry, "chunks", None)
+        properties = getattr(entry, "properties", None)
+        if (
+            not _ints(getattr(entry, "size", None))
+            or not isinstance(chunks, list)
+            or not isinstance(properties, TensorProperties)
+            or not isinstance(getattr(properties, "dtype", None), torch.dtype)
+            or not all(
+                isinstance(c, ChunkStorageMetadata)
+                and _ints(getattr(c, "offsets", None))
+                and _ints(getattr(c, "sizes", None))
+                for c in chunks
+            )
+        ):
+            raise CorruptCheckpointError(
+                f"{where}: the metadata of tensor {key!r} is damaged (size, chunks or dtype missing or of the wrong "
+                f"type)"
+            )
+    for index, info in md.storage_data.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(getattr(index, "fqn", None), str):
+            raise CorruptCheckpointError(
+                f"{where}: a storage entry is keyed by a {type(index).__name__}, not a DCP index"
+            )
+        offset = getattr(index, "offset", None)
+        fields = [getattr(info, name, None) for name in ("relative_path", "offset", "length")]
+        if (offset is not None and not _ints(offset)) or not isinstance(fields[0], str) or not _ints(fields[1:]):
+            raise CorruptCheckpointError(
+                f"{where}: the storage entry of {index.fqn!r} is damaged (not a file, offset and length)"
+            )
 
 
 def read_metadata(checkpoint_dir: LocationLike, allow_pickle: bool = False) -> Metadata:

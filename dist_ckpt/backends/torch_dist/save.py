@@ -7,7 +7,9 @@ chunk, ShardedObjects as bytes entries inside DCP (see `layout`). ``dist_ckpt.sa
 ``common.pt`` (the ``torch`` common backend) and commits ``metadata.json`` with exactly Megatron's
 four keys (dist_ckpt's own record of the save goes to ``dist_ckpt.json``: Megatron-Core refuses
 unknown keys in ``metadata.json``). The crc32c of every item written is recorded in
-``torch_dist.checksums.json`` (see `checksums`).
+``torch_dist.checksums.json`` (see `checksums`). The ``.distcp`` files are written into a
+staging directory and renamed into place at the commit (see `staging`), so a failed save leaves
+no data file under a final name.
 
 DCP does the writing: each rank builds DCP ``WriteItem`` s for its main replicas and hands them
 to DCP's ``FileSystemWriter.write_data`` (which names, splits and serializes the files); the
@@ -19,9 +21,11 @@ it, so both produce the same files:
 
 1. (local) plan this rank's items; synchronous: write them now, straight from the tensors;
    asynchronous: copy the tensors into a shared-memory snapshot and return an
-   [`AsyncRequest`][dist_ckpt.async_save.queue.AsyncRequest] whose background process writes them;
+   [`AsyncRequest`][dist_ckpt.async_save.queue.AsyncRequest] whose background process writes them
+   (into the staging directory ``.partial-distcp``);
 2. (collective, at the end of ``save`` or at finalization) gather what each rank wrote; rank 0
-   writes ``.metadata`` and the checksum manifest, atomically and durably.
+   renames every rank's files into place, then writes ``.metadata`` and the checksum manifest,
+   atomically and durably.
 
 Local directories only (DCP's file system writer).
 
@@ -54,6 +58,7 @@ from dist_ckpt.backends.torch_dist.checksums import CHECKSUMS_FILENAME, Checksum
 from dist_ckpt.backends.torch_dist.layout import REFORMULATED_SHAPE, chunk_data, write_chunk
 from dist_ckpt.backends.torch_dist.load import local_storage
 from dist_ckpt.backends.torch_dist.metadata import DCP_METADATA_FILENAME
+from dist_ckpt.backends.torch_dist.staging import STAGING_DIR, publish_staged, staged_names, staging_dir
 from dist_ckpt.engine.distributed import gather_json, get_rank, run_collectively
 from dist_ckpt.errors import CheckpointingException, InvalidShardedTensorError, ShardingIntegrityError
 from dist_ckpt.integrity.checksums import crc32c
@@ -218,8 +223,9 @@ class _ItemData(DefaultSavePlanner):
 def write_rank(
     directory: str, plan: RankPlan, tensors: Sequence[torch.Tensor], options: TorchDistSaveOptions
 ) -> Dict[str, Any]:
-    """Write one rank's files with DCP's ``FileSystemWriter`` and return what was written (JSON):
-    the chunks and objects, each item's file range, and the files' checksum spans.
+    """Write one rank's files with DCP's ``FileSystemWriter`` into the staging directory of the
+    checkpoint ``directory`` (see `staging`) and return what was written (JSON): the chunks and
+    objects, each item's file range, the files' names and their checksum spans.
 
     Local: no collective (it also runs in the asynchronous save's background process).
 
@@ -239,7 +245,8 @@ def write_rank(
     for key, payload in plan.objects:
         items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
         data[MetadataIndex(key)] = payload
-    writer = FileSystemWriter(directory, thread_count=options.thread_count, sync_files=options.sync_files)
+    staging = staging_dir(directory)
+    writer = FileSystemWriter(staging, thread_count=options.thread_count, sync_files=options.sync_files)
     file_system = ChecksummingFileSystem()
     if options.checksums:
         writer.fs = file_system
@@ -252,6 +259,7 @@ def write_rank(
         "chunks": [entry.to_json() for entry in plan.chunks],
         "objects": [key for key, _ in plan.objects],
         "results": [_result_json(r) for r in results],
+        "names": staged_names(staging, plan.rank),
         "files": {name: spans.to_json() for name, spans in file_system.digests.items()} if options.checksums else None,
     }
 
@@ -291,8 +299,9 @@ def _file_spans(doc: Dict[str, Any]) -> FileSpans:
 
 
 def _write_global_metadata(storage: Storage, gathered: List[Dict[str, Any]], options: TorchDistSaveOptions) -> None:
-    """Rank 0: DCP's global plan and ``.metadata`` from every rank's items (DCP's file writer, in
-    the storage's local directory), then the manifest (through the storage)."""
+    """Rank 0: DCP's global plan from every rank's items; every rank's staged files renamed into
+    place; ``.metadata`` (DCP's file writer, in the storage's local directory), then the manifest
+    (through the storage)."""
     plans, results = [], []
     reformulated: Dict[str, Dict[str, Any]] = {}
     for part in sorted(gathered, key=lambda p: p["rank"]):
@@ -313,6 +322,7 @@ def _write_global_metadata(storage: Storage, gathered: List[Dict[str, Any]], opt
     if reformulated:
         # megatron-core <= 0.14 records flattened tensors' shapes so (0.15 pickles a subclass instead)
         metadata.mcore_data = reformulated  # type: ignore[attr-defined]
+    publish_staged(storage.local_dir, [name for part in gathered for name in part["names"]])
     writer = FileSystemWriter(storage.local_dir, sync_files=options.sync_files)
     writer.finish(metadata, results)
     if options.checksums:
@@ -372,6 +382,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         DCP_METADATA_FILENAME,
         f"{DCP_METADATA_FILENAME}.tmp",
         "__*.distcp",
+        STAGING_DIR,
         CHECKSUMS_FILENAME,
     )
     can_stream: ClassVar[bool] = True

@@ -5,11 +5,12 @@ tensors produces -- one file ``__0_0.distcp`` holding one DCP item per tensor (a
 archive, as DCP's writer makes it) and one per ShardedObject, then DCP's ``.metadata`` and the
 checksum manifest -- written tensor by tensor, so memory holds one tensor at a time:
 
-1. `TorchDistStreamWriter.add()` appends a tensor's item and keeps only its byte range and
-   crc32c;
+1. `TorchDistStreamWriter.add()` appends a tensor's item (to the file in the staging directory,
+   see [`staging`][dist_ckpt.backends.torch_dist.staging]) and keeps only its byte range and crc32c;
 2. `TorchDistStreamWriter.add_object()` appends a ShardedObject (after the tensors);
-3. `TorchDistStreamWriter.finish()` fsyncs the file; DCP's planner builds the ``Metadata``
-   and DCP's ``FileSystemWriter.finish`` writes ``.metadata`` (see [`save`][dist_ckpt.backends.torch_dist.save]).
+3. `TorchDistStreamWriter.finish()` fsyncs the file; DCP's planner builds the ``Metadata``,
+   the file is renamed into place and DCP's ``FileSystemWriter.finish`` writes ``.metadata`` (see
+   [`save`][dist_ckpt.backends.torch_dist.save]).
 
 Example:
 
@@ -32,6 +33,7 @@ import torch
 from dist_ckpt.backends.base import TensorLayout, TensorStreamWriter, check_stream_entry
 from dist_ckpt.backends.torch_dist.checksums import FileSpans, RecordingStream
 from dist_ckpt.backends.torch_dist.save import ChunkEntry, TorchDistSaveOptions, _write_global_metadata
+from dist_ckpt.backends.torch_dist.staging import staging_dir
 from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.model.dtypes import dtype_to_name
 from dist_ckpt.storage import Storage, fsync_dir
@@ -56,7 +58,8 @@ class TorchDistStreamWriter(TensorStreamWriter):
         self.layout = list(layout)
         self.options = options
         storage.make_dir()
-        self._raw: Optional[IO[bytes]] = open(storage.local_path(_FILE), "wb")
+        self._staging = staging_dir(storage.local_dir)
+        self._raw: Optional[IO[bytes]] = open(self._staging / _FILE, "wb")
         self._spans: Dict[str, FileSpans] = {}
         self._stream = RecordingStream(self._raw, _FILE, self._spans.__setitem__)
         self._chunks: List[Dict[str, Any]] = []
@@ -114,12 +117,13 @@ class TorchDistStreamWriter(TensorStreamWriter):
         self._stream.close()
         self._raw.close()
         self._raw = None
-        fsync_dir(self.storage.local_dir)
+        fsync_dir(self._staging)
         written = {
             "rank": 0,
             "chunks": self._chunks,
             "objects": self._objects,
             "results": self._results,
+            "names": [_FILE],
             "files": {name: spans.to_json() for name, spans in self._spans.items()},
         }
         _write_global_metadata(self.storage, [written], self.options)

@@ -256,10 +256,11 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
 
     def begin_stream(self, checkpoint_dir: Storage, layout: Sequence[TensorLayout]) -> TensorStreamWriter:
         """Write whole tensors one at a time, each one chunk (one process): the checkpoint a
-        one-rank save of whole tensors writes, ``zarr/checksums.json`` included."""
+        one-rank save of whole tensors writes, ``zarr/checksums.json`` included. The tree is
+        written as ``.partial-zarr`` and renamed to ``zarr`` by `finish()`, as a save does."""
         storage = resolve_location(checkpoint_dir)
         require_local(storage, "streaming into the zarr backend")
-        return _ZarrStreamWriter(self, ObjectPath(storage) / ZARR_DIR, layout)
+        return _ZarrStreamWriter(self, ObjectPath(storage), layout)
 
     def _create_nodes(
         self, root: ObjectPath, shards: List[ShardedTensor], stores: _Stores, create_root: bool = True
@@ -349,14 +350,19 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
 
 
 class _ZarrStreamWriter(TensorStreamWriter):
-    """Creates the root group, then each tensor's array and its one chunk as it is added; the
-    checksum manifest at `finish()` (see
+    """Creates the root group, then each tensor's array and its one chunk as it is added, under
+    the staging name ``.partial-zarr``; the checksum manifest and the rename to ``zarr`` at
+    `finish()` (see
     [`ZarrSaveShardedStrategy.begin_stream()`][dist_ckpt.backends.zarr.zarr_python.ZarrSaveShardedStrategy.begin_stream])."""
 
-    def __init__(self, strategy: ZarrSaveShardedStrategy, root: ObjectPath, layout: Sequence[TensorLayout]) -> None:
-        self.strategy, self.root, self.layout = strategy, root, list(layout)
-        if root.is_dir():
-            raise FileExistsError(f"{root} exists already")
+    def __init__(
+        self, strategy: ZarrSaveShardedStrategy, checkpoint: ObjectPath, layout: Sequence[TensorLayout]
+    ) -> None:
+        root = writing_root(checkpoint)
+        self.strategy, self.checkpoint, self.root, self.layout = strategy, checkpoint, root, list(layout)
+        for existing in (root, checkpoint / ZARR_DIR):
+            if existing.is_dir():
+                raise FileExistsError(f"{existing} exists already")
         root.mkdir()
         zarr.create_group(store=str(root.local_path()), overwrite=False)
         self.written: List[ObjectPath] = [root / "zarr.json"]
@@ -377,6 +383,7 @@ class _ZarrStreamWriter(TensorStreamWriter):
             )
         fsync_written(self.written, self.root)  # every tensor's files at once
         commit_checksums(self.root, self.written, self._stores.digests)
+        publish_written(self.checkpoint)  # .partial-zarr -> zarr
 
 
 class _ArrayReader:

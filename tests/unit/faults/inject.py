@@ -1,8 +1,10 @@
 """Deterministic fault injection at the write-side I/O calls of a save.
 
 :class:`Injector` wraps the calls through which dist_ckpt and its backends write -- ``os.open``
-(for writing), ``os.write``, ``os.fsync``, ``os.replace``, ``os.link``, ``open`` in a writing
-mode, and zarr-python's ``LocalStore.set`` -- and numbers them in the order they happen. A first
+(for writing), ``os.write``, ``os.fsync``, ``os.replace``, ``os.link``, ``open`` (and ``io.open``,
+which ``Path.open`` calls: DCP's writer) in a writing mode and the ``write`` calls on the file
+objects these return, and zarr-python's ``LocalStore.set`` -- and numbers them in the order they
+happen. A first
 run with ``at=None`` counts them; then one run per index ``k`` makes call ``k`` fail, either by
 raising :class:`InjectedFault` (an ``OSError``, like a failing disk) or by killing the process
 on the spot (``os._exit``, which runs no cleanup: a SIGKILL).
@@ -15,9 +17,10 @@ from __future__ import annotations
 
 import builtins
 import errno
+import io
 import os
 import threading
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 KILL_EXIT_CODE = 137
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
@@ -28,6 +31,30 @@ class InjectedFault(OSError):
 
     def __init__(self, step: int, name: str) -> None:
         super().__init__(errno.EIO, f"injected I/O fault at write call {step} ({name})")
+
+
+class _CountedFile:
+    """A file object opened for writing whose ``write`` calls are write calls of the injector."""
+
+    def __init__(self, raw: Any, name: str, injector: "Injector") -> None:
+        self._raw, self._name, self._injector = raw, name, injector
+
+    def write(self, data: Any) -> int:
+        self._injector.hit(f"write {self._name} {len(memoryview(data)) if not isinstance(data, str) else len(data)}")
+        return self._raw.write(data)  # type: ignore[no-any-return]
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._raw, attr)
+
+    def __enter__(self) -> "_CountedFile":
+        self._raw.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._raw.__exit__(*exc)
+
+    def __iter__(self) -> Any:
+        return iter(self._raw)
 
 
 class Injector:
@@ -63,6 +90,20 @@ class Injector:
 
         setattr(owner, attr, wrapper)
 
+    def _wrap_open(self, owner: Any) -> None:
+        """``owner.open``: opening for writing is a write call, and so is each ``write`` on the file."""
+        original = owner.open
+        self._saved[(owner, "open")] = original
+
+        def wrapper(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+            if not (isinstance(mode, str) and any(c in mode for c in "wax+")) or isinstance(file, int):
+                return original(file, mode, *args, **kwargs)
+            name = os.path.basename(str(file))
+            self.hit(f"open {name}")
+            return _CountedFile(original(file, mode, *args, **kwargs), name, self)
+
+        setattr(owner, "open", wrapper)
+
     def __enter__(self) -> "Injector":
         self._wrap(os, "write", lambda fd, data: f"fd {len(memoryview(data))} bytes")
         self._wrap(os, "fsync", lambda fd: "")
@@ -71,13 +112,8 @@ class Injector:
         self._wrap(
             os, "open", lambda path, flags, *a, **k: os.path.basename(str(path)) if flags & _WRITE_FLAGS else None
         )
-        self._wrap(
-            builtins,
-            "open",
-            lambda file, mode="r", *a, **k: (
-                os.path.basename(str(file)) if isinstance(mode, str) and any(c in mode for c in "wax+") else None
-            ),
-        )
+        self._wrap_open(builtins)
+        self._wrap_open(io)
         try:
             from zarr.storage import LocalStore
         except ImportError:  # pragma: no cover -- zarr is a test dependency
@@ -99,11 +135,36 @@ class Injector:
         self._saved.clear()
 
 
+#: in a run of write calls on one file object (``torch.save`` makes one per record of its archive),
+#: the calls attacked besides the first and the last: every this many
+WRITE_RUN_STRIDE = 16
+
+
+def attack_points(calls: Sequence[str]) -> List[int]:
+    """The indices of ``calls`` (an :attr:`Injector.calls` list) to make fail: every call, except
+    that of a run of ``write`` calls on one file object only the first, the last and every
+    `WRITE_RUN_STRIDE`-th are kept (the steps between are alike: more bytes into the same file).
+
+    Example:
+
+    ```python
+    attack_points(["open f", "write f 1", "write f 2", "write f 3", "fsync "])   # [0, 1, 3, 4]
+    ```
+    """
+    points = []
+    for i, call in enumerate(calls):
+        in_run = call.startswith("write ") and i > 0 and calls[i - 1].rsplit(" ", 1)[0] == call.rsplit(" ", 1)[0]
+        last = i + 1 == len(calls) or calls[i + 1].rsplit(" ", 1)[0] != call.rsplit(" ", 1)[0]
+        if not in_run or last or i % WRITE_RUN_STRIDE == 0:
+            points.append(i)
+    return points
+
+
 def run_with_fault(
     at: Optional[int], kill: bool, count_file: Optional[str], fn: Callable[..., Any], *args: Any, **kwargs: Any
 ) -> Any:
     """``fn(*args, **kwargs)`` with an :class:`Injector` failing call ``at`` (None: none), writing
-    the number of calls seen to ``count_file`` when given. A module-level function, so that an
+    the calls seen, one a line, to ``count_file`` when given. A module-level function, so that an
     async save's background process can run it as its ``AsyncRequest.async_fn``."""
     injector = Injector(at, kill)
     try:
@@ -112,4 +173,4 @@ def run_with_fault(
     finally:
         if count_file is not None:
             with builtins.open(count_file, "w") as f:
-                f.write(str(len(injector.calls)))
+                f.write("\n".join(injector.calls))

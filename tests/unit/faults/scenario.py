@@ -24,6 +24,7 @@ import torch
 import dist_ckpt as dc
 from dist_ckpt.backends.safetensors.format import read_header_at
 from dist_ckpt.backends.safetensors.strategy import SafetensorsSaveOptions, SafetensorsSaveShardedStrategy
+from dist_ckpt.backends.torch_dist.save import TorchDistSaveShardedStrategy
 from dist_ckpt.errors import NotACheckpointError
 from dist_ckpt.model.sharded import ShardedObject, ShardedTensor
 
@@ -79,6 +80,8 @@ def strategy(backend: str) -> Any:
     in the same order."""
     if backend == "safetensors":
         return SafetensorsSaveShardedStrategy(SafetensorsSaveOptions(thread_count=1))
+    if backend == "torch_dist":
+        return TorchDistSaveShardedStrategy(thread_count=1)
     return ("zarr", 1)
 
 
@@ -114,7 +117,9 @@ class Run:
             raise DataLost(f"{self.previous} changed while saving {target}")
         committed = (target / "metadata.json").exists()
         if not committed:
-            _no_partial_data_under_final_names(target)
+            _no_partial_data_under_final_names(target, self.previous)
+            if error is not None:  # raised, not killed: the save removes what it wrote
+                _nothing_left(target)
         if committed:  # the fault came after the commit
             check_loads(target, 2.0)
             if not dc.verify_checkpoint(target).ok:
@@ -131,9 +136,17 @@ class Run:
         shutil.rmtree(target)
 
 
-def _no_partial_data_under_final_names(target: Path) -> None:
+def _nothing_left(target: Path) -> None:
+    """A save that raised removed every file it wrote (temporary ones included)."""
+    left = sorted(str(p.relative_to(target)) for p in target.rglob("*") if not p.is_dir()) if target.exists() else []
+    if left:
+        raise SilentWrong(f"the failed save into {target} left {left}")
+
+
+def _no_partial_data_under_final_names(target: Path, previous: Path) -> None:
     """Data under a final name must be whole: a safetensors file whose header describes its
-    size exactly, a ``zarr/`` tree with its manifest (written last, before the tree's rename)."""
+    size exactly, a ``zarr/`` tree with its manifest (written last, before the tree's rename),
+    a DCP ``.distcp`` file as long as the file of that name in ``previous`` (the same layout)."""
     for f in target.glob("safetensors/*.safetensors"):
         if f.name.startswith("."):
             continue
@@ -143,6 +156,10 @@ def _no_partial_data_under_final_names(target: Path) -> None:
             raise SilentWrong(f"a partial data file is under its final name: {e}") from e
     if (target / "zarr").exists() and not (target / "zarr" / "checksums.json").exists():
         raise SilentWrong(f"a partial zarr tree is under its final name in {target}")
+    for f in target.glob("__*.distcp"):
+        whole = previous / f.name
+        if not whole.is_file() or f.stat().st_size != whole.stat().st_size:
+            raise SilentWrong(f"a partial DCP file is under its final name: {f}")
 
 
 def raise_at(run: Run, at: Optional[int], save: Callable[[Path], None]) -> Callable[[], None]:

@@ -1,4 +1,4 @@
-"""Every kind of damage to every file of a committed checkpoint, on both backends.
+"""Every kind of damage to every file of a committed checkpoint, on every backend.
 
 Kinds: a flipped byte (at seeded positions), truncation (to half, and by one byte), deletion,
 a swap with the same file of another checkpoint of the same layout, appended bytes, and for
@@ -24,7 +24,7 @@ from tests.unit.backends.safetensors.legacy_index import downgrade_index_to_v1
 from . import tally
 from .scenario import SilentWrong, check_loads, state, strategy
 
-BACKENDS = ["safetensors", "zarr"]
+BACKENDS = ["safetensors", "zarr", "torch_dist"]
 Damage = Callable[[Path, Path], None]  # (file, the same file in the other checkpoint)
 
 
@@ -59,12 +59,14 @@ def _append(f: Path, _: Path) -> None:
 
 
 def _downgrade(f: Path, _: Path) -> None:
-    """An index rewritten as version 1 (no checksums); a manifest that lost an entry."""
+    """An index rewritten as version 1 (no checksums); a manifest that lost an entry; a save
+    record (torch_dist's ``dist_ckpt.json``) that lost an integrity record."""
     if f.name == "index.json":
         downgrade_index_to_v1(f.parent.parent)
         return
     doc = json.loads(f.read_text())
-    doc["files"].pop(sorted(doc["files"])[0])
+    entries = doc["integrity_records"] if f.name == "dist_ckpt.json" else doc["files"]
+    entries.pop(sorted(entries)[0])
     f.write_text(json.dumps(doc))
 
 
@@ -80,7 +82,7 @@ def _damages(seed: str) -> List[Tuple[str, Damage]]:
     ]
 
 
-_RECORDS = {"index.json", "checksums.json", "common.checksums.json"}
+_RECORDS = {"index.json", "checksums.json", "common.checksums.json", "torch_dist.checksums.json", "dist_ckpt.json"}
 
 
 @pytest.fixture(scope="module")

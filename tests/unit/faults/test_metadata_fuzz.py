@@ -1,12 +1,13 @@
 """Seeded fuzzing of every metadata parser: more than 10,000 malformed documents.
 
 Each parser of checkpoint metadata -- metadata.json, the safetensors index and file headers,
-zarr.json nodes, checksum manifests, HuggingFace indexes, the save-in-progress record -- gets
-mutations of a valid document: random bytes, truncations, flipped bytes, values of wrong types
-at every node (huge and negative numbers, floats, lone surrogates, long strings, deep nesting),
-nesting far beyond any real document, and non-UTF-8 text. Every call must return or raise a
-CheckpointingException; nothing else (RecursionError, KeyError, UnicodeEncodeError, torch's
-"Storage size calculation overflowed"...) may escape.
+zarr.json nodes, checksum manifests (torch_dist's too), torch_dist's ``dist_ckpt.json``,
+HuggingFace indexes, the save-in-progress record -- gets mutations of a valid document: random
+bytes, truncations, flipped bytes, values of wrong types at every node (huge and negative numbers,
+floats, lone surrogates, long strings, deep nesting), nesting far beyond any real document, and
+non-UTF-8 text; DCP's ``.metadata`` pickle gets random bytes, truncations and flipped bytes.
+Every call must return or raise a CheckpointingException; nothing else (RecursionError, KeyError,
+UnicodeEncodeError, torch's "Storage size calculation overflowed"...) may escape.
 
 Then whole loads: metadata files of a real checkpoint are mutated *and re-signed* (their
 checksum entries and integrity records updated, as a consistent forgery would be), so that the
@@ -29,9 +30,12 @@ import dist_ckpt as dc
 from dist_ckpt.backends.safetensors.format import read_header_at
 from dist_ckpt.backends.safetensors.index import parse_index
 from dist_ckpt.backends.safetensors.index import tensors_metadata as safetensors_tensors_metadata
+from dist_ckpt.backends.torch_dist.checksums import parse_manifest
+from dist_ckpt.backends.torch_dist.layout import parse_layout
+from dist_ckpt.backends.torch_dist.metadata import unpickle_metadata
 from dist_ckpt.backends.zarr.metadata import open_tensor_info
 from dist_ckpt.backends.zarr.metadata import tensors_metadata as zarr_tensors_metadata
-from dist_ckpt.engine.commit import read_config, read_integrity_records
+from dist_ckpt.engine.commit import RECORD_FILENAME, read_config, read_integrity_records, read_save_record
 from dist_ckpt.engine.save_claim import IN_PROGRESS_FILENAME, SaveClaim
 from dist_ckpt.hf.index import load_shard_index
 from dist_ckpt.integrity.checksums import bytes_digest, crc_to_hex, parse_manifest_bytes
@@ -43,7 +47,7 @@ from dist_ckpt.storage.object_path import ObjectPath
 from . import tally
 from .scenario import check_loads, state, strategy
 
-#: mutations per parser (8 parsers: 10,400 documents)
+#: mutations per parser (10 JSON parsers: 13,000 documents; and as many damaged DCP pickles)
 PER_PARSER = 1300
 #: whole-load mutations per backend
 LOADS = 120
@@ -134,7 +138,7 @@ def mutations(raw: bytes, rng: random.Random, count: int) -> List[Tuple[str, byt
 def saved(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
     root = tmp_path_factory.mktemp("fuzz")
     out = {}
-    for backend in ("safetensors", "zarr"):
+    for backend in ("safetensors", "zarr", "torch_dist"):
         dc.save(state(2.0), root / backend, sharded_strategy=strategy(backend))
         out[backend] = root / backend
     return out
@@ -142,7 +146,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
 
 def _parsers(saved: Dict[str, Path], scratch: Path) -> List[Tuple[str, bytes, Callable[[bytes], Any]]]:
     """(name, a valid document, a call that parses a document of that kind)."""
-    st, zr = saved["safetensors"], saved["zarr"]
+    st, zr, td = saved["safetensors"], saved["zarr"], saved["torch_dist"]
     scratch.mkdir(parents=True, exist_ok=True)
     data_file = next((st / "safetensors").glob("*.safetensors"))
     data = data_file.read_bytes()
@@ -181,6 +185,13 @@ def _parsers(saved: Dict[str, Path], scratch: Path) -> List[Tuple[str, bytes, Ca
         (scratch / "model.safetensors.index.json").write_bytes(raw)
         return load_shard_index(scratch, "model.safetensors.index.json")
 
+    (scratch / "torch_dist").mkdir()
+    shutil.copyfile(td / "metadata.json", scratch / "torch_dist" / "metadata.json")
+
+    def save_record(raw: bytes) -> Any:
+        (scratch / "torch_dist" / RECORD_FILENAME).write_bytes(raw)
+        return read_save_record(scratch / "torch_dist"), read_integrity_records(scratch / "torch_dist")
+
     hf_doc = json.dumps({"metadata": {"total_size": 10}, "weight_map": {"a": "model-1.safetensors"}}).encode()
     claim = SaveClaim("ab" * 16, ("safetensors", "common.pt")).to_bytes()
     return [
@@ -191,8 +202,14 @@ def _parsers(saved: Dict[str, Path], scratch: Path) -> List[Tuple[str, bytes, Ca
         ("zarr.json of a flattened group", (zr / "zarr" / "f" / "zarr.json").read_bytes(), zarr_json("f")),
         ("checksum manifest", (zr / "zarr" / "checksums.json").read_bytes(), lambda r: parse_manifest_bytes(r, "m")),
         ("HuggingFace index", hf_doc, hf_index),
+        ("torch_dist checksum manifest", (td / "torch_dist.checksums.json").read_bytes(), torch_dist_manifest),
+        ("dist_ckpt.json", (td / RECORD_FILENAME).read_bytes(), save_record),
         (IN_PROGRESS_FILENAME, claim, lambda r: SaveClaim.parse(r, IN_PROGRESS_FILENAME)),
     ]
+
+
+def torch_dist_manifest(raw: bytes) -> Any:
+    return parse_manifest(raw, "torch_dist.checksums.json")
 
 
 def test_every_parser_survives_malformed_documents(saved, tmp_path):
@@ -210,6 +227,35 @@ def test_every_parser_survives_malformed_documents(saved, tmp_path):
 
             tally.attempt(row, f"{name}: {what}", attempt, seconds=30)
     assert tally.ROWS[row].counts["attempts"] >= 10_000
+    tally.assert_clean(row)
+
+
+def test_damaged_dcp_metadata_pickles(saved):
+    """DCP's ``.metadata`` is a pickle, read by a restricted unpickler: random bytes, truncations
+    and flipped bytes must give a typed error or metadata that parses into a layout."""
+    valid = (saved["torch_dist"] / ".metadata").read_bytes()
+    parse_layout(unpickle_metadata(valid, ".metadata"), ".metadata")
+    rng = random.Random("dist_ckpt-fuzz/.metadata")
+    row = "malformed metadata, DCP .metadata pickle"
+    for i in range(PER_PARSER):
+        kind = i % 3
+        if kind == 0:
+            what, raw = "random bytes", bytes(rng.randrange(256) for _ in range(rng.randrange(1, 80)))
+        elif kind == 1:
+            what, raw = "truncated", valid[: rng.randrange(len(valid))]
+        else:
+            damaged = bytearray(valid)
+            for _ in range(rng.randrange(1, 4)):
+                damaged[rng.randrange(len(valid))] = rng.randrange(256)
+            what, raw = "flipped bytes", bytes(damaged)
+
+        def attempt(raw: bytes = raw) -> None:
+            try:
+                parse_layout(unpickle_metadata(raw, ".metadata"), ".metadata")
+            except dc.CheckpointingException:
+                pass
+
+        tally.attempt(row, what, attempt, seconds=30)
     tally.assert_clean(row)
 
 

@@ -25,7 +25,7 @@ from dist_ckpt.model.sharded import ShardedTensor
 from . import tally
 from .scenario import check_loads, state, strategy
 
-BACKENDS = ["safetensors", "zarr"]
+BACKENDS = ["safetensors", "zarr", "torch_dist"]
 
 
 @pytest.fixture(scope="module")

@@ -222,3 +222,44 @@ def test_objects_stored_by_another_writer_without_a_list_are_refused(ckpt: Path)
     strategy = TorchDistLoadShardedStrategy(verify_checksums=False)
     with pytest.raises(CorruptCheckpointError, match="list"):
         dc.load({"rng": dc.ShardedObject("rng", None, (1,), (0,))}, ckpt, sharded_strategy=strategy)
+
+
+class _FailsAtCommit(TorchDistSaveShardedStrategy):
+    """Writes every file, then fails before ``.metadata`` (as a full disk would)."""
+
+    def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
+        from dist_ckpt.backends.torch_dist import save as save_module
+
+        original = save_module.publish_staged
+
+        def publish_then_look(directory: Any, names: Any) -> None:
+            staged = sorted(p.name for p in (Path(directory) / ".partial-distcp").iterdir())
+            assert staged == sorted(names) and not list(Path(directory).glob("__*.distcp")), staged
+            raise OSError(28, "No space left on device")
+
+        save_module.publish_staged = publish_then_look  # type: ignore[assignment]
+        try:
+            super().save(sharded_state_dict, checkpoint_dir)
+        finally:
+            save_module.publish_staged = original  # type: ignore[assignment]
+
+
+def test_data_files_stay_staged_until_the_commit_and_a_failed_save_removes_them(tmp_path):
+    with pytest.raises(OSError, match="No space left"):
+        dc.save(state(), tmp_path / "c", sharded_strategy=_FailsAtCommit())
+    assert sorted(p.name for p in (tmp_path / "c").rglob("*")) == []
+    dc.save(state(), tmp_path / "c", sharded_strategy=TORCH_DIST)
+    assert not (tmp_path / "c" / ".partial-distcp").exists()
+    assert sorted(p.name for p in (tmp_path / "c").glob("__*.distcp")) == ["__0_0.distcp", "__0_1.distcp"]
+
+
+def test_publishing_refuses_a_staging_directory_that_changed(tmp_path):
+    from dist_ckpt.backends.torch_dist.staging import publish_staged, staging_dir
+
+    (staging_dir(tmp_path) / "__0_0.distcp").write_bytes(b"x")
+    with pytest.raises(dc.CheckpointingException, match="missing at the commit"):
+        publish_staged(tmp_path, ["__0_0.distcp", "__1_0.distcp"])
+    assert not list(tmp_path.glob("__*.distcp"))
+    (staging_dir(tmp_path) / "__1_0.distcp").write_bytes(b"y")
+    with pytest.raises(dc.CheckpointingException, match="no rank reported writing"):
+        publish_staged(tmp_path, [])
