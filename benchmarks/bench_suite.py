@@ -6,7 +6,9 @@ engine), ``dc-torch_dist`` (dist_ckpt's torch_dist backend, where this checkout 
 ``dcp`` (torch.distributed.checkpoint with DTensors) and ``mcore`` (Megatron-Core's
 ``dist_checkpointing`` with its default torch_dist backend, run with ``--mcore-python``, the
 interpreter of a virtualenv holding megatron-core). A system that is not installed is skipped
-with a note.
+with a note. With ``--baseline DIR`` (the source tree of another version of dist_ckpt, e.g. a
+``git worktree`` of an older commit), ``safetensors@base`` and ``zarr@base`` run that version in
+the same run, interleaved with the others: a before/after comparison of a change.
 
 Per repeat, for every system in turn (interleaved, so a slow minute of the disk hits them alike):
 
@@ -35,6 +37,8 @@ Usage::
 
     python benchmarks/bench_suite.py                                   # 3.15 GB, 2 ranks, 3 repeats
     python benchmarks/bench_suite.py --size-gb 0.3 --repeats 1 --systems safetensors,dcp
+    git worktree add /tmp/before <commit>
+    python benchmarks/bench_suite.py --baseline /tmp/before --systems safetensors,safetensors@base
 """
 
 from __future__ import annotations
@@ -159,7 +163,8 @@ def _available(system: str, mcore_python: str) -> Optional[str]:
 
 def _job(args: Dict[str, Any], python: str) -> List[Dict[str, Any]]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    tree = args.get("tree") or str(HERE.parent)  # the dist_ckpt source tree the ranks import
+    env["PYTHONPATH"] = os.pathsep.join([tree, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     proc = subprocess.run(
         [python, str(HERE / "suite_ranks.py"), json.dumps(args)], capture_output=True, text=True, env=env
     )
@@ -169,10 +174,13 @@ def _job(args: Dict[str, Any], python: str) -> List[Dict[str, Any]]:
     raise RuntimeError(f"{args['system']} {args['job']} failed:\n{proc.stderr[-4000:]}")
 
 
-def run_system(system: str, model: S.Model, ranks: int, directory: Path, how: str, python: str) -> Dict[str, Any]:
-    """One repeat of one system: the 2N-rank save, the N-rank job, the 1-rank load."""
-    work = Path(tempfile.mkdtemp(prefix=f"suite_{system}_", dir=directory))
-    common = {"system": system, "model": asdict(model), "drop": how}
+def run_system(
+    system: str, model: S.Model, ranks: int, directory: Path, how: str, python: str, tree: Optional[Path] = None
+) -> Dict[str, Any]:
+    """One repeat of one system: the 2N-rank save, the N-rank job, the 1-rank load (``tree``: the
+    dist_ckpt source tree to import instead of this one)."""
+    work = Path(tempfile.mkdtemp(prefix=f"suite_{system.replace('@', '_')}_", dir=directory))
+    common = {"system": system, "model": asdict(model), "drop": how, "tree": str(tree) if tree else None}
     try:
         src = str(work / "src")
         saved = _job({**common, "job": "save", "world": 2 * ranks, "dir": src}, python)
@@ -296,6 +304,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--mcore-python", default="/opt/mcore-venv/bin/python")
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--json", type=Path, help="also write every measurement here")
+    parser.add_argument(
+        "--baseline", type=Path, help="source tree of another dist_ckpt version, for the systems named NAME@base"
+    )
     args = parser.parse_args(argv)
     model = S.Model.for_size(int(args.size_gb * GB), args.layers, multiple=2 * args.ranks)
     nbytes = model.nbytes()
@@ -304,6 +315,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     systems = []
     for system in [s for s in args.systems.split(",") if s]:
         why = _available(system, args.mcore_python)
+        if system.endswith("@base") and system.split("@")[0] not in ("safetensors", "zarr"):
+            why = "only safetensors@base and zarr@base are supported"
+        elif system.endswith("@base") and (args.baseline is None or not (args.baseline / "dist_ckpt").is_dir()):
+            why = "--baseline must name a dist_ckpt source tree"
         if why:
             print(f"skipping {system}: {why}")
         else:
@@ -321,7 +336,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raw.append(raw_disk(args.dir, nbytes, args.ranks, how))
             python = args.mcore_python if system == "mcore" else sys.executable
             try:
-                res = run_system(system, model, args.ranks, args.dir, how, python)
+                tree = args.baseline.resolve() if system.endswith("@base") else None
+                res = run_system(system, model, args.ranks, args.dir, how, python, tree)
             except RuntimeError as e:
                 print(f"{system}: {e}", file=sys.stderr)
                 failed += 1

@@ -134,11 +134,14 @@ class DistCkpt(System):
     """dist_ckpt with one of its sharded backends; one strategy object per job, as in training."""
 
     def __init__(self, name: str) -> None:
-        from dist_ckpt.async_save.queue import AsyncCallsQueue
-        from dist_ckpt.engine.registry import StrategyAction, get_default_strategy
+        # Megatron-Core's module paths, which every version of dist_ckpt has: the same code runs
+        # against an older source tree (bench_suite.py --baseline)
+        from dist_ckpt.strategies.async_utils import AsyncCallsQueue
+        from dist_ckpt.strategies.base import StrategyAction, get_default_strategy
 
         self.name = name
-        if name == "zarr-ts":
+        backend_name = name.split("@")[0]
+        if backend_name == "zarr-ts":
             from dist_ckpt.backends.zarr.tensorstore_engine import (
                 TensorStoreLoadShardedStrategy,
                 TensorStoreSaveShardedStrategy,
@@ -147,29 +150,29 @@ class DistCkpt(System):
             self.saver: Any = TensorStoreSaveShardedStrategy()
             self.loader: Any = TensorStoreLoadShardedStrategy()
         else:
-            backend = {"safetensors": "safetensors", "zarr": "zarr", "dc-torch_dist": "torch_dist"}[name]
+            backend = {"safetensors": "safetensors", "zarr": "zarr", "dc-torch_dist": "torch_dist"}[backend_name]
             self.saver = get_default_strategy(StrategyAction.SAVE_SHARDED, backend, 1)
             self.loader = get_default_strategy(StrategyAction.LOAD_SHARDED, backend, 1)
         self.queue = AsyncCallsQueue()
 
     @staticmethod
     def _sd(pieces: List[S.Shard], tensors: Dict[str, torch.Tensor]) -> Dict[str, Any]:
-        from dist_ckpt.model.sharded import ShardedTensor
+        from dist_ckpt.mapping import ShardedTensor
 
         return sharded_state_dict(ShardedTensor, pieces, tensors)
 
     def save(self, pieces: List[S.Shard], tensors: Dict[str, torch.Tensor], directory: str) -> None:
-        from dist_ckpt.engine.save import save
+        from dist_ckpt.serialization import save
 
         save(self._sd(pieces, tensors), directory, sharded_strategy=self.saver)
 
     def load(self, pieces: List[S.Shard], tensors: Dict[str, torch.Tensor], directory: str) -> Dict[str, Any]:
-        from dist_ckpt.engine.load import load
+        from dist_ckpt.serialization import load
 
         return dict(load(self._sd(pieces, tensors), directory, sharded_strategy=self.loader))
 
     def async_save(self, pieces: List[S.Shard], tensors: Dict[str, torch.Tensor], directory: str) -> Callable[[], None]:
-        from dist_ckpt.engine.save import save
+        from dist_ckpt.serialization import save
 
         request = save(self._sd(pieces, tensors), directory, sharded_strategy=self.saver, async_sharded_save=True)
         self.queue.schedule_async_request(request)
