@@ -13,10 +13,15 @@ Missing data is never read as zeros: arrays are opened with ``fill_missing_data_
 (a missing chunk fails the read), and a failed read is reported as a
 [`CorruptCheckpointError`][dist_ckpt.errors.CorruptCheckpointError] naming the key and the damaged chunk file.
 
+Local disks: whole plain chunks are read and written, and array metadata written, without
+TensorStore (`dist_ckpt.backends.zarr.direct`: one read straight into the destination, checked
+from the bytes read); TensorStore reads the rest (partial chunks, fragments, dtype conversions,
+other codecs) and does all the I/O on object stores.
+
 Checksums: saves end with ``zarr/checksums.json``, like the zarr-python engine's. TensorStore
-decodes chunks in its own threads without showing their bytes, so the loader checks every chunk
-file a load touches by reading it once before TensorStore does (a second pass over those bytes,
-the second one from the page cache); ``verify_checksums=False`` skips it (see
+decodes chunks in its own threads without showing their bytes, so for the reads TensorStore does
+the loader checks every chunk file by reading it once before TensorStore does (a second pass over
+those bytes, the second one from the page cache); ``verify_checksums=False`` skips it (see
 `zarr_checksums`).
 
 Object stores: an ``s3://`` checkpoint is written and read by TensorStore's own ``s3`` kvstore

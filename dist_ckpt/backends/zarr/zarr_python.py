@@ -1,4 +1,5 @@
-"""The Zarr backend (``zarr``, version 1): zarr v3 arrays written with zarr-python 3.
+"""The Zarr backend (``zarr``, version 1): zarr v3 arrays written with zarr-python 3 (on local disks,
+their plain chunk files and metadata directly: `dist_ckpt.backends.zarr.direct`).
 
 Layout inside a checkpoint directory (every node is plain zarr v3, uncompressed little-endian
 ``bytes`` codec, so TensorStore and any zarr v3 reader open it):
