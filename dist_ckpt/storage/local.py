@@ -360,15 +360,22 @@ class LocalStorage(Storage):
         base = self.root.joinpath(*prefix.split("/")) if prefix else self.root
         found: List[ObjectInfo] = []
         seen = set()
+        # the real path of a directory that is not a link is its parent's plus its name: only
+        # links are resolved (a resolve per directory cost a listing of a zarr checkpoint, one
+        # directory per chunk row, more than the save it reports on)
+        known: Dict[str, Path] = {}
         # links inside the root are followed (keys keep the names under which they are reached),
         # a link out of it is refused (the link policy above), a directory is listed once
         for dirpath, dirnames, filenames in os.walk(base, followlinks=True):
-            real = self._confined(Path(dirpath).relative_to(self.root).parts)
+            real = known.pop(dirpath, None) or self._confined(Path(dirpath).relative_to(self.root).parts)
             if real in seen:
                 dirnames[:] = []
                 continue
             seen.add(real)
             dirnames[:] = [d for d in dirnames if not is_temp_name(d)]
+            for d in dirnames:
+                if not os.path.islink(os.path.join(dirpath, d)):
+                    known[os.path.join(dirpath, d)] = real / d
             rel = Path(dirpath).relative_to(self.root).as_posix()
             for name in filenames:
                 if is_temp_name(name):

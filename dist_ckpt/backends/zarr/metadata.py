@@ -12,6 +12,7 @@ describes the stored pieces for ``dist-ckpt inspect``.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from itertools import product
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
@@ -29,6 +30,7 @@ from dist_ckpt.backends.zarr.layout import (
     chunk_key,
     tensor_dir_name,
 )
+from dist_ckpt.backends.zarr.nodes import stored_numpy_dtype
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError, format_keys
 from dist_ckpt.integrity.safe_json import MAX_SMALL_JSON_BYTES, check_tensor_bytes, loads, shown, want_object
 from dist_ckpt.model.dtypes import dtype_from_name, dtype_info
@@ -48,6 +50,7 @@ __all__ = [
     "find_tensor_info",
     "list_tensor_names",
     "open_tensor_info",
+    "plain_chunk_bytes",
     "read_zarr_json",
     "tensors_metadata",
 ]
@@ -97,6 +100,9 @@ class StoredTensorInfo:
     layout: str
     chunk_shape: Shape
     fragments: List[FragmentInfo] = field(default_factory=list)
+    #: every chunk file holds its chunk's values as they are in memory on this host (see
+    #: `plain_chunk_bytes()`): a whole chunk can be read straight into a tensor
+    plain_chunks: bool = False
 
     @property
     def bounds(self) -> Box:
@@ -168,6 +174,7 @@ def open_tensor_info(root: ObjectPath, name: str, check: JsonCheck = None) -> Op
         _same_rank(info.global_shape, info.chunk_shape, path)
         check_tensor_bytes(info.global_shape, dtype.itemsize, str(path / "zarr.json"))
         check_tensor_bytes(info.chunk_shape, dtype.itemsize, str(path / "zarr.json"))
+        info.plain_chunks = plain_chunk_bytes(doc, dtype)
         return info
     except CheckpointingException:  # already names the file (and keeps its type)
         raise
@@ -175,6 +182,31 @@ def open_tensor_info(root: ObjectPath, name: str, check: JsonCheck = None) -> Op
         raise CorruptCheckpointError(f"{path / 'zarr.json'} lacks the field {e}") from e
     except (TypeError, ValueError, AttributeError) as e:  # fields of unexpected types or values
         raise CorruptCheckpointError(f"{path / 'zarr.json'} is malformed: {type(e).__name__}: {e}") from e
+
+
+def plain_chunk_bytes(doc: Dict[str, Any], dtype: torch.dtype) -> bool:
+    """Whether the chunk files of the array ``doc`` describes hold each chunk's values exactly
+    as a contiguous tensor of ``dtype`` holds them in memory on this host: the ``bytes`` codec
+    alone in the host's byte order (no compression, no sharding, no transposition), a data type
+    of ``dtype``'s width (its own name, or the raw-bits integer), chunk keys ``c/i/j``. Such a
+    chunk is read whole into its destination without an array library (see
+    `dist_ckpt.backends.zarr.direct`); any other array goes through the engine."""
+    info = dtype_info(dtype)
+    if doc.get("data_type") not in {info.name, stored_numpy_dtype(dtype).name}:
+        return False
+    if _get(doc, "chunk_key_encoding", "name") != "default" or _get(
+        doc, "chunk_key_encoding", "configuration", "separator"
+    ) not in (None, "/"):
+        return False
+    if doc.get("storage_transformers") not in (None, []):
+        return False
+    codecs = doc.get("codecs")
+    if not isinstance(codecs, list) or len(codecs) != 1 or not isinstance(codecs[0], dict):
+        return False
+    if codecs[0].get("name") != "bytes":
+        return False
+    endian = _get(codecs[0], "configuration", "endian")
+    return endian == sys.byteorder or (endian is None and info.numpy_dtype.itemsize == 1)
 
 
 def _get(doc: Any, *fields: str) -> Any:

@@ -185,6 +185,7 @@ def array_metadata(
         "fill_value": fill_value_json(dtype),
         "codecs": [bytes_codec],
         "attributes": {ATTR: attributes},
+        "storage_transformers": [],
     }
 
 
@@ -215,7 +216,8 @@ def fsync_written(paths: Sequence[ObjectPath], root: ObjectPath) -> None:
     """
     if not root.storage.local_paths:
         return
-    fsync_tree([node.local_path() for node in paths], root.local_path())
+    top = root.local_path()  # resolved once: the files were just created under it, by this save
+    fsync_tree([top.joinpath(*node.relative_to(root).split("/")) for node in paths], top)
 
 
 def in_threads(fn: Callable[[_T], _R], items: Sequence[_T]) -> List[_R]:

@@ -18,6 +18,7 @@ import torch
 from dist_ckpt.backends.request_checks import check_requested_tensors
 from dist_ckpt.backends.zarr.layout import LAYOUT_CHUNKED, ZARR_DIR
 from dist_ckpt.backends.zarr.metadata import FragmentInfo, JsonCheck, StoredTensorInfo, find_tensor_info
+from dist_ckpt.backends.zarr.nodes import in_threads
 from dist_ckpt.errors import CorruptCheckpointError
 from dist_ckpt.model.geometry import Box, ShardPiece, shard_pieces
 from dist_ckpt.model.sharded import ShardedTensor
@@ -29,13 +30,17 @@ __all__ = ["ReadOp", "ReadPlan", "plan_reads", "plan_request"]
 @dataclass(frozen=True)
 class ReadOp:
     """Read ``region`` of the array at ``array_path``; view it as ``src_box`` (global
-    coordinates); copy its ``inter`` part into destination piece ``dst``."""
+    coordinates); copy its ``inter`` part into destination piece ``dst``. ``chunk``: the grid
+    coordinates of the chunk when ``region`` is exactly one whole chunk of plain bytes (see
+    `plain_chunk_bytes()`), which can be read
+    straight from its file (`dist_ckpt.backends.zarr.direct`); else None."""
 
     array_path: ObjectPath
     region: Box
     src_box: Box
     dst: ShardPiece
     inter: Box
+    chunk: Optional[Tuple[int, ...]] = None
 
 
 @dataclass
@@ -65,7 +70,7 @@ def plan_reads(sh: ShardedTensor, info: StoredTensorInfo) -> ReadPlan:
             continue
         expected += region.numel
         if info.layout == LAYOUT_CHUNKED:
-            ops.append(ReadOp(info.path, region, region, piece, region))
+            ops.append(ReadOp(info.path, region, region, piece, region, _whole_chunk(info, region)))
             covered += region.numel
             continue
         for frag in info.fragments:
@@ -97,10 +102,9 @@ def plan_request(
     ``zarr.json`` read (against the checksum manifest).
     """
     root = checkpoint_dir / ZARR_DIR
-    infos: Dict[str, Optional[StoredTensorInfo]] = {}
-    for sh in requested:
-        if sh.key not in infos:
-            infos[sh.key] = find_tensor_info(root, sh.key, check)
+    keys = list(dict.fromkeys(sh.key for sh in requested))
+    # several zarr.json at a time: a cold load waits on each file's read
+    infos = dict(zip(keys, in_threads(lambda key: find_tensor_info(root, key, check), keys)))
 
     def lookup(key: str) -> Optional[Tuple[torch.dtype, Tuple[int, ...]]]:
         info = infos[key]
@@ -108,6 +112,17 @@ def plan_request(
 
     check_requested_tensors(requested, lookup, repr(str(checkpoint_dir)), allow_dtype_cast)
     return {id(sh): plan_reads(sh, infos[sh.key]) for sh in requested}  # type: ignore[arg-type]
+
+
+def _whole_chunk(info: StoredTensorInfo, region: Box) -> Optional[Tuple[int, ...]]:
+    """The grid coordinates of the chunk ``region`` is exactly, if the array's chunks are plain
+    bytes; else None."""
+    if not info.plain_chunks:
+        return None
+    shape, offset, chunk = region.shape, region.offset, info.chunk_shape
+    if any(s != c or o % c for s, o, c in zip(shape, offset, chunk)):
+        return None
+    return tuple(o // c for o, c in zip(offset, chunk))
 
 
 def _fragment_op(frag: FragmentInfo, fp: ShardPiece, dst: ShardPiece, inter: Box) -> ReadOp:

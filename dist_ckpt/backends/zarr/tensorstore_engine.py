@@ -13,10 +13,15 @@ Missing data is never read as zeros: arrays are opened with ``fill_missing_data_
 (a missing chunk fails the read), and a failed read is reported as a
 [`CorruptCheckpointError`][dist_ckpt.errors.CorruptCheckpointError] naming the key and the damaged chunk file.
 
+Local disks: whole plain chunks are read and written, and array metadata written, without
+TensorStore (`dist_ckpt.backends.zarr.direct`: one read straight into the destination, checked
+from the bytes read); TensorStore reads the rest (partial chunks, fragments, dtype conversions,
+other codecs) and does all the I/O on object stores.
+
 Checksums: saves end with ``zarr/checksums.json``, like the zarr-python engine's. TensorStore
-decodes chunks in its own threads without showing their bytes, so the loader checks every chunk
-file a load touches by reading it once before TensorStore does (a second pass over those bytes,
-the second one from the page cache); ``verify_checksums=False`` skips it (see
+decodes chunks in its own threads without showing their bytes, so for the reads TensorStore does
+the loader checks every chunk file by reading it once before TensorStore does (a second pass over
+those bytes, the second one from the page cache); ``verify_checksums=False`` skips it (see
 `zarr_checksums`).
 
 Object stores: an ``s3://`` checkpoint is written and read by TensorStore's own ``s3`` kvstore
@@ -44,7 +49,7 @@ import math
 import os
 import sys
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -70,6 +75,14 @@ from dist_ckpt.backends.zarr.checksums import (
     manifest_check,
     read_checksums,
     verify_zarr,
+)
+from dist_ckpt.backends.zarr.direct import (
+    can_read_directly,
+    direct_writes,
+    read_chunk_into,
+    write_array_json,
+    write_chunk_file,
+    written_files,
 )
 from dist_ckpt.backends.zarr.layout import (
     ATTR,
@@ -261,11 +274,12 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
         shards = main_replica_shards(sharded_state_dict)
         context = _context(self.concurrency)
         # 1. tensor nodes exist before any rank writes into them
+        created_digests: Dict[ObjectPath, FileDigest] = {}
         created = run_collectively(
-            "creating zarr arrays (tensorstore)", lambda: self._create_nodes(root, shards, context)
+            "creating zarr arrays (tensorstore)", lambda: self._create_nodes(root, shards, context, created_digests)
         )
         # 2. every chunk, concurrently, then durable
-        digests: Dict[ObjectPath, FileDigest] = {}
+        digests: Dict[ObjectPath, FileDigest] = dict(created_digests)
 
         def write() -> List[ObjectPath]:
             chunks = self._write_chunks(root, shards, context, digests)
@@ -278,18 +292,25 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
         run_collectively("publishing the zarr tree", lambda: publish_written(node) if get_rank() == 0 else None)
 
     @staticmethod
-    def _create_nodes(root: ObjectPath, shards: List[ShardedTensor], context: "ts.Context") -> List[ObjectPath]:
+    def _create_nodes(
+        root: ObjectPath, shards: List[ShardedTensor], context: "ts.Context", digests: Dict[ObjectPath, FileDigest]
+    ) -> List[ObjectPath]:
+        """Create this rank's nodes; the digests of those written directly go into ``digests``."""
         root.mkdir()
         written: List[ObjectPath] = []
         if get_rank() == 0:
             written.append(write_group(root, {}))
         pending: List[Tuple[Tuple[str, ObjectPath], Any]] = []
+        direct: List[Tuple[ObjectPath, Dict[str, Any]]] = []
         for sh in shards:
             path = tensor_dir(root, sh.key)
             if sh.flattened_range is None:
                 if creates_array(sh):
                     meta = array_metadata(sh.global_shape, array_chunk_shape(sh), sh.dtype, chunked_attributes(sh))
-                    pending.append(((sh.key, path), _create_array(path, meta, context)))
+                    if direct_writes(root):  # the same document TensorStore would write, without its per-array work
+                        direct.append((path, meta))
+                    else:
+                        pending.append(((sh.key, path), _create_array(path, meta, context)))
                 continue
             if creates_flattened_group(sh):
                 written.append(write_group(path, {ATTR: flattened_attributes(sh)}))
@@ -298,6 +319,7 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
                 frag = path / fragment_name(sh)
                 meta = array_metadata((length,), (fragment_chunk_elements(length),), sh.dtype, fragment_attributes(sh))
                 pending.append(((sh.key, frag), _create_array(frag, meta, context)))
+        written += written_files(in_threads(lambda item: write_array_json(*item), direct), digests)
         failed = _wait_all(pending)
         if failed:
             (key, path), error = failed[0]
@@ -316,12 +338,16 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
         grid is its shard's bytes exactly (uncompressed, little-endian), so its digest goes into
         ``digests`` from memory: the manifest then needs no second read of the file."""
         targets: List[Tuple[ShardedTensor, ObjectPath, Tuple[slice, ...], np.ndarray, List[ObjectPath]]] = []
+        direct: List[Tuple[ShardedTensor, np.ndarray]] = []
         for sh in shards:
             if sh.data is None:
                 raise CheckpointingException(f"[rank {get_rank()}] main replica of {sh.key!r} has no data to save")
             data = as_stored(tensor_to_numpy(cpu_contiguous(sh.data)), sh.dtype)
             if sh.flattened_range is None:
                 if math.prod(sh.local_shape) == 0:
+                    continue
+                if direct_writes(root):  # one file from the tensor's memory (see `direct`)
+                    direct.append((sh, data))
                     continue
                 path = tensor_dir(root, sh.key)
                 region = tuple(slice(o, o + s) for o, s in zip(sh.global_offset, sh.full_local_shape))
@@ -337,6 +363,9 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
             chunk = fragment_chunk_elements(length)
             files = [path / chunk_key((i,)) for i in range(math.ceil(length / chunk))]
             targets.append((sh, path, (slice(0, length),), data, files))
+        written = written_files(
+            in_threads(lambda item: write_chunk_file(tensor_dir(root, item[0].key), *item), direct), digests
+        )
         # open every array concurrently, then issue every write before waiting for any
         opened: Dict[ObjectPath, Any] = {}
         for _, path, _, _, _ in targets:
@@ -360,7 +389,7 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
                 f"[rank {get_rank()}] writing tensor {key!r} to {str(path)!r} failed: {error}"
                 + (f" ({len(failed) - 1} more writes failed)" if len(failed) > 1 else "")
             ) from error
-        return [f for *_, files in targets for f in files]
+        return written + [f for *_, files in targets for f in files]
 
 
 def _create_array(path: ObjectPath, metadata: Dict[str, Any], context: "ts.Context") -> Any:
@@ -435,6 +464,23 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
         # 1. metadata, dtype/shape checks and coverage, before any data is read
         manifest = read_checksums(local) if self.verify_checksums and requested else None
         plans = plan_request(requested, local, self.allow_dtype_cast, manifest_check(local / ZARR_DIR, manifest))
+        # 2. destinations: in place where possible; padding zero-filled first
+        targets = {id(sh): self._target(sh) for sh in requested}
+        for sh in requested:
+            t = targets[id(sh)]
+            for piece, _ in plans[id(sh)].pad:
+                piece_view(t.dest, piece, sh.prepend_axis_num, t.holder).zero_()
+        # whole chunks of plain bytes are read straight into their destinations (see `direct`),
+        # checked from the bytes read; TensorStore reads the rest
+        direct = [
+            (sh, op)
+            for sh in requested
+            for op in plans[id(sh)].ops
+            if self._direct_view(sh, op, plans, targets) is not None
+        ]
+        in_threads(lambda item: self._read_direct(*item, plans, targets, local, manifest), direct)
+        done = {id(op) for _, op in direct}
+        plans = {i: replace(plan, ops=[op for op in plan.ops if id(op) not in done]) for i, plan in plans.items()}
         if local.storage.local_paths:  # TensorStore opens files by path itself: the storage checks where each leads
             for plan in plans.values():
                 for op in plan.ops:
@@ -442,12 +488,6 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
                         f.local_path()  # a link out of the checkpoint: UnsafeLinkError
         if manifest is not None:
             _check_touched_files(requested, plans, local, manifest)
-        # 2. destinations: in place where possible; padding zero-filled first
-        targets = {id(sh): self._target(sh) for sh in requested}
-        for sh in requested:
-            t = targets[id(sh)]
-            for piece, _ in plans[id(sh)].pad:
-                piece_view(t.dest, piece, sh.prepend_axis_num, t.holder).zero_()
         # 3. every read issued before any is awaited
         self._read_all(requested, plans, targets)
         # 4. device copies
@@ -459,6 +499,31 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
             return targets[id(x)].result if isinstance(x, ShardedTensor) else x
 
         return dict_list_map_inplace(result_of, sharded_state_dict)  # type: ignore[no-any-return]
+
+    @staticmethod
+    def _direct_view(
+        sh: ShardedTensor, op: ReadOp, plans: Dict[int, ReadPlan], targets: Dict[int, _Target]
+    ) -> Optional[torch.Tensor]:
+        """The destination of ``op`` if it is read without TensorStore (`can_read_directly()`)."""
+        t = targets[id(sh)]
+        view = sub_view(piece_view(t.dest, op.dst, sh.prepend_axis_num, t.holder), op.dst.box, op.inter)
+        stored = plans[id(sh)].stored_dtype
+        return view if stored == sh.dtype and can_read_directly(op.array_path, view, op.chunk, stored) else None
+
+    def _read_direct(
+        self,
+        sh: ShardedTensor,
+        op: ReadOp,
+        plans: Dict[int, ReadPlan],
+        targets: Dict[int, _Target],
+        checkpoint: ObjectPath,
+        manifest: Optional[Dict[str, FileDigest]],
+    ) -> None:
+        view = self._direct_view(sh, op, plans, targets)
+        assert view is not None and op.chunk is not None
+        chunk = op.array_path / chunk_key(op.chunk)
+        expected = manifest.get(chunk.relative_to(checkpoint / ZARR_DIR)) if manifest is not None else None
+        read_chunk_into(op.array_path, op.chunk, view, sh.key, expected)
 
     def _target(self, sh: ShardedTensor) -> _Target:
         shape = loaded_shape(sh)

@@ -1,4 +1,5 @@
-"""The Zarr backend (``zarr``, version 1): zarr v3 arrays written with zarr-python 3.
+"""The Zarr backend (``zarr``, version 1): zarr v3 arrays written with zarr-python 3 (on local disks,
+their plain chunk files and metadata directly: `dist_ckpt.backends.zarr.direct`).
 
 Layout inside a checkpoint directory (every node is plain zarr v3, uncompressed little-endian
 ``bytes`` codec, so TensorStore and any zarr v3 reader open it):
@@ -39,7 +40,7 @@ import math
 import os
 import shutil
 import uuid
-from typing import Any, ClassVar, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, ClassVar, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -65,6 +66,14 @@ from dist_ckpt.backends.zarr.checksums import (
     read_checksums,
     verify_zarr,
 )
+from dist_ckpt.backends.zarr.direct import (
+    can_read_directly,
+    direct_writes,
+    read_chunk_into,
+    write_array_json,
+    write_chunk_file,
+    written_files,
+)
 from dist_ckpt.backends.zarr.dtypes import register_extension_dtypes
 from dist_ckpt.backends.zarr.layout import (
     ATTR,
@@ -72,6 +81,7 @@ from dist_ckpt.backends.zarr.layout import (
     ZARR_DIR,
     checkpoint_node,
     chunk_coords,
+    chunk_key,
     fragment_chunk_elements,
     fragment_name,
     s3_storage,
@@ -88,6 +98,7 @@ from dist_ckpt.backends.zarr.nodes import (
     READ_BUDGET_BYTES,
     ByteBudget,
     array_chunk_shape,
+    array_metadata,
     as_stored,
     chunked_attributes,
     cpu_contiguous,
@@ -274,6 +285,9 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
 
         def create_array(sh: ShardedTensor) -> ObjectPath:
             path = tensor_dir(root, sh.key)
+            if direct_writes(root):  # the same document, without zarr-python's per-array work
+                meta = array_metadata(sh.global_shape, array_chunk_shape(sh), sh.dtype, chunked_attributes(sh))
+                return written_files([write_array_json(path, meta)], stores.digests)[0]
             store, name = stores.at(path)
             zarr.create_array(
                 store=store,
@@ -334,6 +348,16 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
                 assert sh.data is not None, f"{sh.key!r} has no data to save"
                 by_key.setdefault(sh.key, []).append(sh)
 
+        if direct_writes(root):  # one file per shard, from the tensor's memory (see `direct`)
+
+            def write_file(sh: ShardedTensor) -> Tuple[ObjectPath, FileDigest]:
+                data = as_stored(tensor_to_numpy(cpu_contiguous(sh.data)), sh.dtype)  # type: ignore[arg-type]
+                return write_chunk_file(tensor_dir(root, sh.key), sh, data)
+
+            return written_files(
+                in_threads(write_file, [sh for group in by_key.values() for sh in group]), stores.digests
+            )
+
         def write_key(group: List[ShardedTensor]) -> List[ObjectPath]:
             path = tensor_dir(root, group[0].key)
             store, name = stores.at(path)
@@ -390,9 +414,15 @@ class _ArrayReader:
     """Reads regions of zarr arrays with zarr-python, refusing missing or short chunk files and,
     with ``stores``, files whose checksum differs from the manifest."""
 
-    def __init__(self, root: ObjectPath, stores: Optional[VerifyingStore] = None) -> None:
+    def __init__(
+        self,
+        root: ObjectPath,
+        stores: Optional[VerifyingStore] = None,
+        manifest: Optional[Mapping[str, FileDigest]] = None,
+    ) -> None:
         self._arrays: Dict[ObjectPath, Any] = {}
         self._stores = stores
+        self._manifest = manifest
         self._plain = _Stores(read_only=True)
         self._verifying: Any = None
         if not root.storage.local_paths and stores is not None:  # one verifying store at zarr/
@@ -406,6 +436,15 @@ class _ArrayReader:
         if self._verifying is not None:
             return self._verifying, path.relative_to(self._root)
         return self._plain.at(path)
+
+    def read_whole_chunk(self, op: ReadOp, dest: torch.Tensor, key: str) -> None:
+        """Read the whole chunk ``op`` names straight into ``dest`` (see
+        `can_read_directly()`), checked against the manifest."""
+        assert op.chunk is not None
+        expected = None
+        if self._manifest is not None:
+            expected = self._manifest.get((op.array_path / chunk_key(op.chunk)).relative_to(self._root))
+        read_chunk_into(op.array_path, op.chunk, dest, key, expected)
 
     def read(self, path: ObjectPath, region: Box, key: str) -> np.ndarray:
         array: Any = self._arrays.get(path)
@@ -488,7 +527,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         root = node / ZARR_DIR
         manifest = read_checksums(node) if self.verify_checksums and requested else None
         plans = plan_request(requested, node, self.allow_dtype_cast, manifest_check(root, manifest))  # checks first
-        reader = _ArrayReader(root, VerifyingStore(root, manifest) if manifest is not None else None)
+        reader = _ArrayReader(root, VerifyingStore(root, manifest) if manifest is not None else None, manifest)
 
         budget = ByteBudget(READ_BUDGET_BYTES)
 
@@ -517,9 +556,12 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
     def _copy(
         reader: _ArrayReader, op: ReadOp, dest: torch.Tensor, sh: ShardedTensor, holder: Box, stored: torch.dtype
     ) -> None:
+        target = sub_view(piece_view(dest, op.dst, sh.prepend_axis_num, holder), op.dst.box, op.inter)
+        if can_read_directly(op.array_path, target, op.chunk, stored):
+            reader.read_whole_chunk(op, target, sh.key)
+            return
         data = numpy_to_tensor(reader.read(op.array_path, op.region, sh.key), stored).view(op.src_box.shape)
-        target = piece_view(dest, op.dst, sh.prepend_axis_num, holder)
-        copy_cast(sub_view(target, op.dst.box, op.inter), sub_view(data, op.src_box, op.inter))
+        copy_cast(target, sub_view(data, op.src_box, op.inter))
 
     def with_dtype_cast(self, allow: bool) -> "ZarrLoadShardedStrategy":
         """This loader with ``allow_dtype_cast`` set to ``allow``."""

@@ -291,3 +291,23 @@ def test_local_storage_child_follows_links_within_the_parent_root(tmp_path):
             storage.read("out")
     with pytest.raises(UnsafeLinkError):  # rooted at safetensors/ itself, ckpt/other is outside
         LocalStorage(ckpt / "safetensors").read("in")
+
+
+def test_local_listing_resolves_only_links_not_every_directory(tmp_path, monkeypatch):
+    """A zarr checkpoint has several directories per tensor: resolving each one (a realpath per
+    directory) cost a listing more than the save it reported on. Directories that are not links
+    are known from their parent; links are still resolved and confined."""
+    from dist_ckpt.storage import LocalStorage
+    from dist_ckpt.storage import local as local_module
+
+    root = tmp_path / "ckpt"
+    for i in range(40):
+        (root / f"t{i}" / "c" / "0").mkdir(parents=True)
+        (root / f"t{i}" / "c" / "0" / "0").write_bytes(b"x" * i)
+    os.symlink(root / "t1", root / "inner")  # a link inside the root: followed, listed under its name
+    calls = []
+    real_confined = local_module.confined
+    monkeypatch.setattr(local_module, "confined", lambda *a: (calls.append(a[0]), real_confined(*a))[1])
+    listed = {o.key: o.size for o in LocalStorage(root).list()}
+    assert listed["t7/c/0/0"] == 7 and len(listed) == 40  # t1 once: 'inner' leads to a listed directory
+    assert len(calls) <= 2, calls  # the root and the link, not 121 directories

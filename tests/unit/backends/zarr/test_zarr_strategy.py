@@ -17,6 +17,7 @@ import zarr.storage
 
 import dist_ckpt as dc
 from dist_ckpt.backends.zarr import layout as zarr_layout
+from dist_ckpt.backends.zarr import zarr_python
 from dist_ckpt.backends.zarr.zarr_python import ZARR_DIR, ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
 from dist_ckpt.errors import CorruptCheckpointError, KeyMismatchError, LoadMismatchError
 from dist_ckpt.model.dtypes import SUPPORTED_DTYPE_NAMES
@@ -402,7 +403,8 @@ class TestInPlace:
 
 @pytest.fixture
 def read_log(monkeypatch):
-    """Record every key read through zarr's LocalStore, as (store root, key)."""
+    """Record every key read through zarr's LocalStore, or read directly as a whole chunk
+    (`zarr.direct`), as (store root, key)."""
     log = []
     original = zarr.storage.LocalStore.get
 
@@ -410,7 +412,14 @@ def read_log(monkeypatch):
         log.append((Path(str(self.root)), key))
         return await original(self, key, *args, **kwargs)
 
+    direct = zarr_python.read_chunk_into
+
+    def read_chunk_into(array_dir, chunk, *args, **kwargs):
+        log.append((array_dir.local_path(), zarr_layout.chunk_key(chunk)))
+        return direct(array_dir, chunk, *args, **kwargs)
+
     monkeypatch.setattr(zarr.storage.LocalStore, "get", get)
+    monkeypatch.setattr(zarr_python, "read_chunk_into", read_chunk_into)
     return log
 
 

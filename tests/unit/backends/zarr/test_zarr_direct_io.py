@@ -1,0 +1,193 @@
+"""Chunk files and array metadata written and read without an array library (`zarr.direct`):
+the same zarr v3 arrays, which zarr-python and TensorStore open; a chunk written once; whole plain
+chunks read straight into their tensors and checked from the bytes read; everything else through
+the engine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+import dist_ckpt as dc
+from dist_ckpt.backends.zarr import tensorstore_engine, zarr_python
+from dist_ckpt.backends.zarr.metadata import plain_chunk_bytes
+from dist_ckpt.backends.zarr.nodes import array_metadata
+from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreLoadShardedStrategy, TensorStoreSaveShardedStrategy
+from dist_ckpt.backends.zarr.zarr_python import ZARR_DIR, ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
+from dist_ckpt.errors import CheckpointingException, ChecksumMismatchError, CorruptCheckpointError
+from dist_ckpt.model.sharded import ShardedTensor
+from dist_ckpt.storage.location import resolve_location
+
+ENGINES = {
+    "zarr-python": (ZarrSaveShardedStrategy, ZarrLoadShardedStrategy),
+    "tensorstore": (TensorStoreSaveShardedStrategy, TensorStoreLoadShardedStrategy),
+}
+
+
+def _state():
+    full = torch.arange(48.0).reshape(8, 6)
+    return full, {
+        "w": ShardedTensor.from_rank_offsets("w", full),
+        "h": ShardedTensor.from_rank_offsets("h", torch.arange(16, dtype=torch.int16).to(torch.bfloat16)),
+        "s": ShardedTensor.from_rank_offsets("s", torch.tensor(3.5)),
+    }
+
+
+def _request():
+    return {
+        "w": ShardedTensor.from_rank_offsets("w", torch.zeros(8, 6)),
+        "h": ShardedTensor.from_rank_offsets("h", torch.zeros(16, dtype=torch.bfloat16)),
+        "s": ShardedTensor.from_rank_offsets("s", torch.tensor(0.0)),
+    }
+
+
+@pytest.fixture
+def no_array_library_reads(monkeypatch):
+    """Loads fail if zarr-python or TensorStore opens an array: plain whole chunks need neither."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an array library was asked to read a plain whole chunk")
+
+    monkeypatch.setattr(zarr_python.zarr, "open_array", refuse)
+    monkeypatch.setattr(tensorstore_engine.ts, "open", refuse)
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_directly_written_arrays_are_plain_zarr_v3_that_zarr_python_and_tensorstore_read(engine, tmp_path):
+    full, sd = _state()
+    saver, _ = ENGINES[engine]
+    dc.save(sd, tmp_path, sharded_strategy=saver())
+    doc = json.loads((tmp_path / ZARR_DIR / "w" / "zarr.json").read_text())
+    assert doc == array_metadata((8, 6), (8, 6), torch.float32, doc["attributes"]["dist_ckpt"])
+    assert doc["storage_transformers"] == [] and doc["codecs"] == [
+        {"name": "bytes", "configuration": {"endian": "little"}}
+    ]
+    # zarr-python's own reader, and TensorStore's
+    assert np.array_equal(zarr.open_array(str(tmp_path / ZARR_DIR / "w"), mode="r")[:], full.numpy())
+    assert zarr.open_array(str(tmp_path / ZARR_DIR / "s"), mode="r")[()] == 3.5
+    ts_array = tensorstore_engine.open_ts_array(tmp_path / ZARR_DIR / "h")
+    assert np.array_equal(
+        ts_array.read().result(), torch.arange(16, dtype=torch.int16).to(torch.bfloat16).view(torch.uint16).numpy()
+    )
+
+
+@pytest.mark.parametrize("saved_by", sorted(ENGINES))
+@pytest.mark.parametrize("loaded_by", sorted(ENGINES))
+def test_whole_plain_chunks_load_bit_exactly_without_an_array_library(
+    saved_by, loaded_by, tmp_path, no_array_library_reads
+):
+    full, sd = _state()
+    dc.save(sd, tmp_path, sharded_strategy=ENGINES[saved_by][0]())
+    out = dc.load(_request(), tmp_path, sharded_strategy=ENGINES[loaded_by][1]())
+    assert torch.equal(out["w"], full)
+    assert torch.equal(out["h"].view(torch.int16), sd["h"].data.view(torch.int16))
+    assert out["s"].item() == 3.5
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_a_partial_chunk_still_goes_through_the_engine(engine, tmp_path):
+    full, sd = _state()
+    dc.save(sd, tmp_path, sharded_strategy=ENGINES[engine][0]())
+    part = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, 6), (0, 1, 2))}  # half of the one chunk
+    out = ENGINES[engine][1]().load(part, resolve_location(tmp_path))
+    assert torch.equal(out["w"], full[4:])
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_a_directly_read_chunk_with_other_bytes_fails_its_checksum_naming_key_and_file(engine, tmp_path):
+    _, sd = _state()
+    dc.save(sd, tmp_path, sharded_strategy=ENGINES[engine][0]())
+    chunk = tmp_path / ZARR_DIR / "w" / "c" / "0" / "0"
+    raw = bytearray(chunk.read_bytes())
+    raw[5] ^= 0xFF
+    chunk.write_bytes(bytes(raw))
+    with pytest.raises(ChecksumMismatchError, match=r"'w'.*c/0/0"):
+        dc.load(_request(), tmp_path, sharded_strategy=ENGINES[engine][1]())
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_a_directly_read_chunk_that_is_missing_or_short_is_corrupt(engine, damage, tmp_path):
+    _, sd = _state()
+    dc.save(sd, tmp_path, sharded_strategy=ENGINES[engine][0]())
+    chunk = tmp_path / ZARR_DIR / "w" / "c" / "0" / "0"
+    if damage == "missing":
+        chunk.unlink()
+    else:
+        chunk.write_bytes(chunk.read_bytes()[:-4])
+    loader = ENGINES[engine][1](verify_checksums=False)
+    with pytest.raises(CorruptCheckpointError, match=r"'w'"):
+        dc.load(_request(), tmp_path, sharded_strategy=loader)
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_a_chunk_is_written_once_an_existing_file_fails_the_save(engine, tmp_path, monkeypatch):
+    from dist_ckpt.backends.zarr import direct
+
+    _, sd = _state()
+    real = direct.write_chunk_file
+
+    def twice(array_dir, sh, data):
+        real(array_dir, sh, data)
+        return real(array_dir, sh, data)  # the same chunk again: refused, never overwritten
+
+    monkeypatch.setattr(zarr_python if engine == "zarr-python" else tensorstore_engine, "write_chunk_file", twice)
+    with pytest.raises((CheckpointingException, FileExistsError)):
+        dc.save(sd, tmp_path, sharded_strategy=ENGINES[engine][0]())
+    assert not (tmp_path / ZARR_DIR).exists()  # nothing published under the checkpoint's names
+
+
+def test_plain_chunk_bytes_accepts_only_what_can_be_read_straight_into_a_tensor():
+    doc = array_metadata((4,), (2,), torch.float32, {})
+    assert plain_chunk_bytes(doc, torch.float32)
+    assert plain_chunk_bytes(array_metadata((4,), (2,), torch.bfloat16, {}), torch.bfloat16)  # raw bits
+    assert plain_chunk_bytes(dict(doc, data_type="int32"), torch.int32) is True  # its own name
+    assert not plain_chunk_bytes(doc, torch.float64)  # another width
+    assert not plain_chunk_bytes(
+        dict(doc, codecs=[{"name": "bytes", "configuration": {"endian": "big"}}]), torch.float32
+    )
+    gzip = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "gzip", "configuration": {"level": 1}}]
+    assert not plain_chunk_bytes(dict(doc, codecs=gzip), torch.float32)
+    dotted = {"name": "default", "configuration": {"separator": "."}}
+    assert not plain_chunk_bytes(dict(doc, chunk_key_encoding=dotted), torch.float32)
+    assert not plain_chunk_bytes(dict(doc, storage_transformers=[{"name": "x"}]), torch.float32)
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_a_big_endian_array_of_another_writer_loads_through_the_engine(engine, tmp_path):
+    """Chunks in the other byte order are not plain: the engine's library reads and converts them."""
+    full, sd = _state()
+    dc.save({"w": sd["w"]}, tmp_path, sharded_strategy=ZarrSaveShardedStrategy())
+    path = tmp_path / ZARR_DIR / "w"
+    attrs = json.loads((path / "zarr.json").read_text())["attributes"]
+    for f in sorted(path.rglob("*"), reverse=True):
+        f.unlink() if f.is_file() else f.rmdir()
+    path.rmdir()
+    arr = zarr.create_array(
+        str(path),
+        shape=(8, 6),
+        chunks=(8, 6),
+        dtype="float32",
+        serializer=zarr.codecs.BytesCodec(endian="big"),
+        compressors=None,
+        attributes=attrs,
+    )
+    arr[:] = full.numpy()
+    request = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(8, 6))}
+    out = ENGINES[engine][1](verify_checksums=False).load(request, resolve_location(tmp_path))
+    assert torch.equal(out["w"], full)
+
+
+def test_stored_metadata_marks_plain_arrays(tmp_path):
+    from dist_ckpt.backends.zarr.layout import checkpoint_node
+    from dist_ckpt.backends.zarr.metadata import open_tensor_info
+
+    _, sd = _state()
+    dc.save(sd, tmp_path, sharded_strategy=ZarrSaveShardedStrategy())
+    info = open_tensor_info(checkpoint_node(Path(tmp_path), "test") / ZARR_DIR, "w")
+    assert info is not None and info.plain_chunks
