@@ -43,7 +43,7 @@ import pickle
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, ClassVar, Dict, List, Optional, Sequence, Tuple
+from typing import IO, Any, ClassVar, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -221,7 +221,7 @@ class _Reader(FileSystemReader):
         super().__init__(opened.directory)
         self._opened = opened
         self._spans: Dict[str, Tuple[List[int], Tuple[Span, ...]]] = {}
-        self._pending: Optional[Tuple[ItemCheck, int]] = None
+        self._pending: Optional[Tuple[ItemCheck, Any, Path]] = None
         if verify and opened.manifest is not None:
             for name, spans in opened.manifest.items():
                 self._spans[name] = ([s[0] for s in spans.spans], spans.spans)
@@ -245,8 +245,8 @@ class _Reader(FileSystemReader):
             return view
         where = self._opened.storage.url_of(sinfo.relative_path)
         check = ItemCheck(inside, where, f"[rank {get_rank()}] item at byte {sinfo.offset}")
-        self._pending = (check, file.fileno())
-        return CheckedView(view, sinfo.offset, check)
+        self._pending = (check, file, self._opened.directory / sinfo.relative_path)
+        return cast(IO[bytes], CheckedView(view, sinfo.offset, check))
 
     def finish_item(self) -> None:
         """Complete and compare the check of the item read last, if not done yet.
@@ -255,8 +255,14 @@ class _Reader(FileSystemReader):
             ChecksumMismatchError, CorruptCheckpointError: see `ItemCheck.finish()`.
         """
         pending, self._pending = self._pending, None
-        if pending is not None:
-            pending[0].finish(pending[1])
+        if pending is None:
+            return
+        check, file, path = pending
+        if not file.closed:
+            check.finish(file.fileno())
+            return
+        with open(path, "rb") as reopened:  # DCP closed the file when the read failed
+            check.finish(reopened.fileno())
 
 
 def run_dcp_load(opened: OpenedCheckpoint, planner: ReadPlanner, verify: bool) -> None:
