@@ -23,7 +23,8 @@ and flattened range (replicated shards share a key, so DCP saves them once, as d
 written with ``FileSystemWriter(thread_count=2)`` and read back with ``dcp.load``.
 
 Then, once per system, a fresh job loads the checkpoint and reports ``ru_maxrss`` of each loading
-rank before the request is allocated and after the load: the growth, compared with the bytes of
+rank before the request is allocated (every system's modules already imported, as in a training
+job) and after the load: the growth, compared with the bytes of
 the rank's state, is the memory the load needs beyond the state itself.
 
 The raw disk is measured before and after, two ways: one stream (write + fsync of one file as
@@ -256,8 +257,14 @@ def memory_job(rank: int, world: int, job: Job) -> Tuple[int, int, int]:
     """One rank of a fresh job: ``(RSS before, peak RSS by the end of the load, bytes of the rank's
     state)``; the peak mark is reset first, so it covers the request and the load only."""
     torch.set_num_threads(1)
-    if job.system == DCP:
-        import torch.distributed.checkpoint as dcp  # noqa: F401 -- imported before the baseline
+    # every system's modules are imported before the baseline (a training job has them loaded):
+    # torch.distributed.checkpoint alone is ~46 MiB of RSS, which the torch_dist backend imports lazily
+    import torch.distributed.checkpoint as dcp  # noqa: F401
+
+    if job.system != DCP:
+        from dist_ckpt.engine.registry import StrategyAction, get_default_strategy
+
+        get_default_strategy(StrategyAction.LOAD_SHARDED, *_backend(job.system))
     _reset_peak_rss()
     before = _rss()
     request = _request(job.cfg, Layout(world, 1), rank)

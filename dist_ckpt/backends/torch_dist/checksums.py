@@ -12,14 +12,19 @@ rank 0 records them, with every file's size, in ``torch_dist.checksums.json`` be
            ".metadata":    {"size": 7490, "spans": [[0, 7490, "..."]]}}}
 ```
 
-A file's *spans* tile it from byte 0 to its size, each with its crc. Items are what a load reads
-(DCP reads each item whole), so a load checks exactly the spans of the items it reads, and
-``dist-ckpt verify`` checks every span of every file. Megatron-Core and DCP ignore the file.
-Checkpoints written by other tools have none: they load unverified and verify says so.
+A file's *spans* tile it from byte 0 to its size, each with its crc. Every item is tiled by
+whole spans, so a load checks exactly the spans of the items it reads, and ``dist-ckpt verify``
+checks every span of every file. Megatron-Core and DCP ignore the file. Checkpoints written by
+other tools have none: they load unverified and verify says so.
 
 How the spans are found: DCP's file writer asks the stream for its position (``tell()``) right
-before and right after each item; `RecordingStream` starts a new span at every ``tell()``,
-so each item is one span (a writer that asked more often would only split spans further).
+before and right after each item; `RecordingStream` starts a new span at every ``tell()``, and
+gives every large write (`OWN_SPAN_BYTES` or more: a tensor's data record, which
+``torch.save`` writes in one call) a span of its own. The load reads that record in one call too,
+so it checks the record's crc on the bytes it has just read, into the tensor they fill (see
+`SpanChecker`): no second read of the data at save or at load. Small writes (an archive's
+headers, its pickle) are gathered and passed on, with one crc, as one write: the per-write cost
+of the checksums does not grow with the dozens of small writes of each ``torch.save``.
 
 Example:
 
@@ -36,6 +41,7 @@ from __future__ import annotations
 import io
 import json
 import threading
+from bisect import bisect_left
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,10 +55,12 @@ from dist_ckpt.integrity.safe_json import loads
 
 __all__ = [
     "CHECKSUMS_FILENAME",
+    "OWN_SPAN_BYTES",
     "ChecksummingFileSystem",
     "FileSpans",
     "RecordingStream",
     "check_bytes",
+    "item_spans",
     "manifest_json",
     "parse_manifest",
     "spans_within",
@@ -62,6 +70,10 @@ __all__ = [
 CHECKSUMS_FILENAME = "torch_dist.checksums.json"
 _FORMAT = "dist_ckpt.torch_dist.checksums"
 _VERSION = 1
+
+#: writes of at least this many bytes get a span of their own (a tensor's data record: the load
+#: checks it on the bytes it reads); smaller ones are gathered into one write
+OWN_SPAN_BYTES = 64 << 10
 
 #: ``(offset, length, crc32c)`` of a byte range of a file
 Span = Tuple[int, int, int]
@@ -80,7 +92,11 @@ class FileSpans:
 
 class RecordingStream(io.RawIOBase):
     """A write-only stream over ``raw`` that computes the crc32c of what passes, one span per
-    stretch between two ``tell()`` calls; `close()` reports the file's `FileSpans`.
+    stretch between two ``tell()`` calls and one per large write; `close()` reports the file's
+    `FileSpans`.
+
+    Writes smaller than `OWN_SPAN_BYTES` are gathered (up to that many bytes) and passed to
+    ``raw`` as one write; `flush()`, `tell()`, `fileno()` and `close()` pass them on first.
 
     Args:
         raw: the open binary file.
@@ -93,24 +109,44 @@ class RecordingStream(io.RawIOBase):
         self._raw = raw
         self._name = name
         self._report = report
-        self._pos = 0
+        self._pos = 0  # bytes accepted, the pending ones included
         self._start = 0
         self._crc = 0
+        self._pending = bytearray()
         self._spans: List[Span] = []
 
     def writable(self) -> bool:
         return True
 
+    def _put(self, data: Any, nbytes: int) -> None:
+        written = self._raw.write(data)
+        if written is None or written != nbytes:  # a regular file writes everything or raises
+            raise OSError(f"short write to {self._name}: {written} of {nbytes} bytes")
+        self._crc = crc32c(data, self._crc)
+
+    def _drain(self) -> None:
+        if self._pending:
+            data = bytes(self._pending)
+            self._pending.clear()
+            self._put(data, len(data))
+
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        written = self._raw.write(view)
-        if written is None or written != view.nbytes:  # a regular file writes everything or raises
-            raise OSError(f"short write to {self._name}: {written} of {view.nbytes} bytes")
-        self._crc = crc32c(view, self._crc)
-        self._pos += written
-        return written
+        nbytes = view.nbytes
+        if nbytes < OWN_SPAN_BYTES:
+            self._pending += view
+            self._pos += nbytes
+            if len(self._pending) >= OWN_SPAN_BYTES:
+                self._drain()
+            return nbytes
+        self._cut()
+        self._put(view, nbytes)
+        self._pos += nbytes
+        self._cut()
+        return nbytes
 
     def _cut(self) -> None:
+        self._drain()
         if self._pos > self._start:
             self._spans.append((self._start, self._pos - self._start, self._crc))
         self._start, self._crc = self._pos, 0
@@ -123,9 +159,13 @@ class RecordingStream(io.RawIOBase):
         return False
 
     def flush(self) -> None:
+        self._drain()
         self._raw.flush()
 
     def fileno(self) -> int:
+        """The file's descriptor, every byte written so far passed on to it (an fsync of it
+        then covers them)."""
+        self.flush()
         return self._raw.fileno()
 
     def close(self) -> None:
@@ -188,6 +228,21 @@ def spans_within(spans: Sequence[Span], offset: int, length: int) -> Optional[Li
             return None
         position += n
     return found
+
+
+def item_spans(starts: Sequence[int], spans: Sequence[Span], offset: int, length: int) -> Optional[List[Span]]:
+    """`spans_within()` for a file's spans sorted by offset, ``starts`` being their offsets:
+    found by bisection, however many spans the file has.
+
+    Example:
+
+    ```python
+    item_spans([0, 4], [(0, 4, 1), (4, 6, 2)], 4, 6)     # [(4, 6, 2)]
+    ```
+    """
+    first = bisect_left(starts, offset)
+    last = bisect_left(starts, offset + length)
+    return spans_within(spans[first:last], offset, length)
 
 
 def check_bytes(data: Union[bytes, memoryview], offset: int, spans: Sequence[Span], where: str, what: str) -> None:

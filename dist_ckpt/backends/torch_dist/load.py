@@ -15,8 +15,8 @@ reformulated layout --, ``allow_shape_mismatch``, dtype casting, ShardedObjects.
    ``load`` on this rank alone (``no_dist=True``: no collective, so it also works without a process
    group), through DCP's ``FileSystemReader``, which ``copy_`` s each stored item into the result
    -- in place when the request's ``data`` is allocated;
-4. when the manifest records checksums, each item's bytes are checked against their crc32c
-   (through a memory map: one crc pass, no copy) before DCP unpickles them; ShardedObjects are
+4. when the manifest records checksums, each item's bytes are checked against their crc32c as
+   DCP reads them (`verified_read`: no second read, no copy), before DCP uses its values; ShardedObjects are
    unpickled with ``torch.load(weights_only=True)`` (with
    `PLAIN_DATA_TYPES` allowed), never with
    full pickle unless ``allow_pickle``.
@@ -39,13 +39,11 @@ from __future__ import annotations
 import copy
 import io
 import logging
-import mmap
 import pickle
 import warnings
-from bisect import bisect_left
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, ClassVar, Dict, List, Optional, Sequence, Tuple
+from typing import IO, Any, ClassVar, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -63,8 +61,8 @@ from dist_ckpt.backends.torch_dist.checksums import (
     FileSpans,
     Span,
     check_bytes,
+    item_spans,
     parse_manifest,
-    spans_within,
 )
 from dist_ckpt.backends.torch_dist.layout import (
     TorchDistLayout,
@@ -75,6 +73,7 @@ from dist_ckpt.backends.torch_dist.layout import (
 )
 from dist_ckpt.backends.torch_dist.metadata import DCP_METADATA_FILENAME, unpickle_metadata
 from dist_ckpt.backends.torch_dist.read_plan import ReadPlanner, object_read_item, plan_tensor_reads
+from dist_ckpt.backends.torch_dist.verified_read import CheckedView, ItemCheck
 from dist_ckpt.engine.distributed import get_rank
 from dist_ckpt.engine.records import read_recorded
 from dist_ckpt.errors import (
@@ -209,17 +208,20 @@ def unpickle_item(data: bytes, where: str, what: str, allow_pickle: bool, opt_in
 
 class _Reader(FileSystemReader):
     """DCP's file reader, given the metadata already read safely, checking each item's bytes
-    against the recorded crc32c (when there is a manifest) before DCP unpickles them.
+    against the recorded crc32c (when there is a manifest) as DCP reads them.
 
-    The check reads the item through a memory map of its file -- no copy -- right before DCP
-    reads it (from the page cache, then): one crc32c pass is the whole cost of verification.
+    Each item's view is a `CheckedView`; `finish_item()` completes and compares the item's
+    check (see `verified_read`). It runs before DCP uses the item's values (the planner's
+    ``before_item``), when the next item is opened, and when a read fails (a damaged byte then
+    raises [`ChecksumMismatchError`][dist_ckpt.errors.ChecksumMismatchError] rather than whatever
+    ``torch.load`` made of it).
     """
 
     def __init__(self, opened: OpenedCheckpoint, verify: bool) -> None:
         super().__init__(opened.directory)
         self._opened = opened
         self._spans: Dict[str, Tuple[List[int], Tuple[Span, ...]]] = {}
-        self._maps: Dict[str, mmap.mmap] = {}
+        self._pending: Optional[Tuple[ItemCheck, Any, Path]] = None
         if verify and opened.manifest is not None:
             for name, spans in opened.manifest.items():
                 self._spans[name] = ([s[0] for s in spans.spans], spans.spans)
@@ -232,66 +234,50 @@ class _Reader(FileSystemReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
-    def _map(self, name: str, file: Any) -> mmap.mmap:
-        found = self._maps.get(name)
-        if found is None:
-            found = self._maps[name] = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
-        return found
-
     def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
+        self.finish_item()
+        view = super()._slice_file(file, sinfo)
         found = self._spans.get(sinfo.relative_path)
-        inside = None
-        if found is not None and sinfo.length:
-            starts, spans = found
-            first = bisect_left(starts, sinfo.offset)
-            inside = spans_within(spans[first : first + 64], sinfo.offset, sinfo.length)
-        if inside is not None:
-            where = self._opened.storage.url_of(sinfo.relative_path)
-            mapped = self._map(sinfo.relative_path, file)
-            if len(mapped) < sinfo.offset + sinfo.length:
-                raise CorruptCheckpointError(
-                    f"{where} ends before byte {sinfo.offset + sinfo.length} of an item the DCP metadata lists "
-                    f"(truncated)"
-                )
-            view = memoryview(mapped)[sinfo.offset : sinfo.offset + sinfo.length]
-            try:
-                check_bytes(view, sinfo.offset, inside, where, f"[rank {get_rank()}] item at byte {sinfo.offset}")
-            finally:
-                view.release()
-            _unmap_pages(mapped, sinfo.offset, sinfo.length)
-        return super()._slice_file(file, sinfo)
+        if found is None or not sinfo.length:
+            return view
+        inside = item_spans(found[0], found[1], sinfo.offset, sinfo.length)
+        if inside is None:  # a span crosses the item's ends: it cannot be checked alone
+            return view
+        where = self._opened.storage.url_of(sinfo.relative_path)
+        check = ItemCheck(inside, where, f"[rank {get_rank()}] item at byte {sinfo.offset}")
+        self._pending = (check, file, self._opened.directory / sinfo.relative_path)
+        return cast(IO[bytes], CheckedView(view, sinfo.offset, check))
 
-    def close(self) -> None:
-        """Unmap the files (DCP closes the files themselves)."""
-        for mapped in self._maps.values():
-            try:
-                mapped.close()
-            except BufferError:  # a view is still referenced (by an error's traceback): unmapped when freed
-                pass
-        self._maps.clear()
+    def finish_item(self) -> None:
+        """Complete and compare the check of the item read last, if not done yet.
 
-
-def _unmap_pages(mapped: mmap.mmap, offset: int, length: int) -> None:
-    """Drop the checked pages from this process's mapping (the page cache keeps them, for DCP's
-    read that follows): the check must not hold a second copy of the checkpoint in memory."""
-    advise = getattr(mapped, "madvise", None)
-    if advise is None or not hasattr(mmap, "MADV_DONTNEED"):
-        return
-    start = offset - offset % mmap.PAGESIZE
-    end = offset + length
-    if end > start:
-        advise(mmap.MADV_DONTNEED, start, end - start)
+        Raises:
+            ChecksumMismatchError, CorruptCheckpointError: see `ItemCheck.finish()`.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        check, file, path = pending
+        if not file.closed:
+            check.finish(file.fileno())
+            return
+        with open(path, "rb") as reopened:  # DCP closed the file when the read failed
+            check.finish(reopened.fileno())
 
 
 def run_dcp_load(opened: OpenedCheckpoint, planner: ReadPlanner, verify: bool) -> None:
     """Run DCP's ``load`` with ``planner`` on this rank alone (no collective) and turn DCP's
-    ``CheckpointException`` (a BaseException) back into the error that caused it."""
+    ``CheckpointException`` (a BaseException) back into the error that caused it -- a failed
+    checksum first, when the item being read has one."""
     reader = _Reader(opened, verify)
+    planner.before_item = reader.finish_item
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp_load({}, storage_reader=reader, planner=planner, no_dist=True)
+        reader.finish_item()
     except CheckpointException as e:
+        reader.finish_item()  # damaged bytes explain the failure better than torch.load's error
         for error, _ in e.failures.values():
             if isinstance(error, CheckpointingException):
                 raise error from None
@@ -299,8 +285,6 @@ def run_dcp_load(opened: OpenedCheckpoint, planner: ReadPlanner, verify: bool) -
                 f"[rank {get_rank()}] reading {opened.storage.url} failed: {type(error).__name__}: {error}"
             ) from error
         raise CorruptCheckpointError(f"[rank {get_rank()}] reading {opened.storage.url} failed: {e}") from e
-    finally:
-        reader.close()
 
 
 def _position(layout: TorchDistLayout, item: ReadItem) -> Tuple[str, int]:

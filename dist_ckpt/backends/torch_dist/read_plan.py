@@ -217,6 +217,10 @@ def object_read_item(unique_key: str) -> ReadItem:
     return ReadItem(LoadItemType.BYTE_IO, index, zero, index, zero, zero)
 
 
+def _nothing() -> None:
+    pass
+
+
 class ReadPlanner(LoadPlanner):
     """A DCP ``LoadPlanner`` whose plan is made beforehand (`plan_tensor_reads()`), for one rank
     without collectives (``dcp.load(..., no_dist=True)``).
@@ -226,12 +230,17 @@ class ReadPlanner(LoadPlanner):
         targets: where each tensor ReadItem's values go (by ``dest_index.index``).
         on_bytes: called with ``(unique_key, bytes)`` for each bytes entry read.
         metadata: the checkpoint's metadata (DCP passes it again to ``set_up_planner``).
+
+    Attributes:
+        before_item: called with no argument when an item has been read, before its values are
+            used (the reader's checksum check sets it); by default nothing.
     """
 
     def __init__(self, items: List[ReadItem], targets: List[_Target], on_bytes: Callable[[str, bytes], None]) -> None:
         self._items = items
         self._targets = targets
         self._on_bytes = on_bytes
+        self.before_item: Callable[[], None] = _nothing
 
     def set_up_planner(
         self, state_dict: Dict[str, Any], metadata: Optional[Metadata] = None, is_coordinator: bool = False
@@ -248,9 +257,11 @@ class ReadPlanner(LoadPlanner):
         return central_plan
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self.before_item()
         self._on_bytes(read_item.storage_index.fqn, value.getvalue())
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        self.before_item()
         target = self._targets[read_item.dest_index.index or 0]
         return _narrow(target.view, read_item.dest_offsets, read_item.lengths)
 

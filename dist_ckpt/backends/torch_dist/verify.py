@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import io
 import zipfile
+from bisect import bisect_right
 from typing import Dict, List, Optional
 
 from dist_ckpt.backends.torch_dist.checksums import CHECKSUMS_FILENAME, FileSpans, parse_manifest
@@ -57,7 +58,17 @@ def _read(reader: ObjectReader, offset: int, length: int) -> bytes:
     return bytes(buf)
 
 
+def _key_at(starts: List[int], keys: List[str], offset: int) -> Optional[str]:
+    """The key of the item holding byte ``offset`` (items sorted by offset; None before the first)."""
+    i = bisect_right(starts, offset) - 1
+    return keys[i] if i >= 0 else None
+
+
 def _check_spans(storage: Storage, name: str, spans: FileSpans, keys: Dict[int, str], report: IntegrityReport) -> None:
+    """Every span of ``name``; ``keys``: the key of each item, by its offset (a span lies in one
+    item: a tensor's data record has a span of its own)."""
+    starts = sorted(keys)
+    names = [keys[s] for s in starts]
     with storage.open_reader(name) as reader:
         for start, length, crc in spans.spans:
             found, done = 0, 0
@@ -76,7 +87,7 @@ def _check_spans(storage: Storage, name: str, spans: FileSpans, keys: Dict[int, 
                     name,
                     f"bytes {start}:{start + length} have crc32c {crc_to_hex(found)}, {crc_to_hex(crc)} was recorded "
                     f"at save time (corrupt)",
-                    keys.get(start),
+                    _key_at(starts, names, start),
                 )
 
 

@@ -13,7 +13,7 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 import dist_ckpt as dc
-from dist_ckpt.backends.torch_dist.checksums import CHECKSUMS_FILENAME, parse_manifest
+from dist_ckpt.backends.torch_dist.checksums import CHECKSUMS_FILENAME, item_spans, parse_manifest
 from dist_ckpt.backends.torch_dist.load import TorchDistLoadShardedStrategy
 from dist_ckpt.backends.torch_dist.metadata import read_metadata
 from dist_ckpt.backends.torch_dist.save import TorchDistSaveOptions, TorchDistSaveShardedStrategy
@@ -149,9 +149,12 @@ def test_saved_without_checksums(tmp_path: Path) -> None:
 def test_checksum_manifest_covers_every_file(ckpt: Path) -> None:
     manifest = parse_manifest((ckpt / CHECKSUMS_FILENAME).read_bytes(), CHECKSUMS_FILENAME)
     assert set(manifest) == {".metadata", "__0_0.distcp", "__0_1.distcp"}
-    items = sum(len(spans.spans) for name, spans in manifest.items() if name != ".metadata")
     md = read_metadata(ckpt)
-    assert items == len(md.storage_data)  # one span per item: a load checks exactly what it reads
+    for info in md.storage_data.values():  # whole spans tile each item: a load checks exactly what it reads
+        spans = manifest[info.relative_path].spans
+        assert item_spans([s[0] for s in spans], spans, info.offset, info.length), info
+    items = sum(len(spans.spans) for name, spans in manifest.items() if name != ".metadata")
+    assert items == len(md.storage_data)  # small items (no write of OWN_SPAN_BYTES): one span each
 
 
 def test_async_save_writes_the_same_files(tmp_path: Path) -> None:
