@@ -12,9 +12,10 @@ description, `load_from_index()` loads any sharding of the tensors:
 3. open each file the plan touches once and validate its header (size, dtype, shape and byte
    range of every stored shard in it) -- still before any tensor byte is read;
 4. zero the parts outside the stored tensor (``allow_shape_mismatch``), then read, tensor by
-   tensor in the order their bytes lie in the files (a cold read is then sequential, which the
-   kernel's readahead serves at the disk's speed; in the order of the state dict the reads of
-   a 2-rank load jumped between files and offsets), in place where the destination allows it
+   tensor in the order their bytes lie in each file, the files taken in turn (each file is read
+   sequentially, which the kernel's readahead serves at the disk's speed, and the threads
+   spread over the files; in the order of the state dict the reads of a 2-rank load jumped
+   between files and offsets), in place where the destination allows it
    (see `safetensors_io`), on a few threads (`read_threads`); a request
    in another dtype than the stored one is read through the bounce buffers and converted
    (``ReadOptions.allow_dtype_cast``; see `dist_ckpt.model.dtype_cast`);
@@ -303,14 +304,23 @@ def load_from_index(
 
 
 def _in_file_order(requested: Sequence[ShardedTensor], plans: PlannedReads) -> List[ShardedTensor]:
-    """``requested`` sorted by where their first stored bytes lie: (file, byte offset); requests
-    that read nothing first."""
-
-    def first_byte(sh: ShardedTensor) -> Tuple[str, int]:
+    """``requested`` in the order their first stored bytes lie, file by file, the files taken in
+    turn: each file is read from start to end (sequential for the kernel's readahead), and the
+    reader threads spread over the files (several streams, as a resharded load of many files
+    needs). Requests that read nothing come first."""
+    by_file: Dict[str, List[Tuple[int, int]]] = {}
+    empty: List[ShardedTensor] = []
+    for i, sh in enumerate(requested):
         planned = plans[id(sh)][0]
-        return min(((p.shard.file, p.src_offset) for p in planned), default=("", -1))
-
-    return sorted(requested, key=first_byte)
+        if not planned:
+            empty.append(sh)
+            continue
+        file, offset = min((p.shard.file, p.src_offset) for p in planned)
+        by_file.setdefault(file, []).append((offset, i))
+    turns = [  # (k, f, i): request i is the k-th of file f
+        (k, f, i) for f, (_, entries) in enumerate(sorted(by_file.items())) for k, (_, i) in enumerate(sorted(entries))
+    ]
+    return empty + [requested[i] for _, _, i in sorted(turns)]
 
 
 def _read_ops(

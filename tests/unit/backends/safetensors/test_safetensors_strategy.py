@@ -736,8 +736,9 @@ def test_remove_sharded_tensors(tmp_path, legacy):
 
 
 def test_a_load_reads_in_file_order_whatever_the_order_of_the_state_dict(tmp_path, monkeypatch):
-    """A cold read is sequential only if the reads follow the files: the tensors are read in the
-    order of their bytes, not in the order the state dict lists them."""
+    """A cold read is sequential only if the reads follow the files: the tensors of each file are
+    read in the order of their bytes, not in the order the state dict lists them, and the files are
+    taken in turn (one stream per file)."""
     tensors = {f"t{i}": random_tensor(torch.float32, (64, 64), seed=i) for i in range(12)}
     save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in tensors.items()}, tmp_path, thread_count=2)
     reads: List[Tuple[int, int]] = []
@@ -756,8 +757,9 @@ def test_a_load_reads_in_file_order_whatever_the_order_of_the_state_dict(tmp_pat
         assert_bits_equal(out[k], tensors[k])
     data_reads = [r for r in reads if r[1] > 8]  # not the headers (length at 0, JSON at 8)
     files = [fd for fd, _ in data_reads]
-    assert len(set(files)) == 2  # both files were read ...
-    assert files == sorted(files, key=files.index)  # ... one after the other,
-    for fd in set(files):  # each from start to end
+    assert len(set(files)) == 2
+    for fd in set(files):  # each file from start to end
         offsets = [off for f, off in data_reads if f == fd]
         assert offsets == sorted(offsets) and len(offsets) >= 6
+    switches = sum(a != b for a, b in zip(files, files[1:]))
+    assert switches >= len(files) // 2  # the files in turn (one stream each), not one after the other
