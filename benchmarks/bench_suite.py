@@ -6,9 +6,10 @@ engine), ``dc-torch_dist`` (dist_ckpt's torch_dist backend, where this checkout 
 ``dcp`` (torch.distributed.checkpoint with DTensors) and ``mcore`` (Megatron-Core's
 ``dist_checkpointing`` with its default torch_dist backend, run with ``--mcore-python``, the
 interpreter of a virtualenv holding megatron-core). A system that is not installed is skipped
-with a note. With ``--baseline DIR`` (the source tree of another version of dist_ckpt, e.g. a
-``git worktree`` of an older commit), ``safetensors@base`` and ``zarr@base`` run that version in
-the same run, interleaved with the others: a before/after comparison of a change.
+with a note. With ``--tree NAME=DIR`` (the source tree of another version of dist_ckpt, e.g. a
+``git worktree`` of an older commit; repeatable), ``safetensors@NAME`` and ``zarr@NAME`` run that
+version in the same run, interleaved with the others: a before/after comparison of a change.
+``--baseline DIR`` is ``--tree base=DIR``.
 
 Per repeat, for every system in turn (interleaved, so a slow minute of the disk hits them alike):
 
@@ -38,7 +39,7 @@ Usage::
     python benchmarks/bench_suite.py                                   # 3.15 GB, 2 ranks, 3 repeats
     python benchmarks/bench_suite.py --size-gb 0.3 --repeats 1 --systems safetensors,dcp
     git worktree add /tmp/before <commit>
-    python benchmarks/bench_suite.py --baseline /tmp/before --systems safetensors,safetensors@base
+    python benchmarks/bench_suite.py --tree before=/tmp/before --systems safetensors,safetensors@before
 """
 
 from __future__ import annotations
@@ -304,21 +305,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--mcore-python", default="/opt/mcore-venv/bin/python")
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--json", type=Path, help="also write every measurement here")
+    parser.add_argument("--baseline", type=Path, help="the same as --tree base=DIR")
     parser.add_argument(
-        "--baseline", type=Path, help="source tree of another dist_ckpt version, for the systems named NAME@base"
+        "--tree",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="source tree of another dist_ckpt version, for the systems named SYSTEM@NAME (repeatable)",
     )
     args = parser.parse_args(argv)
     model = S.Model.for_size(int(args.size_gb * GB), args.layers, multiple=2 * args.ranks)
     nbytes = model.nbytes()
     args.dir.mkdir(parents=True, exist_ok=True)
     how = _drop_method(args.drop)
+    trees = {name: Path(d).resolve() for name, _, d in (t.partition("=") for t in args.tree)}
+    if args.baseline is not None:
+        trees["base"] = args.baseline.resolve()
     systems = []
     for system in [s for s in args.systems.split(",") if s]:
         why = _available(system, args.mcore_python)
-        if system.endswith("@base") and system.split("@")[0] not in ("safetensors", "zarr"):
-            why = "only safetensors@base and zarr@base are supported"
-        elif system.endswith("@base") and (args.baseline is None or not (args.baseline / "dist_ckpt").is_dir()):
-            why = "--baseline must name a dist_ckpt source tree"
+        if "@" in system:
+            name, _, tree_name = system.partition("@")
+            tree = trees.get(tree_name)
+            if name not in ("safetensors", "zarr"):
+                why = "only safetensors and zarr run from another tree"
+            elif tree is None or not (tree / "dist_ckpt").is_dir():
+                why = f"no dist_ckpt source tree named {tree_name!r} (--tree {tree_name}=DIR)"
         if why:
             print(f"skipping {system}: {why}")
         else:
@@ -336,7 +348,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raw.append(raw_disk(args.dir, nbytes, args.ranks, how))
             python = args.mcore_python if system == "mcore" else sys.executable
             try:
-                tree = args.baseline.resolve() if system.endswith("@base") else None
+                tree = trees.get(system.partition("@")[2]) if "@" in system else None
                 res = run_system(system, model, args.ranks, args.dir, how, python, tree)
             except RuntimeError as e:
                 print(f"{system}: {e}", file=sys.stderr)
