@@ -14,7 +14,7 @@ import torch
 import zarr
 
 import dist_ckpt as dc
-from dist_ckpt.backends.zarr import tensorstore_engine, zarr_python
+from dist_ckpt.backends.zarr import tensorstore_arrays, tensorstore_engine, tensorstore_save, zarr_python
 from dist_ckpt.backends.zarr.metadata import plain_chunk_bytes
 from dist_ckpt.backends.zarr.nodes import array_metadata
 from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreLoadShardedStrategy, TensorStoreSaveShardedStrategy
@@ -54,7 +54,7 @@ def no_array_library_reads(monkeypatch):
         raise AssertionError("an array library was asked to read a plain whole chunk")
 
     monkeypatch.setattr(zarr_python.zarr, "open_array", refuse)
-    monkeypatch.setattr(tensorstore_engine.ts, "open", refuse)
+    monkeypatch.setattr(tensorstore_arrays.ts, "open", refuse)
 
 
 @pytest.mark.parametrize("engine", sorted(ENGINES))
@@ -136,7 +136,7 @@ def test_a_chunk_is_written_once_an_existing_file_fails_the_save(engine, tmp_pat
         real(array_dir, sh, data)
         return real(array_dir, sh, data)  # the same chunk again: refused, never overwritten
 
-    monkeypatch.setattr(zarr_python if engine == "zarr-python" else tensorstore_engine, "write_chunk_file", twice)
+    monkeypatch.setattr(zarr_python if engine == "zarr-python" else tensorstore_save, "write_chunk_file", twice)
     with pytest.raises((CheckpointingException, FileExistsError)):
         dc.save(sd, tmp_path, sharded_strategy=ENGINES[engine][0]())
     assert not (tmp_path / ZARR_DIR).exists()  # nothing published under the checkpoint's names
