@@ -9,9 +9,8 @@ to write, and to create (an all-zero chunk is still written). Without ``tensorst
 importing this module (and so either half of the engine) raises
 [`MissingDependencyError`][dist_ckpt.errors.MissingDependencyError] naming the pip extra.
 
-Also here: the engine's public helpers of Megatron-Core's
-``strategies.tensorstore`` ([`open_ts_array()`][dist_ckpt.backends.zarr.tensorstore_arrays.open_ts_array],
-[`merge_global_slice_with_shape()`][dist_ckpt.backends.zarr.tensorstore_arrays.merge_global_slice_with_shape]).
+Also here: the engine's public helpers of Megatron-Core's ``strategies.tensorstore``
+(`open_ts_array()`, `merge_global_slice_with_shape()`).
 """
 
 from __future__ import annotations

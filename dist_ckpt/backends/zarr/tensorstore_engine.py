@@ -33,12 +33,10 @@ is fsynced, and -- since TensorStore never shows the bytes -- both the save's di
 load's checksum verification download each chunk object once more (pass
 ``verify_checksums=False`` to load without the second download).
 
-The engine is three modules: [`tensorstore_save`][dist_ckpt.backends.zarr.tensorstore_save] (the
-save), [`tensorstore_load`][dist_ckpt.backends.zarr.tensorstore_load] (the load) and
-[`tensorstore_arrays`][dist_ckpt.backends.zarr.tensorstore_arrays] (the one module that imports
-TensorStore: contexts, specs, opening arrays). This module is the engine's public face: its
-strategies and helpers, the names Megatron-Core's ``strategies.tensorstore`` has, and
-`register_default_tensorstore_strategies()`.
+The engine is three modules: `tensorstore_save` (the save), `tensorstore_load` (the load) and
+`tensorstore_arrays` (the one module that imports TensorStore: contexts, specs, opening arrays).
+This module is the engine's public face: its strategies and helpers, the names Megatron-Core's
+``strategies.tensorstore`` has, and `register_default_tensorstore_strategies()`.
 
 Selecting it (the zarr-python engine stays the registered default):
 

@@ -31,12 +31,10 @@ endpoint, credentials, retries): each chunk is one object, PUT once by one rank.
 fsynced there (an object is durable when its PUT returns), and the save digests each object from
 the bytes zarr-python hands the store, not by downloading it again.
 
-The engine is three modules: [`zarr_python_save`][dist_ckpt.backends.zarr.zarr_python_save] (the
-save, and streaming whole tensors), [`zarr_python_load`][dist_ckpt.backends.zarr.zarr_python_load]
-(the load, and removing stored tensors) and
-[`zarr_python_stores`][dist_ckpt.backends.zarr.zarr_python_stores] (the stores zarr-python reads
-and writes through). This module is the engine's public face: its strategies, the names
-Megatron-Core's ``strategies.zarr`` has, and `register_default_zarr_strategies()`.
+The engine is three modules: `zarr_python_save` (the save, and streaming whole tensors),
+`zarr_python_load` (the load, and removing stored tensors) and `zarr_python_stores` (the stores
+zarr-python reads and writes through). This module is the engine's public face: its strategies,
+the names Megatron-Core's ``strategies.zarr`` has, and `register_default_zarr_strategies()`.
 """
 
 from __future__ import annotations
