@@ -21,7 +21,8 @@ import torch
 
 import dist_ckpt as dc
 from dist_ckpt.backends.zarr import layout as zarr_layout
-from dist_ckpt.backends.zarr import tensorstore_engine as ts_strategy
+from dist_ckpt.backends.zarr import tensorstore_arrays
+from dist_ckpt.backends.zarr.layout import ZARR_DIR
 from dist_ckpt.backends.zarr.megatron import postprocess_numpy_array
 from dist_ckpt.backends.zarr.tensorstore_engine import (
     TensorStoreLoadShardedStrategy,
@@ -30,7 +31,7 @@ from dist_ckpt.backends.zarr.tensorstore_engine import (
     open_ts_array,
     register_default_tensorstore_strategies,
 )
-from dist_ckpt.backends.zarr.zarr_python import ZARR_DIR, ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
+from dist_ckpt.backends.zarr.zarr_python import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
 from dist_ckpt.engine.registry import StrategyAction as A
 from dist_ckpt.errors import CorruptCheckpointError, KeyMismatchError, LoadMismatchError, MissingDependencyError
 from dist_ckpt.model.dtypes import SUPPORTED_DTYPE_NAMES
@@ -432,7 +433,7 @@ def test_reads_of_a_rank_are_in_flight_together(tmp_path, monkeypatch, small_fra
     sd = {**split_state("a", full, 0, 4), **{f"f{i}": sh for i, sh in enumerate(flat_pieces("f", full, [0, 30, 64]))}}
     TensorStoreSaveShardedStrategy().save(sd, tmp_path)
     log: List[str] = []
-    monkeypatch.setattr(ts_strategy, "ts", _Recorder(ts_strategy.ts, log))
+    monkeypatch.setattr(tensorstore_arrays, "ts", _Recorder(tensorstore_arrays.ts, log))
     req = {f"a{r}": ShardedTensor.from_rank_offsets("a", torch.empty(4, 8), (0, r, 2)) for r in range(2)}
     req["f"] = ShardedTensor.from_rank_offsets("f", torch.empty(8, 8))
     out = TensorStoreLoadShardedStrategy().load(req, tmp_path)
@@ -448,7 +449,7 @@ def test_staged_reads_are_bounded(tmp_path, monkeypatch):
         {f"f{i}": sh for i, sh in enumerate(flat_pieces("f", full, [0, 16, 32, 48, 64]))}, tmp_path
     )
     log: List[str] = []
-    monkeypatch.setattr(ts_strategy, "ts", _Recorder(ts_strategy.ts, log))
+    monkeypatch.setattr(tensorstore_arrays, "ts", _Recorder(tensorstore_arrays.ts, log))
     req = {"c": ShardedTensor.from_rank_offsets("f", torch.empty(8, 4), (1, 1, 2))}  # fragments read staged
     out = TensorStoreLoadShardedStrategy(max_staged_bytes=1).load(req, tmp_path)
     assert torch.equal(out["c"], full[:, 4:])

@@ -14,11 +14,18 @@ import torch
 import zarr
 
 import dist_ckpt as dc
-from dist_ckpt.backends.zarr import tensorstore_engine, zarr_python
+from dist_ckpt.backends.zarr import (
+    tensorstore_arrays,
+    tensorstore_engine,
+    tensorstore_save,
+    zarr_python_load,
+    zarr_python_save,
+)
+from dist_ckpt.backends.zarr.layout import ZARR_DIR
 from dist_ckpt.backends.zarr.metadata import plain_chunk_bytes
 from dist_ckpt.backends.zarr.nodes import array_metadata
 from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreLoadShardedStrategy, TensorStoreSaveShardedStrategy
-from dist_ckpt.backends.zarr.zarr_python import ZARR_DIR, ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
+from dist_ckpt.backends.zarr.zarr_python import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
 from dist_ckpt.errors import CheckpointingException, ChecksumMismatchError, CorruptCheckpointError
 from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.storage.location import resolve_location
@@ -53,8 +60,8 @@ def no_array_library_reads(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("an array library was asked to read a plain whole chunk")
 
-    monkeypatch.setattr(zarr_python.zarr, "open_array", refuse)
-    monkeypatch.setattr(tensorstore_engine.ts, "open", refuse)
+    monkeypatch.setattr(zarr_python_load.zarr, "open_array", refuse)
+    monkeypatch.setattr(tensorstore_arrays.ts, "open", refuse)
 
 
 @pytest.mark.parametrize("engine", sorted(ENGINES))
@@ -136,7 +143,7 @@ def test_a_chunk_is_written_once_an_existing_file_fails_the_save(engine, tmp_pat
         real(array_dir, sh, data)
         return real(array_dir, sh, data)  # the same chunk again: refused, never overwritten
 
-    monkeypatch.setattr(zarr_python if engine == "zarr-python" else tensorstore_engine, "write_chunk_file", twice)
+    monkeypatch.setattr(zarr_python_save if engine == "zarr-python" else tensorstore_save, "write_chunk_file", twice)
     with pytest.raises((CheckpointingException, FileExistsError)):
         dc.save(sd, tmp_path, sharded_strategy=ENGINES[engine][0]())
     assert not (tmp_path / ZARR_DIR).exists()  # nothing published under the checkpoint's names

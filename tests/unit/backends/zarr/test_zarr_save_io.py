@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from dist_ckpt.backends.zarr import checksums as zarr_checksums
+from dist_ckpt.backends.zarr.layout import ZARR_DIR
 from dist_ckpt.backends.zarr.nodes import creates_array
-from dist_ckpt.backends.zarr.zarr_python import ZARR_DIR, ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
+from dist_ckpt.backends.zarr.zarr_python import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
 from dist_ckpt.integrity.checksums import file_digest
 from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.storage.location import resolve_location
