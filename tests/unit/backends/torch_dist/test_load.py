@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -26,6 +24,7 @@ from dist_ckpt.tools.convert import convert
 from dist_ckpt.tools.inspection import inspect_checkpoint
 from tests.golden.torch_dist import expected as E
 from tests.torch_dist_golden import STYLES, check_loaded, fixture_dir, golden_requests
+from tests.unit.backends.torch_dist.conftest import Cli
 
 EMB = "embedding.word_embeddings.weight"
 
@@ -257,11 +256,8 @@ def test_what_megatron_wrote_converts_to_every_backend_and_back(name: str, tmp_p
     assert verify_checkpoint(tmp_path / "td").ok and verify_checkpoint(tmp_path / "hf_td").ok
 
 
-def test_the_commands_take_what_megatron_wrote(tmp_path: Path) -> None:
+def test_the_commands_take_what_megatron_wrote(tmp_path: Path, cli: Cli) -> None:
     """dist-ckpt inspect, verify, convert and export-hf on a Megatron-Core TP=2 x PP=2 checkpoint."""
-
-    def cli(*args: str) -> "subprocess.CompletedProcess[str]":
-        return subprocess.run([sys.executable, "-m", "dist_ckpt", *args], capture_output=True, text=True, timeout=300)
 
     fixture = fixture_dir("tp2pp2")
     shown = cli("inspect", str(fixture))

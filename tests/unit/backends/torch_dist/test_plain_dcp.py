@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Dict
 
@@ -21,6 +19,7 @@ from dist_ckpt.errors import KeyMismatchError, NotACheckpointError
 from dist_ckpt.integrity.verify import verify_checkpoint
 from dist_ckpt.tools.convert import convert
 from dist_ckpt.tools.inspection import inspect_checkpoint
+from tests.unit.backends.torch_dist.conftest import Cli
 
 W = torch.arange(48, dtype=torch.float32).reshape(6, 8)
 
@@ -94,10 +93,7 @@ def test_inspect_and_verify(dcp_dir: Path) -> None:
     assert not verify_checkpoint(dcp_dir).ok  # the zip archives' own CRC-32s catch it
 
 
-def test_cli(dcp_dir: Path, tmp_path: Path) -> None:
-    def cli(*args: str) -> subprocess.CompletedProcess:  # type: ignore[type-arg]
-        return subprocess.run([sys.executable, "-m", "dist_ckpt", *args], capture_output=True, text=True, timeout=300)
-
+def test_cli(dcp_dir: Path, tmp_path: Path, cli: Cli) -> None:
     shown = cli("inspect", str(dcp_dir))
     assert shown.returncode == 0 and "backend   dcp:1" in shown.stdout, shown.stderr
     described = cli("inspect", str(dcp_dir), "--json")  # lines are shortened to the terminal's width
