@@ -12,10 +12,10 @@ description, `load_from_index()` loads any sharding of the tensors:
 3. open each file the plan touches once and validate its header (size, dtype, shape and byte
    range of every stored shard in it) -- still before any tensor byte is read;
 4. zero the parts outside the stored tensor (``allow_shape_mismatch``), then read, tensor by
-   tensor in the order their bytes lie in each file, the files taken in turn (each file is read
-   sequentially, which the kernel's readahead serves at the disk's speed, and the threads
-   spread over the files; in the order of the state dict the reads of a 2-rank load jumped
-   between files and offsets), in place where the destination allows it
+   tensor in the order their bytes lie in each file, about one stream per two files (each file
+   read sequentially, which the kernel's readahead serves at the disk's speed, a few streams at
+   once; in the order of the state dict the reads of a 2-rank load jumped between files and
+   offsets), in place where the destination allows it
    (see `safetensors_io`), on a few threads (`read_threads`); a request
    in another dtype than the stored one is read through the bounce buffers and converted
    (``ReadOptions.allow_dtype_cast``; see `dist_ckpt.model.dtype_cast`);
@@ -304,10 +304,16 @@ def load_from_index(
 
 
 def _in_file_order(requested: Sequence[ShardedTensor], plans: PlannedReads) -> List[ShardedTensor]:
-    """``requested`` in the order their first stored bytes lie, file by file, the files taken in
-    turn: each file is read from start to end (sequential for the kernel's readahead), and the
-    reader threads spread over the files (several streams, as a resharded load of many files
-    needs). Requests that read nothing come first."""
+    """``requested`` in the order their first stored bytes lie in the files, in about one stream
+    per two files: the files are dealt to ``ceil(files / 2)`` streams, a stream reads its files
+    one after the other, each from start to end, and the streams take turns.
+
+    Why: a cold read is fastest when each file is read sequentially (the kernel's readahead),
+    and the disk wants a few streams at once, not one per file. Measured on the test VM (1.5 GB,
+    2 ranks): a same-layout load, two files per rank, was fastest reading its files one after the
+    other; a 4 -> 1 resharded load of eight files was 20-40% slower that way than with the files
+    taken in turn. Requests that read nothing come first.
+    """
     by_file: Dict[str, List[Tuple[int, int]]] = {}
     empty: List[ShardedTensor] = []
     for i, sh in enumerate(requested):
@@ -317,10 +323,11 @@ def _in_file_order(requested: Sequence[ShardedTensor], plans: PlannedReads) -> L
             continue
         file, offset = min((p.shard.file, p.src_offset) for p in planned)
         by_file.setdefault(file, []).append((offset, i))
-    turns = [  # (k, f, i): request i is the k-th of file f
-        (k, f, i) for f, (_, entries) in enumerate(sorted(by_file.items())) for k, (_, i) in enumerate(sorted(entries))
-    ]
-    return empty + [requested[i] for _, _, i in sorted(turns)]
+    streams: List[List[int]] = [[] for _ in range(-(-len(by_file) // 2))]
+    for f, (_, entries) in enumerate(sorted(by_file.items())):
+        streams[f % len(streams)].extend(i for _, i in sorted(entries))
+    turns = sorted((k, s, i) for s, stream in enumerate(streams) for k, i in enumerate(stream))
+    return empty + [requested[i] for _, _, i in turns]
 
 
 def _read_ops(
