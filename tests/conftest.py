@@ -9,7 +9,7 @@ logging.getLogger("dist_ckpt").setLevel(logging.INFO)
 
 import os  # noqa: E402
 import uuid  # noqa: E402
-from typing import Any, Iterator  # noqa: E402
+from typing import Any, Iterator, List  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -54,3 +54,22 @@ def s3_url(s3_env: Any, request: pytest.FixtureRequest) -> str:
     """A fresh ``s3://bucket/prefix`` for this test on the test server."""
     name = "".join(c if c.isalnum() else "-" for c in request.node.name)[:60]
     return f"s3://{s3_env.bucket}/tests/{name}-{uuid.uuid4().hex[:8]}"
+
+
+# -- counting the full sharding checks of saves (unit and multi-rank validation tests) -------
+
+from dist_ckpt.engine.checks import sharding  # noqa: E402
+
+
+@pytest.fixture
+def gathers(monkeypatch: pytest.MonkeyPatch) -> List[int]:
+    """Counts the full sharding checks (gathers of every rank's table) on this rank."""
+    count = [0]
+    original = sharding.gather_bytes
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(sharding, "gather_bytes", counting)
+    return count

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import dist_ckpt as dc
-from dist_ckpt.engine.checks import common_state, save_checks, sharding
+from dist_ckpt.engine.checks import common_state, save_checks
 from dist_ckpt.engine.distributed import active_steps
 from dist_ckpt.engine.steps import Step
 
@@ -63,20 +63,6 @@ def collectives(monkeypatch: pytest.MonkeyPatch) -> List[str]:
         if hasattr(dist, name):
             monkeypatch.setattr(dist, name, wrap(name, getattr(dist, name)))
     return calls
-
-
-@pytest.fixture
-def gathers(monkeypatch: pytest.MonkeyPatch) -> List[int]:
-    """Counts the full sharding checks (gathers of every rank's table) on this rank."""
-    count = [0]
-    original = sharding.gather_bytes
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        count[0] += 1
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(sharding, "gather_bytes", counting)
-    return count
 
 
 def state(tag: str, rows: int = 2) -> Dict[str, Any]:

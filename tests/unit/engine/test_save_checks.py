@@ -8,7 +8,7 @@ from typing import Any, List, Sequence
 import pytest
 import torch
 
-from dist_ckpt.engine.checks import save_checks, sharding
+from dist_ckpt.engine.checks import save_checks
 from dist_ckpt.engine.checks.verdict_cache import VOTES
 from dist_ckpt.errors import ShardingIntegrityError
 from dist_ckpt.model.sharded import ShardedTensor
@@ -16,19 +16,6 @@ from dist_ckpt.model.sharded import ShardedTensor
 
 def shards(key: str, replica: int = 0) -> List[ShardedTensor]:
     return [ShardedTensor.from_rank_offsets(key, torch.zeros(2, 3), replica_id=replica).without_data()]
-
-
-@pytest.fixture
-def gathers(monkeypatch: pytest.MonkeyPatch) -> List[int]:
-    count = [0]
-    original = sharding.gather_bytes
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        count[0] += 1
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(sharding, "gather_bytes", counting)
-    return count
 
 
 @pytest.fixture
