@@ -26,6 +26,7 @@ from dist_ckpt.errors import (
     SymlinkConflictError,
 )
 from dist_ckpt.training import checkpoints as C
+from dist_ckpt.training import rotation
 from dist_ckpt.training.checkpoints import (
     CheckpointFormat,
     CheckpointMeta,
@@ -470,7 +471,7 @@ class TestCrashDuringDelete:
         def crash(path, *args, **kwargs):
             raise OSError("simulated crash in rmtree")
 
-        monkeypatch.setattr(C.shutil, "rmtree", crash)
+        monkeypatch.setattr(rotation.shutil, "rmtree", crash)
         with pytest.raises(OSError, match="simulated crash"):
             maybe_delete_oldest_checkpoint(tmp_path, 1)
         # the victim is no longer under a checkpoint name, and nothing left is complete but real ones
@@ -490,7 +491,7 @@ class TestCrashDuringDelete:
         def crash(path):
             raise OSError("simulated crash before fsync")
 
-        monkeypatch.setattr(C, "fsync_dir", crash)
+        monkeypatch.setattr(rotation, "fsync_dir", crash)
         with pytest.raises(OSError, match="simulated crash"):
             maybe_delete_oldest_checkpoint(tmp_path, 1)
         assert managed(tmp_path) == {"checkpoint-200", "checkpoint-300"}
@@ -502,7 +503,7 @@ class TestCrashDuringDelete:
         def fail(src, dst):
             raise OSError("simulated rename failure")
 
-        monkeypatch.setattr(C.os, "rename", fail)
+        monkeypatch.setattr(rotation.os, "rename", fail)
         with pytest.raises(OSError):
             maybe_delete_oldest_checkpoint(tmp_path, 1)
         monkeypatch.undo()
