@@ -20,15 +20,14 @@ from typing import Any, ClassVar, Deque, Dict, List, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from dist_ckpt.backends.base import LoadShardedStrategy, loaded_shape
-from dist_ckpt.backends.stored_shards import StoredShardInfo
-from dist_ckpt.backends.zarr.checksums import check_files, chunk_files, manifest_check, read_checksums, verify_zarr
+from dist_ckpt.backends.base import loaded_shape
+from dist_ckpt.backends.zarr.checksums import check_files, chunk_files
 from dist_ckpt.backends.zarr.direct import can_read_directly, read_chunk_into
-from dist_ckpt.backends.zarr.layout import ZARR_DIR, checkpoint_node, chunk_key
-from dist_ckpt.backends.zarr.megatron import load_zarr_based_sharded_metadata
-from dist_ckpt.backends.zarr.metadata import damaged_chunks, describe_zarr
+from dist_ckpt.backends.zarr.layout import ZARR_DIR, chunk_key
+from dist_ckpt.backends.zarr.metadata import damaged_chunks
 from dist_ckpt.backends.zarr.nodes import in_threads
-from dist_ckpt.backends.zarr.read_plan import ReadOp, ReadPlan, plan_request
+from dist_ckpt.backends.zarr.read_plan import ReadOp, ReadPlan
+from dist_ckpt.backends.zarr.strategy_base import ShapeDtype, ZarrLoadStrategyBase
 from dist_ckpt.backends.zarr.tensorstore_arrays import (
     ENGINE,
     memory_array,
@@ -39,8 +38,8 @@ from dist_ckpt.backends.zarr.tensorstore_arrays import (
 )
 from dist_ckpt.engine.distributed import get_rank
 from dist_ckpt.errors import CorruptCheckpointError
-from dist_ckpt.integrity.checksums import FileDigest, IntegrityReport
-from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
+from dist_ckpt.integrity.checksums import FileDigest
+from dist_ckpt.model.dict_utils import dict_list_map_inplace
 from dist_ckpt.model.dtype_cast import copy_cast
 from dist_ckpt.model.dtypes import numpy_to_tensor, tensor_to_numpy
 from dist_ckpt.model.geometry import Box, piece_view, sub_view
@@ -64,7 +63,7 @@ class _Target:
     holder: Box
 
 
-class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
+class TensorStoreLoadShardedStrategy(ZarrLoadStrategyBase):
     """Loads zarr checkpoints with TensorStore into any sharding, reading only the chunks each
     requested shard overlaps, all reads of a rank in flight at once.
 
@@ -88,8 +87,7 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
             ``LoadMismatchError`` instead.
     """
 
-    supported_backends: ClassVar[Tuple[str, ...]] = ("zarr",)
-    supported_versions: ClassVar[Tuple[int, ...]] = (1,)
+    engine: ClassVar[str] = ENGINE
 
     def __init__(
         self,
@@ -106,16 +104,10 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
         self.verify_checksums = verify_checksums
         self.allow_dtype_cast = allow_dtype_cast
 
-    def check_location(self, checkpoint_dir: Storage) -> None:
-        """Local directories and S3 (TensorStore's s3 driver); other object stores are refused."""
-        checkpoint_node(checkpoint_dir, ENGINE)
-
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Storage) -> StateDict:
-        local = checkpoint_node(checkpoint_dir, ENGINE)
-        requested = [s for s in nested_values(sharded_state_dict) if isinstance(s, ShardedTensor)]
         # 1. metadata, dtype/shape checks and coverage, before any data is read
-        manifest = read_checksums(local) if self.verify_checksums and requested else None
-        plans = plan_request(requested, local, self.allow_dtype_cast, manifest_check(local / ZARR_DIR, manifest))
+        planned = self._plan_load(sharded_state_dict, checkpoint_dir)
+        local, requested, manifest, plans = planned.node, planned.requested, planned.manifest, planned.plans
         # 2. destinations: in place where possible; padding zero-filled first
         targets = {id(sh): self._target(sh) for sh in requested}
         for sh in requested:
@@ -262,24 +254,14 @@ class TensorStoreLoadShardedStrategy(LoadShardedStrategy):
             allow_dtype_cast=allow,
         )
 
-    def load_tensors_metadata(self, checkpoint_dir: Storage) -> ShardedStateDict:
+    def _shape_dtype(self, node: ObjectPath) -> ShapeDtype:
         context = ts_context(self.concurrency)
 
         def shape_dtype(path: Union[str, ObjectPath]) -> Tuple[Tuple[int, ...], np.dtype]:
             array = open_ts_array(path, context)  # a str is a local path
             return tuple(int(n) for n in array.shape), np.dtype(array.dtype.numpy_dtype)
 
-        node = checkpoint_node(checkpoint_dir, ENGINE)
-        manifest = read_checksums(node) if self.verify_checksums else None
-        return load_zarr_based_sharded_metadata(node, shape_dtype, manifest, manifest_check(node / ZARR_DIR, manifest))
-
-    def verify_integrity(self, checkpoint_dir: Storage) -> IntegrityReport:
-        """Every file of ``zarr/`` against ``zarr/checksums.json`` (see `zarr_checksums`)."""
-        return verify_zarr(checkpoint_node(checkpoint_dir, ENGINE))
-
-    def describe_stored_shards(self, checkpoint_dir: Storage) -> Optional[Dict[str, List[StoredShardInfo]]]:
-        """Every chunk (a saved shard) or fragment (a saved flattened range), from the metadata."""
-        return describe_zarr(checkpoint_node(checkpoint_dir, ENGINE))
+        return shape_dtype
 
 
 def _check_touched_files(

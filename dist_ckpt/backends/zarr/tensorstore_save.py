@@ -16,13 +16,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from dist_ckpt.backends.base import SaveShardedStrategy, main_replica_shards
-from dist_ckpt.backends.zarr.checksums import MANIFEST_KEY, commit_checksums
+from dist_ckpt.backends.base import main_replica_shards
+from dist_ckpt.backends.zarr.checksums import commit_checksums
 from dist_ckpt.backends.zarr.direct import direct_writes, write_array_json, write_chunk_file, written_files
 from dist_ckpt.backends.zarr.layout import (
     ATTR,
-    PARTIAL_ZARR_DIR,
-    ZARR_DIR,
     checkpoint_node,
     chunk_key,
     fragment_chunk_elements,
@@ -45,6 +43,7 @@ from dist_ckpt.backends.zarr.nodes import (
     write_group,
     writing_root,
 )
+from dist_ckpt.backends.zarr.strategy_base import ZarrSaveStrategyBase
 from dist_ckpt.backends.zarr.tensorstore_arrays import ENGINE, create_array, open_for_write, ts_context, wait_all
 from dist_ckpt.engine.distributed import get_rank, run_collectively
 from dist_ckpt.errors import CheckpointingException
@@ -60,7 +59,7 @@ if TYPE_CHECKING:
 __all__ = ["TensorStoreSaveShardedStrategy"]
 
 
-class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
+class TensorStoreSaveShardedStrategy(ZarrSaveStrategyBase):
     """Writes each main-replica shard as one zarr chunk (one fragment array if flattened).
 
     Two collective steps, each ending with an error exchange: (1) the holder of each tensor's
@@ -69,9 +68,7 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
     files and directories it wrote. Each chunk is written once, whole, by one rank.
     """
 
-    owned_paths: ClassVar[Tuple[str, ...]] = (ZARR_DIR, PARTIAL_ZARR_DIR)
-    object_storage: ClassVar[bool] = True
-    integrity_records: ClassVar[Tuple[str, ...]] = (MANIFEST_KEY,)
+    engine: ClassVar[str] = ENGINE
 
     def __init__(self, backend: str = "zarr", version: int = 1, *, concurrency: Optional[int] = None) -> None:
         if (backend, version) != ("zarr", 1):
@@ -80,10 +77,6 @@ class TensorStoreSaveShardedStrategy(SaveShardedStrategy):
             )
         super().__init__(backend, version)
         self.concurrency = concurrency
-
-    def check_location(self, checkpoint_dir: Storage) -> None:
-        """Local directories and S3 (TensorStore's s3 driver); other object stores are refused."""
-        checkpoint_node(checkpoint_dir, ENGINE)
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Storage) -> None:
         node = checkpoint_node(checkpoint_dir, ENGINE)

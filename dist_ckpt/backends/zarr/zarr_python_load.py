@@ -16,33 +16,26 @@ import math
 import os
 import shutil
 import uuid
-from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, ClassVar, Dict, Mapping, Optional, Tuple, Union
 
 import numpy as np
 import torch
 import zarr
 
-from dist_ckpt.backends.base import LoadShardedStrategy, load_destination
-from dist_ckpt.backends.stored_shards import StoredShardInfo
-from dist_ckpt.backends.zarr.checksums import (
-    VerifyingStore,
-    drop_from_checksums,
-    manifest_check,
-    read_checksums,
-    verify_zarr,
-)
+from dist_ckpt.backends.base import load_destination
+from dist_ckpt.backends.zarr.checksums import VerifyingStore, drop_from_checksums
 from dist_ckpt.backends.zarr.direct import can_read_directly, read_chunk_into
 from dist_ckpt.backends.zarr.dtypes import register_extension_dtypes
 from dist_ckpt.backends.zarr.layout import ZARR_DIR, checkpoint_node, chunk_coords, chunk_key, s3_storage
-from dist_ckpt.backends.zarr.megatron import load_zarr_based_sharded_metadata
-from dist_ckpt.backends.zarr.metadata import describe_zarr, list_tensor_names, open_tensor_info
+from dist_ckpt.backends.zarr.metadata import list_tensor_names, open_tensor_info
 from dist_ckpt.backends.zarr.nodes import READ_BUDGET_BYTES, ByteBudget, in_threads
-from dist_ckpt.backends.zarr.read_plan import ReadOp, plan_request
+from dist_ckpt.backends.zarr.read_plan import ReadOp
+from dist_ckpt.backends.zarr.strategy_base import ShapeDtype, ZarrLoadStrategyBase
 from dist_ckpt.backends.zarr.zarr_python_stores import ENGINE, Stores, as_storage_errors, client_error
 from dist_ckpt.engine.distributed import get_rank
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
-from dist_ckpt.integrity.checksums import FileDigest, IntegrityReport
-from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
+from dist_ckpt.integrity.checksums import FileDigest
+from dist_ckpt.model.dict_utils import dict_list_map_inplace
 from dist_ckpt.model.dtype_cast import copy_cast
 from dist_ckpt.model.dtypes import numpy_to_tensor
 from dist_ckpt.model.geometry import Box, piece_view, sub_view
@@ -136,7 +129,7 @@ class _ArrayReader:
             ) from e
 
 
-class ZarrLoadShardedStrategy(LoadShardedStrategy):
+class ZarrLoadShardedStrategy(ZarrLoadStrategyBase):
     """Loads zarr checkpoints into any sharding, reading only the chunks each shard overlaps.
 
     Tensors are loaded in place into ``ShardedTensor.data`` when it is allocated with the right
@@ -151,25 +144,17 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
             `dist_ckpt.model.dtype_cast`); False raises ``LoadMismatchError`` instead.
     """
 
-    supported_backends: ClassVar[Tuple[str, ...]] = ("zarr",)
-    supported_versions: ClassVar[Tuple[int, ...]] = (1,)
     object_storage: ClassVar[bool] = True
+    engine: ClassVar[str] = ENGINE
 
     def __init__(self, verify_checksums: bool = True, allow_dtype_cast: bool = True) -> None:
         register_extension_dtypes()  # checkpoints that stored "data_type": "bfloat16" (before raw bits)
         self.verify_checksums = verify_checksums
         self.allow_dtype_cast = allow_dtype_cast
 
-    def check_location(self, checkpoint_dir: Storage) -> None:
-        """Local directories and S3 (through zarr-python's ObjectStore); other object stores are refused."""
-        checkpoint_node(checkpoint_dir, ENGINE)
-
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Storage) -> StateDict:
-        node = checkpoint_node(checkpoint_dir, ENGINE)
-        requested = [s for s in nested_values(sharded_state_dict) if isinstance(s, ShardedTensor)]
-        root = node / ZARR_DIR
-        manifest = read_checksums(node) if self.verify_checksums and requested else None
-        plans = plan_request(requested, node, self.allow_dtype_cast, manifest_check(root, manifest))  # checks first
+        planned = self._plan_load(sharded_state_dict, checkpoint_dir)  # checks first
+        root, manifest, plans = planned.node / ZARR_DIR, planned.manifest, planned.plans
         reader = _ArrayReader(root, VerifyingStore(root, manifest) if manifest is not None else None, manifest)
 
         budget = ByteBudget(READ_BUDGET_BYTES)
@@ -189,8 +174,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
 
         # several tensors at a time: their reads are in flight together (a cold load waits on
         # the disk, not on one chunk file after another)
-        tensors = [x for x in nested_values(sharded_state_dict) if isinstance(x, ShardedTensor)]
-        loaded = dict(zip(map(id, tensors), in_threads(load_one, tensors)))
+        loaded = dict(zip(map(id, planned.requested), in_threads(load_one, planned.requested)))
         return dict_list_map_inplace(  # type: ignore[no-any-return]
             lambda x: loaded[id(x)] if isinstance(x, ShardedTensor) else x, sharded_state_dict
         )
@@ -212,7 +196,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
             return self
         return ZarrLoadShardedStrategy(self.verify_checksums, allow)
 
-    def load_tensors_metadata(self, checkpoint_dir: Storage) -> ShardedStateDict:
+    def _shape_dtype(self, node: ObjectPath) -> ShapeDtype:
         stores = Stores(read_only=True)
 
         def shape_dtype(path: Union[str, ObjectPath]) -> Tuple[Tuple[int, ...], np.dtype]:
@@ -221,17 +205,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
                 array = zarr.open_array(store=store, path=name, mode="r")
             return tuple(array.shape), np.dtype(array.dtype)
 
-        node = checkpoint_node(checkpoint_dir, ENGINE)
-        manifest = read_checksums(node) if self.verify_checksums else None
-        return load_zarr_based_sharded_metadata(node, shape_dtype, manifest, manifest_check(node / ZARR_DIR, manifest))
-
-    def verify_integrity(self, checkpoint_dir: Storage) -> IntegrityReport:
-        """Every file of ``zarr/`` against ``zarr/checksums.json`` (see `zarr_checksums`)."""
-        return verify_zarr(checkpoint_node(checkpoint_dir, ENGINE))
-
-    def describe_stored_shards(self, checkpoint_dir: Storage) -> Optional[Dict[str, List[StoredShardInfo]]]:
-        """Every chunk (a saved shard) or fragment (a saved flattened range), from the metadata."""
-        return describe_zarr(checkpoint_node(checkpoint_dir, ENGINE))
+        return shape_dtype
 
     def remove_sharded_tensors(self, checkpoint_dir: Storage, key_prefix: str) -> None:
         """Delete tensors whose key starts with ``key_prefix``; each key goes whole or not at all

@@ -18,18 +18,11 @@ import torch
 import zarr
 from zarr.codecs import BytesCodec
 
-from dist_ckpt.backends.base import (
-    SaveShardedStrategy,
-    TensorLayout,
-    TensorStreamWriter,
-    check_stream_entry,
-    main_replica_shards,
-)
-from dist_ckpt.backends.zarr.checksums import MANIFEST_KEY, commit_checksums
+from dist_ckpt.backends.base import TensorLayout, TensorStreamWriter, check_stream_entry, main_replica_shards
+from dist_ckpt.backends.zarr.checksums import commit_checksums
 from dist_ckpt.backends.zarr.direct import direct_writes, write_array_json, write_chunk_file, written_files
 from dist_ckpt.backends.zarr.layout import (
     ATTR,
-    PARTIAL_ZARR_DIR,
     ZARR_DIR,
     checkpoint_node,
     fragment_chunk_elements,
@@ -52,6 +45,7 @@ from dist_ckpt.backends.zarr.nodes import (
     stored_numpy_dtype,
     writing_root,
 )
+from dist_ckpt.backends.zarr.strategy_base import ZarrSaveStrategyBase
 from dist_ckpt.backends.zarr.zarr_python_stores import ENGINE, Stores, as_storage_errors
 from dist_ckpt.engine.distributed import get_rank, run_collectively
 from dist_ckpt.errors import CheckpointingException
@@ -70,7 +64,7 @@ _ARRAY_OPTIONS: Dict[str, Any] = {"serializer": BytesCodec(), "compressors": Non
 _WRITE_EMPTY: Any = {"write_empty_chunks": True}
 
 
-class ZarrSaveShardedStrategy(SaveShardedStrategy):
+class ZarrSaveShardedStrategy(ZarrSaveStrategyBase):
     """Writes each main-replica shard as one zarr chunk (or one fragment array if flattened).
 
     Three collective steps: (1) the rank holding the first chunk of each tensor creates its array
@@ -79,17 +73,11 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
     Each step ends with an error exchange, so a failure on one rank raises everywhere.
     """
 
-    owned_paths: ClassVar[Tuple[str, ...]] = (ZARR_DIR, PARTIAL_ZARR_DIR)
-    object_storage: ClassVar[bool] = True
     can_stream: ClassVar[bool] = True
-    integrity_records: ClassVar[Tuple[str, ...]] = (MANIFEST_KEY,)
+    engine: ClassVar[str] = ENGINE
 
     def __init__(self, backend: str = "zarr", version: int = 1) -> None:
         super().__init__(backend, version)  # bfloat16 and float8 are written as raw bits (nodes.stored_numpy_dtype)
-
-    def check_location(self, checkpoint_dir: Storage) -> None:
-        """Local directories and S3 (through zarr-python's ObjectStore); other object stores are refused."""
-        checkpoint_node(checkpoint_dir, ENGINE)
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Storage) -> None:
         node = checkpoint_node(checkpoint_dir, ENGINE)
