@@ -43,6 +43,7 @@ from dist_ckpt.integrity.records import record_of
 from dist_ckpt.integrity.safe_json import loads
 from dist_ckpt.storage import LocalStorage
 from dist_ckpt.storage.object_path import ObjectPath
+from tests.json_damage import Damage, Node, damaged_documents, flipped_byte, random_bytes, set_node, truncated
 
 from . import tally
 from .scenario import check_loads, state, strategy
@@ -78,60 +79,52 @@ _WRONG: List[Any] = [
 ]
 
 
-def _nodes(doc: Any, path: Tuple[Any, ...] = ()) -> List[Tuple[Any, ...]]:
-    out: List[Tuple[Any, ...]] = []
-    if isinstance(doc, dict):
-        for k, v in doc.items():
-            out += [path + (k,)] + _nodes(v, path + (k,))
-    elif isinstance(doc, list):
-        for i, v in enumerate(doc):
-            out += [path + (i,)] + _nodes(v, path + (i,))
-    return out
+def _deeply_nested(raw: bytes, rng: random.Random, nodes: List[Node]) -> Damage:
+    return "deeply nested", b"[" * rng.randrange(100, 200_000) + b"1"
 
 
-def _set(doc: Any, path: Tuple[Any, ...], value: Any) -> None:
-    for p in path[:-1]:
-        doc = doc[p]
-    doc[path[-1]] = value
+def _nested_at_a_node(raw: bytes, rng: random.Random, nodes: List[Node]) -> Damage:
+    if not nodes:
+        return _wrong_types(raw, rng, nodes)
+    mutated = json.loads(raw)
+    node = rng.choice(nodes)
+    set_node(mutated, node, "__deep__")
+    depth = rng.randrange(30, 3000)
+    text = json.dumps(mutated).replace('"__deep__"', "[" * depth + "1" + "]" * depth, 1)
+    return f"{node} nested {depth} deep", text.encode()
+
+
+def _not_utf8(raw: bytes, rng: random.Random, nodes: List[Node]) -> Damage:
+    return "not UTF-8", raw.replace(b'"', b'"\xff', 1)
+
+
+def _wrong_types(raw: bytes, rng: random.Random, nodes: List[Node]) -> Damage:
+    mutated = json.loads(raw)
+    for _ in range(rng.randrange(1, 3)):
+        if nodes:
+            node = rng.choice(nodes)
+            try:
+                set_node(mutated, node, rng.choice(_WRONG))
+            except (KeyError, IndexError, TypeError):  # the node went with an earlier change
+                pass
+    return f"wrong types at {len(nodes)} nodes", json.dumps(mutated).encode("utf-8", "surrogatepass")
+
+
+_KINDS = (
+    random_bytes(80),
+    truncated,
+    flipped_byte,
+    _deeply_nested,
+    _nested_at_a_node,
+    _not_utf8,
+    _wrong_types,
+    _wrong_types,
+)
 
 
 def mutations(raw: bytes, rng: random.Random, count: int) -> List[Tuple[str, bytes]]:
     """``count`` seeded mutations of the JSON document ``raw`` (see the module docstring)."""
-    doc = json.loads(raw)
-    nodes = _nodes(doc)
-    out: List[Tuple[str, bytes]] = []
-    for i in range(count):
-        kind = i % 8
-        if kind == 0:
-            out.append(("random bytes", bytes(rng.randrange(256) for _ in range(rng.randrange(1, 80)))))
-        elif kind == 1:
-            out.append(("truncated", raw[: rng.randrange(len(raw))]))
-        elif kind == 2:
-            damaged = bytearray(raw)
-            damaged[rng.randrange(len(raw))] = rng.randrange(256)
-            out.append(("flipped byte", bytes(damaged)))
-        elif kind == 3:
-            out.append(("deeply nested", b"[" * rng.randrange(100, 200_000) + b"1"))
-        elif kind == 4 and nodes:
-            mutated = json.loads(raw)
-            node = rng.choice(nodes)
-            _set(mutated, node, "__deep__")
-            depth = rng.randrange(30, 3000)
-            text = json.dumps(mutated).replace('"__deep__"', "[" * depth + "1" + "]" * depth, 1)
-            out.append((f"{node} nested {depth} deep", text.encode()))
-        elif kind == 5:
-            out.append(("not UTF-8", raw.replace(b'"', b'"\xff', 1)))
-        else:
-            mutated = json.loads(raw)
-            for _ in range(rng.randrange(1, 3)):
-                if nodes:
-                    node = rng.choice(nodes)
-                    try:
-                        _set(mutated, node, rng.choice(_WRONG))
-                    except (KeyError, IndexError, TypeError):  # the node went with an earlier change
-                        pass
-            out.append((f"wrong types at {len(nodes)} nodes", json.dumps(mutated).encode("utf-8", "surrogatepass")))
-    return out
+    return damaged_documents(raw, rng, count, _KINDS)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Iterator, List
+from typing import Any, Callable, Iterator, List
 
 import pytest
 
@@ -51,62 +51,66 @@ def queue() -> Iterator[AsyncCallsQueue]:
     q.close()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_raised_io_error_at_every_write_of_a_sync_save(tmp_path, backend):
+def _fault_at_every_write_of_a_sync_save(tmp_path: Path, backend: str, fault: str, every: int = 1) -> None:
+    """One row of the scoreboard: ``fault`` ("raise" or "kill") at each ``every``-th write call
+    of a sync save of ``backend``."""
     run = Run(tmp_path, backend)
+    fault_at = {"raise": raise_at, "kill": kill_at}[fault]
 
     def save(target: Path) -> None:
         dc.save(state(2.0), target, sharded_strategy=strategy(backend))
 
-    row = f"raise at each write, sync save, {backend}"
-    for at in _points(save, tmp_path / "count"):
-        tally.attempt(row, f"write call {at}", raise_at(run, at, save))
+    row = f"{fault} at each write, sync save, {backend}"
+    for at in _points(save, tmp_path / "count")[::every]:
+        tally.attempt(row, f"write call {at}", fault_at(run, at, save))
     tally.assert_clean(row)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_raised_io_error_at_every_write_of_a_sync_save(tmp_path, backend):
+    _fault_at_every_write_of_a_sync_save(tmp_path, backend, "raise")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_kill_at_every_write_of_a_sync_save(tmp_path, backend):
-    run = Run(tmp_path, backend)
-
-    def save(target: Path) -> None:
-        dc.save(state(2.0), target, sharded_strategy=strategy(backend))
-
-    row = f"kill at each write, sync save, {backend}"
     # zarr makes about twice as many write calls, mostly fsyncs one after the other: every second
-    for at in _points(save, tmp_path / "count")[:: 1 if backend == "safetensors" else 2]:
-        tally.attempt(row, f"write call {at}", kill_at(run, at, save))
-    tally.assert_clean(row)
+    _fault_at_every_write_of_a_sync_save(tmp_path, backend, "kill", every=1 if backend == "safetensors" else 2)
 
 
-class _WorkerFault(SafetensorsSaveShardedStrategy):
-    """Runs the background part of its async saves under an Injector in the worker process."""
+class _WorkerFault:
+    """Mixed into a save strategy: runs the background part of its async saves under an Injector
+    in the worker process (at call ``at``, a kill or a raise; ``count_file``: list the calls)."""
 
-    def __init__(self, at: Any, kill: bool, count_file: Any) -> None:
-        super().__init__(SafetensorsSaveOptions(thread_count=1))
+    def __init__(self, at: Any, kill: bool, count_file: Any, **strategy_options: Any) -> None:
+        super().__init__(**strategy_options)
         self.fault = (at, kill, count_file)
 
     def async_save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> AsyncRequest:
-        return _faulty(super().async_save(sharded_state_dict, checkpoint_dir), self.fault)
+        request = super().async_save(sharded_state_dict, checkpoint_dir)
+        assert request.async_fn is not None
+        args = (*self.fault, request.async_fn, *request.async_fn_args)
+        return dataclasses.replace(request, async_fn=run_with_fault, async_fn_args=args)
 
 
-class _TorchDistWorkerFault(TorchDistSaveShardedStrategy):
-    """`_WorkerFault` of the torch_dist backend (one writer thread: calls in a fixed order)."""
-
-    def __init__(self, at: Any, kill: bool, count_file: Any) -> None:
-        super().__init__(thread_count=1)
-        self.fault = (at, kill, count_file)
-
-    def async_save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> AsyncRequest:
-        return _faulty(super().async_save(sharded_state_dict, checkpoint_dir), self.fault)
+class _SafetensorsWorkerFault(_WorkerFault, SafetensorsSaveShardedStrategy):
+    pass
 
 
-def _faulty(request: AsyncRequest, fault: Any) -> AsyncRequest:
-    assert request.async_fn is not None
-    args = (*fault, request.async_fn, *request.async_fn_args)
-    return dataclasses.replace(request, async_fn=run_with_fault, async_fn_args=args)
+class _TorchDistWorkerFault(_WorkerFault, TorchDistSaveShardedStrategy):
+    pass
 
 
-_WORKER_FAULT = {"safetensors": _WorkerFault, "torch_dist": _TorchDistWorkerFault}
+#: each backend's strategy with one writer thread: its calls in a fixed order
+_WORKER_FAULT = {
+    "safetensors": (_SafetensorsWorkerFault, {"options": SafetensorsSaveOptions(thread_count=1)}),
+    "torch_dist": (_TorchDistWorkerFault, {"thread_count": 1}),
+}
+
+
+def _worker_fault(backend: str) -> Callable[[Any, bool, Any], _WorkerFault]:
+    """A factory ``(at, kill, count_file) -> strategy`` of the faulty save strategy of ``backend``."""
+    cls, options = _WORKER_FAULT[backend]
+    return lambda at, kill, count_file: cls(at, kill, count_file, **options)
 
 
 def _async_save(queue: AsyncCallsQueue, target: Path, strategy_: Any) -> None:
@@ -122,7 +126,7 @@ def test_raised_io_error_at_every_write_of_an_async_save(tmp_path, queue, backen
     background process (the tensor files)."""
     run = Run(tmp_path, backend)
     counted = tmp_path / "worker_calls"
-    worker_fault = _WORKER_FAULT[backend]
+    worker_fault = _worker_fault(backend)
 
     def caller_side(target: Path) -> None:
         _async_save(queue, target, worker_fault(None, False, None))
@@ -152,7 +156,7 @@ def test_kill_at_every_write_of_an_async_save(tmp_path, queue, backend):
     process: the caller then gets a typed error)."""
     run = Run(tmp_path, backend)
     row = f"kill at each write, async save, {backend}"
-    worker_fault = _WORKER_FAULT[backend]
+    worker_fault = _worker_fault(backend)
 
     def in_caller(target: Path) -> None:
         request = dc.save(state(2.0), target, sharded_strategy=strategy(backend), async_sharded_save=True)

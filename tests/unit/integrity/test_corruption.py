@@ -21,6 +21,7 @@ import torch
 import dist_ckpt as dc
 from dist_ckpt.errors import CheckpointingException, ChecksumMismatchError, NotACheckpointError
 from dist_ckpt.model.sharded import ShardedObject, ShardedTensor
+from tests.json_damage import Damage, Node, damaged_documents, flipped_byte, random_bytes, set_node, truncated
 
 FORMATS = ["safetensors", "zarr", "zarr-tensorstore"]
 
@@ -209,47 +210,16 @@ def test_missing_metadata_json_is_refused(copy):
 _WRONG_VALUES: List[Any] = [None, True, 0, -1, 2**70, 1.5, "", "x", [], [1, "a"], {}, {"a": None}]
 
 
-def _nodes(doc: Any, path: Tuple[Any, ...] = ()) -> List[Tuple[Any, ...]]:
-    """Paths of every node of a JSON document (the root excluded)."""
-    out = []
-    if isinstance(doc, dict):
-        for k, v in doc.items():
-            out.append(path + (k,))
-            out.extend(_nodes(v, path + (k,)))
-    elif isinstance(doc, list):
-        for i, v in enumerate(doc):
-            out.append(path + (i,))
-            out.extend(_nodes(v, path + (i,)))
-    return out
-
-
-def _set(doc: Any, path: Tuple[Any, ...], value: Any) -> None:
-    for p in path[:-1]:
-        doc = doc[p]
-    doc[path[-1]] = value
+def _wrong_value(raw: bytes, rng: random.Random, nodes: List[Node]) -> Damage:
+    mutated = json.loads(raw)
+    node = rng.choice(nodes)
+    value = rng.choice(_WRONG_VALUES)
+    set_node(mutated, node, value)
+    return f"{'/'.join(map(str, node))} = {value!r}", json.dumps(mutated).encode()
 
 
 def _mutations(raw: bytes, rng: random.Random, count: int) -> List[Tuple[str, bytes]]:
-    doc = json.loads(raw)
-    nodes = _nodes(doc)
-    out = []
-    for i in range(count):
-        kind = i % 5
-        if kind == 0:
-            out.append(("random bytes", bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))))
-        elif kind == 1:
-            out.append(("truncated", raw[: rng.randrange(len(raw))]))
-        elif kind == 2:
-            damaged = bytearray(raw)
-            damaged[rng.randrange(len(raw))] = rng.randrange(256)
-            out.append(("flipped byte", bytes(damaged)))
-        else:
-            mutated = json.loads(raw)
-            node = rng.choice(nodes)
-            value = rng.choice(_WRONG_VALUES)
-            _set(mutated, node, value)
-            out.append((f"{'/'.join(map(str, node))} = {value!r}", json.dumps(mutated).encode()))
-    return out
+    return damaged_documents(raw, rng, count, (random_bytes(64), truncated, flipped_byte, _wrong_value, _wrong_value))
 
 
 def _check_outcome(path: Path, fmt: str, what: str, must_name: str = "") -> None:
