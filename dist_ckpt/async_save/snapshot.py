@@ -14,9 +14,10 @@ share one pool per process (`PROCESS_SNAPSHOTS`): a save with a new strategy obj
 loop creating its strategy at every save, do -- reuses the buffer of the previous save instead
 of faulting in a fresh one (on the test VM that took an async save's blocking time at 0.5 GB per
 rank from about 1 s to about the time of a memory copy). Memory bound: the process keeps one
-buffer, the size of the largest snapshot taken since it was last released
-([`release()`][dist_ckpt.async_save.snapshot.SnapshotPool.release]), plus the buffers of saves still
-writing when a new one starts.
+buffer, at most the size of the largest snapshot taken (or reserved) since it was last released
+([`release()`][dist_ckpt.async_save.snapshot.SnapshotPool.release]) -- a snapshot that finds the
+kept buffer too small or still in use gets a new one of its own size, which becomes the kept
+one -- plus the buffers of saves still writing when a new one starts.
 
 Example:
 
