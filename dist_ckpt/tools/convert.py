@@ -312,6 +312,15 @@ def _convert_steps(
     common_strategy: StrategySpec,
     sharded_strategy: StrategySpec = None,
 ) -> ConvertResult:
+    """The numbered steps of [`convert()`][dist_ckpt.tools.convert.convert], each run through
+    ``monitor``: 1. open the source; 3. copy the tensors (to a HuggingFace folder, the
+    conversion ends there); 4. the common state and ShardedObjects; 5. commit.
+
+    Long on purpose, like the steps of a save: every step runs through ``monitor`` (which times
+    it and names it in errors) and shares the source's strategies, metadata and the progress
+    count, so the conversion reads top to bottom in one place.
+    """
+
     # 1. the source's strategies and tensors (2., the destination, was checked by the caller)
     def open_source() -> Tuple[LoadShardedStrategy, LoadCommonStrategy, Dict[str, ShardedTensor]]:
         sharded, common = verify_checkpoint_and_load_strategy(src, sharded_strategy, common_strategy)

@@ -386,6 +386,10 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
            parts are gathered and rank 0 writes ``index.json``.
 
         The caller may change every tensor once this returns.
+
+        Long on purpose: the five steps share the file plan, the snapshot's split of each file
+        and the results of the writes made now, which the request's closures need; in one
+        method they read in the order they happen instead of being passed between methods.
         """
         storage = resolve_location(checkpoint_dir)
         remote = remote_root = None
