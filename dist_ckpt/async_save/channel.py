@@ -22,6 +22,7 @@ fn, args, kwargs = decode(payload, fds)
 from __future__ import annotations
 
 import io
+import mmap
 import pickle
 import select
 import socket
@@ -82,10 +83,25 @@ class _Unpickler(pickle.Unpickler):
         _, slot, size, dtype, offset, shape, stride = pid
         storage = self._storages.get(slot)
         if storage is None:
-            # torch duplicates the descriptor; the caller closes the received one
-            storage = torch.UntypedStorage._new_shared_fd_cpu(self._fds[slot], size)  # type: ignore[attr-defined]
+            storage = map_shared(self._fds[slot], size)
             self._storages[slot] = storage
         return torch.empty((0,), dtype=dtype).set_(storage, offset, shape, stride)
+
+
+def map_shared(fd: int, size: int) -> torch.UntypedStorage:
+    """The ``size`` bytes of shared memory behind ``fd`` (a duplicate is kept; the caller closes
+    ``fd``), mapped with every page present.
+
+    Why not ``torch.UntypedStorage._new_shared_fd_cpu``: it maps lazily, and the writer then takes
+    a page fault for every few pages it writes out (on the 2-core test VM 12,000 faults and about
+    0.25 s of CPU for a 768 MiB snapshot, a quarter of the write's CPU); ``MAP_POPULATE`` maps
+    the pages in one pass of the kernel (0.03 s).
+    """
+    if size == 0:
+        return torch.empty(0, dtype=torch.uint8).untyped_storage()
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    mapped = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(mapped, dtype=torch.uint8).untyped_storage()
 
 
 def encode(obj: Any) -> Tuple[bytes, List[int]]:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
+import resource
 import socket
+import sys
 
+import pytest
 import torch
 
-from dist_ckpt.async_save.channel import FrameReader, decode, encode, recv_frame, send_frame
+from dist_ckpt.async_save.channel import FrameReader, decode, encode, map_shared, recv_frame, send_frame
 from dist_ckpt.async_save.snapshot import SnapshotPool
 
 
@@ -36,6 +40,30 @@ def test_shared_tensors_travel_as_descriptors_of_the_same_memory() -> None:
     assert torch.equal(view2, torch.arange(6).reshape(2, 3).t())
     snap2.buffer[0] = 7  # the same memory, not a copy
     assert int(snap.buffer[0]) == 7
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MAP_POPULATE is Linux's")
+def test_received_snapshots_are_mapped_with_every_page_present() -> None:
+    """The writer reads every byte of a snapshot: mapped lazily it took a page fault every few
+    pages (12,000 faults, a quarter of the write's CPU for 768 MiB); mapped populated, none."""
+    nbytes = 64 << 20
+    snap = SnapshotPool().take([torch.ones(nbytes // 4)], in_use=lambda: True)
+    (received,) = _roundtrip((snap,))  # type: ignore[misc]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    total = int(received.buffer[::4096].sum())  # one byte of every page
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert total == (nbytes // 4096) * int(torch.ones(1).view(torch.uint8)[0])
+    assert faults < 64, f"{faults} page faults reading a populated mapping of {nbytes >> 20} MiB"
+
+
+def test_a_mapping_outlives_the_objects_that_made_it() -> None:
+    snap = SnapshotPool().take([torch.arange(1000.0)], in_use=lambda: True)
+    _, fds = encode((snap,))
+    storage = map_shared(fds[0], snap.buffer.untyped_storage().nbytes())
+    tensor = torch.empty(0, dtype=torch.uint8).set_(storage)[:4000].view(torch.float32)
+    del storage
+    gc.collect()
+    assert torch.equal(tensor, torch.arange(1000.0))  # still mapped: the tensor holds the mapping
 
 
 def test_other_objects_are_pickled_by_value() -> None:
