@@ -17,6 +17,7 @@ exactly what was saved.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -43,7 +44,16 @@ from dist_ckpt.integrity.records import record_of
 from dist_ckpt.integrity.safe_json import loads
 from dist_ckpt.storage import LocalStorage
 from dist_ckpt.storage.object_path import ObjectPath
-from tests.json_damage import Damage, Node, damaged_documents, flipped_byte, random_bytes, set_node, truncated
+from tests.json_damage import (
+    Damage,
+    Node,
+    damaged_documents,
+    flipped_byte,
+    json_nodes,
+    random_bytes,
+    set_node,
+    truncated,
+)
 
 from . import tally
 from .scenario import check_loads, state, strategy
@@ -104,7 +114,9 @@ def _wrong_types(raw: bytes, rng: random.Random, nodes: List[Node]) -> Damage:
         if nodes:
             node = rng.choice(nodes)
             try:
-                set_node(mutated, node, rng.choice(_WRONG))
+                # a copy: a second change may go inside the first one's value, which must not be
+                # _WRONG's own list (it would change for later documents, or contain itself)
+                set_node(mutated, node, copy.deepcopy(rng.choice(_WRONG)))
             except (KeyError, IndexError, TypeError):  # the node went with an earlier change
                 pass
     return f"wrong types at {len(nodes)} nodes", json.dumps(mutated).encode("utf-8", "surrogatepass")
@@ -203,6 +215,17 @@ def _parsers(saved: Dict[str, Path], scratch: Path) -> List[Tuple[str, bytes, Ca
 
 def torch_dist_manifest(raw: bytes) -> Any:
     return parse_manifest(raw, "torch_dist.checksums.json")
+
+
+def test_wrong_types_never_share_or_change_the_wrong_values():
+    """Two changes to one document may nest (the second inside the first one's value): each must
+    get its own copy, or the document could contain itself and _WRONG change for later seeds."""
+    raw = json.dumps({"a": {"b": [1, 2, {"c": "d"}]}, "e": [0, 1]}).encode()
+    wrong_before = json.dumps(_WRONG, default=repr)
+    nodes = json_nodes(json.loads(raw))
+    for seed in range(3000):
+        _wrong_types(raw, random.Random(seed), nodes)  # shared values: "Circular reference"
+    assert json.dumps(_WRONG, default=repr) == wrong_before
 
 
 def test_every_parser_survives_malformed_documents(saved, tmp_path):
