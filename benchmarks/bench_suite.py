@@ -151,7 +151,15 @@ def _available(system: str, mcore_python: str) -> Optional[str]:
         if not Path(mcore_python).exists():
             return f"no {mcore_python}"
         probe = subprocess.run([mcore_python, "-c", "import megatron.core.dist_checkpointing"], capture_output=True)
-        return None if probe.returncode == 0 else "megatron-core does not import"
+        if probe.returncode != 0:
+            return "megatron-core does not import"
+        # its save processes need psutil, which megatron-core does not install; without it they die and the save hangs
+        probe = subprocess.run([mcore_python, "-c", "import psutil"], capture_output=True)
+        return (
+            None
+            if probe.returncode == 0
+            else f"megatron-core's async writer needs psutil: {mcore_python} -m pip install psutil"
+        )
     if system == "dc-torch_dist":
         try:
             from dist_ckpt.engine.registry import StrategyAction, get_default_strategy
@@ -194,7 +202,7 @@ def run_system(
     finally:
         shutil.rmtree(work, ignore_errors=True)
     out: Dict[str, Any] = {"save_2n": max(r["save"] for r in saved), "reshard1": one[0]["reshard1"]}
-    for key in ("memcpy", "save", "load", "warm", "async_block", "async_total", "reshard"):
+    for key in ("memcpy", "save", "load", "raw_read", "warm", "async_block", "async_total", "reshard"):
         if key in main[0]:
             out[key] = max(r[key] for r in main)
     for key in ("save_rss", "load_rss"):
@@ -270,6 +278,11 @@ def render(results: Dict[str, List[Dict[str, Any]]], raw: List[Tuple[float, floa
                 if b == b:
                     vs_base = f"{m / (nbytes / GB / b):.2f}" if rate else f"{b / m:.2f}" if m else ""
             rows.append([system, label, f"{m:.3f}", _fmt_range(value, 3), vs_disk, vs_base])
+        paired = [r["raw_read"] / r["load"] for r in results[system] if r.get("raw_read") and r.get("load")]
+        if paired:
+            rows.append(
+                [system, "cold load / raw read right after it", f"{_median(paired):.2f}", _fmt_range(paired), "", ""]
+            )
         blocks = [r["async_block"] / r["memcpy"] for r in results[system] if r.get("async_block") and r.get("memcpy")]
         if blocks:
             rows.append([system, "async blocking / memcpy", f"{_median(blocks):.2f}", _fmt_range(blocks), "", ""])
@@ -302,7 +315,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default: %(default)s)")
     parser.add_argument("--systems", default=ALL_SYSTEMS, help="comma-separated (default: %(default)s)")
     parser.add_argument("--drop", choices=("auto", "drop_caches", "fadvise"), default="auto")
-    parser.add_argument("--mcore-python", default="/opt/mcore-venv/bin/python")
+    parser.add_argument(
+        "--mcore-python",
+        default=None,
+        help="interpreter with megatron-core (default: /opt/mcore-venv/bin/python if it exists, else this one: "
+        "dist_ckpt's test extra installs megatron-core)",
+    )
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--json", type=Path, help="also write every measurement here")
     parser.add_argument("--baseline", type=Path, help="the same as --tree base=DIR")
@@ -314,6 +332,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="source tree of another dist_ckpt version, for the systems named SYSTEM@NAME (repeatable)",
     )
     args = parser.parse_args(argv)
+    if args.mcore_python is None:
+        venv = Path("/opt/mcore-venv/bin/python")
+        args.mcore_python = str(venv) if venv.exists() else sys.executable
     model = S.Model.for_size(int(args.size_gb * GB), args.layers, multiple=2 * args.ranks)
     nbytes = model.nbytes()
     args.dir.mkdir(parents=True, exist_ok=True)

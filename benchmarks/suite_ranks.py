@@ -11,7 +11,8 @@ bit-exactly. Jobs:
 
 * ``save``: save the TP=world state (timed) -- the 2N-rank checkpoint the resharded loads read;
 * ``main``: memcpy of the rank's bytes (the async reference); save (timed, peak RSS); cold load
-  (timed, peak RSS) and warm load of the same layout; an async save (blocking part and total,
+  (timed, peak RSS), then a raw read of as many bytes right after it (`paired_raw_read`),
+  and a warm load of the same layout; an async save (blocking part and total,
   after an untimed first one); a cold load of the ``src`` checkpoint (resharded, TP=world);
 * ``load``: a cold load of the ``src`` checkpoint at TP=world (e.g. 4 -> 1).
 
@@ -94,6 +95,47 @@ def drop_cache(directory: str, how: str) -> None:
                     finally:
                         os.close(fd)
     barrier()
+
+
+_RAW_BLOCK = 64 * 2**20
+
+
+def paired_raw_read(path: str, nbytes: int) -> float:
+    """The raw disk right after a cold load, in the load's conditions: every rank writes
+    ``nbytes`` to a file of its own (64 MiB writes, fsync), evicts it and reads it back cold
+    (64 MiB reads) -- one stream per rank, as the load's ranks read. Returns the slowest rank's
+    read time.
+
+    Why beside each load and not only before each system: the test VM's disk changes speed from
+    one minute to the next, and a read right after a write of the same bytes runs faster than
+    one a few seconds later (measured: 1.0 s right after, 1.6 s after a 6 s pause, for 1.5 GB
+    on 2 ranks), so a load is compared with a read made the same way (after its save) and at the
+    same moment.
+    """
+    data = memoryview(os.urandom(_RAW_BLOCK))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, data[: min(_RAW_BLOCK, left)])
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+    def read() -> None:
+        buf = bytearray(_RAW_BLOCK)
+        rfd = os.open(path, os.O_RDONLY)
+        try:
+            while os.readv(rfd, [buf]) > 0:
+                pass
+        finally:
+            os.close(rfd)
+
+    try:
+        return timed(read)
+    finally:
+        os.unlink(path)
 
 
 # --------------------------------------------------------------------------- systems
@@ -333,6 +375,7 @@ def job_main(system: System, args: Dict[str, Any], out: Dict[str, Any]) -> None:
     out["load"] = timed(lambda: got.update(system.load(pieces, request, args["dir"])))
     out["load_rss"] = peak() - base
     out["bad"] += [f"load: {k}" for k in S.mismatches(pieces, {k: _local(v) for k, v in got.items()})]
+    out["raw_read"] = paired_raw_read(args["dir"] + f"_raw{rank}", out["rank_bytes"])
     got.clear()
     out["warm"] = timed(lambda: got.update(system.load(pieces, request, args["dir"])))
     out["bad"] += [f"warm: {k}" for k in S.mismatches(pieces, {k: _local(v) for k, v in got.items()})]
