@@ -1,6 +1,7 @@
 """Local files: durable writes and positional reads, the machinery under `LocalStorage`.
 
-A file is written under a temporary name in its final directory, flushed and fsynced, then
+`SequentialWriter` appends to an open file with large writes, handing what it wrote to the disk
+early on request. A file is written under a temporary name in its final directory, flushed and fsynced, then
 renamed over its final name, and the directory is fsynced: a crash leaves either no file or the
 whole file, never a torn one (`write_temp_file()`, `write_bytes_atomic()`,
 `atomic_write()`). A new directory's entry is fsynced in its parent (`make_dirs()`).
@@ -31,11 +32,13 @@ from dist_ckpt.storage.ranges import BufferLike
 __all__ = [
     "IOV_MAX",
     "FileReader",
+    "SequentialWriter",
     "atomic_write",
     "fsync_dir",
     "fsync_file",
     "fsync_tree",
     "is_temp_name",
+    "spread_subdirectories",
     "sync_filesystem",
     "make_dirs",
     "preadv_into",
@@ -165,6 +168,59 @@ def make_dirs(path: Union[str, Path], *, fsync: bool = True) -> None:
             continue  # created meanwhile by another process, which makes its entry durable
         if fsync:
             fsync_dir(directory.parent)
+
+
+#: ``FS_IOC_GETFLAGS`` / ``FS_IOC_SETFLAGS`` (linux/fs.h, on the architectures whose ioctl numbers
+#: have this encoding) and the ``FS_TOPDIR_FL`` flag; the kernel reads and writes an ``int``
+_FS_IOC_GETFLAGS = 0x80086601
+_FS_IOC_SETFLAGS = 0x40086602
+_FS_TOPDIR_FL = 0x00020000
+_GENERIC_IOCTLS = ("x86_64", "amd64", "aarch64", "arm64", "riscv64")
+
+
+def spread_subdirectories(path: Union[str, Path]) -> bool:
+    """Tell the file system that the directories to be made in the directory ``path`` are
+    unrelated to each other (ext2/3/4's ``chattr +T``, the "top of directory hierarchies" hint
+    of their Orlov allocator), so that it spreads them, their inodes and their files' blocks over
+    its block groups instead of packing them into the group of ``path``; return whether it took
+    the hint. Where the flag or the call is unknown (other file systems, other platforms) nothing
+    changes.
+
+    Why: a zarr save makes one directory per tensor, several at a time on every rank. Packed into
+    one group, every new inode of a save is allocated there, and ext4 without a journal skips
+    each inode freed in the last minute one by one (its ``recently_deleted()``: a checkpoint
+    deleted shortly before costs every later creation a scan over its inodes). On the test VM
+    (ext4, no journal), one rank writing 585 tensors (0.76 GB) after a deletion: 0.69-0.79 s
+    spread vs 0.90-1.20 s packed, and half the kernel time (0.63-0.73 s vs 1.22-1.48 s).
+
+    Example:
+
+    ```python
+    os.mkdir(ckpt / ".partial-zarr")
+    spread_subdirectories(ckpt / ".partial-zarr")   # then one directory per tensor in it
+    ```
+    """
+    import fcntl
+    import platform
+    import struct
+
+    if not sys.platform.startswith("linux") or platform.machine().lower() not in _GENERIC_IOCTLS:
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return False
+    try:
+        flags = bytearray(4)
+        fcntl.ioctl(fd, _FS_IOC_GETFLAGS, flags)
+        (value,) = struct.unpack("i", flags)
+        if not value & _FS_TOPDIR_FL:
+            fcntl.ioctl(fd, _FS_IOC_SETFLAGS, struct.pack("i", value | _FS_TOPDIR_FL))
+        return True
+    except OSError:  # ENOTTY, EOPNOTSUPP, EPERM, EINVAL: a file system without the hint
+        return False
+    finally:
+        os.close(fd)
 
 
 def preadv_into(fd: int, buffers: Sequence[memoryview], offset: int, what: str = "the file") -> int:
@@ -355,3 +411,62 @@ def write_bytes_atomic(path: Union[str, Path], data: BufferLike, *, fsync: bool 
 def is_temp_name(name: str) -> bool:
     """Whether ``name`` is an in-progress write of `write_temp_file()` (never listed)."""
     return name.startswith(".") and ".tmp-" in name
+
+
+#: the most one ``os.write`` call is asked to write (Linux writes at most ~2 GiB per call)
+_MAX_WRITE = 1 << 30
+
+
+class SequentialWriter:
+    """Appends to an open file with large ``write`` calls, optionally starting writeback early.
+
+    Example:
+
+    ```python
+    writer = SequentialWriter(fd, early_writeback=True)
+    writer.write(tensor_bytes(t))
+    writer.finish()   # fsync
+    ```
+
+    With ``early_writeback`` the kernel is asked (``posix_fadvise(DONTNEED)``) to start writing
+    dirty pages to the disk after every ``chunk_bytes`` written, and to drop them from the page
+    cache once they are clean: the disk works while later tensors are still being copied, the
+    final fsync has little left to do, and a checkpoint (rarely read back soon) does not push
+    the training job's data out of the page cache. (On the test VM, 2 ranks saving 1 GiB: 16 MiB
+    chunks 0.29-0.32 s, 64 MiB 0.32-0.47 s, 256 MiB 0.44-0.82 s; without it about 1.7 s.)
+    A writer of many smaller files (the zarr backend's chunks) calls `start_writeback()` after
+    each one instead of waiting for ``chunk_bytes``.
+    """
+
+    def __init__(self, fd: int, early_writeback: bool = False, chunk_bytes: int = 16 * 2**20, start: int = 0) -> None:
+        self.fd = fd
+        self.early_writeback = early_writeback and hasattr(os, "posix_fadvise")
+        self.chunk_bytes = chunk_bytes
+        # the file offset ``fd`` is positioned at: a file may be written in parts, each part by
+        # its own writer (see safetensors_write)
+        self.position = start
+        self._advised = start
+
+    def write(self, data: memoryview) -> None:
+        """Write all of ``data`` at the end of what was written so far."""
+        view = data.cast("B") if data.format != "B" else data
+        limit = self.chunk_bytes if self.early_writeback else _MAX_WRITE
+        while len(view):
+            written = os.write(self.fd, view[:limit])
+            view = view[written:]
+            self.position += written
+            if self.early_writeback and self.position - self._advised >= self.chunk_bytes:
+                self.start_writeback()
+
+    def start_writeback(self) -> None:
+        """With ``early_writeback``: have the kernel start writing what was written so far to the
+        disk (and drop the pages already clean); it returns without waiting for the disk."""
+        if self.early_writeback and self.position > self._advised:
+            os.posix_fadvise(self.fd, 0, self.position, os.POSIX_FADV_DONTNEED)
+            self._advised = self.position
+
+    def finish(self) -> None:
+        """fsync the file (and drop its now clean pages from the cache with early writeback)."""
+        os.fsync(self.fd)
+        if self.early_writeback:
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
