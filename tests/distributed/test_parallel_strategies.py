@@ -241,7 +241,7 @@ def test_fully_parallel_save_caches_its_distribution(shared_tmp_path: Path) -> N
 @pytest.mark.parametrize("wrapper", WRAPPERS)
 def test_missing_chunk_raises_the_same_error_everywhere(wrapper, shared_tmp_path: Path) -> None:
     dc.save(replicated_state(), shared_tmp_path, sharded_strategy=("zarr", 1))
-    chunk = shared_tmp_path / "zarr" / "t7" / "c" / "0" / "0"
+    chunk = shared_tmp_path / "zarr" / "t7" / "c.0.0"
     dist.barrier()
     if rank() == 0:
         os.unlink(chunk)

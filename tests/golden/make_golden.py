@@ -7,9 +7,11 @@ Run once, when a format version is introduced, and commit the result::
     PYTHONPATH=. python -m tests.golden.make_golden tests/golden/safetensors_index_v3 safetensors 1 --block-bytes 32
     PYTHONPATH=. python -m tests.golden.make_golden tests/golden/safetensors_records safetensors 1 --block-bytes 32
     PYTHONPATH=. python -m tests.golden.make_golden tests/golden/zarr_records zarr 1
+    PYTHONPATH=. python -m tests.golden.make_golden tests/golden/zarr_dot_keys_records zarr 1
 
 (``*_records``: metadata.json lists the integrity records, issue 15; ``safetensors_records`` was
-made when the index was at version 2.)
+made when the index was at version 2. ``zarr_dot_keys_records``: chunk keys ``c.<i>.<j>``, issue
+17; the zarr goldens before it have ``c/<i>/<j>``.)
 
 (``--block-bytes``: a small checksum block, so that shards span several blocks.)
 

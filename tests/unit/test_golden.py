@@ -42,6 +42,7 @@ def test_goldens_exist() -> None:
         "zarr_v1_checksums",
         "safetensors_records",
         "zarr_records",
+        "zarr_dot_keys_records",
     } <= set(ALL)
 
 
@@ -56,7 +57,7 @@ def test_goldens_verify_clean(golden: Path) -> None:
     assert (len(report.notes) == len(unrecorded)) == with_checksums, report.notes
 
 
-@pytest.mark.parametrize("name", ["zarr_v1", "zarr_v1_checksums"])
+@pytest.mark.parametrize("name", ["zarr_v1", "zarr_v1_checksums", "zarr_records", "zarr_dot_keys_records"])
 def test_zarr_goldens_load_with_tensorstore(name: str, tmp_path: Path) -> None:
     pytest.importorskip("tensorstore")
     from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreLoadShardedStrategy

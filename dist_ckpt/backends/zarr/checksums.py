@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 from dist_ckpt.backends.zarr.layout import CHECKSUMS_FILENAME, LAYOUT_CHUNKED, ZARR_DIR, chunk_coords, chunk_key
 from dist_ckpt.backends.zarr.metadata import (
     JsonCheck,
+    chunk_separator,
     damaged_chunks,
     list_tensor_names,
     open_tensor_info,
@@ -178,7 +179,7 @@ def chunk_files(array_path: ObjectPath, region: Box) -> List[ObjectPath]:
     Example:
 
     ```python
-    chunk_files(ckpt / "zarr" / "w", Box((0, 0), (4, 8)))   # [.../w/c/0/0, ...]
+    chunk_files(ckpt / "zarr" / "w", Box((0, 0), (4, 8)))   # [.../w/c.0.0, ...]
     ```
     """
     doc = read_zarr_json(array_path)
@@ -188,7 +189,8 @@ def chunk_files(array_path: ObjectPath, region: Box) -> List[ObjectPath]:
         chunk_shape = [int(c) for c in doc["chunk_grid"]["configuration"]["chunk_shape"]]
     except (KeyError, TypeError, ValueError):
         return []  # the engine reports the damaged metadata when it opens the array
-    return [array_path / chunk_key(coords) for coords in chunk_coords(region, chunk_shape)]
+    separator = chunk_separator(doc)
+    return [array_path / chunk_key(coords, separator) for coords in chunk_coords(region, chunk_shape)]
 
 
 def check_files(root: ObjectPath, paths: Sequence[ObjectPath], manifest: Mapping[str, FileDigest], key: str) -> None:

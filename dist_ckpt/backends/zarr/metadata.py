@@ -45,6 +45,7 @@ __all__ = [
     "JsonCheck",
     "StoredTensorInfo",
     "check_tensor_dirs_present",
+    "chunk_separator",
     "damaged_chunks",
     "describe_zarr",
     "find_tensor_info",
@@ -103,6 +104,9 @@ class StoredTensorInfo:
     #: every chunk file holds its chunk's values as they are in memory on this host (see
     #: `plain_chunk_bytes()`): a whole chunk can be read straight into a tensor
     plain_chunks: bool = False
+    #: the chunk key separator of the array (`chunk_separator()`): ``.`` or, in checkpoints
+    #: saved before it, ``/``
+    chunk_separator: str = "/"
 
     @property
     def bounds(self) -> Box:
@@ -175,6 +179,7 @@ def open_tensor_info(root: ObjectPath, name: str, check: JsonCheck = None) -> Op
         check_tensor_bytes(info.global_shape, dtype.itemsize, str(path / "zarr.json"))
         check_tensor_bytes(info.chunk_shape, dtype.itemsize, str(path / "zarr.json"))
         info.plain_chunks = plain_chunk_bytes(doc, dtype)
+        info.chunk_separator = chunk_separator(doc)
         return info
     except CheckpointingException:  # already names the file (and keeps its type)
         raise
@@ -188,7 +193,8 @@ def plain_chunk_bytes(doc: Dict[str, Any], dtype: torch.dtype) -> bool:
     """Whether the chunk files of the array ``doc`` describes hold each chunk's values exactly
     as a contiguous tensor of ``dtype`` holds them in memory on this host: the ``bytes`` codec
     alone in the host's byte order (no compression, no sharding, no transposition), a data type
-    of ``dtype``'s width (its own name, or the raw-bits integer), chunk keys ``c/i/j``. Such a
+    of ``dtype``'s width (its own name, or the raw-bits integer), chunk keys ``c.i.j`` or ``c/i/j``
+    (the ``default`` encoding; `chunk_separator()`). Such a
     chunk is read whole into its destination without an array library (see
     `dist_ckpt.backends.zarr.direct`); any other array goes through the engine."""
     info = dtype_info(dtype)
@@ -196,7 +202,7 @@ def plain_chunk_bytes(doc: Dict[str, Any], dtype: torch.dtype) -> bool:
         return False
     if _get(doc, "chunk_key_encoding", "name") != "default" or _get(
         doc, "chunk_key_encoding", "configuration", "separator"
-    ) not in (None, "/"):
+    ) not in (None, "/", "."):
         return False
     if doc.get("storage_transformers") not in (None, []):
         return False
@@ -207,6 +213,21 @@ def plain_chunk_bytes(doc: Dict[str, Any], dtype: torch.dtype) -> bool:
         return False
     endian = _get(codecs[0], "configuration", "endian")
     return endian == sys.byteorder or (endian is None and info.numpy_dtype.itemsize == 1)
+
+
+def chunk_separator(doc: Dict[str, Any]) -> str:
+    """The separator of the chunk keys of the array ``doc`` describes (``default`` chunk key
+    encoding): ``.`` in checkpoints saved now (`CHUNK_SEPARATOR`), ``/`` in older ones and where
+    the document names none (the zarr v3 default).
+
+    Example:
+
+    ```python
+    chunk_key((0, 1), chunk_separator(read_zarr_json(array_dir)))   # "c.0.1" (or "c/0/1")
+    ```
+    """
+    separator = _get(doc, "chunk_key_encoding", "configuration", "separator")
+    return separator if separator in ("/", ".") else "/"
 
 
 def _get(doc: Any, *fields: str) -> Any:
@@ -337,8 +358,9 @@ def damaged_chunks(array_path: ObjectPath, region: Box) -> List[str]:
         return [f"{str(array_path / 'zarr.json')!r} is unreadable: {e}"]
     expected = math.prod(chunk_shape) * itemsize
     problems = []
+    separator = chunk_separator(doc)
     for coords in chunk_coords(region, chunk_shape):
-        path = array_path / chunk_key(coords)
+        path = array_path / chunk_key(coords, separator)
         try:
             size = path.stat().st_size
         except FileNotFoundError:
@@ -356,7 +378,7 @@ def describe_zarr(checkpoint_dir: ObjectPath) -> Dict[str, List[StoredShardInfo]
     Example:
 
     ```python
-    describe_zarr(checkpoint_node("ckpt", "inspect"))["w"][0].file    # "zarr/w/c/0/0"
+    describe_zarr(checkpoint_node("ckpt", "inspect"))["w"][0].file    # "zarr/w/c.0.0"
     ```
     """
     root = checkpoint_dir / ZARR_DIR
@@ -375,7 +397,11 @@ def describe_zarr(checkpoint_dir: ObjectPath) -> Dict[str, List[StoredShardInfo]
                 shape = tuple(min(c, n - o) for c, n, o in zip(chunk, info.global_shape, offset))
                 pieces.append(
                     StoredShardInfo(
-                        offset, shape, None, f"{ZARR_DIR}/{name}/{chunk_key(coords)}", math.prod(chunk) * itemsize
+                        offset,
+                        shape,
+                        None,
+                        f"{ZARR_DIR}/{name}/{chunk_key(coords, info.chunk_separator)}",
+                        math.prod(chunk) * itemsize,
                     )
                 )
         else:

@@ -23,11 +23,18 @@ from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple, TypeVar
 import numpy as np
 import torch
 
-from dist_ckpt.backends.zarr.layout import ATTR, LAYOUT_CHUNKED, LAYOUT_FLATTENED, PARTIAL_ZARR_DIR, ZARR_DIR
+from dist_ckpt.backends.zarr.layout import (
+    ATTR,
+    CHUNK_SEPARATOR,
+    LAYOUT_CHUNKED,
+    LAYOUT_FLATTENED,
+    PARTIAL_ZARR_DIR,
+    ZARR_DIR,
+)
 from dist_ckpt.model.dtypes import dtype_info
 from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.storage import fsync_dir
-from dist_ckpt.storage.files import fsync_tree
+from dist_ckpt.storage.files import fsync_tree, sync_filesystem
 from dist_ckpt.storage.object_path import ObjectPath
 
 __all__ = [
@@ -43,6 +50,7 @@ __all__ = [
     "flattened_attributes",
     "fragment_attributes",
     "fsync_written",
+    "group_document",
     "in_threads",
     "is_origin",
     "publish_written",
@@ -170,7 +178,8 @@ def fill_value_json(dtype: torch.dtype) -> Any:
 def array_metadata(
     shape: Sequence[int], chunk_shape: Sequence[int], dtype: torch.dtype, attributes: Dict[str, Any]
 ) -> Dict[str, Any]:
-    """zarr v3 metadata of an uncompressed little-endian array, as the zarr backend writes it."""
+    """zarr v3 metadata of an uncompressed little-endian array, as the zarr backend writes it
+    (chunk keys ``c.<i>.<j>``: `CHUNK_SEPARATOR`)."""
     stored = stored_numpy_dtype(dtype)
     bytes_codec: Dict[str, Any] = {"name": "bytes"}
     if stored.itemsize > 1:
@@ -181,7 +190,7 @@ def array_metadata(
         "shape": list(shape),
         "data_type": stored.name if dtype_info(dtype).bits_dtype is not None else dtype_info(dtype).name,
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk_shape)}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": CHUNK_SEPARATOR}},
         "fill_value": fill_value_json(dtype),
         "codecs": [bytes_codec],
         "attributes": {ATTR: attributes},
@@ -189,11 +198,15 @@ def array_metadata(
     }
 
 
+def group_document(attributes: Dict[str, Any]) -> bytes:
+    """The ``zarr.json`` of a zarr v3 group with ``attributes``, as the zarr backend writes it."""
+    return json.dumps({"attributes": attributes, "zarr_format": 3, "node_type": "group"}, indent=2).encode("utf-8")
+
+
 def write_group(path: ObjectPath, attributes: Dict[str, Any]) -> ObjectPath:
     """Write a zarr v3 group node at ``path`` (atomically, durably); returns its ``zarr.json``."""
-    doc = json.dumps({"attributes": attributes, "zarr_format": 3, "node_type": "group"}, indent=2).encode("utf-8")
     target = path / "zarr.json"
-    target.write_bytes(doc)
+    target.write_bytes(group_document(attributes))
     return target
 
 
@@ -208,8 +221,9 @@ def cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
 def fsync_written(paths: Sequence[ObjectPath], root: ObjectPath) -> None:
     """Make the files an engine wrote by local path durable, with every directory from their
     parents up to ``root``, so that a crash after a save returns cannot lose them: one
-    ``syncfs`` of the file system (`fsync_tree()`; a file and a
-    directory at a time where there is no ``syncfs``), not an fsync per chunk file.
+    ``syncfs`` of the file system holding ``root`` (`sync_filesystem()`: the files were just
+    created under ``root``, by this save, so they are on it), not an fsync per chunk file; a
+    file and a directory at a time where there is no ``syncfs`` (`fsync_tree()`).
 
     Only a storage with ``local_paths`` needs it: the engines write object stores through their
     own clients, and an object is durable when its PUT returns.
@@ -217,7 +231,8 @@ def fsync_written(paths: Sequence[ObjectPath], root: ObjectPath) -> None:
     if not root.storage.local_paths:
         return
     top = root.local_path()  # resolved once: the files were just created under it, by this save
-    fsync_tree([top.joinpath(*node.relative_to(root).split("/")) for node in paths], top)
+    if not sync_filesystem(top):
+        fsync_tree([top.joinpath(*node.relative_to(root).split("/")) for node in paths], top)
 
 
 def in_threads(fn: Callable[[_T], _R], items: Sequence[_T]) -> List[_R]:

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from dist_ckpt.backends.request_checks import check_requested_tensors
-from dist_ckpt.backends.zarr.layout import LAYOUT_CHUNKED, ZARR_DIR
+from dist_ckpt.backends.zarr.layout import LAYOUT_CHUNKED, ZARR_DIR, chunk_key
 from dist_ckpt.backends.zarr.metadata import FragmentInfo, JsonCheck, StoredTensorInfo, find_tensor_info
 from dist_ckpt.backends.zarr.nodes import in_threads
 from dist_ckpt.errors import CorruptCheckpointError
@@ -30,17 +30,17 @@ __all__ = ["ReadOp", "ReadPlan", "plan_reads", "plan_request"]
 @dataclass(frozen=True)
 class ReadOp:
     """Read ``region`` of the array at ``array_path``; view it as ``src_box`` (global
-    coordinates); copy its ``inter`` part into destination piece ``dst``. ``chunk``: the grid
-    coordinates of the chunk when ``region`` is exactly one whole chunk of plain bytes (see
-    `plain_chunk_bytes()`), which can be read
-    straight from its file (`dist_ckpt.backends.zarr.direct`); else None."""
+    coordinates); copy its ``inter`` part into destination piece ``dst``. ``chunk``: the chunk
+    file's key under the array (``c.0.1``, or ``c/0/1`` in older checkpoints: `chunk_key()`) when
+    ``region`` is exactly one whole chunk of plain bytes (see `plain_chunk_bytes()`), which can be
+    read straight from its file (`dist_ckpt.backends.zarr.direct`); else None."""
 
     array_path: ObjectPath
     region: Box
     src_box: Box
     dst: ShardPiece
     inter: Box
-    chunk: Optional[Tuple[int, ...]] = None
+    chunk: Optional[str] = None
 
 
 @dataclass
@@ -114,15 +114,15 @@ def plan_request(
     return {id(sh): plan_reads(sh, infos[sh.key]) for sh in requested}  # type: ignore[arg-type]
 
 
-def _whole_chunk(info: StoredTensorInfo, region: Box) -> Optional[Tuple[int, ...]]:
-    """The grid coordinates of the chunk ``region`` is exactly, if the array's chunks are plain
-    bytes; else None."""
+def _whole_chunk(info: StoredTensorInfo, region: Box) -> Optional[str]:
+    """The key of the chunk ``region`` is exactly, if the array's chunks are plain bytes; else
+    None."""
     if not info.plain_chunks:
         return None
     shape, offset, chunk = region.shape, region.offset, info.chunk_shape
     if any(s != c or o % c for s, o, c in zip(shape, offset, chunk)):
         return None
-    return tuple(o // c for o, c in zip(offset, chunk))
+    return chunk_key([o // c for o, c in zip(offset, chunk)], info.chunk_separator)
 
 
 def _fragment_op(frag: FragmentInfo, fp: ShardPiece, dst: ShardPiece, inter: Box) -> ReadOp:

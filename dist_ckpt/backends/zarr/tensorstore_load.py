@@ -23,7 +23,7 @@ import torch
 from dist_ckpt.backends.base import loaded_shape
 from dist_ckpt.backends.zarr.checksums import check_files, chunk_files
 from dist_ckpt.backends.zarr.direct import can_read_directly, read_chunk_into
-from dist_ckpt.backends.zarr.layout import ZARR_DIR, chunk_key
+from dist_ckpt.backends.zarr.layout import ZARR_DIR
 from dist_ckpt.backends.zarr.metadata import damaged_chunks
 from dist_ckpt.backends.zarr.nodes import in_threads
 from dist_ckpt.backends.zarr.read_plan import ReadOp, ReadPlan
@@ -165,7 +165,7 @@ class TensorStoreLoadShardedStrategy(ZarrLoadStrategyBase):
     ) -> None:
         view = self._direct_view(sh, op, plans, targets)
         assert view is not None and op.chunk is not None
-        chunk = op.array_path / chunk_key(op.chunk)
+        chunk = op.array_path / op.chunk
         expected = manifest.get(chunk.relative_to(checkpoint / ZARR_DIR)) if manifest is not None else None
         read_chunk_into(op.array_path, op.chunk, view, sh.key, expected)
 

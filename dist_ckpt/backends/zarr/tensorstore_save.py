@@ -1,9 +1,9 @@
 """The save side of the TensorStore engine of the zarr backend (``zarr``, version 1).
 
 Each main-replica shard becomes one zarr chunk (one 1-D fragment array if flattened), written
-whole by one rank: on local disks the plain chunk files and array metadata directly
-(`dist_ckpt.backends.zarr.direct`), otherwise through TensorStore, every write of a rank issued
-before any is awaited. The save ends with ``zarr/checksums.json`` and the rename of the tree to
+whole by one rank: on local disks the plain chunk files and array metadata directly, in one step
+(`dist_ckpt.backends.zarr.local_save`), otherwise through TensorStore, every write of a rank
+issued before any is awaited. The save ends with ``zarr/checksums.json`` and the rename of the tree to
 ``zarr/`` (see [`tensorstore_engine`][dist_ckpt.backends.zarr.tensorstore_engine] for the engine
 as a whole).
 """
@@ -18,15 +18,16 @@ import numpy as np
 
 from dist_ckpt.backends.base import main_replica_shards
 from dist_ckpt.backends.zarr.checksums import commit_checksums
-from dist_ckpt.backends.zarr.direct import direct_writes, write_array_json, write_chunk_file, written_files
 from dist_ckpt.backends.zarr.layout import (
     ATTR,
+    CHUNK_SEPARATOR,
     checkpoint_node,
     chunk_key,
     fragment_chunk_elements,
     fragment_name,
     tensor_dir,
 )
+from dist_ckpt.backends.zarr.local_save import direct_writes, save_locally
 from dist_ckpt.backends.zarr.nodes import (
     array_chunk_shape,
     array_metadata,
@@ -38,7 +39,6 @@ from dist_ckpt.backends.zarr.nodes import (
     flattened_attributes,
     fragment_attributes,
     fsync_written,
-    in_threads,
     publish_written,
     write_group,
     writing_root,
@@ -62,10 +62,11 @@ __all__ = ["TensorStoreSaveShardedStrategy"]
 class TensorStoreSaveShardedStrategy(ZarrSaveStrategyBase):
     """Writes each main-replica shard as one zarr chunk (one fragment array if flattened).
 
-    Two collective steps, each ending with an error exchange: (1) the holder of each tensor's
-    first chunk creates its array (or group), flattened shards create their fragment arrays;
-    (2) every rank issues the writes of all its chunks at once, waits for them, and fsyncs the
-    files and directories it wrote. Each chunk is written once, whole, by one rank.
+    On a local disk one collective step writes every file and makes it durable (`local_save`);
+    on an object store two, each ending with an error exchange: (1) the rank chosen for each
+    tensor creates its array (or group), flattened shards create their fragment arrays; (2) every
+    rank issues the writes of all its chunks at once and waits for them. Each chunk is written
+    once, whole, by one rank.
     """
 
     engine: ClassVar[str] = ENGINE
@@ -82,45 +83,41 @@ class TensorStoreSaveShardedStrategy(ZarrSaveStrategyBase):
         node = checkpoint_node(checkpoint_dir, ENGINE)
         root = writing_root(node)  # renamed to zarr/ once complete (local disks)
         shards = main_replica_shards(sharded_state_dict)
-        context = ts_context(self.concurrency)
-        # 1. tensor nodes exist before any rank writes into them
-        created_digests: Dict[ObjectPath, FileDigest] = {}
-        created = run_collectively(
-            "creating zarr arrays (tensorstore)", lambda: self._create_nodes(root, shards, context, created_digests)
-        )
-        # 2. every chunk, concurrently, then durable
-        digests: Dict[ObjectPath, FileDigest] = dict(created_digests)
+        digests: Dict[ObjectPath, FileDigest] = {}
+        if direct_writes(root):  # plain files, in one step (see `local_save`)
+            written = run_collectively("writing zarr files", lambda: save_locally(root, shards, digests))
+        else:
+            context = ts_context(self.concurrency)
+            # 1. tensor nodes exist before any rank writes into them
+            created = run_collectively(
+                "creating zarr arrays (tensorstore)", lambda: self._create_nodes(root, shards, context)
+            )
 
-        def write() -> List[ObjectPath]:
-            chunks = self._write_chunks(root, shards, context, digests)
-            fsync_written(created + chunks, root)  # this rank's arrays and chunks: one syncfs
-            return chunks
+            # 2. every chunk, concurrently, then durable
+            def write() -> List[ObjectPath]:
+                chunks = self._write_chunks(root, shards, context, digests)
+                fsync_written(created + chunks, root)  # a local disk of a big-endian host
+                return chunks
 
-        chunks = run_collectively("writing zarr chunks (tensorstore)", write)
+            written = created + run_collectively("writing zarr chunks (tensorstore)", write)
         # 3. rank 0 records the checksum of every file written, then gives the tree its name
-        commit_checksums(root, created + chunks, digests)
+        commit_checksums(root, written, digests)
         run_collectively("publishing the zarr tree", lambda: publish_written(node) if get_rank() == 0 else None)
 
     @staticmethod
-    def _create_nodes(
-        root: ObjectPath, shards: List[ShardedTensor], context: "ts.Context", digests: Dict[ObjectPath, FileDigest]
-    ) -> List[ObjectPath]:
-        """Create this rank's nodes; the digests of those written directly go into ``digests``."""
+    def _create_nodes(root: ObjectPath, shards: List[ShardedTensor], context: "ts.Context") -> List[ObjectPath]:
+        """Create this rank's nodes through TensorStore (where `direct_writes()` is False)."""
         root.mkdir()
         written: List[ObjectPath] = []
         if get_rank() == 0:
             written.append(write_group(root, {}))
         pending: List[Tuple[Tuple[str, ObjectPath], Any]] = []
-        direct: List[Tuple[ObjectPath, Dict[str, Any]]] = []
         for sh in shards:
             path = tensor_dir(root, sh.key)
             if sh.flattened_range is None:
                 if creates_array(sh):
                     meta = array_metadata(sh.global_shape, array_chunk_shape(sh), sh.dtype, chunked_attributes(sh))
-                    if direct_writes(root):  # the same document TensorStore would write, without its per-array work
-                        direct.append((path, meta))
-                    else:
-                        pending.append(((sh.key, path), create_array(path, meta, context)))
+                    pending.append(((sh.key, path), create_array(path, meta, context)))
                 continue
             if creates_flattened_group(sh):
                 written.append(write_group(path, {ATTR: flattened_attributes(sh)}))
@@ -129,7 +126,6 @@ class TensorStoreSaveShardedStrategy(ZarrSaveStrategyBase):
                 frag = path / fragment_name(sh)
                 meta = array_metadata((length,), (fragment_chunk_elements(length),), sh.dtype, fragment_attributes(sh))
                 pending.append(((sh.key, frag), create_array(frag, meta, context)))
-        written += written_files(in_threads(lambda item: write_array_json(*item), direct), digests)
         failed = wait_all(pending)
         if failed:
             (key, path), error = failed[0]
@@ -144,11 +140,11 @@ class TensorStoreSaveShardedStrategy(ZarrSaveStrategyBase):
     def _write_chunks(
         root: ObjectPath, shards: List[ShardedTensor], context: "ts.Context", digests: Dict[ObjectPath, FileDigest]
     ) -> List[ObjectPath]:
-        """Write every chunk, concurrently (the caller makes them durable). A chunk of a tensor saved as a
-        grid is its shard's bytes exactly (uncompressed, little-endian), so its digest goes into
-        ``digests`` from memory: the manifest then needs no second read of the file."""
+        """Write every chunk through TensorStore, concurrently (the caller makes them durable). A
+        chunk of a tensor saved as a grid is its shard's bytes exactly (uncompressed), so on a
+        little-endian host its digest goes into ``digests`` from memory: the manifest then needs
+        no second read of the file."""
         targets: List[Tuple[ShardedTensor, ObjectPath, Tuple[slice, ...], np.ndarray, List[ObjectPath]]] = []
-        direct: List[Tuple[ShardedTensor, np.ndarray]] = []
         for sh in shards:
             if sh.data is None:
                 raise CheckpointingException(f"[rank {get_rank()}] main replica of {sh.key!r} has no data to save")
@@ -156,12 +152,9 @@ class TensorStoreSaveShardedStrategy(ZarrSaveStrategyBase):
             if sh.flattened_range is None:
                 if math.prod(sh.local_shape) == 0:
                     continue
-                if direct_writes(root):  # one file from the tensor's memory (see `direct`)
-                    direct.append((sh, data))
-                    continue
                 path = tensor_dir(root, sh.key)
                 region = tuple(slice(o, o + s) for o, s in zip(sh.global_offset, sh.full_local_shape))
-                files = [path / chunk_key(sh.local_chunk_offset_in_global())]
+                files = [path / chunk_key(sh.local_chunk_offset_in_global(), CHUNK_SEPARATOR)]
                 targets.append((sh, path, region, data.reshape(sh.full_local_shape), files))
                 if sys.byteorder == "little":  # the bytes the file will hold
                     digests[files[0]] = bytes_digest(data.reshape(-1).view(np.uint8))
@@ -171,11 +164,8 @@ class TensorStoreSaveShardedStrategy(ZarrSaveStrategyBase):
                 continue
             path = tensor_dir(root, sh.key) / fragment_name(sh)
             chunk = fragment_chunk_elements(length)
-            files = [path / chunk_key((i,)) for i in range(math.ceil(length / chunk))]
+            files = [path / chunk_key((i,), CHUNK_SEPARATOR) for i in range(math.ceil(length / chunk))]
             targets.append((sh, path, (slice(0, length),), data, files))
-        written = written_files(
-            in_threads(lambda item: write_chunk_file(tensor_dir(root, item[0].key), *item), direct), digests
-        )
         # open every array concurrently, then issue every write before waiting for any
         opened: Dict[ObjectPath, Any] = {}
         for _, path, _, _, _ in targets:
@@ -197,4 +187,4 @@ class TensorStoreSaveShardedStrategy(ZarrSaveStrategyBase):
                 f"[rank {get_rank()}] writing tensor {key!r} to {str(path)!r} failed: {error}"
                 + (f" ({len(failed) - 1} more writes failed)" if len(failed) > 1 else "")
             ) from error
-        return written + [f for *_, files in targets for f in files]
+        return [f for *_, files in targets for f in files]

@@ -26,7 +26,7 @@ from dist_ckpt.backends.base import load_destination
 from dist_ckpt.backends.zarr.checksums import VerifyingStore, drop_from_checksums
 from dist_ckpt.backends.zarr.direct import can_read_directly, read_chunk_into
 from dist_ckpt.backends.zarr.dtypes import register_extension_dtypes
-from dist_ckpt.backends.zarr.layout import ZARR_DIR, checkpoint_node, chunk_coords, chunk_key, s3_storage
+from dist_ckpt.backends.zarr.layout import ZARR_DIR, checkpoint_node, chunk_coords, s3_storage
 from dist_ckpt.backends.zarr.metadata import list_tensor_names, open_tensor_info
 from dist_ckpt.backends.zarr.nodes import READ_BUDGET_BYTES, ByteBudget, in_threads
 from dist_ckpt.backends.zarr.read_plan import ReadOp
@@ -79,7 +79,7 @@ class _ArrayReader:
         assert op.chunk is not None
         expected = None
         if self._manifest is not None:
-            expected = self._manifest.get((op.array_path / chunk_key(op.chunk)).relative_to(self._root))
+            expected = self._manifest.get((op.array_path / op.chunk).relative_to(self._root))
         read_chunk_into(op.array_path, op.chunk, dest, key, expected)
 
     def read(self, path: ObjectPath, region: Box, key: str) -> np.ndarray:

@@ -1,8 +1,8 @@
 """The save side of the zarr-python engine of the zarr backend (``zarr``, version 1).
 
 Each main-replica shard becomes one zarr chunk (one 1-D fragment array if flattened), written
-once by one rank: on local disks the plain chunk files and array metadata directly
-(`dist_ckpt.backends.zarr.direct`), otherwise with zarr-python through the stores of
+once by one rank: on local disks the plain chunk files and array metadata directly, in one step
+(`dist_ckpt.backends.zarr.local_save`), otherwise with zarr-python through the stores of
 `zarr_python_stores`, which digest what they write. The save ends with ``zarr/checksums.json``
 and the rename of the tree to ``zarr/``. A save can also stream whole tensors one at a time
 (`ZarrSaveShardedStrategy.begin_stream()`). See
@@ -12,7 +12,7 @@ and the rename of the tree to ``zarr/``. A save can also stream whole tensors on
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Dict, List, Sequence, Tuple
+from typing import Any, ClassVar, Dict, List, Sequence
 
 import torch
 import zarr
@@ -20,18 +20,18 @@ from zarr.codecs import BytesCodec
 
 from dist_ckpt.backends.base import TensorLayout, TensorStreamWriter, check_stream_entry, main_replica_shards
 from dist_ckpt.backends.zarr.checksums import commit_checksums
-from dist_ckpt.backends.zarr.direct import direct_writes, write_array_json, write_chunk_file, written_files
 from dist_ckpt.backends.zarr.layout import (
     ATTR,
+    CHUNK_SEPARATOR,
     ZARR_DIR,
     checkpoint_node,
     fragment_chunk_elements,
     fragment_name,
     tensor_dir,
 )
+from dist_ckpt.backends.zarr.local_save import direct_writes, make_root, plan_node_files, save_locally, write_planned
 from dist_ckpt.backends.zarr.nodes import (
     array_chunk_shape,
-    array_metadata,
     as_stored,
     chunked_attributes,
     cpu_contiguous,
@@ -49,7 +49,6 @@ from dist_ckpt.backends.zarr.strategy_base import ZarrSaveStrategyBase
 from dist_ckpt.backends.zarr.zarr_python_stores import ENGINE, Stores, as_storage_errors
 from dist_ckpt.engine.distributed import get_rank, run_collectively
 from dist_ckpt.errors import CheckpointingException
-from dist_ckpt.integrity.checksums import FileDigest
 from dist_ckpt.model.dtypes import tensor_to_numpy
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor
 from dist_ckpt.storage import Storage
@@ -58,7 +57,12 @@ from dist_ckpt.storage.object_path import ObjectPath
 
 __all__ = ["ZarrSaveShardedStrategy"]
 
-_ARRAY_OPTIONS: Dict[str, Any] = {"serializer": BytesCodec(), "compressors": None, "fill_value": 0}
+_ARRAY_OPTIONS: Dict[str, Any] = {
+    "serializer": BytesCodec(),
+    "compressors": None,
+    "fill_value": 0,
+    "chunk_key_encoding": {"name": "default", "separator": CHUNK_SEPARATOR},
+}
 # zarr skips chunks equal to the fill value by default; every chunk must exist on disk so that a
 # missing chunk can be told apart from an all-zero one (zarr reads both as zeros)
 _WRITE_EMPTY: Any = {"write_empty_chunks": True}
@@ -67,10 +71,11 @@ _WRITE_EMPTY: Any = {"write_empty_chunks": True}
 class ZarrSaveShardedStrategy(ZarrSaveStrategyBase):
     """Writes each main-replica shard as one zarr chunk (or one fragment array if flattened).
 
-    Three collective steps: (1) the rank holding the first chunk of each tensor creates its array
-    (or group) and flattened fragments are written; (2) every rank writes its chunks into the
-    arrays; (3) the ranks digest the files they wrote and rank 0 writes ``zarr/checksums.json``.
-    Each step ends with an error exchange, so a failure on one rank raises everywhere.
+    On a local disk, one collective step writes every file (`local_save`); on an object store
+    two: (1) the rank chosen for each tensor creates its array (or group) and flattened fragments
+    are written; (2) every rank writes its chunks into the arrays. Then the ranks' digests go to
+    rank 0, which writes ``zarr/checksums.json``, and the tree gets its name. Each step ends with
+    an error exchange, so a failure on one rank raises everywhere.
     """
 
     can_stream: ClassVar[bool] = True
@@ -84,16 +89,19 @@ class ZarrSaveShardedStrategy(ZarrSaveStrategyBase):
         root = writing_root(node)  # renamed to zarr/ once complete (local disks)
         shards = main_replica_shards(sharded_state_dict)
         stores = Stores(read_only=False)
-        with as_storage_errors(root, "writing"):
-            created = run_collectively("creating zarr arrays", lambda: self._create_nodes(root, shards, stores))
+        if direct_writes(root):  # plain files, in one step (see `local_save`)
+            written = run_collectively("writing zarr files", lambda: save_locally(root, shards, stores.digests))
+        else:
+            with as_storage_errors(root, "writing"):
+                created = run_collectively("creating zarr arrays", lambda: self._create_nodes(root, shards, stores))
 
-            def write() -> List[ObjectPath]:
-                chunks = self._write_chunks(root, shards, stores)
-                fsync_written(created + chunks, root)  # this rank's arrays and chunks: one syncfs
-                return chunks
+                def write() -> List[ObjectPath]:
+                    chunks = self._write_chunks(root, shards, stores)
+                    fsync_written(created + chunks, root)  # a local disk of a big-endian host
+                    return chunks
 
-            chunks = run_collectively("writing zarr chunks", write)
-        commit_checksums(root, created + chunks, stores.digests)
+                written = created + run_collectively("writing zarr chunks", write)
+        commit_checksums(root, written, stores.digests)
         run_collectively("publishing the zarr tree", lambda: publish_written(node) if get_rank() == 0 else None)
 
     def begin_stream(self, checkpoint_dir: Storage, layout: Sequence[TensorLayout]) -> TensorStreamWriter:
@@ -107,6 +115,8 @@ class ZarrSaveShardedStrategy(ZarrSaveStrategyBase):
     def _create_nodes(
         self, root: ObjectPath, shards: List[ShardedTensor], stores: Stores, create_root: bool = True
     ) -> List[ObjectPath]:
+        """Create this rank's arrays and groups through zarr-python (where `direct_writes()` is
+        False: an object store); flattened shards are written whole as their fragment arrays."""
         root.mkdir()
         written: List[ObjectPath] = []
         if get_rank() == 0 and create_root:
@@ -116,9 +126,6 @@ class ZarrSaveShardedStrategy(ZarrSaveStrategyBase):
 
         def create_array(sh: ShardedTensor) -> ObjectPath:
             path = tensor_dir(root, sh.key)
-            if direct_writes(root):  # the same document, without zarr-python's per-array work
-                meta = array_metadata(sh.global_shape, array_chunk_shape(sh), sh.dtype, chunked_attributes(sh))
-                return written_files([write_array_json(path, meta)], stores.digests)[0]
             store, name = stores.at(path)
             zarr.create_array(
                 store=store,
@@ -147,7 +154,7 @@ class ZarrSaveShardedStrategy(ZarrSaveStrategyBase):
                 written.append(path / "zarr.json")
             if sh.flattened_range.stop > sh.flattened_range.start:
                 written += self._write_fragment(path / fragment_name(sh), sh, stores)
-        return written  # made durable with the chunks
+        return written
 
     @staticmethod
     def _write_fragment(path: ObjectPath, sh: ShardedTensor, stores: Stores) -> List[ObjectPath]:
@@ -171,23 +178,13 @@ class ZarrSaveShardedStrategy(ZarrSaveStrategyBase):
         return [path / "zarr.json"] + chunk_files
 
     def _write_chunks(self, root: ObjectPath, shards: List[ShardedTensor], stores: Stores) -> List[ObjectPath]:
-        """Write every chunk of this rank, several at a time (`IO_THREADS`:
-        zarr-python's per-array work and the writes overlap); the caller makes them durable."""
+        """Write every chunk of this rank through zarr-python (where `direct_writes()` is False),
+        several at a time (`IO_THREADS`); the caller makes them durable."""
         by_key: Dict[str, List[ShardedTensor]] = {}
         for sh in shards:
             if sh.flattened_range is None and math.prod(sh.local_shape) > 0:
                 assert sh.data is not None, f"{sh.key!r} has no data to save"
                 by_key.setdefault(sh.key, []).append(sh)
-
-        if direct_writes(root):  # one file per shard, from the tensor's memory (see `direct`)
-
-            def write_file(sh: ShardedTensor) -> Tuple[ObjectPath, FileDigest]:
-                data = as_stored(tensor_to_numpy(cpu_contiguous(sh.data)), sh.dtype)  # type: ignore[arg-type]
-                return write_chunk_file(tensor_dir(root, sh.key), sh, data)
-
-            return written_files(
-                in_threads(write_file, [sh for group in by_key.values() for sh in group]), stores.digests
-            )
 
         def write_key(group: List[ShardedTensor]) -> List[ObjectPath]:
             path = tensor_dir(root, group[0].key)
@@ -218,18 +215,26 @@ class _ZarrStreamWriter(TensorStreamWriter):
         for existing in (root, checkpoint / ZARR_DIR):
             if existing.is_dir():
                 raise FileExistsError(f"{existing} exists already")
-        root.mkdir()
-        zarr.create_group(store=str(root.local_path()), overwrite=False)
-        self.written: List[ObjectPath] = [root / "zarr.json"]
+        if direct_writes(root):
+            make_root(root)
+        else:
+            root.mkdir()
         self._stores = Stores(read_only=False)
+        self.written: List[ObjectPath] = []
+        self._write([], root_group=True)
         self._added = 0
+
+    def _write(self, shards: List[ShardedTensor], root_group: bool) -> None:
+        if direct_writes(self.root):
+            self.written += write_planned(self.root, plan_node_files(shards, root_group), self._stores.digests)
+            return
+        self.written += self.strategy._create_nodes(self.root, shards, self._stores, create_root=root_group)
+        self.written += self.strategy._write_chunks(self.root, shards, self._stores)
 
     def add(self, key: str, tensor: torch.Tensor) -> None:
         check_stream_entry(self.layout, self._added, key, tensor)
         self._added += 1
-        sh = [ShardedTensor.from_rank_offsets(key, tensor.detach())]
-        self.written += self.strategy._create_nodes(self.root, sh, self._stores, create_root=False)
-        self.written += self.strategy._write_chunks(self.root, sh, self._stores)
+        self._write([ShardedTensor.from_rank_offsets(key, tensor.detach())], root_group=False)
 
     def finish(self) -> None:
         if self._added != len(self.layout):

@@ -76,8 +76,8 @@ def test_zarr_engines_round_trip_on_s3(s3_url: str, s3_env: Any, saver: str, loa
         "zarr/zarr.json",
         "zarr/checksums.json",
         "zarr/w/zarr.json",
-        "zarr/w/c/0/0",
-        "zarr/zero/c/0/0",
+        "zarr/w/c.0.0",
+        "zarr/zero/c.0.0",
     } <= keys
     out = dist_ckpt.load(_sharded(state, like=True), s3_url, sharded_strategy=LOADERS[loader]())
     for k, t in state.items():
@@ -96,7 +96,7 @@ def test_zarr_engines_round_trip_on_s3(s3_url: str, s3_env: Any, saver: str, loa
 def test_a_missing_chunk_object_is_reported_not_read_as_zeros(s3_url: str, s3_env: Any, loader: str) -> None:
     state = _state()
     dist_ckpt.save(_sharded(state), s3_url, sharded_strategy=ZarrSaveShardedStrategy())
-    open_storage(s3_url).delete("zarr/zero/c/0/0")
+    open_storage(s3_url).delete("zarr/zero/c.0.0")
     with pytest.raises(CorruptCheckpointError, match="zero"):
         dist_ckpt.load(_sharded(state, like=True), s3_url, sharded_strategy=LOADERS[loader]())
     assert not verify_checkpoint(s3_url).ok
@@ -106,11 +106,11 @@ def test_a_changed_chunk_object_fails_its_checksum(s3_url: str, s3_env: Any) -> 
     state = _state()
     dist_ckpt.save(_sharded(state), s3_url, sharded_strategy=ZarrSaveShardedStrategy())
     storage = open_storage(s3_url)
-    data = bytearray(storage.read("zarr/w/c/0/0"))
+    data = bytearray(storage.read("zarr/w/c.0.0"))
     data[5] ^= 0xFF
-    storage.write("zarr/w/c/0/0", bytes(data))
+    storage.write("zarr/w/c.0.0", bytes(data))
     for loader in LOADERS.values():
-        with pytest.raises(CheckpointingException, match="zarr/w/c/0/0") as info:
+        with pytest.raises(CheckpointingException, match="zarr/w/c.0.0") as info:
             dist_ckpt.load(_sharded(state, like=True), s3_url, sharded_strategy=loader())
         assert "tensor 'w'" in str(info.value)
 
@@ -166,7 +166,7 @@ def test_inspect_describes_zarr_checkpoints_on_s3(s3_url: str, s3_env: Any, save
     info = inspect_checkpoint(s3_url)
     tensors = {t.key: t for t in info.tensors}
     assert info.sharded_backend == "zarr:1" and set(tensors) == set(state) | {"flat"}
-    assert tensors["w"].global_shape == (6, 10) and [s.file for s in tensors["w"].shards] == ["zarr/w/c/0/0"]
+    assert tensors["w"].global_shape == (6, 10) and [s.file for s in tensors["w"].shards] == ["zarr/w/c.0.0"]
     assert [s.flat_range for s in tensors["flat"].shards] == [(0, 8)]
 
 

@@ -169,7 +169,7 @@ CASES: List[Tuple[str, str, Callable[[Dict[str, int]], Point]]] = [
         _phase(lambda s, side: s.has("safetensors/index.json")),
     ),
     ("async", "finalize: metadata.json being committed", _phase(lambda s, side: s.has_temp(".metadata.json"))),
-    ("zarr", "zarr chunks being written", _phase(lambda s, side: s.count("zarr/w/c/") >= 1)),
+    ("zarr", "zarr chunks being written", _phase(lambda s, side: s.count(".partial-zarr/w/c.") >= 1)),
     ("zarr", "zarr/checksums.json being written", _phase(lambda s, side: s.has_temp(".checksums.json"))),
 ]
 

@@ -59,14 +59,14 @@ def test_one_line_per_problem_and_exit_1(tmp_path, capsys):
 def test_json_output(tmp_path, capsys):
     path = _save(tmp_path / "c", ("zarr", 1))
     (path / "metadata.json").unlink()
-    chunk = path / "zarr" / "w" / "c" / "0" / "0"
+    chunk = path / "zarr" / "w" / "c.0.0"
     chunk.write_bytes(chunk.read_bytes()[:-4])
     assert main(["verify", str(path), "--json"]) == 1
     doc = json.loads(capsys.readouterr().out)
     assert doc["ok"] is False and doc["committed"] is False and doc["backends"] == ["zarr:1", "torch:1"]
     assert doc["problems"][0]["path"] == "metadata.json" and "never committed" in doc["problems"][0]["problem"]
     assert doc["problems"][1] == {
-        "path": "zarr/w/c/0/0",
+        "path": "zarr/w/c.0.0",
         "problem": "has 252 bytes, 256 were recorded at save time (truncated or replaced)",
         "key": "w",
     }

@@ -179,7 +179,7 @@ def test_zero_d_empty_and_all_zero_chunks(tmp_path, eng):
         **split_state("z", zeros_then_ones, 0, 2),
     }
     eng.save(sd, tmp_path)
-    assert (tmp_path / ZARR_DIR / "z" / "c" / "0" / "0").is_file()  # the all-zero chunk exists on disk
+    assert (tmp_path / ZARR_DIR / "z" / "c.0.0").is_file()  # the all-zero chunk exists on disk
     dest = torch.tensor(0.0)
     out = eng.load(
         {
@@ -309,7 +309,7 @@ def test_both_engines_write_the_same_checkpoint(tmp_path, small_fragments):
 
     zarr_tree, ts_tree = tree(tmp_path / "zarr"), tree(tmp_path / "ts")
     assert sorted(zarr_tree) == sorted(ts_tree)
-    assert "zarr/opt/0.0_6/c/1" in ts_tree  # fragments split into several chunks
+    assert "zarr/opt/0.0_6/c.1" in ts_tree  # fragments split into several chunks
     for name in zarr_tree:
         assert zarr_tree[name] == ts_tree[name], name
 
@@ -330,7 +330,7 @@ class TestDamage:
         return {f"r{r}": ShardedTensor.from_rank_offsets("dmg.w", torch.empty(2, 4), (0, r, 4)) for r in range(4)}
 
     def test_deleted_chunk_names_key_and_file(self, tmp_path, eng, stored):
-        chunk = tmp_path / ZARR_DIR / "dmg.w" / "c" / "1" / "0"
+        chunk = tmp_path / ZARR_DIR / "dmg.w" / "c.1.0"
         chunk.unlink()
         with pytest.raises(CorruptCheckpointError) as info:
             eng.load(self.request(), tmp_path)
@@ -341,7 +341,7 @@ class TestDamage:
 
     @pytest.mark.parametrize("size", [0, 10, 40])
     def test_wrongly_sized_chunk(self, tmp_path, eng, stored, size):
-        chunk = tmp_path / ZARR_DIR / "dmg.w" / "c" / "2" / "0"
+        chunk = tmp_path / ZARR_DIR / "dmg.w" / "c.2.0"
         with open(chunk, "r+b") as f:
             f.truncate(size)
         with pytest.raises(CorruptCheckpointError) as info:

@@ -14,13 +14,7 @@ import torch
 import zarr
 
 import dist_ckpt as dc
-from dist_ckpt.backends.zarr import (
-    tensorstore_arrays,
-    tensorstore_engine,
-    tensorstore_save,
-    zarr_python_load,
-    zarr_python_save,
-)
+from dist_ckpt.backends.zarr import tensorstore_arrays, tensorstore_engine, zarr_python_load
 from dist_ckpt.backends.zarr.layout import ZARR_DIR
 from dist_ckpt.backends.zarr.metadata import plain_chunk_bytes
 from dist_ckpt.backends.zarr.nodes import array_metadata
@@ -109,11 +103,11 @@ def test_a_partial_chunk_still_goes_through_the_engine(engine, tmp_path):
 def test_a_directly_read_chunk_with_other_bytes_fails_its_checksum_naming_key_and_file(engine, tmp_path):
     _, sd = _state()
     dc.save(sd, tmp_path, sharded_strategy=ENGINES[engine][0]())
-    chunk = tmp_path / ZARR_DIR / "w" / "c" / "0" / "0"
+    chunk = tmp_path / ZARR_DIR / "w" / "c.0.0"
     raw = bytearray(chunk.read_bytes())
     raw[5] ^= 0xFF
     chunk.write_bytes(bytes(raw))
-    with pytest.raises(ChecksumMismatchError, match=r"'w'.*c/0/0"):
+    with pytest.raises(ChecksumMismatchError, match=r"'w'.*c\.0\.0"):
         dc.load(_request(), tmp_path, sharded_strategy=ENGINES[engine][1]())
 
 
@@ -122,7 +116,7 @@ def test_a_directly_read_chunk_with_other_bytes_fails_its_checksum_naming_key_an
 def test_a_directly_read_chunk_that_is_missing_or_short_is_corrupt(engine, damage, tmp_path):
     _, sd = _state()
     dc.save(sd, tmp_path, sharded_strategy=ENGINES[engine][0]())
-    chunk = tmp_path / ZARR_DIR / "w" / "c" / "0" / "0"
+    chunk = tmp_path / ZARR_DIR / "w" / "c.0.0"
     if damage == "missing":
         chunk.unlink()
     else:
@@ -134,16 +128,16 @@ def test_a_directly_read_chunk_that_is_missing_or_short_is_corrupt(engine, damag
 
 @pytest.mark.parametrize("engine", sorted(ENGINES))
 def test_a_chunk_is_written_once_an_existing_file_fails_the_save(engine, tmp_path, monkeypatch):
-    from dist_ckpt.backends.zarr import direct
+    from dist_ckpt.backends.zarr import local_save
 
     _, sd = _state()
-    real = direct.write_chunk_file
+    real = local_save.write_node_files
 
-    def twice(array_dir, sh, data):
-        real(array_dir, sh, data)
-        return real(array_dir, sh, data)  # the same chunk again: refused, never overwritten
+    def twice(top, node):
+        real(top, node)
+        return real(top, node)  # the same files again: refused, never overwritten
 
-    monkeypatch.setattr(zarr_python_save if engine == "zarr-python" else tensorstore_save, "write_chunk_file", twice)
+    monkeypatch.setattr(local_save, "write_node_files", twice)
     with pytest.raises((CheckpointingException, FileExistsError)):
         dc.save(sd, tmp_path, sharded_strategy=ENGINES[engine][0]())
     assert not (tmp_path / ZARR_DIR).exists()  # nothing published under the checkpoint's names
@@ -160,8 +154,10 @@ def test_plain_chunk_bytes_accepts_only_what_can_be_read_straight_into_a_tensor(
     )
     gzip = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "gzip", "configuration": {"level": 1}}]
     assert not plain_chunk_bytes(dict(doc, codecs=gzip), torch.float32)
-    dotted = {"name": "default", "configuration": {"separator": "."}}
-    assert not plain_chunk_bytes(dict(doc, chunk_key_encoding=dotted), torch.float32)
+    slashed = {"name": "default", "configuration": {"separator": "/"}}  # checkpoints saved before the "." keys
+    assert plain_chunk_bytes(dict(doc, chunk_key_encoding=slashed), torch.float32)
+    v2_keys = {"name": "v2", "configuration": {"separator": "."}}
+    assert not plain_chunk_bytes(dict(doc, chunk_key_encoding=v2_keys), torch.float32)
     assert not plain_chunk_bytes(dict(doc, storage_transformers=[{"name": "x"}]), torch.float32)
 
 

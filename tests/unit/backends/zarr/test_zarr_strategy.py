@@ -349,7 +349,7 @@ def test_all_zero_chunks_round_trip(tmp_path, dtype):
     full = torch.zeros(4, 6, dtype=dtype)
     full[2:] = 1  # chunk 1 is non-zero, chunk 0 is all zeros
     save(split_state("z", full, 0, 2), tmp_path)
-    assert (tmp_path / ZARR_DIR / "z" / "c" / "0" / "0").is_file()
+    assert (tmp_path / ZARR_DIR / "z" / "c.0.0").is_file()
     out = load({"x": ShardedTensor.from_rank_offsets("z", torch.ones(4, 6, dtype=dtype))}, tmp_path)["x"]
     assert torch.equal(out, full)
 
@@ -416,7 +416,7 @@ def read_log(monkeypatch):
     direct = zarr_python_load.read_chunk_into
 
     def read_chunk_into(array_dir, chunk, *args, **kwargs):
-        log.append((array_dir.local_path(), zarr_layout.chunk_key(chunk)))
+        log.append((array_dir.local_path(), chunk))
         return direct(array_dir, chunk, *args, **kwargs)
 
     monkeypatch.setattr(zarr.storage.LocalStore, "get", get)
@@ -441,19 +441,15 @@ def _chunk_reads(log):
 def test_load_reads_only_needed_chunk(tmp_path, read_log):
     full = torch.arange(32, dtype=torch.float32).reshape(8, 4)
     save(split_state("w", full, 0, 4), tmp_path)
-    chunk_files = sorted(
-        str(p.relative_to(tmp_path / ZARR_DIR / "w"))
-        for p in (tmp_path / ZARR_DIR / "w" / "c").rglob("*")
-        if p.is_file()
-    )
-    assert chunk_files == [f"c/{i}/0" for i in range(4)]
+    chunk_files = sorted(p.name for p in (tmp_path / ZARR_DIR / "w").iterdir() if p.name != "zarr.json")
+    assert chunk_files == [f"c.{i}.0" for i in range(4)]  # beside zarr.json: no directories (layout.CHUNK_SEPARATOR)
     read_log.clear()
     out = load({"q": ShardedTensor.from_rank_offsets("w", torch.empty(2, 4), (0, 2, 4))}, tmp_path)
     assert torch.equal(out["q"], full[4:6])
-    assert _chunk_reads(read_log) == [("w", "c/2/0")]
+    assert _chunk_reads(read_log) == [("w", "c.2.0")]
     read_log.clear()
     load({"q": ShardedTensor.from_rank_offsets("w", torch.empty(4, 4), (0, 0, 2))}, tmp_path)
-    assert _chunk_reads(read_log) == [("w", "c/0/0"), ("w", "c/1/0")]
+    assert _chunk_reads(read_log) == [("w", "c.0.0"), ("w", "c.1.0")]
 
 
 def test_flattened_load_reads_only_needed_fragment_chunks(tmp_path, read_log, monkeypatch):
@@ -468,8 +464,8 @@ def test_flattened_load_reads_only_needed_fragment_chunks(tmp_path, read_log, mo
     assert torch.equal(out["q"], full.flatten()[13:15])
     reads = _chunk_reads(read_log)
     # only the fragment holding [12, 24), and at most the chunks of the row holding [13, 15)
-    assert ("f", "0.0_12/c/0") in reads
-    assert set(reads) <= {("f", "0.0_12/c/0"), ("f", "0.0_12/c/1")}
+    assert ("f", "0.0_12/c.0") in reads
+    assert set(reads) <= {("f", "0.0_12/c.0"), ("f", "0.0_12/c.1")}
 
 
 # --------------------------------------------------------------------------- damage
@@ -486,7 +482,7 @@ class TestDamage:
         return {f"r{r}": ShardedTensor.from_rank_offsets("dmg.w", torch.empty(2, 4), (0, r, 4)) for r in range(4)}
 
     def test_deleted_chunk(self, tmp_path, stored):
-        chunk = tmp_path / ZARR_DIR / "dmg.w" / "c" / "1" / "0"
+        chunk = tmp_path / ZARR_DIR / "dmg.w" / "c.1.0"
         chunk.unlink()
         with pytest.raises(CorruptCheckpointError) as info:
             load(self.request(), tmp_path)
@@ -494,7 +490,7 @@ class TestDamage:
 
     @pytest.mark.parametrize("size", [0, 10, 16])
     def test_truncated_chunk(self, tmp_path, stored, size):
-        chunk = tmp_path / ZARR_DIR / "dmg.w" / "c" / "2" / "0"
+        chunk = tmp_path / ZARR_DIR / "dmg.w" / "c.2.0"
         with open(chunk, "r+b") as f:
             f.truncate(size)
         with pytest.raises(CorruptCheckpointError) as info:
@@ -503,14 +499,14 @@ class TestDamage:
         assert str(chunk) in str(info.value)  # names the damaged file
 
     def test_oversized_chunk(self, tmp_path, stored):
-        chunk = tmp_path / ZARR_DIR / "dmg.w" / "c" / "2" / "0"
+        chunk = tmp_path / ZARR_DIR / "dmg.w" / "c.2.0"
         with open(chunk, "ab") as f:
             f.write(b"\0" * 8)
         with pytest.raises(CorruptCheckpointError, match="'dmg.w'"):
             load(self.request(), tmp_path)
 
     def test_undamaged_chunks_still_load(self, tmp_path, stored):
-        (tmp_path / ZARR_DIR / "dmg.w" / "c" / "3" / "0").unlink()
+        (tmp_path / ZARR_DIR / "dmg.w" / "c.3.0").unlink()
         out = load({"q": ShardedTensor.from_rank_offsets("dmg.w", torch.empty(2, 4), (0, 0, 4))}, tmp_path)
         assert torch.equal(out["q"], stored[:2])
 
