@@ -9,5 +9,6 @@ Two engines read and write the same format, each in three modules with one publi
   ``tensorstore_load`` and ``tensorstore_arrays`` (the one module importing TensorStore).
 
 Both share the format's modules: ``layout``, ``metadata``, ``read_plan``, ``nodes``, ``direct``,
-``checksums``, ``dtypes`` and ``megatron``.
+``checksums``, ``dtypes`` and ``megatron``; on a local disk both save through ``local_save``
+(the whole tree written as plain files, no array library).
 """
