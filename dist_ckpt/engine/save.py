@@ -140,7 +140,8 @@ def _check_same_on_all_ranks(value: List[Any], what: str) -> None:
 def _check_save_inputs(
     sharded_part: ShardedStateDict, sharded: SaveShardedStrategy, common: SaveCommonStrategy
 ) -> List[ShardedBase]:
-    """Keys valid and free, main replicas with data; returns the shards' metadata (no data)."""
+    """Keys valid and free, main replicas with data of their declared shape and dtype; returns the
+    shards' metadata (no data)."""
     rank = get_rank()
     local_metadata = []
     objects_by = sharded if sharded.can_handle_sharded_objects else common
@@ -155,8 +156,13 @@ def _check_save_inputs(
                 f"[rank {rank}] key {sh.key!r} is reserved: {owner} keeps its own records under that name "
                 f"({', '.join(reserved)}); rename the {type(sh).__name__}"
             )
-        if isinstance(sh, ShardedTensor) and sh.data is None and is_main_replica(sh.replica_id):
-            raise InvalidShardedTensorError(f"[rank {rank}] main replica of {sh.key!r} has no data to save")
+        if isinstance(sh, ShardedTensor) and is_main_replica(sh.replica_id):
+            if sh.data is None:
+                raise InvalidShardedTensorError(f"[rank {rank}] main replica of {sh.key!r} has no data to save")
+            try:
+                sh.validate_data()  # checked when built, but data may have been replaced since
+            except InvalidShardedTensorError as e:
+                raise InvalidShardedTensorError(f"[rank {rank}] {e}") from None
         local_metadata.append(sh.without_data())
     return local_metadata
 

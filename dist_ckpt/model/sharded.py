@@ -133,7 +133,7 @@ class ShardedTensor(ShardedBase):
                     f"size {loc}: shards of a tensor form a regular grid of equal chunks"
                 )
         self._validate_flattened_range()
-        self._validate_data()
+        self.validate_data()
 
     def _validate_flattened_range(self) -> None:
         rng = self.flattened_range
@@ -148,7 +148,10 @@ class ShardedTensor(ShardedBase):
                 f"(the size of local_shape {self.local_shape})"
             )
 
-    def _validate_data(self) -> None:
+    def validate_data(self) -> None:
+        """Check that ``data`` (if any) is a tensor of ``dtype`` and of the shape the fields
+        describe; raise naming the key if not. A save checks it again: ``data`` may have been
+        replaced since the shard was built."""
         data = self.data
         if data is None:
             return
