@@ -121,7 +121,7 @@ def fsync_tree(files: Iterable[Union[str, Path]], top: Union[str, Path]) -> None
     Example:
 
     ```python
-    fsync_tree([ckpt / "zarr/w/c/0/0", ckpt / "zarr/w/zarr.json"], ckpt / "zarr")
+    fsync_tree([ckpt / "zarr/w/c.0.0", ckpt / "zarr/w/zarr.json"], ckpt / "zarr")
     ```
     """
     top = Path(top)

@@ -67,6 +67,7 @@ from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.integrity.checksums import FileDigest, bytes_digest
 from dist_ckpt.model.dtypes import tensor_to_numpy
 from dist_ckpt.model.sharded import ShardedTensor
+from dist_ckpt.storage.errors import ObjectExistsError, StorageError
 from dist_ckpt.storage.files import SequentialWriter, spread_subdirectories
 from dist_ckpt.storage.object_path import ObjectPath
 
@@ -209,7 +210,26 @@ def _stored_bytes(sh: ShardedTensor) -> np.ndarray:
 
 def write_node_files(top: str, node: NodeFiles) -> List[Tuple[str, FileDigest]]:
     """Write ``node`` under the local directory ``top`` (the tree's root, which exists); returns
-    ``(name, digest)`` of each file written."""
+    ``(name, digest)`` of each file written.
+
+    Raises:
+        ObjectExistsError: a file or directory of the node exists already (a file is written once).
+        StorageError: the file system refused (no space, permissions, ...); the message names the
+            rank, the tensor and the path, the ``OSError`` is its cause.
+    """
+    try:
+        return _write_node_files(top, node)
+    except OSError as e:
+        if isinstance(e, CheckpointingException):
+            raise
+        what = f"of {node.shard.key!r}" if node.shard is not None else "of the tree"
+        path = e.filename or os.path.join(top, node.directories[-1] if node.directories else "")
+        message = f"[rank {get_rank()}] writing the zarr files {what} failed at {path}: {e.strerror or e}"
+        error = ObjectExistsError if isinstance(e, FileExistsError) else StorageError
+        raise error(message, url=str(path), operation="write") from e
+
+
+def _write_node_files(top: str, node: NodeFiles) -> List[Tuple[str, FileDigest]]:
     for directory in node.directories:
         _make_dir(os.path.join(top, directory))
     written = [(name, _write_new(os.path.join(top, name), memoryview(raw))) for name, raw in node.documents]

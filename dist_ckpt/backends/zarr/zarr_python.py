@@ -7,7 +7,7 @@ Layout inside a checkpoint directory (every node is plain zarr v3, uncompressed 
 ```text
 zarr/zarr.json                          root group
 zarr/<key>/zarr.json                    a tensor saved as a regular grid of shards:
-zarr/<key>/c/<i>/<j>...                   one zarr chunk per saved shard
+zarr/<key>/c.<i>.<j>...                   one zarr chunk per saved shard (c/<i>/<j> before 2026-11)
 zarr/<key>/zarr.json                    a tensor saved as flattened ranges (distributed
 zarr/<key>/<chunk>_<start>/...            optimizer): a group of 1-D fragment arrays
 ```

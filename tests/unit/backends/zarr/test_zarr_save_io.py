@@ -132,3 +132,42 @@ def test_byte_budget_never_holds_more_than_its_limit_but_lets_a_large_item_throu
 
     in_threads(work, [6, 6, 4, 20, 3, 3, 3, 6, 9, 1])
     assert bad == []
+
+
+@pytest.mark.parametrize("engine", ["zarr-python", "tensorstore"])
+def test_a_refused_write_is_a_storage_error_naming_rank_tensor_and_path(tmp_path, monkeypatch, engine):
+    """The file system's refusal (here ENOSPC on one chunk file) reaches the caller as a typed
+    StorageError that names the rank, the tensor and the file, its OSError kept as the cause."""
+    import errno
+
+    import dist_ckpt as dc
+    from dist_ckpt.backends.zarr import local_save
+    from dist_ckpt.storage.errors import StorageError
+
+    real = local_save._write_new
+
+    def full_disk(path: str, data: memoryview):
+        if os.path.basename(os.path.dirname(path)) == "t3" and not path.endswith("zarr.json"):
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return real(path, data)
+
+    from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreSaveShardedStrategy
+
+    monkeypatch.setattr(local_save, "_write_new", full_disk)
+    strategy = ZarrSaveShardedStrategy() if engine == "zarr-python" else TensorStoreSaveShardedStrategy()
+    with pytest.raises(StorageError, match=r"\[rank 0\] .*'t3'.*t3/c\.0\.0: No space left on device") as info:
+        dc.save(_state(), tmp_path / "c", sharded_strategy=strategy)
+    assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.ENOSPC
+    assert not (tmp_path / "c" / "metadata.json").exists()
+
+
+def test_a_chunk_file_that_exists_is_never_overwritten(tmp_path):
+    from dist_ckpt.backends.zarr.local_save import plan_node_files, write_node_files
+    from dist_ckpt.storage.errors import ObjectExistsError
+
+    (node,) = plan_node_files([ShardedTensor.from_rank_offsets("w", torch.ones(2, 3))], root_group=False)
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "c.0.0").write_bytes(b"earlier")
+    with pytest.raises(ObjectExistsError, match=r"'w'.*c\.0\.0"):
+        write_node_files(str(tmp_path), node)
+    assert (tmp_path / "w" / "c.0.0").read_bytes() == b"earlier"
