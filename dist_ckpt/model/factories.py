@@ -19,8 +19,8 @@ from dist_ckpt.model.sharded_base import (
     ReplicaId,
     ShardedBase,
     ShardedStateDict,
-    _check_key,
-    _check_replica_id,
+    check_key,
+    check_replica_id,
 )
 
 
@@ -69,10 +69,10 @@ class ShardedTensorFactory(ShardedBase):
         self.validate_metadata_integrity()
 
     def validate_metadata_integrity(self) -> None:
-        _check_key(self.key)
+        check_key(self.key)
         if not callable(self.build_fn) or not callable(self.merge_fn):
             raise InvalidShardedTensorError(f"{self.key!r}: build_fn and merge_fn must be callable")
-        self.replica_id = _check_replica_id(self.replica_id, self.key)
+        self.replica_id = check_replica_id(self.replica_id, self.key)
 
     def build(self) -> ShardedStateDict:
         """Apply ``build_fn`` and return the sharded sub-state-dict."""

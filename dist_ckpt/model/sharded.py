@@ -45,8 +45,8 @@ from dist_ckpt.model.sharded_base import (
     StateDict,
     _as_int,
     _as_int_tuple,
-    _check_key,
-    _check_replica_id,
+    check_key,
+    check_replica_id,
     is_main_replica,
 )
 
@@ -91,7 +91,7 @@ class ShardedTensor(ShardedBase):
     def validate_metadata_integrity(self) -> None:
         """Check that the fields describe a valid shard; raise naming the key if not."""
         key = self.key
-        _check_key(key)
+        check_key(key)
         if not isinstance(self.dtype, torch.dtype):
             raise InvalidShardedTensorError(f"dtype of {key!r} must be a torch.dtype, got {self.dtype!r}")
         self.local_shape = _as_int_tuple(self.local_shape, "local_shape", key)
@@ -99,7 +99,7 @@ class ShardedTensor(ShardedBase):
         self.global_offset = _as_int_tuple(self.global_offset, "global_offset", key)
         if self.axis_fragmentations is not None:
             self.axis_fragmentations = _as_int_tuple(self.axis_fragmentations, "axis_fragmentations", key)
-        self.replica_id = _check_replica_id(self.replica_id, key)
+        self.replica_id = check_replica_id(self.replica_id, key)
         ndim = len(self.global_shape)
         if not isinstance(self.prepend_axis_num, int) or self.prepend_axis_num < 0:
             raise InvalidShardedTensorError(
@@ -328,7 +328,7 @@ class ShardedTensor(ShardedBase):
         ShardedTensor.from_rank_offsets("fc1.weight", w, (0, tp_rank, 4), replica_id=dp_rank)
         ```
         """
-        _check_key(key)
+        check_key(key)
         if flattened_range is not None:
             raise InvalidShardedTensorError(
                 f"{key!r}: from_rank_offsets does not take flattened_range; use from_rank_offsets_flat"
@@ -390,7 +390,7 @@ class ShardedTensor(ShardedBase):
         ``data`` is 1-D and equals ``local.flatten()[flattened_range]`` for a local tensor of
         shape ``non_flat_local_shape`` (distributed-optimizer state).
         """
-        _check_key(key)
+        check_key(key)
         if flattened_range is None:
             raise InvalidShardedTensorError(
                 f"{key!r}: from_rank_offsets_flat needs flattened_range; use from_rank_offsets otherwise"
@@ -429,10 +429,10 @@ class ShardedObject(ShardedBase):
         self.validate_metadata_integrity()
 
     def validate_metadata_integrity(self) -> None:
-        _check_key(self.key)
+        check_key(self.key)
         self.global_shape = _as_int_tuple(self.global_shape, "global_shape", self.key)
         self.global_offset = _as_int_tuple(self.global_offset, "global_offset", self.key)
-        self.replica_id = _check_replica_id(self.replica_id, self.key)
+        self.replica_id = check_replica_id(self.replica_id, self.key)
         if len(self.global_shape) != len(self.global_offset):
             raise InvalidShardedTensorError(
                 f"{self.key!r}: global_offset {self.global_offset} and global_shape "

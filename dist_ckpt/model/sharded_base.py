@@ -66,7 +66,9 @@ def _as_int_tuple(value: Any, what: str, key: str) -> Tuple[int, ...]:
     return out
 
 
-def _check_replica_id(replica_id: Any, key: str) -> ReplicaId:
+def check_replica_id(replica_id: Any, key: str) -> ReplicaId:
+    """``replica_id`` as a plain int or tuple of ints, each non-negative; raise naming ``key`` if it
+    is anything else (every sharded entry's check, whatever builds it)."""
     if isinstance(replica_id, (int, np.integer)) and not isinstance(replica_id, bool):
         if replica_id < 0:
             raise InvalidShardedTensorError(f"replica_id of {key!r} must be >= 0, got {replica_id}")
@@ -80,7 +82,9 @@ def _check_replica_id(replica_id: Any, key: str) -> ReplicaId:
     )
 
 
-def _check_key(key: Any) -> None:
+def check_key(key: Any) -> None:
+    """Raise unless ``key`` is a non-empty str: the type check every sharded entry makes when
+    built (what a key may contain is the storage's rule, ``dist_ckpt.storage.validate_key()``, checked at save)."""
     if not isinstance(key, str) or not key:
         raise InvalidShardedTensorError(f"a sharded key must be a non-empty str, got {key!r}")
 

@@ -74,6 +74,7 @@ __all__ = [
     "TorchDistSaveShardedStrategy",
     "commit_metadata",
     "plan_rank",
+    "write_global_metadata",
     "write_rank",
     "write_snapshot",
 ]
@@ -298,7 +299,7 @@ def _file_spans(doc: Dict[str, Any]) -> FileSpans:
     return FileSpans(doc["size"], tuple((o, n, int(c, 16)) for o, n, c in doc["spans"]))
 
 
-def _write_global_metadata(storage: Storage, gathered: List[Dict[str, Any]], options: TorchDistSaveOptions) -> None:
+def write_global_metadata(storage: Storage, gathered: List[Dict[str, Any]], options: TorchDistSaveOptions) -> None:
     """Rank 0: DCP's global plan from every rank's items; every rank's staged files renamed into
     place; ``.metadata`` (DCP's file writer, in the storage's local directory), then the manifest
     (through the storage)."""
@@ -347,7 +348,7 @@ def commit_metadata(storage: Storage, written: Dict[str, Any], options: TorchDis
     def write_on_rank0() -> None:
         if get_rank() == 0:
             assert gathered is not None
-            _write_global_metadata(storage, gathered, options)
+            write_global_metadata(storage, gathered, options)
 
     run_collectively("writing the DCP metadata", write_on_rank0)
 

@@ -32,7 +32,7 @@ import torch
 
 from dist_ckpt.backends.base import TensorLayout, TensorStreamWriter, check_stream_entry
 from dist_ckpt.backends.torch_dist.checksums import FileSpans, RecordingStream
-from dist_ckpt.backends.torch_dist.save import ChunkEntry, TorchDistSaveOptions, _write_global_metadata
+from dist_ckpt.backends.torch_dist.save import ChunkEntry, TorchDistSaveOptions, write_global_metadata
 from dist_ckpt.backends.torch_dist.staging import staging_dir
 from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.model.dtypes import dtype_to_name
@@ -126,7 +126,7 @@ class TorchDistStreamWriter(TensorStreamWriter):
             "names": [_FILE],
             "files": {name: spans.to_json() for name, spans in self._spans.items()},
         }
-        _write_global_metadata(self.storage, [written], self.options)
+        write_global_metadata(self.storage, [written], self.options)
 
     def abort(self) -> None:
         if self._raw is not None:
