@@ -43,8 +43,8 @@ from dist_ckpt.model.sharded_base import (
     ShardedBase,
     ShardedStateDict,
     StateDict,
-    _as_int,
-    _as_int_tuple,
+    as_int,
+    as_int_tuple,
     check_key,
     check_replica_id,
     is_main_replica,
@@ -94,11 +94,11 @@ class ShardedTensor(ShardedBase):
         check_key(key)
         if not isinstance(self.dtype, torch.dtype):
             raise InvalidShardedTensorError(f"dtype of {key!r} must be a torch.dtype, got {self.dtype!r}")
-        self.local_shape = _as_int_tuple(self.local_shape, "local_shape", key)
-        self.global_shape = _as_int_tuple(self.global_shape, "global_shape", key)
-        self.global_offset = _as_int_tuple(self.global_offset, "global_offset", key)
+        self.local_shape = as_int_tuple(self.local_shape, "local_shape", key)
+        self.global_shape = as_int_tuple(self.global_shape, "global_shape", key)
+        self.global_offset = as_int_tuple(self.global_offset, "global_offset", key)
         if self.axis_fragmentations is not None:
-            self.axis_fragmentations = _as_int_tuple(self.axis_fragmentations, "axis_fragmentations", key)
+            self.axis_fragmentations = as_int_tuple(self.axis_fragmentations, "axis_fragmentations", key)
         self.replica_id = check_replica_id(self.replica_id, key)
         ndim = len(self.global_shape)
         if not isinstance(self.prepend_axis_num, int) or self.prepend_axis_num < 0:
@@ -335,7 +335,7 @@ class ShardedTensor(ShardedBase):
             )
         if not isinstance(data, torch.Tensor):
             raise InvalidShardedTensorError(f"data of {key!r} must be a torch.Tensor, got {type(data).__name__}")
-        prepend_axis_num = _as_int(prepend_axis_num, "prepend_axis_num", key)
+        prepend_axis_num = as_int(prepend_axis_num, "prepend_axis_num", key)
         if prepend_axis_num < 0:
             raise InvalidShardedTensorError(f"prepend_axis_num of {key!r} must be >= 0, got {prepend_axis_num}")
         ndim = data.ndim + prepend_axis_num
@@ -348,7 +348,7 @@ class ShardedTensor(ShardedBase):
                 raise InvalidShardedTensorError(
                     f"{key!r}: each rank offset must be (axis, axis_rank_offset, axis_fragm), got {entry!r}"
                 )
-            axis, rank_offset, fragm = (_as_int(v, "rank offset entry", key) for v in entry)
+            axis, rank_offset, fragm = (as_int(v, "rank offset entry", key) for v in entry)
             if not 0 <= axis < ndim:
                 raise InvalidShardedTensorError(f"{key!r}: axis {axis} out of range for {ndim} global axes")
             if axis in seen:
@@ -398,7 +398,7 @@ class ShardedTensor(ShardedBase):
         if not isinstance(data, torch.Tensor) or data.ndim != 1:
             raise InvalidShardedTensorError(f"{key!r}: flattened data must be a 1-D tensor")
         meta = torch.empty(
-            _as_int_tuple(non_flat_local_shape, "non_flat_local_shape", key), dtype=data.dtype, device="meta"
+            as_int_tuple(non_flat_local_shape, "non_flat_local_shape", key), dtype=data.dtype, device="meta"
         )
         template = cls.from_rank_offsets(key, meta, *args, **kwargs)
         return replace(template, data=data, flattened_range=flattened_range)
@@ -430,8 +430,8 @@ class ShardedObject(ShardedBase):
 
     def validate_metadata_integrity(self) -> None:
         check_key(self.key)
-        self.global_shape = _as_int_tuple(self.global_shape, "global_shape", self.key)
-        self.global_offset = _as_int_tuple(self.global_offset, "global_offset", self.key)
+        self.global_shape = as_int_tuple(self.global_shape, "global_shape", self.key)
+        self.global_offset = as_int_tuple(self.global_offset, "global_offset", self.key)
         self.replica_id = check_replica_id(self.replica_id, self.key)
         if len(self.global_shape) != len(self.global_offset):
             raise InvalidShardedTensorError(

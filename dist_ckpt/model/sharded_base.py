@@ -40,7 +40,7 @@ class ShardedBase(ABC):
         """A copy with ``data=None``: the metadata exchanged between ranks."""
 
 
-def _as_int(value: Any, what: str, key: str) -> int:
+def as_int(value: Any, what: str, key: str) -> int:
     """``value`` as an int; bools, floats and strings are rejected, not truncated."""
     if isinstance(value, bool):
         raise InvalidShardedTensorError(f"{what} of {key!r} must be an int, got {value!r}")
@@ -50,7 +50,9 @@ def _as_int(value: Any, what: str, key: str) -> int:
         raise InvalidShardedTensorError(f"{what} of {key!r} must be an int, got {value!r}") from None
 
 
-def _as_int_tuple(value: Any, what: str, key: str) -> Tuple[int, ...]:
+def as_int_tuple(value: Any, what: str, key: str) -> Tuple[int, ...]:
+    """``value`` (a shape, an offset) as a tuple of non-negative ints; raise naming ``what`` and
+    ``key`` if it is not one."""
     # the common case first -- already a tuple of non-negative ints (every shard of every save
     # and load passes here several times, and every decoded peer shard too): no conversion
     if type(value) is tuple and all(type(v) is int and v >= 0 for v in value):
@@ -58,7 +60,7 @@ def _as_int_tuple(value: Any, what: str, key: str) -> Tuple[int, ...]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise InvalidShardedTensorError(f"{what} of {key!r} must be a sequence of ints, got {value!r}")
     try:
-        out = tuple(_as_int(v, what, key) for v in value)
+        out = tuple(as_int(v, what, key) for v in value)
     except InvalidShardedTensorError:
         raise InvalidShardedTensorError(f"{what} of {key!r} must be a sequence of ints, got {value!r}") from None
     if any(v < 0 for v in out):
