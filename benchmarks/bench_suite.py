@@ -281,7 +281,7 @@ def render(results: Dict[str, List[Dict[str, Any]]], raw: List[Tuple[float, floa
         paired = [r["raw_read"] / r["load"] for r in results[system] if r.get("raw_read") and r.get("load")]
         if paired:
             rows.append(
-                [system, "cold load / raw read right after it", f"{_median(paired):.2f}", _fmt_range(paired), "", ""]
+                [system, "cold load / raw re-read of its files", f"{_median(paired):.2f}", _fmt_range(paired), "", ""]
             )
         blocks = [r["async_block"] / r["memcpy"] for r in results[system] if r.get("async_block") and r.get("memcpy")]
         if blocks:

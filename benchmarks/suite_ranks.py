@@ -11,9 +11,10 @@ bit-exactly. Jobs:
 
 * ``save``: save the TP=world state (timed) -- the 2N-rank checkpoint the resharded loads read;
 * ``main``: memcpy of the rank's bytes (the async reference); save (timed, peak RSS); cold load
-  (timed, peak RSS), then a raw read of as many bytes right after it (`paired_raw_read`),
-  and a warm load of the same layout; an async save (blocking part and total,
-  after an untimed first one); a cold load of the ``src`` checkpoint (resharded, TP=world);
+  (timed, peak RSS), then the raw disk on the same bytes right after it (`reread`: the
+  checkpoint's own files, cache dropped, plain sequential reads), and a warm load of the same
+  layout; an async save (blocking part and total, after an untimed first one); a cold load of
+  the ``src`` checkpoint (resharded, TP=world);
 * ``load``: a cold load of the ``src`` checkpoint at TP=world (e.g. 4 -> 1).
 
 Cold: before a timed cold load, rank 0 drops the checkpoint from the page cache -- ``os.sync()``
@@ -100,42 +101,50 @@ def drop_cache(directory: str, how: str) -> None:
 _RAW_BLOCK = 64 * 2**20
 
 
-def paired_raw_read(path: str, nbytes: int) -> float:
-    """The raw disk right after a cold load, in the load's conditions: every rank writes
-    ``nbytes`` to a file of its own (64 MiB writes, fsync), evicts it and reads it back cold
-    (64 MiB reads) -- one stream per rank, as the load's ranks read. Returns the slowest rank's
-    read time.
+def _dealt(directory: str, rank: int, world: int) -> List[str]:
+    """This rank's share of the files under ``directory``: largest first, each to the rank with
+    the fewest bytes so far (every rank computes the same deal)."""
+    files = sorted(
+        (os.path.getsize(os.path.join(root, name)), os.path.join(root, name))
+        for root, _, names in os.walk(directory)
+        for name in names
+    )
+    files.sort(key=lambda f: (-f[0], f[1]))
+    loads, mine = [0] * world, []
+    for size, path in files:
+        least = loads.index(min(loads))
+        loads[least] += size
+        if least == rank:
+            mine.append(path)
+    return mine
 
-    Why beside each load and not only before each system: the test VM's disk changes speed from
-    one minute to the next, and a read right after a write of the same bytes runs faster than
-    one a few seconds later (measured: 1.0 s right after, 1.6 s after a 6 s pause, for 1.5 GB
-    on 2 ranks), so a load is compared with a read made the same way (after its save) and at the
-    same moment.
+
+def reread(directory: str, how: str) -> float:
+    """The raw disk on a checkpoint's own bytes, right after its cold load: the cache dropped
+    again, each rank reads its share of the files (`_dealt`) whole, with 64 MiB reads and no
+    library in between -- one stream per rank, as the load's ranks read. Returns the slowest
+    rank's read time.
+
+    Why these bytes and this moment: the test VM's disk changes speed from one minute to the
+    next, and how fast a file reads back depends on when it was written (a read right after a
+    write of the same bytes ran at 1.0 s, after a 6 s pause at 1.6 s, for 1.5 GB on 2 ranks): a
+    load compared with a raw read of other, fresher bytes looks slower than the disk serves its
+    own files. Re-reading the files the load just read compares like with like.
     """
-    data = memoryview(os.urandom(_RAW_BLOCK))
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        left = nbytes
-        while left > 0:
-            left -= os.write(fd, data[: min(_RAW_BLOCK, left)])
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    mine = _dealt(directory, dist.get_rank(), dist.get_world_size())
+    drop_cache(directory, how)
 
     def read() -> None:
         buf = bytearray(_RAW_BLOCK)
-        rfd = os.open(path, os.O_RDONLY)
-        try:
-            while os.readv(rfd, [buf]) > 0:
-                pass
-        finally:
-            os.close(rfd)
+        for path in mine:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                while os.readv(fd, [buf]) > 0:
+                    pass
+            finally:
+                os.close(fd)
 
-    try:
-        return timed(read)
-    finally:
-        os.unlink(path)
+    return timed(read)
 
 
 # --------------------------------------------------------------------------- systems
@@ -375,7 +384,7 @@ def job_main(system: System, args: Dict[str, Any], out: Dict[str, Any]) -> None:
     out["load"] = timed(lambda: got.update(system.load(pieces, request, args["dir"])))
     out["load_rss"] = peak() - base
     out["bad"] += [f"load: {k}" for k in S.mismatches(pieces, {k: _local(v) for k, v in got.items()})]
-    out["raw_read"] = paired_raw_read(args["dir"] + f"_raw{rank}", out["rank_bytes"])
+    out["raw_read"] = reread(args["dir"], args["drop"])
     got.clear()
     out["warm"] = timed(lambda: got.update(system.load(pieces, request, args["dir"])))
     out["bad"] += [f"warm: {k}" for k in S.mismatches(pieces, {k: _local(v) for k, v in got.items()})]
