@@ -30,13 +30,12 @@ rank writes), then written several nodes at a time (`write_node_files()`).
 from __future__ import annotations
 
 import errno
-import json
 import math
 import os
 import stat
 import sys
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -51,9 +50,7 @@ from dist_ckpt.backends.zarr.layout import (
 from dist_ckpt.backends.zarr.nodes import (
     array_chunk_shape,
     array_metadata,
-    as_stored,
     chunked_attributes,
-    cpu_contiguous,
     creates_array,
     creates_flattened_group,
     flattened_attributes,
@@ -61,11 +58,12 @@ from dist_ckpt.backends.zarr.nodes import (
     fsync_written,
     group_document,
     in_threads,
+    stored_values,
+    zarr_json_bytes,
 )
 from dist_ckpt.engine.distributed import get_rank
 from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.integrity.checksums import FileDigest, bytes_digest
-from dist_ckpt.model.dtypes import tensor_to_numpy
 from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.storage.errors import ObjectExistsError, StorageError
 from dist_ckpt.storage.files import SequentialWriter, spread_subdirectories
@@ -118,16 +116,12 @@ class NodeFiles:
     chunk_elements: int = 0
 
 
-def _json(document: Dict[str, Any]) -> bytes:
-    return json.dumps(document, indent=2).encode("utf-8")
-
-
 def _chunked_node(sh: ShardedTensor) -> Optional[NodeFiles]:
     name = tensor_dir_name(sh.key)
     documents: Tuple[Tuple[str, bytes], ...] = ()
     if creates_array(sh):
         meta = array_metadata(sh.global_shape, array_chunk_shape(sh), sh.dtype, chunked_attributes(sh))
-        documents = ((f"{name}/zarr.json", _json(meta)),)
+        documents = ((f"{name}/zarr.json", zarr_json_bytes(meta)),)
     numel = math.prod(sh.local_shape)
     if numel == 0:
         return NodeFiles((name,), documents) if documents else None
@@ -150,7 +144,7 @@ def _flattened_nodes(sh: ShardedTensor) -> List[NodeFiles]:
             (f"{frag}/{chunk_key((i,), CHUNK_SEPARATOR)}", first, min(first + per_chunk, length))
             for i, first in enumerate(range(0, length, per_chunk))
         )
-        nodes.append(NodeFiles((name, frag), ((f"{frag}/zarr.json", _json(meta)),), sh, chunks, per_chunk))
+        nodes.append(NodeFiles((name, frag), ((f"{frag}/zarr.json", zarr_json_bytes(meta)),), sh, chunks, per_chunk))
     return nodes
 
 
@@ -199,15 +193,6 @@ def _write_new(path: str, data: memoryview) -> FileDigest:
     return bytes_digest(data)
 
 
-def _stored_bytes(sh: ShardedTensor) -> np.ndarray:
-    """The values of ``sh`` as the chunk files store them, flattened to bytes (no copy from a
-    contiguous CPU tensor)."""
-    if sh.data is None:
-        raise CheckpointingException(f"[rank {get_rank()}] main replica of {sh.key!r} has no data to save")
-    data = as_stored(tensor_to_numpy(cpu_contiguous(sh.data)), sh.dtype)
-    return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-
-
 def write_node_files(top: str, node: NodeFiles) -> List[Tuple[str, FileDigest]]:
     """Write ``node`` under the local directory ``top`` (the tree's root, which exists); returns
     ``(name, digest)`` of each file written.
@@ -234,7 +219,8 @@ def _write_node_files(top: str, node: NodeFiles) -> List[Tuple[str, FileDigest]]
         _make_dir(os.path.join(top, directory))
     written = [(name, _write_new(os.path.join(top, name), memoryview(raw))) for name, raw in node.documents]
     if node.shard is not None:
-        raw = _stored_bytes(node.shard)  # converted here, in the writing thread: one tensor's copy at a time
+        # converted here, in the writing thread: one tensor's copy at a time
+        raw = stored_values(node.shard).reshape(-1).view(np.uint8)
         itemsize = node.shard.dtype.itemsize
         for name, first, end in node.chunks:
             piece = raw[first * itemsize : end * itemsize]

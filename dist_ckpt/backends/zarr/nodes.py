@@ -31,7 +31,9 @@ from dist_ckpt.backends.zarr.layout import (
     PARTIAL_ZARR_DIR,
     ZARR_DIR,
 )
-from dist_ckpt.model.dtypes import dtype_info
+from dist_ckpt.engine.distributed import get_rank
+from dist_ckpt.errors import CheckpointingException
+from dist_ckpt.model.dtypes import dtype_info, tensor_to_numpy
 from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.storage import fsync_dir
 from dist_ckpt.storage.files import fsync_tree, sync_filesystem
@@ -55,8 +57,10 @@ __all__ = [
     "is_origin",
     "publish_written",
     "stored_numpy_dtype",
+    "stored_values",
     "write_group",
     "writing_root",
+    "zarr_json_bytes",
 ]
 
 Shape = Tuple[int, ...]
@@ -198,9 +202,14 @@ def array_metadata(
     }
 
 
+def zarr_json_bytes(document: Dict[str, Any]) -> bytes:
+    """A node's ``zarr.json`` document as the zarr backend writes the file: indented UTF-8 JSON."""
+    return json.dumps(document, indent=2).encode("utf-8")
+
+
 def group_document(attributes: Dict[str, Any]) -> bytes:
     """The ``zarr.json`` of a zarr v3 group with ``attributes``, as the zarr backend writes it."""
-    return json.dumps({"attributes": attributes, "zarr_format": 3, "node_type": "group"}, indent=2).encode("utf-8")
+    return zarr_json_bytes({"attributes": attributes, "zarr_format": 3, "node_type": "group"})
 
 
 def write_group(path: ObjectPath, attributes: Dict[str, Any]) -> ObjectPath:
@@ -216,6 +225,18 @@ def cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "cpu":
         t = t.to("cpu")
     return t.contiguous()
+
+
+def stored_values(sh: ShardedTensor) -> np.ndarray:
+    """The values of the main replica ``sh`` as its chunks store them: contiguous host memory (no
+    copy from a contiguous CPU tensor) viewed as `stored_numpy_dtype()`, what both engines write.
+
+    Raises:
+        CheckpointingException: ``sh`` has no data (naming the rank and the key).
+    """
+    if sh.data is None:
+        raise CheckpointingException(f"[rank {get_rank()}] main replica of {sh.key!r} has no data to save")
+    return as_stored(tensor_to_numpy(cpu_contiguous(sh.data)), sh.dtype)
 
 
 def fsync_written(paths: Sequence[ObjectPath], root: ObjectPath) -> None:

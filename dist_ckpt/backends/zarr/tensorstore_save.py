@@ -31,15 +31,14 @@ from dist_ckpt.backends.zarr.local_save import direct_writes, save_locally
 from dist_ckpt.backends.zarr.nodes import (
     array_chunk_shape,
     array_metadata,
-    as_stored,
     chunked_attributes,
-    cpu_contiguous,
     creates_array,
     creates_flattened_group,
     flattened_attributes,
     fragment_attributes,
     fsync_written,
     publish_written,
+    stored_values,
     write_group,
     writing_root,
 )
@@ -48,7 +47,6 @@ from dist_ckpt.backends.zarr.tensorstore_arrays import ENGINE, create_array, ope
 from dist_ckpt.engine.distributed import get_rank, run_collectively
 from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.integrity.checksums import FileDigest, bytes_digest
-from dist_ckpt.model.dtypes import tensor_to_numpy
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor
 from dist_ckpt.storage import Storage
 from dist_ckpt.storage.object_path import ObjectPath
@@ -146,9 +144,7 @@ class TensorStoreSaveShardedStrategy(ZarrSaveStrategyBase):
         no second read of the file."""
         targets: List[Tuple[ShardedTensor, ObjectPath, Tuple[slice, ...], np.ndarray, List[ObjectPath]]] = []
         for sh in shards:
-            if sh.data is None:
-                raise CheckpointingException(f"[rank {get_rank()}] main replica of {sh.key!r} has no data to save")
-            data = as_stored(tensor_to_numpy(cpu_contiguous(sh.data)), sh.dtype)
+            data = stored_values(sh)
             if sh.flattened_range is None:
                 if math.prod(sh.local_shape) == 0:
                     continue

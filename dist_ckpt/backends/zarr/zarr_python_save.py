@@ -43,6 +43,7 @@ from dist_ckpt.backends.zarr.nodes import (
     in_threads,
     publish_written,
     stored_numpy_dtype,
+    stored_values,
     writing_root,
 )
 from dist_ckpt.backends.zarr.strategy_base import ZarrSaveStrategyBase
@@ -158,7 +159,7 @@ class ZarrSaveShardedStrategy(ZarrSaveStrategyBase):
 
     @staticmethod
     def _write_fragment(path: ObjectPath, sh: ShardedTensor, stores: Stores) -> List[ObjectPath]:
-        assert sh.flattened_range is not None and sh.data is not None
+        assert sh.flattened_range is not None
         length = sh.flattened_range.stop - sh.flattened_range.start
         chunk = fragment_chunk_elements(length)
         store, name = stores.at(path)
@@ -173,7 +174,7 @@ class ZarrSaveShardedStrategy(ZarrSaveStrategyBase):
             config=_WRITE_EMPTY,
             **_ARRAY_OPTIONS,
         )
-        arr[:] = as_stored(tensor_to_numpy(cpu_contiguous(sh.data)), sh.dtype)
+        arr[:] = stored_values(sh)
         chunk_files = [path / arr.metadata.encode_chunk_key((i,)) for i in range(math.ceil(length / chunk))]
         return [path / "zarr.json"] + chunk_files
 
