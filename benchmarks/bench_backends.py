@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from raw_io import BLOCK, read_whole  # the script's directory: sys.path[0]
 
 from dist_ckpt.engine.distributed import barrier, time_collectively
 from dist_ckpt.engine.load import load
@@ -72,7 +73,6 @@ from dist_ckpt.tools.gpt_state import (
 )
 
 DCP = "dcp"
-BLOCK = 64 * 2**20
 
 
 def measure_disk_parallel(directory: Path, nbytes: int, streams: int = 4) -> Tuple[float, float]:
@@ -101,13 +101,7 @@ def measure_disk_parallel(directory: Path, nbytes: int, streams: int = 4) -> Tup
             os.close(fd)
 
     def read(path: Path) -> None:
-        buf = bytearray(BLOCK)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            while os.readv(fd, [buf]) > 0:
-                pass
-        finally:
-            os.close(fd)
+        read_whole(path, bytearray(BLOCK))
 
     def timed_threads(fn: Callable[[Path], None]) -> float:
         threads = [threading.Thread(target=fn, args=(p,)) for p in paths]

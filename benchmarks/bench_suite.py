@@ -60,9 +60,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import suite_state as S  # noqa: E402
+from raw_io import BLOCK, read_whole  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-BLOCK = 64 * 2**20
 ALL_SYSTEMS = "safetensors,zarr,zarr-ts,dc-torch_dist,dcp,mcore"
 GB = 1e9
 
@@ -124,13 +124,7 @@ def raw_disk(directory: Path, nbytes: int, streams: int, how: str) -> Tuple[floa
             os.close(fd)
 
     def read(path: Path) -> None:
-        buf = bytearray(BLOCK)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            while os.readv(fd, [buf]) > 0:
-                pass
-        finally:
-            os.close(fd)
+        read_whole(path, bytearray(BLOCK))
 
     try:
         write_s = _threads(write, paths)

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import suite_state as S  # noqa: E402  (a plain module: this script also runs outside the dist_ckpt tree)
+from raw_io import BLOCK, read_whole  # noqa: E402
 
 # --------------------------------------------------------------------------- measuring
 
@@ -98,9 +99,6 @@ def drop_cache(directory: str, how: str) -> None:
     barrier()
 
 
-_RAW_BLOCK = 64 * 2**20
-
-
 def _dealt(directory: str, rank: int, world: int) -> List[str]:
     """This rank's share of the files under ``directory``: largest first, each to the rank with
     the fewest bytes so far (every rank computes the same deal)."""
@@ -135,14 +133,9 @@ def reread(directory: str, how: str) -> float:
     drop_cache(directory, how)
 
     def read() -> None:
-        buf = bytearray(_RAW_BLOCK)
+        buf = bytearray(BLOCK)
         for path in mine:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                while os.readv(fd, [buf]) > 0:
-                    pass
-            finally:
-                os.close(fd)
+            read_whole(path, buf)
 
     return timed(read)
 
