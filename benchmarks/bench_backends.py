@@ -81,7 +81,7 @@ def measure_disk_parallel(directory: Path, nbytes: int, streams: int = 4) -> Tup
     storage gives to a writer that keeps it busy."""
     import threading
 
-    from dist_ckpt.backends.safetensors.format import SequentialWriter
+    from dist_ckpt.storage.files import SequentialWriter
 
     paths = [directory / f"bench_raw_{os.getpid()}_{i}.bin" for i in range(streams)]
     part = nbytes // streams

@@ -54,10 +54,9 @@ def full_tensors(world: int) -> Dict[str, torch.Tensor]:
 
 def slow_storage() -> None:
     """Slow down every data write and every atomic metadata write of this process."""
-    from dist_ckpt.backends.safetensors import format as safetensors_format
     from dist_ckpt.storage import files as local
 
-    original = safetensors_format.SequentialWriter.write
+    original = local.SequentialWriter.write
 
     def write(self: Any, data: memoryview) -> None:
         view = data.cast("B") if data.format != "B" else data
@@ -65,7 +64,7 @@ def slow_storage() -> None:
             original(self, view[start : start + PIECE])
             time.sleep(PAUSE_S)
 
-    safetensors_format.SequentialWriter.write = write  # type: ignore[method-assign]
+    local.SequentialWriter.write = write  # type: ignore[method-assign]
 
     write_temp_file = local.write_temp_file
 

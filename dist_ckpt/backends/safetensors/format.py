@@ -43,7 +43,6 @@ __all__ = [
     "HeaderEntry",
     "SafetensorsFileWriter",
     "SafetensorsHeader",
-    "SequentialWriter",
     "StagingBuffer",
     "data_end",
     "encode_header",

@@ -43,17 +43,12 @@ from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from dist_ckpt.async_save.snapshot import Snapshot
-from dist_ckpt.backends.safetensors.format import (
-    SequentialWriter,
-    StagingBuffer,
-    encode_header,
-    storage_layout,
-    tensor_bytes,
-)
+from dist_ckpt.backends.safetensors.format import StagingBuffer, encode_header, storage_layout, tensor_bytes
 from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.integrity.checksums import BlockChecksums, crc32c, crc_to_hex, encode_block_crcs
 from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.storage import ObjectWriter, Storage, fsync_dir
+from dist_ckpt.storage.files import SequentialWriter
 
 __all__ = [
     "FILE_METADATA",

@@ -13,7 +13,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dist_ckpt.backends.safetensors.format import (
-    SequentialWriter,
     StagingBuffer,
     encode_header,
     read_header_at,
@@ -33,6 +32,7 @@ from dist_ckpt.backends.safetensors.io import (
 from dist_ckpt.backends.safetensors.read_threads import execute
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
 from dist_ckpt.model.geometry import Box
+from dist_ckpt.storage.files import SequentialWriter
 
 # --------------------------------------------------------------------------- headers
 
@@ -104,21 +104,6 @@ def test_non_contiguous_tensor_is_written_by_value(tmp_path):
     base = torch.arange(12.0).reshape(3, 4)
     write_safetensors_file(tmp_path / "t.safetensors", [("t", base.t())])
     assert torch.equal(load_file(str(tmp_path / "t.safetensors"))["t"], base.t())
-
-
-@pytest.mark.parametrize("early", [True, False])
-def test_sequential_writer_chunks(tmp_path, early):
-    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
-    try:
-        writer = SequentialWriter(fd, early_writeback=early, chunk_bytes=1000)
-        data = np.arange(5000, dtype=np.uint8)
-        writer.write(data.data)
-        writer.write(memoryview(b"xyz"))
-        writer.finish()
-        assert writer.position == 5003
-    finally:
-        os.close(fd)
-    assert (tmp_path / "f").read_bytes() == data.tobytes() + b"xyz"
 
 
 def test_staging_buffer_writes_in_pieces(tmp_path):
