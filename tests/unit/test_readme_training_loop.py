@@ -41,9 +41,11 @@ pytestmark = pytest.mark.slow
 #: started instead of train.py for the run that is killed: SIGKILL rank 1 at its 3rd save
 #: (synchronous or asynchronous); the arguments after the script are passed on to it. With
 #: asynchronous saves, every rank first finalizes the saves in flight (blocking), as slower
-#: training steps would have: the kill then always comes after 10 and 20 were committed.
+#: training steps would have, and waits at a barrier until every rank ran their finalize callbacks:
+#: the kill then always comes after 10 and 20 were committed and reported.
 KILLER = """
 import os, runpy, signal, sys
+import torch.distributed
 import dist_ckpt
 calls, queues = [0], []
 class RecordingQueue(dist_ckpt.AsyncCallsQueue):
@@ -57,6 +59,9 @@ def killing(real):
         if calls[0] == 3:
             for queue in queues:
                 queue.maybe_finalize_async_calls(blocking=True)
+            # every rank ran its finalize callbacks (rank 0 printed "step 20") before rank 1 dies:
+            # torchrun stops rank 0 as soon as rank 1 is gone
+            torch.distributed.barrier()
             if os.environ["RANK"] == "1":
                 os.kill(os.getpid(), signal.SIGKILL)
         return real(path, *args, **kwargs)
