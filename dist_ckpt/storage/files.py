@@ -34,6 +34,7 @@ __all__ = [
     "FileReader",
     "SequentialWriter",
     "atomic_write",
+    "drop_from_page_cache",
     "fsync_dir",
     "fsync_file",
     "fsync_tree",
@@ -111,6 +112,42 @@ def sync_filesystem(path: Union[str, Path]) -> bool:
     finally:
         os.close(fd)
     return True
+
+
+def drop_from_page_cache(files: Iterable[Union[str, Path]]) -> None:
+    """Ask the kernel to drop the cached pages of ``files`` (``posix_fadvise(DONTNEED)``), once
+    they are durable: their clean pages leave the page cache, the memory returns to the free
+    pages. Best effort: a file that cannot be opened, or a platform without the call, is left
+    as it is (the files are already on the disk; nothing is lost).
+
+    Why: a save that writes many files and hands each to the disk once written (the zarr
+    backend's chunks) leaves them in the cache when they become clean, a whole checkpoint of
+    pages that a training job rarely reads back and that pushes out what it does read; and the
+    next save then takes its pages from memory not used for a while. On the 2-core test VM a
+    2-rank zarr save of 1.5 GB right after another took 1.9-2.2 s with the previous save's pages
+    cached, 0.9-1.1 s with them dropped (the kernel's copy into the page cache was 3x slower).
+    `SequentialWriter` drops its own file's pages as it goes.
+
+    Example:
+
+    ```python
+    sync_filesystem(root)
+    drop_from_page_cache(written_paths)
+    ```
+    """
+    if not hasattr(os, "posix_fadvise"):
+        return
+    for path in files:
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
 
 def fsync_tree(files: Iterable[Union[str, Path]], top: Union[str, Path]) -> None:

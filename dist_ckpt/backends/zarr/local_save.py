@@ -21,7 +21,8 @@ allows:
   writes chunks into it (a collective step of its own), plain files do not;
 * early writeback: a chunk file of at least `EARLY_WRITEBACK_BYTES` is handed to the disk as
   soon as it is written, so that the disk works while later files are written and the one
-  ``syncfs`` at the end (`fsync_written()`) finds little left.
+  ``syncfs`` at the end (`fsync_written()`) finds little left; once durable, the files leave
+  the page cache.
 
 The save is planned first, as plain data (`plan_node_files()`: which directories and files this
 rank writes), then written several nodes at a time (`write_node_files()`).

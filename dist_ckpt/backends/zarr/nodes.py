@@ -36,7 +36,7 @@ from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.model.dtypes import dtype_info, tensor_to_numpy
 from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.storage import fsync_dir
-from dist_ckpt.storage.files import fsync_tree, sync_filesystem
+from dist_ckpt.storage.files import drop_from_page_cache, fsync_tree, sync_filesystem
 from dist_ckpt.storage.object_path import ObjectPath
 
 __all__ = [
@@ -246,14 +246,20 @@ def fsync_written(paths: Sequence[ObjectPath], root: ObjectPath) -> None:
     created under ``root``, by this save, so they are on it), not an fsync per chunk file; a
     file and a directory at a time where there is no ``syncfs`` (`fsync_tree()`).
 
+    Once durable, the files' pages are dropped from the page cache (`drop_from_page_cache()`):
+    a checkpoint is rarely read back soon, and cached it pushes out a training job's data and
+    makes the next save take colder memory (twice as slow on the test VM).
+
     Only a storage with ``local_paths`` needs it: the engines write object stores through their
     own clients, and an object is durable when its PUT returns.
     """
     if not root.storage.local_paths:
         return
     top = root.local_path()  # resolved once: the files were just created under it, by this save
+    files = [top.joinpath(*node.relative_to(root).split("/")) for node in paths]
     if not sync_filesystem(top):
-        fsync_tree([top.joinpath(*node.relative_to(root).split("/")) for node in paths], top)
+        fsync_tree(files, top)
+    drop_from_page_cache(files)
 
 
 def in_threads(fn: Callable[[_T], _R], items: Sequence[_T]) -> List[_R]:

@@ -20,6 +20,7 @@ from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.storage.location import resolve_location
 from dist_ckpt.storage.object_path import ObjectPath
 from dist_ckpt.testing.layouts import bits
+from tests.page_cache import drops_clean_pages, resident_pages
 
 
 def _state():
@@ -171,3 +172,22 @@ def test_a_chunk_file_that_exists_is_never_overwritten(tmp_path):
     with pytest.raises(ObjectExistsError, match=r"'w'.*c\.0\.0"):
         write_node_files(str(tmp_path), node)
     assert (tmp_path / "w" / "c.0.0").read_bytes() == b"earlier"
+
+
+@pytest.mark.parametrize("engine", ["zarr-python", "tensorstore"])
+def test_a_local_save_leaves_its_files_out_of_the_page_cache(tmp_path, engine):
+    """Once durable, a save's chunk files and zarr.json documents leave the page cache (a
+    checkpoint crowded out the training job's data, and made the next save twice as slow on the
+    test VM)."""
+    from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreSaveShardedStrategy
+
+    if not drops_clean_pages(tmp_path):
+        pytest.skip("this file system keeps a file's pages (tmpfs) or has no posix_fadvise")
+    state = _state()
+    state["big"] = ShardedTensor.from_rank_offsets("big", torch.ones(1024, 1024))  # 4 MiB, early writeback
+    strategy = ZarrSaveShardedStrategy if engine == "zarr-python" else TensorStoreSaveShardedStrategy
+    strategy().save(state, Path(tmp_path))
+    tree = tmp_path / ZARR_DIR
+    written = [p for p in tree.rglob("*") if p.is_file() and p.name != "checksums.json"]  # the manifest comes after
+    assert len(written) > 2 * len(state)
+    assert {p.relative_to(tree).as_posix(): resident_pages(p) for p in written if resident_pages(p)} == {}
