@@ -34,6 +34,14 @@ Cold caches: ``--drop drop_caches`` writes ``/proc/sys/vm/drop_caches`` after ``
 ``posix_fadvise(DONTNEED)``s every file of the checkpoint; ``auto`` (the default) takes the
 first when it is allowed.
 
+Free page reporting: a VM whose balloon device reports free memory to its host (Linux's
+``page_reporting``; the 2-core test VM does) gives the host back every page that stays free for a
+moment, and the guest pays a host fault to use it again. A read or a write that puts 1.5 GB into
+the page cache from memory free for ten seconds then takes 2.2 s instead of 0.8 s, so every figure
+depends on which memory the system before it left free. ``--free-page-reporting off`` (root) holds
+reporting off for the run -- every page stays the guest's, as on bare metal -- and restores it at
+the end; ``keep`` (the default) leaves the machine as it is. The header says which.
+
 Usage::
 
     python benchmarks/bench_suite.py                                   # 3.15 GB, 2 ranks, 3 repeats
@@ -54,9 +62,10 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import suite_state as S  # noqa: E402
@@ -94,6 +103,37 @@ def _evict(paths: Sequence[Path], how: str) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+_REPORTING_ORDER = Path("/sys/module/page_reporting/parameters/page_reporting_order")
+
+
+def _page_orders() -> int:
+    """How many orders of free blocks the kernel keeps (columns of /proc/buddyinfo)."""
+    with open("/proc/buddyinfo") as f:
+        return len(f.readline().split()) - 4  # "Node 0, zone DMA" then one count per order
+
+
+@contextmanager
+def free_page_reporting(mode: str) -> Iterator[str]:
+    """Hold the guest's free page reporting off for the run (``mode == "off"``), or leave it;
+    yields a description for the header."""
+    try:
+        order = int(_REPORTING_ORDER.read_text())
+    except (OSError, ValueError):
+        yield "no free page reporting"
+        return
+    if mode == "keep" or order >= _page_orders():
+        yield f"free page reporting {'on' if order < _page_orders() else 'off'} (order {order})"
+        return
+    try:
+        _REPORTING_ORDER.write_text(str(_page_orders()))  # no free block is that large: nothing reported
+    except PermissionError:
+        raise SystemExit(f"--free-page-reporting off writes {_REPORTING_ORDER}: run as root") from None
+    try:
+        yield f"free page reporting held off (order {order} restored at the end)"
+    finally:
+        _REPORTING_ORDER.write_text(str(order))
 
 
 def _threads(fn: Callable[[Path], None], paths: Sequence[Path]) -> float:
@@ -315,6 +355,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="interpreter with megatron-core (default: /opt/mcore-venv/bin/python if it exists, else this one: "
         "dist_ckpt's test extra installs megatron-core)",
     )
+    parser.add_argument(
+        "--free-page-reporting",
+        choices=("keep", "off"),
+        default="keep",
+        help="hold a VM's free page reporting off for the run (root; see above)",
+    )
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--json", type=Path, help="also write every measurement here")
     parser.add_argument("--baseline", type=Path, help="the same as --tree base=DIR")
@@ -330,7 +376,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         venv = Path("/opt/mcore-venv/bin/python")
         args.mcore_python = str(venv) if venv.exists() else sys.executable
     model = S.Model.for_size(int(args.size_gb * GB), args.layers, multiple=2 * args.ranks)
-    nbytes = model.nbytes()
     args.dir.mkdir(parents=True, exist_ok=True)
     how = _drop_method(args.drop)
     trees = {name: Path(d).resolve() for name, _, d in (t.partition("=") for t in args.tree)}
@@ -350,9 +395,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"skipping {system}: {why}")
         else:
             systems.append(system)
+    with free_page_reporting(args.free_page_reporting) as reporting:
+        return _run(args, systems, trees, model, how, reporting)
+
+
+def _run(
+    args: argparse.Namespace, systems: List[str], trees: Dict[str, Path], model: S.Model, how: str, reporting: str
+) -> int:
+    nbytes = model.nbytes()
     print(
         f"suite: {nbytes / GB:.2f} GB state ({model}, {len(model.specs())} tensors, fp32), {args.ranks} ranks, "
-        f"{args.repeats} repeats, under {args.dir}, cold caches by {how}, load average {os.getloadavg()[0]:.1f}",
+        f"{args.repeats} repeats, under {args.dir}, cold caches by {how}, {reporting}, "
+        f"load average {os.getloadavg()[0]:.1f}",
         flush=True,
     )
     results: Dict[str, List[Dict[str, Any]]] = {s: [] for s in systems}
