@@ -126,12 +126,14 @@ def free_page_reporting(mode: str) -> Iterator[str]:
     if mode == "keep" or order >= _page_orders():
         yield f"free page reporting {'on' if order < _page_orders() else 'off'} (order {order})"
         return
+    try:  # no free block is that large: nothing is reported (kernels that cap the value refuse it)
+        _REPORTING_ORDER.write_text(str(_page_orders()))
+    except OSError as e:
+        raise SystemExit(f"--free-page-reporting off: cannot write {_REPORTING_ORDER} ({e}); needs root") from None
     try:
-        _REPORTING_ORDER.write_text(str(_page_orders()))  # no free block is that large: nothing reported
-    except PermissionError:
-        raise SystemExit(f"--free-page-reporting off writes {_REPORTING_ORDER}: run as root") from None
-    try:
-        yield f"free page reporting held off (order {order} restored at the end)"
+        now = int(_REPORTING_ORDER.read_text())
+        held = "held off" if now >= _page_orders() else f"NOT held off (order {now})"
+        yield f"free page reporting {held} (order {order} restored at the end)"
     finally:
         _REPORTING_ORDER.write_text(str(order))
 

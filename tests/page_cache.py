@@ -33,8 +33,9 @@ def resident_pages(path: Union[str, Path]) -> int:
 
 
 def drops_clean_pages(directory: Union[str, Path]) -> bool:
-    """Whether the file system of ``directory`` drops a durable file's pages on
-    ``posix_fadvise(DONTNEED)`` (a disk file system does; tmpfs, whose pages are the file, does not)."""
+    """Whether the file system of ``directory`` caches a file written there and drops its pages on
+    ``posix_fadvise(DONTNEED)`` once durable (a disk file system does; tmpfs, whose pages are the
+    file, does not drop them; one that never caches writes has nothing to drop)."""
     if not hasattr(os, "posix_fadvise"):
         return False
     probe = Path(directory) / ".page_cache_probe"
@@ -42,6 +43,8 @@ def drops_clean_pages(directory: Union[str, Path]) -> bool:
     try:
         os.write(fd, b"x" * (1 << 20))
         os.fsync(fd)
+        if resident_pages(probe) == 0:
+            return False
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         return resident_pages(probe) == 0
     finally:

@@ -126,7 +126,7 @@ def drop_from_page_cache(files: Iterable[Union[str, Path]]) -> None:
     next save then takes its pages from memory not used for a while. On the 2-core test VM a
     2-rank zarr save of 1.5 GB right after another took 1.9-2.2 s with the previous save's pages
     cached, 0.9-1.1 s with them dropped (the kernel's copy into the page cache was 3x slower).
-    `SequentialWriter` drops its own file's pages as it goes.
+    `SequentialWriter` with ``early_writeback`` drops its own file's pages as it goes.
 
     Example:
 

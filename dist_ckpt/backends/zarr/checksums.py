@@ -1,7 +1,8 @@
 """crc32c checksums of zarr-format checkpoints, shared by both engines (zarr-python, TensorStore).
 
-At save time every rank digests the files it wrote (chunk files and ``zarr.json`` nodes: it
-reads them back once, from the page cache, since the bytes on disk are what the engine encoded),
+At save time every rank digests the files it wrote (chunk files and ``zarr.json`` nodes), from
+the bytes as they were written where it wrote them itself or through a recording store, else by
+reading them back once (the files TensorStore's library wrote: the bytes on disk are what it encoded),
 the digests are gathered to rank 0, and rank 0 writes ``zarr/checksums.json`` -- a checksum
 manifest (see [`dist_ckpt.integrity.checksums`][dist_ckpt.integrity.checksums]) of every file under ``zarr/``, by path
 relative to it.

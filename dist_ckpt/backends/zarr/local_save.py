@@ -21,8 +21,8 @@ allows:
   writes chunks into it (a collective step of its own), plain files do not;
 * early writeback: a chunk file of at least `EARLY_WRITEBACK_BYTES` is handed to the disk as
   soon as it is written, so that the disk works while later files are written and the one
-  ``syncfs`` at the end (`fsync_written()`) finds little left; once durable, the files leave
-  the page cache.
+  ``syncfs`` at the end (`fsync_written()`) finds little left; once the save is done with them
+  (durable, digested), the strategies drop the files from the page cache (`drop_written()`).
 
 The save is planned first, as plain data (`plan_node_files()`: which directories and files this
 rank writes), then written several nodes at a time (`write_node_files()`).

@@ -34,6 +34,7 @@ from dist_ckpt.backends.zarr.nodes import (
     chunked_attributes,
     creates_array,
     creates_flattened_group,
+    drop_written,
     flattened_attributes,
     fragment_attributes,
     fsync_written,
@@ -100,6 +101,7 @@ class TensorStoreSaveShardedStrategy(ZarrSaveStrategyBase):
             written = created + run_collectively("writing zarr chunks (tensorstore)", write)
         # 3. rank 0 records the checksum of every file written, then gives the tree its name
         commit_checksums(root, written, digests)
+        drop_written(written, root)  # the save is done with them
         run_collectively("publishing the zarr tree", lambda: publish_written(node) if get_rank() == 0 else None)
 
     @staticmethod

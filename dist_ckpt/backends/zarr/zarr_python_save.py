@@ -37,6 +37,7 @@ from dist_ckpt.backends.zarr.nodes import (
     cpu_contiguous,
     creates_array,
     creates_flattened_group,
+    drop_written,
     flattened_attributes,
     fragment_attributes,
     fsync_written,
@@ -103,6 +104,7 @@ class ZarrSaveShardedStrategy(ZarrSaveStrategyBase):
 
                 written = created + run_collectively("writing zarr chunks", write)
         commit_checksums(root, written, stores.digests)
+        drop_written(written, root)  # the save is done with them
         run_collectively("publishing the zarr tree", lambda: publish_written(node) if get_rank() == 0 else None)
 
     def begin_stream(self, checkpoint_dir: Storage, layout: Sequence[TensorLayout]) -> TensorStreamWriter:
@@ -244,4 +246,5 @@ class _ZarrStreamWriter(TensorStreamWriter):
             )
         fsync_written(self.written, self.root)  # every tensor's files at once
         commit_checksums(self.root, self.written, self._stores.digests)
+        drop_written(self.written, self.root)
         publish_written(self.checkpoint)  # .partial-zarr -> zarr
