@@ -176,7 +176,9 @@ def _padded_bytes(payload: torch.Tensor, group: Optional[ProcessGroup]) -> tuple
     device = comm_device(group)
     size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
     sizes = [torch.zeros_like(size) for _ in range(get_world_size(group))]
-    _collective("an all_gather of message sizes", group, lambda: dist.all_gather(sizes, size, group=group))
+    _collective(
+        "an all_gather of message sizes", group, lambda: dist.all_gather(sizes, size, group=group), [size, *sizes]
+    )
     lengths = [int(s.item()) for s in sizes]
     padded = torch.zeros(max(max(lengths), 1), dtype=torch.uint8, device=device)
     padded[: payload.numel()] = payload.to(device)
@@ -189,7 +191,7 @@ def all_gather_json(obj: Any, group: Optional[ProcessGroup] = None) -> List[Any]
         return [json.loads(json.dumps(obj))]
     padded, lengths = _padded_payload(obj, group)
     out = [torch.empty_like(padded) for _ in lengths]
-    _collective("an all_gather of JSON", group, lambda: dist.all_gather(out, padded, group=group))
+    _collective("an all_gather of JSON", group, lambda: dist.all_gather(out, padded, group=group), [padded, *out])
     return [_decode(buf, n) for buf, n in zip(out, lengths)]
 
 
@@ -201,7 +203,10 @@ def gather_json(obj: Any, dst: int = 0, group: Optional[ProcessGroup] = None) ->
     is_dst = get_rank(group) == dst
     out = [torch.empty_like(padded) for _ in lengths] if is_dst else None
     _collective(
-        "a gather of JSON", group, lambda: dist.gather(padded, out, dst=global_rank_of(group, dst), group=group)
+        "a gather of JSON",
+        group,
+        lambda: dist.gather(padded, out, dst=global_rank_of(group, dst), group=group),
+        [padded, *(out or [])],
     )
     if out is None:
         return None
@@ -229,7 +234,12 @@ def gather_bytes(data: bytes, dst: int = 0, group: Optional[ProcessGroup] = None
     padded, lengths = _padded_bytes(_as_uint8(data), group)
     is_dst = get_rank(group) == dst
     out = [torch.empty_like(padded) for _ in lengths] if is_dst else None
-    dist.gather(padded, out, dst=global_rank_of(group, dst), group=group)
+    _collective(
+        "a gather of bytes",
+        group,
+        lambda: dist.gather(padded, out, dst=global_rank_of(group, dst), group=group),
+        [padded, *(out or [])],
+    )
     if out is None:
         return None
     return [buf[:n].cpu().numpy().tobytes() for buf, n in zip(out, lengths)]
@@ -241,7 +251,7 @@ def all_gather_bytes(data: bytes, group: Optional[ProcessGroup] = None) -> List[
         return [bytes(data)]
     padded, lengths = _padded_bytes(_as_uint8(data), group)
     out = [torch.empty_like(padded) for _ in lengths]
-    dist.all_gather(out, padded, group=group)
+    _collective("an all_gather of bytes", group, lambda: dist.all_gather(out, padded, group=group), [padded, *out])
     return [buf[:n].cpu().numpy().tobytes() for buf, n in zip(out, lengths)]
 
 
@@ -257,7 +267,7 @@ def all_reduce_max(values: Sequence[int], group: Optional[ProcessGroup] = None) 
     if get_world_size(group) == 1:
         return [int(v) for v in values]
     t = torch.tensor(list(values), dtype=torch.int64, device=comm_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    _collective("an all_reduce of maxima", group, lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group), [t])
     return [int(v) for v in t.cpu().tolist()]
 
 
@@ -279,13 +289,15 @@ def broadcast_json(obj: Any, src: int = 0, group: Optional[ProcessGroup] = None)
     payload = _encode(obj) if get_rank(group) == src else torch.empty(0, dtype=torch.uint8)
     size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
     src_global = global_rank_of(group, src)
-    _collective("a broadcast of a message size", group, lambda: dist.broadcast(size, src=src_global, group=group))
+    _collective(
+        "a broadcast of a message size", group, lambda: dist.broadcast(size, src=src_global, group=group), [size]
+    )
     buf = (
         payload.to(device)
         if get_rank(group) == src
         else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     )
-    _collective("a broadcast of JSON", group, lambda: dist.broadcast(buf, src=src_global, group=group))
+    _collective("a broadcast of JSON", group, lambda: dist.broadcast(buf, src=src_global, group=group), [buf])
     return _decode(buf, int(size.item()))
 
 
@@ -307,12 +319,15 @@ def broadcast_tensor(
         f"a broadcast of {what} from group rank {src} (global rank {source})",
         group,
         lambda: dist.broadcast(tensor, src=source, group=group),
+        [tensor],
     )
 
 
 def _any_rank_true(flag: bool, group: Optional[ProcessGroup]) -> bool:
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=comm_device(group))
-    _collective("an all_reduce of success flags", group, lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group))
+    _collective(
+        "an all_reduce of success flags", group, lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group), [t]
+    )
     return bool(t.item())
 
 
@@ -385,14 +400,53 @@ def _abort(group: Optional[ProcessGroup]) -> None:
         logger.debug("could not abort the process group after a transport failure: %s", e)
 
 
-def _collective(what: str, group: Optional[ProcessGroup], fn: Callable[[], Any]) -> Any:
-    """Run the collective ``fn``; a failure of its transport (a peer rank died or stopped
-    responding: gloo and NCCL raise ``RuntimeError`` subclasses) becomes
+#: how long a collective waits for the process group's threads to let go of its tensors (seconds)
+RELEASE_WAIT_S = 0.5
+
+
+def _use_counts(tensors: Sequence[torch.Tensor]) -> List[int]:
+    count = getattr(torch.Tensor, "_use_count", None)  # private, so looked up: a torch without it skips the wait
+    return [int(count(t)) for t in tensors] if count is not None else []
+
+
+def wait_released(tensors: Sequence[torch.Tensor], counts: Sequence[int], timeout_s: float = RELEASE_WAIT_S) -> bool:
+    """Wait until no other thread holds more references to ``tensors`` than ``counts`` (their
+    C++ use counts before a collective), releasing the GIL meanwhile; give up after
+    ``timeout_s``. Returns whether they were released.
+
+    Why: a collective returns once its result is there, but the process group's worker thread
+    (gloo's ``runLoop``) drops its references to the tensors a moment later, and dropping the
+    last C++ reference to a tensor made in Python takes the GIL. If the interpreter is exiting by
+    then (a script whose last dist_ckpt call is a load, say), that thread cannot take it, and the
+    process aborts with ``terminate called without an active exception`` after its work is done
+    (seen on the docs' async example about one run in twenty on the 2-core VM; torch's own bug).
+    Waiting here, a few microseconds in the usual case, makes every dist_ckpt collective leave
+    nothing behind for those threads.
+    """
+    if not counts:
+        return True
+    deadline = time.monotonic() + timeout_s
+    while any(now > before for now, before in zip(_use_counts(tensors), counts)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.0001)  # releases the GIL to the thread that drops them
+    return True
+
+
+def _collective(
+    what: str, group: Optional[ProcessGroup], fn: Callable[[], Any], tensors: Sequence[torch.Tensor] = ()
+) -> Any:
+    """Run the collective ``fn`` over ``tensors``; a failure of its transport (a peer rank died or
+    stopped responding: gloo and NCCL raise ``RuntimeError`` subclasses) becomes
     [`RankFailedError`][dist_ckpt.errors.RankFailedError] naming the step this thread is in and the ranks that did not
-    answer the roll call."""
+    answer the roll call. Returns once the process group's threads let go of ``tensors``
+    (`wait_released()`)."""
     _publish_identity()
+    counts = _use_counts(tensors)
     try:
-        return fn()
+        result = fn()
+        wait_released(tensors, counts)
+        return result
     except RuntimeError as e:
         if not is_transport_error(e, getattr(torch.distributed, "DistError", None)):
             raise  # a bug (a wrong tensor, a wrong group): the group still works

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from typing import List
+
 import pytest
 import torch
 import torch.distributed as dist
 
+from dist_ckpt.engine import distributed
 from dist_ckpt.engine.distributed import (
     all_gather_json,
     barrier,
@@ -115,3 +120,49 @@ def test_exchanged_key_lists_are_bounded() -> None:
 
     info = _describe(KeyMismatchError("m", unexpected_keys=[f"k{i:04d}" for i in range(5000)]), 0, "loading")
     assert len(info["unexpected_keys"]) == 20 and len(info["message"]) < 400
+
+
+# -- collectives leave nothing for the process group's threads to release at exit --------------
+
+
+def _held_by_another_thread(tensor: torch.Tensor, for_s: float) -> threading.Thread:
+    """A thread that holds a C++ reference to ``tensor`` (a view of it) for ``for_s`` seconds,
+    as gloo's worker thread holds a finished collective's tensors for a moment."""
+    views = [tensor.view(-1)]
+
+    def hold() -> None:
+        time.sleep(for_s)
+        views.clear()
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    return thread
+
+
+def test_wait_released_returns_once_the_other_references_are_gone():
+    t = torch.zeros(4)
+    before = [t._use_count()]
+    thread = _held_by_another_thread(t, 0.05)
+    start = time.monotonic()
+    assert distributed.wait_released([t], before)
+    assert time.monotonic() - start >= 0.04
+    assert t._use_count() == before[0]
+    thread.join()
+
+
+def test_wait_released_gives_up_after_its_timeout():
+    t = torch.zeros(4)
+    before = [t._use_count()]
+    thread = _held_by_another_thread(t, 0.5)
+    assert not distributed.wait_released([t], before, timeout_s=0.02)  # bounded: never hangs a collective
+    thread.join()
+    assert distributed.wait_released([t], before, timeout_s=0.02)
+
+
+def test_a_collective_returns_after_its_tensors_are_released(monkeypatch):
+    monkeypatch.setattr(distributed, "_publish_identity", lambda: None)  # needs a process group
+    t = torch.zeros(4)
+    threads: List[threading.Thread] = []
+    distributed._collective("a test collective", None, lambda: threads.append(_held_by_another_thread(t, 0.05)), [t])
+    assert t._use_count() == 1  # the "worker thread" let go before the collective returned
+    threads[0].join()
