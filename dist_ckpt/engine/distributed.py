@@ -405,8 +405,13 @@ RELEASE_WAIT_S = 0.5
 
 
 def _use_counts(tensors: Sequence[torch.Tensor]) -> List[int]:
+    """The C++ use counts of CPU ``tensors`` ([] for others: NCCL's watchdog thread lets go of a
+    finished collective's tensors only when it next polls, up to 100 ms or more later, too long
+    to wait at every collective)."""
     count = getattr(torch.Tensor, "_use_count", None)  # private, so looked up: a torch without it skips the wait
-    return [int(count(t)) for t in tensors] if count is not None else []
+    if count is None or any(t.device.type != "cpu" for t in tensors):
+        return []
+    return [int(count(t)) for t in tensors]
 
 
 def wait_released(tensors: Sequence[torch.Tensor], counts: Sequence[int], timeout_s: float = RELEASE_WAIT_S) -> bool:

@@ -166,3 +166,10 @@ def test_a_collective_returns_after_its_tensors_are_released(monkeypatch):
     distributed._collective("a test collective", None, lambda: threads.append(_held_by_another_thread(t, 0.05)), [t])
     assert t._use_count() == 1  # the "worker thread" let go before the collective returned
     threads[0].join()
+
+
+def test_only_cpu_tensors_are_waited_for():
+    """NCCL's watchdog lets go of a collective's tensors only at its next poll (100 ms or more):
+    collectives on other devices than the CPU do not wait (a meta tensor stands in for CUDA)."""
+    assert distributed._use_counts([torch.zeros(2), torch.empty(2, device="meta")]) == []
+    assert distributed._use_counts([torch.zeros(2)]) == [1]
