@@ -18,6 +18,7 @@ import os
 import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple, TypeVar
 
 import numpy as np
@@ -252,9 +253,15 @@ def fsync_written(paths: Sequence[ObjectPath], root: ObjectPath) -> None:
     """
     if not root.storage.local_paths:
         return
-    top = root.local_path()  # resolved once: the files were just created under it, by this save
+    top = root.local_path()
     if not sync_filesystem(top):
-        fsync_tree([top.joinpath(*node.relative_to(root).split("/")) for node in paths], top)
+        fsync_tree(_under(top, paths, root), top)
+
+
+def _under(top: Path, paths: Sequence[ObjectPath], root: ObjectPath) -> List[Path]:
+    """The local paths of ``paths`` under ``top``, ``root``'s local directory, resolved once
+    (the files were just created under it, by this save): no per-file link checks."""
+    return [top.joinpath(*node.relative_to(root).split("/")) for node in paths]
 
 
 def drop_written(paths: Sequence[ObjectPath], root: ObjectPath) -> None:
@@ -268,8 +275,7 @@ def drop_written(paths: Sequence[ObjectPath], root: ObjectPath) -> None:
     """
     if not root.storage.local_paths:
         return
-    top = root.local_path()
-    drop_from_page_cache(top.joinpath(*node.relative_to(root).split("/")) for node in paths)
+    drop_from_page_cache(_under(root.local_path(), paths, root))
 
 
 def in_threads(fn: Callable[[_T], _R], items: Sequence[_T]) -> List[_R]:
