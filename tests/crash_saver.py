@@ -66,6 +66,20 @@ def slow_storage() -> None:
 
     local.SequentialWriter.write = write  # type: ignore[method-assign]
 
+    from dist_ckpt.storage import direct_io
+
+    write_at = direct_io.write_at
+
+    def slow_write_at(path: Any, fd: int, data: memoryview, offset: int) -> int:  # an async save's snapshot
+        view = data.cast("B") if data.format != "B" else data
+        direct = 0
+        for start in range(0, len(view), PIECE):
+            direct += write_at(path, fd, view[start : start + PIECE], offset + start)
+            time.sleep(PAUSE_S)
+        return direct
+
+    direct_io.write_at = slow_write_at  # type: ignore[assignment]
+
     write_temp_file = local.write_temp_file
 
     def slow_temp_file(path: Any, buffers: Any, *, fsync: bool = True) -> Any:

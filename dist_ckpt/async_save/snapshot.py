@@ -38,7 +38,9 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["PROCESS_SNAPSHOTS", "Snapshot", "SnapshotPool", "snapshot_layout"]
+from dist_ckpt.storage.direct_io import DIRECT_IO_ALIGN
+
+__all__ = ["PROCESS_SNAPSHOTS", "Snapshot", "SnapshotPool", "file_order_layout", "snapshot_layout"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,30 @@ def snapshot_layout(nbytes: Sequence[int]) -> Tuple[List[Tuple[int, int]], int]:
     return slots, total
 
 
+def file_order_layout(regions: Sequence[Tuple[int, Sequence[int]]]) -> Tuple[List[Tuple[int, int]], int]:
+    """``([(offset, nbytes), ...], total)`` for tensors that are written as byte ranges of files:
+    each region ``(file_offset, [nbytes, ...])`` holds the tensors of one range back to back, as
+    in the file, starting at a buffer offset congruent to ``file_offset`` modulo
+    `DIRECT_IO_ALIGN`, so that the region can go to the file with ``O_DIRECT``
+    (`dist_ckpt.storage.direct_io`). Costs less than `DIRECT_IO_ALIGN` bytes of padding per region.
+
+    Example:
+
+    ```python
+    file_order_layout([(100, [10, 20]), (8, [4])])   # ([(100, 10), (110, 20), (4104, 4)], 4108)
+    ```
+    """
+    slots = []
+    end = 0
+    for file_offset, sizes in regions:
+        offset = end + (file_offset - end) % DIRECT_IO_ALIGN
+        for n in sizes:
+            slots.append((offset, n))
+            offset += n
+        end = offset if sizes else end
+    return slots, end
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """Copies of tensors' bytes in one shared-memory buffer.
@@ -86,6 +112,19 @@ class Snapshot:
         offset, n = self.slots[i]
         return self.buffer[offset : offset + n]
 
+    def run(self, indices: Sequence[int]) -> Optional[torch.Tensor]:
+        """The bytes of tensors ``indices`` as one view, if they lie back to back in this order
+        (a region of `file_order_layout()`); None otherwise or for no tensors."""
+        if not indices:
+            return None
+        start, end = self.slots[indices[0]][0], self.slots[indices[0]][0]
+        for i in indices:
+            offset, n = self.slots[i]
+            if offset != end:
+                return None
+            end += n
+        return self.buffer[start:end]
+
 
 def _shared_bytes(nbytes: int) -> torch.Tensor:
     """A uint8 CPU tensor of ``nbytes`` in shared memory, allocated there directly
@@ -104,6 +143,10 @@ def _shared_bytes(nbytes: int) -> torch.Tensor:
 def _copy_into(slot: torch.Tensor, tensor: torch.Tensor) -> None:
     """Copy ``tensor``'s values, row-major, into the uint8 ``slot`` of the same byte size."""
     if tensor.numel() == 0:
+        return
+    if slot.storage_offset() % tensor.element_size():  # a file-order slot no view of the dtype fits
+        # the bytes instead: made contiguous where they are (on a GPU, there), then copied over
+        slot.copy_(tensor.detach().reshape(-1).contiguous().view(torch.uint8))
         return
     target = slot.view(tensor.dtype).view(tensor.shape) if tensor.dim() else slot.view(tensor.dtype)[0]
     target.copy_(tensor.detach())  # from any device and any strides; waits for a GPU copy
@@ -160,9 +203,15 @@ class SnapshotPool:
                 return
             self._acquire(nbytes).zero_()
 
-    def take(self, tensors: Sequence[torch.Tensor], in_use: Callable[[], bool]) -> Snapshot:
+    def take(
+        self,
+        tensors: Sequence[torch.Tensor],
+        in_use: Callable[[], bool],
+        layout: Optional[Tuple[List[Tuple[int, int]], int]] = None,
+    ) -> Snapshot:
         """Copy ``tensors`` into shared memory; ``in_use`` says whether the save that owns the
-        snapshot still needs it (the buffer is not reused until it returns False).
+        snapshot still needs it (the buffer is not reused until it returns False). ``layout``:
+        where each tensor goes (`file_order_layout()`); by default `snapshot_layout()`.
 
         Example:
 
@@ -170,7 +219,9 @@ class SnapshotPool:
         snap = pool.take(tensors, in_use=lambda: not outcome.done)
         ```
         """
-        slots, total = snapshot_layout([t.numel() * t.element_size() for t in tensors])
+        slots, total = layout or snapshot_layout([t.numel() * t.element_size() for t in tensors])
+        if len(slots) != len(tensors):
+            raise ValueError(f"a snapshot layout of {len(slots)} slots for {len(tensors)} tensors")
         with self._lock:
             buffer = self._acquire(total)
             self._in_use = in_use  # before the copy: no other save may take this buffer now

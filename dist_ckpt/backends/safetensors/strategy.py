@@ -51,7 +51,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from dist_ckpt.async_save.queue import AsyncOutcome, AsyncRequest
-from dist_ckpt.async_save.snapshot import PROCESS_SNAPSHOTS, snapshot_layout
+from dist_ckpt.async_save.snapshot import PROCESS_SNAPSHOTS, file_order_layout, snapshot_layout
 from dist_ckpt.backends.base import (
     AsyncSaveShardedStrategy,
     LoadShardedStrategy,
@@ -59,7 +59,7 @@ from dist_ckpt.backends.base import (
     TensorStreamWriter,
     main_replica_shards,
 )
-from dist_ckpt.backends.safetensors.format import StagingBuffer
+from dist_ckpt.backends.safetensors.format import DATA_ALIGN, StagingBuffer
 from dist_ckpt.backends.safetensors.index import (
     INDEX_FILENAME,
     INDEX_VERSION,
@@ -319,6 +319,8 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
         groups = assign_writers(to_write, self.options.thread_count) if to_write else []
         if smallest_last:  # more of each file fits a snapshot budget (which takes file ends)
             groups = [sorted(g, key=lambda sh: -_nbytes(sh)) for g in groups]
+        else:  # every shard before the first of an odd size starts at a cache-line-aligned offset
+            groups = [sorted(g, key=lambda sh: _nbytes(sh) % DATA_ALIGN != 0) for g in groups]
         layout = [[(shard_name(sh), sh.dtype, tuple(_stored_view(sh).shape)) for sh in group] for group in groups]
         return [
             (plan_file(file_name(rank, i), items, FILE_METADATA), group)
@@ -364,7 +366,7 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
         files = self._plan(shards, smallest_last=self.options.snapshot_budget_bytes is not None)
         choose = whole_file_starts if object_store else deferred_starts
         starts = choose([[_nbytes(sh) for sh in group] for _, group in files], self.options.snapshot_budget_bytes)
-        nbytes = snapshot_layout([_nbytes(sh) for (_, group), k in zip(files, starts) for sh in group[k:]])[1]
+        nbytes = _snapshot_layout(files, starts, file_order=not object_store)[1]
         self._snapshots.reserve(nbytes)
         return nbytes
 
@@ -422,7 +424,8 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
         # 4. snapshot
         outcome = AsyncOutcome()
         deferred = [t for v, k in zip(views, starts) for t in v[k:]]
-        snapshot = self._snapshots.take(deferred, in_use=lambda: not outcome.done)
+        layout = _snapshot_layout(files, starts, file_order=remote_root is None)
+        snapshot = self._snapshots.take(deferred, in_use=lambda: not outcome.done, layout=layout)
         parts, slot = [], 0
         for (plan, group), k in zip(files, starts):
             if k < len(group) or remote_root is None:
@@ -453,6 +456,19 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
             )
         args = (str(root), parts, snapshot, block, self.options.early_writeback)
         return AsyncRequest(write_snapshot_parts, args, [finalize], outcome=outcome)
+
+
+def _snapshot_layout(files: PlannedFiles, starts: Sequence[int], file_order: bool) -> Tuple[List[Tuple[int, int]], int]:
+    """Where an async save's snapshot holds the shards from ``starts`` on of each file: for local
+    files in file order (each file's snapshotted bytes one region, ready to go to the disk with
+    ``O_DIRECT``: `file_order_layout()`), for objects packed (`snapshot_layout()`)."""
+    if file_order:
+        regions = [
+            (plan.ranges[k][0] if k < len(group) else plan.size, [_nbytes(sh) for sh in group[k:]])
+            for (plan, group), k in zip(files, starts)
+        ]
+        return file_order_layout(regions)
+    return snapshot_layout([_nbytes(sh) for (_, group), k in zip(files, starts) for sh in group[k:]])
 
 
 def _stored_view(sh: ShardedTensor) -> torch.Tensor:

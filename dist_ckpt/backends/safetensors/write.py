@@ -12,7 +12,9 @@ The synchronous and the asynchronous save of the ``safetensors`` backend share t
 * `write_parts()` writes several parts at once, one thread each (``os.write`` and the crc
   computation run while other threads write);
 * `write_snapshot_parts()` is the function a background worker runs: `write_parts()` with
-  tensors that are views of a shared-memory `Snapshot`.
+  tensors that are views of a shared-memory `Snapshot`. The snapshot holds each file's bytes
+  in file order, so the disk takes them from that memory (``O_DIRECT``, `direct_io.write_at()`)
+  while the crcs are computed from it.
 
 What was written is then described to rank 0 by `index_parts` and indexed by
 `index_write`.
@@ -26,8 +28,8 @@ it is larger than the storage's part size), one file per thread, with the same c
 `write_snapshot_objects()` is its background-worker counterpart (the worker opens its own
 client: a pickled storage carries its location and options, not its connection).
 
-Every data byte goes through `SequentialWriter`, so tests can slow
-down or count writes in one place.
+Every data byte goes through `SequentialWriter`, or for a snapshot through
+`direct_io.write_at()` (called through its module), so tests can slow down or count writes there.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from dist_ckpt.backends.safetensors.format import StagingBuffer, encode_header, 
 from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.integrity.checksums import BlockChecksums, crc32c, crc_to_hex, encode_block_crcs
 from dist_ckpt.model.sharded import ShardedTensor
-from dist_ckpt.storage import ObjectWriter, Storage, fsync_dir
+from dist_ckpt.storage import ObjectWriter, Storage, direct_io, fsync_dir
 from dist_ckpt.storage.files import SequentialWriter
 
 __all__ = [
@@ -165,6 +167,7 @@ def write_part(
     block_bytes: Optional[int],
     early_writeback: bool = True,
     staging: Optional[StagingBuffer] = None,
+    run: Optional[torch.Tensor] = None,
 ) -> PartResult:
     """Write one part of a planned file (see `WritePart`).
 
@@ -174,6 +177,9 @@ def write_part(
         block_bytes: checksum block size, or None to compute no checksums.
         early_writeback: see `SequentialWriter`.
         staging: pinned buffer for tensors not on the CPU (one is made if needed).
+        run: the part's bytes in file order, in one uint8 CPU tensor whose storage the part's
+            tensors view (a snapshot region): written from that memory with ``O_DIRECT`` where
+            it can be (`_write_run()`).
 
     Example:
 
@@ -195,7 +201,8 @@ def write_part(
         else plan.size
     )
     flags = os.O_WRONLY | (os.O_CREAT | os.O_EXCL if part.first == 0 else 0)
-    fd = os.open(Path(directory) / partial_name(plan.name), flags, 0o644)
+    partial = Path(directory) / partial_name(plan.name)
+    fd = os.open(partial, flags, 0o644)
     try:
         header_crc = None
         if part.first == 0:
@@ -204,8 +211,8 @@ def write_part(
         else:
             os.lseek(fd, start, os.SEEK_SET)
         writer = SequentialWriter(fd, early_writeback, start=start)
-        crcs = []
-        for i, tensor in enumerate(part.tensors):
+        crcs = [] if run is None else _write_run(partial, fd, part, run, start, block_bytes)
+        for i, tensor in enumerate(part.tensors if run is None else ()):
             begin, end = plan.ranges[part.first + i]
             if writer.position != begin:
                 raise CheckpointingException(
@@ -273,6 +280,25 @@ def _write_tensor(
     return encode_block_crcs(blocks.finish()) if blocks is not None else ""
 
 
+def _write_run(
+    path: Path, fd: int, part: WritePart, run: torch.Tensor, start: int, block_bytes: Optional[int]
+) -> List[str]:
+    """Write ``run`` (the part's tensors' bytes, back to back as in the file) at ``start`` of the
+    open file ``fd``; return each tensor's block crcs. A second thread has the disk take the bytes
+    from ``run``'s memory (`direct_io.write_at()`) while this one computes the crcs of the part's
+    tensors (views of the same memory), in small pieces so that the writing thread gets the GIL
+    back quickly."""
+    end = part.plan.ranges[part.first + len(part.tensors) - 1][1] if part.tensors else start
+    if run.numel() != end - start:
+        raise CheckpointingException(f"{path}: a run of {run.numel()} bytes for a part planned at {end - start}")
+    with ThreadPoolExecutor(1, thread_name_prefix="dist_ckpt_direct") as pool:
+        written = pool.submit(direct_io.write_at, path, fd, tensor_bytes(run), start)
+        crcs = [_block_crcs(tensor_bytes(t), block_bytes) for t in part.tensors] if block_bytes else []
+        direct = written.result()
+    logger.debug("%s: %d of %d bytes written with O_DIRECT", path, direct, end - start)
+    return crcs or [""] * len(part.tensors)
+
+
 def write_parts(
     directory: Path,
     parts: Sequence[WritePart],
@@ -280,9 +306,11 @@ def write_parts(
     block_bytes: Optional[int],
     early_writeback: bool = True,
     staging: Optional[Sequence[StagingBuffer]] = None,
+    runs: Optional[Sequence[Optional[torch.Tensor]]] = None,
 ) -> List[PartResult]:
     """Write ``parts`` (of distinct files) on one thread each; fsync ``directory`` if any part
-    created a file. Returns the results in the order of ``parts``.
+    created a file. Returns the results in the order of ``parts``. ``runs``: per part, its
+    bytes in file order if it has them in one piece of memory (see `write_part()`).
 
     Example:
 
@@ -301,6 +329,7 @@ def write_parts(
             block_bytes=block_bytes,
             early_writeback=early_writeback,
             staging=buffers[i % max(1, len(buffers))],
+            run=runs[i] if runs else None,
         )
 
     if len(parts) <= 1:
@@ -337,7 +366,8 @@ def write_snapshot_parts(
     ```
     """
     write = [WritePart(p.plan, p.first, tuple(snapshot.view(i) for i in p.slots), fsync=True) for p in parts]
-    return write_parts(Path(directory), write, block_bytes=block_bytes, early_writeback=early_writeback)
+    runs = [snapshot.run(p.slots) for p in parts]
+    return write_parts(Path(directory), write, block_bytes=block_bytes, early_writeback=early_writeback, runs=runs)
 
 
 # --------------------------------------------------------------------------- object stores

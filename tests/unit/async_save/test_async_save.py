@@ -17,7 +17,7 @@ import torch
 
 import dist_ckpt as dc
 from dist_ckpt.async_save.queue import AsyncCallsQueue, AsyncRequest
-from dist_ckpt.async_save.snapshot import PROCESS_SNAPSHOTS, SnapshotPool, snapshot_layout
+from dist_ckpt.async_save.snapshot import PROCESS_SNAPSHOTS, SnapshotPool, file_order_layout, snapshot_layout
 from dist_ckpt.backends.safetensors.strategy import (
     SafetensorsSaveOptions,
     SafetensorsSaveShardedStrategy,
@@ -25,6 +25,8 @@ from dist_ckpt.backends.safetensors.strategy import (
 )
 from dist_ckpt.errors import AsyncSaveError, CheckpointingException, NotACheckpointError
 from dist_ckpt.model.sharded import ShardedTensor
+from dist_ckpt.storage import direct_io
+from dist_ckpt.storage.direct_io import DIRECT_IO_ALIGN
 
 
 def _state(seed: int = 0) -> Dict[str, object]:
@@ -85,6 +87,41 @@ def test_snapshot_layout_aligns_every_tensor():
     slots, total = snapshot_layout([10, 0, 70, 1])
     assert slots == [(0, 10), (64, 0), (64, 70), (192, 1)] and total == 193
     assert snapshot_layout([]) == ([], 0)
+
+
+def test_file_order_layout_keeps_each_region_congruent_with_its_file():
+    slots, total = file_order_layout([(100, [10, 20]), (8, [4]), (5000, []), (4096, [3])])
+    assert slots == [(100, 10), (110, 20), (4104, 4), (8192, 3)] and total == 8195
+    for (offset, _), file_offset in zip(slots, [100, 110, 8, 4096]):
+        assert (offset - file_offset) % DIRECT_IO_ALIGN == 0
+    assert file_order_layout([]) == ([], 0)
+
+
+def test_snapshot_run_is_the_bytes_of_consecutive_slots():
+    pool = SnapshotPool()
+    tensors = [torch.arange(3, dtype=torch.int8), torch.tensor([1.5, -2.0]), torch.tensor([7], dtype=torch.int16)]
+    layout = file_order_layout([(1, [3, 8]), (0, [2])])
+    snap = pool.take(tensors, in_use=lambda: False, layout=layout)
+    run = snap.run([0, 1])
+    assert run is not None and run.numel() == 11 and run.storage_offset() == 1
+    assert bytes(run.numpy()) == bytes(tensors[0].numpy()) + bytes(tensors[1].numpy())
+    assert snap.run([1, 0]) is None and snap.run([0, 2]) is None and snap.run([]) is None
+    assert snap.slots[2][0] == DIRECT_IO_ALIGN  # the second region starts a block on, as in its file
+    assert bytes(snap.view(2).numpy()) == bytes(tensors[2].numpy())
+    with pytest.raises(ValueError, match="2 slots for 3 tensors"):
+        pool.take(tensors, in_use=lambda: False, layout=file_order_layout([(0, [3, 8])]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.complex64, torch.int64])
+def test_snapshot_slots_no_dtype_view_fits_still_get_the_bytes(dtype):
+    """In file order a tensor may start at an offset its dtype cannot be viewed at (after an odd
+    number of int8 bytes): its bytes are copied as bytes."""
+    pool = SnapshotPool()
+    odd = torch.arange(3, dtype=torch.int8)
+    value = (torch.arange(6) * 3 - 5).to(dtype).reshape(2, 3).t()  # not contiguous
+    snap = pool.take([odd, value], in_use=lambda: False, layout=file_order_layout([(0, [3, 6 * value.element_size()])]))
+    assert snap.slots[1][0] % value.element_size() != 0
+    assert bytes(snap.view(1).numpy()) == bytes(value.contiguous().view(torch.uint8).numpy())
 
 
 def test_deferred_starts_takes_file_ends_within_the_budget():
@@ -256,6 +293,49 @@ def test_snapshot_budget_streams_the_rest(tmp_path, queue, budget, caplog):
     assert dc.verify_checkpoint(tmp_path / "c").ok
     doc = json.loads((tmp_path / "c" / "safetensors" / "index.json").read_text())
     assert doc["version"] == 3 and "checksum" in doc and len(doc["files"]) == 2
+
+
+def test_the_snapshot_goes_to_the_files_from_its_own_memory(tmp_path, monkeypatch):
+    """Local files: the snapshot holds each file's bytes in file order, the background write
+    hands that memory to the disk (O_DIRECT where the file system allows), and the checkpoint
+    is the same: bit-exact, checksums verified, also where a tensor follows an odd number of
+    bytes (int8, bf16) and no view of its dtype fits its slot."""
+    gen = torch.Generator().manual_seed(3)
+    sd = {
+        "a": ShardedTensor.from_rank_offsets("a", torch.randint(-100, 100, (7,), generator=gen).to(torch.int8)),
+        "b": ShardedTensor.from_rank_offsets("b", torch.randn(5, generator=gen).to(torch.bfloat16)),
+        "c": ShardedTensor.from_rank_offsets("c", torch.randn(3001, generator=gen)),
+        "d": ShardedTensor.from_rank_offsets("d", torch.randn(129, 65, generator=gen).double()),
+        "e": ShardedTensor.from_rank_offsets("e", torch.randn(999, generator=gen).to(torch.bfloat16)),
+    }
+    expected = _values(sd)
+    direct = []
+    real = direct_io.write_at
+
+    def counting(*args):
+        direct.append(real(*args))
+        return direct[-1]
+
+    monkeypatch.setattr(direct_io, "write_at", counting)
+    strategy = SafetensorsSaveShardedStrategy(SafetensorsSaveOptions(thread_count=1))
+    request = dc.save(sd, tmp_path / "c", sharded_strategy=strategy, async_sharded_save=True)
+    snapshot = request.async_fn_args[2]
+    assert snapshot.run(list(range(len(snapshot.slots)))) is not None  # one file, one region
+    for v in sd.values():
+        v.data.zero_()
+    request.execute_sync()
+    assert len(direct) == 1
+    probe = tmp_path / "probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o600))
+        direct_supported = hasattr(os, "O_DIRECT")
+    except OSError:
+        direct_supported = False
+    assert (direct[0] > 0) == direct_supported
+    loaded = dc.load(_request(sd), tmp_path / "c")
+    for key, value in expected.items():
+        assert bytes(loaded[key].view(torch.uint8).numpy()) == bytes(value.view(torch.uint8).numpy()), key
+    assert dc.verify_checkpoint(tmp_path / "c").ok
 
 
 def test_snapshot_buffer_is_reused_across_saves(tmp_path, queue):

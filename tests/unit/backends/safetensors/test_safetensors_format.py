@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dist_ckpt.backends.safetensors.format import (
+    DATA_ALIGN,
     StagingBuffer,
     encode_header,
     read_header_at,
@@ -40,7 +41,7 @@ from dist_ckpt.storage.files import SequentialWriter
 def test_encode_header_layout():
     prefix, ranges = encode_header([("a", "F32", (2, 3), 24), ("b", "BF16", (), 2)], {"k": "v"})
     (length,) = struct.unpack("<Q", prefix[:8])
-    assert len(prefix) == 8 + length and len(prefix) % 8 == 0
+    assert len(prefix) == 8 + length and len(prefix) % DATA_ALIGN == 0
     doc = json.loads(prefix[8:])
     assert doc["__metadata__"] == {"k": "v"}
     assert doc["a"] == {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}
