@@ -70,11 +70,11 @@ def slow_storage() -> None:
 
     write_at = direct_io.write_at
 
-    def slow_write_at(path: Any, fd: int, data: memoryview, offset: int) -> int:  # an async save's snapshot
+    def slow_write_at(fd: int, direct_fd: Any, data: memoryview, offset: int) -> int:  # an async save's snapshot
         view = data.cast("B") if data.format != "B" else data
         direct = 0
         for start in range(0, len(view), PIECE):
-            direct += write_at(path, fd, view[start : start + PIECE], offset + start)
+            direct += write_at(fd, direct_fd, view[start : start + PIECE], offset + start)
             time.sleep(PAUSE_S)
         return direct
 

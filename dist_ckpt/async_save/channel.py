@@ -3,7 +3,8 @@
 A message is a pickle. Tensors in shared memory (an async save's snapshot, see
 `dist_ckpt.async_save.snapshot`) are not copied into it: each distinct shared storage is
 passed as a file descriptor beside the bytes (``SCM_RIGHTS``), and the receiver maps the same
-memory. Every other object is pickled as usual.
+memory. So is a `PassedFd` (e.g. the read end of a pipe): the receiver gets its own descriptor
+of the same file. Every other object is pickled as usual.
 
 A frame on the socket is a header (payload length, number of descriptors; the descriptors ride
 on the header's bytes) followed by the payload.
@@ -23,15 +24,17 @@ from __future__ import annotations
 
 import io
 import mmap
+import os
 import pickle
 import select
 import socket
 import struct
+import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["FrameReader", "decode", "encode", "readable", "recv_frame", "send_frame"]
+__all__ = ["FrameReader", "PassedFd", "decode", "encode", "readable", "recv_frame", "send_frame"]
 
 #: payload bytes, number of file descriptors
 _HEADER = struct.Struct("!QI")
@@ -39,6 +42,33 @@ _HEADER = struct.Struct("!QI")
 MAX_FDS = 253
 #: persistent-id tag of a tensor whose storage travels as a descriptor
 _SHARED_TENSOR = "dist_ckpt.shared_tensor"
+#: persistent-id tag of a `PassedFd`
+_PASSED_FD = "dist_ckpt.passed_fd"
+
+
+class PassedFd:
+    """A file descriptor that travels with a message: the receiver gets a descriptor of its own
+    for the same open file. Each side's descriptor is closed by `close()` or once its
+    ``PassedFd`` is collected.
+
+    Example:
+
+    ```python
+    read_end, write_end = os.pipe()
+    payload, fds = encode((fn, (PassedFd(read_end),), {}))
+    ```
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._closer = weakref.finalize(self, os.close, fd)
+
+    def close(self) -> None:
+        """Close the descriptor now (once; later calls do nothing)."""
+        self._closer()
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a PassedFd travels only through dist_ckpt.async_save.channel, not a plain pickle")
 
 
 class _Pickler(pickle.Pickler):
@@ -50,6 +80,11 @@ class _Pickler(pickle.Pickler):
         self._slots: Dict[int, Tuple[int, int]] = {}  # storage address -> (index in fds, bytes)
 
     def persistent_id(self, obj: Any) -> Optional[Tuple[Any, ...]]:
+        if isinstance(obj, PassedFd):
+            if len(self.fds) >= MAX_FDS:
+                raise pickle.PicklingError(f"a message can carry at most {MAX_FDS} file descriptors")
+            self.fds.append(obj.fd)
+            return (_PASSED_FD, len(self.fds) - 1)
         if type(obj) is not torch.Tensor or obj.device.type != "cpu" or obj.requires_grad:
             return None
         storage = obj.untyped_storage()
@@ -78,6 +113,8 @@ class _Unpickler(pickle.Unpickler):
         self._storages: Dict[int, torch.UntypedStorage] = {}
 
     def persistent_load(self, pid: Any) -> Any:
+        if isinstance(pid, tuple) and len(pid) == 2 and pid[0] == _PASSED_FD:
+            return PassedFd(os.dup(self._fds[pid[1]]))
         if not isinstance(pid, tuple) or not pid or pid[0] != _SHARED_TENSOR:
             raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
         _, slot, size, dtype, offset, shape, stride = pid

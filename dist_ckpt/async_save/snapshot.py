@@ -112,19 +112,6 @@ class Snapshot:
         offset, n = self.slots[i]
         return self.buffer[offset : offset + n]
 
-    def run(self, indices: Sequence[int]) -> Optional[torch.Tensor]:
-        """The bytes of tensors ``indices`` as one view, if they lie back to back in this order
-        (a region of `file_order_layout()`); None otherwise or for no tensors."""
-        if not indices:
-            return None
-        start, end = self.slots[indices[0]][0], self.slots[indices[0]][0]
-        for i in indices:
-            offset, n = self.slots[i]
-            if offset != end:
-                return None
-            end += n
-        return self.buffer[start:end]
-
 
 def _shared_bytes(nbytes: int) -> torch.Tensor:
     """A uint8 CPU tensor of ``nbytes`` in shared memory, allocated there directly
@@ -208,10 +195,13 @@ class SnapshotPool:
         tensors: Sequence[torch.Tensor],
         in_use: Callable[[], bool],
         layout: Optional[Tuple[List[Tuple[int, int]], int]] = None,
+        on_copied: Optional[Callable[[torch.Tensor, int], None]] = None,
     ) -> Snapshot:
         """Copy ``tensors`` into shared memory; ``in_use`` says whether the save that owns the
         snapshot still needs it (the buffer is not reused until it returns False). ``layout``:
         where each tensor goes (`file_order_layout()`); by default `snapshot_layout()`.
+        ``on_copied(buffer, i)`` is called once tensor ``i`` is in the buffer (to start writing
+        it while the next ones are copied).
 
         Example:
 
@@ -225,8 +215,10 @@ class SnapshotPool:
         with self._lock:
             buffer = self._acquire(total)
             self._in_use = in_use  # before the copy: no other save may take this buffer now
-        for tensor, (offset, n) in zip(tensors, slots):
+        for i, (tensor, (offset, n)) in enumerate(zip(tensors, slots)):
             _copy_into(buffer[offset : offset + n], tensor)
+            if on_copied is not None:
+                on_copied(buffer, i)
         return Snapshot(buffer, tuple(slots))
 
 

@@ -25,7 +25,8 @@ No wait on the writer is unbounded. It must say it is ready within ``timeout_s``
 while it has calls, it is asked (at most every ``heartbeat_s``, whenever the training process
 polls or waits) what it is doing and how much CPU it used; a writer that does not answer for
 ``timeout_s`` seconds, or whose CPU time stops growing for ``timeout_s`` seconds (blocked on a
-hung file system, deadlocked), is killed and its calls fail with an
+hung file system, deadlocked) while its call notes no progress either
+(`dist_ckpt.async_save.progress`: a call that waits on purpose), is killed and its calls fail with an
 [`AsyncSaveError`][dist_ckpt.errors.AsyncSaveError] naming the rank and what the writer was doing. A
 writer that dies (killed, out of memory) fails its calls the same way.
 
@@ -126,7 +127,7 @@ class _Progress:
     ping_seq: int = 0
     ping_sent_at: Optional[float] = None  # this process's clock; None: no ping unanswered
     last_ping_at: float = 0.0
-    base: Optional[Tuple[float, float]] = None  # (cpu s, the writer's clock) when it last made progress
+    base: Optional[Tuple[float, int, float]] = None  # (cpu s, progress noted, the writer's clock) at its last progress
     latest: Optional[float] = None  # the writer's clock at its latest status
 
 
@@ -275,12 +276,12 @@ class AsyncWorker:
             if Path(message[2]).resolve() != Path(__file__).resolve().parents[1] / "__init__.py":
                 logger.warning("the async writer imported %s, not this process's dist_ckpt", message[2])
         elif kind == "status":
-            _, seq, measured_at, cpu, doing = message
+            _, seq, measured_at, cpu, doing, noted = message
             if seq == state.ping_seq:
                 state.ping_sent_at = None
             state.doing, state.latest = doing, measured_at
-            if state.base is None or cpu > state.base[0] + _PROGRESS_EPS_S:
-                state.base = (cpu, measured_at)
+            if state.base is None or cpu > state.base[0] + _PROGRESS_EPS_S or noted != state.base[1]:
+                state.base = (cpu, noted, measured_at)
         elif kind == "result":
             self._settle(message[1], message[2], message[3])
             state.base = state.latest = None  # the next call's progress is measured from its first status
@@ -310,8 +311,8 @@ class AsyncWorker:
             return None
         if state.ping_sent_at is not None and now - state.ping_sent_at > limit:
             return f"stopped answering for {limit:g} s (it was {state.doing})"
-        if state.base is not None and state.latest is not None and state.latest - state.base[1] > limit:
-            return f"made no progress (used no CPU) for {state.latest - state.base[1]:.0f} s while {state.doing}"
+        if state.base is not None and state.latest is not None and state.latest - state.base[2] > limit:
+            return f"made no progress (used no CPU) for {state.latest - state.base[2]:.0f} s while {state.doing}"
         return None
 
     def _maybe_ping(self, now: float) -> None:

@@ -10,15 +10,16 @@ Two threads:
 * the main thread runs the calls, one after another, in the order received, and sends each
   result (or the error) back;
 * the reader thread receives messages: a call is queued for the main thread; a ``ping`` is
-  answered at once with what the writer is doing and the CPU seconds its other threads used so
-  far (the training process takes a count that stops growing for too long as a hang).
+  answered at once with what the writer is doing, the CPU seconds its other threads used so
+  far and the progress its call noted without using CPU (`progress`); the training process
+  takes figures that stop growing for too long as a hang.
 
 It exits when told to (after the calls already received), when the training process closes
 the socket, or when its parent process is gone. It calls no collective.
 
 Messages (pickled tuples): from the training process ``("hello", sys_path, rank)``,
 ``("call", idx, name, payload)`` (with descriptors), ``("ping", seq)``, ``("stop",)``; to it
-``("ready", pid, dist_ckpt_file)``, ``("status", seq, measured_at, cpu_s, doing)``,
+``("ready", pid, dist_ckpt_file)``, ``("status", seq, measured_at, cpu_s, doing, progress)``,
 ``("result", idx, ok, value)``.
 """
 
@@ -36,6 +37,7 @@ import traceback
 from typing import Any, List, Optional, Tuple
 
 from dist_ckpt.async_save.channel import decode, readable, recv_frame, send_frame
+from dist_ckpt.async_save.progress import progress_count
 
 __all__ = ["main"]
 
@@ -71,7 +73,7 @@ class _Writer:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         cpu = usage.ru_utime + usage.ru_stime - time.thread_time()  # all threads but this one
         doing = self.doing if self.doing == "idle" else f"{self.doing} in {self.where()}"
-        self.send(("status", seq, time.monotonic(), cpu, doing))
+        self.send(("status", seq, time.monotonic(), cpu, doing, progress_count()))
 
 
 def _read(writer: _Writer, parent: int) -> None:

@@ -151,7 +151,7 @@ def _check_save_inputs(
         validate_key(sh.key, rank)
         owner = objects_by if isinstance(sh, ShardedObject) else sharded
         reserved = getattr(owner, "reserved_names", ())
-        if encode_key(sh.key) in reserved:
+        if reserved and encode_key(sh.key) in reserved:
             raise InvalidKeyError(
                 f"[rank {rank}] key {sh.key!r} is reserved: {owner} keeps its own records under that name "
                 f"({', '.join(reserved)}); rename the {type(sh).__name__}"

@@ -16,6 +16,7 @@ Two kinds of key, each checked by one function here:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -105,6 +106,7 @@ def validate_prefix(prefix: str) -> str:
     return prefix if prefix == "" else validate_object_key(prefix)
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a pure function, called for every key of every save and load
 def encode_key(key: str) -> str:
     """File-name component for ``key``; deterministic and injective (up to a 64-bit hash)."""
     validate_key(key)

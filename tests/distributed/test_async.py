@@ -141,16 +141,25 @@ def test_fully_parallel_async_save_spreads_the_writing(shared_tmp_path: Path, qu
     )
 
 
+def _break_first_file(checkpoint: Path, victim: int) -> None:
+    """A dangling link in place of rank ``victim``'s first file under its temporary name: the
+    background writer can neither create it (where it writes everything) nor open it to fsync it
+    (where the training process wrote the data: early_writes)."""
+    partial = checkpoint / "safetensors" / f".partial-rank{victim:05d}_0.safetensors"
+    partial.unlink(missing_ok=True)
+    partial.symlink_to(partial.parent / "nowhere")
+
+
 def test_writer_failure_on_one_rank_surfaces_on_every_rank(shared_tmp_path: Path, queue) -> None:
     victim = world() - 1
     request = dc.save(_state(tp=world()), shared_tmp_path / "c", async_sharded_save=True)
-    if rank() == victim:  # where this rank's writer must create its first file (its temporary name)
-        (shared_tmp_path / "c" / "safetensors" / f".partial-rank{victim:05d}_0.safetensors").mkdir()
+    if rank() == victim:
+        _break_first_file(shared_tmp_path / "c", victim)
     queue.schedule_async_request(request)
     err = raises_on_all_ranks(
         AsyncSaveError, lambda: queue.maybe_finalize_async_calls(blocking=True), f"[rank {victim}]"
     )
-    assert_on_all_ranks("FileExistsError" in str(err), str(err))
+    assert_on_all_ranks("FileExistsError" in str(err) or "FileNotFoundError" in str(err), str(err))
     assert_on_all_ranks(not (shared_tmp_path / "c" / "metadata.json").exists(), "a failed save was committed")
     raises_on_all_ranks(NotACheckpointError, lambda: dc.load(_state(tp=world(), empty=True), shared_tmp_path / "c"))
     assert_on_all_ranks(queue.get_num_unfinalized_calls() == 0)
@@ -172,7 +181,7 @@ def test_killed_writer_on_one_rank_surfaces_on_every_rank(shared_tmp_path: Path,
 def test_execute_sync_raises_everywhere_when_one_rank_fails(shared_tmp_path: Path) -> None:
     request = dc.save(_state(tp=world()), shared_tmp_path / "c", async_sharded_save=True)
     if rank() == 1:
-        (shared_tmp_path / "c" / "safetensors" / ".partial-rank00001_0.safetensors").mkdir()
+        _break_first_file(shared_tmp_path / "c", 1)
     raises_on_all_ranks(dc.CheckpointingException, request.execute_sync, "[rank 1]")
     assert_on_all_ranks(not (shared_tmp_path / "c" / "metadata.json").exists())
 

@@ -46,6 +46,7 @@ import json
 import logging
 import math
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -59,6 +60,7 @@ from dist_ckpt.backends.base import (
     TensorStreamWriter,
     main_replica_shards,
 )
+from dist_ckpt.backends.safetensors.early_writes import EarlyRegion, EarlyWriter, accepts_direct_writes
 from dist_ckpt.backends.safetensors.format import DATA_ALIGN, StagingBuffer
 from dist_ckpt.backends.safetensors.index import (
     INDEX_FILENAME,
@@ -81,6 +83,8 @@ from dist_ckpt.backends.safetensors.write import (
     PlannedFiles,
     SnapshotPart,
     WritePart,
+    create_with_header,
+    partial_name,
     plan_file,
     publish,
     write_objects,
@@ -425,7 +429,22 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
         outcome = AsyncOutcome()
         deferred = [t for v, k in zip(views, starts) for t in v[k:]]
         layout = _snapshot_layout(files, starts, file_order=remote_root is None)
-        snapshot = self._snapshots.take(deferred, in_use=lambda: not outcome.done, layout=layout)
+        early = None
+        if remote_root is None:  # where the disk takes O_DIRECT writes, it takes each part as it is copied
+            early = _start_early_writes(root, files, starts, layout[0])
+        try:
+            snapshot = self._snapshots.take(
+                deferred,
+                in_use=lambda: not outcome.done or (early is not None and early.busy),
+                layout=layout,
+                on_copied=early.copied if early is not None else None,
+            )
+        except BaseException as e:
+            if early is not None:
+                early.abort(f"the snapshot failed: {type(e).__name__}: {e}")
+            raise
+        if early is not None:
+            early.finish()
         parts, slot = [], 0
         for (plan, group), k in zip(files, starts):
             if k < len(group) or remote_root is None:
@@ -454,8 +473,33 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
             return AsyncRequest(
                 write_snapshot_objects, (remote_root, parts, snapshot, block), [finalize], outcome=outcome
             )
-        args = (str(root), parts, snapshot, block, self.options.early_writeback)
+        args = (str(root), parts, snapshot, block, self.options.early_writeback, early.status if early else None)
         return AsyncRequest(write_snapshot_parts, args, [finalize], outcome=outcome)
+
+
+def _start_early_writes(
+    root: Path, files: PlannedFiles, starts: Sequence[int], slots: Sequence[Tuple[int, int]]
+) -> Optional[EarlyWriter]:
+    """Where files in ``root`` take ``O_DIRECT`` writes: create the files whose snapshotted part
+    starts them (header written), and start the thread that writes each file's snapshot region
+    as it is copied (`early_writes`). None elsewhere: the background process writes it all."""
+    if not accepts_direct_writes(root):
+        return None
+    regions: List[EarlyRegion] = []
+    slot_regions: List[Tuple[int, int]] = []
+    first = 0
+    for (plan, group), k in zip(files, starts):
+        count = len(group) - k
+        if count == 0:  # written whole before the snapshot
+            continue
+        if k == 0:
+            create_with_header(root, plan)
+        mine = slots[first : first + count]
+        path = root / partial_name(plan.name)
+        regions.append(EarlyRegion(path, plan.ranges[k][0], mine[0][0], mine[-1][0] + mine[-1][1]))
+        slot_regions += [(len(regions) - 1, offset + n) for offset, n in mine]
+        first += count
+    return EarlyWriter(regions, slot_regions)
 
 
 def _snapshot_layout(files: PlannedFiles, starts: Sequence[int], file_order: bool) -> Tuple[List[Tuple[int, int]], int]:

@@ -12,9 +12,9 @@ The synchronous and the asynchronous save of the ``safetensors`` backend share t
 * `write_parts()` writes several parts at once, one thread each (``os.write`` and the crc
   computation run while other threads write);
 * `write_snapshot_parts()` is the function a background worker runs: `write_parts()` with
-  tensors that are views of a shared-memory `Snapshot`. The snapshot holds each file's bytes
-  in file order, so the disk takes them from that memory (``O_DIRECT``, `direct_io.write_at()`)
-  while the crcs are computed from it.
+  tensors that are views of a shared-memory `Snapshot` -- or, where the training process wrote
+  the snapshot into the files itself as it was taken (`early_writes`), the crcs computed from
+  the snapshot, a wait for those writes, and the fsyncs.
 
 What was written is then described to rank 0 by `index_parts` and indexed by
 `index_write`.
@@ -28,7 +28,7 @@ it is larger than the storage's part size), one file per thread, with the same c
 `write_snapshot_objects()` is its background-worker counterpart (the worker opens its own
 client: a pickled storage carries its location and options, not its connection).
 
-Every data byte goes through `SequentialWriter`, or for a snapshot through
+Every data byte goes through `SequentialWriter`, or for an early-written snapshot through
 `direct_io.write_at()` (called through its module), so tests can slow down or count writes there.
 """
 
@@ -44,12 +44,14 @@ from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from dist_ckpt.async_save.channel import PassedFd
 from dist_ckpt.async_save.snapshot import Snapshot
+from dist_ckpt.backends.safetensors.early_writes import wait_for_early_writes
 from dist_ckpt.backends.safetensors.format import StagingBuffer, encode_header, storage_layout, tensor_bytes
 from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.integrity.checksums import BlockChecksums, crc32c, crc_to_hex, encode_block_crcs
 from dist_ckpt.model.sharded import ShardedTensor
-from dist_ckpt.storage import ObjectWriter, Storage, direct_io, fsync_dir
+from dist_ckpt.storage import ObjectWriter, Storage, fsync_dir
 from dist_ckpt.storage.files import SequentialWriter
 
 __all__ = [
@@ -59,6 +61,7 @@ __all__ = [
     "PlannedFiles",
     "SnapshotPart",
     "WritePart",
+    "create_with_header",
     "partial_name",
     "plan_file",
     "publish",
@@ -167,7 +170,6 @@ def write_part(
     block_bytes: Optional[int],
     early_writeback: bool = True,
     staging: Optional[StagingBuffer] = None,
-    run: Optional[torch.Tensor] = None,
 ) -> PartResult:
     """Write one part of a planned file (see `WritePart`).
 
@@ -177,9 +179,6 @@ def write_part(
         block_bytes: checksum block size, or None to compute no checksums.
         early_writeback: see `SequentialWriter`.
         staging: pinned buffer for tensors not on the CPU (one is made if needed).
-        run: the part's bytes in file order, in one uint8 CPU tensor whose storage the part's
-            tensors view (a snapshot region): written from that memory with ``O_DIRECT`` where
-            it can be (`_write_run()`).
 
     Example:
 
@@ -201,8 +200,7 @@ def write_part(
         else plan.size
     )
     flags = os.O_WRONLY | (os.O_CREAT | os.O_EXCL if part.first == 0 else 0)
-    partial = Path(directory) / partial_name(plan.name)
-    fd = os.open(partial, flags, 0o644)
+    fd = os.open(Path(directory) / partial_name(plan.name), flags, 0o644)
     try:
         header_crc = None
         if part.first == 0:
@@ -211,8 +209,8 @@ def write_part(
         else:
             os.lseek(fd, start, os.SEEK_SET)
         writer = SequentialWriter(fd, early_writeback, start=start)
-        crcs = [] if run is None else _write_run(partial, fd, part, run, start, block_bytes)
-        for i, tensor in enumerate(part.tensors if run is None else ()):
+        crcs = []
+        for i, tensor in enumerate(part.tensors):
             begin, end = plan.ranges[part.first + i]
             if writer.position != begin:
                 raise CheckpointingException(
@@ -230,6 +228,16 @@ def write_part(
     finally:
         os.close(fd)
     return PartResult(plan.name, part.first, tuple(crcs), header_crc)
+
+
+def create_with_header(directory: Path, plan: PlannedFile) -> None:
+    """Create ``plan``'s file (under its `partial_name()`) with its header written, for a writer
+    of its tensors that opens it later (an async save's `early_writes`)."""
+    fd = os.open(Path(directory) / partial_name(plan.name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        SequentialWriter(fd).write(memoryview(plan.prefix))
+    finally:
+        os.close(fd)
 
 
 def partial_name(name: str) -> str:
@@ -280,25 +288,6 @@ def _write_tensor(
     return encode_block_crcs(blocks.finish()) if blocks is not None else ""
 
 
-def _write_run(
-    path: Path, fd: int, part: WritePart, run: torch.Tensor, start: int, block_bytes: Optional[int]
-) -> List[str]:
-    """Write ``run`` (the part's tensors' bytes, back to back as in the file) at ``start`` of the
-    open file ``fd``; return each tensor's block crcs. A second thread has the disk take the bytes
-    from ``run``'s memory (`direct_io.write_at()`) while this one computes the crcs of the part's
-    tensors (views of the same memory), in small pieces so that the writing thread gets the GIL
-    back quickly."""
-    end = part.plan.ranges[part.first + len(part.tensors) - 1][1] if part.tensors else start
-    if run.numel() != end - start:
-        raise CheckpointingException(f"{path}: a run of {run.numel()} bytes for a part planned at {end - start}")
-    with ThreadPoolExecutor(1, thread_name_prefix="dist_ckpt_direct") as pool:
-        written = pool.submit(direct_io.write_at, path, fd, tensor_bytes(run), start)
-        crcs = [_block_crcs(tensor_bytes(t), block_bytes) for t in part.tensors] if block_bytes else []
-        direct = written.result()
-    logger.debug("%s: %d of %d bytes written with O_DIRECT", path, direct, end - start)
-    return crcs or [""] * len(part.tensors)
-
-
 def write_parts(
     directory: Path,
     parts: Sequence[WritePart],
@@ -306,11 +295,9 @@ def write_parts(
     block_bytes: Optional[int],
     early_writeback: bool = True,
     staging: Optional[Sequence[StagingBuffer]] = None,
-    runs: Optional[Sequence[Optional[torch.Tensor]]] = None,
 ) -> List[PartResult]:
     """Write ``parts`` (of distinct files) on one thread each; fsync ``directory`` if any part
-    created a file. Returns the results in the order of ``parts``. ``runs``: per part, its
-    bytes in file order if it has them in one piece of memory (see `write_part()`).
+    created a file. Returns the results in the order of ``parts``.
 
     Example:
 
@@ -329,7 +316,6 @@ def write_parts(
             block_bytes=block_bytes,
             early_writeback=early_writeback,
             staging=buffers[i % max(1, len(buffers))],
-            run=runs[i] if runs else None,
         )
 
     if len(parts) <= 1:
@@ -353,9 +339,19 @@ class SnapshotPart:
 
 
 def write_snapshot_parts(
-    directory: str, parts: Sequence[SnapshotPart], snapshot: Snapshot, block_bytes: Optional[int], early_writeback: bool
+    directory: str,
+    parts: Sequence[SnapshotPart],
+    snapshot: Snapshot,
+    block_bytes: Optional[int],
+    early_writeback: bool,
+    written_early: Optional[PassedFd] = None,
 ) -> List[PartResult]:
     """Write ``parts`` from ``snapshot`` and fsync every file: the background half of an async save.
+
+    With ``written_early`` the training process writes the parts' bytes itself
+    (`early_writes`, which created the files and wrote their headers too): this computes the
+    crcs from the snapshot meanwhile, waits for its word on ``written_early`` and fsyncs the
+    files.
 
     Runs in the async worker process; it calls no collective and needs no process group.
 
@@ -366,8 +362,31 @@ def write_snapshot_parts(
     ```
     """
     write = [WritePart(p.plan, p.first, tuple(snapshot.view(i) for i in p.slots), fsync=True) for p in parts]
-    runs = [snapshot.run(p.slots) for p in parts]
-    return write_parts(Path(directory), write, block_bytes=block_bytes, early_writeback=early_writeback, runs=runs)
+    if written_early is None:
+        return write_parts(Path(directory), write, block_bytes=block_bytes, early_writeback=early_writeback)
+    results = [_checksums(part, block_bytes) for part in write]
+    wait_for_early_writes(written_early, directory)
+    for part in write:
+        _fsync_written(Path(directory) / partial_name(part.plan.name), drop=early_writeback)
+    if write:
+        fsync_dir(directory)
+    return results
+
+
+def _checksums(part: WritePart, block_bytes: Optional[int]) -> PartResult:
+    """What `write_part()` returns for ``part``, for bytes written by someone else."""
+    crcs = tuple(_block_crcs(tensor_bytes(t), block_bytes) for t in part.tensors)
+    header_crc = crc_to_hex(crc32c(part.plan.prefix)) if block_bytes and part.first == 0 else None
+    return PartResult(part.plan.name, part.first, crcs, header_crc)
+
+
+def _fsync_written(path: Path, drop: bool) -> None:
+    """fsync ``path``; with ``drop``, then drop its (clean) pages from the page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        SequentialWriter(fd, early_writeback=drop).finish()
+    finally:
+        os.close(fd)
 
 
 # --------------------------------------------------------------------------- object stores

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from dist_ckpt.async_save.channel import FrameReader, decode, encode, map_shared, recv_frame, send_frame
+from dist_ckpt.async_save.channel import FrameReader, PassedFd, decode, encode, map_shared, recv_frame, send_frame
 from dist_ckpt.async_save.snapshot import SnapshotPool
 
 
@@ -85,3 +85,30 @@ def test_frame_reader_splits_frames_as_they_come() -> None:
     frames = reader.feed(data[:5]) + reader.feed(data[5:-1])
     assert [pickle.loads(f) for f in frames] == ["first"]
     assert [pickle.loads(f) for f in reader.feed(data[-1:])] == [{"second": 2}]
+
+
+def test_a_passed_descriptor_reaches_the_same_pipe() -> None:
+    read_end, write_end = os.pipe()
+    sent = PassedFd(read_end)
+    (received,) = _roundtrip((sent,))  # type: ignore[misc]
+    assert isinstance(received, PassedFd) and received.fd != read_end
+    os.write(write_end, b"ok")
+    os.close(write_end)
+    assert os.read(received.fd, 10) == b"ok"
+    received.close()
+    received.close()  # once only
+    sent.close()
+    with pytest.raises(OSError):
+        os.fstat(read_end)
+
+
+def test_a_passed_descriptor_is_closed_with_its_object_and_never_plainly_pickled() -> None:
+    read_end, write_end = os.pipe()
+    os.close(write_end)
+    passed = PassedFd(read_end)
+    with pytest.raises(TypeError, match="channel"):
+        pickle.dumps(passed)
+    del passed
+    gc.collect()
+    with pytest.raises(OSError):
+        os.fstat(read_end)

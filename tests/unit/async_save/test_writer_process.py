@@ -21,6 +21,7 @@ import torch
 
 import dist_ckpt as dc
 import dist_ckpt.async_save.worker as worker_module
+from dist_ckpt.async_save.progress import note_progress
 from dist_ckpt.async_save.queue import AsyncCallsQueue, AsyncRequest
 from dist_ckpt.errors import AsyncSaveError
 from dist_ckpt.testing import free_port
@@ -181,3 +182,29 @@ def test_the_writer_exits_with_its_training_process(tmp_path: Path) -> None:
     else:
         os.kill(pid, 9)
         pytest.fail(f"writer {pid} outlived its training process")
+
+
+def patient_wait(seconds: float) -> str:
+    """A call that waits on purpose, using no CPU, and notes its progress (as an async save's
+    background process does while the training process writes the snapshot)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        note_progress()
+    return "waited"
+
+
+def test_a_call_that_notes_progress_outlives_the_timeout() -> None:
+    from tests.unit.async_save.test_writer_process import patient_wait as importable_patient_wait
+
+    queue = AsyncCallsQueue()
+    try:
+        queue.schedule_async_request(_sleep_request(0))  # the writer is up
+        queue.maybe_finalize_async_calls(blocking=True)
+        queue.writer_timeout_s = 1.5
+        request = AsyncRequest(importable_patient_wait, (4.0,))
+        queue.schedule_async_request(request)
+        queue.maybe_finalize_async_calls(blocking=True)
+        assert request.outcome.result == "waited"
+    finally:
+        queue.close(abort=True)

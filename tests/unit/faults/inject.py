@@ -1,7 +1,7 @@
 """Deterministic fault injection at the write-side I/O calls of a save.
 
 :class:`Injector` wraps the calls through which dist_ckpt and its backends write -- ``os.open``
-(for writing), ``os.write``, ``os.fsync``, ``os.replace``, ``os.link``, ``open`` (and ``io.open``,
+(for writing), ``os.write``, ``os.pwrite``, ``os.fsync``, ``os.replace``, ``os.link``, ``open`` (and ``io.open``,
 which ``Path.open`` calls: DCP's writer) in a writing mode and the ``write`` calls on the file
 objects these return, and zarr-python's ``LocalStore.set`` -- and numbers them in the order they
 happen. A first
@@ -9,8 +9,9 @@ run with ``at=None`` counts them; then one run per index ``k`` makes call ``k`` 
 raising :class:`InjectedFault` (an ``OSError``, like a failing disk) or by killing the process
 on the spot (``os._exit``, which runs no cleanup: a SIGKILL).
 
-Runs are single-threaded where it matters (one safetensors writer thread), so call ``k`` is the
-same step in every run.
+Runs are single-threaded where it matters (one safetensors writer thread; the thread that writes
+an async save's snapshot from the caller runs while the caller only copies or waits), so call
+``k`` is the same step in every run.
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ class Injector:
 
     def __enter__(self) -> "Injector":
         self._wrap(os, "write", lambda fd, data: f"fd {len(memoryview(data))} bytes")
+        self._wrap(os, "pwrite", lambda fd, data, offset: f"fd {len(memoryview(data))} bytes at {offset}")
         self._wrap(os, "fsync", lambda fd: "")
         self._wrap(os, "replace", lambda src, dst, **_: os.path.basename(str(dst)))
         self._wrap(os, "link", lambda src, dst, **_: os.path.basename(str(dst)))

@@ -134,7 +134,9 @@ def test_raised_io_error_at_every_write_of_an_async_save(tmp_path, queue, backen
     caller_calls = _points(caller_side, tmp_path / "count")
     _async_save(queue, tmp_path / "count_worker", worker_fault(None, False, str(counted)))
     worker_calls = _worker_points(counted)
-    assert len(caller_calls) > 5 and len(worker_calls) > 2
+    # where the disk takes O_DIRECT writes the caller writes the tensor data (early_writes) and
+    # the background process only fsyncs: two calls at least either way
+    assert len(caller_calls) > 5 and len(worker_calls) >= 2
     row = f"raise at each write, async save, {backend}"
     for at in caller_calls:
         tally.attempt(row, f"caller write call {at}", raise_at(run, at, caller_side))
