@@ -39,6 +39,14 @@ def _direct_supported(directory: Path) -> bool:
     return hasattr(os, "O_DIRECT")
 
 
+@pytest.fixture
+def direct_dir(tmp_path: Path) -> Path:
+    """``tmp_path``, where its file system takes O_DIRECT writes (skipped elsewhere)."""
+    if not _direct_supported(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    return tmp_path
+
+
 def _write(path: Path, data: memoryview, offset: int, direct: bool = True) -> int:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     direct_fd = open_direct(path) if direct else None
@@ -69,10 +77,8 @@ def test_bytes_land_at_the_offset(tmp_path: Path, aligned: memoryview, shift: in
         assert direct == (SIZE - lead) // DIRECT_IO_ALIGN * DIRECT_IO_ALIGN
 
 
-def test_direct_bytes_skip_the_page_cache(tmp_path: Path, aligned: memoryview) -> None:
-    if not _direct_supported(tmp_path):
-        pytest.skip("this file system refuses O_DIRECT")
-    path = tmp_path / "f"
+def test_direct_bytes_skip_the_page_cache(direct_dir: Path, aligned: memoryview) -> None:
+    path = direct_dir / "f"
     assert _write(path, aligned[:SIZE], 0) > 0
     # at most the unaligned tail's page is cached
     assert resident_pages(path) <= 1
@@ -145,39 +151,23 @@ class _PwriteScript:
         return int(self.real(fd, data, offset))
 
 
-@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="Linux only")
-def test_o_direct_writes_refused_from_the_start_fall_back(
-    tmp_path: Path, aligned: memoryview, monkeypatch: Any
+@pytest.mark.parametrize("behaviour, direct_bytes", [("einval-first", 0), ("short", DIRECT_IO_ALIGN)])
+def test_a_refused_or_short_direct_write_is_finished_through_the_page_cache(
+    direct_dir: Path, aligned: memoryview, monkeypatch: Any, behaviour: str, direct_bytes: int
 ) -> None:
-    if not _direct_supported(tmp_path):
-        pytest.skip("this file system refuses O_DIRECT")
-    script = _PwriteScript(monkeypatch, "einval-first")
-    path = tmp_path / "f"
-    assert _write(path, aligned[:SIZE], 0) == 0
+    """A file system that takes O_DIRECT opens but refuses the writes (EINVAL on the first), or a
+    short direct write: the rest goes through the page cache, and the file is complete."""
+    script = _PwriteScript(monkeypatch, behaviour)
+    path = direct_dir / "f"
+    assert _write(path, aligned[:SIZE], 0) == direct_bytes
     assert len(script.calls) == 1
     assert path.read_bytes() == bytes(aligned[:SIZE])
 
 
-@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="Linux only")
-def test_a_failing_disk_is_reported_not_hidden(tmp_path: Path, aligned: memoryview, monkeypatch: Any) -> None:
-    if not _direct_supported(tmp_path):
-        pytest.skip("this file system refuses O_DIRECT")
+def test_a_failing_disk_is_reported_not_hidden(direct_dir: Path, aligned: memoryview, monkeypatch: Any) -> None:
     script = _PwriteScript(monkeypatch, "eio-second")
     monkeypatch.setattr(direct_io, "_DIRECT_WRITE_BYTES", 1 << 20)
     with pytest.raises(OSError) as raised:
-        _write(tmp_path / "f", aligned[:SIZE], 0)
+        _write(direct_dir / "f", aligned[:SIZE], 0)
     assert raised.value.errno == errno.EIO
     assert len(script.calls) == 2
-
-
-@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="Linux only")
-def test_a_short_direct_write_is_finished_through_the_page_cache(
-    tmp_path: Path, aligned: memoryview, monkeypatch: Any
-) -> None:
-    if not _direct_supported(tmp_path):
-        pytest.skip("this file system refuses O_DIRECT")
-    script = _PwriteScript(monkeypatch, "short")
-    path = tmp_path / "f"
-    assert _write(path, aligned[:SIZE], 0) == DIRECT_IO_ALIGN
-    assert len(script.calls) == 1
-    assert path.read_bytes() == bytes(aligned[:SIZE])
