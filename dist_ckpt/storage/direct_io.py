@@ -29,12 +29,13 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import uuid
 from pathlib import Path
-from typing import Optional, Union
+from typing import Dict, Optional, Union
 
 import numpy as np
 
-__all__ = ["DIRECT_IO_ALIGN", "UNSUPPORTED_ERRNOS", "memory_address", "open_direct", "write_at"]
+__all__ = ["DIRECT_IO_ALIGN", "accepts_direct_writes", "memory_address", "open_direct", "write_at"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,10 @@ DIRECT_IO_ALIGN = 4096
 _DIRECT_WRITE_BYTES = 16 << 20
 
 #: errors with which a file system says it does not do ``O_DIRECT`` (or not with this alignment)
-UNSUPPORTED_ERRNOS = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
+_UNSUPPORTED_ERRNOS = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
+
+#: per file system (device number), whether it takes O_DIRECT writes: probed once per process
+_DIRECT_BY_DEVICE: Dict[int, bool] = {}
 
 
 def memory_address(data: memoryview) -> int:
@@ -73,9 +77,33 @@ def open_direct(path: Union[str, Path]) -> Optional[int]:
     try:
         return os.open(path, os.O_WRONLY | flag)
     except OSError as error:
-        if error.errno in UNSUPPORTED_ERRNOS:
+        if error.errno in _UNSUPPORTED_ERRNOS:
             return None
         raise
+
+
+def accepts_direct_writes(directory: Path) -> bool:
+    """Whether files in ``directory`` open for ``O_DIRECT`` writes (not on tmpfs before Linux 6.6,
+    nor on some FUSE and network file systems). Probed with a file created, opened with
+    `open_direct()` and removed, the first time a file system is asked; an error that says
+    nothing about ``O_DIRECT`` (no permission, a full disk) answers False without being
+    remembered."""
+    device = os.stat(directory).st_dev
+    known = _DIRECT_BY_DEVICE.get(device)
+    if known is not None:
+        return known
+    probe = Path(directory) / f".direct-probe-{uuid.uuid4().hex}"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        direct_fd = open_direct(probe)
+    except OSError:
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+    if direct_fd is not None:
+        os.close(direct_fd)
+    _DIRECT_BY_DEVICE[device] = direct_fd is not None
+    return direct_fd is not None
 
 
 def write_at(fd: int, direct_fd: Optional[int], data: memoryview, offset: int) -> int:
@@ -104,7 +132,7 @@ def write_at(fd: int, direct_fd: Optional[int], data: memoryview, offset: int) -
             try:
                 written = os.pwrite(direct_fd, piece, offset + position)
             except OSError as error:
-                if error.errno in UNSUPPORTED_ERRNOS and position == lead:
+                if error.errno in _UNSUPPORTED_ERRNOS and position == lead:
                     logger.info("O_DIRECT write refused (%s): writing through the page cache", error)
                     break  # this file system takes O_DIRECT opens but not these writes
                 raise

@@ -39,11 +39,10 @@ import logging
 import os
 import queue
 import threading
-import uuid
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -51,9 +50,9 @@ from dist_ckpt.async_save.channel import PassedFd
 from dist_ckpt.async_save.progress import note_progress
 from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.storage import direct_io
-from dist_ckpt.storage.direct_io import DIRECT_IO_ALIGN, UNSUPPORTED_ERRNOS, open_direct
+from dist_ckpt.storage.direct_io import DIRECT_IO_ALIGN, open_direct
 
-__all__ = ["STREAM_CHUNK_BYTES", "EarlyRegion", "EarlyWriter", "accepts_direct_writes", "wait_for_early_writes"]
+__all__ = ["STREAM_CHUNK_BYTES", "EarlyRegion", "EarlyWriter", "wait_for_early_writes"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,9 +67,6 @@ _OK = "ok"
 _PIECE_MARK = b"\x06"
 #: the longest report sent (a pipe write of up to PIPE_BUF bytes is atomic and never blocks)
 _MAX_REPORT = 4000
-
-#: per file system (device number), whether it takes O_DIRECT writes: probed once per process
-_DIRECT_BY_DEVICE: Dict[int, bool] = {}
 
 #: the writers whose thread may still report: a forked child closes its copy of their pipes, so
 #: that the end-of-file the waiting process relies on is the training process's alone
@@ -94,32 +90,6 @@ class EarlyRegion:
     file_offset: int
     begin: int
     end: int
-
-
-def accepts_direct_writes(directory: Path) -> bool:
-    """Whether files in ``directory`` open for ``O_DIRECT`` writes (not on tmpfs, nor on some FUSE
-    and network file systems): only then does the training process write the snapshot itself.
-    Probed with a file created and removed at once, the first time a file system is asked."""
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
-        return False
-    device = os.stat(directory).st_dev
-    known = _DIRECT_BY_DEVICE.get(device)
-    if known is not None:
-        return known
-    probe = directory / f".direct-probe-{uuid.uuid4().hex}"
-    try:
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | flag, 0o600))
-    except OSError as error:
-        if error.errno not in UNSUPPORTED_ERRNOS:
-            return False  # not a verdict on O_DIRECT (no permission, full disk): not remembered
-        accepted = False
-    else:
-        accepted = True
-    finally:
-        probe.unlink(missing_ok=True)
-    _DIRECT_BY_DEVICE[device] = accepted
-    return accepted
 
 
 class EarlyWriter:

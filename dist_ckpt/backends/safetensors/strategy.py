@@ -60,7 +60,7 @@ from dist_ckpt.backends.base import (
     TensorStreamWriter,
     main_replica_shards,
 )
-from dist_ckpt.backends.safetensors.early_writes import EarlyRegion, EarlyWriter, accepts_direct_writes
+from dist_ckpt.backends.safetensors.early_writes import EarlyRegion, EarlyWriter
 from dist_ckpt.backends.safetensors.format import DATA_ALIGN, StagingBuffer
 from dist_ckpt.backends.safetensors.index import (
     INDEX_FILENAME,
@@ -100,6 +100,7 @@ from dist_ckpt.integrity.checksums import DEFAULT_BLOCK_BYTES, IntegrityReport
 from dist_ckpt.integrity.safe_json import loads, want_object
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
 from dist_ckpt.storage import Storage
+from dist_ckpt.storage.direct_io import accepts_direct_writes
 from dist_ckpt.storage.location import LocationLike, resolve_location
 
 __all__ = [

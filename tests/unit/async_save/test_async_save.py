@@ -20,7 +20,6 @@ import dist_ckpt as dc
 from dist_ckpt.async_save.queue import AsyncCallsQueue, AsyncRequest
 from dist_ckpt.async_save.snapshot import PROCESS_SNAPSHOTS, SnapshotPool, file_order_layout, snapshot_layout
 from dist_ckpt.backends.safetensors import strategy as safetensors_strategy
-from dist_ckpt.backends.safetensors.early_writes import accepts_direct_writes
 from dist_ckpt.backends.safetensors.strategy import (
     SafetensorsSaveOptions,
     SafetensorsSaveShardedStrategy,
@@ -29,7 +28,7 @@ from dist_ckpt.backends.safetensors.strategy import (
 from dist_ckpt.errors import AsyncSaveError, CheckpointingException, NotACheckpointError
 from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.storage import direct_io
-from dist_ckpt.storage.direct_io import DIRECT_IO_ALIGN
+from dist_ckpt.storage.direct_io import DIRECT_IO_ALIGN, accepts_direct_writes
 
 
 def _state(seed: int = 0) -> Dict[str, object]:

@@ -13,7 +13,7 @@ from typing import Any, Iterator, List, Tuple
 import pytest
 
 from dist_ckpt.storage import direct_io
-from dist_ckpt.storage.direct_io import DIRECT_IO_ALIGN, memory_address, open_direct, write_at
+from dist_ckpt.storage.direct_io import DIRECT_IO_ALIGN, accepts_direct_writes, memory_address, open_direct, write_at
 from tests.page_cache import resident_pages
 
 SIZE = 3 * (1 << 20) + 777
@@ -171,3 +171,23 @@ def test_a_failing_disk_is_reported_not_hidden(direct_dir: Path, aligned: memory
         _write(direct_dir / "f", aligned[:SIZE], 0)
     assert raised.value.errno == errno.EIO
     assert len(script.calls) == 2
+
+
+def test_accepts_direct_writes(tmp_path: Path, monkeypatch: Any) -> None:
+    if not hasattr(os, "O_DIRECT"):
+        assert not accepts_direct_writes(tmp_path)
+        return
+    monkeypatch.setattr(direct_io, "_DIRECT_BY_DEVICE", {})
+    accepts_direct_writes(tmp_path)
+    assert list(tmp_path.iterdir()) == []  # the probe leaves nothing behind
+    real_open = os.open
+
+    def refusing(path: Any, flags: int, *args: Any) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(22, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refusing)
+    assert accepts_direct_writes(tmp_path) == direct_io._DIRECT_BY_DEVICE[tmp_path.stat().st_dev]  # probed once
+    monkeypatch.setattr(direct_io, "_DIRECT_BY_DEVICE", {})
+    assert not accepts_direct_writes(tmp_path)

@@ -17,12 +17,7 @@ from dist_ckpt.async_save.channel import PassedFd
 from dist_ckpt.async_save.progress import progress_count
 from dist_ckpt.async_save.snapshot import SnapshotPool, file_order_layout
 from dist_ckpt.backends.safetensors import early_writes
-from dist_ckpt.backends.safetensors.early_writes import (
-    EarlyRegion,
-    EarlyWriter,
-    accepts_direct_writes,
-    wait_for_early_writes,
-)
+from dist_ckpt.backends.safetensors.early_writes import EarlyRegion, EarlyWriter, wait_for_early_writes
 from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.storage import direct_io
 from dist_ckpt.storage.direct_io import DIRECT_IO_ALIGN
@@ -190,23 +185,3 @@ def test_a_dropped_request_does_not_stop_the_thread(tmp_path: Path) -> None:
     writer.finish()
     writer._thread.join(5)
     assert not writer.busy
-
-
-def test_accepts_direct_writes(tmp_path: Path, monkeypatch: Any) -> None:
-    if not hasattr(os, "O_DIRECT"):
-        assert not accepts_direct_writes(tmp_path)
-        return
-    monkeypatch.setattr(early_writes, "_DIRECT_BY_DEVICE", {})
-    accepts_direct_writes(tmp_path)
-    assert list(tmp_path.iterdir()) == []  # the probe leaves nothing behind
-    real_open = os.open
-
-    def refusing(path: Any, flags: int, *args: Any) -> int:
-        if flags & os.O_DIRECT:
-            raise OSError(22, "Invalid argument")
-        return real_open(path, flags, *args)
-
-    monkeypatch.setattr(os, "open", refusing)
-    assert accepts_direct_writes(tmp_path) == early_writes._DIRECT_BY_DEVICE[tmp_path.stat().st_dev]  # probed once
-    monkeypatch.setattr(early_writes, "_DIRECT_BY_DEVICE", {})
-    assert not accepts_direct_writes(tmp_path)
