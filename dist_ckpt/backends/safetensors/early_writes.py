@@ -35,6 +35,7 @@ wait_for_early_writes(early.status, "ckpt/safetensors")
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -78,8 +79,12 @@ def _close_pipes_in_child() -> None:
         writer._close_report_pipe()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_close_pipes_in_child)
+@functools.lru_cache(maxsize=None)
+def _close_pipes_in_forked_children() -> None:
+    """Have every later fork of this process run `_close_pipes_in_child()` (registered once, by
+    the first `EarlyWriter`, not when the module is imported)."""
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_close_pipes_in_child)
 
 
 @dataclass(frozen=True)
@@ -121,6 +126,7 @@ class EarlyWriter:
         except BaseException:
             self._close_files()
             raise
+        _close_pipes_in_forked_children()
         read_end, self._report_fd = os.pipe()
         #: the pipe's read end, for the process that waits for the writes (see the module)
         self.status = PassedFd(read_end)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, List, Tuple
 
@@ -185,3 +187,14 @@ def test_a_dropped_request_does_not_stop_the_thread(tmp_path: Path) -> None:
     writer.finish()
     writer._thread.join(5)
     assert not writer.busy
+
+
+def test_importing_registers_no_fork_handler() -> None:
+    """The fork handler is registered by the first EarlyWriter, not by importing dist_ckpt."""
+    probe = (
+        "import dist_ckpt\n"
+        "from dist_ckpt.backends.safetensors import early_writes\n"
+        "print(early_writes._close_pipes_in_forked_children.cache_info().currsize)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "0"
