@@ -34,6 +34,12 @@ Cold caches: ``--drop drop_caches`` writes ``/proc/sys/vm/drop_caches`` after ``
 ``posix_fadvise(DONTNEED)``s every file of the checkpoint; ``auto`` (the default) takes the
 first when it is allowed.
 
+First reads: the test VM's virtual disk serves the first read of bytes written some seconds
+earlier at about half the speed of later reads of them (the host's caching). So before each
+timed cold load the ranks read the checkpoint's files once, untimed, and the cache is dropped
+again (``suite_ranks.prime``): every system's load, and the raw re-read beside it, meets the
+disk's steady speed. ``--first-read`` times the first read instead.
+
 Free page reporting: a VM whose balloon device reports free memory to its host (Linux's
 ``page_reporting``; the 2-core test VM does) gives the host back every page that stays free for a
 moment, and the guest pays a host fault to use it again. A read or a write that puts 1.5 GB into
@@ -220,12 +226,26 @@ def _job(args: Dict[str, Any], python: str) -> List[Dict[str, Any]]:
 
 
 def run_system(
-    system: str, model: S.Model, ranks: int, directory: Path, how: str, python: str, tree: Optional[Path] = None
+    system: str,
+    model: S.Model,
+    ranks: int,
+    directory: Path,
+    how: str,
+    python: str,
+    tree: Optional[Path] = None,
+    prime: bool = True,
 ) -> Dict[str, Any]:
     """One repeat of one system: the 2N-rank save, the N-rank job, the 1-rank load (``tree``: the
-    dist_ckpt source tree to import instead of this one)."""
+    dist_ckpt source tree to import instead of this one; ``prime``: read each checkpoint once
+    before its timed cold load, see ``suite_ranks.prime``)."""
     work = Path(tempfile.mkdtemp(prefix=f"suite_{system.replace('@', '_')}_", dir=directory))
-    common = {"system": system, "model": asdict(model), "drop": how, "tree": str(tree) if tree else None}
+    common = {
+        "system": system,
+        "model": asdict(model),
+        "drop": how,
+        "prime": prime,
+        "tree": str(tree) if tree else None,
+    }
     try:
         src = str(work / "src")
         saved = _job({**common, "job": "save", "world": 2 * ranks, "dir": src}, python)
@@ -363,6 +383,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         default="keep",
         help="hold a VM's free page reporting off for the run (root; see above)",
     )
+    parser.add_argument(
+        "--first-read",
+        action="store_true",
+        help="time cold loads on the first read of a fresh checkpoint (default: read it once, untimed, before)",
+    )
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--json", type=Path, help="also write every measurement here")
     parser.add_argument("--baseline", type=Path, help="the same as --tree base=DIR")
@@ -407,7 +432,8 @@ def _run(
     nbytes = model.nbytes()
     print(
         f"suite: {nbytes / GB:.2f} GB state ({model}, {len(model.specs())} tensors, fp32), {args.ranks} ranks, "
-        f"{args.repeats} repeats, under {args.dir}, cold caches by {how}, {reporting}, "
+        f"{args.repeats} repeats, under {args.dir}, cold caches by {how}"
+        f"{' (first reads)' if args.first_read else ' (after an untimed read)'}, {reporting}, "
         f"load average {os.getloadavg()[0]:.1f}",
         flush=True,
     )
@@ -420,7 +446,7 @@ def _run(
             python = args.mcore_python if system == "mcore" else sys.executable
             try:
                 tree = trees.get(system.partition("@")[2]) if "@" in system else None
-                res = run_system(system, model, args.ranks, args.dir, how, python, tree)
+                res = run_system(system, model, args.ranks, args.dir, how, python, tree, prime=not args.first_read)
             except RuntimeError as e:
                 print(f"{system}: {e}", file=sys.stderr)
                 failed += 1
