@@ -119,6 +119,18 @@ def _dealt(directory: str, rank: int, world: int) -> List[str]:
     return mine
 
 
+def my_share(directory: str) -> List[str]:
+    """This rank's share of ``directory``'s files (`_dealt`)."""
+    return _dealt(directory, dist.get_rank(), dist.get_world_size())
+
+
+def read_files(paths: List[str]) -> None:
+    """Read ``paths`` whole, one after the other, with 64 MiB reads and no library in between."""
+    buf = bytearray(BLOCK)
+    for path in paths:
+        read_whole(path, buf)
+
+
 def prime(directory: str, how: str) -> None:
     """Read ``directory``'s files once (each rank its share, `_dealt`), untimed, then drop them
     from the page cache: the state of the disk a timed cold load then meets.
@@ -133,17 +145,13 @@ def prime(directory: str, how: str) -> None:
     and the raw re-read beside it, meets the disk's steady speed (``bench_suite.py --first-read``
     skips this).
     """
-    mine = _dealt(directory, dist.get_rank(), dist.get_world_size())
-    buf = bytearray(BLOCK)
-    for path in mine:
-        read_whole(path, buf)
+    read_files(my_share(directory))
     drop_cache(directory, how)
 
 
 def make_cold(directory: str, args: Dict[str, Any]) -> None:
     """Before a timed cold load: `prime` (``args["prime"]``, the default) or only `drop_cache`."""
     if args.get("prime", True):
-        barrier()
         prime(directory, args["drop"])
     else:
         drop_cache(directory, args["drop"])
@@ -161,15 +169,9 @@ def reread(directory: str, how: str) -> float:
     load compared with a raw read of other, fresher bytes looks slower than the disk serves its
     own files. Re-reading the files the load just read compares like with like.
     """
-    mine = _dealt(directory, dist.get_rank(), dist.get_world_size())
+    mine = my_share(directory)
     drop_cache(directory, how)
-
-    def read() -> None:
-        buf = bytearray(BLOCK)
-        for path in mine:
-            read_whole(path, buf)
-
-    return timed(read)
+    return timed(lambda: read_files(mine))
 
 
 # --------------------------------------------------------------------------- systems
