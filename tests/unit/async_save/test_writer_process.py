@@ -208,3 +208,40 @@ def test_a_call_that_notes_progress_outlives_the_timeout() -> None:
         assert request.outcome.result == "waited"
     finally:
         queue.close(abort=True)
+
+
+class SlowToRelease:
+    """An argument whose release in the writer process takes until ``release_file`` exists (as
+    unmapping a large snapshot takes a while): the call's outcome must not wait for it."""
+
+    def __init__(self, release_file: str) -> None:
+        self.release_file = release_file
+        self.owner = os.getpid()
+
+    def __del__(self) -> None:
+        if os.getpid() == self.owner:
+            return
+        deadline = time.monotonic() + 60
+        while not os.path.exists(self.release_file) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def holds(arg: SlowToRelease) -> str:
+    return "written"
+
+
+def test_the_outcome_is_sent_before_the_arguments_are_released(tmp_path: Path) -> None:
+    from tests.unit.async_save.test_writer_process import SlowToRelease as ImportableArg
+    from tests.unit.async_save.test_writer_process import holds as importable_holds
+
+    release = tmp_path / "release"
+    queue = AsyncCallsQueue()
+    try:
+        request = AsyncRequest(importable_holds, (ImportableArg(str(release)),))
+        queue.schedule_async_request(request)
+        worker = queue._get_worker()
+        assert worker.wait(request.outcome, timeout_s=10), "the outcome waited for the arguments' release"
+        assert request.outcome.result == "written"
+    finally:
+        release.touch()
+        queue.close()
