@@ -38,14 +38,12 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from dist_ckpt.model.dtypes import align_up
 from dist_ckpt.storage.direct_io import DIRECT_IO_ALIGN
 
 __all__ = ["PROCESS_SNAPSHOTS", "Snapshot", "SnapshotPool", "file_order_layout", "snapshot_layout"]
 
 logger = logging.getLogger(__name__)
-
-#: every tensor starts at a multiple of this many bytes of the buffer (any dtype view is aligned)
-ALIGN = 64
 
 
 def snapshot_layout(nbytes: Sequence[int]) -> Tuple[List[Tuple[int, int]], int]:
@@ -61,7 +59,7 @@ def snapshot_layout(nbytes: Sequence[int]) -> Tuple[List[Tuple[int, int]], int]:
     offset = 0
     for n in nbytes:
         slots.append((offset, n))
-        offset += -(-n // ALIGN) * ALIGN
+        offset = align_up(offset + n)
     total = slots[-1][0] + slots[-1][1] if slots else 0
     return slots, total
 

@@ -45,6 +45,7 @@ from dist_ckpt.engine.distributed import (
 from dist_ckpt.engine.shard_metadata import dtype_from_token, dtype_token
 from dist_ckpt.errors import CheckpointingException, ProcessGroupMismatchError
 from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
+from dist_ckpt.model.dtypes import align_up
 from dist_ckpt.model.sharded import ShardedBase, ShardedStateDict, ShardedTensor, StateDict
 from dist_ckpt.storage import Storage
 
@@ -57,7 +58,6 @@ ShardId = str
 #: which measured faster than large buckets (benchmarks/bench_parallel.py); smaller shards are
 #: still packed, so many tiny tensors do not cost one broadcast each
 DEFAULT_BUCKET_BYTES = 4 << 20
-_ALIGN = 64  # offsets in a bucket: any dtype can be viewed at them
 
 
 def shard_id(sh: ShardedTensor) -> ShardId:
@@ -155,10 +155,6 @@ class Bucket:
     nbytes: int
 
 
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
 def plan_buckets(
     owner: Mapping[ShardId, int],
     needers: Mapping[ShardId, Sequence[int]],
@@ -188,7 +184,7 @@ def plan_buckets(
                 shards, offsets, used = [], [], 0
             offsets.append(used)
             shards.append(sid)
-            used = _aligned(used + size)
+            used = align_up(used + size)  # the next shard's offset: any dtype can be viewed there
         if shards:
             buckets.append(Bucket(src, tuple(shards), tuple(offsets), used))
     return buckets

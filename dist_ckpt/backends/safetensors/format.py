@@ -34,7 +34,7 @@ from dist_ckpt.backends.safetensors import io as safetensors_io
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
 from dist_ckpt.integrity.checksums import crc32c
 from dist_ckpt.integrity.safe_json import loads, shown
-from dist_ckpt.model.dtypes import dtype_from_safetensors_name, dtype_info
+from dist_ckpt.model.dtypes import TENSOR_ALIGN, dtype_from_safetensors_name, dtype_info
 from dist_ckpt.storage import FileReader, ObjectNotFoundError, ObjectReader, fsync_dir
 from dist_ckpt.storage.files import SequentialWriter
 
@@ -61,9 +61,8 @@ MAX_HEADER_BYTES = 100_000_000
 #: the data section starts at a multiple of this many bytes (the JSON header is padded with
 #: spaces, as the format allows): a tensor there, and each after it while sizes are multiples of
 #: it, sits at a cache-line-aligned file offset, so a snapshot laid out in file order (async
-#: saves) copies into aligned memory (on the test VM, copies to offsets 40 bytes past a cache
-#: line ran 30% slower)
-DATA_ALIGN = 64
+#: saves) copies into aligned memory
+DATA_ALIGN = TENSOR_ALIGN
 _LEN = struct.Struct("<Q")
 
 Shape = Tuple[int, ...]

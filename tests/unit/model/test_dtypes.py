@@ -9,6 +9,8 @@ import torch
 from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.model.dtypes import (
     SUPPORTED_DTYPE_NAMES,
+    TENSOR_ALIGN,
+    align_up,
     dtype_from_name,
     dtype_from_safetensors_name,
     dtype_info,
@@ -111,3 +113,12 @@ def test_safetensors_names():
     assert dtype_from_safetensors_name("F32") == torch.float32
     assert dtype_from_safetensors_name("F8_E4M3") == torch.float8_e4m3fn
     assert dtype_from_safetensors_name("BOOL") == torch.bool
+
+
+def test_align_up_gives_offsets_every_dtype_can_be_viewed_at():
+    sizes = (0, 1, TENSOR_ALIGN, TENSOR_ALIGN + 1)
+    assert [align_up(n) for n in sizes] == [0, TENSOR_ALIGN, TENSOR_ALIGN, 2 * TENSOR_ALIGN]
+    buffer = torch.zeros(4 * TENSOR_ALIGN, dtype=torch.uint8)
+    offset = align_up(3)
+    for dtype in (torch.float64, torch.int64, torch.bfloat16, torch.float32):
+        assert buffer[offset : offset + 8].view(dtype).numel() == 8 // dtype.itemsize
