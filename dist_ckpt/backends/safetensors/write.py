@@ -199,15 +199,14 @@ def write_part(
         if part.first < len(plan.ranges)
         else plan.size
     )
-    flags = os.O_WRONLY | (os.O_CREAT | os.O_EXCL if part.first == 0 else 0)
-    fd = os.open(Path(directory) / partial_name(plan.name), flags, 0o644)
+    header_crc = None
+    if part.first == 0:
+        fd = _open_new_with_header(Path(directory), plan)
+        header_crc = crc_to_hex(crc32c(plan.prefix)) if block_bytes else None
+    else:
+        fd = os.open(Path(directory) / partial_name(plan.name), os.O_WRONLY)
     try:
-        header_crc = None
-        if part.first == 0:
-            SequentialWriter(fd).write(memoryview(plan.prefix))
-            header_crc = crc_to_hex(crc32c(plan.prefix)) if block_bytes else None
-        else:
-            os.lseek(fd, start, os.SEEK_SET)
+        os.lseek(fd, start, os.SEEK_SET)  # after the header, or where this part's first tensor starts
         writer = SequentialWriter(fd, early_writeback, start=start)
         crcs = []
         for i, tensor in enumerate(part.tensors):
@@ -233,11 +232,19 @@ def write_part(
 def create_with_header(directory: Path, plan: PlannedFile) -> None:
     """Create ``plan``'s file (under its `partial_name()`) with its header written, for a writer
     of its tensors that opens it later (an async save's `early_writes`)."""
-    fd = os.open(Path(directory) / partial_name(plan.name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    os.close(_open_new_with_header(directory, plan))
+
+
+def _open_new_with_header(directory: Path, plan: PlannedFile) -> int:
+    """Create ``plan``'s file under its `partial_name()` (it must not exist), write its header
+    and return the open descriptor, positioned after the header."""
+    fd = os.open(directory / partial_name(plan.name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         SequentialWriter(fd).write(memoryview(plan.prefix))
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    return fd
 
 
 def partial_name(name: str) -> str:
