@@ -8,7 +8,11 @@ dist_ckpt and never the user's main module, so it works from any script: one wit
 Two threads:
 
 * the main thread runs the calls, one after another, in the order received, and sends each
-  result (or the error) back;
+  result (or the error) back. It keeps a call's arguments after sending its result, until the
+  next call comes or it has been idle for `_RELEASE_IDLE_S`: releasing them unmaps an async
+  save's snapshot, which takes a while for a large one (10-14 ms for 750 MiB on the test VM), and
+  done at once it would delay the result, or share the CPU with the copy of a save started right
+  after (the snapshot is the training process's buffer, kept for its next save either way);
 * the reader thread receives messages: a call is queued for the main thread; a ``ping`` is
   answered at once with what the writer is doing, the CPU seconds its other threads used so
   far and the progress its call noted without using CPU (`progress`); the training process
@@ -43,6 +47,9 @@ __all__ = ["main"]
 
 #: how often the reader thread checks that the parent process is still there (seconds)
 _PARENT_CHECK_S = 1.0
+
+#: how long an idle writer keeps the last call's arguments (see the module) before it releases them
+_RELEASE_IDLE_S = 1.0
 
 #: a call received: (idx, name, payload, descriptors); None: stop
 _Call = Optional[Tuple[int, str, bytes, List[int]]]
@@ -97,13 +104,9 @@ def _read(writer: _Writer, parent: int) -> None:
             return
 
 
-def _run(writer: _Writer, idx: int, name: str, payload: bytes, fds: List[int]) -> None:
-    """Run one call and send its outcome back, then release its arguments.
-
-    The arguments go only after the outcome is sent: releasing them unmaps an async save's
-    snapshot, which takes a while for a large one (about 10 ms per 750 MiB on the test VM), and
-    the training process need not wait for it. They are released before the next call starts.
-    """
+def _run(writer: _Writer, idx: int, name: str, payload: bytes, fds: List[int]) -> Tuple[Any, ...]:
+    """Run one call and send its outcome back; return what holds its arguments (released by the
+    caller: see the module)."""
     fn: Any = None
     args: Any = ()
     kwargs: Any = {}
@@ -127,9 +130,8 @@ def _run(writer: _Writer, idx: int, name: str, payload: bytes, fds: List[int]) -
     except Exception:  # noqa: BLE001 -- an unpicklable result (pickling fails before anything is sent)
         error = {"type": "TypeError", "message": "the call's result cannot be sent back", "traceback": ""}
         writer.send(("result", idx, False, error))
-    writer.doing = f"releasing the arguments of async call {idx} ({name})"
-    fn = args = kwargs = None  # unmaps the shared memory before the next call
     writer.doing = "idle"
+    return fn, args, kwargs
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -146,11 +148,17 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     writer.send(("ready", os.getpid(), dist_ckpt.__file__))
     threading.Thread(target=_read, args=(writer, parent), name="dist_ckpt_writer_reader", daemon=True).start()
+    held: Tuple[Any, ...] = ()  # the last call's function and arguments, kept a while (see the module)
     while True:
-        call = writer.calls.get()
+        try:
+            call = writer.calls.get(timeout=_RELEASE_IDLE_S if held else None)
+        except queue.Empty:
+            held = ()  # idle: unmaps the last call's snapshot
+            continue
+        held = ()  # before the next call maps its own
         if call is None:
             return 0
-        _run(writer, *call)
+        held = _run(writer, *call)
 
 
 if __name__ == "__main__":

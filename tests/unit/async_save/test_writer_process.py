@@ -226,8 +226,24 @@ class SlowToRelease:
             time.sleep(0.05)
 
 
-def holds(arg: SlowToRelease) -> str:
+def holds(arg: object) -> str:
     return "written"
+
+
+class MarksRelease:
+    """An argument that creates ``marker`` when the writer process releases it."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+        self.owner = os.getpid()
+
+    def __del__(self) -> None:
+        if os.getpid() != self.owner:
+            Path(self.marker).touch()
+
+
+def exists(path: str) -> bool:
+    return os.path.exists(path)
 
 
 def test_the_outcome_is_sent_before_the_arguments_are_released(tmp_path: Path) -> None:
@@ -244,4 +260,31 @@ def test_the_outcome_is_sent_before_the_arguments_are_released(tmp_path: Path) -
         assert request.outcome.result == "written"
     finally:
         release.touch()
+        queue.close()
+
+
+def test_arguments_are_released_when_the_next_call_comes_or_after_an_idle_moment(tmp_path: Path) -> None:
+    """Kept after the outcome: the unmapping of a snapshot shares the CPU neither with the
+    finished save's completion nor with the copy of a save started right after it."""
+    from tests.unit.async_save.test_writer_process import MarksRelease as ImportableMarks
+    from tests.unit.async_save.test_writer_process import exists as importable_exists
+    from tests.unit.async_save.test_writer_process import holds as importable_holds
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    queue = AsyncCallsQueue()
+    try:
+        queue.schedule_async_request(AsyncRequest(importable_holds, (ImportableMarks(str(first)),)))
+        queue.maybe_finalize_async_calls(blocking=True)
+        assert not first.exists(), "released as soon as the outcome was sent"
+        check = AsyncRequest(importable_exists, (str(first),))
+        queue.schedule_async_request(check)
+        queue.maybe_finalize_async_calls(blocking=True)
+        assert check.outcome.result is True, "the next call ran before the previous arguments were released"
+        queue.schedule_async_request(AsyncRequest(importable_holds, (ImportableMarks(str(second)),)))
+        queue.maybe_finalize_async_calls(blocking=True)
+        deadline = time.monotonic() + 30
+        while not second.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert second.exists(), "an idle writer kept the last call's arguments"
+    finally:
         queue.close()
