@@ -17,7 +17,8 @@ rank from about 1 s to about the time of a memory copy). Memory bound: the proce
 buffer, at most the size of the largest snapshot taken (or reserved) since it was last released
 ([`release()`][dist_ckpt.async_save.snapshot.SnapshotPool.release]) -- a snapshot that finds the
 kept buffer too small or still in use gets a new one of its own size, which becomes the kept
-one -- plus the buffers of saves still writing when a new one starts.
+one -- plus the buffers of saves still writing when a new one starts (the writer process lets
+go of a save's buffer within a second of finishing it).
 
 Example:
 
@@ -165,8 +166,9 @@ class SnapshotPool:
         return 0 if self._buffer is None else self._buffer.numel()
 
     def release(self) -> None:
-        """Drop the kept buffer (its memory is freed once no save uses it), e.g. after the last
-        checkpoint of a job, or before a phase that needs the memory."""
+        """Drop the kept buffer, e.g. after the last checkpoint of a job, or before a phase that
+        needs the memory. Its memory is freed once no save uses it (the async writer process lets
+        go of a save's buffer within a second of finishing it: `dist_ckpt.async_save.writer`)."""
         with self._lock:
             self._buffer = None
             self._in_use = lambda: False
