@@ -155,7 +155,7 @@ class SnapshotPool:
             return self._buffer
         # a fresh buffer; the previous one, if still in use, lives on with its save
         logger.debug("allocating a %d-byte shared-memory snapshot buffer", nbytes)
-        self._buffer = None  # dropped before the new one is allocated: at most one idle buffer
+        self._buffer = None  # dropped before the new one is allocated: at most one idle buffer here
         self._buffer = _shared_bytes(nbytes)
         self._in_use = lambda: False
         return self._buffer

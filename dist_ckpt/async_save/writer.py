@@ -12,7 +12,7 @@ Two threads:
   next call comes or it has been idle for `_RELEASE_IDLE_S`: releasing them unmaps an async
   save's snapshot, which takes a while for a large one (10-14 ms for 750 MiB on the test VM), and
   done at once it would delay the result, or share the CPU with the copy of a save started right
-  after (the snapshot is the training process's buffer, kept for its next save either way);
+  after;
 * the reader thread receives messages: a call is queued for the main thread; a ``ping`` is
   answered at once with what the writer is doing, the CPU seconds its other threads used so
   far and the progress its call noted without using CPU (`progress`); the training process
@@ -105,8 +105,8 @@ def _read(writer: _Writer, parent: int) -> None:
 
 
 def _run(writer: _Writer, idx: int, name: str, payload: bytes, fds: List[int]) -> Tuple[Any, ...]:
-    """Run one call and send its outcome back; return what holds its arguments (released by the
-    caller: see the module)."""
+    """Run one call and send its outcome back; return its name, function and arguments, which the
+    caller releases later (see the module)."""
     fn: Any = None
     args: Any = ()
     kwargs: Any = {}
@@ -131,7 +131,7 @@ def _run(writer: _Writer, idx: int, name: str, payload: bytes, fds: List[int]) -
         error = {"type": "TypeError", "message": "the call's result cannot be sent back", "traceback": ""}
         writer.send(("result", idx, False, error))
     writer.doing = "idle"
-    return fn, args, kwargs
+    return f"async call {idx} ({name})", fn, args, kwargs
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -148,14 +148,20 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     writer.send(("ready", os.getpid(), dist_ckpt.__file__))
     threading.Thread(target=_read, args=(writer, parent), name="dist_ckpt_writer_reader", daemon=True).start()
-    held: Tuple[Any, ...] = ()  # the last call's function and arguments, kept a while (see the module)
+    held: Tuple[Any, ...] = ()  # the last call's name, function and arguments, kept a while (see the module)
     while True:
+        call: _Call = None
         try:
             call = writer.calls.get(timeout=_RELEASE_IDLE_S if held else None)
+            idle = False
         except queue.Empty:
-            held = ()  # idle: unmaps the last call's snapshot
+            idle = True
+        if held:  # the next call (or stop) came, or the writer was idle: unmaps the last call's snapshot
+            writer.doing = f"releasing the arguments of {held[0]}"
+            held = ()
+            writer.doing = "idle"
+        if idle:
             continue
-        held = ()  # before the next call maps its own
         if call is None:
             return 0
         held = _run(writer, *call)

@@ -199,10 +199,9 @@ def write_part(
         if part.first < len(plan.ranges)
         else plan.size
     )
-    header_crc = None
+    header_crc = crc_to_hex(crc32c(plan.prefix)) if block_bytes and part.first == 0 else None
     if part.first == 0:
         fd = _open_new_with_header(Path(directory), plan)
-        header_crc = crc_to_hex(crc32c(plan.prefix)) if block_bytes else None
     else:
         fd = os.open(Path(directory) / partial_name(plan.name), os.O_WRONLY)
     try:

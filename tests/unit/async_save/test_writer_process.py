@@ -226,12 +226,9 @@ class SlowToRelease:
             time.sleep(0.05)
 
 
-def holds(arg: object) -> str:
-    return "written"
-
-
 class MarksRelease:
-    """An argument that creates ``marker`` when the writer process releases it."""
+    """An argument that writes the (system-wide monotonic) time of its release in the writer
+    process to ``marker``."""
 
     def __init__(self, marker: str) -> None:
         self.marker = marker
@@ -239,52 +236,78 @@ class MarksRelease:
 
     def __del__(self) -> None:
         if os.getpid() != self.owner:
-            Path(self.marker).touch()
+            Path(self.marker).write_text(repr(time.monotonic()))
+
+
+def finished_at(arg: object) -> float:
+    """The time the call ended, in the writer process."""
+    return time.monotonic()
 
 
 def exists(path: str) -> bool:
     return os.path.exists(path)
 
 
+def _started_queue() -> AsyncCallsQueue:
+    """A queue whose writer process is up (its start, importing torch, is not timed by the test)."""
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(_sleep_request(0))
+    queue.maybe_finalize_async_calls(blocking=True)
+    return queue
+
+
 def test_the_outcome_is_sent_before_the_arguments_are_released(tmp_path: Path) -> None:
     from tests.unit.async_save.test_writer_process import SlowToRelease as ImportableArg
-    from tests.unit.async_save.test_writer_process import holds as importable_holds
+    from tests.unit.async_save.test_writer_process import finished_at as importable_finished_at
 
     release = tmp_path / "release"
-    queue = AsyncCallsQueue()
+    queue = _started_queue()
     try:
-        request = AsyncRequest(importable_holds, (ImportableArg(str(release)),))
+        request = AsyncRequest(importable_finished_at, (ImportableArg(str(release)),))
         queue.schedule_async_request(request)
         worker = queue._get_worker()
-        assert worker.wait(request.outcome, timeout_s=10), "the outcome waited for the arguments' release"
-        assert request.outcome.result == "written"
+        assert worker.wait(request.outcome, timeout_s=30), "the outcome waited for the arguments' release"
+        assert isinstance(request.outcome.result, float)
     finally:
         release.touch()
         queue.close()
 
 
-def test_arguments_are_released_when_the_next_call_comes_or_after_an_idle_moment(tmp_path: Path) -> None:
-    """Kept after the outcome: the unmapping of a snapshot shares the CPU neither with the
-    finished save's completion nor with the copy of a save started right after it."""
+def test_arguments_are_kept_while_idle_then_released(tmp_path: Path) -> None:
+    """Kept after the outcome is sent, so that the unmapping of a snapshot shares the CPU
+    neither with the finished save's completion nor with the copy of a save started right
+    after; released after an idle moment. Both times are taken in the writer process."""
+    from tests.unit.async_save.test_writer_process import MarksRelease as ImportableMarks
+    from tests.unit.async_save.test_writer_process import finished_at as importable_finished_at
+
+    marker = tmp_path / "released"
+    queue = _started_queue()
+    try:
+        request = AsyncRequest(importable_finished_at, (ImportableMarks(str(marker)),))
+        queue.schedule_async_request(request)
+        queue.maybe_finalize_async_calls(blocking=True)
+        deadline = time.monotonic() + 60
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), "an idle writer kept the last call's arguments"
+        kept = float(marker.read_text()) - request.outcome.result
+        assert kept >= 0.5, f"released {kept:.3f} s after the call ended, while the writer was idle"
+    finally:
+        queue.close()
+
+
+def test_arguments_are_released_before_the_next_call_runs(tmp_path: Path) -> None:
     from tests.unit.async_save.test_writer_process import MarksRelease as ImportableMarks
     from tests.unit.async_save.test_writer_process import exists as importable_exists
-    from tests.unit.async_save.test_writer_process import holds as importable_holds
+    from tests.unit.async_save.test_writer_process import finished_at as importable_finished_at
 
-    first, second = tmp_path / "first", tmp_path / "second"
-    queue = AsyncCallsQueue()
+    marker = tmp_path / "released"
+    queue = _started_queue()
     try:
-        queue.schedule_async_request(AsyncRequest(importable_holds, (ImportableMarks(str(first)),)))
-        queue.maybe_finalize_async_calls(blocking=True)
-        assert not first.exists(), "released as soon as the outcome was sent"
-        check = AsyncRequest(importable_exists, (str(first),))
+        queue.schedule_async_request(AsyncRequest(importable_finished_at, (ImportableMarks(str(marker)),)))
+        check = AsyncRequest(importable_exists, (str(marker),))
         queue.schedule_async_request(check)
         queue.maybe_finalize_async_calls(blocking=True)
-        assert check.outcome.result is True, "the next call ran before the previous arguments were released"
-        queue.schedule_async_request(AsyncRequest(importable_holds, (ImportableMarks(str(second)),)))
-        queue.maybe_finalize_async_calls(blocking=True)
-        deadline = time.monotonic() + 30
-        while not second.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert second.exists(), "an idle writer kept the last call's arguments"
+        assert check.outcome.result is True
     finally:
         queue.close()
