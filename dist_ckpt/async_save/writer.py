@@ -134,6 +134,15 @@ def _run(writer: _Writer, idx: int, name: str, payload: bytes, fds: List[int]) -
     return f"async call {idx} ({name})", fn, args, kwargs
 
 
+def _release(writer: _Writer, held: List[Any]) -> None:
+    """Drop the last call's function and arguments (``held``, emptied here), saying so while it
+    takes: this unmaps an async save's snapshot."""
+    if held:
+        writer.doing = f"releasing the arguments of {held[0]}"
+        held.clear()
+        writer.doing = "idle"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Serve the training process on the socket whose descriptor is ``argv[0]``."""
     args = sys.argv[1:] if argv is None else argv
@@ -148,23 +157,17 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     writer.send(("ready", os.getpid(), dist_ckpt.__file__))
     threading.Thread(target=_read, args=(writer, parent), name="dist_ckpt_writer_reader", daemon=True).start()
-    held: Tuple[Any, ...] = ()  # the last call's name, function and arguments, kept a while (see the module)
+    held: List[Any] = []  # the last call's name, function and arguments, kept a while (see the module)
     while True:
-        call: _Call = None
         try:
             call = writer.calls.get(timeout=_RELEASE_IDLE_S if held else None)
-            idle = False
         except queue.Empty:
-            idle = True
-        if held:  # the next call (or stop) came, or the writer was idle: unmaps the last call's snapshot
-            writer.doing = f"releasing the arguments of {held[0]}"
-            held = ()
-            writer.doing = "idle"
-        if idle:
+            _release(writer, held)  # idle for a while
             continue
+        _release(writer, held)  # before the next call maps its own snapshot
         if call is None:
             return 0
-        held = _run(writer, *call)
+        held[:] = _run(writer, *call)
 
 
 if __name__ == "__main__":

@@ -244,10 +244,6 @@ def finished_at(arg: object) -> float:
     return time.monotonic()
 
 
-def exists(path: str) -> bool:
-    return os.path.exists(path)
-
-
 def _started_queue() -> AsyncCallsQueue:
     """A queue whose writer process is up (its start, importing torch, is not timed by the test)."""
     queue = AsyncCallsQueue()
@@ -298,14 +294,13 @@ def test_arguments_are_kept_while_idle_then_released(tmp_path: Path) -> None:
 
 def test_arguments_are_released_before_the_next_call_runs(tmp_path: Path) -> None:
     from tests.unit.async_save.test_writer_process import MarksRelease as ImportableMarks
-    from tests.unit.async_save.test_writer_process import exists as importable_exists
     from tests.unit.async_save.test_writer_process import finished_at as importable_finished_at
 
     marker = tmp_path / "released"
     queue = _started_queue()
     try:
         queue.schedule_async_request(AsyncRequest(importable_finished_at, (ImportableMarks(str(marker)),)))
-        check = AsyncRequest(importable_exists, (str(marker),))
+        check = AsyncRequest(os.path.exists, (str(marker),))
         queue.schedule_async_request(check)
         queue.maybe_finalize_async_calls(blocking=True)
         assert check.outcome.result is True
