@@ -1,7 +1,8 @@
 """Local files: durable writes and positional reads, the machinery under `LocalStorage`.
 
 `SequentialWriter` appends to an open file with large writes, handing what it wrote to the disk
-early on request. A file is written under a temporary name in its final directory, flushed and fsynced, then
+early on request; a writer of many files drops each from the page cache once later files were
+written (`WritebackWindow`). A file is written under a temporary name in its final directory, flushed and fsynced, then
 renamed over its final name, and the directory is fsynced: a crash leaves either no file or the
 whole file, never a torn one (`write_temp_file()`, `write_bytes_atomic()`,
 `atomic_write()`). A new directory's entry is fsynced in its parent (`make_dirs()`).
@@ -21,9 +22,11 @@ import errno
 import functools
 import os
 import sys
+import threading
 import uuid
+from collections import deque
 from pathlib import Path
-from typing import IO, Callable, ClassVar, Dict, Iterable, Iterator, Optional, Sequence, Union
+from typing import IO, Callable, ClassVar, Deque, Dict, Iterable, Iterator, Optional, Sequence, Tuple, Union
 
 from dist_ckpt.storage.base import ObjectReader
 from dist_ckpt.storage.errors import ObjectNotFoundError, TruncatedObjectError
@@ -33,6 +36,7 @@ __all__ = [
     "IOV_MAX",
     "FileReader",
     "SequentialWriter",
+    "WritebackWindow",
     "atomic_write",
     "drop_from_page_cache",
     "fsync_dir",
@@ -507,3 +511,79 @@ class SequentialWriter:
         os.fsync(self.fd)
         if self.early_writeback:
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+class WritebackWindow:
+    """Files handed to the disk (`SequentialWriter.start_writeback()`), each dropped from the page
+    cache once ``window_bytes`` more were handed over after it, by now clean: what a
+    `SequentialWriter` with ``early_writeback`` does within its one file, across the many files
+    of a save (the zarr backend's chunks). Threads may share one window.
+
+    Why: dropped only at the end, a save's files fill the page cache with the whole checkpoint,
+    and every page it writes is memory not used for a while (on the test VM, whose host takes
+    back free memory, that is a host fault per page). Dropped as it goes, the save writes into
+    the few pages it just freed: a 2-rank zarr save of 1.5 GB on that VM took 1.05 s (median of
+    5, 0.98-1.26) against 1.40 s (1.19-1.96), interleaved. Best effort, like
+    `drop_from_page_cache()`: a page still being written stays, for the caller's final drop.
+
+    Example:
+
+    ```python
+    with WritebackWindow() as window:
+        for path, data in files:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            writer = SequentialWriter(fd, early_writeback=True)
+            writer.write(data)
+            writer.start_writeback()
+            window.hand_over(fd, len(data))  # the window closes it
+    ```
+    """
+
+    #: bytes handed to the disk after a file before it is dropped: enough for its writeback to
+    #: be done (16 MiB `SequentialWriter` chunks, a few writing threads)
+    DEFAULT_BYTES = 32 << 20
+
+    def __init__(self, window_bytes: int = DEFAULT_BYTES) -> None:
+        self.window_bytes = window_bytes
+        self._files: Deque[Tuple[int, int]] = deque()  # (descriptor, bytes), oldest first
+        self._bytes = 0  # handed over after the oldest file (and the oldest itself)
+        self._lock = threading.Lock()
+
+    def hand_over(self, fd: int, nbytes: int) -> None:
+        """Take ``fd`` (a file of ``nbytes`` whose writeback was started): the window closes it,
+        dropping the files handed over ``window_bytes`` before it now."""
+        with self._lock:
+            self._files.append((fd, nbytes))
+            self._bytes += nbytes
+            due = []
+            while len(self._files) > 1 and self._bytes - self._files[0][1] >= self.window_bytes:
+                old, size = self._files.popleft()
+                self._bytes -= size
+                due.append(old)
+        _drop_and_close(due)
+
+    def close(self) -> None:
+        """Drop and close every file still held (the end of the save, or its failure)."""
+        with self._lock:
+            due = [fd for fd, _ in self._files]
+            self._files.clear()
+            self._bytes = 0
+        _drop_and_close(due)
+
+    def __enter__(self) -> "WritebackWindow":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _drop_and_close(descriptors: Iterable[int]) -> None:
+    """``posix_fadvise(DONTNEED)``, then close, each of ``descriptors``. Errors of either are
+    not the save's: the pages are on their way to the disk, and the fsync (or ``syncfs``) that
+    makes the files durable reports a failed write."""
+    for fd in descriptors:
+        with contextlib.suppress(OSError):
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        with contextlib.suppress(OSError):
+            os.close(fd)

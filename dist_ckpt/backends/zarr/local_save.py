@@ -21,8 +21,10 @@ allows:
   writes chunks into it (a collective step of its own), plain files do not;
 * early writeback: a chunk file of at least `EARLY_WRITEBACK_BYTES` is handed to the disk as
   soon as it is written, so that the disk works while later files are written and the one
-  ``syncfs`` at the end (`fsync_written()`) finds little left; once the save is done with them
-  (durable, digested), the strategies drop the files from the page cache (`drop_written()`).
+  ``syncfs`` at the end (`fsync_written()`) finds little left, and dropped from the page cache
+  once later files were written (`WritebackWindow`): the save reuses the pages it just freed;
+  once the save is done with them (durable, digested), the strategies drop what is left of the
+  files from the page cache (`drop_written()`).
 
 The save is planned first, as plain data (`plan_node_files()`: which directories and files this
 rank writes), then written several nodes at a time (`write_node_files()`).
@@ -67,7 +69,7 @@ from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.integrity.checksums import FileDigest, bytes_digest
 from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.storage.errors import ObjectExistsError, StorageError
-from dist_ckpt.storage.files import SequentialWriter, spread_subdirectories
+from dist_ckpt.storage.files import SequentialWriter, WritebackWindow, spread_subdirectories
 from dist_ckpt.storage.object_path import ObjectPath
 
 __all__ = [
@@ -181,22 +183,31 @@ def _make_dir(path: str) -> None:
             raise FileExistsError(errno.EEXIST, "exists and is not a directory", path) from None
 
 
-def _write_new(path: str, data: memoryview) -> FileDigest:
+def _write_new(path: str, data: memoryview, window: Optional[WritebackWindow]) -> FileDigest:
     """Create ``path`` (it must not exist: a file is written once) with ``data``; a file of at
-    least `EARLY_WRITEBACK_BYTES` goes to the disk right away. Returns the digest of ``data``."""
+    least `EARLY_WRITEBACK_BYTES` goes to the disk right away, and to ``window`` (if any) to be
+    dropped from the page cache later. Returns the digest of ``data``."""
     fd = os.open(path, _CREATE, 0o666)
+    early = data.nbytes >= EARLY_WRITEBACK_BYTES
     try:
-        writer = SequentialWriter(fd, early_writeback=data.nbytes >= EARLY_WRITEBACK_BYTES)
+        writer = SequentialWriter(fd, early_writeback=early)
         writer.write(data)
         writer.start_writeback()
-    finally:
+    except BaseException:
+        os.close(fd)
+        raise
+    if early and window is not None:
+        window.hand_over(fd, data.nbytes)
+    else:
         os.close(fd)
     return bytes_digest(data)
 
 
-def write_node_files(top: str, node: NodeFiles) -> List[Tuple[str, FileDigest]]:
+def write_node_files(
+    top: str, node: NodeFiles, window: Optional[WritebackWindow] = None
+) -> List[Tuple[str, FileDigest]]:
     """Write ``node`` under the local directory ``top`` (the tree's root, which exists); returns
-    ``(name, digest)`` of each file written.
+    ``(name, digest)`` of each file written. Its large files go to ``window`` once written.
 
     Raises:
         ObjectExistsError: a file or directory of the node exists already (a file is written once).
@@ -204,7 +215,7 @@ def write_node_files(top: str, node: NodeFiles) -> List[Tuple[str, FileDigest]]:
             rank, the tensor and the path, the ``OSError`` is its cause.
     """
     try:
-        return _write_node_files(top, node)
+        return _write_node_files(top, node, window)
     except OSError as e:
         if isinstance(e, CheckpointingException):
             raise
@@ -215,10 +226,10 @@ def write_node_files(top: str, node: NodeFiles) -> List[Tuple[str, FileDigest]]:
         raise error(message, url=str(path), operation="write") from e
 
 
-def _write_node_files(top: str, node: NodeFiles) -> List[Tuple[str, FileDigest]]:
+def _write_node_files(top: str, node: NodeFiles, window: Optional[WritebackWindow]) -> List[Tuple[str, FileDigest]]:
     for directory in node.directories:
         _make_dir(os.path.join(top, directory))
-    written = [(name, _write_new(os.path.join(top, name), memoryview(raw))) for name, raw in node.documents]
+    written = [(name, _write_new(os.path.join(top, name), memoryview(raw), window)) for name, raw in node.documents]
     if node.shard is not None:
         # converted here, in the writing thread: one tensor's copy at a time
         raw = stored_values(node.shard).reshape(-1).view(np.uint8)
@@ -227,7 +238,7 @@ def _write_node_files(top: str, node: NodeFiles) -> List[Tuple[str, FileDigest]]
             piece = raw[first * itemsize : end * itemsize]
             if end - first < node.chunk_elements:
                 piece = np.concatenate([piece, np.zeros((node.chunk_elements - (end - first)) * itemsize, np.uint8)])
-            written.append((name, _write_new(os.path.join(top, name), piece.data)))
+            written.append((name, _write_new(os.path.join(top, name), piece.data, window)))
     return written
 
 
@@ -235,10 +246,13 @@ def write_planned(
     root: ObjectPath, nodes: Sequence[NodeFiles], digests: Dict[ObjectPath, FileDigest]
 ) -> List[ObjectPath]:
     """Write ``nodes`` under ``root`` (a local directory that exists), several at a time
-    (`in_threads()`); returns the files written, their digests recorded in ``digests``."""
+    (`in_threads()`), dropping each large file from the page cache once later ones were written
+    (`WritebackWindow`); returns the files written, their digests recorded in ``digests``."""
     top = str(root.local_path())
     files = []
-    for written in in_threads(lambda node: write_node_files(top, node), nodes):
+    with WritebackWindow() as window:
+        per_node = in_threads(lambda node: write_node_files(top, node, window), nodes)
+    for written in per_node:
         for name, digest in written:
             path = root / name
             digests[path] = digest

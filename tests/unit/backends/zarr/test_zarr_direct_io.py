@@ -133,9 +133,9 @@ def test_a_chunk_is_written_once_an_existing_file_fails_the_save(engine, tmp_pat
     _, sd = _state()
     real = local_save.write_node_files
 
-    def twice(top, node):
-        real(top, node)
-        return real(top, node)  # the same files again: refused, never overwritten
+    def twice(top, node, window):
+        real(top, node, window)
+        return real(top, node, window)  # the same files again: refused, never overwritten
 
     monkeypatch.setattr(local_save, "write_node_files", twice)
     with pytest.raises((CheckpointingException, FileExistsError)):

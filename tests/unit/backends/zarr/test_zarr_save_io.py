@@ -147,10 +147,10 @@ def test_a_refused_write_is_a_storage_error_naming_rank_tensor_and_path(tmp_path
 
     real = local_save._write_new
 
-    def full_disk(path: str, data: memoryview):
+    def full_disk(path: str, data: memoryview, window):
         if os.path.basename(os.path.dirname(path)) == "t3" and not path.endswith("zarr.json"):
             raise OSError(errno.ENOSPC, "No space left on device", path)
-        return real(path, data)
+        return real(path, data, window)
 
     from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreSaveShardedStrategy
 
@@ -191,3 +191,57 @@ def test_a_local_save_leaves_its_files_out_of_the_page_cache(tmp_path, engine):
     written = [p for p in tree.rglob("*") if p.is_file() and p.name != "checksums.json"]  # the manifest comes after
     assert len(written) > 2 * len(state)
     assert {p.relative_to(tree).as_posix(): resident_pages(p) for p in written if resident_pages(p)} == {}
+
+
+def _open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+@pytest.mark.parametrize("engine", ["zarr-python", "tensorstore"])
+def test_large_chunk_files_go_through_a_writeback_window_that_a_failure_closes(tmp_path, monkeypatch, engine):
+    """Every chunk file of at least EARLY_WRITEBACK_BYTES is handed to the save's WritebackWindow
+    (dropped from the page cache as the save goes, not all at the end); a save that fails half way
+    leaves none of their descriptors open."""
+    import errno
+
+    import dist_ckpt as dc
+    from dist_ckpt.backends.zarr import local_save
+    from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreSaveShardedStrategy
+    from dist_ckpt.storage.errors import StorageError
+    from dist_ckpt.storage.files import WritebackWindow
+
+    handed = []
+
+    class Recording(WritebackWindow):
+        def hand_over(self, fd: int, nbytes: int) -> None:
+            handed.append(nbytes)
+            super().hand_over(fd, nbytes)
+
+    monkeypatch.setattr(local_save, "WritebackWindow", Recording)
+    big = local_save.EARLY_WRITEBACK_BYTES // 4
+    state = {f"b{i}": ShardedTensor.from_rank_offsets(f"b{i}", torch.full((big,), float(i))) for i in range(6)}
+    state.update(_state())
+    strategy = ZarrSaveShardedStrategy if engine == "zarr-python" else TensorStoreSaveShardedStrategy
+    before = _open_descriptors()
+    dc.save(state, tmp_path / "ok", sharded_strategy=strategy())
+    assert sorted(handed) == [local_save.EARLY_WRITEBACK_BYTES] * 6  # the large chunks, nothing small
+    assert _open_descriptors() == before
+    loaded = dc.load(
+        {k: ShardedTensor.from_rank_offsets(k, torch.empty(big)) for k in ("b0", "b5")},
+        tmp_path / "ok",
+        sharded_strategy=ZarrLoadShardedStrategy(),
+    )
+    assert torch.equal(bits(loaded["b5"]), bits(torch.full((big,), 5.0)))
+
+    real = local_save._write_new
+
+    def full_disk(path: str, data: memoryview, window):
+        if os.path.basename(os.path.dirname(path)) == "b4" and not path.endswith("zarr.json"):
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return real(path, data, window)
+
+    monkeypatch.setattr(local_save, "_write_new", full_disk)
+    with pytest.raises(StorageError, match=r"'b4'.*No space left"):
+        dc.save(state, tmp_path / "failed", sharded_strategy=strategy())
+    assert _open_descriptors() == before
