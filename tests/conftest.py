@@ -73,3 +73,15 @@ def gathers(monkeypatch: pytest.MonkeyPatch) -> List[int]:
 
     monkeypatch.setattr(sharding, "gather_bytes", counting)
     return count
+
+
+# -- zarr checkpoints without the root group's index of every zarr.json ------------------------
+
+
+@pytest.fixture
+def unindexed_zarr(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Zarr saves in this test write the root group without its index (as a checkpoint saved
+    before the index, or one too large for it): loads read every tensor's own ``zarr.json``."""
+    from dist_ckpt.backends.zarr import metadata_index
+
+    monkeypatch.setattr(metadata_index, "MAX_INDEX_BYTES", 0)

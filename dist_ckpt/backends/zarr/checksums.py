@@ -37,6 +37,7 @@ from dist_ckpt.backends.zarr.metadata import (
     open_tensor_info,
     read_zarr_json,
 )
+from dist_ckpt.backends.zarr.metadata_index import write_root
 from dist_ckpt.backends.zarr.nodes import in_threads
 from dist_ckpt.engine.distributed import gather_json, get_rank, run_collectively
 from dist_ckpt.engine.records import location_of_node, read_recorded, refresh_record
@@ -71,11 +72,16 @@ logger = logging.getLogger(__name__)
 
 
 def commit_checksums(
-    root: ObjectPath, written: Sequence[ObjectPath], known: Optional[Mapping[ObjectPath, FileDigest]] = None
+    root: ObjectPath,
+    written: Sequence[ObjectPath],
+    known: Optional[Mapping[ObjectPath, FileDigest]] = None,
+    documents: Optional[Mapping[str, str]] = None,
 ) -> None:
     """Collective: digest the files this rank wrote under ``root`` (``zarr/``); rank 0 writes the
     manifest of every rank's files. Files in ``known`` (digested as they were written) are not
-    read again.
+    read again. With ``documents`` (a local save: the text of each ``zarr.json`` this rank
+    wrote, by name under ``root``), rank 0 first writes the root group indexing every rank's
+    documents (`dist_ckpt.backends.zarr.metadata_index`); without, the root group exists already.
 
     Example:
 
@@ -88,7 +94,7 @@ def commit_checksums(
         paths = sorted(set(written), key=str)
         # the files read back (TensorStore's, or written without a recording store) several at a time
         digests = in_threads(lambda p: _digest(p, known), paths)
-        return {p.relative_to(root): d.to_json() for p, d in zip(paths, digests)}
+        return {"files": {p.relative_to(root): d.to_json() for p, d in zip(paths, digests)}, "documents": documents}
 
     local = run_collectively("digesting zarr files", digest_all)
     gathered = gather_json(local)
@@ -99,8 +105,10 @@ def commit_checksums(
         assert gathered is not None
         files: Dict[str, FileDigest] = {}
         for part in gathered:
-            for name, entry in part.items():
+            for name, entry in part["files"].items():
                 files[name] = FileDigest(entry["size"], int(entry["crc32c"], 16))
+        if documents is not None:
+            files["zarr.json"] = write_root(root, {k: v for part in gathered for k, v in part["documents"].items()})
         write_manifest(root / CHECKSUMS_FILENAME, files)
 
     run_collectively("writing zarr/checksums.json", write)

@@ -7,7 +7,7 @@ Both engines -- zarr-python ([`zarr_python`][dist_ckpt.backends.zarr.zarr_python
 Layout:
 
 ```text
-zarr/zarr.json                              root group
+zarr/zarr.json                              root group (a local save: every zarr.json's text, see `metadata_index`)
 zarr/checksums.json                         checksum manifest (see `checksums`)
 zarr/<encoded key>/zarr.json                array, chunk shape = saved shard shape
 zarr/<encoded key>/c.<i>.<j>...             one chunk per main-replica shard

@@ -153,7 +153,8 @@ def _flattened_nodes(sh: ShardedTensor) -> List[NodeFiles]:
 
 def plan_node_files(shards: Sequence[ShardedTensor], root_group: bool) -> List[NodeFiles]:
     """The directories and files a rank writes for its main-replica ``shards`` (pure), with the
-    root group's ``zarr.json`` if ``root_group`` (rank 0). Which rank creates each array or
+    root group's ``zarr.json`` if ``root_group`` (a stream's start; a save's root group comes
+    last: `save_locally()`). Which rank creates each array or
     group is decided by `creates_array()` and `creates_flattened_group()`.
 
     Example:
@@ -268,12 +269,16 @@ def make_root(root: ObjectPath) -> None:
 
 
 def save_locally(
-    root: ObjectPath, shards: Sequence[ShardedTensor], digests: Dict[ObjectPath, FileDigest]
+    root: ObjectPath, shards: Sequence[ShardedTensor], digests: Dict[ObjectPath, FileDigest], documents: Dict[str, str]
 ) -> List[ObjectPath]:
     """One rank's part of a save into ``root`` (``.partial-zarr`` on a local disk): every array,
-    group and chunk file of its main-replica ``shards`` (the root group on rank 0), made durable;
-    returns the files, their digests recorded in ``digests``."""
+    group and chunk file of its main-replica ``shards``, made durable; returns the files, their
+    digests recorded in ``digests`` and the text of each ``zarr.json`` in ``documents`` (by
+    name under ``root``). The root group is written last, by rank 0, with every rank's
+    documents (`commit_checksums()` with them: `dist_ckpt.backends.zarr.metadata_index`)."""
     make_root(root)
-    written = write_planned(root, plan_node_files(shards, root_group=get_rank() == 0), digests)
+    nodes = plan_node_files(shards, root_group=False)
+    written = write_planned(root, nodes, digests)
     fsync_written(written, root)
+    documents.update((name, raw.decode("utf-8")) for node in nodes for name, raw in node.documents)
     return written

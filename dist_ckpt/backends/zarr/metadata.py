@@ -43,6 +43,7 @@ from dist_ckpt.storage.object_path import ObjectPath, subdirs
 __all__ = [
     "FragmentInfo",
     "JsonCheck",
+    "JsonIndex",
     "StoredTensorInfo",
     "check_tensor_dirs_present",
     "chunk_separator",
@@ -62,13 +63,21 @@ Shape = Tuple[int, ...]
 #: :func:`dist_ckpt.backends.zarr.checksums.manifest_check`), raising if they differ
 JsonCheck = Optional[Callable[[ObjectPath, bytes], None]]
 
+#: ``zarr.json`` bytes already read and checked, by path: the root group's index of a checkpoint
+#: (`dist_ckpt.backends.zarr.metadata_index`), used instead of reading those files
+JsonIndex = Optional[Mapping[ObjectPath, bytes]]
 
-def read_zarr_json(node_dir: ObjectPath, check: JsonCheck = None) -> Optional[Dict[str, Any]]:
+
+def read_zarr_json(node_dir: ObjectPath, check: JsonCheck = None, index: JsonIndex = None) -> Optional[Dict[str, Any]]:
     """The parsed ``zarr.json`` of a node, or None if the node does not exist; with ``check``,
-    its bytes are verified before they are parsed. Damage of any kind (size, depth, encoding,
+    its bytes are verified before they are parsed; a file ``index`` holds (checked already) is
+    not read. Damage of any kind (size, depth, encoding,
     type) is a [`CorruptCheckpointError`][dist_ckpt.errors.CorruptCheckpointError] naming the file; a link leading out
     of the checkpoint is refused by the storage ([`UnsafeLinkError`][dist_ckpt.errors.UnsafeLinkError])."""
     path = node_dir / "zarr.json"
+    indexed = index.get(path) if index else None
+    if indexed is not None:
+        return want_object(loads(indexed, str(path), MAX_SMALL_JSON_BYTES), str(path))
     try:
         if path.storage.local_paths and path.stat().st_size > MAX_SMALL_JSON_BYTES:  # a stat is cheap there
             raise CorruptCheckpointError(f"{path} has {path.stat().st_size} bytes: it is not a zarr.json this writes")
@@ -128,8 +137,11 @@ def _ints(value: Any, what: str, path: ObjectPath) -> Shape:
     return tuple(value)
 
 
-def open_tensor_info(root: ObjectPath, name: str, check: JsonCheck = None) -> Optional[StoredTensorInfo]:
-    """Parse the metadata of the tensor stored under ``root/name`` (None if absent).
+def open_tensor_info(
+    root: ObjectPath, name: str, check: JsonCheck = None, index: JsonIndex = None
+) -> Optional[StoredTensorInfo]:
+    """Parse the metadata of the tensor stored under ``root/name`` (None if absent), its
+    ``zarr.json`` documents from ``index`` where it holds them.
 
     Where the storage has directories (``local_paths``), a tensor directory without its
     ``zarr.json`` is damage ([`CorruptCheckpointError`][dist_ckpt.errors.CorruptCheckpointError]): a tensor is removed
@@ -137,7 +149,7 @@ def open_tensor_info(root: ObjectPath, name: str, check: JsonCheck = None) -> Op
     rename, removal deletes ``zarr.json`` first, so a prefix without it is a removed key (see
     `tensors_metadata()` for the damage the manifest reveals)."""
     path = root / name
-    doc = read_zarr_json(path, check)
+    doc = read_zarr_json(path, check, index)
     if doc is None:
         if root.storage.local_paths and path.is_dir():
             raise CorruptCheckpointError(
@@ -165,7 +177,7 @@ def open_tensor_info(root: ObjectPath, name: str, check: JsonCheck = None) -> Op
             _same_rank(info.global_shape, info.chunk_shape, path)
             check_tensor_bytes(info.global_shape, dtype.itemsize, str(path / "zarr.json"))
             check_tensor_bytes(info.chunk_shape, dtype.itemsize, str(path / "zarr.json"))
-            info.fragments = _list_fragments(path, info.chunk_shape, check)
+            info.fragments = _list_fragments(path, info.chunk_shape, check, index)
             return info
         if doc.get("node_type") != "array":
             raise CorruptCheckpointError(
@@ -246,12 +258,14 @@ def _same_rank(shape: Shape, chunk_shape: Shape, path: ObjectPath) -> None:
         )
 
 
-def _list_fragments(path: ObjectPath, chunk_shape: Shape, check: JsonCheck = None) -> List[FragmentInfo]:
+def _list_fragments(
+    path: ObjectPath, chunk_shape: Shape, check: JsonCheck = None, index: JsonIndex = None
+) -> List[FragmentInfo]:
     fragments = []
     for entry in sorted(subdirs(path)):
         if entry.startswith(".") or entry == "zarr.json":
             continue
-        doc = read_zarr_json(path / entry, check)
+        doc = read_zarr_json(path / entry, check, index)
         if doc is None:
             if path.storage.local_paths:  # a listed directory without its zarr.json (see open_tensor_info)
                 raise CorruptCheckpointError(
@@ -303,10 +317,13 @@ def check_tensor_dirs_present(root: ObjectPath, manifest: Optional[Mapping[str, 
         )
 
 
-def find_tensor_info(root: ObjectPath, key: str, check: JsonCheck = None) -> Optional[StoredTensorInfo]:
-    """The stored tensor ``key``, or None. A key that is now a reserved name (``checksums.json``)
-    is also looked up under the name checkpoints saved before the reservation gave it."""
-    info = open_tensor_info(root, tensor_dir_name(key), check)
+def find_tensor_info(
+    root: ObjectPath, key: str, check: JsonCheck = None, index: JsonIndex = None
+) -> Optional[StoredTensorInfo]:
+    """The stored tensor ``key``, or None (see `open_tensor_info()`). A key that is now a reserved
+    name (``checksums.json``) is also looked up under the name checkpoints saved before the
+    reservation gave it."""
+    info = open_tensor_info(root, tensor_dir_name(key), check, index)
     legacy = encode_key(key)
     if info is None and legacy != tensor_dir_name(key) and (root / legacy).is_dir():
         info = open_tensor_info(root, legacy, check)

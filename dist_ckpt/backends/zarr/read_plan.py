@@ -17,7 +17,7 @@ import torch
 
 from dist_ckpt.backends.request_checks import check_requested_tensors
 from dist_ckpt.backends.zarr.layout import LAYOUT_CHUNKED, ZARR_DIR, chunk_key
-from dist_ckpt.backends.zarr.metadata import FragmentInfo, JsonCheck, StoredTensorInfo, find_tensor_info
+from dist_ckpt.backends.zarr.metadata import FragmentInfo, JsonCheck, JsonIndex, StoredTensorInfo, find_tensor_info
 from dist_ckpt.backends.zarr.nodes import in_threads
 from dist_ckpt.errors import CorruptCheckpointError
 from dist_ckpt.model.geometry import Box, ShardPiece, shard_pieces
@@ -93,18 +93,20 @@ def plan_request(
     checkpoint_dir: ObjectPath,
     allow_dtype_cast: bool = True,
     check: JsonCheck = None,
+    index: JsonIndex = None,
 ) -> Dict[int, ReadPlan]:
     """The reads of every requested shard (by ``id``), after checking keys, dtypes and shapes.
 
     Everything is checked before any tensor byte is read; see
     `check_requested_tensors()` (``allow_dtype_cast``:
     whether a requested dtype may differ from the stored one). ``check`` verifies every
-    ``zarr.json`` read (against the checksum manifest).
+    ``zarr.json`` read (against the checksum manifest); those ``index`` holds are not read
+    (`dist_ckpt.backends.zarr.metadata_index`).
     """
     root = checkpoint_dir / ZARR_DIR
     keys = list(dict.fromkeys(sh.key for sh in requested))
-    # several zarr.json at a time: a cold load waits on each file's read
-    infos = dict(zip(keys, in_threads(lambda key: find_tensor_info(root, key, check), keys)))
+    # several zarr.json at a time: a cold load waits on each file's read (none with an index)
+    infos = dict(zip(keys, in_threads(lambda key: find_tensor_info(root, key, check, index), keys)))
 
     def lookup(key: str) -> Optional[Tuple[torch.dtype, Tuple[int, ...]]]:
         info = infos[key]

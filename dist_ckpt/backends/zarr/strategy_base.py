@@ -22,6 +22,7 @@ from dist_ckpt.backends.zarr.checksums import MANIFEST_KEY, manifest_check, read
 from dist_ckpt.backends.zarr.layout import PARTIAL_ZARR_DIR, ZARR_DIR, checkpoint_node
 from dist_ckpt.backends.zarr.megatron import load_zarr_based_sharded_metadata
 from dist_ckpt.backends.zarr.metadata import describe_zarr
+from dist_ckpt.backends.zarr.metadata_index import read_index
 from dist_ckpt.backends.zarr.read_plan import ReadPlan, plan_request
 from dist_ckpt.integrity.checksums import FileDigest, IntegrityReport
 from dist_ckpt.model.dict_utils import nested_values
@@ -98,7 +99,9 @@ class ZarrLoadStrategyBase(LoadShardedStrategy):
         node = checkpoint_node(checkpoint_dir, self.engine)
         requested = [s for s in nested_values(sharded_state_dict) if isinstance(s, ShardedTensor)]
         manifest = read_checksums(node) if self.verify_checksums and requested else None
-        plans = plan_request(requested, node, self.allow_dtype_cast, manifest_check(node / ZARR_DIR, manifest))
+        check = manifest_check(node / ZARR_DIR, manifest)
+        index = read_index(node / ZARR_DIR, manifest, check)  # every zarr.json in one read
+        plans = plan_request(requested, node, self.allow_dtype_cast, check, index)
         return PlannedLoad(node, requested, manifest, plans)
 
     @abstractmethod

@@ -83,8 +83,10 @@ class TensorStoreSaveShardedStrategy(ZarrSaveStrategyBase):
         root = writing_root(node)  # renamed to zarr/ once complete (local disks)
         shards = main_replica_shards(sharded_state_dict)
         digests: Dict[ObjectPath, FileDigest] = {}
-        if direct_writes(root):  # plain files, in one step (see `local_save`)
-            written = run_collectively("writing zarr files", lambda: save_locally(root, shards, digests))
+        local = direct_writes(root)
+        documents: Dict[str, str] = {}  # each zarr.json written here, for the root group's index
+        if local:  # plain files, in one step (see `local_save`)
+            written = run_collectively("writing zarr files", lambda: save_locally(root, shards, digests, documents))
         else:
             context = ts_context(self.concurrency)
             # 1. tensor nodes exist before any rank writes into them
@@ -100,7 +102,7 @@ class TensorStoreSaveShardedStrategy(ZarrSaveStrategyBase):
 
             written = created + run_collectively("writing zarr chunks (tensorstore)", write)
         # 3. rank 0 records the checksum of every file written, then gives the tree its name
-        commit_checksums(root, written, digests)
+        commit_checksums(root, written, digests, documents if local else None)
         drop_written(written, root)  # the save is done with them
         run_collectively("publishing the zarr tree", lambda: publish_written(node) if get_rank() == 0 else None)
 

@@ -91,8 +91,12 @@ class ZarrSaveShardedStrategy(ZarrSaveStrategyBase):
         root = writing_root(node)  # renamed to zarr/ once complete (local disks)
         shards = main_replica_shards(sharded_state_dict)
         stores = Stores(read_only=False)
-        if direct_writes(root):  # plain files, in one step (see `local_save`)
-            written = run_collectively("writing zarr files", lambda: save_locally(root, shards, stores.digests))
+        local = direct_writes(root)
+        documents: Dict[str, str] = {}  # each zarr.json written here, for the root group's index
+        if local:  # plain files, in one step (see `local_save`)
+            written = run_collectively(
+                "writing zarr files", lambda: save_locally(root, shards, stores.digests, documents)
+            )
         else:
             with as_storage_errors(root, "writing"):
                 created = run_collectively("creating zarr arrays", lambda: self._create_nodes(root, shards, stores))
@@ -103,7 +107,7 @@ class ZarrSaveShardedStrategy(ZarrSaveStrategyBase):
                     return chunks
 
                 written = created + run_collectively("writing zarr chunks", write)
-        commit_checksums(root, written, stores.digests)
+        commit_checksums(root, written, stores.digests, documents if local else None)
         drop_written(written, root)  # the save is done with them
         run_collectively("publishing the zarr tree", lambda: publish_written(node) if get_rank() == 0 else None)
 

@@ -244,7 +244,9 @@ def test_random_bytes_in_every_metadata_file_name_the_file(copy, fmt):
         rel = str(f.relative_to(path))
         try:
             _load_ok(path, fmt)
-            assert rel == "zarr/zarr.json", f"{rel} is damaged, yet the load succeeded"  # the root group: never read
+            # a tensor's zarr.json: a load takes it from the root group's index (checked against
+            # the manifest) and never reads the file
+            assert rel.startswith("zarr/") and rel.count("/") >= 2, f"{rel} is damaged, yet the load succeeded"
         except CheckpointingException as e:
             assert f.name in str(e), f"{rel}: {e}"
         problems = dc.verify_checkpoint(path).problems

@@ -362,7 +362,8 @@ class TestDamage:
         with pytest.raises(CorruptCheckpointError, match="'frag'"):
             eng.load({"x": ShardedTensor.from_rank_offsets("frag", torch.empty(3, 4))}, tmp_path)
 
-    def test_corrupt_array_metadata(self, tmp_path, stored):
+    def test_corrupt_array_metadata(self, tmp_path, unindexed_zarr, stored):
+        """Read from its own file (a checkpoint without the root's index): see test_zarr_metadata_index."""
         path = tmp_path / ZARR_DIR / "dmg.w" / "zarr.json"
         doc = json.loads(path.read_text())
         doc["data_type"] = "no_such_type"

@@ -511,14 +511,15 @@ class TestDamage:
         assert torch.equal(out["q"], stored[:2])
 
     @pytest.mark.parametrize("payload", [b"\x00\x01garbage", b"{}", b'{"zarr_format": 3, "node_type": "array"}'])
-    def test_corrupt_array_metadata(self, tmp_path, stored, payload):
+    def test_corrupt_array_metadata(self, tmp_path, unindexed_zarr, stored, payload):
+        """Read from its own file (a checkpoint without the root's index): see test_zarr_metadata_index."""
         path = tmp_path / ZARR_DIR / "dmg.w" / "zarr.json"
         path.write_bytes(payload)
         with pytest.raises(CorruptCheckpointError) as info:
             load(self.request(), tmp_path)
         assert str(path.parent) in str(info.value)
 
-    def test_missing_attributes(self, tmp_path, stored):
+    def test_missing_attributes(self, tmp_path, unindexed_zarr, stored):
         path = tmp_path / ZARR_DIR / "dmg.w" / "zarr.json"
         meta = json.loads(path.read_text())
         meta["attributes"] = {}
