@@ -35,18 +35,18 @@ __all__ = ["INDEX_FIELD", "MAX_INDEX_BYTES", "read_index", "root_document", "wri
 #: the root group's attribute (under `ATTR`) that holds the index
 INDEX_FIELD = "zarr_json"
 
-#: the most text an index holds (about 10,000 tensors); a larger one is not written, and loads
-#: read each ``zarr.json`` (the root group stays well below the cap on small JSON documents)
+#: the largest root group written with an index (about 8,000 tensors); beyond, the root group has
+#: no index and loads read each ``zarr.json`` (the root stays below the cap on small JSON documents)
 MAX_INDEX_BYTES = 8 << 20
 
 
 def root_document(documents: Mapping[str, str]) -> bytes:
     """The root group's ``zarr.json`` indexing ``documents`` (``{name under zarr/: text}``), or a
-    plain group's where there are none or they exceed `MAX_INDEX_BYTES`."""
-    size = sum(len(name) + len(text) for name, text in documents.items())
-    if not documents or size > MAX_INDEX_BYTES:
+    plain group's where there are none or the document would exceed `MAX_INDEX_BYTES`."""
+    if not documents:
         return group_document({})
-    return group_document({ATTR: {INDEX_FIELD: dict(sorted(documents.items()))}})
+    indexed = group_document({ATTR: {INDEX_FIELD: dict(sorted(documents.items()))}})
+    return indexed if len(indexed) <= MAX_INDEX_BYTES else group_document({})
 
 
 def write_root(root: ObjectPath, documents: Mapping[str, str]) -> FileDigest:

@@ -124,6 +124,9 @@ def test_a_checkpoint_without_an_index_loads_from_each_file(tmp_path, engine, un
 def test_an_index_over_the_cap_is_left_out(monkeypatch):
     documents = {"a/zarr.json": "x" * 100, "b/zarr.json": "y" * 100}
     assert json.loads(metadata_index.root_document(documents))["attributes"][ATTR]["zarr_json"] == documents
-    monkeypatch.setattr(metadata_index, "MAX_INDEX_BYTES", 150)
+    full = len(metadata_index.root_document(documents))
+    monkeypatch.setattr(metadata_index, "MAX_INDEX_BYTES", full)
+    assert json.loads(metadata_index.root_document(documents))["attributes"][ATTR]["zarr_json"] == documents
+    monkeypatch.setattr(metadata_index, "MAX_INDEX_BYTES", full - 1)
     assert json.loads(metadata_index.root_document(documents))["attributes"] == {}
     assert json.loads(metadata_index.root_document({}))["attributes"] == {}
