@@ -548,6 +548,7 @@ class WritebackWindow:
         self._files: Deque[Tuple[int, int]] = deque()  # (descriptor, bytes), oldest first
         self._bytes = 0  # handed over after the oldest file (and the oldest itself)
         self._lock = threading.Lock()
+        self._close_error: Optional[OSError] = None  # the first failed close, raised by close()
 
     def hand_over(self, fd: int, nbytes: int) -> None:
         """Take ``fd`` (a file of ``nbytes`` whose writeback was started): the window closes it,
@@ -560,30 +561,42 @@ class WritebackWindow:
                 old, size = self._files.popleft()
                 self._bytes -= size
                 due.append(old)
-        _drop_and_close(due)
+        self._drop_and_close(due)
 
     def close(self) -> None:
-        """Drop and close every file still held (the end of the save, or its failure)."""
+        """Drop and close every file still held (the end of the save, or its failure).
+
+        Raises:
+            OSError: the first ``close`` that failed, of any file the window took: on a network
+                file system that is where a failed write is reported.
+        """
         with self._lock:
             due = [fd for fd, _ in self._files]
             self._files.clear()
             self._bytes = 0
-        _drop_and_close(due)
+        self._drop_and_close(due)
+        if self._close_error is not None:
+            raise self._close_error
 
     def __enter__(self) -> "WritebackWindow":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc is None:
+            self.close()
+            return
+        with contextlib.suppress(OSError):  # the error under way is the one to report
+            self.close()
 
-
-def _drop_and_close(descriptors: Iterable[int]) -> None:
-    """``posix_fadvise(DONTNEED)``, then close, each of ``descriptors``. Errors of either are
-    not the save's: the pages are on their way to the disk, and the fsync (or ``syncfs``) that
-    makes the files durable reports a failed write."""
-    for fd in descriptors:
-        with contextlib.suppress(OSError):
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        with contextlib.suppress(OSError):
-            os.close(fd)
+    def _drop_and_close(self, descriptors: Iterable[int]) -> None:
+        """``posix_fadvise(DONTNEED)`` (best effort: the pages are on their way to the disk
+        either way), then close, each of ``descriptors``; a failed close is kept for `close()`."""
+        for fd in descriptors:
+            with contextlib.suppress(OSError):
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            try:
+                os.close(fd)
+            except OSError as e:
+                with self._lock:
+                    self._close_error = self._close_error or e

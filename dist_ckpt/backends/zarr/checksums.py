@@ -37,7 +37,7 @@ from dist_ckpt.backends.zarr.metadata import (
     open_tensor_info,
     read_zarr_json,
 )
-from dist_ckpt.backends.zarr.metadata_index import write_root
+from dist_ckpt.backends.zarr.metadata_index import index_part, merged_documents, write_root
 from dist_ckpt.backends.zarr.nodes import in_threads
 from dist_ckpt.engine.distributed import gather_json, get_rank, run_collectively
 from dist_ckpt.engine.records import location_of_node, read_recorded, refresh_record
@@ -94,7 +94,8 @@ def commit_checksums(
         paths = sorted(set(written), key=str)
         # the files read back (TensorStore's, or written without a recording store) several at a time
         digests = in_threads(lambda p: _digest(p, known), paths)
-        return {"files": {p.relative_to(root): d.to_json() for p, d in zip(paths, digests)}, "documents": documents}
+        files = {p.relative_to(root): d.to_json() for p, d in zip(paths, digests)}
+        return {"files": files, "documents": index_part(documents) if documents is not None else None}
 
     local = run_collectively("digesting zarr files", digest_all)
     gathered = gather_json(local)
@@ -108,7 +109,7 @@ def commit_checksums(
             for name, entry in part["files"].items():
                 files[name] = FileDigest(entry["size"], int(entry["crc32c"], 16))
         if documents is not None:
-            files["zarr.json"] = write_root(root, {k: v for part in gathered for k, v in part["documents"].items()})
+            files["zarr.json"] = write_root(root, merged_documents([part["documents"] for part in gathered]))
         write_manifest(root / CHECKSUMS_FILENAME, files)
 
     run_collectively("writing zarr/checksums.json", write)

@@ -251,8 +251,14 @@ def write_planned(
     (`WritebackWindow`); returns the files written, their digests recorded in ``digests``."""
     top = str(root.local_path())
     files = []
-    with WritebackWindow() as window:
-        per_node = in_threads(lambda node: write_node_files(top, node, window), nodes)
+    try:
+        with WritebackWindow() as window:
+            per_node = in_threads(lambda node: write_node_files(top, node, window), nodes)
+    except OSError as e:
+        if isinstance(e, CheckpointingException):  # a node's write failed: it names the file
+            raise
+        message = f"[rank {get_rank()}] closing the zarr files written under {top} failed: {e.strerror or e}"
+        raise StorageError(message, url=top, operation="write") from e
     for written in per_node:
         for name, digest in written:
             path = root / name

@@ -13,16 +13,19 @@ zarr/zarr.json   {"attributes": {"dist_ckpt": {"zarr_json": {"<tensor dir>/zarr.
 The index is a copy, never the source of truth. A load takes an entry only where the checkpoint's
 checksum manifest records exactly those bytes for that file (`read_index()`); otherwise it reads
 the file, as before: a checkpoint saved without an index, a load without checksums, a tensor
-removed since (`remove_sharded_tensors` drops its files from the manifest). Damage to an array's
-own ``zarr.json`` is then found by ``dist-ckpt verify`` (and by readers other than dist_ckpt), not by
-a load that never reads it. Other zarr readers see one more group attribute. Rank 0 writes the
-root group once every rank's files are written, before the manifest (`write_root()`); an index
-larger than `MAX_INDEX_BYTES` is left out (the root group then has no attributes).
+removed since (`remove_sharded_tensors` drops its files from the manifest). A load that reads an
+array through its engine's library (a dtype conversion, part of a chunk) still reads its file.
+Damage to an array's own ``zarr.json`` is otherwise found by ``dist-ckpt verify`` (and by readers
+other than dist_ckpt), not by a load that uses the copy the manifest vouches for. Other zarr
+readers see one more group attribute. Rank 0 writes the root group once every rank's files are
+written, before the manifest (`write_root()`); an index larger than `MAX_INDEX_BYTES` is left
+out (the root group then has no attributes), and saves through an object store or a tensor
+stream (`begin_stream`) write none.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Sequence
 
 from dist_ckpt.backends.zarr.layout import ATTR
 from dist_ckpt.backends.zarr.metadata import JsonCheck, read_zarr_json
@@ -30,7 +33,15 @@ from dist_ckpt.backends.zarr.nodes import group_document
 from dist_ckpt.integrity.checksums import FileDigest, bytes_digest
 from dist_ckpt.storage.object_path import ObjectPath
 
-__all__ = ["INDEX_FIELD", "MAX_INDEX_BYTES", "read_index", "root_document", "write_root"]
+__all__ = [
+    "INDEX_FIELD",
+    "MAX_INDEX_BYTES",
+    "index_part",
+    "merged_documents",
+    "read_index",
+    "root_document",
+    "write_root",
+]
 
 #: the root group's attribute (under `ATTR`) that holds the index
 INDEX_FIELD = "zarr_json"
@@ -49,6 +60,19 @@ def root_document(documents: Mapping[str, str]) -> bytes:
     return indexed if len(indexed) <= MAX_INDEX_BYTES else group_document({})
 
 
+def index_part(documents: Mapping[str, str]) -> Optional[Mapping[str, str]]:
+    """What a rank sends rank 0 for the index: its ``documents``, or None where they alone
+    exceed `MAX_INDEX_BYTES` (the index would be left out: nothing to gather)."""
+    return documents if sum(len(k) + len(v) for k, v in documents.items()) <= MAX_INDEX_BYTES else None
+
+
+def merged_documents(parts: Sequence[Optional[Mapping[str, str]]]) -> Dict[str, str]:
+    """Every rank's `index_part()` in one mapping; empty (no index) if any rank sent None."""
+    if any(part is None for part in parts):
+        return {}
+    return {name: text for part in parts if part is not None for name, text in part.items()}
+
+
 def write_root(root: ObjectPath, documents: Mapping[str, str]) -> FileDigest:
     """Create ``root``'s ``zarr.json`` (`root_document()`), durably and only if absent (a file is
     written once); returns its digest for the manifest."""
@@ -63,8 +87,11 @@ def read_index(
 ) -> Dict[ObjectPath, bytes]:
     """The ``zarr.json`` bytes the root group at ``root`` (``zarr/``) indexes, by path, keeping
     only those ``manifest`` records exactly (size and crc32c); empty without a manifest or an
-    index. The root's own ``zarr.json`` is read through ``check`` (damage to it raises)."""
-    if manifest is None:
+    index, and on storages without directories (only local saves write an index; on an object
+    store an interrupted removal deletes a tensor's ``zarr.json`` before the manifest learns
+    of it, so the file, not the index, says whether the tensor is there). The root's own
+    ``zarr.json`` is read through ``check`` (damage to it raises)."""
+    if manifest is None or not root.storage.local_paths:
         return {}
     doc = read_zarr_json(root, check)
     entries = _index_of(doc) if doc is not None else None
@@ -75,7 +102,10 @@ def read_index(
         expected = manifest.get(name) if isinstance(name, str) else None
         if expected is None or not isinstance(text, str):
             continue
-        raw = text.encode("utf-8")
+        try:
+            raw = text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: not text this writes
+            continue
         if bytes_digest(raw) == expected:
             index[root / name] = raw
     return index

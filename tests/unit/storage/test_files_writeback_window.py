@@ -88,3 +88,45 @@ def test_a_failure_inside_the_window_still_closes_what_it_holds(tmp_path):
             window.hand_over(fd, MIB)
             raise RuntimeError("the write failed")
     assert not _is_open(fd)
+
+
+def test_a_failed_close_is_raised_by_the_end_of_the_window(tmp_path, monkeypatch):
+    """On a network file system close() is where a failed write is reported: the window closes
+    every file it holds, then raises the first such error (never lost in a later file's write)."""
+    import errno
+
+    fds = [_written(tmp_path / f"f{i}", MIB) for i in range(3)]
+    real_close = os.close
+
+    def failing_close(fd: int) -> None:
+        real_close(fd)
+        if fd == fds[0]:
+            raise OSError(errno.EIO, "Input/output error")
+
+    window = WritebackWindow(window_bytes=MIB)
+    monkeypatch.setattr(os, "close", failing_close)
+    for fd in fds:
+        window.hand_over(fd, MIB)  # the first is closed here: its error waits for close()
+    with pytest.raises(OSError, match="Input/output error"):
+        window.close()
+    monkeypatch.undo()
+    assert not any(_is_open(fd) for fd in fds)
+
+
+def test_a_failure_under_way_is_not_replaced_by_a_failed_close(tmp_path, monkeypatch):
+    import errno
+
+    fd = _written(tmp_path / "f", MIB)
+    real_close = os.close
+
+    def failing_close(n: int) -> None:
+        real_close(n)
+        raise OSError(errno.EIO, "Input/output error")
+
+    with pytest.raises(RuntimeError, match="the write failed"):
+        with WritebackWindow() as window:
+            window.hand_over(fd, MIB)
+            monkeypatch.setattr(os, "close", failing_close)
+            raise RuntimeError("the write failed")
+    monkeypatch.undo()
+    assert not _is_open(fd)

@@ -13,7 +13,9 @@ import torch
 
 import dist_ckpt as dc
 from dist_ckpt.backends.zarr import metadata_index
+from dist_ckpt.backends.zarr.checksums import manifest_check, read_checksums
 from dist_ckpt.backends.zarr.layout import ATTR, ZARR_DIR
+from dist_ckpt.backends.zarr.metadata_index import read_index
 from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreLoadShardedStrategy, TensorStoreSaveShardedStrategy
 from dist_ckpt.backends.zarr.zarr_python import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
 from dist_ckpt.errors import CheckpointingException
@@ -40,6 +42,13 @@ def _state(values: Dict[str, torch.Tensor]) -> Dict[str, ShardedTensor]:
 
 def _request(keys=("w", "b", "h")) -> Dict[str, ShardedTensor]:
     return {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(VALUES[k])) for k in keys}
+
+
+def _used(ckpt: Path) -> Dict[str, bytes]:
+    """The index entries a load uses: ``{name under zarr/: bytes}``."""
+    root = ObjectPath.of(ckpt / ZARR_DIR)
+    manifest = read_checksums(ObjectPath.of(ckpt))
+    return {p.relative_to(root): raw for p, raw in read_index(root, manifest, manifest_check(root, manifest)).items()}
 
 
 def _index(ckpt: Path) -> Dict[str, str]:
@@ -106,6 +115,8 @@ def test_entries_the_manifest_no_longer_records_are_not_used(ckpt, engine):
     load looks for its directory, as without an index, and finds none."""
     assert "b/zarr.json" in _index(ckpt)
     dc.remove_sharded_tensors(ckpt, "b")
+    assert "b/zarr.json" in _index(ckpt)  # the root group is written once
+    assert set(_used(ckpt)) == {"w/zarr.json", "h/zarr.json", "f/zarr.json", "f/0.0_0/zarr.json"}
     loader = ENGINES[engine][1]()
     out = dc.load(_request(("w", "h")), ckpt, sharded_strategy=loader)
     assert torch.equal(out["h"], VALUES["h"])
@@ -130,3 +141,29 @@ def test_an_index_over_the_cap_is_left_out(monkeypatch):
     monkeypatch.setattr(metadata_index, "MAX_INDEX_BYTES", full - 1)
     assert json.loads(metadata_index.root_document(documents))["attributes"] == {}
     assert json.loads(metadata_index.root_document({}))["attributes"] == {}
+
+
+def test_only_entries_whose_bytes_the_manifest_records_are_used(ckpt):
+    """Size and crc32c of each entry against the manifest: an entry that differs (here another
+    text of the same length, a lone surrogate, a name the manifest lacks) is read from its file."""
+    tree = ckpt / ZARR_DIR
+    used = _used(ckpt)
+    assert used == {name: (tree / name).read_bytes() for name in used} and "w/zarr.json" in used
+    root = ObjectPath.of(tree)
+    manifest = dict(read_checksums(ObjectPath.of(ckpt)) or {})
+    doc = json.loads((tree / "zarr.json").read_text())
+    entries = doc["attributes"][ATTR][metadata_index.INDEX_FIELD]
+    entries["w/zarr.json"] = entries["w/zarr.json"].replace("float32", "float64")  # same length
+    entries["h/zarr.json"] = "\ud800"
+    entries["x/zarr.json"] = "{}"
+    (tree / "zarr.json").write_bytes(metadata_index.group_document(doc["attributes"]))  # manifest_check: not used
+    index = read_index(root, manifest, None)
+    assert {p.relative_to(root) for p in index} == set(used) - {"w/zarr.json", "h/zarr.json"}
+
+
+def test_a_rank_over_the_cap_leaves_the_index_out(monkeypatch):
+    documents = {"a/zarr.json": "x" * 100}
+    assert metadata_index.merged_documents([metadata_index.index_part(documents), {"b": "y"}]) == dict(documents, b="y")
+    monkeypatch.setattr(metadata_index, "MAX_INDEX_BYTES", 50)
+    assert metadata_index.index_part(documents) is None
+    assert metadata_index.merged_documents([None, {"b": "y"}]) == {}

@@ -248,3 +248,22 @@ def test_large_chunk_files_go_through_a_writeback_window_that_a_failure_closes(t
     with pytest.raises(StorageError, match=r"'b4'.*No space left"):
         dc.save(state, tmp_path / "failed", sharded_strategy=strategy())
     assert _open_descriptors() == before
+
+
+def test_a_failed_close_of_the_chunk_files_fails_the_save_as_a_storage_error(tmp_path, monkeypatch):
+    import errno
+
+    import dist_ckpt as dc
+    from dist_ckpt.backends.zarr import local_save
+    from dist_ckpt.storage.errors import StorageError
+    from dist_ckpt.storage.files import WritebackWindow
+
+    class FailingClose(WritebackWindow):
+        def close(self) -> None:
+            super().close()
+            raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(local_save, "WritebackWindow", FailingClose)
+    with pytest.raises(StorageError, match=r"\[rank 0\] closing the zarr files written under .*Input/output error"):
+        dc.save(_state(), tmp_path / "c", sharded_strategy=ZarrSaveShardedStrategy())
+    assert not (tmp_path / "c" / "metadata.json").exists()
