@@ -137,6 +137,22 @@ def test_byte_budget_never_holds_more_than_its_limit_but_lets_a_large_item_throu
     assert bad == []
 
 
+def _fill_the_disk_at(monkeypatch, tensor_dir: str) -> None:
+    """Local zarr saves get ENOSPC writing the chunk files of ``tensor_dir`` (not its zarr.json)."""
+    import errno
+
+    from dist_ckpt.backends.zarr import local_save
+
+    real = local_save._write_new
+
+    def full_disk(path: str, data: memoryview, window):
+        if os.path.basename(os.path.dirname(path)) == tensor_dir and not path.endswith("zarr.json"):
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return real(path, data, window)
+
+    monkeypatch.setattr(local_save, "_write_new", full_disk)
+
+
 @pytest.mark.parametrize("engine", ["zarr-python", "tensorstore"])
 def test_a_refused_write_is_a_storage_error_naming_rank_tensor_and_path(tmp_path, monkeypatch, engine):
     """The file system's refusal (here ENOSPC on one chunk file) reaches the caller as a typed
@@ -144,19 +160,10 @@ def test_a_refused_write_is_a_storage_error_naming_rank_tensor_and_path(tmp_path
     import errno
 
     import dist_ckpt as dc
-    from dist_ckpt.backends.zarr import local_save
+    from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreSaveShardedStrategy
     from dist_ckpt.storage.errors import StorageError
 
-    real = local_save._write_new
-
-    def full_disk(path: str, data: memoryview, window):
-        if os.path.basename(os.path.dirname(path)) == "t3" and not path.endswith("zarr.json"):
-            raise OSError(errno.ENOSPC, "No space left on device", path)
-        return real(path, data, window)
-
-    from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreSaveShardedStrategy
-
-    monkeypatch.setattr(local_save, "_write_new", full_disk)
+    _fill_the_disk_at(monkeypatch, "t3")
     strategy = ZarrSaveShardedStrategy() if engine == "zarr-python" else TensorStoreSaveShardedStrategy()
     with pytest.raises(StorageError, match=r"\[rank 0\] .*'t3'.*t3/c\.0\.0: No space left on device") as info:
         dc.save(_state(), tmp_path / "c", sharded_strategy=strategy)
@@ -206,7 +213,6 @@ def test_large_chunk_files_go_through_a_writeback_window_that_a_failure_closes(t
     """Every chunk file of at least EARLY_WRITEBACK_BYTES is handed to the save's WritebackWindow
     (dropped from the page cache as the save goes, not all at the end); a save that fails half way
     leaves none of their descriptors open."""
-    import errno
 
     import dist_ckpt as dc
     from dist_ckpt.backends.zarr import local_save
@@ -237,14 +243,7 @@ def test_large_chunk_files_go_through_a_writeback_window_that_a_failure_closes(t
     )
     assert torch.equal(bits(loaded["b5"]), bits(torch.full((big,), 5.0)))
 
-    real = local_save._write_new
-
-    def full_disk(path: str, data: memoryview, window):
-        if os.path.basename(os.path.dirname(path)) == "b4" and not path.endswith("zarr.json"):
-            raise OSError(errno.ENOSPC, "No space left on device", path)
-        return real(path, data, window)
-
-    monkeypatch.setattr(local_save, "_write_new", full_disk)
+    _fill_the_disk_at(monkeypatch, "b4")
     with pytest.raises(StorageError, match=r"'b4'.*No space left"):
         dc.save(state, tmp_path / "failed", sharded_strategy=strategy())
     assert _open_descriptors() == before
