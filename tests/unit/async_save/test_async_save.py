@@ -111,6 +111,24 @@ def test_snapshot_slots_no_dtype_view_fits_still_get_the_bytes(dtype):
     assert bytes(snap.view(1).numpy()) == bytes(value.contiguous().view(torch.uint8).numpy())
 
 
+def test_a_snapshot_holds_the_values_of_every_kind_of_tensor_and_records_no_autograd():
+    """Parameters that require grad, 0-d and empty tensors, non-contiguous views and bf16: the
+    snapshot holds each one's values row-major, and nothing in it joins an autograd graph."""
+    weight = torch.nn.Parameter(torch.arange(12.0).reshape(3, 4))
+    tensors = [
+        weight,
+        weight.t(),  # not contiguous, and requires grad
+        torch.tensor(7, dtype=torch.int64),
+        torch.empty(0, 5),
+        (torch.arange(9) - 4).to(torch.bfloat16).reshape(3, 3)[:, 1],
+    ]
+    snap = SnapshotPool().take(tensors, in_use=lambda: False)
+    assert not snap.buffer.requires_grad and snap.buffer.grad_fn is None
+    for i, t in enumerate(tensors):
+        assert bytes(snap.view(i).numpy()) == bytes(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    assert weight.grad is None and weight.requires_grad
+
+
 def test_deferred_starts_takes_file_ends_within_the_budget():
     assert deferred_starts([[8, 4], [6, 2]], None) == [0, 0]
     assert deferred_starts([[8, 4], [6, 2]], 0) == [2, 2]
