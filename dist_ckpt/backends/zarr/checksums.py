@@ -39,7 +39,7 @@ from dist_ckpt.backends.zarr.metadata import (
 )
 from dist_ckpt.backends.zarr.metadata_index import index_part, merged_documents, write_root
 from dist_ckpt.backends.zarr.nodes import in_threads
-from dist_ckpt.engine.distributed import gather_json, get_rank, run_collectively
+from dist_ckpt.engine.distributed import gather_json, get_rank, get_world_size, run_collectively
 from dist_ckpt.engine.records import location_of_node, read_recorded, refresh_record
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
 from dist_ckpt.integrity.checksums import (
@@ -95,7 +95,8 @@ def commit_checksums(
         # the files read back (TensorStore's, or written without a recording store) several at a time
         digests = in_threads(lambda p: _digest(p, known), paths)
         files = {p.relative_to(root): d.to_json() for p, d in zip(paths, digests)}
-        return {"files": files, "documents": index_part(documents) if documents is not None else None}
+        part = index_part(documents, get_world_size()) if documents is not None else None
+        return {"files": files, "documents": part}
 
     local = run_collectively("digesting zarr files", digest_all)
     gathered = gather_json(local)

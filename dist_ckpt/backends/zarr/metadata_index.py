@@ -60,10 +60,14 @@ def root_document(documents: Mapping[str, str]) -> bytes:
     return indexed if len(indexed) <= MAX_INDEX_BYTES else group_document({})
 
 
-def index_part(documents: Mapping[str, str]) -> Optional[Mapping[str, str]]:
-    """What a rank sends rank 0 for the index: its ``documents``, or None where they alone
-    exceed `MAX_INDEX_BYTES` (the index would be left out: nothing to gather)."""
-    return documents if sum(len(k) + len(v) for k, v in documents.items()) <= MAX_INDEX_BYTES else None
+def index_part(documents: Mapping[str, str], world_size: int) -> Optional[Mapping[str, str]]:
+    """What one of ``world_size`` ranks sends rank 0 for the index: its ``documents``, or None
+    where they exceed its share of `MAX_INDEX_BYTES`. So what rank 0 gathers stays within about
+    the cap whatever the number of ranks (the gather pads every rank's part to the largest), and
+    an index that would be left out is not gathered first. The ranks' documents are about equal
+    (the rank that creates each array is picked by a hash of its key)."""
+    size = sum(len(k) + len(v) for k, v in documents.items())
+    return documents if size <= MAX_INDEX_BYTES // max(world_size, 1) else None
 
 
 def merged_documents(parts: Sequence[Optional[Mapping[str, str]]]) -> Dict[str, str]:

@@ -163,7 +163,12 @@ def test_only_entries_whose_bytes_the_manifest_records_are_used(ckpt):
 
 def test_a_rank_over_the_cap_leaves_the_index_out(monkeypatch):
     documents = {"a/zarr.json": "x" * 100}
-    assert metadata_index.merged_documents([metadata_index.index_part(documents), {"b": "y"}]) == dict(documents, b="y")
+    assert metadata_index.merged_documents([metadata_index.index_part(documents, 1), {"b": "y"}]) == dict(
+        documents, b="y"
+    )
     monkeypatch.setattr(metadata_index, "MAX_INDEX_BYTES", 50)
-    assert metadata_index.index_part(documents) is None
+    assert metadata_index.index_part(documents, 1) is None
+    monkeypatch.setattr(metadata_index, "MAX_INDEX_BYTES", 500)
+    assert metadata_index.index_part(documents, 4) == documents  # 111 bytes within its 125
+    assert metadata_index.index_part(documents, 5) is None  # rank 0 gathers at most about the cap
     assert metadata_index.merged_documents([None, {"b": "y"}]) == {}
