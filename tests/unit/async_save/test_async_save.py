@@ -6,6 +6,7 @@ worker's start-up is paid once.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -149,6 +150,59 @@ def test_snapshot_pool_reuses_its_buffer_only_when_free():
     assert c.buffer.data_ptr() == b.buffer.data_ptr() and c.buffer.is_shared()
     scalar = pool.take([torch.tensor(2.5, dtype=torch.float64)], in_use=lambda: False)
     assert scalar.view(0).view(torch.float64).item() == 2.5
+
+
+def test_snapshots_in_a_reused_buffer_hold_each_take_s_values_whatever_the_tensors():
+    """The pool keeps the views it copies through for the next take of the same tensors: a
+    later take copies the new values, and tensors of other shapes or dtypes in the same bytes
+    (or the same tensors in another layout) are laid out anew."""
+    pool = SnapshotPool()
+    pool.reserve(4096)  # room for every take below
+    w = torch.arange(12.0).reshape(3, 4)
+    first = pool.take([w, torch.ones(2)], in_use=lambda: False)
+    w.add_(100.0)
+    again = pool.take([w, torch.ones(2)], in_use=lambda: False)
+    assert again.buffer.data_ptr() == first.buffer.data_ptr()
+    assert torch.equal(again.view(0).view(torch.float32).view(3, 4), w)
+    as_ints = w.to(torch.int32)  # the same slots, another dtype: copied as int32, not converted to float32
+    ints = pool.take([as_ints, torch.ones(2)], in_use=lambda: False)
+    assert ints.slots == again.slots
+    assert bytes(ints.view(0).numpy()) == bytes(as_ints.reshape(-1).view(torch.uint8).numpy())
+    other = [torch.arange(6, dtype=torch.float64).reshape(2, 3).t(), torch.arange(4, dtype=torch.int32)]
+    reshaped = pool.take(other, in_use=lambda: False)
+    assert reshaped.buffer.data_ptr() == first.buffer.data_ptr()
+    for i, t in enumerate(other):
+        assert bytes(reshaped.view(i).numpy()) == bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+    moved = pool.take(other, in_use=lambda: False, layout=file_order_layout([(4, [48, 16])]))
+    assert moved.slots[0][0] == 4
+    for i, t in enumerate(other):
+        assert bytes(moved.view(i).numpy()) == bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _mapped_files() -> set:
+    return {line.split(maxsplit=5)[5].strip() for line in open("/proc/self/maps") if len(line.split(maxsplit=5)) == 6}
+
+
+def _mapping_of(address: int) -> str:
+    for line in open("/proc/self/maps"):
+        low, high = (int(x, 16) for x in line.split()[0].split("-"))
+        if low <= address < high:
+            return line.split(maxsplit=5)[5].strip()
+    raise AssertionError(f"no mapping holds address {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux's /proc/self/maps")
+def test_release_unmaps_the_buffer_after_takes_that_kept_their_views():
+    """What the pool keeps for the next take does not keep a released buffer's memory."""
+    pool = SnapshotPool()
+    tensors = [torch.arange(4096.0), torch.ones(7, 3)]
+    snap = pool.take(tensors, in_use=lambda: False)
+    pool.take(tensors, in_use=lambda: False)
+    shared_file = _mapping_of(snap.buffer.data_ptr())
+    del snap
+    pool.release()
+    gc.collect()
+    assert shared_file not in _mapped_files()
 
 
 # --------------------------------------------------------------------------- the request and the queue
