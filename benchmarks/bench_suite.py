@@ -19,8 +19,10 @@ Per repeat, for every system in turn (interleaved, so a slow minute of the disk 
 3. an N-rank job (TP=N): a memcpy of each rank's bytes into allocated memory (the reference for
    async saves); *save* (files durable, checkpoint committed; peak RSS over the base); *cold
    load* of the same layout (peak RSS over the base); *warm load* (again, page cache warm); an
-   untimed first async save, then a timed one: *blocking* (until the call returns) and *total*
-   (until durable and finalized); *resharded cold load* 2N -> N;
+   untimed first async save, then ``--async-samples`` timed ones, each right after a memcpy into
+   the same memory: *blocking* (until the call returns) and *total* (until durable and
+   finalized), their medians, and the ratio of blocking to the memcpys beside it; *resharded cold
+   load* 2N -> N;
 4. a 1-rank job: *resharded cold load* 2N -> 1.
 
 Each job first saves and loads a tiny state untimed (imports, first collectives). Times are
@@ -234,10 +236,12 @@ def run_system(
     python: str,
     tree: Optional[Path] = None,
     prime: bool = True,
+    async_samples: int = 3,
 ) -> Dict[str, Any]:
     """One repeat of one system: the 2N-rank save, the N-rank job, the 1-rank load (``tree``: the
     dist_ckpt source tree to import instead of this one; ``prime``: read each checkpoint once
-    before its timed cold load, see ``suite_ranks.prime``)."""
+    before its timed cold load, see ``suite_ranks.prime``; ``async_samples``: timed async saves,
+    see ``suite_ranks._async``)."""
     work = Path(tempfile.mkdtemp(prefix=f"suite_{system.replace('@', '_')}_", dir=directory))
     common = {
         "system": system,
@@ -250,7 +254,16 @@ def run_system(
         src = str(work / "src")
         saved = _job({**common, "job": "save", "world": 2 * ranks, "dir": src}, python)
         main = _job(
-            {**common, "job": "main", "world": ranks, "dir": str(work / "ckpt"), "src": src, "async": True}, python
+            {
+                **common,
+                "job": "main",
+                "world": ranks,
+                "dir": str(work / "ckpt"),
+                "src": src,
+                "async": True,
+                "async_samples": async_samples,
+            },
+            python,
         )
         one = _job(
             {**common, "job": "load", "world": 1, "dir": str(work / "one"), "src": src, "op": "reshard1"}, python
@@ -258,7 +271,7 @@ def run_system(
     finally:
         shutil.rmtree(work, ignore_errors=True)
     out: Dict[str, Any] = {"save_2n": max(r["save"] for r in saved), "reshard1": one[0]["reshard1"]}
-    for key in ("memcpy", "save", "load", "raw_read", "warm", "async_block", "async_total", "reshard"):
+    for key in ("memcpy", "save", "load", "raw_read", "warm", "async_memcpy", "async_block", "async_total", "reshard"):
         if key in main[0]:
             out[key] = max(r[key] for r in main)
     for key in ("save_rss", "load_rss"):
@@ -318,6 +331,7 @@ def render(results: Dict[str, List[Dict[str, Any]]], raw: List[Tuple[float, floa
         ("async_block", "async save: caller blocks, s", False, None),
         ("async_total", "async save: total, s", False, None),
         ("memcpy", "memcpy of the rank's bytes, s", False, None),
+        ("async_memcpy", "memcpy beside the async saves, s", False, None),
         ("save_2n", f"save at {2 * ranks} ranks, s", False, None),
     ]
     for system in results:
@@ -329,7 +343,7 @@ def render(results: Dict[str, List[Dict[str, Any]]], raw: List[Tuple[float, floa
             m = _median(value)
             vs_disk = f"{m / disk:.2f}" if disk else ""
             vs_base = ""
-            if base is not None and system != "safetensors" and key not in ("memcpy", "save_2n"):
+            if base is not None and system != "safetensors" and key not in ("memcpy", "async_memcpy", "save_2n"):
                 b = med("safetensors", key)
                 if b == b:
                     vs_base = f"{m / (nbytes / GB / b):.2f}" if rate else f"{b / m:.2f}" if m else ""
@@ -339,9 +353,16 @@ def render(results: Dict[str, List[Dict[str, Any]]], raw: List[Tuple[float, floa
             rows.append(
                 [system, "cold load / raw re-read of its files", f"{_median(paired):.2f}", _fmt_range(paired), "", ""]
             )
-        blocks = [r["async_block"] / r["memcpy"] for r in results[system] if r.get("async_block") and r.get("memcpy")]
+        blocks = [
+            r["async_block"] / (r.get("async_memcpy") or r["memcpy"])
+            for r in results[system]
+            if r.get("async_block") and r.get("memcpy")
+        ]
         if blocks:
             rows.append([system, "async blocking / memcpy", f"{_median(blocks):.2f}", _fmt_range(blocks), "", ""])
+        totals = [r["async_total"] / r["save"] for r in results[system] if r.get("async_total") and r.get("save")]
+        if totals:
+            rows.append([system, "async total / its sync save", f"{_median(totals):.2f}", _fmt_range(totals), "", ""])
         for key, label in (
             ("save_rss", "peak RSS over base, save, MiB"),
             ("load_rss", "peak RSS over base, load, MiB"),
@@ -387,6 +408,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "--first-read",
         action="store_true",
         help="time cold loads on the first read of a fresh checkpoint (default: read it once, untimed, before)",
+    )
+    parser.add_argument(
+        "--async-samples",
+        type=int,
+        default=3,
+        help="timed async saves per repeat, each beside a memcpy; their medians are reported (default: %(default)s)",
     )
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--json", type=Path, help="also write every measurement here")
@@ -446,7 +473,17 @@ def _run(
             python = args.mcore_python if system == "mcore" else sys.executable
             try:
                 tree = trees.get(system.partition("@")[2]) if "@" in system else None
-                res = run_system(system, model, args.ranks, args.dir, how, python, tree, prime=not args.first_read)
+                res = run_system(
+                    system,
+                    model,
+                    args.ranks,
+                    args.dir,
+                    how,
+                    python,
+                    tree,
+                    prime=not args.first_read,
+                    async_samples=args.async_samples,
+                )
             except RuntimeError as e:
                 print(f"{system}: {e}", file=sys.stderr)
                 failed += 1

@@ -10,11 +10,11 @@ Torch-only at import: the system's library is imported in the ranks. The last li
 bit-exactly. Jobs:
 
 * ``save``: save the TP=world state (timed) -- the 2N-rank checkpoint the resharded loads read;
-* ``main``: memcpy of the rank's bytes (the async reference); save (timed, peak RSS); cold load
-  (timed, peak RSS), then the raw disk on the same bytes right after it (`reread`: the
-  checkpoint's own files, cache dropped, plain sequential reads), and a warm load of the same
-  layout; an async save (blocking part and total, after an untimed first one); a cold load of
-  the ``src`` checkpoint (resharded, TP=world);
+* ``main``: memcpy of the rank's bytes; save (timed, peak RSS); cold load (timed, peak RSS),
+  then the raw disk on the same bytes right after it (`reread`: the checkpoint's own files,
+  cache dropped, plain sequential reads), and a warm load of the same layout; async saves
+  (blocking part and total, after an untimed first one, each beside a memcpy: `_async`); a cold
+  load of the ``src`` checkpoint (resharded, TP=world);
 * ``load``: a cold load of the ``src`` checkpoint at TP=world (e.g. 4 -> 1).
 
 Cold: before a timed cold load, rank 0 drops the checkpoint from the page cache -- ``os.sync()``
@@ -30,7 +30,9 @@ import abc
 import json
 import multiprocessing as mp
 import os
+import shutil
 import socket
+import statistics
 import sys
 import time
 import traceback
@@ -428,19 +430,33 @@ def job_main(system: System, args: Dict[str, Any], out: Dict[str, Any]) -> None:
 def _async(
     system: System, pieces: List[S.Shard], tensors: Dict[str, torch.Tensor], args: Dict[str, Any], out: Dict[str, Any]
 ) -> None:
-    """An untimed first async save (fresh snapshot buffers, a writer to start), then a timed one:
-    what the caller blocks for, and the total until it is durable and finalized."""
+    """An untimed first async save (fresh snapshot buffers, a writer to start), then
+    ``async_samples`` timed ones, each just after a memcpy of the rank's bytes into memory already
+    touched: what the caller blocks for, the total until it is durable and finalized, and the
+    memcpy beside it (medians; the VM's memory speed drifts within seconds, so the blocking time
+    is compared with copies made next to it). Every sample's checkpoint is loaded and compared."""
     try:
         timed(system.async_save(pieces, tensors, args["dir"] + "_async0"))
     except Exception:  # noqa: BLE001 -- a system without async saves: reported, not fatal
         out["async_error"] = traceback.format_exc(limit=3)
         return
-    waits: List[Callable[[], None]] = []
-    block = timed(lambda: waits.append(system.async_save(pieces, tensors, args["dir"] + "_async")))
-    out["async_block"] = block
-    out["async_total"] = block + timed(waits[0])
-    got = system.load(pieces, S.zeros(pieces), args["dir"] + "_async")
-    out["bad"] += [f"async: {k}" for k in S.mismatches(pieces, {k: _local(v) for k, v in got.items()})]
+    copies = S.zeros(pieces)
+    memcpys, blocks, totals = [], [], []
+    for i in range(1, args.get("async_samples", 1) + 1):
+        memcpys.append(timed(lambda: [copies[k].copy_(t) for k, t in tensors.items()]))
+        directory = f"{args['dir']}_async{i}"
+        waits: List[Callable[[], None]] = []
+        blocks.append(timed(lambda: waits.append(system.async_save(pieces, tensors, directory))))
+        totals.append(blocks[-1] + timed(waits[0]))
+        got = system.load(pieces, S.zeros(pieces), directory)
+        out["bad"] += [f"async {i}: {k}" for k in S.mismatches(pieces, {k: _local(v) for k, v in got.items()})]
+        got.clear()
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(directory, ignore_errors=True)  # each sample writes into as empty a disk as the first
+    out["async_memcpy"] = statistics.median(memcpys)
+    out["async_block"] = statistics.median(blocks)
+    out["async_total"] = statistics.median(totals)
 
 
 JOBS = {"save": job_save, "load": job_load, "main": job_main}
