@@ -16,13 +16,12 @@ Per repeat, for every system in turn (interleaved, so a slow minute of the disk 
 1. the raw disk (:func:`raw_disk`): N streams (one thread each, like N ranks) write the state's
    bytes with 64 MiB writes and an fsync per file, then read them back from a cold page cache;
 2. a 2N-rank job saves the state (TP=2N): the checkpoint the resharded loads read;
-3. an N-rank job (TP=N): a memcpy of each rank's bytes into allocated memory (the reference for
-   async saves); *save* (files durable, checkpoint committed; peak RSS over the base); *cold
-   load* of the same layout (peak RSS over the base); *warm load* (again, page cache warm); an
-   untimed first async save, then ``--async-samples`` timed ones, each right after a memcpy into
-   the same memory: *blocking* (until the call returns) and *total* (until durable and
-   finalized), their medians, and the ratio of blocking to the memcpys beside it; *resharded cold
-   load* 2N -> N;
+3. an N-rank job (TP=N): a memcpy of each rank's bytes into allocated memory; *save* (files
+   durable, checkpoint committed; peak RSS over the base); *cold load* of the same layout (peak
+   RSS over the base); *warm load* (again, page cache warm); an untimed first async save, then
+   ``--async-samples`` timed ones, each right after a memcpy into the same memory: *blocking*
+   (until the call returns) and *total* (until durable and finalized), their medians, and the
+   ratio of blocking to the memcpys beside it; *resharded cold load* 2N -> N;
 4. a 1-rank job: *resharded cold load* 2N -> 1.
 
 Each job first saves and loads a tiny state untimed (imports, first collectives). Times are
@@ -426,6 +425,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="source tree of another dist_ckpt version, for the systems named SYSTEM@NAME (repeatable)",
     )
     args = parser.parse_args(argv)
+    if args.async_samples < 1:
+        parser.error(f"--async-samples must be at least 1, got {args.async_samples}")
     if args.mcore_python is None:
         venv = Path("/opt/mcore-venv/bin/python")
         args.mcore_python = str(venv) if venv.exists() else sys.executable
