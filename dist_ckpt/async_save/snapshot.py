@@ -128,7 +128,8 @@ def _shared_bytes(nbytes: int) -> torch.Tensor:
 
 def _target(buffer: torch.Tensor, offset: int, nbytes: int, tensor: torch.Tensor) -> torch.Tensor:
     """Where ``tensor``'s values go in ``buffer``: a view of its dtype and shape over the slot,
-    or the slot's bytes where no view of the dtype fits (a file-order slot at an odd offset)."""
+    or the slot's bytes where no view of the dtype fits (a file-order slot at an offset that is
+    not a multiple of the dtype's size)."""
     slot = buffer[offset : offset + nbytes]
     if offset % tensor.element_size():
         return slot
@@ -148,8 +149,8 @@ def _copy_into(target: torch.Tensor, tensor: torch.Tensor) -> None:
 class SnapshotPool:
     """Takes snapshots into a shared-memory buffer that it reuses once no save is using it.
 
-    One pool belongs to one save strategy; snapshots of overlapping saves (a save scheduled
-    before the previous one finished writing) get buffers of their own.
+    The save strategies of a process share one (`PROCESS_SNAPSHOTS`); snapshots of overlapping
+    saves (a save scheduled before the previous one finished writing) get buffers of their own.
     """
 
     def __init__(self) -> None:
@@ -240,8 +241,14 @@ class SnapshotPool:
         it laid out tensors of the same dtypes and shapes the same way in the same buffer (a
         training job saves the same tensors every time), else new ones, kept for the next take.
         Making them costs a slice and two views per tensor (about 10-20 ms of a 585-tensor
-        snapshot on the test VM), which is time the caller blocks."""
-        key = (buffer.data_ptr(), tuple(slots), tuple((t.dtype, t.shape) for t in tensors))
+        snapshot on the test VM), which is time the caller blocks. Views made under
+        ``torch.inference_mode()`` cannot be written outside it, so the mode is part of the key."""
+        key = (
+            buffer.data_ptr(),
+            torch.is_inference_mode_enabled(),
+            tuple(slots),
+            tuple((t.dtype, t.shape) for t in tensors),
+        )
         if self._targets[0] != key:
             self._targets = (key, [_target(buffer, offset, n, t) for (offset, n), t in zip(slots, tensors)])
         return self._targets[1]

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import dist_ckpt as dc
+from dist_ckpt.async_save import snapshot as snapshot_module
 from dist_ckpt.async_save.queue import AsyncCallsQueue, AsyncRequest
 from dist_ckpt.async_save.snapshot import PROCESS_SNAPSHOTS, SnapshotPool, file_order_layout, snapshot_layout
 from dist_ckpt.backends.safetensors import strategy as safetensors_strategy
@@ -179,15 +180,46 @@ def test_snapshots_in_a_reused_buffer_hold_each_take_s_values_whatever_the_tenso
         assert bytes(moved.view(i).numpy()) == bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
-def _mapped_files() -> set:
-    return {line.split(maxsplit=5)[5].strip() for line in open("/proc/self/maps") if len(line.split(maxsplit=5)) == 6}
+def test_a_take_outside_inference_mode_after_one_inside_it_and_back():
+    """Views made under ``torch.inference_mode()`` are inference tensors, which cannot be written
+    outside it: a save from an evaluation loop followed by one from training must not copy
+    through the views the first one made (and the other way round)."""
+    pool = SnapshotPool()
+    w = torch.arange(6.0).reshape(2, 3)
+    with torch.inference_mode():
+        pool.take([w], in_use=lambda: False)
+    w.add_(1.0)
+    snap = pool.take([w], in_use=lambda: False)
+    assert torch.equal(snap.view(0).view(torch.float32).view(2, 3), w)
+    w.add_(1.0)
+    with torch.inference_mode():
+        again = pool.take([w], in_use=lambda: False)
+    assert torch.equal(again.view(0).view(torch.float32).view(2, 3), w)
+
+
+def test_a_second_take_of_the_same_tensors_makes_no_new_views(monkeypatch):
+    """The point of keeping the views: a training job's next save copies through them."""
+    pool = SnapshotPool()
+    tensors = [torch.arange(10.0), torch.ones(2, 3, dtype=torch.bfloat16)]
+    pool.take(tensors, in_use=lambda: False)
+    made = []
+    monkeypatch.setattr(snapshot_module, "_target", lambda *a: made.append(a) or torch.empty(0))
+    snap = pool.take(tensors, in_use=lambda: False)
+    assert made == []
+    assert bytes(snap.view(1).numpy()) == bytes(tensors[1].reshape(-1).view(torch.uint8).numpy())
+
+
+def _mappings() -> list:
+    """``(low, high, path)`` of each file mapping of this process."""
+    with open("/proc/self/maps") as maps:
+        fields = [line.split(maxsplit=5) for line in maps]
+    return [(*(int(x, 16) for x in f[0].split("-")), f[5].strip()) for f in fields if len(f) == 6]
 
 
 def _mapping_of(address: int) -> str:
-    for line in open("/proc/self/maps"):
-        low, high = (int(x, 16) for x in line.split()[0].split("-"))
+    for low, high, path in _mappings():
         if low <= address < high:
-            return line.split(maxsplit=5)[5].strip()
+            return path
     raise AssertionError(f"no mapping holds address {address:#x}")
 
 
@@ -202,7 +234,7 @@ def test_release_unmaps_the_buffer_after_takes_that_kept_their_views():
     del snap
     pool.release()
     gc.collect()
-    assert shared_file not in _mapped_files()
+    assert shared_file not in {path for _, _, path in _mappings()}
 
 
 # --------------------------------------------------------------------------- the request and the queue
