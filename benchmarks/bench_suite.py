@@ -20,8 +20,9 @@ Per repeat, for every system in turn (interleaved, so a slow minute of the disk 
    durable, checkpoint committed; peak RSS over the base); *cold load* of the same layout (peak
    RSS over the base); *warm load* (again, page cache warm); an untimed first async save, then
    ``--async-samples`` timed ones, each right after a memcpy into the same memory: *blocking*
-   (until the call returns) and *total* (until durable and finalized), their medians, and the
-   ratio of blocking to the memcpys beside it; *resharded cold load* 2N -> N;
+   (until the call returns) and *total* (until durable and finalized), their medians, and per
+   repeat the median blocking over the median of the memcpys beside it; *resharded cold load*
+   2N -> N;
 4. a 1-rank job: *resharded cold load* 2N -> 1.
 
 Each job first saves and loads a tiny state untimed (imports, first collectives). Times are
@@ -358,7 +359,8 @@ def render(results: Dict[str, List[Dict[str, Any]]], raw: List[Tuple[float, floa
             if r.get("async_block") and r.get("memcpy")
         ]
         if blocks:
-            rows.append([system, "async blocking / memcpy", f"{_median(blocks):.2f}", _fmt_range(blocks), "", ""])
+            label = "async blocking / memcpy beside it"
+            rows.append([system, label, f"{_median(blocks):.2f}", _fmt_range(blocks), "", ""])
         totals = [r["async_total"] / r["save"] for r in results[system] if r.get("async_total") and r.get("save")]
         if totals:
             rows.append([system, "async total / its sync save", f"{_median(totals):.2f}", _fmt_range(totals), "", ""])

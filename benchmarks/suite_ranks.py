@@ -30,6 +30,7 @@ import abc
 import json
 import multiprocessing as mp
 import os
+import shutil
 import socket
 import statistics
 import sys
@@ -457,6 +458,9 @@ def _async(
         got = system.load(pieces, S.zeros(pieces), directory)
         out["bad"] += [f"async {i}: {k}" for k in S.mismatches(pieces, {k: _local(v) for k, v in got.items()})]
         got.clear()
+        dist.barrier()
+        if dist.get_rank() == 0:  # the disk holds no more checkpoints for the loads that follow than before
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 JOBS = {"save": job_save, "load": job_load, "main": job_main}
