@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import List
 
 import pytest
 import torch
@@ -18,8 +17,8 @@ from dist_ckpt.backends.zarr.metadata_index import INDEX_FIELD
 from dist_ckpt.backends.zarr.nodes import creates_array
 from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreLoadShardedStrategy, TensorStoreSaveShardedStrategy
 from dist_ckpt.backends.zarr.zarr_python import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
-from dist_ckpt.storage.object_path import ObjectPath
 from dist_ckpt.testing.layouts import full_tensor, tp_shards
+from tests.object_reads import record_object_reads
 
 from .helpers import assert_on_all_ranks, rank, world
 
@@ -55,14 +54,7 @@ def test_every_ranks_documents_are_indexed_and_a_load_reads_none(shared_tmp_path
     torch.distributed.all_reduce(made_here)
     assert_on_all_ranks(int(made_here) > 1, f"only {int(made_here)} rank(s) created arrays")
 
-    read: List[str] = []
-    real = ObjectPath.read_bytes
-
-    def recording(self: ObjectPath) -> bytes:
-        read.append(self.key)
-        return real(self)
-
-    monkeypatch.setattr(ObjectPath, "read_bytes", recording)
+    read = record_object_reads(monkeypatch)
     request = _state(world(), empty=True)  # the saved layout
     out = dc.load(request, shared_tmp_path, sharded_strategy=load_strategy())
     monkeypatch.undo()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict
 
 import pytest
 import torch
@@ -21,6 +21,7 @@ from dist_ckpt.backends.zarr.zarr_python import ZarrLoadShardedStrategy, ZarrSav
 from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.storage.object_path import ObjectPath
+from tests.object_reads import record_object_reads
 
 ENGINES = {
     "zarr-python": (ZarrSaveShardedStrategy, ZarrLoadShardedStrategy),
@@ -77,14 +78,7 @@ def test_the_root_group_indexes_every_zarr_json_byte_for_byte(ckpt):
 
 
 def test_a_load_with_checksums_reads_no_tensor_zarr_json(ckpt, engine, monkeypatch):
-    read: List[str] = []
-    real = ObjectPath.read_bytes
-
-    def recording(self: ObjectPath) -> bytes:
-        read.append(self.key)
-        return real(self)
-
-    monkeypatch.setattr(ObjectPath, "read_bytes", recording)
+    read = record_object_reads(monkeypatch)
     out = dc.load(_request(), ckpt, sharded_strategy=ENGINES[engine][1]())
     assert all(torch.equal(out[k], VALUES[k]) for k in ("w", "b", "h"))
     assert [k for k in read if k.endswith("zarr.json")] == [f"{ZARR_DIR}/zarr.json"]
