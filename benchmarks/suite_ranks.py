@@ -13,7 +13,8 @@ bit-exactly. Jobs:
 * ``main``: memcpy of the rank's bytes; save (timed, peak RSS); cold load (timed, peak RSS),
   then the raw disk on the same bytes right after it (`reread`: the checkpoint's own files,
   cache dropped, plain sequential reads), and a warm load of the same layout; async saves
-  (blocking part and total, after an untimed first one, each beside a memcpy: `_async`); a cold
+  (blocking part and total, after an untimed first one, each beside a memcpy and a sync save:
+  `_async`); a cold
   load of the ``src`` checkpoint (resharded, TP=world);
 * ``load``: a cold load of the ``src`` checkpoint at TP=world (e.g. 4 -> 1).
 
@@ -432,31 +433,43 @@ def _async(
 ) -> None:
     """An untimed first async save (fresh snapshot buffers, a writer to start), then
     ``async_samples`` timed ones back to back, each right after a memcpy of the rank's bytes into
-    memory already touched: the medians of what the caller blocks for, of the total until the
-    save is durable and finalized, and of the memcpys beside them (the VM's memory speed drifts
-    within seconds). The checkpoints are loaded and compared only after the last sample: a load
-    and a deletion just before a memcpy slowed it by up to 2.5x on the test VM, which would
-    flatter the ratio."""
+    memory already touched, and each paired with a timed sync save made beside it (before it in
+    odd samples, after it in even ones, so that neither gets the other's slot in time). Reported:
+    the medians of what the caller blocks for, of the async total until the save is durable and
+    finalized, of the sync saves beside them and of the memcpys (the VM's memory and disk speeds
+    drift within seconds), and every sample's total and sync save, for the paired ratios. The
+    checkpoints are loaded and compared only after the last sample: a load and a deletion just
+    before a memcpy slowed it by up to 2.5x on the test VM, which would flatter the ratio."""
     try:
         timed(system.async_save(pieces, tensors, args["dir"] + "_async0"))
     except Exception:  # noqa: BLE001 -- a system without async saves: reported, not fatal
         out["async_error"] = traceback.format_exc(limit=3)
         return
     copies = S.zeros(pieces)
-    memcpys, blocks, totals = [], [], []
-    directories = [f"{args['dir']}_async{i}" for i in range(1, args.get("async_samples", 1) + 1)]
-    for directory in directories:
+    memcpys, blocks, totals, syncs = [], [], [], []
+    samples = range(1, args.get("async_samples", 1) + 1)
+    directories = [f"{args['dir']}_async{i}" for i in samples] + [f"{args['dir']}_sync{i}" for i in samples]
+    for i in samples:
+        sync_directory = f"{args['dir']}_sync{i}"
+        if i % 2:
+            syncs.append(timed(lambda: system.save(pieces, tensors, sync_directory)))
         memcpys.append(timed(lambda: [copies[k].copy_(t) for k, t in tensors.items()]))
         waits: List[Callable[[], None]] = []
-        blocks.append(timed(lambda: waits.append(system.async_save(pieces, tensors, directory))))
+        blocks.append(timed(lambda: waits.append(system.async_save(pieces, tensors, f"{args['dir']}_async{i}"))))
         totals.append(blocks[-1] + timed(waits[0]))
+        if not i % 2:
+            syncs.append(timed(lambda: system.save(pieces, tensors, sync_directory)))
     copies.clear()
     out["async_memcpy"] = statistics.median(memcpys)
     out["async_block"] = statistics.median(blocks)
     out["async_total"] = statistics.median(totals)
-    for i, directory in enumerate(directories, 1):
+    out["sync_beside"] = statistics.median(syncs)
+    out["async_totals"], out["sync_saves"] = totals, syncs
+    for directory in directories:
         got = system.load(pieces, S.zeros(pieces), directory)
-        out["bad"] += [f"async {i}: {k}" for k in S.mismatches(pieces, {k: _local(v) for k, v in got.items()})]
+        out["bad"] += [
+            f"{Path(directory).name}: {k}" for k in S.mismatches(pieces, {k: _local(v) for k, v in got.items()})
+        ]
         got.clear()
         dist.barrier()
         if dist.get_rank() == 0:  # the disk holds no more checkpoints for the loads that follow than before
