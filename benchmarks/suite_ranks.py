@@ -13,7 +13,7 @@ bit-exactly. Jobs:
 * ``main``: memcpy of the rank's bytes; save (timed, peak RSS); cold load (timed, peak RSS),
   then the raw disk on the same bytes right after it (`reread`: the checkpoint's own files,
   cache dropped, plain sequential reads), and a warm load of the same layout; async saves
-  (blocking part and total, after an untimed first one, each beside a memcpy and a sync save:
+  (blocking part and total, after an untimed first one, each paired with a sync save:
   `_async`); a cold
   load of the ``src`` checkpoint (resharded, TP=world);
 * ``load``: a cold load of the ``src`` checkpoint at TP=world (e.g. 4 -> 1).
@@ -428,44 +428,74 @@ def job_main(system: System, args: Dict[str, Any], out: Dict[str, Any]) -> None:
         _cold_load(system, pieces, args["src"], args, out, "reshard")
 
 
+QUIET_S = 1.5
+"""Untimed pause before each timed save of `_async`: longer than the 1 s an idle dist_ckpt async
+writer waits before it unmaps the last snapshot, so that work never lands in the next timed save,
+and the same lead-in for either kind of save (a training job saves minutes apart). A memcpy after
+it is not timed: on the test VM memory runs slow for about half a second after any pause without
+memory traffic (a 400 MB copy, 67 ms back to back, took 537 ms after 1.5 s asleep and 775 ms
+after 1.5 s of a spinning loop; the next one 80-110 ms), so the timed memcpy and the save after
+it both meet memory already up to speed."""
+
+
 def _async(
     system: System, pieces: List[S.Shard], tensors: Dict[str, torch.Tensor], args: Dict[str, Any], out: Dict[str, Any]
 ) -> None:
     """An untimed first async save (fresh snapshot buffers, a writer to start), then
-    ``async_samples`` timed ones back to back, each right after a memcpy of the rank's bytes into
-    memory already touched, and each paired with a timed sync save made beside it (before it in
-    odd samples, after it in even ones, so that neither gets the other's slot in time). Reported:
-    the medians of what the caller blocks for, of the async total until the save is durable and
-    finalized, of the sync saves beside them and of the memcpys (the VM's memory and disk speeds
-    drift within seconds), and every sample's total and sync save, for the paired ratios. The
-    checkpoints are loaded and compared only after the last sample: a load and a deletion just
-    before a memcpy slowed it by up to 2.5x on the test VM, which would flatter the ratio."""
+    ``async_samples`` pairs of a timed async save and a timed sync save, the sync save first in
+    odd samples and second in even ones (an even count balances the order). Each save gets the
+    same lead-in: a pause and an untimed memcpy (`QUIET_S`), then a timed memcpy of the rank's
+    bytes into memory already touched; after it, untimed, its files leave the page cache.
+    Reported: the medians of what the caller blocks for, of the async total until the save is
+    durable and finalized, of the sync saves and of the memcpys right before the async saves (the
+    VM's memory and disk speeds drift within seconds), and each sample's total and sync save, for
+    the paired ratios. The checkpoints are loaded and compared only after the last sample: a load
+    and a deletion just before a memcpy slowed it by up to 2.5x on the test VM, which would
+    flatter the ratio."""
+    first = args["dir"] + "_async0"
     try:
-        timed(system.async_save(pieces, tensors, args["dir"] + "_async0"))
+        timed(system.async_save(pieces, tensors, first))
     except Exception:  # noqa: BLE001 -- a system without async saves: reported, not fatal
         out["async_error"] = traceback.format_exc(limit=3)
         return
     copies = S.zeros(pieces)
-    memcpys, blocks, totals, syncs = [], [], [], []
     samples = range(1, args.get("async_samples", 1) + 1)
-    directories = [f"{args['dir']}_async{i}" for i in samples] + [f"{args['dir']}_sync{i}" for i in samples]
-    for i in samples:
-        sync_directory = f"{args['dir']}_sync{i}"
-        if i % 2:
-            syncs.append(timed(lambda: system.save(pieces, tensors, sync_directory)))
-        memcpys.append(timed(lambda: [copies[k].copy_(t) for k, t in tensors.items()]))
+    async_dirs = {i: f"{args['dir']}_async{i}" for i in samples}
+    sync_dirs = {i: f"{args['dir']}_sync{i}" for i in samples}
+    memcpys, blocks, totals, syncs = [], [], [], []
+
+    def lead_in() -> float:
+        time.sleep(QUIET_S)
+        memcpy = lambda: [copies[k].copy_(t) for k, t in tensors.items()]  # noqa: E731
+        timed(memcpy)  # untimed: the first copy after a pause runs at a fraction of the speed (`QUIET_S`)
+        return timed(memcpy)
+
+    def async_save(directory: str) -> None:
+        memcpys.append(lead_in())
         waits: List[Callable[[], None]] = []
-        blocks.append(timed(lambda: waits.append(system.async_save(pieces, tensors, f"{args['dir']}_async{i}"))))
+        blocks.append(timed(lambda: waits.append(system.async_save(pieces, tensors, directory))))
         totals.append(blocks[-1] + timed(waits[0]))
-        if not i % 2:
-            syncs.append(timed(lambda: system.save(pieces, tensors, sync_directory)))
+        drop_cache(directory, args["drop"])
+
+    def sync_save(directory: str) -> None:
+        lead_in()
+        syncs.append(timed(lambda: system.save(pieces, tensors, directory)))
+        drop_cache(directory, args["drop"])
+
+    for i in samples:
+        if i % 2:
+            sync_save(sync_dirs[i])
+            async_save(async_dirs[i])
+        else:
+            async_save(async_dirs[i])
+            sync_save(sync_dirs[i])
     copies.clear()
     out["async_memcpy"] = statistics.median(memcpys)
     out["async_block"] = statistics.median(blocks)
     out["async_total"] = statistics.median(totals)
     out["sync_beside"] = statistics.median(syncs)
     out["async_totals"], out["sync_saves"] = totals, syncs
-    for directory in directories:
+    for directory in [first, *async_dirs.values(), *sync_dirs.values()]:
         got = system.load(pieces, S.zeros(pieces), directory)
         out["bad"] += [
             f"{Path(directory).name}: {k}" for k in S.mismatches(pieces, {k: _local(v) for k, v in got.items()})
