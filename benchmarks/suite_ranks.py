@@ -452,6 +452,10 @@ def _async(
     the paired ratios. The checkpoints are loaded and compared only after the last sample: a load
     and a deletion just before a memcpy slowed it by up to 2.5x on the test VM, which would
     flatter the ratio."""
+    # the warm load left the checkpoint's 1.5 GB cached: the first save to write through the page
+    # cache would pay to reclaim it (the first pair's sync save ran 0.65-0.84 of its async one,
+    # in both dist_ckpt and Megatron-Core, against 0.9-1.1 in the others)
+    drop_cache(args["dir"], args["drop"])
     first = args["dir"] + "_async0"
     try:
         timed(system.async_save(pieces, tensors, first))
