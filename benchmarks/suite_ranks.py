@@ -453,8 +453,8 @@ def _async(
     and a deletion just before a memcpy slowed it by up to 2.5x on the test VM, which would
     flatter the ratio."""
     # the warm load left the checkpoint's 1.5 GB cached: the first save to write through the page
-    # cache would pay to reclaim it (the first pair's sync save ran 0.65-0.84 of its async one,
-    # in both dist_ckpt and Megatron-Core, against 0.9-1.1 in the others)
+    # cache would pay to reclaim it (in the first pair of each repeat the async total came to
+    # 0.77-1.01 of dist_ckpt's sync save, against 0.9-1.1 later; 0.92-0.99 with this drop)
     drop_cache(args["dir"], args["drop"])
     first = args["dir"] + "_async0"
     try:
