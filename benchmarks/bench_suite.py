@@ -370,7 +370,7 @@ def render(results: Dict[str, List[Dict[str, Any]]], raw: List[Tuple[float, floa
             label = "async blocking / memcpy beside it"
             rows.append([system, label, f"{_median(blocks):.2f}", _fmt_range(blocks), "", ""])
         # pooled over the repeats: one pair's ratio swings by +-20% with the disk's speed from one
-        # second to the next, so a median of 4 pairs per repeat moves with a single slow second
+        # second to the next, so a median of a repeat's few pairs moves with a single slow second
         paired_ratios = [x for r in results[system] for x in r.get("async_vs_sync_samples", [])]
         if paired_ratios:
             label = f"async total / sync save beside it, {len(paired_ratios)} pairs"

@@ -13,9 +13,8 @@ bit-exactly. Jobs:
 * ``main``: memcpy of the rank's bytes; save (timed, peak RSS); cold load (timed, peak RSS),
   then the raw disk on the same bytes right after it (`reread`: the checkpoint's own files,
   cache dropped, plain sequential reads), and a warm load of the same layout; async saves
-  (blocking part and total, after an untimed first one, each paired with a sync save:
-  `_async`); a cold
-  load of the ``src`` checkpoint (resharded, TP=world);
+  (blocking part and total, after an untimed first one, each paired with a sync save: `_async`);
+  a cold load of the ``src`` checkpoint (resharded, TP=world);
 * ``load``: a cold load of the ``src`` checkpoint at TP=world (e.g. 4 -> 1).
 
 Cold: before a timed cold load, rank 0 drops the checkpoint from the page cache -- ``os.sync()``
