@@ -28,8 +28,9 @@ queue.close()                                          # waits for, and finalize
 ```
 
 Every rank must schedule the same requests and call ``maybe_finalize_async_calls`` the same
-number of times: the ranks agree (one all-reduce) on which requests finished everywhere before
-any finalization runs.
+number of times: at each call the ranks agree, in one all-reduce of four integers, that the
+oldest request is the same one everywhere, whether it finished everywhere and whether it failed
+anywhere, before any finalization runs.
 """
 
 from __future__ import annotations
@@ -40,13 +41,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from dist_ckpt.async_save.worker import DEFAULT_WRITER_TIMEOUT_S, AsyncOutcome, AsyncWorker
-from dist_ckpt.engine.distributed import (
-    all_gather_json,
-    all_ranks_true,
-    get_rank,
-    get_world_size,
-    raise_if_any_rank_failed,
-)
+from dist_ckpt.engine.distributed import all_reduce_max, get_rank, raise_if_any_rank_failed
 from dist_ckpt.errors import AsyncSaveError, CheckpointingException
 
 __all__ = ["AsyncCallsQueue", "AsyncOutcome", "AsyncRequest"]
@@ -134,6 +129,27 @@ class AsyncRequest:
     def freeze(self) -> "AsyncRequest":
         """A frozen copy, ready to be scheduled (sharing this request's outcome)."""
         return replace(self, finalize_fns=list(self.finalize_fns), abort_fns=list(self.abort_fns), is_frozen=True)
+
+
+def _agree_on_head(idx: int, outcome: AsyncOutcome) -> Tuple[bool, bool]:
+    """Collective, one all-reduce of four integers (at any number of ranks): whether the call at
+    the head of every rank's queue, which must be call ``idx`` everywhere, finished on every rank,
+    and whether it failed on any.
+
+    Raises:
+        AsyncSaveError: on every rank, if the heads of the ranks' queues are different calls.
+    """
+    failed = outcome.done and outcome.error is not None
+    unfinished, failed_anywhere, highest, minus_lowest = all_reduce_max(
+        [0 if outcome.done else 1, 1 if failed else 0, idx, -idx]
+    )
+    if highest != -minus_lowest:
+        raise AsyncSaveError(
+            f"[rank {get_rank()}] ranks are finalizing different async calls (from call {-minus_lowest} to call "
+            f"{highest}; this rank's is call {idx}): every rank must schedule the same requests and call "
+            f"maybe_finalize_async_calls equally often"
+        )
+    return not unfinished, bool(failed_anywhere)
 
 
 @dataclass
@@ -246,34 +262,29 @@ class AsyncCallsQueue:
             call.worker.poll()
             if blocking:
                 call.worker.wait(call.request.outcome)
-            done = call.request.outcome.done
-            if not no_dist:
-                done = all_ranks_true(done)
+            outcome = call.request.outcome
+            if no_dist:
+                done, failed_anywhere = outcome.done, outcome.error is not None
+            else:
+                done, failed_anywhere = _agree_on_head(call.idx, outcome)
             if not done:
                 break
             self._calls.popleft()
             try:
-                self._finalize(call, no_dist)
+                self._finalize(call, no_dist, failed_anywhere)
             finally:
                 if not self.persistent:
                     call.worker.close()
             finalized.append(call.idx)
         return finalized
 
-    def _finalize(self, call: _ActiveCall, no_dist: bool) -> None:
-        if not no_dist and get_world_size() > 1:
-            indices = all_gather_json(call.idx)
-            if len(set(indices)) != 1:
-                raise AsyncSaveError(
-                    f"[rank {get_rank()}] ranks are finalizing different async calls {indices}: every rank must "
-                    f"schedule the same requests and call maybe_finalize_async_calls equally often"
-                )
+    def _finalize(self, call: _ActiveCall, no_dist: bool, failed_anywhere: bool) -> None:
         error = call.request.outcome.error
         try:
             if no_dist:
                 if error is not None:
                     raise error
-            else:
+            elif failed_anywhere:  # every rank raises the error of the lowest failing rank
                 raise_if_any_rank_failed(error, f"the background save (async call {call.idx})")
             for fn in call.request.finalize_fns:
                 fn()

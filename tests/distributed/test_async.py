@@ -234,3 +234,53 @@ def test_writer_that_does_not_start_on_one_rank_fails_the_save_on_every_rank(
         assert_on_all_ranks(not (shared_tmp_path / "c" / "metadata.json").exists(), "a failed save was committed")
     finally:
         queue.close(abort=True)
+
+
+def _count_collectives(monkeypatch: pytest.MonkeyPatch) -> Dict[str, int]:
+    """Count the torch.distributed collectives called from now on, by name."""
+    counts: Dict[str, int] = {}
+    for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "gather", "barrier"):
+        real = getattr(dist, name)
+
+        def counting(*args: object, _real=real, _name=name, **kwargs: object) -> object:
+            counts[_name] = counts.get(_name, 0) + 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(dist, name, counting)
+    return counts
+
+
+def test_a_finished_call_is_finalized_after_one_collective(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ranks agree in one all-reduce that the call at the head of the queue is the same one
+    everywhere, that it finished everywhere and whether it failed anywhere: a poll of a training
+    loop costs one small collective, whatever the number of ranks, and so does a finalization
+    before its finalize functions."""
+    queue = AsyncCallsQueue()
+    finalized: list = []
+    try:
+        queue.schedule_async_request(AsyncRequest(None, (), [lambda: finalized.append(True)]))
+        counts = _count_collectives(monkeypatch)
+        assert queue.maybe_finalize_async_calls(blocking=True) == [0]
+        monkeypatch.undo()
+        assert_on_all_ranks(finalized == [True] and counts == {"all_reduce": 1}, str(counts))
+    finally:
+        monkeypatch.undo()
+        queue.close(abort=True)
+
+
+def test_ranks_finalizing_different_calls_raise_on_every_rank() -> None:
+    """A rank that scheduled one request more than the others (finalized locally): the heads of
+    the queues are different calls, which every rank reports instead of finalizing."""
+    queue = AsyncCallsQueue()
+    try:
+        if rank() == 0:
+            queue.schedule_async_request(AsyncRequest(None, ()))
+            queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+        finalized: list = []
+        queue.schedule_async_request(AsyncRequest(None, (), [lambda: finalized.append(True)]))
+        raises_on_all_ranks(
+            AsyncSaveError, lambda: queue.maybe_finalize_async_calls(blocking=True), "different async calls"
+        )
+        assert_on_all_ranks(not finalized, "a call was finalized while the ranks disagreed on which")
+    finally:
+        queue.close(abort=True)
