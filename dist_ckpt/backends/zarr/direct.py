@@ -7,55 +7,81 @@ I/O: profiled at 585 tensors on 2 ranks (issue 17), zarr-python ran every ``open
 ``array[...]`` on its one event-loop thread, a few milliseconds of Python each, so a rank's
 threads queued behind it and a load took 5-10x the safetensors backend's time; TensorStore's
 per-array opens and its second pass over every chunk for the checksums cost it as much. Both
-engines therefore read the plain case here, on storages with ``local_paths``: a request for
-exactly one whole chunk of such an array (``ReadOp.chunk``: the chunk file's key, as the array's
-``zarr.json`` encodes it; the dtype the request asks for, a contiguous CPU destination) is read
-with ``readinto`` straight into the destination and checked against the checksum manifest from
-those bytes (one read, no staging). Object stores, partial chunks, fragments of flattened tensors,
-dtype conversions and arrays of other codecs still go through the engine's library.
+engines therefore read the plain case here, on storages with ``local_paths``: every read of a
+chunked array of such files is planned one chunk at a time (``ReadOp.chunk``: the chunk file's
+key, as the array's ``zarr.json`` encodes it), and each chunk file is read with ``readinto`` and
+checked against the checksum manifest from the bytes read. A whole chunk wanted in its stored
+dtype by a contiguous CPU destination goes straight there (one read, no staging); any other (part
+of a chunk, a shard loaded in another layout than saved into a strided view, another dtype, a
+device) goes to a buffer of the chunk first, and its part is copied (and converted) into place --
+an array library reads the whole file of a chunk of plain bytes as well. A resharded load of
+TP-split tensors (every column block of a load at fewer ranks, half a chunk at more) went through
+the engines at 2-3x the time of a load in the saved layout before. Object stores, fragments of
+flattened tensors and arrays of other codecs still go through the engine's library.
 
 Saves write such files the same way, without an array library: `dist_ckpt.backends.zarr.local_save`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Optional
 
 import numpy as np
 import torch
 
+from dist_ckpt.backends.zarr.nodes import ByteBudget
+from dist_ckpt.backends.zarr.read_plan import ReadOp
 from dist_ckpt.engine.distributed import get_rank
 from dist_ckpt.errors import CorruptCheckpointError
 from dist_ckpt.integrity.checksums import FileDigest, check_file
+from dist_ckpt.model.dtype_cast import copy_cast
 from dist_ckpt.model.dtypes import tensor_to_numpy
+from dist_ckpt.model.geometry import sub_view
 from dist_ckpt.storage.object_path import ObjectPath
 
-__all__ = ["can_read_directly", "read_chunk_into"]
+__all__ = ["read_chunk_into", "read_chunk_part"]
 
 _OPEN = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 
 
-def can_read_directly(array_dir: ObjectPath, dest: torch.Tensor, chunk: Optional[str], stored: torch.dtype) -> bool:
-    """Whether a whole-chunk read (``chunk``, its key, not None) of the array at ``array_dir`` goes
-    straight into ``dest``: a local file on a little-endian host (`plain_chunk_bytes()` checked
-    the byte order), a contiguous CPU destination of the stored dtype."""
-    return (
-        chunk is not None
-        and bool(array_dir.storage.local_paths)
-        and dest.device.type == "cpu"
-        and dest.dtype == stored
-        and dest.is_contiguous()
-    )
+def read_chunk_part(
+    op: ReadOp,
+    target: torch.Tensor,
+    stored: torch.dtype,
+    key: str,
+    expected: Optional[FileDigest],
+    budget: Optional[ByteBudget] = None,
+) -> None:
+    """Read the chunk file of ``op`` (its ``chunk`` set: a plain chunk of a local file) and put
+    its ``inter`` part into ``target`` (the destination's view of ``op.inter``, of any dtype,
+    strides and device): straight into ``target`` when ``op`` is the whole chunk and ``target`` a
+    contiguous CPU tensor of the ``stored`` dtype, else through a buffer of the whole chunk, held
+    in ``budget`` while it lives (concurrent readers' buffers stay within it). ``expected``: the
+    chunk file's manifest entry (its checksum is checked from the bytes read).
+
+    Raises:
+        CorruptCheckpointError, ChecksumMismatchError: see `read_chunk_into()`.
+    """
+    assert op.chunk is not None and op.chunk_box is not None
+    straight = target.device.type == "cpu" and target.dtype == stored and target.is_contiguous()
+    if op.whole_chunk and straight:
+        read_chunk_into(op.array_path, op.chunk, target, key, expected)
+        return
+    with budget.hold(op.chunk_box.numel * stored.itemsize) if budget is not None else contextlib.nullcontext():
+        held = torch.empty(op.chunk_box.shape, dtype=stored)
+        read_chunk_into(op.array_path, op.chunk, held, key, expected)
+        copy_cast(target, sub_view(held, op.chunk_box, op.inter))
+        del held
 
 
 def read_chunk_into(
     array_dir: ObjectPath, chunk: str, dest: torch.Tensor, key: str, expected: Optional[FileDigest]
 ) -> None:
     """Read the chunk ``chunk`` (its key, as the array's ``zarr.json`` encodes it) of the array at
-    ``array_dir`` into ``dest`` (which
-    `can_read_directly()` accepted), checking its size and, with ``expected`` (its manifest
-    entry), its checksum from the bytes read.
+    ``array_dir`` into ``dest`` (a contiguous CPU tensor of the chunk's shape and stored dtype),
+    checking its size and, with ``expected`` (its manifest entry), its checksum from the bytes read.
 
     Raises:
         CorruptCheckpointError: the file is missing, of another size, or shorter than it said.

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from dist_ckpt.backends.request_checks import check_requested_tensors
-from dist_ckpt.backends.zarr.layout import LAYOUT_CHUNKED, ZARR_DIR, chunk_key
+from dist_ckpt.backends.zarr.layout import LAYOUT_CHUNKED, ZARR_DIR, chunk_coords, chunk_key
 from dist_ckpt.backends.zarr.metadata import FragmentInfo, JsonCheck, JsonIndex, StoredTensorInfo, find_tensor_info
 from dist_ckpt.backends.zarr.nodes import in_threads
 from dist_ckpt.errors import CorruptCheckpointError
@@ -30,10 +30,13 @@ __all__ = ["ReadOp", "ReadPlan", "plan_reads", "plan_request"]
 @dataclass(frozen=True)
 class ReadOp:
     """Read ``region`` of the array at ``array_path``; view it as ``src_box`` (global
-    coordinates); copy its ``inter`` part into destination piece ``dst``. ``chunk``: the chunk
-    file's key under the array (``c.0.1``, or ``c/0/1`` in older checkpoints: `chunk_key()`) when
-    ``region`` is exactly one whole chunk of plain bytes (see `plain_chunk_bytes()`), which can be
-    read straight from its file (`dist_ckpt.backends.zarr.direct`); else None."""
+    coordinates); copy its ``inter`` part into destination piece ``dst``.
+
+    ``chunk``: the key under the array (``c.0.1``, or ``c/0/1`` in older checkpoints:
+    `chunk_key()`) of the one chunk file that holds all of ``region``, when the array's chunks are
+    plain bytes (see `plain_chunk_bytes()`) in local files, which are read without an array
+    library (`dist_ckpt.backends.zarr.direct`); else None. ``chunk_box``: that chunk's box, what
+    its file holds (``region`` is all of it, or a part)."""
 
     array_path: ObjectPath
     region: Box
@@ -41,6 +44,12 @@ class ReadOp:
     dst: ShardPiece
     inter: Box
     chunk: Optional[str] = None
+    chunk_box: Optional[Box] = None
+
+    @property
+    def whole_chunk(self) -> bool:
+        """Whether ``region`` is all of the chunk file ``chunk``."""
+        return self.chunk is not None and self.region == self.chunk_box
 
 
 @dataclass
@@ -70,7 +79,7 @@ def plan_reads(sh: ShardedTensor, info: StoredTensorInfo) -> ReadPlan:
             continue
         expected += region.numel
         if info.layout == LAYOUT_CHUNKED:
-            ops.append(ReadOp(info.path, region, region, piece, region, _whole_chunk(info, region)))
+            ops += _chunked_ops(info, region, piece)
             covered += region.numel
             continue
         for frag in info.fragments:
@@ -116,15 +125,21 @@ def plan_request(
     return {id(sh): plan_reads(sh, infos[sh.key]) for sh in requested}  # type: ignore[arg-type]
 
 
-def _whole_chunk(info: StoredTensorInfo, region: Box) -> Optional[str]:
-    """The key of the chunk ``region`` is exactly, if the array's chunks are plain bytes; else
-    None."""
-    if not info.plain_chunks:
-        return None
-    shape, offset, chunk = region.shape, region.offset, info.chunk_shape
-    if any(s != c or o % c for s, o, c in zip(shape, offset, chunk)):
-        return None
-    return chunk_key([o // c for o, c in zip(offset, chunk)], info.chunk_separator)
+def _chunked_ops(info: StoredTensorInfo, region: Box, piece: ShardPiece) -> List[ReadOp]:
+    """The reads of ``region`` of a chunked array into ``piece``: where its chunks are plain bytes
+    in local files, one per chunk it overlaps (each read from its file: a shard loaded in another
+    layout than it was saved spans several chunks, or part of one); else one, through the
+    engine's library."""
+    if not (info.plain_chunks and info.path.storage.local_paths):
+        return [ReadOp(info.path, region, region, piece, region)]
+    ops = []
+    for coords in chunk_coords(region, info.chunk_shape):
+        chunk_box = Box(tuple(i * c for i, c in zip(coords, info.chunk_shape)), tuple(info.chunk_shape))
+        part = region.intersect(chunk_box)
+        assert part is not None  # chunk_coords() lists only the chunks region overlaps
+        key = chunk_key(coords, info.chunk_separator)
+        ops.append(ReadOp(info.path, part, part, piece, part, key, chunk_box))
+    return ops
 
 
 def _fragment_op(frag: FragmentInfo, fp: ShardPiece, dst: ShardPiece, inter: Box) -> ReadOp:

@@ -22,10 +22,10 @@ import torch
 
 from dist_ckpt.backends.base import loaded_shape
 from dist_ckpt.backends.zarr.checksums import check_files, chunk_files
-from dist_ckpt.backends.zarr.direct import can_read_directly, read_chunk_into
+from dist_ckpt.backends.zarr.direct import read_chunk_part
 from dist_ckpt.backends.zarr.layout import ZARR_DIR
 from dist_ckpt.backends.zarr.metadata import damaged_chunks
-from dist_ckpt.backends.zarr.nodes import in_threads
+from dist_ckpt.backends.zarr.nodes import READ_BUDGET_BYTES, ByteBudget, in_threads
 from dist_ckpt.backends.zarr.read_plan import ReadOp, ReadPlan
 from dist_ckpt.backends.zarr.strategy_base import ShapeDtype, ZarrLoadStrategyBase
 from dist_ckpt.backends.zarr.tensorstore_arrays import (
@@ -114,15 +114,11 @@ class TensorStoreLoadShardedStrategy(ZarrLoadStrategyBase):
             t = targets[id(sh)]
             for piece, _ in plans[id(sh)].pad:
                 piece_view(t.dest, piece, sh.prepend_axis_num, t.holder).zero_()
-        # whole chunks of plain bytes are read straight into their destinations (see `direct`),
+        # chunks of plain bytes in local files are read from their files into place (see `direct`),
         # checked from the bytes read; TensorStore reads the rest
-        direct = [
-            (sh, op)
-            for sh in requested
-            for op in plans[id(sh)].ops
-            if self._direct_view(sh, op, plans, targets) is not None
-        ]
-        in_threads(lambda item: self._read_direct(*item, plans, targets, local, manifest), direct)
+        direct = [(sh, op) for sh in requested for op in plans[id(sh)].ops if op.chunk is not None]
+        budget = ByteBudget(READ_BUDGET_BYTES)  # the buffers of chunks read for a part or a strided view
+        in_threads(lambda item: self._read_direct(*item, plans, targets, local, manifest, budget), direct)
         done = {id(op) for _, op in direct}
         plans = {i: replace(plan, ops=[op for op in plan.ops if id(op) not in done]) for i, plan in plans.items()}
         if local.storage.local_paths:  # TensorStore opens files by path itself: the storage checks where each leads
@@ -145,29 +141,23 @@ class TensorStoreLoadShardedStrategy(ZarrLoadStrategyBase):
         return dict_list_map_inplace(result_of, sharded_state_dict)  # type: ignore[no-any-return]
 
     @staticmethod
-    def _direct_view(
-        sh: ShardedTensor, op: ReadOp, plans: Dict[int, ReadPlan], targets: Dict[int, _Target]
-    ) -> Optional[torch.Tensor]:
-        """The destination of ``op`` if it is read without TensorStore (`can_read_directly()`)."""
-        t = targets[id(sh)]
-        view = sub_view(piece_view(t.dest, op.dst, sh.prepend_axis_num, t.holder), op.dst.box, op.inter)
-        stored = plans[id(sh)].stored_dtype
-        return view if stored == sh.dtype and can_read_directly(op.array_path, view, op.chunk, stored) else None
-
     def _read_direct(
-        self,
         sh: ShardedTensor,
         op: ReadOp,
         plans: Dict[int, ReadPlan],
         targets: Dict[int, _Target],
         checkpoint: ObjectPath,
         manifest: Optional[Dict[str, FileDigest]],
+        budget: ByteBudget,
     ) -> None:
-        view = self._direct_view(sh, op, plans, targets)
-        assert view is not None and op.chunk is not None
+        """Read ``op``'s part of the chunk file it names into place, without TensorStore
+        (`dist_ckpt.backends.zarr.direct.read_chunk_part()`)."""
+        assert op.chunk is not None
+        t = targets[id(sh)]
+        view = sub_view(piece_view(t.dest, op.dst, sh.prepend_axis_num, t.holder), op.dst.box, op.inter)
         chunk = op.array_path / op.chunk
         expected = manifest.get(chunk.relative_to(checkpoint / ZARR_DIR)) if manifest is not None else None
-        read_chunk_into(op.array_path, op.chunk, view, sh.key, expected)
+        read_chunk_part(op, view, plans[id(sh)].stored_dtype, sh.key, expected, budget)
 
     def _target(self, sh: ShardedTensor) -> _Target:
         shape = loaded_shape(sh)

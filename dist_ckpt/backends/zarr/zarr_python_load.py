@@ -24,7 +24,7 @@ import zarr
 
 from dist_ckpt.backends.base import load_destination
 from dist_ckpt.backends.zarr.checksums import VerifyingStore, drop_from_checksums
-from dist_ckpt.backends.zarr.direct import can_read_directly, read_chunk_into
+from dist_ckpt.backends.zarr.direct import read_chunk_part
 from dist_ckpt.backends.zarr.dtypes import register_extension_dtypes
 from dist_ckpt.backends.zarr.layout import ZARR_DIR, checkpoint_node, chunk_coords, s3_storage
 from dist_ckpt.backends.zarr.metadata import list_tensor_names, open_tensor_info
@@ -73,14 +73,14 @@ class _ArrayReader:
             return self._verifying, path.relative_to(self._root)
         return self._plain.at(path)
 
-    def read_whole_chunk(self, op: ReadOp, dest: torch.Tensor, key: str) -> None:
-        """Read the whole chunk ``op`` names straight into ``dest`` (see
-        `can_read_directly()`), checked against the manifest."""
+    def read_chunk_file(self, op: ReadOp, target: torch.Tensor, stored: torch.dtype, key: str) -> None:
+        """Put ``op``'s part of the chunk file it names into ``target``, read without zarr and
+        checked against the manifest (`dist_ckpt.backends.zarr.direct.read_chunk_part()`)."""
         assert op.chunk is not None
         expected = None
         if self._manifest is not None:
             expected = self._manifest.get((op.array_path / op.chunk).relative_to(self._root))
-        read_chunk_into(op.array_path, op.chunk, dest, key, expected)
+        read_chunk_part(op, target, stored, key, expected)
 
     def read(self, path: ObjectPath, region: Box, key: str) -> np.ndarray:
         array: Any = self._arrays.get(path)
@@ -167,7 +167,8 @@ class ZarrLoadShardedStrategy(ZarrLoadStrategyBase):
             plan = plans[id(x)]
             for piece, _ in plan.pad:
                 piece_view(dest, piece, x.prepend_axis_num, holder).zero_()
-            with budget.hold(sum(op.region.numel for op in plan.ops) * plan.stored_dtype.itemsize):
+            # what is read: the region, or the whole chunk file it is part of
+            with budget.hold(sum((op.chunk_box or op.region).numel for op in plan.ops) * plan.stored_dtype.itemsize):
                 for op in plan.ops:
                     self._copy(reader, op, dest, x, holder, plan.stored_dtype)
             return dest
@@ -184,8 +185,8 @@ class ZarrLoadShardedStrategy(ZarrLoadStrategyBase):
         reader: _ArrayReader, op: ReadOp, dest: torch.Tensor, sh: ShardedTensor, holder: Box, stored: torch.dtype
     ) -> None:
         target = sub_view(piece_view(dest, op.dst, sh.prepend_axis_num, holder), op.dst.box, op.inter)
-        if can_read_directly(op.array_path, target, op.chunk, stored):
-            reader.read_whole_chunk(op, target, sh.key)
+        if op.chunk is not None:
+            reader.read_chunk_file(op, target, stored, sh.key)
             return
         data = numpy_to_tensor(reader.read(op.array_path, op.region, sh.key), stored).view(op.src_box.shape)
         copy_cast(target, sub_view(data, op.src_box, op.inter))

@@ -16,8 +16,8 @@ import zarr
 import zarr.storage
 
 import dist_ckpt as dc
+from dist_ckpt.backends.zarr import direct as zarr_direct
 from dist_ckpt.backends.zarr import layout as zarr_layout
-from dist_ckpt.backends.zarr import zarr_python_load
 from dist_ckpt.backends.zarr.layout import ZARR_DIR
 from dist_ckpt.backends.zarr.zarr_python import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
 from dist_ckpt.errors import CorruptCheckpointError, KeyMismatchError, LoadMismatchError
@@ -413,14 +413,14 @@ def read_log(monkeypatch):
         log.append((Path(str(self.root)), key))
         return await original(self, key, *args, **kwargs)
 
-    direct = zarr_python_load.read_chunk_into
+    direct = zarr_direct.read_chunk_into
 
     def read_chunk_into(array_dir, chunk, *args, **kwargs):
         log.append((array_dir.local_path(), chunk))
         return direct(array_dir, chunk, *args, **kwargs)
 
     monkeypatch.setattr(zarr.storage.LocalStore, "get", get)
-    monkeypatch.setattr(zarr_python_load, "read_chunk_into", read_chunk_into)
+    monkeypatch.setattr(zarr_direct, "read_chunk_into", read_chunk_into)
     return log
 
 
