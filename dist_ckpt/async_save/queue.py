@@ -28,9 +28,9 @@ queue.close()                                          # waits for, and finalize
 ```
 
 Every rank must schedule the same requests and call ``maybe_finalize_async_calls`` the same
-number of times: at each call the ranks agree, in one all-reduce of four integers, that the
-oldest request is the same one everywhere, whether it finished everywhere and whether it failed
-anywhere, before any finalization runs.
+number of times: at each call the ranks agree, in one all-reduce of four integers, whether the
+oldest request finished everywhere, whether it failed anywhere and that it is the same request
+everywhere, before any finalization runs.
 """
 
 from __future__ import annotations
@@ -131,25 +131,27 @@ class AsyncRequest:
         return replace(self, finalize_fns=list(self.finalize_fns), abort_fns=list(self.abort_fns), is_frozen=True)
 
 
-def _agree_on_head(idx: int, outcome: AsyncOutcome) -> Tuple[bool, bool]:
+def _agree_on_head(idx: int, outcome: AsyncOutcome) -> Tuple[bool, bool, Tuple[int, int]]:
     """Collective, one all-reduce of four integers (at any number of ranks): whether the call at
-    the head of every rank's queue, which must be call ``idx`` everywhere, finished on every rank,
-    and whether it failed on any.
-
-    Raises:
-        AsyncSaveError: on every rank, if the heads of the ranks' queues are different calls.
-    """
+    the head of every rank's queue (call ``idx`` here) finished on every rank, whether it failed on
+    any, and the lowest and highest of the ranks' head calls (equal when every rank is at the
+    same call)."""
     failed = outcome.done and outcome.error is not None
     unfinished, failed_anywhere, highest, minus_lowest = all_reduce_max(
         [0 if outcome.done else 1, 1 if failed else 0, idx, -idx]
     )
-    if highest != -minus_lowest:
+    return not unfinished, bool(failed_anywhere), (-minus_lowest, highest)
+
+
+def _check_same_call(idx: int, heads: Tuple[int, int]) -> None:
+    """Raise (on every rank: ``heads`` is the same everywhere) if the ranks' head calls differ."""
+    lowest, highest = heads
+    if lowest != highest:
         raise AsyncSaveError(
-            f"[rank {get_rank()}] ranks are finalizing different async calls (from call {-minus_lowest} to call "
+            f"[rank {get_rank()}] ranks are finalizing different async calls (from call {lowest} to call "
             f"{highest}; this rank's is call {idx}): every rank must schedule the same requests and call "
             f"maybe_finalize_async_calls equally often"
         )
-    return not unfinished, bool(failed_anywhere)
 
 
 @dataclass
@@ -254,7 +256,9 @@ class AsyncCallsQueue:
 
         Raises:
             AsyncSaveError: the background work failed on some rank (raised on every rank, naming
-                it); the request is dropped and nothing of it is committed.
+                it); the request is dropped and nothing of it is committed. Also when the oldest
+                requests of the ranks, finished everywhere, are different calls (a rank scheduled
+                or finalized one more than the others): they are dropped, unfinalized.
         """
         finalized: List[int] = []
         while self._calls:
@@ -264,13 +268,14 @@ class AsyncCallsQueue:
                 call.worker.wait(call.request.outcome)
             outcome = call.request.outcome
             if no_dist:
-                done, failed_anywhere = outcome.done, outcome.error is not None
+                done, failed_anywhere, heads = outcome.done, outcome.error is not None, (call.idx, call.idx)
             else:
-                done, failed_anywhere = _agree_on_head(call.idx, outcome)
+                done, failed_anywhere, heads = _agree_on_head(call.idx, outcome)
             if not done:
                 break
             self._calls.popleft()
             try:
+                _check_same_call(call.idx, heads)  # the call is dropped, unfinalized, if not
                 self._finalize(call, no_dist, failed_anywhere)
             finally:
                 if not self.persistent:

@@ -270,7 +270,7 @@ def test_a_finished_call_is_finalized_after_one_collective(monkeypatch: pytest.M
 
 def test_ranks_finalizing_different_calls_raise_on_every_rank() -> None:
     """A rank that scheduled one request more than the others (finalized locally): the heads of
-    the queues are different calls, which every rank reports instead of finalizing."""
+    the queues are different calls, which every rank reports instead of finalizing, then drops."""
     queue = AsyncCallsQueue()
     try:
         if rank() == 0:
@@ -282,5 +282,8 @@ def test_ranks_finalizing_different_calls_raise_on_every_rank() -> None:
             AsyncSaveError, lambda: queue.maybe_finalize_async_calls(blocking=True), "different async calls"
         )
         assert_on_all_ranks(not finalized, "a call was finalized while the ranks disagreed on which")
+        # the calls are dropped: the queue goes on (here: it closes, finalizing nothing more)
+        assert_on_all_ranks(queue.get_num_unfinalized_calls() == 0)
+        queue.close()
     finally:
         queue.close(abort=True)

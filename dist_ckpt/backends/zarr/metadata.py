@@ -111,7 +111,8 @@ class StoredTensorInfo:
     chunk_shape: Shape
     fragments: List[FragmentInfo] = field(default_factory=list)
     #: every chunk file holds its chunk's values as they are in memory on this host (see
-    #: `plain_chunk_bytes()`): a whole chunk can be read straight into a tensor
+    #: `plain_chunk_bytes()`): a chunk file can be read without an array library, a whole chunk
+    #: straight into a tensor
     plain_chunks: bool = False
     #: the chunk key separator of the array (`chunk_separator()`): ``.`` or, in checkpoints
     #: saved before it, ``/``

@@ -14,7 +14,8 @@ The index is a copy, never the source of truth. A load takes an entry only where
 checksum manifest records exactly those bytes for that file (`read_index()`); otherwise it reads
 the file, as before: a checkpoint saved without an index, a load without checksums, a tensor
 removed since (`remove_sharded_tensors` drops its files from the manifest). A load that reads an
-array through its engine's library (a dtype conversion, part of a chunk) still reads its file.
+array through its engine's library (a fragment of a flattened tensor, another codec) still reads
+its file.
 Damage to an array's own ``zarr.json`` is otherwise found by ``dist-ckpt verify`` (and by readers
 other than dist_ckpt), not by a load that uses the copy the manifest vouches for. Other zarr
 readers see one more group attribute. Rank 0 writes the root group once every rank's files are

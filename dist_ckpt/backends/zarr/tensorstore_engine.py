@@ -13,10 +13,11 @@ Missing data is never read as zeros: arrays are opened with ``fill_missing_data_
 (a missing chunk fails the read), and a failed read is reported as a
 [`CorruptCheckpointError`][dist_ckpt.errors.CorruptCheckpointError] naming the key and the damaged chunk file.
 
-Local disks: whole plain chunks are read and written, and array metadata written, without
-TensorStore (`dist_ckpt.backends.zarr.direct`: one read straight into the destination, checked
-from the bytes read); TensorStore reads the rest (partial chunks, fragments, dtype conversions,
-other codecs) and does all the I/O on object stores.
+Local disks: chunks of plain bytes are read and written, and array metadata written, without
+TensorStore (`dist_ckpt.backends.zarr.direct`: a whole chunk read straight into its
+destination, a part of one, a strided view or a dtype conversion through a buffer of the chunk,
+checked from the bytes read); TensorStore reads the rest (fragments of flattened tensors, other
+codecs) and does all the I/O on object stores.
 
 Checksums: saves end with ``zarr/checksums.json``, like the zarr-python engine's. TensorStore
 decodes chunks in its own threads without showing their bytes, so for the reads TensorStore does

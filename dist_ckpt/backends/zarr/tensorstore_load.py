@@ -1,11 +1,12 @@
 """The load side of the TensorStore engine of the zarr backend (``zarr``, version 1).
 
 A load checks everything before the first read (`read_plan.plan_request()`: keys, dtypes,
-shapes, coverage, and the checksums of the files it will touch), reads whole plain chunks on local
-disks straight into their destinations (`dist_ckpt.backends.zarr.direct`), and issues every
-other read of the rank to TensorStore before awaiting any: whole-chunk boxes land in place,
-fragment reads and dtype conversions go through staging buffers bounded by
-``max_staged_bytes``. A failed read is a
+shapes, coverage, and the checksums of the files it will touch), reads the chunks of plain bytes
+on local disks from their files (`dist_ckpt.backends.zarr.direct`: whole chunks straight into
+their destinations, parts of chunks, strided views and dtype conversions through buffers of the
+chunk, within ``max_staged_bytes``), and issues every other read of the rank to TensorStore
+before awaiting any: whole-chunk boxes land in place, fragment reads and dtype conversions go
+through staging buffers bounded by ``max_staged_bytes``. A failed read is a
 [`CorruptCheckpointError`][dist_ckpt.errors.CorruptCheckpointError] naming the key and the damaged
 chunk file (see [`tensorstore_engine`][dist_ckpt.backends.zarr.tensorstore_engine] for the engine
 as a whole).
@@ -25,7 +26,7 @@ from dist_ckpt.backends.zarr.checksums import check_files, chunk_files
 from dist_ckpt.backends.zarr.direct import read_chunk_part
 from dist_ckpt.backends.zarr.layout import ZARR_DIR
 from dist_ckpt.backends.zarr.metadata import damaged_chunks
-from dist_ckpt.backends.zarr.nodes import READ_BUDGET_BYTES, ByteBudget, in_threads
+from dist_ckpt.backends.zarr.nodes import ByteBudget, in_threads
 from dist_ckpt.backends.zarr.read_plan import ReadOp, ReadPlan
 from dist_ckpt.backends.zarr.strategy_base import ShapeDtype, ZarrLoadStrategyBase
 from dist_ckpt.backends.zarr.tensorstore_arrays import (
@@ -77,14 +78,17 @@ class TensorStoreLoadShardedStrategy(ZarrLoadStrategyBase):
             a new CPU tensor for such shards and leave ``data`` alone. CPU ``data`` of the right
             shape is always filled in place.
         concurrency: cap on concurrent file operations (TensorStore's default: one per core).
-        max_staged_bytes: cap on the bytes of fragment reads (flattened tensors) held in
-            staging buffers at once; whole-chunk reads need no staging.
+        max_staged_bytes: cap on the bytes held in staging buffers at once: of fragment reads
+            (flattened tensors), and of the chunk files read into a buffer before their part is
+            copied into place (a part of a chunk, a strided view, a dtype conversion; a buffer
+            larger than the cap is read alone); whole chunks read into contiguous destinations
+            need none.
         verify_checksums: check every chunk file a load touches against ``zarr/checksums.json``
             (when the checkpoint has one) before reading it.
         allow_dtype_cast: a requested dtype may differ from the stored one: such reads are
-            staged (in the stored dtype, within ``max_staged_bytes``) and converted while copied
-            into place (see `dist_ckpt.model.dtype_cast`); False raises
-            ``LoadMismatchError`` instead.
+            staged (in the stored dtype, within ``max_staged_bytes``: the whole chunk, for a chunk
+            file read without TensorStore) and converted while copied into place (see
+            `dist_ckpt.model.dtype_cast`); False raises ``LoadMismatchError`` instead.
     """
 
     engine: ClassVar[str] = ENGINE
@@ -117,7 +121,7 @@ class TensorStoreLoadShardedStrategy(ZarrLoadStrategyBase):
         # chunks of plain bytes in local files are read from their files into place (see `direct`),
         # checked from the bytes read; TensorStore reads the rest
         direct = [(sh, op) for sh in requested for op in plans[id(sh)].ops if op.chunk is not None]
-        budget = ByteBudget(READ_BUDGET_BYTES)  # the buffers of chunks read for a part or a strided view
+        budget = ByteBudget(self.max_staged_bytes)  # buffers of chunks read for a part, a strided view, a cast
         in_threads(lambda item: self._read_direct(*item, plans, targets, local, manifest, budget), direct)
         done = {id(op) for _, op in direct}
         plans = {i: replace(plan, ops=[op for op in plan.ops if id(op) not in done]) for i, plan in plans.items()}

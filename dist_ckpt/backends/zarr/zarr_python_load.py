@@ -3,8 +3,9 @@ removal of stored tensors.
 
 A load checks everything before the first read (`read_plan.plan_request()`: keys, dtypes, shapes,
 coverage), then reads only the chunks each requested shard overlaps, several tensors at a time:
-whole plain chunks on local disks straight into their destinations
-(`dist_ckpt.backends.zarr.direct`), the rest with zarr-python. zarr-python returns the fill value
+chunks of plain bytes on local disks from their files (`dist_ckpt.backends.zarr.direct`: a whole
+chunk straight into its destination, else through a buffer of the chunk), the rest with
+zarr-python. zarr-python returns the fill value
 for a missing chunk, so the reader checks that every chunk it reads exists and has its size; with
 ``zarr/checksums.json`` every file read is checked against it, from the bytes zarr-python reads
 (no extra I/O). See [`zarr_python`][dist_ckpt.backends.zarr.zarr_python] for the engine as a whole.
@@ -29,7 +30,7 @@ from dist_ckpt.backends.zarr.dtypes import register_extension_dtypes
 from dist_ckpt.backends.zarr.layout import ZARR_DIR, checkpoint_node, chunk_coords, s3_storage
 from dist_ckpt.backends.zarr.metadata import list_tensor_names, open_tensor_info
 from dist_ckpt.backends.zarr.nodes import READ_BUDGET_BYTES, ByteBudget, in_threads
-from dist_ckpt.backends.zarr.read_plan import ReadOp
+from dist_ckpt.backends.zarr.read_plan import ReadOp, ReadPlan
 from dist_ckpt.backends.zarr.strategy_base import ShapeDtype, ZarrLoadStrategyBase
 from dist_ckpt.backends.zarr.zarr_python_stores import ENGINE, Stores, as_storage_errors, client_error
 from dist_ckpt.engine.distributed import get_rank
@@ -129,6 +130,14 @@ class _ArrayReader:
             ) from e
 
 
+def _read_bytes(plan: ReadPlan) -> int:
+    """The most memory reading ``plan`` takes besides its destination, for the read budget: each
+    region zarr-python decodes, and one buffer of a chunk file at a time (the ops run in turn)."""
+    decoded = sum(op.region.numel for op in plan.ops if op.chunk is None)
+    chunk = max((op.chunk_box.numel for op in plan.ops if op.chunk_box is not None), default=0)
+    return (decoded + chunk) * plan.stored_dtype.itemsize
+
+
 class ZarrLoadShardedStrategy(ZarrLoadStrategyBase):
     """Loads zarr checkpoints into any sharding, reading only the chunks each shard overlaps.
 
@@ -167,8 +176,7 @@ class ZarrLoadShardedStrategy(ZarrLoadStrategyBase):
             plan = plans[id(x)]
             for piece, _ in plan.pad:
                 piece_view(dest, piece, x.prepend_axis_num, holder).zero_()
-            # what is read: the region, or the whole chunk file it is part of
-            with budget.hold(sum((op.chunk_box or op.region).numel for op in plan.ops) * plan.stored_dtype.itemsize):
+            with budget.hold(_read_bytes(plan)):
                 for op in plan.ops:
                     self._copy(reader, op, dest, x, holder, plan.stored_dtype)
             return dest

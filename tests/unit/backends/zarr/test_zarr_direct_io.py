@@ -1,6 +1,7 @@
 """Chunk files and array metadata written and read without an array library (`zarr.direct`):
-the same zarr v3 arrays, which zarr-python and TensorStore open; a chunk written once; whole plain
-chunks read straight into their tensors and checked from the bytes read; everything else through
+the same zarr v3 arrays, which zarr-python and TensorStore open; a chunk written once; chunks of
+plain bytes read from their files and checked from the bytes read (whole ones straight into their
+tensors; parts, other layouts and dtypes through a buffer of the chunk); everything else through
 the engine."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dist_ckpt.backends.zarr.metadata import plain_chunk_bytes
 from dist_ckpt.backends.zarr.nodes import array_metadata
 from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreLoadShardedStrategy, TensorStoreSaveShardedStrategy
 from dist_ckpt.backends.zarr.zarr_python import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
-from dist_ckpt.errors import CheckpointingException, ChecksumMismatchError, CorruptCheckpointError
+from dist_ckpt.errors import CheckpointingException, ChecksumMismatchError, CorruptCheckpointError, UnsafeLinkError
 from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.storage.location import resolve_location
 
@@ -254,3 +255,69 @@ def test_stored_metadata_marks_plain_arrays(tmp_path):
     dc.save(sd, tmp_path, sharded_strategy=ZarrSaveShardedStrategy())
     info = open_tensor_info(checkpoint_node(Path(tmp_path), "test") / ZARR_DIR, "w")
     assert info is not None and info.plain_chunks
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_chunk_files_fill_padded_stacked_and_flattened_requests(engine, tmp_path, no_array_library_reads):
+    """Parts of chunks into the shapes a resharded load asks for: a shard reaching past the stored
+    tensor (``allow_shape_mismatch``: the rest zero), a layer of stacked layers
+    (``prepend_axis_num``), and a flattened range (distributed optimizer) of a chunked tensor."""
+    full = torch.arange(64.0).reshape(8, 8)
+    layers = torch.arange(128.0).reshape(2, 8, 8)
+    stacked = {
+        f"l{layer}c{c}": ShardedTensor.from_rank_offsets(
+            "layers", layers[layer].chunk(2, 1)[c].clone(), (0, layer, 2), (2, c, 2), prepend_axis_num=1
+        )
+        for layer in range(2)
+        for c in range(2)
+    }
+    dc.save({**_split("w", full, 1, 2), **stacked}, tmp_path, sharded_strategy=ENGINES[engine][0]())
+    padded = ShardedTensor("w", torch.full((10, 5), 7.0), torch.float32, (10, 5), (10, 10), (0, 5), None)
+    padded.allow_shape_mismatch = True
+    request = {
+        "padded": padded,
+        "layer1": ShardedTensor.from_rank_offsets(
+            "layers", torch.zeros(4, 8), (0, 1, 2), (1, 1, 2), prepend_axis_num=1
+        ),
+        "flat": ShardedTensor.from_rank_offsets_flat("w", torch.zeros(20), (8, 8), flattened_range=slice(10, 30)),
+    }
+    out = ENGINES[engine][1]().load(request, resolve_location(tmp_path))  # shards of other requests' layouts
+    expected_padded = torch.zeros(10, 5)
+    expected_padded[:8, :3] = full[:, 5:]
+    assert torch.equal(out["padded"], expected_padded)
+    assert torch.equal(out["layer1"], layers[1, 4:])
+    assert torch.equal(out["flat"], full.flatten()[10:30])
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_a_resharded_load_without_checksums_reads_chunk_files_unchecked(engine, tmp_path, no_array_library_reads):
+    full = torch.arange(48.0).reshape(6, 8)
+    dc.save(_split("w", full, 1, 2), tmp_path, sharded_strategy=ENGINES[engine][0]())
+    chunk = tmp_path / ZARR_DIR / "w" / "c.0.1"
+    raw = bytearray(chunk.read_bytes())
+    raw[0:4] = np.float32(-1.0).tobytes()
+    chunk.write_bytes(bytes(raw))
+    out = dc.load(_empty_split("w", full, 0, 2), tmp_path, sharded_strategy=ENGINES[engine][1](verify_checksums=False))
+    assert out["w0"][0, 4] == -1.0 and torch.equal(out["w0"][:, :4], full[:3, :4])
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_a_chunk_file_linked_out_of_the_checkpoint_is_refused_by_a_resharded_load(engine, tmp_path):
+    full = torch.arange(48.0).reshape(6, 8)
+    dc.save(_split("w", full, 1, 2), tmp_path / "ckpt", sharded_strategy=ENGINES[engine][0]())
+    chunk = tmp_path / "ckpt" / ZARR_DIR / "w" / "c.0.1"
+    outside = tmp_path / "outside"
+    outside.write_bytes(chunk.read_bytes())
+    chunk.unlink()
+    chunk.symlink_to(outside)
+    loader = ENGINES[engine][1](verify_checksums=False)
+    with pytest.raises(UnsafeLinkError, match="c.0.1"):
+        dc.load(_empty_split("w", full, 0, 2), tmp_path / "ckpt", sharded_strategy=loader)
+
+
+def test_tensorstore_chunk_buffers_larger_than_the_staging_cap_are_read_one_at_a_time(tmp_path, no_array_library_reads):
+    full = torch.arange(4096.0).reshape(64, 64)
+    dc.save(_split("w", full, 1, 4), tmp_path, sharded_strategy=TensorStoreSaveShardedStrategy())
+    loader = TensorStoreLoadShardedStrategy(max_staged_bytes=1)  # every chunk buffer exceeds it
+    out = dc.load(_empty_split("w", full, 0, 4), tmp_path, sharded_strategy=loader)
+    assert all(torch.equal(out[f"w{r}"], full[16 * r : 16 * r + 16]) for r in range(4))
