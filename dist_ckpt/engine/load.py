@@ -122,6 +122,7 @@ def load_with_report(
     phases = [Step.OPEN_CHECKPOINT, Step.LOAD_COMMON, Step.MATCH_KEYS, Step.LOAD_SHARDED, Step.ASSEMBLE]
     location = run_collectively("opening the checkpoint location", lambda: resolve_location(checkpoint_dir))
     monitor = StepMonitor(Operation.LOAD, location, phases, progress, watchdog_timeout_s)
+    monitor.count_files_meanwhile()
     with monitor:
         state, missing, unexpected, nbytes = _load_steps(
             monitor,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from contextlib import nullcontext
 from types import TracebackType
@@ -131,6 +132,7 @@ class StepMonitor:
         self.watchdog_timeout_s = watchdog_timeout_s
         self._started = time.perf_counter()
         self._watchdog: Optional[Watchdog] = None
+        self._counting: Optional[Tuple[threading.Thread, List[Tuple[Optional[int], Optional[int]]]]] = None
 
     # ----------------------------------------------------------------------- watchdog
 
@@ -215,7 +217,29 @@ class StepMonitor:
         """Record a phase that ran outside [`run()`][..run] (e.g. an async save's background write)."""
         self.report.phases.append(PhaseTiming(phase.value, seconds))
 
+    def count_files_meanwhile(self) -> None:
+        """On rank 0, start listing the checkpoint's files for the report now, in a thread, rather
+        than in `finish()` after the steps: for a load, whose checkpoint does not change while it
+        is read. A zarr checkpoint of 585 tensors at 4 ranks has about 2,400 files; listing them
+        took 75 ms of a 1.3 s load on the test VM, while the other ranks waited."""
+        if self.report.rank != 0 or self._counting is not None:
+            return
+        counted: List[Tuple[Optional[int], Optional[int]]] = []
+        thread = threading.Thread(
+            target=lambda: counted.append(count_files(self.location)), name="dist_ckpt_count_files", daemon=True
+        )
+        thread.start()
+        self._counting = (thread, counted)
+
     # ----------------------------------------------------------------------- the end
+
+    def _count_files(self) -> Tuple[Optional[int], Optional[int]]:
+        """The checkpoint's files: as listed since `count_files_meanwhile()`, or now."""
+        if self._counting is None:
+            return count_files(self.location)
+        thread, counted = self._counting
+        thread.join()
+        return counted[0] if counted else (None, None)
 
     def finish(self, nbytes: int, count_checkpoint_files: bool = True) -> CheckpointReport:
         """Complete the report and log it (collective: every rank calls it once its steps ended).
@@ -229,7 +253,7 @@ class StepMonitor:
         report.seconds = self.elapsed()
         files: Tuple[Optional[int], Optional[int]] = (None, None)
         if count_checkpoint_files and report.rank == 0:
-            files = count_files(self.location)
+            files = self._count_files()
         gathered = all_gather_json([report.nbytes, report.seconds, files[0], files[1]])
         report.total_nbytes = sum(int(g[0]) for g in gathered)
         report.max_seconds = max(float(g[1]) for g in gathered)

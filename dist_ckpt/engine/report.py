@@ -134,8 +134,8 @@ class CheckpointReport:
         seconds: wall time of the operation on this rank.
         total_nbytes: ``nbytes`` summed over every rank.
         max_seconds: ``seconds`` of the slowest rank.
-        files: files of the checkpoint (counted on rank 0 after the commit, or when a load
-            ends), or None if they could not be listed.
+        files: files of the checkpoint (listed on rank 0 after the commit, or while a load
+            reads), or None if they could not be listed.
         file_bytes: their total size, or None.
         complete: False until the operation ended (an async save: until it is finalized).
     """
