@@ -201,6 +201,14 @@ class SnapshotPool:
         self._buffer = _shared_bytes(nbytes)
         return self._buffer
 
+    def __del__(self) -> None:
+        # a pool let go of with its buffer page-locked: unlocked, or its pages would stay pinned
+        if getattr(self, "_page_locked", None) and self._buffer is not None:
+            try:
+                _page_unlock(self._buffer)
+            except Exception:  # noqa: BLE001 -- at interpreter exit CUDA may be gone already
+                pass
+
     def _drop_buffer(self) -> None:
         """Let go of the kept buffer (unlocked first: a save still writing from it keeps its memory
         mapped, and its device copies are done)."""

@@ -39,6 +39,13 @@ def test_a_kept_buffer_is_page_locked_once_and_unlocked_when_dropped(cuda_calls:
     assert len(cuda_calls) == 4
 
 
+def test_a_pool_let_go_of_unlocks_its_buffer(cuda_calls: List[Tuple[str, int]]) -> None:
+    pool = SnapshotPool()
+    pool.take([torch.arange(25.0)], in_use=lambda: False)
+    del pool
+    assert cuda_calls == [("lock", 100), ("unlock", 100)]
+
+
 def test_cpu_snapshots_leave_their_buffer_pageable(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: List[str] = []
     monkeypatch.setattr(snapshot_module, "_page_lock", lambda buffer: calls.append("lock") or True)
