@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Optional
+from typing import Mapping, Optional
 
 import numpy as np
 import torch
@@ -51,20 +51,23 @@ def read_chunk_part(
     target: torch.Tensor,
     stored: torch.dtype,
     key: str,
-    expected: Optional[FileDigest],
+    manifest: Optional[Mapping[str, FileDigest]],
+    zarr_root: ObjectPath,
     budget: Optional[ByteBudget] = None,
 ) -> None:
     """Read the chunk file of ``op`` (its ``chunk`` set: a plain chunk of a local file) and put
     its ``inter`` part into ``target`` (the destination's view of ``op.inter``, of any dtype,
     strides and device): straight into ``target`` when ``op`` is the whole chunk and ``target`` a
     contiguous CPU tensor of the ``stored`` dtype, else through a buffer of the whole chunk, held
-    in ``budget`` while it lives (concurrent readers' buffers stay within it). ``expected``: the
-    chunk file's manifest entry (its checksum is checked from the bytes read).
+    in ``budget`` while it lives (concurrent readers' buffers stay within it). With ``manifest``
+    (the checkpoint's, keyed by paths under ``zarr_root``), the file's checksum is checked from
+    the bytes read.
 
     Raises:
         CorruptCheckpointError, ChecksumMismatchError: see `read_chunk_into()`.
     """
     assert op.chunk is not None and op.chunk_box is not None
+    expected = manifest.get((op.array_path / op.chunk).relative_to(zarr_root)) if manifest is not None else None
     straight = target.device.type == "cpu" and target.dtype == stored and target.is_contiguous()
     if op.whole_chunk and straight:
         read_chunk_into(op.array_path, op.chunk, target, key, expected)

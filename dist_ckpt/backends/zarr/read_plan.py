@@ -20,7 +20,7 @@ from dist_ckpt.backends.zarr.layout import LAYOUT_CHUNKED, ZARR_DIR, chunk_coord
 from dist_ckpt.backends.zarr.metadata import FragmentInfo, JsonCheck, JsonIndex, StoredTensorInfo, find_tensor_info
 from dist_ckpt.backends.zarr.nodes import in_threads
 from dist_ckpt.errors import CorruptCheckpointError
-from dist_ckpt.model.geometry import Box, ShardPiece, shard_pieces
+from dist_ckpt.model.geometry import Box, ShardPiece, piece_view, shard_pieces, sub_view
 from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.storage.object_path import ObjectPath
 
@@ -50,6 +50,11 @@ class ReadOp:
     def whole_chunk(self) -> bool:
         """Whether ``region`` is all of the chunk file ``chunk``."""
         return self.chunk is not None and self.region == self.chunk_box
+
+    def target_in(self, dest: torch.Tensor, prepend_axis_num: int, holder: Box) -> torch.Tensor:
+        """The view of ``dest`` (a shard's data, holding the global box ``holder``) that receives
+        this op's ``inter`` part."""
+        return sub_view(piece_view(dest, self.dst, prepend_axis_num, holder), self.dst.box, self.inter)
 
 
 @dataclass

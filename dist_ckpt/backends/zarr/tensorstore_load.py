@@ -156,12 +156,9 @@ class TensorStoreLoadShardedStrategy(ZarrLoadStrategyBase):
     ) -> None:
         """Read ``op``'s part of the chunk file it names into place, without TensorStore
         (`dist_ckpt.backends.zarr.direct.read_chunk_part()`)."""
-        assert op.chunk is not None
         t = targets[id(sh)]
-        view = sub_view(piece_view(t.dest, op.dst, sh.prepend_axis_num, t.holder), op.dst.box, op.inter)
-        chunk = op.array_path / op.chunk
-        expected = manifest.get(chunk.relative_to(checkpoint / ZARR_DIR)) if manifest is not None else None
-        read_chunk_part(op, view, plans[id(sh)].stored_dtype, sh.key, expected, budget)
+        view = op.target_in(t.dest, sh.prepend_axis_num, t.holder)
+        read_chunk_part(op, view, plans[id(sh)].stored_dtype, sh.key, manifest, checkpoint / ZARR_DIR, budget)
 
     def _target(self, sh: ShardedTensor) -> _Target:
         shape = loaded_shape(sh)
@@ -199,7 +196,7 @@ class TensorStoreLoadShardedStrategy(ZarrLoadStrategyBase):
                 t = targets[id(sh)]
                 stored = plans[id(sh)].stored_dtype
                 for op in plans[id(sh)].ops:
-                    view = sub_view(piece_view(t.dest, op.dst, sh.prepend_axis_num, t.holder), op.dst.box, op.inter)
+                    view = op.target_in(t.dest, sh.prepend_axis_num, t.holder)
                     source = arrays[op.array_path][
                         tuple(slice(o, o + s) for o, s in zip(op.region.offset, op.region.shape))
                     ]

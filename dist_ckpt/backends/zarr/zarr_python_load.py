@@ -77,11 +77,7 @@ class _ArrayReader:
     def read_chunk_file(self, op: ReadOp, target: torch.Tensor, stored: torch.dtype, key: str) -> None:
         """Put ``op``'s part of the chunk file it names into ``target``, read without zarr and
         checked against the manifest (`dist_ckpt.backends.zarr.direct.read_chunk_part()`)."""
-        assert op.chunk is not None
-        expected = None
-        if self._manifest is not None:
-            expected = self._manifest.get((op.array_path / op.chunk).relative_to(self._root))
-        read_chunk_part(op, target, stored, key, expected)
+        read_chunk_part(op, target, stored, key, self._manifest, self._root)
 
     def read(self, path: ObjectPath, region: Box, key: str) -> np.ndarray:
         array: Any = self._arrays.get(path)
@@ -192,7 +188,7 @@ class ZarrLoadShardedStrategy(ZarrLoadStrategyBase):
     def _copy(
         reader: _ArrayReader, op: ReadOp, dest: torch.Tensor, sh: ShardedTensor, holder: Box, stored: torch.dtype
     ) -> None:
-        target = sub_view(piece_view(dest, op.dst, sh.prepend_axis_num, holder), op.dst.box, op.inter)
+        target = op.target_in(dest, sh.prepend_axis_num, holder)
         if op.chunk is not None:
             reader.read_chunk_file(op, target, stored, sh.key)
             return
