@@ -203,9 +203,9 @@ class SnapshotPool:
 
     def __del__(self) -> None:
         # a pool let go of with its buffer page-locked: unlocked, or its pages would stay pinned
-        if getattr(self, "_page_locked", None) and self._buffer is not None:
+        if getattr(self, "_page_locked", None):
             try:
-                _page_unlock(self._buffer)
+                self._drop_buffer()
             except Exception:  # noqa: BLE001 -- at interpreter exit CUDA may be gone already
                 pass
 
