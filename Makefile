@@ -23,8 +23,10 @@ demo: install
 test: install
 	./scripts/run_tests.sh
 
-# Static checks CI runs beside the tests: lint and formatting (ruff, line length 120) and mypy --strict.
+# Static checks CI runs beside the tests: lint and formatting (ruff, line length 120), mypy --strict
+# and the import layers (scripts/check_layers.py: no import up a layer or between backends, no cycle).
 check: install
+	$(PYTHON) scripts/check_layers.py
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
 	$(PYTHON) -m mypy
