@@ -12,7 +12,7 @@ import logging
 import re
 from dataclasses import dataclass
 from enum import Enum
-from typing import List, Optional, Tuple, Union
+from typing import List, Mapping, Optional, Tuple, Union
 
 from dist_ckpt.backends.torch_common.strategy import COMMON_STATE_FNAME
 from dist_ckpt.engine.commit import HF_WEIGHT_FILES, METADATA_FILENAME, CheckpointingConfig, maybe_load_config
@@ -20,16 +20,19 @@ from dist_ckpt.errors import CheckpointingException, CheckpointManagementError
 from dist_ckpt.storage import Storage, StorageError
 from dist_ckpt.storage.location import LocationLike, resolve_location
 from dist_ckpt.training.hf_weights import index_shards, weights_file_whole
+from dist_ckpt.training.metrics import load_checkpoint_metrics
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "CHECKPOINT_NAME_PATTERNS",
     "CheckpointFormat",
+    "CheckpointInfo",
     "CheckpointMeta",
     "checkpoint_names",
     "find_latest_checkpoint",
     "get_checkpoint_metadata",
+    "list_checkpoints",
     "next_checkpoint_path",
     "parse_checkpoint_step",
     "validate_checkpoint",
@@ -81,6 +84,28 @@ class CheckpointMeta:
     backend: Optional[str] = None
     backend_version: Optional[int] = None
     config: Optional[CheckpointingConfig] = None
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One complete checkpoint of a run, as [`list_checkpoints()`][dist_ckpt.training.checkpoints.list_checkpoints]
+    found it.
+
+    Attributes:
+        path: the checkpoint's path (a URL on an object store), named as
+            [`find_latest_checkpoint()`][dist_ckpt.training.checkpoints.find_latest_checkpoint] names it.
+        name: the directory name, e.g. ``"checkpoint-1000"``.
+        step: the step its name carries.
+        format: ``CheckpointFormat.DIST_CKPT`` or ``CheckpointFormat.HF``.
+        metrics: what [`save_checkpoint_metrics()`][dist_ckpt.training.checkpoints.save_checkpoint_metrics] stored
+            beside it, or None if nothing was (e.g. a crash between the commit and the metrics).
+    """
+
+    path: str
+    name: str
+    step: int
+    format: CheckpointFormat
+    metrics: Optional[Mapping[str, float]]
 
 
 # --------------------------------------------------------------------------- names
@@ -269,3 +294,38 @@ def find_latest_checkpoint(model_dir: LocationLike) -> Optional[str]:
             return storage.url_of(name)
         logger.info("skipping %s: not a complete checkpoint (no valid commit marker)", storage.url_of(name))
     return None
+
+
+def list_checkpoints(model_dir: LocationLike) -> List[CheckpointInfo]:
+    """Every complete checkpoint of ``model_dir``, oldest first, with its step and metrics.
+
+    The run's own record of what it saved (Orbax's ``all_steps()``): the directories whose names
+    carry a step (see [`dist_ckpt.training.checkpoints`][dist_ckpt.training.checkpoints]), ordered
+    by ``(step, name)``, those that are complete only -- a save in progress or a crashed one is
+    left out, as [`find_latest_checkpoint()`][dist_ckpt.training.checkpoints.find_latest_checkpoint]
+    leaves it out, so the last entry is the latest checkpoint. On a restart, this is where a
+    training loop reads back which checkpoint was its best. A missing ``model_dir`` has none.
+
+    Example:
+
+    ```python
+    best = min((c for c in list_checkpoints("runs/gpt") if c.metrics), key=lambda c: c.metrics["eval_loss"])
+    print(best.step, best.path, best.metrics)   # 2000 runs/gpt/checkpoint-2000 {'eval_loss': 2.31}
+    list_checkpoints("s3://bucket/runs/gpt")    # the same on S3
+    ```
+
+    Raises:
+        CorruptCheckpointError: a complete checkpoint's metrics file is not a dict of finite
+            numbers (the error names the file).
+        StorageError: an object store refused a request.
+    """
+    storage = resolve_location(model_dir)
+    found = []
+    for step, name in checkpoint_names(storage):
+        meta = get_checkpoint_metadata(storage.child(name))
+        if meta is None or not meta.complete:
+            logger.debug("not listing %s: not a complete checkpoint", storage.url_of(name))
+            continue
+        path = storage.url_of(name)
+        found.append(CheckpointInfo(path, name, step, meta.format, load_checkpoint_metrics(path)))
+    return found

@@ -1,4 +1,4 @@
-"""Checkpoint directories over time: the latest complete one, rotation, best, metrics.
+"""Checkpoint directories over time: the latest complete one, the list of them, rotation, best, metrics.
 
 A training run writes its checkpoints into one directory, ``model_dir``:
 
@@ -59,7 +59,9 @@ a local directory has: the trash rename and symlinks
 ([`create_pretrained_symlinks()`][dist_ckpt.training.checkpoints.create_pretrained_symlinks]).
 
 This module is the contract and the one place to import from; the code is split by job:
-names, completeness and the latest checkpoint in `dist_ckpt.training.checkpoint_dirs`, rotation
+names, completeness, the latest checkpoint and the list of complete ones
+([`list_checkpoints()`][dist_ckpt.training.checkpoints.list_checkpoints], with their metrics) in
+`dist_ckpt.training.checkpoint_dirs`, rotation
 and deletion in `dist_ckpt.training.rotation`, the HF links in `dist_ckpt.training.hf_links`.
 The structural checks of HF weight files live in `dist_ckpt.training.hf_weights`, the metrics
 file in [`dist_ckpt.training.metrics`][dist_ckpt.training.metrics] (its functions are re-exported here).
@@ -68,10 +70,12 @@ file in [`dist_ckpt.training.metrics`][dist_ckpt.training.metrics] (its function
 from dist_ckpt.training.checkpoint_dirs import (
     CHECKPOINT_NAME_PATTERNS,
     CheckpointFormat,
+    CheckpointInfo,
     CheckpointMeta,
     checkpoint_names,
     find_latest_checkpoint,
     get_checkpoint_metadata,
+    list_checkpoints,
     next_checkpoint_path,
     parse_checkpoint_step,
     validate_checkpoint,
@@ -80,7 +84,7 @@ from dist_ckpt.training.hf_links import create_pretrained_symlinks
 from dist_ckpt.training.metrics import METRICS_FILENAME, load_checkpoint_metrics, save_checkpoint_metrics
 from dist_ckpt.training.rotation import maybe_delete_oldest_checkpoint
 
-# in reading order: the API page lists them so (names, completeness, latest, rotation, links, metrics)
+# in reading order: the API page lists them so (names, completeness, latest, listing, rotation, links, metrics)
 __all__ = [
     "CHECKPOINT_NAME_PATTERNS",
     "CheckpointFormat",
@@ -91,6 +95,8 @@ __all__ = [
     "get_checkpoint_metadata",
     "validate_checkpoint",
     "find_latest_checkpoint",
+    "CheckpointInfo",
+    "list_checkpoints",
     "maybe_delete_oldest_checkpoint",
     "create_pretrained_symlinks",
     "METRICS_FILENAME",

@@ -33,6 +33,7 @@ from dist_ckpt.training.checkpoints import (
     create_pretrained_symlinks,
     find_latest_checkpoint,
     get_checkpoint_metadata,
+    list_checkpoints,
     load_checkpoint_metrics,
     maybe_delete_oldest_checkpoint,
     next_checkpoint_path,
@@ -334,6 +335,42 @@ class TestFindLatest:
         make_hf(tmp_path / ".hidden-checkpoint-9")
         (tmp_path / "checkpoint-99").write_text("a file, not a directory")
         assert find_latest_checkpoint(tmp_path) == os.path.join(str(tmp_path), "checkpoint-1")
+
+
+class TestListCheckpoints:
+    def test_empty_and_missing(self, tmp_path):
+        assert list_checkpoints(tmp_path) == []
+        assert list_checkpoints(tmp_path / "missing") == []
+
+    def test_complete_ones_oldest_first_with_step_format_and_metrics(self, tmp_path):
+        make_dist(tmp_path / "checkpoint-1000")
+        make_dist(tmp_path / "checkpoint-900")  # sorts after "checkpoint-1000" as a string
+        make_hf(tmp_path / "iter_0000950")
+        make_partial_dist(tmp_path / "checkpoint-1100")  # a crashed save: not listed
+        make_dist(tmp_path / "final")  # no step in the name: not managed
+        save_checkpoint_metrics(tmp_path / "checkpoint-900", {"eval_loss": 2.5})
+        save_checkpoint_metrics(tmp_path / "checkpoint-1000", {"eval_loss": 2.25, "acc": 0.5})
+        found = list_checkpoints(tmp_path)
+        assert [(c.step, c.name, c.format, c.metrics) for c in found] == [
+            (900, "checkpoint-900", CheckpointFormat.DIST_CKPT, {"eval_loss": 2.5}),
+            (950, "iter_0000950", CheckpointFormat.HF, None),
+            (1000, "checkpoint-1000", CheckpointFormat.DIST_CKPT, {"eval_loss": 2.25, "acc": 0.5}),
+        ]
+        # paths as find_latest_checkpoint returns them, so the newest listed one is the latest
+        assert [c.path for c in found] == [os.path.join(str(tmp_path), c.name) for c in found]
+        assert found[-1].path == find_latest_checkpoint(tmp_path)
+
+    def test_a_corrupt_metrics_file_names_its_path(self, tmp_path):
+        make_dist(tmp_path / "checkpoint-1")
+        (tmp_path / "checkpoint-1" / C.METRICS_FILENAME).write_text("{trunc")
+        with pytest.raises(CorruptCheckpointError, match="checkpoint-1"):
+            list_checkpoints(tmp_path)
+
+    def test_reexported_on_the_megatron_path(self):
+        from dist_ckpt import checkpoints
+
+        assert checkpoints.list_checkpoints is list_checkpoints
+        assert checkpoints.CheckpointInfo is C.CheckpointInfo
 
 
 # --------------------------------------------------------------------------- rotation

@@ -20,6 +20,7 @@ from dist_ckpt.training.checkpoints import (
     create_pretrained_symlinks,
     find_latest_checkpoint,
     get_checkpoint_metadata,
+    list_checkpoints,
     load_checkpoint_metrics,
     maybe_delete_oldest_checkpoint,
     next_checkpoint_path,
@@ -65,6 +66,19 @@ def test_latest_skips_partial_and_unmanaged_directories(s3_url: str) -> None:
     assert meta is not None and meta.complete and meta.step == 100 and meta.backend == "safetensors"
     # a storage works as well as a URL
     assert find_latest_checkpoint(open_storage(s3_url)) == f"{s3_url}/iter_0000200"
+
+
+def test_list_checkpoints_lists_complete_ones_with_metrics(s3_url: str) -> None:
+    assert list_checkpoints(s3_url) == []
+    _commit(s3_url, "checkpoint-100")
+    _commit(s3_url, "iter_0000200")
+    _partial(s3_url, "checkpoint-300")
+    save_checkpoint_metrics(f"{s3_url}/iter_0000200", {"eval_loss": 1.5})
+    found = list_checkpoints(s3_url)
+    assert [(c.step, c.path, c.metrics) for c in found] == [
+        (100, f"{s3_url}/checkpoint-100", None),
+        (200, f"{s3_url}/iter_0000200", {"eval_loss": 1.5}),
+    ]
 
 
 def test_a_corrupt_marker_is_not_complete(s3_url: str) -> None:
