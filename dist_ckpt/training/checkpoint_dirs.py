@@ -27,8 +27,8 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "CHECKPOINT_NAME_PATTERNS",
     "CheckpointFormat",
-    "CheckpointInfo",
     "CheckpointMeta",
+    "RunCheckpoint",
     "checkpoint_names",
     "find_latest_checkpoint",
     "get_checkpoint_metadata",
@@ -87,7 +87,7 @@ class CheckpointMeta:
 
 
 @dataclass(frozen=True)
-class CheckpointInfo:
+class RunCheckpoint:
     """One complete checkpoint of a run, as [`list_checkpoints()`][dist_ckpt.training.checkpoints.list_checkpoints]
     found it.
 
@@ -296,7 +296,7 @@ def find_latest_checkpoint(model_dir: LocationLike) -> Optional[str]:
     return None
 
 
-def list_checkpoints(model_dir: LocationLike) -> List[CheckpointInfo]:
+def list_checkpoints(model_dir: LocationLike) -> List[RunCheckpoint]:
     """Every complete checkpoint of ``model_dir``, oldest first, with its step and metrics.
 
     The run's own record of what it saved (Orbax's ``all_steps()``): the directories whose names
@@ -327,5 +327,5 @@ def list_checkpoints(model_dir: LocationLike) -> List[CheckpointInfo]:
             logger.debug("not listing %s: not a complete checkpoint", storage.url_of(name))
             continue
         path = storage.url_of(name)
-        found.append(CheckpointInfo(path, name, step, meta.format, load_checkpoint_metrics(path)))
+        found.append(RunCheckpoint(path, name, step, meta.format, load_checkpoint_metrics(path)))
     return found

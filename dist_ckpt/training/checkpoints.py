@@ -70,8 +70,8 @@ file in [`dist_ckpt.training.metrics`][dist_ckpt.training.metrics] (its function
 from dist_ckpt.training.checkpoint_dirs import (
     CHECKPOINT_NAME_PATTERNS,
     CheckpointFormat,
-    CheckpointInfo,
     CheckpointMeta,
+    RunCheckpoint,
     checkpoint_names,
     find_latest_checkpoint,
     get_checkpoint_metadata,
@@ -95,7 +95,7 @@ __all__ = [
     "get_checkpoint_metadata",
     "validate_checkpoint",
     "find_latest_checkpoint",
-    "CheckpointInfo",
+    "RunCheckpoint",
     "list_checkpoints",
     "maybe_delete_oldest_checkpoint",
     "create_pretrained_symlinks",

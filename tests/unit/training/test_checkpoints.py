@@ -370,7 +370,7 @@ class TestListCheckpoints:
         from dist_ckpt import checkpoints
 
         assert checkpoints.list_checkpoints is list_checkpoints
-        assert checkpoints.CheckpointInfo is C.CheckpointInfo
+        assert checkpoints.RunCheckpoint is C.RunCheckpoint
 
 
 # --------------------------------------------------------------------------- rotation
