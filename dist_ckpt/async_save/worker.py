@@ -14,7 +14,9 @@ Why a separate process, and how it is started:
   without ``if __name__ == "__main__":``, a ``python -c`` or stdin script or a notebook hangs or
   fails. The writer is instead ``python -m dist_ckpt.async_save.writer`` (same interpreter, an
   environment that imports this dist_ckpt): a clean process that imports only dist_ckpt and the
-  modules of the functions it is sent, under every launcher and from any script.
+  modules of the functions it is sent, under every launcher and from any script;
+* it runs in a session of its own, so that a Ctrl-C in the terminal interrupts the training
+  process only: the writer exits when its training process does, quietly.
 
 Calls travel over a Unix socket (`channel`): a tensor in shared memory (the snapshot) is
 passed as a file descriptor, the writer maps the same memory, and no copy of the data is made.
@@ -183,6 +185,10 @@ class AsyncWorker:
                 pass_fds=(child_end.fileno(),),
                 env=writer_environment(),
                 stdin=subprocess.DEVNULL,
+                # a session of its own: a terminal's Ctrl-C (SIGINT to its foreground process
+                # group) reaches the training process, which handles it, and not the writer, which
+                # would die of it with a traceback of its own; the writer exits with its parent
+                start_new_session=True,
             )
         except BaseException:
             parent_end.close()

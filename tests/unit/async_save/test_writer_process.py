@@ -306,3 +306,20 @@ def test_arguments_are_released_before_the_next_call_runs(tmp_path: Path) -> Non
         assert check.outcome.result is True
     finally:
         queue.close()
+
+
+def test_a_ctrl_c_in_the_terminal_does_not_reach_the_writer() -> None:
+    """A terminal sends Ctrl-C's SIGINT to its whole foreground process group. The training
+    process handles it (and its writer exits with it, see above); a writer in that group died of
+    it too, printing a KeyboardInterrupt traceback of its own, one per rank (issue 39, item 15)."""
+    queue = _started_queue()
+    try:
+        writer = queue._get_worker().pid
+        assert writer is not None
+        assert os.getpgid(writer) != os.getpgid(0), "the writer shares the training process's process group"
+        request = AsyncRequest(time.sleep, (0,))
+        queue.schedule_async_request(request)
+        queue.maybe_finalize_async_calls(blocking=True)
+        assert request.outcome.done and request.outcome.error is None
+    finally:
+        queue.close()
