@@ -38,6 +38,7 @@ from dist_ckpt.engine.report import CheckpointReport, ProgressEvent
 from dist_ckpt.engine.save import SaveResult, save, save_with_report
 from dist_ckpt.engine.steps import Step
 from dist_ckpt.errors import (
+    ArgumentTypeError,
     AsyncSaveError,
     CheckpointExistsError,
     CheckpointingException,
@@ -90,6 +91,7 @@ from dist_ckpt.training.model_optim import (
 __all__ = [
     "AsyncCallsQueue",
     "AsyncRequest",
+    "ArgumentTypeError",
     "AsyncSaveError",
     "CheckpointExistsError",
     "CheckpointInfo",

@@ -114,6 +114,12 @@ class SymlinkConflictError(CheckpointingException, FileExistsError):
     """A symlink would replace a regular file (or a directory) that is not ours to replace."""
 
 
+class ArgumentTypeError(CheckpointingException, TypeError):
+    """An argument of a public function has the wrong type, e.g. the state dict and the
+    directory passed in the other order; the message names the argument, what it takes and what
+    it got."""
+
+
 class UnknownStrategyError(CheckpointingException, ValueError):
     """No strategy is registered for the requested (action, backend, version)."""
 

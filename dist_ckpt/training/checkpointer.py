@@ -48,7 +48,13 @@ from dist_ckpt.engine.registry import DEFAULT_SHARDED_BACKEND, Strategy, Strateg
 from dist_ckpt.engine.report import ProgressCallback
 from dist_ckpt.engine.save import save
 from dist_ckpt.engine.watchdog import DEFAULT_WATCHDOG_TIMEOUT_S
-from dist_ckpt.errors import CheckpointingException, LoadMismatchError, ShardingIntegrityError, format_keys
+from dist_ckpt.errors import (
+    ArgumentTypeError,
+    CheckpointingException,
+    LoadMismatchError,
+    ShardingIntegrityError,
+    format_keys,
+)
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
 from dist_ckpt.model.stored_metadata import shaped
 from dist_ckpt.storage.location import resolve_location
@@ -88,6 +94,34 @@ def _metadata_of(sharded: Mapping[str, ShardedTensor]) -> CheckpointMetadata:
 def _maybe_collective(no_dist: bool, step: str, fn: Callable[[], T]) -> T:
     """``fn()`` alone with ``no_dist``, else on every rank with errors raised everywhere."""
     return fn() if no_dist else run_collectively(step, fn)
+
+
+def _check_arguments(method: str, dir: Any, state_dict: Any) -> None:
+    """Raise [`ArgumentTypeError`][dist_ckpt.errors.ArgumentTypeError] unless ``dir`` is a path and
+    ``state_dict`` a mapping: ``Checkpointer`` takes the directory first, the reverse of
+    ``dist_ckpt.save(state_dict, checkpoint_dir)``, so swapped arguments are the likely mistake
+    (without this check they fail deep inside with an ``AttributeError``)."""
+    is_path = isinstance(dir, (str, os.PathLike))
+    is_mapping = isinstance(state_dict, Mapping)
+    if is_path and is_mapping:
+        return
+    call = f"Checkpointer.{method}(dir, state_dict)"
+    if isinstance(dir, Mapping) and isinstance(state_dict, (str, os.PathLike)):
+        raise ArgumentTypeError(
+            f"[rank {get_rank()}] {call}: the arguments are swapped -- dir is a {type(dir).__name__} and "
+            f"state_dict is the path {os.fspath(state_dict)!r}. Checkpointer takes the directory first, "
+            f"dist_ckpt.save(state_dict, checkpoint_dir) the state dict first: call "
+            f"{method}({os.fspath(state_dict)!r}, state_dict) or pass them by keyword, "
+            f"{method}(dir=..., state_dict=...)"
+        )
+    if not is_path:
+        raise ArgumentTypeError(
+            f"[rank {get_rank()}] {call}: dir must be a path (str or os.PathLike), got {type(dir).__name__}"
+        )
+    raise ArgumentTypeError(
+        f"[rank {get_rank()}] {call} into {os.fspath(dir)!r}: state_dict must be a mapping of key -> tensor, "
+        f"got {type(state_dict).__name__}"
+    )
 
 
 class Checkpointer:
@@ -157,6 +191,9 @@ class Checkpointer:
     ) -> CheckpointMetadata:
         """Save ``state_dict`` (collective: every rank passes the same keys).
 
+        The directory comes first (OLMo-core's order), unlike ``dist_ckpt.save(state_dict,
+        checkpoint_dir)``; keywords work in any order: ``save(state_dict=sd, dir="ckpt")``.
+
         Args:
             dir: checkpoint directory.
             state_dict: ``{key: tensor | DTensor | ShardedTensor}``.
@@ -168,14 +205,23 @@ class Checkpointer:
         Returns:
             The saved tensors' global shapes and dtypes.
 
+        Raises:
+            ArgumentTypeError: ``dir`` is not a path or ``state_dict`` not a mapping -- e.g. the
+                two swapped -- on every rank, before anything is written.
+
         Example:
 
         ```python
         Checkpointer().save("ckpt/emb", {"emb": model.emb.weight})
         ```
         """
-        sharded = run_collectively("describing the tensors to save", lambda: _flat_sharded(state_dict))
-        self.save_sharded(dir, dict(sharded), save_overwrite, async_save=async_save)
+
+        def describe() -> Dict[str, ShardedTensor]:
+            _check_arguments("save", dir, state_dict)
+            return _flat_sharded(state_dict)
+
+        sharded = run_collectively("describing the tensors to save", describe)
+        self._save_sharded(dir, dict(sharded), save_overwrite, async_save)
         return _metadata_of({sh.key: sh for sh in sharded.values()})
 
     def save_sharded(
@@ -197,11 +243,22 @@ class Checkpointer:
         3. [`dist_ckpt.save()`][dist_ckpt.engine.save.save] with this checkpointer's save strategy; with ``async_save``,
            [`async_save_request()`][..async_save_request] (up to the snapshot of the tensors), and the request --
            write in the background, then commit -- is scheduled on this checkpointer's queue.
+
+        Raises:
+            ArgumentTypeError: ``dir`` is not a path or ``sharded_state_dict`` not a mapping (e.g.
+                passed in ``dist_ckpt.save``'s order), on every rank, before anything is written.
         """
+        run_collectively("checking the arguments", lambda: _check_arguments("save_sharded", dir, sharded_state_dict))
+        self._save_sharded(dir, sharded_state_dict, save_overwrite, async_save)
+
+    def _save_sharded(
+        self, dir: PathOrStr, sharded_state_dict: ShardedStateDict, save_overwrite: bool, async_save: bool
+    ) -> None:
+        """[`save_sharded()`][..save_sharded] once its arguments are checked."""
         path = Path(dir)
         if async_save:
             run_collectively("checking the asynchronous saves in flight", lambda: self._pending.check_free(dir))
-            self._pending.schedule(self.async_save_request(dir, sharded_state_dict, save_overwrite), dir)
+            self._pending.schedule(self._async_save_request(dir, sharded_state_dict, save_overwrite), dir)
             return
         _maybe_remove_committed(path, save_overwrite)
         save(
@@ -227,7 +284,18 @@ class Checkpointer:
         Raises:
             IncompatibleStrategyError: the save strategy cannot save asynchronously (the
                 default, safetensors, can), on every rank, before anything is written.
+            ArgumentTypeError: ``dir`` is not a path or ``sharded_state_dict`` not a mapping, on
+                every rank, before anything is written.
         """
+        run_collectively(
+            "checking the arguments", lambda: _check_arguments("async_save_request", dir, sharded_state_dict)
+        )
+        return self._async_save_request(dir, sharded_state_dict, save_overwrite)
+
+    def _async_save_request(
+        self, dir: PathOrStr, sharded_state_dict: ShardedStateDict, save_overwrite: bool
+    ) -> AsyncRequest:
+        """[`async_save_request()`][..async_save_request] once its arguments are checked."""
         path = Path(dir)
         _maybe_remove_committed(path, save_overwrite)
         if self._async_strategy is None:
@@ -318,6 +386,7 @@ class Checkpointer:
         Checkpointer().load("ckpt/emb", {"emb": model.emb.weight})
         ```
         """
+        _maybe_collective(no_dist, "checking the arguments", lambda: _check_arguments("load", dir, state_dict))
         if metadata is None:
             metadata = self.get_metadata(dir, no_dist=no_dist)
         known = metadata.tensors

@@ -188,3 +188,16 @@ def test_checkpointer_reshards_dtensors(index: int, shared_tmp_path: Path) -> No
     dst = distribute_tensor(torch.zeros(7, 8), init_device_mesh("cpu", load_mesh), load_placements)
     Checkpointer().load(shared_tmp_path / "c", {"x": dst}, validate=True)
     assert_on_all_ranks(bitwise_equal(dst.full_tensor(), full), f"resharded DTensor differs: {dst.to_local()}")
+
+
+@pytest.mark.parametrize("method", ["save", "save_sharded", "load"])
+def test_arguments_swapped_on_one_rank_are_raised_on_every_rank(method: str, shared_tmp_path: Path) -> None:
+    """Only the last rank passes ``dist_ckpt.save``'s order: every rank raises, none hangs."""
+    from dist_ckpt.errors import ArgumentTypeError
+    from dist_ckpt.model.sharded import ShardedTensor
+
+    state = {"w": ShardedTensor.from_rank_offsets("w", torch.ones(2), replica_id=rank())}
+    path = str(shared_tmp_path / "c")
+    args = (state, path) if rank() == world() - 1 else (path, state)
+    err = raises_on_all_ranks(ArgumentTypeError, lambda: getattr(Checkpointer(), method)(*args), "swapped")
+    assert f"rank {world() - 1}" in str(err)

@@ -11,6 +11,7 @@ import torch
 from dist_ckpt.backends.base import LoadShardedStrategy
 from dist_ckpt.engine.checks.compatibility import verify_checkpoint_and_load_strategy
 from dist_ckpt.errors import (
+    ArgumentTypeError,
     CheckpointExistsError,
     CheckpointingException,
     KeyMismatchError,
@@ -312,6 +313,40 @@ def test_checkpointer_load_errors(tmp_path: Path) -> None:
         Checkpointer().load(tmp_path / "c", {"w": torch.ones(4)})
     with pytest.raises(CheckpointingException, match="tensors only"):
         Checkpointer().save(tmp_path / "d", {"w": [1, 2]})
+
+
+def test_arguments_by_keyword_in_either_order(tmp_path: Path) -> None:
+    w = torch.randn(3)
+    ckpt = Checkpointer()
+    ckpt.save(state_dict={"w": w}, dir=tmp_path / "c")
+    w2 = torch.zeros(3)
+    ckpt.load(state_dict={"w": w2}, dir=str(tmp_path / "c"))
+    assert bitwise_equal(w2, w)
+
+
+@pytest.mark.parametrize("method", ["save", "save_sharded", "async_save_request", "load"])
+def test_swapped_arguments_say_which_is_which(tmp_path: Path, method: str) -> None:
+    """``dist_ckpt.save(state_dict, dir)`` habits: the reversed order is named, nothing is written."""
+    state = {"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}
+    with pytest.raises(ArgumentTypeError) as info:
+        getattr(Checkpointer(), method)(state, str(tmp_path / "c"))
+    message = str(info.value)
+    assert isinstance(info.value, TypeError) and isinstance(info.value, CheckpointingException)
+    assert f"Checkpointer.{method}(dir, state_dict)" in message and "swapped" in message, message
+    assert "[rank 0]" in message and str(tmp_path / "c") in message and "dist_ckpt.save(state_dict" in message
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize(
+    "dir, state_dict, match",
+    [
+        (["ckpt"], {}, r"dir must be a path \(str or os.PathLike\), got list"),
+        ("ckpt", [torch.ones(1)], r"state_dict must be a mapping of key -> tensor, got list"),
+    ],
+)
+def test_wrong_argument_types_are_named(tmp_path: Path, dir: Any, state_dict: Any, match: str) -> None:
+    with pytest.raises(ArgumentTypeError, match=match):
+        Checkpointer().save(dir, state_dict)
 
 
 def test_save_overwrite(tmp_path: Path) -> None:
