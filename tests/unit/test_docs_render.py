@@ -20,6 +20,9 @@ import pytest
 from tests.paths import REPO_ROOT
 
 SITE_ENV = "DIST_CKPT_DOCS_SITE"
+RUN_TESTS = REPO_ROOT / "scripts" / "run_tests.sh"
+#: the options of run_tests.sh's documentation build (``mkdocs build --strict ...``)
+_BUILD_OPTIONS = re.compile(r"-m mkdocs build((?: --[a-z][a-z-]*)*)")
 ROLES = "func|meth|class|mod|attr|data|exc|obj|const|type|ref|doc|term"
 #: a Sphinx role as it renders: the role name, then its target as a code span (or raw backticks)
 RAW_ROLE = re.compile(rf"(?<![\w:]):(?:py:)?(?:{ROLES}):`")
@@ -90,18 +93,41 @@ def raw_markup(html: str) -> List[str]:
     return [" ".join(text[max(m.start() - 40, 0) : m.end() + 30].split()) for text, m in found]
 
 
+def build_options() -> List[str]:
+    """The options scripts/run_tests.sh builds the documentation with: this module builds the same way."""
+    found = _BUILD_OPTIONS.search(RUN_TESTS.read_text(encoding="utf-8"))
+    assert found, f"{RUN_TESTS} does not build the documentation with `python -m mkdocs build`"
+    return found.group(1).split()
+
+
+def build(project: Path, out: Path) -> "subprocess.CompletedProcess[str]":
+    """``mkdocs build`` of ``project`` into ``out`` with run_tests.sh's options."""
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    cmd = [sys.executable, "-m", "mkdocs", "build", *build_options(), "-d", str(out)]
+    return subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True)
+
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The built site: the one run_tests.sh built, else a fresh strict build."""
+    """The built site: the one run_tests.sh built, else a fresh build the same way."""
     given = os.environ.get(SITE_ENV)
     if given:
         return Path(given)
     out = tmp_path_factory.mktemp("site")
-    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-    cmd = [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-d", str(out)]
-    result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    result = build(REPO_ROOT, out)
     assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stdout}\n{result.stderr}"
     return out
+
+
+def test_the_documentation_build_fails_on_any_warning(tmp_path: Path) -> None:
+    # --quiet hides mkdocs' warnings from the count that --strict fails on, so a build with both
+    # passes with an unresolved link or cross-reference
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "index.md").write_text("# Home\n\nSee [the missing page](missing.md).\n")
+    (tmp_path / "mkdocs.yml").write_text("site_name: t\n")
+    result = build(tmp_path, tmp_path / "site")
+    assert result.returncode != 0, f"a build with a warning passed ({build_options()}):\n{result.stderr}"
+    assert "missing.md" in result.stderr, result.stderr
 
 
 def test_scanner_finds_raw_roles_fields_and_literal_markers() -> None:
@@ -152,3 +178,34 @@ def test_api_reference_cross_references_and_fenced_examples(site: Path) -> None:
     examples = len(re.findall(r'<div class="language-python highlight">', html))
     assert links >= 100, f"only {links} cross-references in the API reference"
     assert examples >= 20, f"only {examples} fenced Python examples in the API reference"
+
+
+def test_no_exponent_renders_as_bold(site: Path) -> None:
+    # `2**30` written outside a code span renders as "2<strong>30 ... 10</strong>9"
+    bold = [
+        f"{page.relative_to(site)}: {m.group(0)}"
+        for page in sorted(site.rglob("*.html"))
+        for m in re.finditer(r"\d<strong>\d[^<]{0,20}", page.read_text(encoding="utf-8"))
+    ]
+    assert not bold, "a power written as a**b outside a code span renders bold: " + "; ".join(bold)
+
+
+def test_box_diagrams_keep_their_columns(site: Path) -> None:
+    # the site wraps long code lines (extra.css); a diagram is fenced as ```{.text .diagram}, which
+    # extra.css keeps unwrapped, and every line of its box is as wide as its top border
+    css = (REPO_ROOT / "docs" / "stylesheets" / "extra.css").read_text(encoding="utf-8")
+    assert re.search(r"\.diagram pre > code \{[^}]*white-space: pre;", css), "extra.css wraps diagrams"
+    boxes = 0
+    for source in sorted((REPO_ROOT / "docs").rglob("*.md")):
+        for block in re.findall(r"(?ms)^```([^\n]*)\n(.*?)^```", source.read_text(encoding="utf-8")):
+            fence, body = block
+            box = [line for line in body.splitlines() if line.strip()[:1] in ("┌", "│", "├", "└")]
+            if not box:
+                continue
+            boxes += 1
+            assert ".diagram" in fence, f"{source.name}: a box diagram fenced as {fence!r}, not {{.text .diagram}}"
+            widths = {len(line.rstrip()) for line in box}
+            assert len(widths) == 1, f"{source.name}: the box's lines are {sorted(widths)} characters wide"
+    assert boxes, "no box diagram found in docs/"
+    html = (site / "architecture" / "index.html").read_text(encoding="utf-8")
+    assert re.search(r'class="language-text diagram highlight"><pre><span></span><code> *dist_ckpt/__init__', html)

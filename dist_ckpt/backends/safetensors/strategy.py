@@ -260,8 +260,8 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     Reuse one strategy object for every save where you can: it keeps its pinned staging buffers,
     which are slow to allocate. The shared-memory snapshot buffer is kept for the process (see
-    [`PROCESS_SNAPSHOTS`][dist_ckpt.async_save.snapshot.PROCESS_SNAPSHOTS]), so a new strategy object
-    does not fault in a fresh one.
+    `dist_ckpt.async_save.snapshot.PROCESS_SNAPSHOTS`), so a new strategy object does not fault in
+    a fresh one.
     """
 
     owned_paths: ClassVar[Tuple[str, ...]] = (SAFETENSORS_DIR,)
