@@ -39,6 +39,7 @@ from dist_ckpt.backends.torch_dist.metadata import mcore_data
 from dist_ckpt.errors import CorruptCheckpointError, InvalidShardedTensorError
 from dist_ckpt.model.sharded import ShardedObject, ShardedStateDict, ShardedTensor
 from dist_ckpt.model.stored_metadata import stored_tensor_metadata
+from dist_ckpt.model.tiling import tiling_problem
 
 __all__ = [
     "REFORMULATED_SHAPE",
@@ -174,12 +175,42 @@ def _original_shape(key: str, entry: TensorStorageMetadata, extra: Dict[str, Any
     return original
 
 
+def _check_chunks(key: str, dtype: torch.dtype, size: Shape, chunks: List[StoredChunk], where: str) -> None:
+    """Raise CorruptCheckpointError unless the chunks of tensor ``key`` cover it exactly once and
+    each has the bytes its elements need in its file.
+
+    A hostile ``.metadata`` made only of DCP's classes can list a chunk many times (DCP's
+    resharding helper is then quadratic in the count), chunks that overlap or leave a gap (a load
+    returns elements never stored), or a huge size (allocating it fails with a raw RuntimeError):
+    every reader of the layout -- loads, ``load_tensors_metadata``, ``unshard``, ``verify`` -- is
+    refused here, before anything is planned or allocated. DCP stores each chunk as ``torch.save``
+    of a tensor of exactly its elements, so a chunk's item holds at least their bytes, and a
+    declared size is bounded by the bytes of the chunks that tile it.
+    """
+    for chunk in chunks:
+        need = math.prod(chunk.sizes) * dtype.itemsize
+        if chunk.item.length < need:
+            raise CorruptCheckpointError(
+                f"{where}: tensor {key!r}: its chunk at offsets {list(chunk.offsets)} of size {list(chunk.sizes)} "
+                f"({dtype}) needs {need} bytes, the DCP metadata gives it {chunk.item.length} bytes in "
+                f"{chunk.item.file!r}"
+            )
+    problem = tiling_problem(size, [(c.offsets, c.sizes) for c in chunks])
+    if problem is not None:
+        raise CorruptCheckpointError(
+            f"{where}: the chunks of tensor {key!r} {list(size)} in the DCP metadata do not cover it exactly once: "
+            f"{problem}"
+        )
+
+
 def parse_layout(md: Metadata, where: str) -> TorchDistLayout:
     """The stored tensors and bytes entries of ``md``, each with its file ranges.
 
     Raises:
         CorruptCheckpointError: an entry of an unknown kind, a chunk with no file, a chunk
-            outside its tensor, or a reformulated tensor whose recorded shape does not fit.
+            outside its tensor, chunks that do not cover their tensor exactly once (listed twice,
+            overlapping, a gap), a chunk with fewer bytes than its elements need, or a
+            reformulated tensor whose recorded shape does not fit.
 
     Example:
 
@@ -213,6 +244,7 @@ def parse_layout(md: Metadata, where: str) -> TorchDistLayout:
         dtype = entry.properties.dtype
         if not isinstance(dtype, torch.dtype):
             raise CorruptCheckpointError(f"{where}: tensor {key!r} has no dtype ({dtype!r})")
+        _check_chunks(key, dtype, size, chunks, where)
         tensors[key] = StoredTensor(key, dtype, size, tuple(chunks), _original_shape(key, entry, extra, where))
     return TorchDistLayout(where, md, tensors, byte_items)
 
