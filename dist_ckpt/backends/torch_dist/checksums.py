@@ -17,6 +17,13 @@ whole spans, so a load checks exactly the spans of the items it reads, and ``dis
 checks every span of every file. Megatron-Core and DCP ignore the file. Checkpoints written by
 other tools have none: they load unverified and verify says so.
 
+The manifest is a file no other reader needs, and so is ``dist_ckpt.json``, which lists it: both
+can be deleted and the checkpoint still loads everywhere. So that it then does not pass for one
+written by another tool (loaded unverified), the save also marks ``.metadata`` -- the one file
+every reader needs -- as checksummed (`mark_checksummed()`: an attribute of DCP's ``Metadata``
+that DCP and Megatron-Core ignore, as they ignore ``mcore_data``), and a reader of a marked
+checkpoint without its manifest refuses it (`require_manifest()`).
+
 How the spans are found: DCP's file writer asks the stream for its position (``tell()``) right
 before and right after each item; `RecordingStream` starts a new span at every ``tell()``, and
 gives every large write (`OWN_SPAN_BYTES` or more: a tensor's data record, which
@@ -48,10 +55,13 @@ from pathlib import Path
 from typing import IO, Any, Dict, Generator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import Metadata
 
+from dist_ckpt.backends.torch_dist.metadata import DCP_METADATA_FILENAME
 from dist_ckpt.errors import ChecksumMismatchError, CorruptCheckpointError, IncompatibleStrategyError
 from dist_ckpt.integrity.checksums import ALGORITHM, crc32c, crc_from_hex, crc_to_hex
 from dist_ckpt.integrity.safe_json import loads
+from dist_ckpt.storage import Storage
 
 __all__ = [
     "CHECKSUMS_FILENAME",
@@ -62,7 +72,9 @@ __all__ = [
     "check_bytes",
     "item_spans",
     "manifest_json",
+    "mark_checksummed",
     "parse_manifest",
+    "require_manifest",
     "spans_within",
 ]
 
@@ -70,6 +82,11 @@ __all__ = [
 CHECKSUMS_FILENAME = "torch_dist.checksums.json"
 _FORMAT = "dist_ckpt.torch_dist.checksums"
 _VERSION = 1
+
+#: the attribute of the pickled DCP ``Metadata`` that says its checkpoint has a manifest (a plain
+#: dict: the restricted unpickler needs no class for it; DCP and Megatron-Core ignore it)
+MARK_ATTRIBUTE = "dist_ckpt_checksums"
+_MARK = {"manifest": CHECKSUMS_FILENAME, "algorithm": ALGORITHM, "version": _VERSION}
 
 #: writes of at least this many bytes get a span of their own (a tensor's data record: the load
 #: checks it on the bytes it reads); smaller ones are gathered into one write
@@ -320,3 +337,39 @@ def parse_manifest(raw: bytes, where: str) -> Dict[str, FileSpans]:
             raise CorruptCheckpointError(f"checksum manifest {where!r}: {name!r} is not a file of the checkpoint")
         out[name] = _spans(entry, f"checksum manifest {where!r}, file {name!r}")
     return out
+
+
+def mark_checksummed(metadata: Metadata) -> None:
+    """Record in ``metadata`` (before it is written as ``.metadata``) that the save writes a
+    manifest of its checksums (see the module docstring)."""
+    setattr(metadata, MARK_ATTRIBUTE, dict(_MARK))
+
+
+def require_manifest(metadata: Metadata, has_manifest: bool, storage: Storage) -> None:
+    """Refuse a checkpoint (in ``storage``) whose ``.metadata`` says it was checksummed but whose
+    manifest is gone: it would otherwise load unverified, as one written by another tool.
+
+    Raises:
+        CorruptCheckpointError: the manifest is missing, or the mark is not one this dist_ckpt wrote.
+
+    Example:
+
+    ```python
+    require_manifest(layout.metadata, manifest is not None, storage)
+    ```
+    """
+    mark = getattr(metadata, MARK_ATTRIBUTE, None)
+    if mark is None:
+        return
+    where = storage.url_of(DCP_METADATA_FILENAME)
+    if mark != _MARK:
+        raise CorruptCheckpointError(
+            f"{where} records checksums as {mark!r}, which this dist_ckpt did not write (expected {_MARK!r}): "
+            f"the DCP metadata is corrupt"
+        )
+    if not has_manifest:
+        raise CorruptCheckpointError(
+            f"{storage.url_of(CHECKSUMS_FILENAME)} is missing, but {where} records that dist_ckpt checksummed this "
+            f"checkpoint: the checksum manifest was deleted, so its files cannot be checked; the checkpoint is "
+            f"corrupt ('dist-ckpt verify' checks what it can)"
+        )

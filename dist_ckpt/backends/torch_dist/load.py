@@ -63,6 +63,7 @@ from dist_ckpt.backends.torch_dist.checksums import (
     check_bytes,
     item_spans,
     parse_manifest,
+    require_manifest,
 )
 from dist_ckpt.backends.torch_dist.layout import (
     TorchDistLayout,
@@ -150,7 +151,8 @@ def open_checkpoint(
     """Read ``.metadata`` (restricted unpickler) and the checksum manifest, if any, from the
     checkpoint's storage.
 
-    With ``verify_checksums``, ``.metadata`` itself is checked against the manifest first.
+    With ``verify_checksums``, ``.metadata`` itself is checked against the manifest first, and a
+    ``.metadata`` that records a manifest (see `checksums`) refuses to open without it.
 
     Raises:
         NotACheckpointError: no ``.metadata``.
@@ -176,7 +178,10 @@ def open_checkpoint(
                     f"{where} has {len(raw)} bytes, {recorded.size} were recorded at save time (truncated or replaced)"
                 )
             check_bytes(raw, 0, recorded.spans, where, "the DCP metadata")
-    layout = parse_layout(unpickle_metadata(raw, where, allow_pickle), storage.url)
+    metadata = unpickle_metadata(raw, where, allow_pickle)
+    if verify_checksums:  # a marked checkpoint without its manifest would load unverified: refused
+        require_manifest(metadata, manifest is not None, storage)
+    layout = parse_layout(metadata, storage.url)
     return OpenedCheckpoint(storage, layout, manifest)
 
 

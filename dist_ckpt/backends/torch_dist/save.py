@@ -54,7 +54,13 @@ from torch.distributed.checkpoint.storage import WriteResult
 from dist_ckpt.async_save.queue import AsyncOutcome, AsyncRequest
 from dist_ckpt.async_save.snapshot import PROCESS_SNAPSHOTS, Snapshot
 from dist_ckpt.backends.base import AsyncSaveShardedStrategy, TensorLayout, TensorStreamWriter, main_replica_shards
-from dist_ckpt.backends.torch_dist.checksums import CHECKSUMS_FILENAME, ChecksummingFileSystem, FileSpans, manifest_json
+from dist_ckpt.backends.torch_dist.checksums import (
+    CHECKSUMS_FILENAME,
+    ChecksummingFileSystem,
+    FileSpans,
+    manifest_json,
+    mark_checksummed,
+)
 from dist_ckpt.backends.torch_dist.layout import REFORMULATED_SHAPE, chunk_data, write_chunk
 from dist_ckpt.backends.torch_dist.load import local_storage
 from dist_ckpt.backends.torch_dist.metadata import DCP_METADATA_FILENAME
@@ -323,6 +329,8 @@ def write_global_metadata(storage: Storage, gathered: List[Dict[str, Any]], opti
     if reformulated:
         # megatron-core <= 0.14 records flattened tensors' shapes so (0.15 pickles a subclass instead)
         metadata.mcore_data = reformulated  # type: ignore[attr-defined]
+    if options.checksums:
+        mark_checksummed(metadata)  # a deleted manifest then fails closed (see checksums)
     publish_staged(storage.local_dir, [name for part in gathered for name in part["names"]])
     writer = FileSystemWriter(storage.local_dir, sync_files=options.sync_files)
     writer.finish(metadata, results)

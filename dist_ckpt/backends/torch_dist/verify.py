@@ -6,8 +6,9 @@ One process, never raises for damage. Checks, in order:
 2. every file the metadata names exists and is long enough for the items it holds there;
 3. with a checksum manifest (checkpoints dist_ckpt wrote): every file's size, and the crc32c of
    every span of it (each item); files the metadata names but the manifest lacks are problems;
-4. without one (Megatron-Core, torchtitan, ``dcp.save``): a note says no checksums were recorded,
-   and each item is checked as what DCP writes, a ``torch.save`` zip archive whose members carry
+4. without one (Megatron-Core, torchtitan, ``dcp.save``): a note says no checksums were recorded
+   (a problem when ``.metadata`` says dist_ckpt recorded them: the manifest was deleted), and each
+   item is checked as what DCP writes, a ``torch.save`` zip archive whose members carry
    their own CRC-32.
 
 Example:
@@ -25,7 +26,7 @@ import zipfile
 from bisect import bisect_right
 from typing import Dict, List, Optional
 
-from dist_ckpt.backends.torch_dist.checksums import CHECKSUMS_FILENAME, FileSpans, parse_manifest
+from dist_ckpt.backends.torch_dist.checksums import CHECKSUMS_FILENAME, FileSpans, parse_manifest, require_manifest
 from dist_ckpt.backends.torch_dist.layout import StoredItem, TorchDistLayout, parse_layout
 from dist_ckpt.backends.torch_dist.metadata import DCP_METADATA_FILENAME, unpickle_metadata
 from dist_ckpt.engine.records import read_recorded
@@ -166,10 +167,14 @@ def verify_torch_dist(checkpoint_dir: LocationLike, allow_pickle: bool = False) 
     if report.problems:
         return report
     if manifest is None:
-        report.notes.append(
-            "no checksums recorded (written by another tool, or saved without checksums): each DCP item was "
-            "checked as a torch.save archive (its zip CRC-32s)"
-        )
+        try:
+            require_manifest(layout.metadata, False, storage)
+            report.notes.append(
+                "no checksums recorded (written by another tool, or saved without checksums): each DCP item was "
+                "checked as a torch.save archive (its zip CRC-32s)"
+            )
+        except CheckpointingException as e:  # saved with checksums: their manifest was deleted
+            report.add(CHECKSUMS_FILENAME, str(e))
         report.files_checked += 1 + len(ends)
         _check_items(storage, layout, report)
         return report
