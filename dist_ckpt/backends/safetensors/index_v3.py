@@ -190,18 +190,21 @@ class ShardTableFile:
             try:
                 if not self.storage.local_paths:
                     raw = np.frombuffer(self.storage.read(self.name), dtype=np.uint8)
-                elif self.size == 0:  # np.memmap refuses an empty file
-                    raw = np.zeros(0, dtype=np.uint8)
-                else:
-                    raw = np.memmap(self.storage.local_path(self.name), dtype=np.uint8, mode="r")
+                else:  # its size first: np.memmap refuses an empty file with a bare ValueError
+                    self._check_size(self.storage.size(self.name), where)
+                    path = self.storage.local_path(self.name)
+                    raw = np.memmap(path, dtype=np.uint8, mode="r") if self.size else np.zeros(0, dtype=np.uint8)
             except FileNotFoundError:  # ObjectNotFoundError is one
                 raise self.fail(f"its shard table {where!r} is missing") from None
-            if raw.shape[0] != self.size:
-                raise self.fail(f"its shard table {where!r} has {raw.shape[0]} bytes, the index says {self.size}")
+            self._check_size(raw.shape[0], where)
             split = self.nrows * self.columns * _ROW.itemsize
             self._rows = raw[:split].view(_ROW).reshape(self.nrows, self.columns)
             self._crcs = raw[split:].view(_CRC)
         return self._rows, self._crcs
+
+    def _check_size(self, found: int, where: str) -> None:
+        if found != self.size:
+            raise self.fail(f"its shard table {where!r} has {found} bytes, the index says {self.size}")
 
 
 class TableTensor(StoredTensor):
