@@ -11,8 +11,8 @@ from __future__ import annotations
 from dist_ckpt.engine.checks.compatibility import validate_sharded_objects_handling, verify_checkpoint_and_load_strategy
 from dist_ckpt.engine.distributed import local_only
 from dist_ckpt.engine.registry import StrategySpec
-from dist_ckpt.model.dict_utils import merge
-from dist_ckpt.model.sharded import ShardedStateDict, StateDict
+from dist_ckpt.model.dict_utils import dict_list_map_inplace, merge, nested_values
+from dist_ckpt.model.sharded import ShardedObject, ShardedStateDict, StateDict
 from dist_ckpt.storage.location import LocationLike, resolve_location
 
 
@@ -79,10 +79,29 @@ def load_plain_tensors(checkpoint_dir: LocationLike) -> StateDict:
 
 
 def load_sharded_objects(sharded_state_dict: ShardedStateDict, checkpoint_dir: LocationLike) -> StateDict:
-    """Replace every ShardedObject in ``sharded_state_dict`` by its stored value (in place)."""
+    """Replace every ShardedObject in ``sharded_state_dict`` by its stored value (in place); other
+    values stay as they are.
+
+    The objects are read by the backend that stores them, as in [`load()`][dist_ckpt.engine.load.load]: the sharded
+    backend when it handles ShardedObjects (``torch_dist`` keeps them inside DCP's files), else the
+    common one.
+
+    Example:
+
+    ```python
+    load_sharded_objects({"rng": ShardedObject("rng", None, (2,), (1,))}, "ckpt/iter_10")["rng"]
+    ```
+    """
     location = resolve_location(checkpoint_dir)
-    _, common = verify_checkpoint_and_load_strategy(location)
-    return common.load_sharded_objects(sharded_state_dict, location)
+    sharded, common = verify_checkpoint_and_load_strategy(location)
+    if not sharded.can_handle_sharded_objects:
+        return common.load_sharded_objects(sharded_state_dict, location)
+    objects = [x for x in nested_values(sharded_state_dict) if isinstance(x, ShardedObject)]
+    loaded = sharded.load({str(i): obj for i, obj in enumerate(objects)}, location)
+    values = {id(obj): loaded[str(i)] for i, obj in enumerate(objects)}
+    return dict_list_map_inplace(  # type: ignore[no-any-return]
+        lambda x: values[id(x)] if isinstance(x, ShardedObject) else x, sharded_state_dict
+    )
 
 
 def remove_sharded_tensors(checkpoint_dir: LocationLike, key_prefix: str) -> None:
