@@ -4,15 +4,18 @@ alignment (`TENSOR_ALIGN`) at which tensor data can be viewed in place.
 Every backend names dtypes with the stable strings of this table (``"bfloat16"``,
 ``"float8_e4m3fn"``), so a checkpoint never depends on ``repr(torch.dtype)``. numpy has no
 bfloat16 or float8 types; ``ml_dtypes`` provides them with the same bit layout, which lets a CPU
-tensor of any stored dtype be viewed as a numpy array without copying.
+tensor of any stored dtype be viewed as a numpy array without copying. ``ml_dtypes`` takes about a
+second to import, so it is imported when such a dtype's numpy type is first needed, not with
+dist_ckpt.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-import ml_dtypes
 import numpy as np
 import torch
 
@@ -25,40 +28,55 @@ class DTypeInfo:
 
     name: str  # stable name, used in metadata and as the zarr v3 data_type
     torch_dtype: torch.dtype
-    numpy_dtype: np.dtype
+    # numpy's name of the type (``"float32"``), or ``"ml_dtypes.<name>"`` for one numpy lacks
+    numpy_type: str
     safetensors_name: str
     # integer torch dtype of the same width, used to view dtypes numpy cannot hold
     bits_dtype: Optional[torch.dtype] = None
 
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        """The numpy (or ml_dtypes) dtype with the same bits, importing ml_dtypes on first use."""
+        return _numpy_dtype(self.numpy_type)
 
-def _info(name: str, np_dtype: object, st_name: str, bits: Optional[torch.dtype] = None) -> Optional[DTypeInfo]:
+
+@functools.lru_cache(maxsize=None)
+def _numpy_dtype(numpy_type: str) -> np.dtype:
+    module, _, name = numpy_type.rpartition(".")
+    if not module:
+        return np.dtype(name)
+    # an ml_dtypes release without this type (float8_e8m0fnu is recent): its bytes as uint8
+    return np.dtype(getattr(importlib.import_module(module), name, np.uint8))
+
+
+def _info(name: str, numpy_type: str, st_name: str, bits: Optional[torch.dtype] = None) -> Optional[DTypeInfo]:
     torch_dtype = getattr(torch, name, None)
     if not isinstance(torch_dtype, torch.dtype):
         return None  # this torch build does not have the dtype
-    return DTypeInfo(name, torch_dtype, np.dtype(np_dtype), st_name, bits)  # type: ignore[call-overload]
+    return DTypeInfo(name, torch_dtype, numpy_type, st_name, bits)
 
 
 _CANDIDATES = [
-    _info("float64", np.float64, "F64"),
-    _info("float32", np.float32, "F32"),
-    _info("float16", np.float16, "F16"),
-    _info("bfloat16", ml_dtypes.bfloat16, "BF16", torch.int16),
-    _info("float8_e4m3fn", ml_dtypes.float8_e4m3fn, "F8_E4M3", torch.uint8),
-    _info("float8_e5m2", ml_dtypes.float8_e5m2, "F8_E5M2", torch.uint8),
-    _info("float8_e4m3fnuz", ml_dtypes.float8_e4m3fnuz, "F8_E4M3FNUZ", torch.uint8),
-    _info("float8_e5m2fnuz", ml_dtypes.float8_e5m2fnuz, "F8_E5M2FNUZ", torch.uint8),
-    _info("float8_e8m0fnu", getattr(ml_dtypes, "float8_e8m0fnu", np.uint8), "F8_E8M0", torch.uint8),
-    _info("complex128", np.complex128, "C128"),
-    _info("complex64", np.complex64, "C64"),
-    _info("int64", np.int64, "I64"),
-    _info("int32", np.int32, "I32"),
-    _info("int16", np.int16, "I16"),
-    _info("int8", np.int8, "I8"),
-    _info("uint64", np.uint64, "U64"),
-    _info("uint32", np.uint32, "U32"),
-    _info("uint16", np.uint16, "U16"),
-    _info("uint8", np.uint8, "U8"),
-    _info("bool", np.bool_, "BOOL"),
+    _info("float64", "float64", "F64"),
+    _info("float32", "float32", "F32"),
+    _info("float16", "float16", "F16"),
+    _info("bfloat16", "ml_dtypes.bfloat16", "BF16", torch.int16),
+    _info("float8_e4m3fn", "ml_dtypes.float8_e4m3fn", "F8_E4M3", torch.uint8),
+    _info("float8_e5m2", "ml_dtypes.float8_e5m2", "F8_E5M2", torch.uint8),
+    _info("float8_e4m3fnuz", "ml_dtypes.float8_e4m3fnuz", "F8_E4M3FNUZ", torch.uint8),
+    _info("float8_e5m2fnuz", "ml_dtypes.float8_e5m2fnuz", "F8_E5M2FNUZ", torch.uint8),
+    _info("float8_e8m0fnu", "ml_dtypes.float8_e8m0fnu", "F8_E8M0", torch.uint8),
+    _info("complex128", "complex128", "C128"),
+    _info("complex64", "complex64", "C64"),
+    _info("int64", "int64", "I64"),
+    _info("int32", "int32", "I32"),
+    _info("int16", "int16", "I16"),
+    _info("int8", "int8", "I8"),
+    _info("uint64", "uint64", "U64"),
+    _info("uint32", "uint32", "U32"),
+    _info("uint16", "uint16", "U16"),
+    _info("uint8", "uint8", "U8"),
+    _info("bool", "bool", "BOOL"),
 ]
 
 _BY_NAME: Dict[str, DTypeInfo] = {i.name: i for i in _CANDIDATES if i is not None}
