@@ -97,7 +97,7 @@ class RunCheckpoint:
         name: the directory name, e.g. ``"checkpoint-1000"``.
         step: the step its name carries.
         format: ``CheckpointFormat.DIST_CKPT`` or ``CheckpointFormat.HF``.
-        metrics: what [`save_checkpoint_metrics()`][dist_ckpt.training.checkpoints.save_checkpoint_metrics] stored
+        metrics: what [`save_checkpoint_metrics()`][dist_ckpt.training.metrics.save_checkpoint_metrics] stored
             beside it, or None if nothing was (e.g. a crash between the commit and the metrics).
     """
 
