@@ -287,3 +287,19 @@ def test_ranks_finalizing_different_calls_raise_on_every_rank() -> None:
         queue.close()
     finally:
         queue.close(abort=True)
+
+
+def test_async_save_function_commits_on_every_rank_and_reshards(shared_tmp_path: Path, queue) -> None:
+    """dist_ckpt's async_save(): the future's result() is collective and commits the values of the call."""
+    from dist_ckpt.engine.async_api import async_save
+
+    sd = _state(tp=world())
+    future = async_save(sd, shared_tmp_path / "c", queue=queue)
+    for v in sd.values():  # training goes on
+        if isinstance(v, dc.ShardedTensor):
+            v.data.zero_()
+    assert future.result() == str(shared_tmp_path / "c")
+    loaded = dc.load(_state(tp=world() // 2, empty=True), shared_tmp_path / "c")
+    expected = _state(tp=world() // 2)
+    ok = all(bitwise_equal(loaded[k], v.data) for k, v in expected.items() if isinstance(v, dc.ShardedTensor))
+    assert_on_all_ranks(ok, "async_save() committed other values than those of the call")
