@@ -22,7 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
-__all__ = ["StoredShardInfo"]
+from dist_ckpt.errors import CorruptCheckpointError, InvalidKeyError
+from dist_ckpt.storage import validate_key
+
+__all__ = ["StoredShardInfo", "stored_key"]
 
 Shape = Tuple[int, ...]
 
@@ -56,3 +59,26 @@ class StoredShardInfo:
             "file": self.file,
             "nbytes": self.nbytes,
         }
+
+
+def stored_key(key: str, where: str) -> str:
+    """``key``, read from the checkpoint file ``where``, once the key validator accepts it.
+
+    Every key a loader reads from a file (a ``zarr.json``, the safetensors index, DCP's
+    ``.metadata``) is returned to callers (``load_tensors_metadata``, ``unshard``, ``convert``)
+    who may use it as a path: a key a save would refuse (``../../x``) is damage.
+
+    Raises:
+        CorruptCheckpointError: from the validator's [`InvalidKeyError`][dist_ckpt.errors.InvalidKeyError].
+
+    Example:
+
+    ```python
+    stored_key("decoder.w", "ckpt/zarr/decoder.w/zarr.json")    # "decoder.w"
+    ```
+    """
+    try:
+        validate_key(key)
+    except InvalidKeyError as e:
+        raise CorruptCheckpointError(f"{where} holds a key no save writes: {e}") from e
+    return key

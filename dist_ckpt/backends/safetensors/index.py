@@ -88,6 +88,7 @@ from dist_ckpt.backends.safetensors.tensor_index import (
     describe_tensor_index,
     tensors_metadata,
 )
+from dist_ckpt.backends.stored_shards import stored_key
 from dist_ckpt.engine.records import read_recorded
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError, IncompatibleStrategyError
 from dist_ckpt.integrity.checksums import ALGORITHM, block_count, crc_from_hex, decode_block_crcs
@@ -222,6 +223,7 @@ class _Parser:
         return StoredShard(file, name, offset, chunk, flat_range, (byte_range[0], byte_range[1]), crcs)
 
     def tensor(self, key: str, raw: Any, files: Dict[str, int]) -> StoredTensor:
+        stored_key(key, f"safetensors index {self.path!r}")
         entry = self.obj(raw, "a tensor entry", key)
         dtype_name = entry.get("dtype")
         try:

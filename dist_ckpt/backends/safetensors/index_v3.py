@@ -54,6 +54,7 @@ import torch
 
 from dist_ckpt.backends.safetensors.index_parts import COLUMNS, MergedIndex
 from dist_ckpt.backends.safetensors.tensor_index import FLATTENED, StoredShard, StoredTensor, TensorIndex
+from dist_ckpt.backends.stored_shards import stored_key
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
 from dist_ckpt.integrity.checksums import ALGORITHM, crc32c, crc_from_hex, crc_to_hex
 from dist_ckpt.integrity.safe_json import check_tensor_bytes, shown
@@ -561,6 +562,7 @@ def parse_v3(
     tensors: Dict[str, StoredTensor] = {}
     rows = _TensorRows(table, names, np.asarray(sizes, dtype=np.int64), block_bytes, np.zeros((0, 5)), fail)
     for key, entry in raw_tensors.items():
+        stored_key(key, f"safetensors index {where!r}")
         dtype, shape, at, blocks, crc, flat = _tensor_entry(key, entry, table, fail)
         check_tensor_bytes(shape, dtype.itemsize, f"safetensors index {where!r} (tensor {key!r})")
         tensors[key] = rows.tensors[key] = TableTensor(key, dtype, shape, rows, len(spans), flat)

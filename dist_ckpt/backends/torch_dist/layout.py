@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
-from dist_ckpt.backends.stored_shards import StoredShardInfo
+from dist_ckpt.backends.stored_shards import StoredShardInfo, stored_key
 from dist_ckpt.backends.torch_dist.metadata import mcore_data
 from dist_ckpt.errors import CorruptCheckpointError, InvalidShardedTensorError
 from dist_ckpt.model.sharded import ShardedObject, ShardedStateDict, ShardedTensor
@@ -223,6 +223,7 @@ def parse_layout(md: Metadata, where: str) -> TorchDistLayout:
     tensors: Dict[str, StoredTensor] = {}
     byte_items: Dict[str, StoredItem] = {}
     for key, entry in md.state_dict_metadata.items():
+        stored_key(key, f"the DCP metadata of {where}")
         if isinstance(entry, BytesStorageMetadata):
             byte_items[key] = _item(md, MetadataIndex(key), where)
             continue

@@ -31,6 +31,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 from dist_ckpt.backends.zarr.layout import CHECKSUMS_FILENAME, LAYOUT_CHUNKED, ZARR_DIR, chunk_coords, chunk_key
 from dist_ckpt.backends.zarr.metadata import (
     JsonCheck,
+    StoredTensorInfo,
     chunk_separator,
     damaged_chunks,
     list_tensor_names,
@@ -283,8 +284,8 @@ def verify_zarr(checkpoint_dir: ObjectPath) -> IntegrityReport:
     """Check every file of a zarr-format checkpoint; never raises for a damaged one.
 
     With a manifest: every listed file must exist with its size and crc. Without (older
-    checkpoints): every tensor's metadata must parse and every chunk file must exist with the
-    size its array implies.
+    checkpoints): every chunk file must exist with the size its array implies. Either way every
+    tensor's metadata must pass the checks a load makes (`_verify_metadata()`).
 
     Example:
 
@@ -326,6 +327,7 @@ def verify_zarr(checkpoint_dir: ObjectPath) -> IntegrityReport:
             report.add(f"{ZARR_DIR}/{name}", found[0], _key_of(root, name))
         report.files_checked += 1
         report.bytes_checked += expected.size
+    _verify_metadata(root, checkpoint_dir, report)
     return report
 
 
@@ -341,20 +343,31 @@ def _key_of(root: ObjectPath, name: str) -> Optional[str]:
     return None if info is None else info.key
 
 
-def _verify_structure(root: ObjectPath, checkpoint_dir: ObjectPath, report: IntegrityReport) -> None:
+def _verify_metadata(root: ObjectPath, checkpoint_dir: ObjectPath, report: IntegrityReport) -> List[StoredTensorInfo]:
+    """Every tensor's metadata, parsed and checked as loads do (`open_tensor_info()`: size and
+    depth of each ``zarr.json``, its key, shapes, the coverage of a flattened tensor's
+    fragments): files whose checksums agree can still hold what every loader refuses. Each
+    tensor that fails is one problem; returns the others."""
     try:
         names = list_tensor_names(root)
     except CheckpointingException as e:
         report.add(ZARR_DIR, str(e))
-        return
+        return []
+    infos = []
     for name in names:
         try:
             info = open_tensor_info(root, name)
         except CheckpointingException as e:
             report.add((root / name / "zarr.json").relative_to(checkpoint_dir), str(e))
             continue
-        if info is None:
-            continue
+        if info is not None:
+            infos.append(info)
+    return infos
+
+
+def _verify_structure(root: ObjectPath, checkpoint_dir: ObjectPath, report: IntegrityReport) -> None:
+    """Without a manifest: every tensor's metadata (`_verify_metadata()`) and chunk files."""
+    for info in _verify_metadata(root, checkpoint_dir, report):
         report.files_checked += 1
         arrays = (
             [(info.path, info.bounds)]

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from dist_ckpt.backends.stored_shards import StoredShardInfo
+from dist_ckpt.backends.stored_shards import StoredShardInfo, stored_key
 from dist_ckpt.backends.zarr.layout import (
     ATTR,
     CHECKSUMS_FILENAME,
@@ -37,6 +37,7 @@ from dist_ckpt.model.dtypes import dtype_from_name, dtype_info
 from dist_ckpt.model.geometry import Box, ShardPiece, shard_pieces
 from dist_ckpt.model.sharded import ShardedStateDict
 from dist_ckpt.model.stored_metadata import stored_tensor_metadata
+from dist_ckpt.model.tiling import tiling_problem
 from dist_ckpt.storage import encode_key
 from dist_ckpt.storage.object_path import ObjectPath, subdirs
 
@@ -165,6 +166,7 @@ def open_tensor_info(
             raise CorruptCheckpointError(
                 f"{path / 'zarr.json'}: 'key' and 'dtype' must be strings, found {shown(key)}, {shown(dtype_name)}"
             )
+        stored_key(key, str(path / "zarr.json"))
         dtype = dtype_from_name(dtype_name)
         if attrs.get("layout") == LAYOUT_FLATTENED:
             info = StoredTensorInfo(
@@ -179,6 +181,7 @@ def open_tensor_info(
             check_tensor_bytes(info.global_shape, dtype.itemsize, str(path / "zarr.json"))
             check_tensor_bytes(info.chunk_shape, dtype.itemsize, str(path / "zarr.json"))
             info.fragments = _list_fragments(path, info.chunk_shape, check, index)
+            _check_fragments(info)
             return info
         if doc.get("node_type") != "array":
             raise CorruptCheckpointError(
@@ -288,6 +291,19 @@ def _list_fragments(
             raise CorruptCheckpointError(f"{path / entry / 'zarr.json'}: {e}") from e
         fragments.append(FragmentInfo(path / entry, offset, (rng[0], rng[1]), pieces))
     return fragments
+
+
+def _check_fragments(info: StoredTensorInfo) -> None:
+    """Raise CorruptCheckpointError unless the fragments of a flattened tensor cover it exactly
+    once (`tiling_problem()`): forged ranges that overlap as much as they leave out would
+    otherwise load the missing elements as zeros, and ``verify`` runs this same check."""
+    boxes = [(p.box.offset, p.box.shape) for f in info.fragments for p in f.pieces if p.box.numel]
+    problem = tiling_problem(info.global_shape, boxes)
+    if problem is not None:
+        raise CorruptCheckpointError(
+            f"{info.path / 'zarr.json'}: the fragments of tensor {info.key!r} {list(info.global_shape)} do not cover "
+            f"it exactly once: {problem}"
+        )
 
 
 def list_tensor_names(root: ObjectPath) -> List[str]:

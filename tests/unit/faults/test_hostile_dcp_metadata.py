@@ -128,3 +128,16 @@ def test_a_huge_chunk_without_its_bytes_is_refused(plain_dcp, tmp_path):
         md.storage_data[MetadataIndex("w", torch.Size((0, 0)))] = info
 
     _refused_everywhere(_forge(plain_dcp, tmp_path / "huge_chunk", huge), "bytes")
+
+
+def test_a_key_read_from_the_metadata_is_validated(plain_dcp, tmp_path):
+    def hostile(md: Metadata) -> None:
+        md.state_dict_metadata["../../../x"] = md.state_dict_metadata.pop("step")
+        md.storage_data[MetadataIndex("../../../x")] = md.storage_data.pop(MetadataIndex("step"))
+
+    ckpt = _forge(plain_dcp, tmp_path / "key", hostile)
+    for call in (lambda: load_tensors_metadata(ckpt), lambda: dc.load_common_state_dict(ckpt)):
+        with pytest.raises(dc.CorruptCheckpointError, match=r"\.\./\.\./\.\./x") as info:
+            call()
+        assert isinstance(info.value.__cause__, dc.InvalidKeyError)
+    assert not dc.verify_checkpoint(ckpt).ok
