@@ -196,3 +196,31 @@ def format_keys(keys: Iterable[str], limit: int = 20) -> str:
 def with_rank(message: str, rank: Optional[int]) -> str:
     """Prefix ``message`` with the rank it comes from, when known."""
     return message if rank is None else f"[rank {rank}] {message}"
+
+
+def counted(count: int, noun: str, plural: str = "") -> str:
+    """``count`` and ``noun``, in the singular for exactly one: the one way dist_ckpt's messages,
+    reports and commands count things ("1 file", "2 files", never "1 files").
+
+    Example:
+
+    ```python
+    counted(1, "rank")                     # "1 rank"
+    counted(3, "entry", "entries")         # "3 entries"
+    counted(1_000_000, "byte")             # "1,000,000 bytes"
+    ```
+    """
+    return f"{count:,} {noun if count == 1 else plural or noun + 's'}"
+
+
+def with_article(word: str) -> str:
+    """``word`` after "a", or "an" before a vowel: for names of types in messages ("an AdamW",
+    "a dict"), which dist_ckpt cannot know in advance.
+
+    Example:
+
+    ```python
+    with_article(type(value).__name__)   # "an AdamW"
+    ```
+    """
+    return f"{'an' if word[:1].lower() in 'aeiou' else 'a'} {word}"

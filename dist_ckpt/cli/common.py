@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from dist_ckpt.engine.registry import StrategyAction, registered_strategies
-from dist_ckpt.engine.report import format_bytes, gib_per_s
+from dist_ckpt.engine.report import format_bytes, format_rate, gib_per_s
+from dist_ckpt.errors import counted
 from dist_ckpt.tools.launch import RankError
 
 __all__ = [
@@ -163,9 +164,9 @@ def mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:,.1f} MiB"
 
 
-def human_rate(nbytes: float, seconds: float) -> str:
-    """Throughput in GiB/s, the one unit of every ``dist-ckpt`` command and report: ``"1.52 GiB/s"``."""
-    return f"{gib_per_s(nbytes, seconds):.3g} GiB/s"
+#: throughput in GiB/s, the one unit of every ``dist-ckpt`` command and report: ``"1.52 GiB/s"``
+#: (never an exponent; the library's one definition)
+human_rate = format_rate
 
 
 #: sizes in binary units: ``"212 B"``, ``"1.5 KiB"``, ``"3.25 GiB"`` (the library's one definition)
@@ -196,7 +197,7 @@ def one_line(error: BaseException) -> str:
     first, stop = failed[0], (failed[1:] or [len(lines)])[0]
     cause = [ln.strip() for ln in lines[first + 1 : stop] if ln.strip()]
     others = len(failed) - 1
-    more = f" ({others} other rank{'s' if others > 1 else ''} failed too)" if others else ""
+    more = f" ({counted(others, 'other rank')} failed too)" if others else ""
     return f"{lines[first]} {cause[-1] if cause else ''}{more}"
 
 

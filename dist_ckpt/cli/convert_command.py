@@ -20,6 +20,7 @@ from dist_ckpt.cli.common import (
     size_arg,
     use_engine,
 )
+from dist_ckpt.errors import counted
 
 __all__ = ["add_convert_command"]
 
@@ -129,14 +130,15 @@ def run_convert_command(args: argparse.Namespace) -> int:
         return EXIT_OK
     report = result.report
     carried = (
-        f"; common state ({result.common_keys} keys) and {result.sharded_objects} ShardedObjects copied"
+        f"; common state ({counted(result.common_keys, 'key')}) and {counted(result.sharded_objects, 'ShardedObject')} "
+        "copied"
         if result.target_backend != "hf"
         else ""
     )
-    files = "" if report.files is None else f": {report.files} files, {human_bytes(report.file_bytes or 0)}"
+    files = "" if report.files is None else f": {counted(report.files, 'file')}, {human_bytes(report.file_bytes or 0)}"
     engine = f" (read with {args.engine})" if result.source_backend.startswith("zarr:") else ""
     print(
-        f"dist-ckpt convert: {result.tensors} tensors, {human_bytes(report.total_nbytes)}, "
+        f"dist-ckpt convert: {counted(result.tensors, 'tensor')}, {human_bytes(report.total_nbytes)}, "
         f"{result.source_backend}{engine} -> {result.target_backend}"
     )
     print(f"  from {result.source}")

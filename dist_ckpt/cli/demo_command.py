@@ -17,6 +17,8 @@ from dist_ckpt.cli.common import (
     positive_float_arg,
 )
 from dist_ckpt.engine.registry import DEFAULT_SHARDED_BACKEND
+from dist_ckpt.engine.report import significant
+from dist_ckpt.errors import counted
 
 __all__ = ["add_demo_command"]
 
@@ -90,14 +92,14 @@ def run_demo_command(args: argparse.Namespace) -> int:
     cfg = result.config
     fate = "kept" if result.kept else "deleted"
     engine = f" ({result.engine})" if result.backend[0] == "zarr" else ""
-    print(f"dist-ckpt demo: {result.ranks} ranks, backend {result.backend[0]}:{result.backend[1]}{engine}")
+    print(f"dist-ckpt demo: {counted(result.ranks, 'rank')}, backend {result.backend[0]}:{result.backend[1]}{engine}")
     print(
         f"  model      GPT-like, hidden {cfg.hidden}, {cfg.layers} layers, vocab {cfg.vocab} (bf16)"
         f" + Adam exp_avg, exp_avg_sq (fp32, distributed optimizer)"
     )
     print(
-        f"  checkpoint {result.num_tensors} tensors in {result.num_shards} saved shards, "
-        f"{mib(result.state_bytes)}; {result.num_files} files, {mib(result.disk_bytes)} on disk"
+        f"  checkpoint {counted(result.num_tensors, 'tensor')} in {counted(result.num_shards, 'saved shard')}, "
+        f"{mib(result.state_bytes)}; {counted(result.num_files, 'file')}, {mib(result.disk_bytes)} on disk"
     )
     print(f"             {result.checkpoint_dir} ({fate})")
     print()
@@ -108,8 +110,8 @@ def run_demo_command(args: argparse.Namespace) -> int:
         elif ph.failed:
             verified = f"FAILED ({ph.failed} of {ph.checked} differ)"
         else:
-            verified = f"bit-exact ({ph.checked} values)"
-        timing = [f"{ph.seconds:.3f}", f"{ph.gib_per_s:.3g}"]
+            verified = f"bit-exact ({counted(ph.checked, 'value')})"
+        timing = [f"{ph.seconds:.3f}", significant(ph.gib_per_s)]
         rows.append([ph.name, ph.layout, str(ph.ranks), *timing, verified])
     print(
         format_table(

@@ -20,6 +20,7 @@ from dist_ckpt.cli.common import (
     require_directory,
     size_arg,
 )
+from dist_ckpt.errors import counted
 
 if TYPE_CHECKING:
     from dist_ckpt.hf.export import ExportResult
@@ -206,15 +207,17 @@ def _print_export(args: argparse.Namespace, result: ExportResult, start: float) 
     files = len(result.files)
     extra: List[str] = [result.index] if result.index else []
     extra += [result.config] if result.config else []
-    print(f"dist-ckpt export-hf: {result.tensors} tensors, {human_bytes(result.total_bytes)}, from {args.src}")
     print(
-        f"  to {result.directory}: {files} file{'s' if files != 1 else ''}"
+        f"dist-ckpt export-hf: {counted(result.tensors, 'tensor')}, {human_bytes(result.total_bytes)}, from {args.src}"
+    )
+    print(
+        f"  to {result.directory}: {counted(files, 'file')}"
         + "".join(f" + {name}" for name in extra)
         + f", in {seconds:.2f} s ({human_rate(result.total_bytes, seconds)})"
     )
     if result.names:
         print(
-            f"  renamed {len(result.names)} keys, e.g. {next(iter(result.names.items()))[0]} -> "
+            f"  renamed {counted(len(result.names), 'key')}, e.g. {next(iter(result.names.items()))[0]} -> "
             f"{next(iter(result.names.items()))[1]}"
         )
     if result.left_out:
@@ -222,6 +225,7 @@ def _print_export(args: argparse.Namespace, result: ExportResult, start: float) 
             f" and {len(result.left_out) - 3} more" if len(result.left_out) > 3 else ""
         )
         print(
-            f"note: left out {len(result.left_out)} stored tensors (optimizer state, or by --include/--exclude): "
+            f"note: left out {counted(len(result.left_out), 'stored tensor')} (optimizer state, or by "
+            "--include/--exclude): "
             f"{shown}; the common state is never exported"
         )

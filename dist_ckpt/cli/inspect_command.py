@@ -17,6 +17,7 @@ from dist_ckpt.cli.common import (
     require_directory,
     terminal_width,
 )
+from dist_ckpt.errors import counted
 
 __all__ = ["add_inspect_command"]
 
@@ -79,7 +80,7 @@ def run_inspect_command(args: argparse.Namespace) -> int:
     if args.json:
         print_json(info.to_json(with_shards=args.shards))
         return EXIT_OK
-    saved_by = f"{info.world_size} rank{'s' if info.world_size != 1 else ''}" if info.world_size else "unknown ranks"
+    saved_by = counted(info.world_size, "rank") if info.world_size else "unknown ranks"
     writer = f", dist_ckpt {info.library_version}" if info.library_version else ""
     shards = "" if info.num_shards is None else f" in {info.num_shards} stored shards"
     files = "unknown" if info.files is None else f"{info.files}, {human_bytes(info.file_bytes or 0)} on disk"
@@ -127,7 +128,7 @@ def run_inspect_command(args: argparse.Namespace) -> int:
         )
     if info.common_keys:
         print()
-        print(f"common state ({len(info.common_keys)} keys):")
+        print(f"common state ({counted(len(info.common_keys), 'key')}):")
         for key, value in info.common_keys.items():
             print(fit(f"  {key}: {value}"))
     if info.sharded_objects:

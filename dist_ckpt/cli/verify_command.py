@@ -17,6 +17,7 @@ from dist_ckpt.cli.common import (
     progress_enabled,
     require_directory,
 )
+from dist_ckpt.errors import counted
 
 __all__ = ["add_verify_command"]
 
@@ -70,9 +71,8 @@ def run_verify_command(args: argparse.Namespace) -> int:
         print(problem)
     for note in report.notes:
         print(f"note: {note}")
-    summary = f"{report.files_checked} files, {human_bytes(report.bytes_checked)} checked"
+    summary = f"{counted(report.files_checked, 'file')}, {human_bytes(report.bytes_checked)} checked"
     if not report.ok:
-        n = len(report.problems)
-        raise CommandFailed(f"{args.dir}: {n} problem{'s' if n != 1 else ''} ({summary})")
+        raise CommandFailed(f"{args.dir}: {counted(len(report.problems), 'problem')} ({summary})")
     print(f"OK: {args.dir} ({', '.join(report.backends)}): {summary}")
     return EXIT_OK

@@ -26,8 +26,11 @@ print(result.report.summary())     # "save of ckpt/iter_10: 1020 MiB in 0.53 s (
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
+
+from dist_ckpt.errors import counted
 
 __all__ = [
     "CheckpointReport",
@@ -36,7 +39,9 @@ __all__ = [
     "ProgressCallback",
     "ProgressEvent",
     "format_bytes",
+    "format_rate",
     "gib_per_s",
+    "significant",
 ]
 
 
@@ -64,6 +69,38 @@ def gib_per_s(nbytes: float, seconds: float) -> float:
     """Throughput in GiB/s (2**30 bytes per second), the one throughput unit of dist_ckpt's
     reports, logs and commands; 0 for no time."""
     return nbytes / 2**30 / seconds if seconds > 0 else 0.0
+
+
+def format_rate(nbytes: float, seconds: float) -> str:
+    """A throughput for people, in GiB/s ([`gib_per_s()`][dist_ckpt.engine.report.gib_per_s]) written by
+    [`significant()`][dist_ckpt.engine.report.significant]: a tiny test save reads "0.0000960 GiB/s", not
+    "9.6e-05 GiB/s".
+
+    Example:
+
+    ```python
+    format_rate(2 * 2**30, 1.07)     # "1.87 GiB/s"
+    format_rate(100_000, 1.0)        # "0.0000931 GiB/s"
+    ```
+    """
+    return f"{significant(gib_per_s(nbytes, seconds))} GiB/s"
+
+
+def significant(value: float, digits: int = 3) -> str:
+    """``value`` with ``digits`` significant digits and never an exponent (a table column of
+    throughputs reads "0.00842", "1.88", "123"; ``format(value, ".3g")`` would write "8.42e-03").
+
+    Example:
+
+    ```python
+    significant(9.6e-05)    # "0.0000960"
+    significant(1234.5)     # "1234"
+    ```
+    """
+    if not (value > 0 and math.isfinite(value)):
+        return f"{value:g}"
+    decimals = max(0, digits - 1 - math.floor(math.log10(value)))
+    return f"{value:.{decimals}f}"
 
 
 class Operation(enum.Enum):
@@ -191,13 +228,14 @@ class CheckpointReport:
          phases: preparing the save 0.01 s, ..."
         ```
         """
-        files = "" if self.files is None else f"; {self.files} files, {format_bytes(self.file_bytes or 0)}"
-        ranks = f" on {self.world_size} rank{'s' if self.world_size != 1 else ''}"
+        files = "" if self.files is None else f"; {counted(self.files, 'file')}, {format_bytes(self.file_bytes or 0)}"
+        ranks = f" on {counted(self.world_size, 'rank')}"
         phases = ", ".join(f"{p.name} {p.seconds:.3f} s" for p in self.phases)
         state = "" if self.complete else " (not complete)"
         return (
             f"{self.operation.value} of {self.checkpoint_dir}{state}: {format_bytes(self.total_nbytes)} in "
-            f"{self.max_seconds:.3f} s ({self.gib_per_s:.3g} GiB/s){ranks}{files}; phases: {phases}"
+            f"{self.max_seconds:.3f} s ({format_rate(self.total_nbytes, self.max_seconds)}){ranks}{files}; "
+            f"phases: {phases}"
         )
 
     def to_json(self) -> Dict[str, Any]:

@@ -32,7 +32,7 @@ from torch import Tensor
 from torch.nn import Module
 
 from dist_ckpt.engine.commit import BIN_WEIGHTS_INDEX_NAME, BIN_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
-from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
+from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError, with_article
 from dist_ckpt.integrity.safe_json import loads
 from dist_ckpt.model.module_names import ModuleNames
 from dist_ckpt.storage import write_bytes_atomic
@@ -175,7 +175,8 @@ def make_shard_index(
         for name, value in sd.items():
             if not isinstance(value, Tensor):
                 raise CheckpointingException(
-                    f"{name!r} is a {type(value).__name__}, not a tensor: safetensors files hold tensors only"
+                    f"{name!r} is {with_article(type(value).__name__)}, not a tensor: safetensors files hold "
+                    "tensors only"
                 )
             if name in seen:
                 raise CheckpointingException(f"{name!r} is in state dicts {seen[name]} and {i}; names must be unique")

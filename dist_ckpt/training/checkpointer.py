@@ -54,6 +54,7 @@ from dist_ckpt.errors import (
     LoadMismatchError,
     ShardingIntegrityError,
     format_keys,
+    with_article,
 )
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
 from dist_ckpt.model.stored_metadata import shaped
@@ -108,7 +109,7 @@ def _check_arguments(method: str, dir: Any, state_dict: Any) -> None:
     call = f"Checkpointer.{method}(dir, state_dict)"
     if isinstance(dir, Mapping) and isinstance(state_dict, (str, os.PathLike)):
         raise ArgumentTypeError(
-            f"[rank {get_rank()}] {call}: the arguments are swapped -- dir is a {type(dir).__name__} and "
+            f"[rank {get_rank()}] {call}: the arguments are swapped -- dir is {with_article(type(dir).__name__)} and "
             f"state_dict is the path {os.fspath(state_dict)!r}. Checkpointer takes the directory first, "
             f"dist_ckpt.save(state_dict, checkpoint_dir) the state dict first: call "
             f"{method}({os.fspath(state_dict)!r}, state_dict) or pass them by keyword, "
@@ -414,7 +415,8 @@ class Checkpointer:
                     targets.append(make_target(key, value, known[key].dtype))
                 else:
                     raise CheckpointingException(
-                        f"[rank {get_rank()}] {name!r} is a {type(value).__name__}; Checkpointer loads tensors only"
+                        f"[rank {get_rank()}] {name!r} is {with_article(type(value).__name__)}; Checkpointer "
+                        "loads tensors only"
                     )
             return targets
 
@@ -538,7 +540,7 @@ def _flat_sharded(state_dict: Mapping[str, Any]) -> Dict[str, ShardedTensor]:
             out[key] = to_sharded_tensor(key, value)
         else:
             raise CheckpointingException(
-                f"[rank {get_rank()}] {key!r} is a {type(value).__name__}; Checkpointer saves tensors only "
+                f"[rank {get_rank()}] {key!r} is {with_article(type(value).__name__)}; Checkpointer saves tensors only "
                 f"(use dist_ckpt.save for other objects)"
             )
     return out

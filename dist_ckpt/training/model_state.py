@@ -65,6 +65,7 @@ from dist_ckpt.errors import (
     LoadMismatchError,
     NotACheckpointError,
     format_keys,
+    with_article,
 )
 from dist_ckpt.model.module_names import ModuleNames, canonical_state_dict, has_fsdp1, match_stored_names
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor
@@ -180,7 +181,8 @@ def model_entries(model: torch.nn.Module) -> ModelEntries:
     for name, value in state.items():
         if not isinstance(value, torch.Tensor):
             raise CheckpointingException(
-                f"{_rank()} model state-dict entry {raw_names[name]!r} is a {type(value).__name__}, not a tensor; "
+                f"{_rank()} model state-dict entry {raw_names[name]!r} is {with_article(type(value).__name__)}, "
+                "not a tensor; "
                 f"only tensors (parameters, buffers) can be saved with save_model_and_optim_state"
             )
     return ModelEntries(state, raw_names, has_fsdp1(model))

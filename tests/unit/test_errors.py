@@ -58,3 +58,18 @@ def test_format_keys():
 def test_with_rank():
     assert with_rank("msg", None) == "msg"
     assert with_rank("msg", 3) == "[rank 3] msg"
+
+
+def test_counted_says_one_thing_in_the_singular():
+    from dist_ckpt.errors import counted
+
+    assert counted(1, "file") == "1 file" and counted(0, "file") == "0 files" and counted(2, "rank") == "2 ranks"
+    assert counted(1, "entry", "entries") == "1 entry" and counted(3, "entry", "entries") == "3 entries"
+    assert counted(1_000_000, "byte") == "1,000,000 bytes"
+
+
+def test_with_article_says_an_before_a_vowel():
+    from dist_ckpt.errors import with_article
+
+    assert with_article("AdamW") == "an AdamW" and with_article("int") == "an int"
+    assert with_article("dict") == "a dict" and with_article("Tensor") == "a Tensor"

@@ -400,3 +400,9 @@ def test_checkpointer_progress_and_watchdog_options_reach_save_and_load(tmp_path
     operations = [e.operation for e in events if e.done]
     assert Operation.SAVE in operations and Operation.LOAD in operations
     assert [e.phase for e in events if e.operation == Operation.SAVE and e.done][-1] == "committing metadata.json"
+
+
+def test_a_value_that_is_not_a_tensor_is_named_with_its_article(tmp_path: Path) -> None:
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    with pytest.raises(CheckpointingException, match=r"'optim' is an AdamW; Checkpointer saves tensors only"):
+        Checkpointer().save(tmp_path / "c", {"optim": optimizer})  # type: ignore[dict-item]
