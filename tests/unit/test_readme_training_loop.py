@@ -11,7 +11,11 @@ torchrun mid-save), then copies of its run directory are resumed at 2, 1 and 3 r
   the step, and the restored state is exactly the saved one);
 * at 1 and 3 ranks the data-parallel gradient average is summed in another order (DDP averages
   over another number of ranks), so bit-equality with the 2-rank run is not defined; the final
-  checkpoint has the same keys, shapes and step counts and agrees to float32 rounding.
+  checkpoint has the same keys, shapes and step counts and agrees to float32 rounding;
+* at every world size the printed loss is the global batch's (all ranks' shards), so it agrees
+  with the uninterrupted run's, and rotation after the restart keeps the run's best checkpoint
+  (read back from its stored metrics, not forgotten by the new job): the resumed run ends with
+  the same checkpoints as the uninterrupted one.
 
 With ``--async-save`` (the loop's asynchronous saves): an uninterrupted 2-rank run writes the
 same checkpoints as the synchronous one, bit for bit; a run killed the same way (rank 1 entering
@@ -84,6 +88,16 @@ def saved_steps(proc: subprocess.CompletedProcess[str]) -> List[int]:
     return [int(m) for m in re.findall(r"^step (\d+): loss", proc.stdout, re.M)]
 
 
+def printed_losses(stdout: str) -> Dict[int, float]:
+    """The training loss the loop printed at each saved step."""
+    return {int(step): float(loss) for step, loss in re.findall(r"^step (\d+): loss ([0-9.]+),", stdout, re.M)}
+
+
+def kept(run_dir: Path) -> List[str]:
+    """The checkpoint directories rotation left in the run directory."""
+    return sorted(p.name for p in run_dir.iterdir() if p.name.startswith("checkpoint-"))
+
+
 def checkpoint(path: Path) -> Dict[str, Any]:
     """Every stored tensor and the common state (optimizer steps and hyperparameters) of ``path``."""
     return {"tensors": dc.unshard(str(path)), "common": dc.load_common_state_dict(str(path))}
@@ -115,6 +129,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
     reference = run(out["reference"], 2, "train.py", prepare=lambda: prepare("reference"))
     assert reference.returncode == 0, reference.stderr[-5000:]
     assert saved_steps(reference) == [10, 20, 30, 40]
+    (base / "reference.stdout").write_text(reference.stdout, encoding="utf-8")
     prepare("killed")
     killed = run(out["killed"], 2, "killer.py", "train.py", retry_teardown_abort=False)
     assert killed.returncode != 0 and saved_steps(killed) == [10, 20], (killed.stdout, killed.stderr[-3000:])
@@ -140,6 +155,14 @@ def test_resume_from_the_latest_complete_checkpoint(runs, tmp_path, ranks):
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert saved_steps(proc) == [30, 40], proc.stdout  # resumed after step 20, not from scratch
     assert f"({ranks} ranks)" in proc.stdout
+    # the global batch's loss, whatever the world size: the uninterrupted run's, to rounding
+    reference_losses = printed_losses((runs["reference"].parent / "reference.stdout").read_text(encoding="utf-8"))
+    for step, loss in printed_losses(proc.stdout).items():
+        assert loss == pytest.approx(reference_losses[step], rel=2e-3, abs=2e-4), (step, proc.stdout)
+    # the best checkpoint (20) survives the restart's rotation, as in the uninterrupted run
+    assert (
+        kept(work / "runs" / "demo") == kept(runs["reference"] / "runs" / "demo") == ["checkpoint-20", "checkpoint-40"]
+    )
     final = checkpoint(work / "runs" / "demo" / "checkpoint-40")
     expected = checkpoint(runs["reference"] / "runs" / "demo" / "checkpoint-40")
     assert final["tensors"].keys() == expected["tensors"].keys()
@@ -207,6 +230,7 @@ def test_async_resume_is_bit_exact(runs, async_runs, tmp_path):
     proc = run(work, 2, "train.py", "--async-save", prepare=prepare)
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert saved_steps(proc) == [30, 40], proc.stdout  # resumed after step 20
+    assert kept(work / "runs" / "demo") == ["checkpoint-20", "checkpoint-40"]  # the best survived the restart
     final = checkpoint(work / "runs" / "demo" / "checkpoint-40")
     expected = checkpoint(runs["reference"] / "runs" / "demo" / "checkpoint-40")
     assert final["tensors"].keys() == expected["tensors"].keys()
