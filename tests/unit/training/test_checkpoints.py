@@ -360,6 +360,24 @@ class TestListCheckpoints:
         assert [c.path for c in found] == [os.path.join(str(tmp_path), c.name) for c in found]
         assert found[-1].path == find_latest_checkpoint(tmp_path)
 
+    def test_a_restarted_run_finds_its_best_and_rotation_keeps_it(self, tmp_path):
+        """The README loop's recipe across a restart: the best is read back, not forgotten."""
+
+        def save(step, eval_loss, best):
+            path = next_checkpoint_path(tmp_path, step)
+            make_dist(Path(path))
+            save_checkpoint_metrics(path, {"eval_loss": eval_loss})
+            maybe_delete_oldest_checkpoint(tmp_path, max_checkpoints=2, best_checkpoint=best)
+
+        save(10, 0.9, None)
+        save(20, 0.4, next_checkpoint_path(tmp_path, 20))  # the best
+        # a new job: what it knows of the run is on disk
+        best = min(list_checkpoints(tmp_path), key=lambda c: (c.metrics or {}).get("eval_loss", float("inf")))
+        assert best.step == 20
+        save(30, 0.6, best.path)
+        save(40, 0.5, best.path)
+        assert managed(tmp_path) == {"checkpoint-20", "checkpoint-40"}
+
     def test_a_corrupt_metrics_file_names_its_path(self, tmp_path):
         make_dist(tmp_path / "checkpoint-1")
         (tmp_path / "checkpoint-1" / C.METRICS_FILENAME).write_text("{trunc")
