@@ -5,6 +5,7 @@ imports it by module name (``tests.failing_writes``): it must live in an importa
 from __future__ import annotations
 
 import dataclasses
+import errno
 from typing import Any, Tuple
 
 from dist_ckpt.async_save.queue import AsyncRequest
@@ -18,8 +19,8 @@ INJECTED = "No space left on device (injected)"
 
 
 def fail_write(*args: Any, **kwargs: Any) -> None:
-    """Stands in for a background write that fails."""
-    raise OSError(INJECTED)
+    """Stands in for a background write that fails: the disk is full."""
+    raise OSError(errno.ENOSPC, INJECTED)
 
 
 class FailingWriteStrategy(SafetensorsSaveShardedStrategy):

@@ -62,6 +62,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from dist_ckpt.async_save.channel import FrameReader, encode, readable, send_frame
 from dist_ckpt.errors import AsyncSaveError
+from dist_ckpt.storage.errors import AsyncStorageError
 
 __all__ = ["DEFAULT_WRITER_TIMEOUT_S", "AsyncOutcome", "AsyncWorker", "writer_command", "writer_environment"]
 
@@ -86,7 +87,9 @@ class AsyncOutcome:
     Attributes:
         done: the call finished (successfully or not) or can no longer finish (its process died).
         result: the call's return value, on success.
-        error: an [`AsyncSaveError`][dist_ckpt.errors.AsyncSaveError] describing the failure, naming the rank.
+        error: an [`AsyncSaveError`][dist_ckpt.errors.AsyncSaveError] describing the failure, naming the rank
+            (an [`AsyncStorageError`][dist_ckpt.storage.errors.AsyncStorageError], a ``StorageError`` too,
+            when the failure was a write the file system refused).
     """
 
     done: bool = False
@@ -298,13 +301,16 @@ class AsyncWorker:
             return
         if ok:
             outcome.succeed(value)
-        else:
-            outcome.fail(
-                AsyncSaveError(
-                    f"[rank {self.rank}] the background save failed: {value['type']}: {value['message']}"
-                    + (f"\n{value['traceback'].rstrip()}" if value.get("traceback") else "")
-                )
-            )
+            return
+        message = f"[rank {self.rank}] the background save failed: {value['type']}: {value['message']}" + (
+            f"\n{value['traceback'].rstrip()}" if value.get("traceback") else ""
+        )
+        if "storage_errno" not in value:
+            outcome.fail(AsyncSaveError(message))
+            return
+        error = AsyncStorageError(message, operation="write")  # a failed write (see the writer)
+        error.errno = value["storage_errno"]
+        outcome.fail(error)
 
     def _stall(self, now: float) -> Optional[str]:
         """Why the writer must be stopped, or None."""

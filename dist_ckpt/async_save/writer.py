@@ -38,10 +38,11 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from dist_ckpt.async_save.channel import decode, readable, recv_frame, send_frame
 from dist_ckpt.async_save.progress import progress_count
+from dist_ckpt.storage.errors import storage_error_in
 
 __all__ = ["main"]
 
@@ -120,7 +121,16 @@ def _run(writer: _Writer, idx: int, name: str, payload: bytes, fds: List[int]) -
         writer.doing = f"running async call {idx} ({name})"
         outcome: Tuple[Any, ...] = ("result", idx, True, fn(*args, **kwargs))
     except BaseException as e:  # noqa: BLE001 -- every failure goes back to the training process
-        description = {"type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}
+        # a write that failed is told as the StorageError it is, whatever the writing code made of it
+        failed = storage_error_in(e) if isinstance(e, Exception) else None
+        shown: BaseException = failed if failed is not None else e
+        description: Dict[str, Any] = {
+            "type": type(shown).__name__,
+            "message": str(shown),
+            "traceback": traceback.format_exc(),
+        }
+        if failed is not None:
+            description["storage_errno"] = failed.errno
         outcome = ("result", idx, False, description)
     writer.doing = f"sending the result of async call {idx} ({name})"
     try:

@@ -40,6 +40,7 @@ from dist_ckpt.engine.steps import Step
 from dist_ckpt.engine.watchdog import Watchdog
 from dist_ckpt.model.dict_utils import nested_values
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, is_main_replica
+from dist_ckpt.storage.errors import storage_error_in
 from dist_ckpt.storage.location import LocationLike, resolve_location
 
 __all__ = ["StepMonitor", "count_files", "main_replica_bytes", "requested_bytes"]
@@ -188,6 +189,11 @@ class StepMonitor:
         """Run ``fn`` as the collective step ``phase`` (see
         `run_collectively()`), timed and reported.
 
+        In a save, a write that fails (a full disk) raises a
+        [`StorageError`][dist_ckpt.storage.errors.StorageError] that names this rank, the file and the
+        bytes wanted, whatever the code that wrote (a backend, DCP, ``torch.save``) turned the
+        ``OSError`` into (`storage_error_in()`).
+
         Args:
             phase: the step.
             fn: what it does.
@@ -200,7 +206,18 @@ class StepMonitor:
 
         def body() -> T:
             self.notify(phase, done=False)
-            result = fn()
+            try:
+                result = fn()
+            except Exception as e:  # noqa: BLE001 -- a failed write becomes a StorageError, others pass
+                if self.report.operation is not Operation.SAVE:
+                    raise
+                failed = storage_error_in(e)
+                if failed is None:
+                    raise
+                located = failed.at_rank(self.report.rank)
+                if located is e:
+                    raise
+                raise located from e
             self.notify(phase, done=True)
             return result
 

@@ -21,6 +21,7 @@ import ctypes
 import errno
 import functools
 import os
+import stat
 import sys
 import threading
 import uuid
@@ -29,7 +30,14 @@ from pathlib import Path
 from typing import IO, Callable, ClassVar, Deque, Dict, Iterable, Iterator, Optional, Sequence, Tuple, Union
 
 from dist_ckpt.storage.base import ObjectReader
-from dist_ckpt.storage.errors import ObjectNotFoundError, TruncatedObjectError
+from dist_ckpt.storage.errors import (
+    NotARegularFileError,
+    ObjectNotFoundError,
+    StorageError,
+    TruncatedObjectError,
+    storage_error_in,
+    write_failed,
+)
 from dist_ckpt.storage.ranges import BufferLike
 
 __all__ = [
@@ -46,6 +54,7 @@ __all__ = [
     "spread_subdirectories",
     "sync_filesystem",
     "make_dirs",
+    "open_regular",
     "preadv_into",
     "replace_durably",
     "temp_name",
@@ -101,7 +110,7 @@ def sync_filesystem(path: Union[str, Path]) -> bool:
     through it, as fsync does.
 
     Raises:
-        OSError: the flush failed (an I/O error, a full disk).
+        StorageError: the flush failed (an I/O error, a full disk); it names ``path``.
     """
     syncfs = _syncfs()
     if syncfs is None:
@@ -112,7 +121,8 @@ def sync_filesystem(path: Union[str, Path]) -> bool:
             code = ctypes.get_errno()
             if code == errno.ENOSYS:
                 return False
-            raise OSError(code, f"syncfs of the file system holding {path} failed: {os.strerror(code)}")
+            error = OSError(code, os.strerror(code))
+            raise write_failed(error, f"the file system holding {path}", operation="flush (syncfs)") from error
     finally:
         os.close(fd)
     return True
@@ -303,6 +313,59 @@ def preadv_into(fd: int, buffers: Sequence[memoryview], offset: int, what: str =
     return total
 
 
+def _special_kind(mode: int) -> str:
+    for is_kind, name in (
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if is_kind(mode):
+            return name
+    return "a special file"
+
+
+def open_regular(path: Union[str, Path], url: Optional[str] = None) -> int:
+    """A read-only descriptor of the regular file at ``path`` (``url`` names it in messages;
+    default: the path): every local read of a checkpoint's files opens them so.
+
+    The open does not block and the file's type is checked before anything is read: opening a
+    FIFO for reading waits until something opens it for writing -- forever, in a checkpoint --
+    and a socket or a device is no file a save writes. Which paths may be opened (the link
+    policy) is the caller's: a `LocalStorage` path is `confined()` to the checkpoint.
+
+    Example:
+
+    ```python
+    with open(open_regular(storage.local_path("__0_0.distcp")), "rb") as f:
+        head = f.read(64)
+    ```
+
+    Raises:
+        ObjectNotFoundError: there is no such file (or it is a directory).
+        NotARegularFileError: a FIFO, a socket or a device.
+    """
+    where = url or str(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except (FileNotFoundError, NotADirectoryError) as e:
+        raise ObjectNotFoundError(f"read {where}: no such file ({e.strerror})", url=where, operation="read") from e
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise ObjectNotFoundError(f"read {where}: no such file (a directory)", url=where, operation="read")
+        if not stat.S_ISREG(mode):
+            raise NotARegularFileError(
+                f"{where} is {_special_kind(mode)}, not a regular file: it was not read (no save writes one; "
+                "reading a FIFO would block forever); the checkpoint is damaged"
+            )
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class FileReader(int, ObjectReader):
     """An open, read-only file descriptor that reads with `preadv_into()`: the reader of a
     `LocalStorage` (``positional_reads``).
@@ -334,13 +397,9 @@ class FileReader(int, ObjectReader):
 
         Raises:
             ObjectNotFoundError: there is no such file.
+            NotARegularFileError: a FIFO, a socket or a device (see `open_regular()`).
         """
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except (FileNotFoundError, NotADirectoryError) as e:
-            where = url or str(path)
-            raise ObjectNotFoundError(f"read {where}: no such file ({e.strerror})", url=where, operation="read") from e
-        return cls(fd, url or str(path))
+        return cls(open_regular(path, url), url or str(path))
 
     @property
     def url(self) -> str:
@@ -390,9 +449,11 @@ def write_temp_file(path: Union[str, Path], buffers: Sequence[BufferLike], *, fs
             f.flush()
             if fsync:
                 os.fsync(f.fileno())
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(e, OSError) and not isinstance(e, StorageError):
+            raise write_failed(e, str(path), sum(memoryview(b).nbytes for b in buffers)) from e
         raise
     return tmp
 
@@ -401,12 +462,14 @@ def replace_durably(tmp: Path, final: Path, fsync: bool = True) -> None:
     """Rename a written temporary file over its final name; with ``fsync``, fsync the directory."""
     try:
         os.replace(tmp, final)
-    except BaseException:
+        if fsync:
+            fsync_dir(final.parent)
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(e, OSError) and not isinstance(e, StorageError):
+            raise write_failed(e, str(final), operation="rename into place") from e
         raise
-    if fsync:
-        fsync_dir(final.parent)
 
 
 @contextlib.contextmanager
@@ -424,15 +487,29 @@ def atomic_write(path: Union[str, Path], *, fsync: bool = True) -> Iterator[IO[b
     tmp = temp_name(final)
     try:
         with open(tmp, "wb") as f:
-            yield f
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
+            try:
+                yield f
+                f.flush()
+                if fsync:
+                    os.fsync(f.fileno())
+            except Exception as e:  # noqa: BLE001 -- a failed write (torch.save makes it a RuntimeError)
+                found = storage_error_in(e, str(final), _position(f))  # the bytes handed to the file so far
+                if found is None or found is e:
+                    raise
+                raise found from e
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
     replace_durably(tmp, final, fsync)
+
+
+def _position(f: IO[bytes]) -> Optional[int]:
+    """How many bytes were handed to ``f`` (None if even that fails)."""
+    try:
+        return f.tell()
+    except (OSError, ValueError):
+        return None
 
 
 def write_bytes_atomic(path: Union[str, Path], data: BufferLike, *, fsync: bool = True) -> None:
@@ -479,8 +556,12 @@ class SequentialWriter:
     each one instead of waiting for ``chunk_bytes``.
     """
 
-    def __init__(self, fd: int, early_writeback: bool = False, chunk_bytes: int = 16 * 2**20, start: int = 0) -> None:
+    def __init__(
+        self, fd: int, early_writeback: bool = False, chunk_bytes: int = 16 * 2**20, start: int = 0, url: str = ""
+    ) -> None:
         self.fd = fd
+        #: the file, for messages
+        self.url = url or f"file descriptor {fd}"
         self.early_writeback = early_writeback and hasattr(os, "posix_fadvise")
         self.chunk_bytes = chunk_bytes
         # the file offset ``fd`` is positioned at: a file may be written in parts, each part by
@@ -489,11 +570,19 @@ class SequentialWriter:
         self._advised = start
 
     def write(self, data: memoryview) -> None:
-        """Write all of ``data`` at the end of what was written so far."""
+        """Write all of ``data`` at the end of what was written so far.
+
+        Raises:
+            StorageError: the file system refused (a full disk, an I/O error); it names the file,
+                the bytes not yet written and the byte they start at, the ``OSError`` is its cause.
+        """
         view = data.cast("B") if data.format != "B" else data
         limit = self.chunk_bytes if self.early_writeback else _MAX_WRITE
         while len(view):
-            written = os.write(self.fd, view[:limit])
+            try:
+                written = os.write(self.fd, view[:limit])
+            except OSError as e:
+                raise write_failed(e, self.url, len(view), offset=self.position) from e
             view = view[written:]
             self.position += written
             if self.early_writeback and self.position - self._advised >= self.chunk_bytes:
@@ -507,8 +596,16 @@ class SequentialWriter:
             self._advised = self.position
 
     def finish(self) -> None:
-        """fsync the file (and drop its now clean pages from the cache with early writeback)."""
-        os.fsync(self.fd)
+        """fsync the file (and drop its now clean pages from the cache with early writeback).
+
+        Raises:
+            StorageError: the flush failed (a full disk can surface here, when the file system
+                allocates at writeback); ``wanted_bytes`` is the file's size written so far.
+        """
+        try:
+            os.fsync(self.fd)
+        except OSError as e:
+            raise write_failed(e, self.url, self.position, operation="flush") from e
         if self.early_writeback:
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 

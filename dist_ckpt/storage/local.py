@@ -21,7 +21,13 @@ from typing import IO, Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from dist_ckpt.storage import files as local_files
 from dist_ckpt.storage.base import ObjectInfo, ObjectWriter, Storage
-from dist_ckpt.storage.errors import ObjectExistsError, ObjectNotFoundError, StorageConfigError, StorageError
+from dist_ckpt.storage.errors import (
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StorageConfigError,
+    StorageError,
+    write_failed,
+)
 from dist_ckpt.storage.files import FileReader, fsync_dir, is_temp_name, make_dirs, replace_durably, temp_name
 from dist_ckpt.storage.paths import confined, validate_object_key, validate_prefix
 from dist_ckpt.storage.ranges import BufferLike, RangeRead, as_byte_view, check_reads, split_range
@@ -77,7 +83,10 @@ class _LocalWriter(ObjectWriter):
                 operation="write",
             )
         view = as_byte_view(data)
-        self._file.write(view)
+        try:
+            self._file.write(view)
+        except OSError as e:
+            raise write_failed(e, self._storage.url_of(self._key), len(view), offset=self._written) from e
         self._written += len(view)
         return len(view)
 
@@ -98,11 +107,13 @@ class _LocalWriter(ObjectWriter):
             self._file.close()
             self._file = None
             os.replace(self._tmp, self._path)
-        except BaseException:
+            if fsync:
+                fsync_dir(self._path.parent)
+        except BaseException as e:
             self.abort()
+            if isinstance(e, OSError) and not isinstance(e, StorageError):
+                raise write_failed(e, self._storage.url_of(self._key), self._written, operation="commit") from e
             raise
-        if fsync:
-            fsync_dir(self._path.parent)
         self._done = True
         self._storage._counters.add(bytes_written=self._written, objects_written=1)
 
@@ -252,7 +263,7 @@ class LocalStorage(Storage):
                 ) from e
             except OSError as e:
                 if e.errno not in _NO_HARD_LINKS:
-                    raise
+                    raise write_failed(e, self.url_of(key), len(view), operation="put_if_absent") from e
                 self._create_exclusive(key, path, view)  # a file system without hard links
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -280,9 +291,11 @@ class LocalStorage(Storage):
                 f.flush()
                 if self.options.fsync:
                     os.fsync(f.fileno())
-        except BaseException:
+        except BaseException as e:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+            if isinstance(e, OSError):
+                raise write_failed(e, self.url_of(key), len(view), operation="put_if_absent") from e
             raise
 
     def make_dir(self, prefix: str = "") -> None:
@@ -291,11 +304,8 @@ class LocalStorage(Storage):
     # -- reading -----------------------------------------------------------------------------
 
     def read(self, key: str) -> bytes:
-        path = self.local_path(key)
-        try:
-            data = path.read_bytes()
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:
-            raise self._not_found(key, "read", e) from e
+        with open(local_files.open_regular(self.local_path(key), self.url_of(key)), "rb") as f:
+            data = f.read()
         self._counters.add(bytes_read=len(data), read_requests=1)
         return data
 

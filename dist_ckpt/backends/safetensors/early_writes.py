@@ -52,6 +52,7 @@ from dist_ckpt.async_save.progress import note_progress
 from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.storage import direct_io
 from dist_ckpt.storage.direct_io import DIRECT_IO_ALIGN, open_direct
+from dist_ckpt.storage.errors import StorageError, write_failed
 
 __all__ = ["STREAM_CHUNK_BYTES", "EarlyRegion", "EarlyWriter", "wait_for_early_writes"]
 
@@ -68,6 +69,8 @@ _OK = "ok"
 _PIECE_MARK = b"\x06"
 #: the longest report sent (a pipe write of up to PIPE_BUF bytes is atomic and never blocks)
 _MAX_REPORT = 4000
+#: how a report starts that tells of a write the file system refused, followed by its ``errno``
+_FAILED_WRITE = "write failed: errno "
 
 #: the writers whose thread may still report: a forked child closes its copy of their pipes, so
 #: that the end-of-file the waiting process relies on is the training process's alone
@@ -176,10 +179,13 @@ class EarlyWriter:
                     continue  # drained: nothing more is written after a failure
                 r, start, stop = job
                 region = self._regions[r]
+                offset = region.file_offset + start - region.begin
                 try:
                     assert self._view is not None
-                    offset = region.file_offset + start - region.begin
                     direct_io.write_at(*self._fds[r], self._view[start:stop], offset)
+                except OSError as e:  # the file system refused: the waiter raises a StorageError
+                    failed = write_failed(e, str(region.path), stop - start, offset=offset)
+                    error = f"{_FAILED_WRITE}{failed.errno or 0} {failed}"
                 except Exception as e:  # noqa: BLE001 -- reported on the pipe, raised by the waiter
                     error = f"{type(e).__name__} writing {region.path}: {e}"
                 else:
@@ -225,7 +231,8 @@ def _report_line(text: str) -> bytes:
 
 def wait_for_early_writes(status: PassedFd, where: str) -> None:
     """Block until the training process's `EarlyWriter` reports; raise
-    `CheckpointingException` unless it wrote every byte. Notes progress for each piece written.
+    `CheckpointingException` unless it wrote every byte (a `StorageError`, with the ``errno``,
+    where the file system refused a write). Notes progress for each piece written.
     ``where``: what was written, for the message."""
     report = b""
     while not report.endswith(b"\n"):
@@ -239,4 +246,10 @@ def wait_for_early_writes(status: PassedFd, where: str) -> None:
     if line == _OK:
         return
     problem = line or "the training process ended before its writes finished"
-    raise CheckpointingException(f"writing the snapshot into {where} from the training process failed: {problem}")
+    message = f"writing the snapshot into {where} from the training process failed: "
+    if problem.startswith(_FAILED_WRITE):
+        code, _, text = problem[len(_FAILED_WRITE) :].partition(" ")
+        error = StorageError(message + text, url=where, operation="write")
+        error.errno = int(code) or None
+        raise error
+    raise CheckpointingException(message + problem)

@@ -424,7 +424,7 @@ class SafetensorsFileWriter:
 
     def __enter__(self) -> "SafetensorsFileWriter":
         self._fd = os.open(self._target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        self._writer = SequentialWriter(self._fd, self._early_writeback)
+        self._writer = SequentialWriter(self._fd, self._early_writeback, url=str(self._target))
         self._writer.write(memoryview(self._prefix))
         return self
 

@@ -206,7 +206,7 @@ def write_part(
         fd = os.open(Path(directory) / partial_name(plan.name), os.O_WRONLY)
     try:
         os.lseek(fd, start, os.SEEK_SET)  # after the header, or where this part's first tensor starts
-        writer = SequentialWriter(fd, early_writeback, start=start)
+        writer = SequentialWriter(fd, early_writeback, start=start, url=str(Path(directory) / partial_name(plan.name)))
         crcs = []
         for i, tensor in enumerate(part.tensors):
             begin, end = plan.ranges[part.first + i]
@@ -239,7 +239,7 @@ def _open_new_with_header(directory: Path, plan: PlannedFile) -> int:
     and return the open descriptor, positioned after the header."""
     fd = os.open(directory / partial_name(plan.name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        SequentialWriter(fd).write(memoryview(plan.prefix))
+        SequentialWriter(fd, url=str(directory / partial_name(plan.name))).write(memoryview(plan.prefix))
     except BaseException:
         os.close(fd)
         raise
@@ -390,7 +390,7 @@ def _fsync_written(path: Path, drop: bool) -> None:
     """fsync ``path``; with ``drop``, then drop its (clean) pages from the page cache."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        SequentialWriter(fd, early_writeback=drop).finish()
+        SequentialWriter(fd, early_writeback=drop, start=os.fstat(fd).st_size, url=str(path)).finish()
     finally:
         os.close(fd)
 

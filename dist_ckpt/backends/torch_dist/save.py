@@ -72,6 +72,7 @@ from dist_ckpt.model.dict_utils import nested_values
 from dist_ckpt.model.dtypes import dtype_from_name, dtype_to_name
 from dist_ckpt.model.sharded import ShardedObject, ShardedStateDict, is_main_replica
 from dist_ckpt.storage import Storage, fsync_dir
+from dist_ckpt.storage.errors import storage_error_in
 
 __all__ = [
     "ChunkEntry",
@@ -260,7 +261,14 @@ def write_rank(
     local = writer.prepare_local_plan(SavePlan(items))
     # DCP's coordinator names rank r's files "__r_<n>.distcp" (prepare_global_plan); ask it to
     local = writer.prepare_global_plan([SavePlan([]) for _ in range(plan.rank)] + [local])[plan.rank]
-    results: List[WriteResult] = writer.write_data(local, _ItemData(data)).wait() if items else []
+    try:
+        results: List[WriteResult] = writer.write_data(local, _ItemData(data)).wait() if items else []
+    except Exception as e:  # noqa: BLE001 -- DCP's torch.save makes a failed write a RuntimeError
+        wanted = sum(t.numel() * t.element_size() for t in tensors) + sum(len(p) for _, p in plan.objects)
+        failed = storage_error_in(e, f"the .distcp files of rank {plan.rank} in {staging}", wanted)
+        if failed is None or failed is e:
+            raise
+        raise failed from e
     return {
         "rank": plan.rank,
         "chunks": [entry.to_json() for entry in plan.chunks],

@@ -191,7 +191,7 @@ def _write_new(path: str, data: memoryview, window: Optional[WritebackWindow]) -
     fd = os.open(path, _CREATE, 0o666)
     early = data.nbytes >= EARLY_WRITEBACK_BYTES
     try:
-        writer = SequentialWriter(fd, early_writeback=early)
+        writer = SequentialWriter(fd, early_writeback=early, url=path)
         writer.write(data)
         writer.start_writeback()
     except BaseException:
@@ -218,9 +218,11 @@ def write_node_files(
     try:
         return _write_node_files(top, node, window)
     except OSError as e:
+        what = f"of {node.shard.key!r}" if node.shard is not None else "of the tree"
+        if isinstance(e, StorageError) and not isinstance(e, ObjectExistsError):  # a write: it names the file
+            raise e.reworded(f"[rank {get_rank()}] writing the zarr files {what} failed: {e}") from e
         if isinstance(e, CheckpointingException):
             raise
-        what = f"of {node.shard.key!r}" if node.shard is not None else "of the tree"
         path = e.filename or os.path.join(top, node.directories[-1] if node.directories else "")
         message = f"[rank {get_rank()}] writing the zarr files {what} failed at {path}: {e.strerror or e}"
         error = ObjectExistsError if isinstance(e, FileExistsError) else StorageError
