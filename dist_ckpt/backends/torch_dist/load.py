@@ -49,8 +49,9 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.futures import Future
 
 from dist_ckpt.backends.base import LoadShardedStrategy
 from dist_ckpt.backends.request_checks import check_requested_tensors
@@ -268,6 +269,30 @@ class _Reader(FileSystemReader):
             return
         with open(path, "rb") as reopened:  # DCP closed the file when the read failed
             check.finish(reopened.fileno())
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """DCP's read loop (each file once, its items in plan order), with each tensor item's
+        values handed to `ReadPlanner.load_tensor()`, which refuses an item stored in another
+        dtype than ``.metadata`` declares; DCP's own loop casts it silently. No stream transforms
+        are applied: `parse_layout()` refuses items written with them."""
+        assert isinstance(planner, ReadPlanner)
+        by_file: Dict[str, List[ReadItem]] = {}
+        for item in plan.items:
+            by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for name, items in by_file.items():
+            with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
+                for item in items:
+                    view: IO[bytes] = self._slice_file(stream, self.storage_data[item.storage_index])
+                    if item.type == LoadItemType.BYTE_IO:
+                        planner.load_bytes(item, io.BytesIO(view.read(-1)))
+                        continue
+                    if not view.seekable():  # torch.load seeks
+                        view = io.BytesIO(view.read(-1))
+                    stored = torch.load(view, map_location="cpu", weights_only=True)
+                    planner.load_tensor(item, stored, self._opened.storage.url_of(name))
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
 
 
 def run_dcp_load(opened: OpenedCheckpoint, planner: ReadPlanner, verify: bool) -> None:

@@ -265,6 +265,39 @@ class ReadPlanner(LoadPlanner):
         target = self._targets[read_item.dest_index.index or 0]
         return _narrow(target.view, read_item.dest_offsets, read_item.lengths)
 
+    def load_tensor(self, read_item: ReadItem, stored: torch.Tensor, where: str) -> None:
+        """Put the values of a tensor item, as unpickled from ``where``, in place: what DCP's
+        reader does (narrow it to the item's box, copy it into `resolve_tensor()`'s target,
+        `commit_tensor()`), after checking that the item holds the dtype ``.metadata`` declares.
+
+        DCP's copy would cast an item of another dtype without a word; a request of another
+        dtype than the declared one asked for a cast, and gets the stored values converted.
+
+        Raises:
+            CorruptCheckpointError: the item is stored in another dtype than declared (and the
+                request did not ask for a cast), or does not have the shape of its chunk.
+        """
+        values = _narrow(stored, read_item.storage_offsets, read_item.lengths)
+        target = self.resolve_tensor(read_item).detach()
+        key = read_item.storage_index.fqn
+        chunk = (
+            f"[rank {get_rank()}] the chunk of tensor {key!r} at offsets {list(read_item.storage_index.offset or ())}"
+        )
+        entry = self.metadata.state_dict_metadata.get(key) if self.metadata is not None else None
+        declared = entry.properties.dtype if isinstance(entry, TensorStorageMetadata) else None
+        if stored.dtype != declared and target.dtype == declared:
+            raise CorruptCheckpointError(
+                f"{chunk} in {where} is stored as {stored.dtype}, the DCP metadata declares {declared}: the metadata "
+                f"does not describe the data (request another dtype to convert the stored values)"
+            )
+        if target.size() != values.size():
+            raise CorruptCheckpointError(
+                f"{chunk} in {where} holds {list(stored.shape)} elements, which do not fit its box "
+                f"{list(read_item.lengths)}"
+            )
+        target.copy_(values)
+        self.commit_tensor(read_item, target)
+
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         target = self._targets[read_item.dest_index.index or 0]
         target.pending -= 1

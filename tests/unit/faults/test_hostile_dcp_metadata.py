@@ -141,3 +141,28 @@ def test_a_key_read_from_the_metadata_is_validated(plain_dcp, tmp_path):
             call()
         assert isinstance(info.value.__cause__, dc.InvalidKeyError)
     assert not dc.verify_checkpoint(ckpt).ok
+
+
+def test_a_declared_dtype_over_data_of_another_is_refused_unless_a_cast_is_asked(plain_dcp, tmp_path):
+    """``.metadata`` says float64, the items hold float32: loads cast silently before."""
+
+    def retype(md: Metadata) -> None:
+        md.state_dict_metadata["w"].properties.dtype = torch.float64
+
+    ckpt = _forge(plain_dcp, tmp_path / "dtype", retype)
+    calls = {
+        "load_plain_tensors": lambda: load_plain_tensors(ckpt),
+        "unshard": lambda: dc.unshard(ckpt),
+        "convert": lambda: dc.convert(ckpt, tmp_path / "converted", "safetensors"),
+        "load": lambda: dc.load(
+            {"w": dc.ShardedTensor.from_rank_offsets("w", torch.zeros(4, 4, dtype=torch.float64))}, ckpt
+        ),
+    }
+    for name, call in calls.items():
+        with pytest.raises(dc.CorruptCheckpointError, match="stored as torch.float32") as info:
+            call()
+        assert "'w'" in str(info.value) and "float64" in str(info.value), name
+    # a request of another dtype asks for a cast: it gets the stored values, converted
+    wanted = dc.ShardedTensor.from_rank_offsets("w", torch.zeros(4, 4, dtype=torch.float16))
+    loaded = dc.load({"w": wanted}, ckpt)["w"]
+    assert loaded.dtype == torch.float16 and torch.equal(loaded, torch.arange(16.0).reshape(4, 4).half())
