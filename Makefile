@@ -11,13 +11,22 @@ endif
 endif
 export PYTHON
 
-.PHONY: install demo test check
+# What each target installs (scripts/install.sh's DIST_CKPT_EXTRAS): the demo needs the library
+# alone; the tests and the static checks every backend, the test tools and the docs toolchain.
+DEMO_EXTRAS :=
+TEST_EXTRAS := all,test,docs
+
+.PHONY: install install-demo demo test check
 
 install:
 	@echo "make: using $(PYTHON)"
-	./scripts/install.sh
+	DIST_CKPT_EXTRAS="$(TEST_EXTRAS)" ./scripts/install.sh
 
-demo: install
+install-demo:
+	@echo "make: using $(PYTHON)"
+	DIST_CKPT_EXTRAS="$(DEMO_EXTRAS)" ./scripts/install.sh
+
+demo: install-demo
 	"$(PYTHON)" -m dist_ckpt demo
 
 test: install
