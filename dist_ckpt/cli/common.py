@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -49,6 +50,7 @@ __all__ = [
     "print_json",
     "require_directory",
     "size_arg",
+    "table_width",
     "terminal_width",
     "use_engine",
 ]
@@ -89,30 +91,83 @@ def format_table(
     right: Sequence[bool],
     max_width: Optional[int] = None,
     shrink: Sequence[int] = (),
+    wrap: Sequence[int] = (),
+    keys_on_own_lines: bool = False,
 ) -> str:
     """A plain-text table; ``right[i]`` right-aligns column ``i`` (numbers).
 
     With ``max_width``, the columns listed in ``shrink`` (widest first) are narrowed until every
-    line fits, down to `MIN_COLUMN_WIDTH` each; their cells are shortened in the middle
-    (`elide()`), so both ends of a long key stay readable.
+    line fits, down to `MIN_COLUMN_WIDTH` each. A narrowed cell of a column in ``wrap`` goes on
+    over as many lines as it needs, broken between words; one of any other column is shortened in
+    the middle (`elide()`), so both of its ends stay readable.
+
+    With ``keys_on_own_lines``, each cell of the first column (a key) is printed whole on a line
+    of its own, and the other columns below it, indented: for keys too long to share a line of
+    the terminal with the rest (see `table_width()`).
 
     Example:
 
     ```python
     format_table(["key", "bytes"], [["w", "16"]], [False, True])
-    format_table(headers, rows, right, max_width=terminal_width(), shrink=[0])
+    format_table(headers, rows, right, max_width=terminal_width(), shrink=[5], wrap=[5])
     ```
     """
+    if not keys_on_own_lines:
+        return "\n".join(line for lines in _cell_lines(headers, rows, right, max_width, shrink, wrap) for line in lines)
+    rest = _cell_lines(
+        headers[1:],
+        [r[1:] for r in rows],
+        right[1:],
+        None if max_width is None else max_width - len(_KEY_INDENT),
+        [i - 1 for i in shrink if i > 0],
+        [i - 1 for i in wrap if i > 0],
+    )
+    out: List[str] = []
+    for cells, lines in zip([headers, *rows], rest):
+        if cells[0]:
+            out.append(str(cells[0]))
+        out.extend((_KEY_INDENT + line).rstrip() for line in lines)
+    return "\n".join(out)
+
+
+#: how far `format_table()` indents the other columns under a key on its own line
+_KEY_INDENT = "    "
+
+
+def _cell_lines(
+    headers: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    right: Sequence[bool],
+    max_width: Optional[int],
+    shrink: Sequence[int],
+    wrap: Sequence[int],
+) -> List[List[str]]:
+    """The lines of `format_table()`'s header and of each row (several for a wrapped cell)."""
     widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
     if max_width is not None:
         _shrink_widths(widths, max_width, shrink)
 
-    def line(cells: Sequence[str]) -> str:
-        cells = [elide(str(c), w) for c, w in zip(cells, widths)]
-        parts = [c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right)]
-        return "  ".join(parts).rstrip()
+    def lines(cells: Sequence[str]) -> List[str]:
+        parts = [
+            (textwrap.wrap(str(c), w) or [""]) if i in wrap else [elide(str(c), w)]
+            for i, (c, w) in enumerate(zip(cells, widths))
+        ]
+        height = max(len(p) for p in parts)
+        parts = [p + [""] * (height - len(p)) for p in parts]
+        return [
+            "  ".join(p[k].rjust(w) if r else p[k].ljust(w) for p, w, r in zip(parts, widths, right)).rstrip()
+            for k in range(height)
+        ]
 
-    return "\n".join([line(headers), *(line(r) for r in rows)])
+    return [lines(cells) for cells in [headers, *rows]]
+
+
+def table_width(headers: Sequence[str], rows: Sequence[Sequence[str]], narrowest: Sequence[int] = ()) -> int:
+    """The width of `format_table()`'s widest line, with the columns in ``narrowest`` shrunk
+    to `MIN_COLUMN_WIDTH` (whether a table can fit a terminal at all)."""
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+    widths = [min(w, MIN_COLUMN_WIDTH) if i in narrowest else w for i, w in enumerate(widths)]
+    return sum(widths) + 2 * (len(widths) - 1)
 
 
 #: the narrowest a shrunk table column gets (keys shorter than this are never shortened)

@@ -15,6 +15,7 @@ from dist_ckpt.cli.common import (
     human_bytes,
     print_json,
     require_directory,
+    table_width,
     terminal_width,
 )
 from dist_ckpt.errors import counted
@@ -33,8 +34,9 @@ def add_inspect_command(subparsers: SubParsers, common: argparse.ArgumentParser)
             "metadata alone, without reading tensor data or needing a process group: backend and "
             "version, the ranks that saved it, every tensor's global shape, dtype and size, how it "
             "is stored (number of stored shards, chunk shape or flattened ranges, files), the keys "
-            "of the common state and the ShardedObjects. On a terminal (or with $COLUMNS set) long "
-            "keys are shortened in the middle to fit its width; piped output and --json keep them whole."
+            "of the common state and the ShardedObjects. On a terminal (or with $COLUMNS set) the "
+            "layout column wraps to fit its width, and keys too long to share a line with the other "
+            "columns get lines of their own; keys are always shown whole."
         ),
     )
     p.add_argument(
@@ -59,6 +61,10 @@ def add_inspect_command(subparsers: SubParsers, common: argparse.ArgumentParser)
 
 
 _KIND_NAMES = {"hf": "HuggingFace folder", "dcp": "torch.distributed.checkpoint directory (no metadata.json)"}
+
+
+#: the column of the tensor table that wraps when the terminal is narrow (keys never shrink)
+_LAYOUT = 5
 
 
 def _shape(shape: Sequence[int]) -> str:
@@ -116,14 +122,18 @@ def run_inspect_command(args: argparse.Namespace) -> int:
                         f" flat {s.flat_range[0]}:{s.flat_range[1]}" if s.flat_range else ""
                     )
                     rows.append([f"  @ {where}", _shape(s.shape), "", f"{s.nbytes:,} B", "", s.file, ""])
+        headers = ["key", "shape", "dtype", "size", "shards", "layout", "files"]
         print()
         print(
             format_table(
-                ["key", "shape", "dtype", "size", "shards", "layout", "files"],
+                headers,
                 rows,
                 [False, False, False, True, True, False, True],
                 max_width=width,
-                shrink=[0, 5],
+                shrink=[_LAYOUT],
+                wrap=[_LAYOUT],
+                # keys are what tells tensors apart: never shortened, on lines of their own if need be
+                keys_on_own_lines=width is not None and table_width(headers, rows, [_LAYOUT]) > width,
             )
         )
     if info.common_keys:
@@ -135,7 +145,7 @@ def run_inspect_command(args: argparse.Namespace) -> int:
         print()
         print(f"ShardedObjects ({len(info.sharded_objects)}):")
         for key in info.sharded_objects:
-            print(fit(f"  {key}"))
+            print(f"  {key}")  # whole: the ends of two keys may be the same
     for note in info.notes:
         print(f"note: {note}")
     return EXIT_OK
