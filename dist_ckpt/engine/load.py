@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Set, Tuple, Union
+from typing import Any, Dict, Literal, Optional, Set, Tuple, Union, overload
 
 from dist_ckpt.backends.base import LoadCommonStrategy, LoadShardedStrategy
 from dist_ckpt.engine.checks.compatibility import validate_sharded_objects_handling, verify_checkpoint_and_load_strategy
@@ -203,6 +203,78 @@ def _load_steps(
     return state, missing, unexpected, requested_bytes(sharded_part)
 
 
+#: the ``strict`` values for which `load()` returns ``(state_dict, missing_keys, unexpected_keys)``
+ReturnsMismatchKeys = Literal[
+    StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL, "return_unexpected", "return_all"
+]
+#: the ``strict`` values for which `load()` returns the state dict alone
+ReturnsStateDict = Literal[
+    StrictHandling.ASSUME_OK_UNEXPECTED,
+    StrictHandling.LOG_UNEXPECTED,
+    StrictHandling.LOG_ALL,
+    StrictHandling.RAISE_UNEXPECTED,
+    StrictHandling.RAISE_ALL,
+    StrictHandling.IGNORE_ALL,
+    "assume_ok_unexpected",
+    "log_unexpected",
+    "log_all",
+    "raise_unexpected",
+    "raise_all",
+    "ignore_all",
+]
+#: what `load()` returns with ``strict`` set to one of `ReturnsMismatchKeys`
+StateDictAndMismatchKeys = Tuple[StateDict, Set[str], Set[str]]
+
+
+# The overloads let a type checker know load()'s result from a literal ``strict`` (the
+# Megatron-Core signature returns a dict or a tuple depending on it): ``state["w"]`` type-checks
+# after ``load(sd, path)``, and the tuple unpacks after ``strict=StrictHandling.RETURN_ALL``.
+@overload
+def load(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: LocationLike,
+    sharded_strategy: StrategySpec = None,
+    common_strategy: StrategySpec = None,
+    validate_access_integrity: bool = True,
+    strict: ReturnsStateDict = StrictHandling.ASSUME_OK_UNEXPECTED,
+    *,
+    progress: Optional[ProgressCallback] = None,
+    watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
+    allow_dtype_cast: Optional[bool] = None,
+) -> StateDict: ...
+
+
+@overload
+def load(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: LocationLike,
+    sharded_strategy: StrategySpec,
+    common_strategy: StrategySpec,
+    validate_access_integrity: bool,
+    strict: ReturnsMismatchKeys,
+    *,
+    progress: Optional[ProgressCallback] = None,
+    watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
+    allow_dtype_cast: Optional[bool] = None,
+) -> StateDictAndMismatchKeys: ...
+
+
+@overload
+def load(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: LocationLike,
+    sharded_strategy: StrategySpec = None,
+    common_strategy: StrategySpec = None,
+    validate_access_integrity: bool = True,
+    *,
+    strict: ReturnsMismatchKeys,
+    progress: Optional[ProgressCallback] = None,
+    watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
+    allow_dtype_cast: Optional[bool] = None,
+) -> StateDictAndMismatchKeys: ...
+
+
+@overload
 def load(
     sharded_state_dict: ShardedStateDict,
     checkpoint_dir: LocationLike,
@@ -214,13 +286,28 @@ def load(
     progress: Optional[ProgressCallback] = None,
     watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
     allow_dtype_cast: Optional[bool] = None,
-) -> Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]:
+) -> Union[StateDict, StateDictAndMismatchKeys]: ...
+
+
+def load(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: LocationLike,
+    sharded_strategy: StrategySpec = None,
+    common_strategy: StrategySpec = None,
+    validate_access_integrity: bool = True,
+    strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
+    *,
+    progress: Optional[ProgressCallback] = None,
+    watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
+    allow_dtype_cast: Optional[bool] = None,
+) -> Union[StateDict, StateDictAndMismatchKeys]:
     """Load a checkpoint into the layout described by ``sharded_state_dict`` (collective).
 
     See [`load_with_report()`][dist_ckpt.engine.load.load_with_report] for the steps. Megatron-Core compatible: with
     ``strict=StrictHandling.RETURN_UNEXPECTED`` or ``RETURN_ALL`` the result is
-    ``(state_dict, missing_keys, unexpected_keys)``, otherwise the state dict. New code that
-    wants one return type should call [`load_with_report()`][dist_ckpt.engine.load.load_with_report].
+    ``(state_dict, missing_keys, unexpected_keys)``, otherwise the state dict; with ``strict``
+    written as a literal, type checkers know which (overloads). New code that wants one return
+    type should call [`load_with_report()`][dist_ckpt.engine.load.load_with_report].
 
     Args:
         sharded_state_dict: what to load: ShardedTensors describe this rank's part of each
