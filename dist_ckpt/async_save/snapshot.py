@@ -8,17 +8,22 @@ never as a pickled copy of the data) and writes the files from it.
 
 Touching fresh shared memory costs page faults (on the 2-core test VM a first copy into it ran
 at about a third of the speed of a copy into memory already touched), so the pool keeps its
-buffer for the next save, once the previous save's writer is done with it. The save strategies
+buffers for the next saves, once the save that used one is done with it. The save strategies
 share one pool per process (`PROCESS_SNAPSHOTS`): a save with a new strategy object -- as
 ``save(..., async_sharded_save=True)`` with the default strategy, or Megatron-Core's training
 loop creating its strategy at every save, do -- reuses the buffer of the previous save instead
 of faulting in a fresh one (on the test VM that took an async save's blocking time at 0.5 GB per
-rank from about 1 s to about the time of a memory copy). Memory bound: the process keeps one
-buffer, at most the size of the largest snapshot taken (or reserved) since it was last released
-([`release()`][dist_ckpt.async_save.snapshot.SnapshotPool.release]) -- a snapshot that finds the
-kept buffer too small or still in use gets a new one of its own size, which becomes the kept
-one -- plus the buffers of saves still writing when a new one starts (the writer process lets
-go of a save's buffer within a second of finishing it).
+rank from about 1 s to about the time of a memory copy). A save scheduled while the previous one
+is still writing finds that buffer in use: it gets a second buffer, also kept, so that saves
+back to back alternate between two buffers and pay the page faults once.
+
+Memory bound: the process keeps at most two buffers (`MAX_KEPT_BUFFERS`), each at most the size
+of the largest snapshot taken into it (or reserved) since the pool was last released
+([`release()`][dist_ckpt.async_save.snapshot.SnapshotPool.release]), the second only once two
+saves overlapped; plus the buffers of saves still writing when a third overlapping one starts
+(the writer process lets go of a save's buffer within a second of finishing it). A trainer can
+fault a buffer in before its first checkpoint, in the background
+([`reserve()`][dist_ckpt.async_save.snapshot.SnapshotPool.reserve]).
 
 Snapshots of CUDA tensors page-lock the kept buffer for CUDA once (``cudaHostRegister``), so
 that the device-to-host copies run at the link's speed: on an H200 a copy of 4 GiB took 0.079 s
@@ -47,7 +52,7 @@ import torch
 from dist_ckpt.model.dtypes import align_up
 from dist_ckpt.storage.direct_io import DIRECT_IO_ALIGN
 
-__all__ = ["PROCESS_SNAPSHOTS", "Snapshot", "SnapshotPool", "file_order_layout", "snapshot_layout"]
+__all__ = ["MAX_KEPT_BUFFERS", "PROCESS_SNAPSHOTS", "Snapshot", "SnapshotPool", "file_order_layout", "snapshot_layout"]
 
 logger = logging.getLogger(__name__)
 
@@ -175,78 +180,155 @@ def _copy_into(target: torch.Tensor, tensor: torch.Tensor) -> None:
     target.copy_(tensor.detach())  # from any device and any strides; waits for a GPU copy
 
 
-class SnapshotPool:
-    """Takes snapshots into a shared-memory buffer that it reuses once no save is using it.
+@dataclass(eq=False)  # compared by identity: it holds tensors
+class _KeptBuffer:
+    """A buffer the pool keeps, the save using it, and what the pool knows about it."""
 
-    The save strategies of a process share one (`PROCESS_SNAPSHOTS`); snapshots of overlapping
-    saves (a save scheduled before the previous one finished writing) get buffers of their own.
+    buffer: torch.Tensor
+    #: whether the save that took it last still needs it
+    in_use: Callable[[], bool] = lambda: False
+    #: whether it is page-locked for CUDA (`_page_lock()`): None until a snapshot of CUDA tensors
+    #: uses it, then True, or False where CUDA refused
+    page_locked: Optional[bool] = None
+    #: the key and views of the last take into it (`SnapshotPool._targets_for()`)
+    targets: Tuple[object, List[torch.Tensor]] = ((), [])
+
+    def drop(self) -> None:
+        """Let go of it (unlocked first: a save still writing from it keeps its memory mapped,
+        and its device copies are done)."""
+        if self.page_locked:
+            _page_unlock(self.buffer)
+        self.page_locked = None
+        self.targets = ((), [])
+
+
+#: buffers a pool keeps: one for the save being written, one for a save scheduled right after it
+MAX_KEPT_BUFFERS = 2
+
+
+class SnapshotPool:
+    """Takes snapshots into shared-memory buffers that it reuses once no save is using them.
+
+    The save strategies of a process share one (`PROCESS_SNAPSHOTS`). A snapshot goes into a
+    kept buffer that is large enough and that no save still uses; a save scheduled before the
+    previous one finished writing finds that buffer in use, and gets a second one, which the pool
+    keeps as well (at most ``max_buffers``), so that saves back to back alternate between two
+    buffers instead of faulting in a fresh one each time. Spaced saves only ever use one.
+
+    Args:
+        max_buffers: how many buffers to keep (each up to the size of the largest snapshot taken
+            into it); a snapshot that finds all of them in use gets a new one in place of the
+            least recently used, which lives on with its save.
     """
 
-    def __init__(self) -> None:
-        self._buffer: Optional[torch.Tensor] = None
-        self._in_use: Callable[[], bool] = lambda: False
-        #: the key and views of the last take (`_targets_for()`); dropped with the buffer they view
-        self._targets: Tuple[object, List[torch.Tensor]] = ((), [])
+    def __init__(self, max_buffers: int = MAX_KEPT_BUFFERS) -> None:
+        if max_buffers < 1:
+            raise ValueError(f"a snapshot pool keeps at least one buffer, got max_buffers={max_buffers}")
+        self.max_buffers = max_buffers
+        self._kept: List[_KeptBuffer] = []  # least recently used first
         self._lock = threading.Lock()  # saves may run from several threads of one process
-        #: whether the kept buffer is page-locked for CUDA (`_page_lock()`): None until a snapshot
-        #: of CUDA tensors uses it, then True, or False where CUDA refused
-        self._page_locked: Optional[bool] = None
+        self._reserving: Optional[threading.Thread] = None
 
-    def _acquire(self, nbytes: int) -> torch.Tensor:
-        if self._buffer is not None and self._buffer.numel() >= nbytes and not self._in_use():
-            return self._buffer
-        # a fresh buffer; the previous one, if still in use, lives on with its save
-        logger.debug("allocating a %d-byte shared-memory snapshot buffer", nbytes)
-        self._drop_buffer()  # before the new one is allocated: at most one idle buffer here
-        self._buffer = _shared_bytes(nbytes)
-        return self._buffer
+    def _acquire(self, nbytes: int) -> _KeptBuffer:
+        free = [k for k in self._kept if not k.in_use()]
+        fitting = [k for k in free if k.buffer.numel() >= nbytes]
+        if fitting:
+            kept = min(fitting, key=lambda k: k.buffer.numel())
+            self._kept.remove(kept)
+        else:
+            # a fresh buffer, in place of a free one too small, or, with max_buffers kept, of the
+            # least recently used (which, still in use, lives on with its save)
+            victim = free[0] if free else self._kept[0] if len(self._kept) >= self.max_buffers else None
+            if victim is not None:
+                self._kept.remove(victim)
+                victim.drop()
+            logger.debug("allocating a %d-byte shared-memory snapshot buffer", nbytes)
+            kept = _KeptBuffer(_shared_bytes(nbytes))
+        self._kept.append(kept)
+        return kept
 
     def __del__(self) -> None:
-        # a pool let go of with its buffer page-locked: unlocked, or its pages would stay pinned
-        if getattr(self, "_page_locked", None):
-            try:
-                self._drop_buffer()
-            except Exception:  # noqa: BLE001 -- at interpreter exit CUDA may be gone already
-                pass
-
-    def _drop_buffer(self) -> None:
-        """Let go of the kept buffer (unlocked first: a save still writing from it keeps its memory
-        mapped, and its device copies are done)."""
-        if self._buffer is not None and self._page_locked:
-            _page_unlock(self._buffer)
-        self._page_locked = None
-        self._buffer = None
-        self._targets = ((), [])
-        self._in_use = lambda: False
+        # a pool let go of with a buffer page-locked: unlocked, or its pages would stay pinned
+        for kept in getattr(self, "_kept", ()):
+            if kept.page_locked:
+                try:
+                    kept.drop()
+                except Exception:  # noqa: BLE001 -- at interpreter exit CUDA may be gone already
+                    pass
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the buffer the pool keeps (0 if none)."""
-        return 0 if self._buffer is None else self._buffer.numel()
+        """Bytes of the buffers the pool keeps (0 if none)."""
+        return sum(k.buffer.numel() for k in self._kept)
+
+    @property
+    def buffers(self) -> Tuple[torch.Tensor, ...]:
+        """The buffers the pool keeps, least recently used first."""
+        return tuple(k.buffer for k in self._kept)
 
     def release(self) -> None:
-        """Drop the kept buffer, e.g. after the last checkpoint of a job, or before a phase that
-        needs the memory. Its memory is freed once no save uses it (the async writer process lets
-        go of a save's buffer within a second of finishing it: `dist_ckpt.async_save.writer`)."""
+        """Drop the kept buffers, e.g. after the last checkpoint of a job, or before a phase that
+        needs the memory. Their memory is freed once no save uses them (the async writer process
+        lets go of a save's buffer within a second of finishing it: `dist_ckpt.async_save.writer`)."""
+        self.wait_reserved()
         with self._lock:
-            self._drop_buffer()
+            for kept in self._kept:
+                kept.drop()
+            self._kept = []
 
-    def reserve(self, nbytes: int) -> None:
-        """Allocate the buffer for snapshots of up to ``nbytes`` now, and touch every page of it,
+    def reserve(self, nbytes: int, background: bool = False) -> None:
+        """Allocate a buffer for snapshots of up to ``nbytes`` now, and touch every page of it,
         so that the first snapshot copies at the speed of the later ones (fresh memory costs a
         page fault per page: on the test VM a first copy into 512 MiB took 0.3 s, a later one
-        0.05 s). Does nothing if the pool already has a large enough buffer.
+        0.05 s). Does nothing if the pool already keeps a large enough buffer.
+
+        Args:
+            nbytes: the snapshot's size (e.g. `SafetensorsSaveShardedStrategy.reserve_snapshot`
+                computes it from a state dict).
+            background: fault the buffer in on a thread of its own and return at once; a snapshot
+                taken meanwhile waits for it (and then uses it) instead of faulting in another.
 
         Example:
 
         ```python
-        pool.reserve(512 << 20)   # at start-up, before the first checkpoint
+        pool.reserve(512 << 20, background=True)   # at start-up, before the first checkpoint
         ```
         """
-        with self._lock:
-            if self._buffer is not None and self._buffer.numel() >= nbytes:
-                return
-            self._acquire(nbytes).zero_()
+        if not background:
+            with self._lock:
+                self._reserve_locked(nbytes)
+            return
+        self.wait_reserved()
+        self._lock.acquire()  # taken here and released by the thread: no take() slips in before it
+        thread = threading.Thread(
+            target=self._reserve_in_background, args=(nbytes,), name="dist_ckpt-snapshot-reserve", daemon=True
+        )
+        try:
+            thread.start()
+        except BaseException:
+            self._lock.release()
+            raise
+        self._reserving = thread
+
+    def _reserve_locked(self, nbytes: int) -> None:
+        if any(k.buffer.numel() >= nbytes for k in self._kept):
+            return
+        self._acquire(nbytes).buffer.zero_()
+
+    def _reserve_in_background(self, nbytes: int) -> None:
+        try:
+            self._reserve_locked(nbytes)
+        except Exception as e:  # noqa: BLE001 -- only an optimisation: the first snapshot faults instead
+            logger.warning("could not reserve a %d-byte snapshot buffer: %s", nbytes, e)
+        finally:
+            self._lock.release()
+
+    def wait_reserved(self) -> None:
+        """Wait for a reservation started with ``background=True`` to finish."""
+        thread = self._reserving
+        if thread is not None:
+            thread.join()
+            self._reserving = None
 
     def take(
         self,
@@ -271,35 +353,32 @@ class SnapshotPool:
         if len(slots) != len(tensors):
             raise ValueError(f"a snapshot layout of {len(slots)} slots for {len(tensors)} tensors")
         with self._lock:
-            buffer = self._acquire(total)
-            if self._page_locked is None and _from_cuda(tensors):
-                self._page_locked = _page_lock(buffer)
-            self._in_use = in_use  # before the copy: no other save may take this buffer now
-            targets = self._targets_for(buffer, slots, tensors)
+            kept = self._acquire(total)
+            if kept.page_locked is None and _from_cuda(tensors):
+                kept.page_locked = _page_lock(kept.buffer)
+            kept.in_use = in_use  # before the copy: no other save may take this buffer now
+            targets = self._targets_for(kept, slots, tensors)
+        buffer = kept.buffer
         for i, (target, tensor) in enumerate(zip(targets, tensors)):
             _copy_into(target, tensor)
             if on_copied is not None:
                 on_copied(buffer, i)
         return Snapshot(buffer, tuple(slots))
 
+    @staticmethod
     def _targets_for(
-        self, buffer: torch.Tensor, slots: Sequence[Tuple[int, int]], tensors: Sequence[torch.Tensor]
+        kept: _KeptBuffer, slots: Sequence[Tuple[int, int]], tensors: Sequence[torch.Tensor]
     ) -> List[torch.Tensor]:
-        """The views of ``buffer`` the tensors are copied into: those of the previous take when
-        it laid out tensors of the same dtypes and shapes the same way in the same buffer (a
-        training job saves the same tensors every time), else new ones, kept for the next take.
-        Making them costs a slice and two views per tensor (about 10-20 ms of a 585-tensor
-        snapshot on the test VM), which is time the caller blocks. Views made under
-        ``torch.inference_mode()`` cannot be written outside it, so the mode is part of the key."""
-        key = (
-            buffer.data_ptr(),
-            torch.is_inference_mode_enabled(),
-            tuple(slots),
-            tuple((t.dtype, t.shape) for t in tensors),
-        )
-        if self._targets[0] != key:
-            self._targets = (key, [_target(buffer, offset, n, t) for (offset, n), t in zip(slots, tensors)])
-        return self._targets[1]
+        """The views of the buffer the tensors are copied into: those of the previous take into
+        it when that laid out tensors of the same dtypes and shapes the same way (a training job
+        saves the same tensors every time), else new ones, kept for the next take. Making them
+        costs a slice and two views per tensor (about 10-20 ms of a 585-tensor snapshot on the
+        test VM), which is time the caller blocks. Views made under ``torch.inference_mode()``
+        cannot be written outside it, so the mode is part of the key."""
+        key = (torch.is_inference_mode_enabled(), tuple(slots), tuple((t.dtype, t.shape) for t in tensors))
+        if kept.targets[0] != key:
+            kept.targets = (key, [_target(kept.buffer, offset, n, t) for (offset, n), t in zip(slots, tensors)])
+        return kept.targets[1]
 
 
 #: the pool the save strategies of this process share (see the module's docstring)

@@ -470,7 +470,7 @@ def test_reserved_snapshot_buffer_serves_the_first_save(tmp_path, queue):
     sd = _state(7)
     nbytes = strategy.reserve_snapshot(sd)
     assert nbytes >= sum(t.numel() * t.element_size() for t in _values(sd).values())
-    reserved = strategy._snapshots._buffer
+    (reserved,) = strategy._snapshots.buffers
     assert reserved is not None and reserved.numel() == nbytes and reserved.is_shared()
     request = dc.save(sd, tmp_path / "c", sharded_strategy=strategy, async_sharded_save=True)
     assert request.async_fn_args[2].buffer.data_ptr() == reserved.data_ptr()
