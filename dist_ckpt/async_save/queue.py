@@ -40,6 +40,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
+from dist_ckpt.async_save.snapshot import PROCESS_SNAPSHOTS
 from dist_ckpt.async_save.worker import DEFAULT_WRITER_TIMEOUT_S, AsyncOutcome, AsyncWorker
 from dist_ckpt.engine.distributed import all_reduce_max, get_rank, raise_if_any_rank_failed
 from dist_ckpt.errors import AsyncSaveError, CheckpointingException
@@ -171,13 +172,20 @@ class AsyncCallsQueue:
     module.
 
     Args:
-        persistent: keep one writer process for every request (it is started at the first one,
-            which pays its start-up, then reused); False starts a fresh process per request and
-            stops it once the request is finalized.
+        persistent: keep one writer process for every request (started with the queue, in the
+            background, then reused); False starts a fresh process per request and stops it once
+            the request is finalized.
         writer_timeout_s: how long a writer may take to start, or go without answering or using
             CPU while it writes, before it is killed: its request then fails, and finalization
             raises [`AsyncSaveError`][dist_ckpt.errors.AsyncSaveError] on every rank naming the rank and
             what the writer was doing (keyword only; may be changed later).
+        start_writer: start the persistent writer process now, without waiting for it (it
+            imports torch: seconds), so that the first save does not wait for its start-up;
+            False starts it at the first request.
+        snapshot_bytes: fault in a snapshot buffer of this many bytes now, on a thread of its own
+            ([`reserve()`][dist_ckpt.async_save.snapshot.SnapshotPool.reserve]), so that the
+            first save's snapshot copies at the speed of the later ones' (e.g. the bytes of this
+            rank's tensors; 0: none).
 
     Example:
 
@@ -189,14 +197,27 @@ class AsyncCallsQueue:
     ```
     """
 
-    def __init__(self, persistent: bool = True, *, writer_timeout_s: float = DEFAULT_WRITER_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        persistent: bool = True,
+        *,
+        writer_timeout_s: float = DEFAULT_WRITER_TIMEOUT_S,
+        start_writer: bool = True,
+        snapshot_bytes: int = 0,
+    ) -> None:
         if not writer_timeout_s > 0:
             raise AsyncSaveError(f"writer_timeout_s must be positive, got {writer_timeout_s!r}")
+        if snapshot_bytes < 0:
+            raise AsyncSaveError(f"snapshot_bytes must not be negative, got {snapshot_bytes!r}")
         self.persistent = persistent
         self._writer_timeout_s = writer_timeout_s
         self._calls: Deque[_ActiveCall] = deque()
         self._next_idx = 0
         self._worker: Optional[AsyncWorker] = None
+        if persistent and start_writer:
+            self._get_worker().start()
+        if snapshot_bytes:
+            PROCESS_SNAPSHOTS.reserve(snapshot_bytes, background=True)
 
     @property
     def writer_timeout_s(self) -> float:
@@ -216,6 +237,7 @@ class AsyncCallsQueue:
             return AsyncWorker(get_rank(), self._writer_timeout_s)
         if self._worker is None:
             self._worker = AsyncWorker(get_rank(), self._writer_timeout_s)
+        self._worker.rank = get_rank()  # a queue may be made before the process group
         return self._worker
 
     def schedule_async_request(self, async_request: AsyncRequest) -> int:

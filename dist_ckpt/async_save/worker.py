@@ -137,8 +137,8 @@ class _Progress:
 
 
 class AsyncWorker:
-    """Handle on one writer process, started on the first `submit()` (and again after one
-    that died or was stopped).
+    """Handle on one writer process, started by `start()` or on the first `submit()` (and again
+    after one that died or was stopped).
 
     Args:
         rank: this process's rank, named in error messages.
@@ -202,6 +202,19 @@ class AsyncWorker:
         self._started_at = time.monotonic()
         self._send(("hello", list(sys.path), self.rank))
         logger.debug("started async checkpoint writer process %d", self._process.pid)
+
+    def start(self) -> None:
+        """Start the writer process now, if it is not running, without waiting for it: it imports
+        torch and dist_ckpt (seconds) while the caller goes on, so that the first `submit()` does
+        not wait for its start-up. A writer that cannot be started is started again at `submit()`."""
+        self.poll()  # notices a writer that exited
+        if self._process is not None:
+            return
+        try:
+            self._start()
+        except OSError as e:
+            logger.warning("could not start the async checkpoint writer ahead of the first save: %s", e)
+            self._close_process()
 
     def _send(self, message: Tuple[Any, ...], fds: Sequence[int] = ()) -> None:
         assert self._sock is not None
