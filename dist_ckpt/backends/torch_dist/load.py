@@ -76,6 +76,7 @@ from dist_ckpt.backends.torch_dist.layout import (
 from dist_ckpt.backends.torch_dist.metadata import DCP_METADATA_FILENAME, unpickle_metadata
 from dist_ckpt.backends.torch_dist.read_plan import ReadPlanner, object_read_item, plan_tensor_reads
 from dist_ckpt.backends.torch_dist.verified_read import CheckedView, ItemCheck
+from dist_ckpt.backends.torch_dist.verify import short_files
 from dist_ckpt.engine.distributed import get_rank
 from dist_ckpt.engine.records import read_recorded
 from dist_ckpt.errors import (
@@ -153,11 +154,13 @@ def open_checkpoint(
     checkpoint's storage.
 
     With ``verify_checksums``, ``.metadata`` itself is checked against the manifest first, and a
-    ``.metadata`` that records a manifest (see `checksums`) refuses to open without it.
+    ``.metadata`` that records a manifest (see `checksums`) refuses to open without it. Every
+    file the metadata names must exist and hold its items (one size per file).
 
     Raises:
         NotACheckpointError: no ``.metadata``.
         UnsafeObjectError, CorruptCheckpointError, ChecksumMismatchError: see `metadata`.
+        CorruptCheckpointError: a file the metadata names is missing or too short.
     """
     storage = resolve_location(checkpoint_dir)
     where = storage.url_of(DCP_METADATA_FILENAME)
@@ -183,6 +186,8 @@ def open_checkpoint(
     if verify_checksums:  # a marked checkpoint without its manifest would load unverified: refused
         require_manifest(metadata, manifest is not None, storage)
     layout = parse_layout(metadata, storage.url)
+    for name, problem, key in short_files(storage, layout)[:1]:  # before a size is trusted to allocate a tensor
+        raise CorruptCheckpointError(f"{storage.url_of(name)} {problem}: the DCP metadata places {key!r} beyond it")
     return OpenedCheckpoint(storage, layout, manifest)
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import io
 import zipfile
 from bisect import bisect_right
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from dist_ckpt.backends.torch_dist.checksums import CHECKSUMS_FILENAME, FileSpans, parse_manifest, require_manifest
 from dist_ckpt.backends.torch_dist.layout import StoredItem, TorchDistLayout, parse_layout
@@ -36,7 +36,7 @@ from dist_ckpt.storage import ObjectReader, Storage
 from dist_ckpt.storage.errors import ObjectNotFoundError, StorageError, TruncatedObjectError
 from dist_ckpt.storage.location import LocationLike, resolve_location
 
-__all__ = ["verify_torch_dist"]
+__all__ = ["item_ends", "short_files", "verify_torch_dist"]
 
 #: most bytes read at once while checking a span
 _READ_BYTES = 64 << 20
@@ -123,6 +123,31 @@ def _size(storage: Storage, name: str) -> Optional[int]:
         return None
 
 
+def item_ends(layout: TorchDistLayout) -> Dict[str, Tuple[int, str]]:
+    """The end of the last item of each file the layout's items lie in, and that item's key."""
+    ends: Dict[str, Tuple[int, str]] = {}
+    for item, key in _keys_by_item(layout).items():
+        end = item.offset + item.length
+        if end >= ends.get(item.file, (0, ""))[0]:
+            ends[item.file] = (end, key)
+    return ends
+
+
+def short_files(storage: Storage, layout: TorchDistLayout) -> List[Tuple[str, str, str]]:
+    """``(file, problem, key)`` for each file of the layout that is missing or ends before its
+    last item (of ``key``): one size per file, so loads check it on opening (a forged
+    ``.metadata`` that declares a huge tensor in huge items is refused before anything is
+    allocated) and verify reports it."""
+    problems = []
+    for name, (end, key) in sorted(item_ends(layout).items()):
+        size = _size(storage, name)
+        if size is None:
+            problems.append((name, "missing (the DCP metadata lists items in it)", key))
+        elif size < end:
+            problems.append((name, f"has {size} bytes, its items end at byte {end} (truncated)", key))
+    return problems
+
+
 def verify_torch_dist(checkpoint_dir: LocationLike, allow_pickle: bool = False) -> IntegrityReport:
     """The integrity report of the DCP files of the checkpoint at ``checkpoint_dir`` (see the
     module docstring), read through its storage.
@@ -154,16 +179,9 @@ def verify_torch_dist(checkpoint_dir: LocationLike, allow_pickle: bool = False) 
         report.add(DCP_METADATA_FILENAME, str(e))
         return report
     keys = _keys_by_item(layout)
-    ends: Dict[str, int] = {}
-    for item in keys:
-        ends[item.file] = max(ends.get(item.file, 0), item.offset + item.length)
-    for name, end in sorted(ends.items()):
-        size = _size(storage, name)
-        if size is None:
-            report.add(name, "missing (the DCP metadata lists items in it)")
-            continue
-        if size < end:
-            report.add(name, f"has {size} bytes, its items end at byte {end} (truncated)")
+    ends = item_ends(layout)
+    for name, problem, key in short_files(storage, layout):
+        report.add(name, problem, key)
     if report.problems:
         return report
     if manifest is None:

@@ -166,3 +166,19 @@ def test_a_declared_dtype_over_data_of_another_is_refused_unless_a_cast_is_asked
     wanted = dc.ShardedTensor.from_rank_offsets("w", torch.zeros(4, 4, dtype=torch.float16))
     loaded = dc.load({"w": wanted}, ckpt)["w"]
     assert loaded.dtype == torch.float16 and torch.equal(loaded, torch.arange(16.0).reshape(4, 4).half())
+
+
+def test_a_huge_chunk_with_forged_bytes_is_refused_before_allocating(plain_dcp, tmp_path):
+    """4 TiB declared in one chunk whose item claims 4 TiB of a small file: allocating it for
+    ``unshard`` failed with a raw RuntimeError (or took the machine's memory)."""
+
+    def huge(md: Metadata) -> None:
+        entry = md.state_dict_metadata["w"]
+        entry.size = torch.Size((2**20, 2**20))
+        info = md.storage_data.pop(MetadataIndex("w", entry.chunks[1].offsets))
+        del md.storage_data[MetadataIndex("w", entry.chunks[0].offsets)]
+        entry.chunks = [ChunkStorageMetadata(torch.Size((0, 0)), torch.Size((2**20, 2**20)))]
+        info.length = 2**42 + 4096
+        md.storage_data[MetadataIndex("w", torch.Size((0, 0)))] = info
+
+    _refused_everywhere(_forge(plain_dcp, tmp_path / "forged_length", huge), "truncated")
