@@ -4,9 +4,9 @@ The library reports progress through callbacks ([`ProgressEvent`][dist_ckpt.engi
 never draws anything; this module -- imported by the CLI only, so that importing dist_ckpt never
 imports tqdm -- turns the events into bars:
 
-* a phase that counts bytes (a conversion's tensors) gets a bar in bytes (binary units, the
-  rate in GiB/s like every other throughput the commands print), with the key of the tensor
-  just written;
+* a phase that counts bytes (a save's or a load's sharded tensors as they are written or
+  read, a conversion's tensors) gets a bar in bytes (binary units, the rate in GiB/s like
+  every other throughput the commands print), with the key of the tensor just written, if known;
 * other phases advance one bar of the operation's phases.
 
 Example:
@@ -82,7 +82,8 @@ class ProgressBars:
             bar.update(event.bytes_done - bar.n)
             if event.item is not None:
                 bar.set_postfix_str(event.item, refresh=False)
-            return
+            if not event.done:
+                return  # the byte bar shows the step while it runs; its end advances the bar of steps too
         if self._phases is None:
             self._phases = tqdm(
                 total=event.total,

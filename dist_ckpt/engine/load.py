@@ -191,7 +191,8 @@ def _load_steps(
         values.update(loaded_values(inputs, sharded_strat.load(tensors, location)))
         return values
 
-    values = monitor.run(Step.LOAD_SHARDED, load_sharded)
+    nbytes = requested_bytes(sharded_part)
+    values = monitor.run(Step.LOAD_SHARDED, load_sharded, bytes_total=nbytes)
 
     # 5. reassemble
     def reassemble() -> StateDict:
@@ -200,7 +201,7 @@ def _load_steps(
         return state
 
     state = monitor.run(Step.ASSEMBLE, reassemble)
-    return state, missing, unexpected, requested_bytes(sharded_part)
+    return state, missing, unexpected, nbytes
 
 
 #: the ``strict`` values for which `load()` returns ``(state_dict, missing_keys, unexpected_keys)``

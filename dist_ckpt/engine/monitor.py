@@ -42,6 +42,7 @@ from dist_ckpt.model.dict_utils import nested_values
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, is_main_replica
 from dist_ckpt.storage.errors import storage_error_in
 from dist_ckpt.storage.location import LocationLike, resolve_location
+from dist_ckpt.storage.meter import ByteMeter, metering
 
 __all__ = ["StepMonitor", "count_files", "main_replica_bytes", "requested_bytes"]
 
@@ -185,7 +186,7 @@ class StepMonitor:
         if self._watchdog is not None:
             self._watchdog.touch()
 
-    def run(self, phase: Step, fn: Callable[[], T], *, exchanges_errors: bool = False) -> T:
+    def run(self, phase: Step, fn: Callable[[], T], *, exchanges_errors: bool = False, bytes_total: int = 0) -> T:
         """Run ``fn`` as the collective step ``phase`` (see
         `run_collectively()`), timed and reported.
 
@@ -202,12 +203,22 @@ class StepMonitor:
                 step adds no exchange after it succeeds. Honoured only without a
                 ``progress`` callback: a callback may fail on one rank, and the step's own
                 exchange is what carries that error to the others.
+            bytes_total: the step writes or reads this many bytes of tensor data on this rank:
+                with a ``progress`` callback, its events carry the bytes done so far, from 0 at
+                the start to ``bytes_total`` at the end, and more events come in between as the
+                bytes move (counted by `dist_ckpt.storage.meter`, throttled; they may come from
+                the step's I/O threads, one at a time).
         """
+        metered = bytes_total > 0 and self.progress is not None
+
+        def report_bytes(done: int) -> None:
+            self.notify(phase, done=False, bytes_done=done, bytes_total=bytes_total)
 
         def body() -> T:
-            self.notify(phase, done=False)
+            self.notify(phase, done=False, bytes_total=bytes_total if metered else 0)
             try:
-                result = fn()
+                with metering(ByteMeter(bytes_total, report_bytes)) if metered else nullcontext():
+                    result = fn()
             except Exception as e:  # noqa: BLE001 -- a failed write becomes a StorageError, others pass
                 if self.report.operation is not Operation.SAVE:
                     raise
@@ -218,7 +229,9 @@ class StepMonitor:
                 if located is e:
                     raise
                 raise located from e
-            self.notify(phase, done=True)
+            self.notify(
+                phase, done=True, bytes_done=bytes_total if metered else 0, bytes_total=bytes_total if metered else 0
+            )
             return result
 
         start = time.perf_counter()

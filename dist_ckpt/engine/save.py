@@ -387,7 +387,7 @@ def _save_steps(
         request.add_finalize_fn(finalize)
         request.add_abort_fn(lambda error: _abandon(location, claims, error))
         return request, nbytes
-    monitor.run(Step.SAVE_SHARDED, lambda: sharded_strat.save(to_save, location))
+    monitor.run(Step.SAVE_SHARDED, lambda: sharded_strat.save(to_save, location), bytes_total=nbytes)
     commit()
     return None, nbytes
 

@@ -38,6 +38,7 @@ from dist_ckpt.storage.errors import (
     storage_error_in,
     write_failed,
 )
+from dist_ckpt.storage.meter import count_bytes
 from dist_ckpt.storage.ranges import BufferLike
 
 __all__ = [
@@ -303,6 +304,7 @@ def preadv_into(fd: int, buffers: Sequence[memoryview], offset: int, what: str =
             )
         total += n
         offset += n
+        count_bytes(n)  # byte progress of a load (dist_ckpt.storage.meter)
         while n and pending:  # drop what was filled, keep the unfilled rest
             if n >= len(pending[0]):
                 n -= len(pending[0])
@@ -446,6 +448,7 @@ def write_temp_file(path: Union[str, Path], buffers: Sequence[BufferLike], *, fs
         with open(tmp, "wb") as f:
             for buffer in buffers:
                 f.write(buffer)
+                count_bytes(memoryview(buffer).nbytes)  # byte progress of a save (dist_ckpt.storage.meter)
             f.flush()
             if fsync:
                 os.fsync(f.fileno())
@@ -585,6 +588,7 @@ class SequentialWriter:
                 raise write_failed(e, self.url, len(view), offset=self.position) from e
             view = view[written:]
             self.position += written
+            count_bytes(written)  # byte progress of a save (dist_ckpt.storage.meter)
             if self.early_writeback and self.position - self._advised >= self.chunk_bytes:
                 self.start_writeback()
 

@@ -29,6 +29,7 @@ from dist_ckpt.storage.errors import (
     write_failed,
 )
 from dist_ckpt.storage.files import FileReader, fsync_dir, is_temp_name, make_dirs, replace_durably, temp_name
+from dist_ckpt.storage.meter import count_bytes
 from dist_ckpt.storage.paths import confined, validate_object_key, validate_prefix
 from dist_ckpt.storage.ranges import BufferLike, RangeRead, as_byte_view, check_reads, split_range
 from dist_ckpt.storage.stats import IOCounters
@@ -88,6 +89,7 @@ class _LocalWriter(ObjectWriter):
         except OSError as e:
             raise write_failed(e, self._storage.url_of(self._key), len(view), offset=self._written) from e
         self._written += len(view)
+        count_bytes(len(view))
         return len(view)
 
     def commit(self) -> None:
@@ -306,6 +308,7 @@ class LocalStorage(Storage):
     def read(self, key: str) -> bytes:
         with open(local_files.open_regular(self.local_path(key), self.url_of(key)), "rb") as f:
             data = f.read()
+        count_bytes(len(data))
         self._counters.add(bytes_read=len(data), read_requests=1)
         return data
 

@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 
 from dist_ckpt.storage.base import ObjectInfo, ObjectWriter, Storage
 from dist_ckpt.storage.errors import ObjectNotFoundError, StorageError, TruncatedObjectError
+from dist_ckpt.storage.meter import count_bytes
 from dist_ckpt.storage.paths import validate_object_key, validate_prefix
 from dist_ckpt.storage.ranges import BufferLike, RangeRead, as_byte_view, check_reads, coalesce_ranges
 from dist_ckpt.storage.s3_client import (
@@ -264,6 +265,7 @@ class S3Storage(Storage):
                 chunk_size=opts.part_size,
                 max_concurrency=opts.max_concurrency,
             )
+        count_bytes(total)
         self._counters.add(bytes_written=total, objects_written=1)
 
     def open_writer(self, key: str) -> ObjectWriter:
@@ -282,6 +284,7 @@ class S3Storage(Storage):
             mode="create",
             use_multipart=False,
         )
+        count_bytes(len(view))
         self._counters.add(bytes_written=len(view), objects_written=1)
 
     # -- reading -----------------------------------------------------------------------------
@@ -294,6 +297,7 @@ class S3Storage(Storage):
             return bytes(obstore.get(self._client.store, path).bytes())
 
         data = self._call("GET", key, get)
+        count_bytes(len(data))
         self._counters.add(bytes_read=len(data), read_requests=1)
         return data
 
@@ -341,6 +345,7 @@ class S3Storage(Storage):
         for buf in request.buffers:
             buf[:] = view[position : position + len(buf)]
             position += len(buf)
+        count_bytes(length)
         self._counters.add(bytes_read=length, read_requests=1)
 
     # -- metadata ----------------------------------------------------------------------------
@@ -468,6 +473,7 @@ class _S3Writer(ObjectWriter):
             # hand it an immutable copy: the caller may reuse its buffer as soon as we return
             self._storage._call("PUT (stream)", self._key, self._file.write, bytes(view))
         self._written += len(view)
+        count_bytes(len(view))
         return len(view)
 
     def commit(self) -> None:

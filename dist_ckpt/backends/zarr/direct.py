@@ -39,6 +39,7 @@ from dist_ckpt.integrity.checksums import FileDigest, check_file
 from dist_ckpt.model.dtype_cast import copy_cast
 from dist_ckpt.model.dtypes import tensor_to_numpy
 from dist_ckpt.model.geometry import sub_view
+from dist_ckpt.storage.meter import count_bytes
 from dist_ckpt.storage.object_path import ObjectPath
 
 __all__ = ["read_chunk_into", "read_chunk_part"]
@@ -115,5 +116,6 @@ def read_chunk_into(
                     f"{want} bytes while it was read: it is being truncated"
                 )
             done += n
+            count_bytes(n)  # byte progress of the load (dist_ckpt.storage.meter)
     if expected is not None:
         check_file(node, expected, f"[rank {get_rank()}] tensor {key!r}", data=raw)
