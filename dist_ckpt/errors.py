@@ -67,6 +67,16 @@ class LoadMismatchError(CheckpointingException, ValueError):
     """A stored tensor does not match what ``load`` asked for (dtype or global shape)."""
 
 
+class ShardedObjectLayoutError(LoadMismatchError):
+    """``load`` asked for a shard of a ``ShardedObject`` in a grid other than the one it was saved
+    in (e.g. an RNG state saved per tensor-parallel rank, loaded at another TP size).
+
+    The checkpoint is not corrupt: ShardedObjects are opaque and never resharded, so only the
+    saved layout can load them. The message lists the stored shards and says what to do: drop the
+    key from the load, or key the object by its layout so that a new layout asks for new keys.
+    """
+
+
 class NotACheckpointError(CheckpointingException, FileNotFoundError):
     """The directory is missing or holds no committed checkpoint (no valid ``metadata.json``)."""
 

@@ -10,12 +10,20 @@ the rank and the checkpoint; the casts a load will make are logged once, at INFO
 from __future__ import annotations
 
 import logging
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
 from dist_ckpt.engine.distributed import get_rank
-from dist_ckpt.errors import UNEXPECTED_KEYS, KeyMismatchError, LoadMismatchError, format_keys, format_problems
+from dist_ckpt.errors import (
+    UNEXPECTED_KEYS,
+    CheckpointingException,
+    KeyMismatchError,
+    LoadMismatchError,
+    ShardedObjectLayoutError,
+    format_keys,
+    format_problems,
+)
 from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
 from dist_ckpt.model.dtype_cast import cast_refusal, describe_cast
 from dist_ckpt.model.sharded import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
@@ -89,6 +97,46 @@ def check_requested_tensors(
             len(casts),
             format_problems(casts, ", "),
         )
+
+
+def object_layout_error(
+    requested: ShardedObject, stored_shards: Iterable[str], where: str
+) -> Optional[ShardedObjectLayoutError]:
+    """The error for a ShardedObject shard that is not stored while other shards of its key are,
+    when the stored ones belong to another grid (the object was saved at another TP/PP/DP layout);
+    None when they belong to the requested grid (a shard of the saved layout is missing: damage).
+
+    Args:
+        requested: the shard ``load`` asked for.
+        stored_shards: the stored shards of its key, by unique key (``key/shard_0.1_1.2``) or
+            by the part after the key's ``/`` (``shard_0.1_1.2``).
+        where: the checkpoint, as it should appear in messages.
+
+    Example:
+
+    ```python
+    object_layout_error(ShardedObject("rng", None, (1,), (0,)), ["shard_0_2", "shard_1_2"], "'ckpt'")
+    ```
+    """
+    grids = set()
+    names = sorted(s.rpartition("/")[2] for s in stored_shards)
+    for name in names:
+        try:
+            grids.add(ShardedObject.empty_from_unique_key(f"{requested.key}/{name}").global_shape)
+        except CheckpointingException:
+            continue  # not a shard name: says nothing about the layout
+    if not grids or requested.global_shape in grids:
+        return None
+    saved = " or ".join(str(g) for g in sorted(grids))
+    return ShardedObjectLayoutError(
+        f"[rank {get_rank()}] ShardedObject {requested.key!r} was saved in checkpoint {where} as a grid of shape "
+        f"{saved} (stored shards: {format_keys(names)}), and this load asks for shard {requested.global_offset} "
+        f"of a grid of shape {requested.global_shape} ({requested.unique_key!r}). The checkpoint is not corrupt: "
+        "ShardedObjects are opaque and are not resharded, so they load only in the layout (TP/PP/DP sizes) they "
+        "were saved in. Drop this key from the state dict passed to load (re-seed an RNG state instead; "
+        "Megatron-LM: --no-load-rng), or save it under a key that names its layout (the parallel sizes) and "
+        "request it only where the layout is the same"
+    )
 
 
 def refuse_sharded_objects(sharded_objects_state_dict: ShardedStateDict, why: str) -> StateDict:

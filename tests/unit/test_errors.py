@@ -15,6 +15,7 @@ BUILTIN_OF = {
     "StateDictStructureError": ValueError,
     "KeyMismatchError": KeyError,
     "LoadMismatchError": ValueError,
+    "ShardedObjectLayoutError": ValueError,
     "NotACheckpointError": FileNotFoundError,
     "CheckpointExistsError": FileExistsError,
     "CorruptCheckpointError": ValueError,

@@ -40,6 +40,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from dist_ckpt.backends.base import LoadCommonStrategy, SaveCommonStrategy
+from dist_ckpt.backends.request_checks import object_layout_error
 from dist_ckpt.backends.torch_common.plain_types import plain_data_allowed
 from dist_ckpt.engine.distributed import gather_json, get_rank, run_collectively
 from dist_ckpt.engine.records import read_recorded
@@ -342,6 +343,9 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
                     for k in stored
                     if k.startswith(f"{directory}/shard_") and k.endswith(".pt")
                 )
+                layout_error = object_layout_error(x, shards, repr(storage.url))
+                if layout_error is not None:  # saved at another layout: not damage
+                    raise layout_error
                 raise CorruptCheckpointError(
                     f"[rank {get_rank()}] shard {x.unique_key!r} of ShardedObject {x.key!r} is missing: no file "
                     f"{storage.url_of(key)!r}; stored shards: {shards}"

@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.futures import Future
 
 from dist_ckpt.backends.base import LoadShardedStrategy
-from dist_ckpt.backends.request_checks import check_requested_tensors
+from dist_ckpt.backends.request_checks import check_requested_tensors, object_layout_error
 from dist_ckpt.backends.stored_shards import StoredShardInfo
 from dist_ckpt.backends.torch_common.plain_types import plain_data_allowed
 from dist_ckpt.backends.torch_dist.checksums import (
@@ -448,6 +448,12 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         damaged = [
             k for k in missing if any(s.startswith(k.rpartition("/shard_")[0] + "/shard_") for s in layout.byte_items)
         ]
+        for o in objects:
+            if o.unique_key in damaged:
+                stored = [s for s in layout.byte_items if s.startswith(f"{o.key}/shard_")]
+                layout_error = object_layout_error(o, stored, repr(layout.where))
+                if layout_error is not None:  # saved at another layout: not damage
+                    raise layout_error
         if damaged:
             raise CorruptCheckpointError(
                 f"[rank {rank}] ShardedObject shards {format_keys(damaged)} are not in checkpoint {layout.where!r}, "

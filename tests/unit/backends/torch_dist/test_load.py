@@ -18,7 +18,7 @@ import dist_ckpt as dc
 from dist_ckpt import StrictHandling
 from dist_ckpt.backends.torch_dist import load as load_module
 from dist_ckpt.backends.torch_dist.load import TorchDistLoadShardedStrategy
-from dist_ckpt.errors import CorruptCheckpointError, KeyMismatchError, LoadMismatchError
+from dist_ckpt.errors import CorruptCheckpointError, KeyMismatchError, LoadMismatchError, ShardedObjectLayoutError
 from dist_ckpt.integrity.verify import verify_checkpoint
 from dist_ckpt.tools.convert import convert
 from dist_ckpt.tools.inspection import inspect_checkpoint
@@ -155,11 +155,12 @@ def test_strict_modes(strict: StrictHandling) -> None:
         assert "rng_state" in missing and "output_layer.weight" in missing
 
 
-def test_missing_shard_of_an_object_is_damage(tmp_path: Path) -> None:
-    """Other shards of the key are stored: a shard that is not is a damaged checkpoint, not a
-    key mismatch (as for the torch common strategy's object files)."""
+def test_a_shard_of_an_object_in_another_layout(tmp_path: Path) -> None:
+    """Other shards of the key are stored, in another grid: not a key mismatch, nor damage, but an
+    object asked for in another layout than it was saved in (as for the torch common strategy's
+    object files; see tests/unit/backends/test_object_layout.py)."""
     request = {"r": dc.ShardedObject("rng_state", None, (1, 3), (0, 2))}  # saved with global shape (1, 2)
-    with pytest.raises(CorruptCheckpointError, match="rng_state/shard_0.2_1.3"):
+    with pytest.raises(ShardedObjectLayoutError, match="rng_state/shard_0.2_1.3"):
         dc.load(request, fixture_dir("tp2"), validate_access_integrity=False)
     request = {"r": dc.ShardedObject("rng_state", None, (1, 2), (0, 1))}
     loaded = dc.load(request, fixture_dir("tp2"), validate_access_integrity=False)
