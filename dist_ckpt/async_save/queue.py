@@ -36,6 +36,7 @@ everywhere, before any finalization runs.
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
@@ -43,6 +44,12 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 from dist_ckpt.async_save.snapshot import PROCESS_SNAPSHOTS
 from dist_ckpt.async_save.worker import DEFAULT_WRITER_TIMEOUT_S, AsyncOutcome, AsyncWorker
 from dist_ckpt.engine.distributed import all_reduce_max, get_rank, raise_if_any_rank_failed
+from dist_ckpt.engine.registry import (
+    DEFAULT_COMMON_BACKEND,
+    DEFAULT_SHARDED_BACKEND,
+    StrategyAction,
+    get_default_strategy,
+)
 from dist_ckpt.errors import AsyncSaveError, CheckpointingException
 
 __all__ = ["AsyncCallsQueue", "AsyncOutcome", "AsyncRequest"]
@@ -155,6 +162,16 @@ def _check_same_call(idx: int, heads: Tuple[int, int]) -> None:
         )
 
 
+def _import_default_save_strategies() -> None:
+    """Import the default save strategies' modules (what a first save would import, in its
+    caller's time); a failure is left for the save itself to report."""
+    try:
+        get_default_strategy(StrategyAction.SAVE_SHARDED, *DEFAULT_SHARDED_BACKEND)
+        get_default_strategy(StrategyAction.SAVE_COMMON, *DEFAULT_COMMON_BACKEND)
+    except Exception as e:  # noqa: BLE001 -- only a warm-up
+        logger.debug("could not import the default save strategies ahead of the first save: %s", e)
+
+
 @dataclass
 class _ActiveCall:
     idx: int
@@ -216,6 +233,8 @@ class AsyncCallsQueue:
         self._worker: Optional[AsyncWorker] = None
         if persistent and start_writer:
             self._get_worker().start()
+            # the first save imports its backend's modules (0.2-0.9 s): done now, beside training
+            threading.Thread(target=_import_default_save_strategies, name="dist_ckpt-warm-up", daemon=True).start()
         if snapshot_bytes:
             PROCESS_SNAPSHOTS.reserve(snapshot_bytes, background=True)
 

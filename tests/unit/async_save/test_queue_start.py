@@ -3,6 +3,9 @@ snapshot's buffer in the background, so that the first save pays neither (issue 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,7 @@ import dist_ckpt as dc
 from dist_ckpt.async_save.queue import AsyncCallsQueue, AsyncRequest
 from dist_ckpt.async_save.snapshot import PROCESS_SNAPSHOTS
 from dist_ckpt.errors import AsyncSaveError
+from tests.paths import REPO_ROOT
 
 
 def test_the_writer_is_started_with_the_queue_and_serves_the_first_save(tmp_path: Path) -> None:
@@ -58,3 +62,22 @@ def test_snapshot_bytes_reserves_the_buffer_in_the_background() -> None:
         PROCESS_SNAPSHOTS.release()
     with pytest.raises(AsyncSaveError, match="must not be negative"):
         AsyncCallsQueue(start_writer=False, snapshot_bytes=-1)
+
+
+def test_the_default_save_strategies_are_imported_beside_training() -> None:
+    """A fresh process: making the queue imports the default backend's modules on a thread, so
+    that the first save does not import them in its caller's time."""
+    code = (
+        "import sys, threading\n"
+        "import dist_ckpt as dc\n"
+        "assert 'dist_ckpt.backends.safetensors.strategy' not in sys.modules\n"
+        "q = dc.AsyncCallsQueue()\n"
+        "for t in threading.enumerate():\n"
+        "    if t.name == 'dist_ckpt-warm-up':\n"
+        "        t.join()\n"
+        "print('dist_ckpt.backends.safetensors.strategy' in sys.modules)\n"
+        "q.close()\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True"], out.stderr[-2000:]
