@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 from dataclasses import replace
-from typing import List, Sequence
+from typing import TYPE_CHECKING, List, Sequence
 
 from dist_ckpt.cli.common import (
     EXIT_OK,
@@ -19,6 +19,9 @@ from dist_ckpt.cli.common import (
     terminal_width,
 )
 from dist_ckpt.errors import counted
+
+if TYPE_CHECKING:
+    from dist_ckpt.training.checkpoints import RunCheckpoint
 
 __all__ = ["add_inspect_command"]
 
@@ -42,8 +45,9 @@ def add_inspect_command(subparsers: SubParsers, common: argparse.ArgumentParser)
     p.add_argument(
         "dir",
         metavar="DIR",
-        help="a committed checkpoint, a HuggingFace folder or a torch.distributed.checkpoint directory: a "
-        "directory, or s3://bucket/prefix (credentials and endpoint from the AWS environment variables)",
+        help="a committed checkpoint, a HuggingFace folder, a torch.distributed.checkpoint directory, or a run's "
+        "directory of checkpoints (listed with their steps and metrics): a directory, or s3://bucket/prefix "
+        "(credentials and endpoint from the AWS environment variables)",
     )
     p.add_argument(
         "--keys",
@@ -71,16 +75,59 @@ def _shape(shape: Sequence[int]) -> str:
     return f"[{', '.join(map(str, shape))}]"
 
 
+def _print_run(args: argparse.Namespace, run: Sequence["RunCheckpoint"]) -> int:
+    """Describe a run directory: its complete checkpoints, oldest first, with their metrics (found
+    by [`list_checkpoints()`][dist_ckpt.training.checkpoints.list_checkpoints], as a training loop
+    finds them), and the directories that look like checkpoints but are not complete."""
+    from dist_ckpt.storage.location import resolve_location
+    from dist_ckpt.training.checkpoints import checkpoint_names
+
+    listed = {c.name for c in run}
+    partial = [name for _, name in checkpoint_names(resolve_location(args.dir)) if name not in listed]
+    if args.json:
+        checkpoints = [
+            {"path": c.path, "name": c.name, "step": c.step, "format": c.format.value, "metrics": c.metrics}
+            for c in run
+        ]
+        print_json({"path": args.dir, "kind": "run", "checkpoints": checkpoints, "not_complete": partial})
+        return EXIT_OK
+    print(f"{args.dir}: a run directory of {counted(len(run), 'complete checkpoint')}, oldest first")
+    print()
+    rows = [
+        [
+            str(c.step),
+            c.name,
+            c.format.value,
+            ", ".join(f"{k}={v:.4g}" for k, v in c.metrics.items()) if c.metrics else "-",
+        ]
+        for c in run
+    ]
+    print(format_table(["step", "checkpoint", "format", "metrics"], rows, [True, False, False, False]))
+    print()
+    print(f"the latest: dist-ckpt inspect {run[-1].path}")
+    if partial:
+        print(f"note: not complete (a save in progress, or one that did not finish): {', '.join(partial)}")
+    return EXIT_OK
+
+
 def run_inspect_command(args: argparse.Namespace) -> int:
     """Inspect and print a summary, a table of tensors, the common keys and ShardedObjects.
 
     Long by nature: it lays the report out line by line in the order it is printed, so that the
     output can be read off the code.
     """
+    from dist_ckpt.errors import NotACheckpointError
     from dist_ckpt.tools.inspection import inspect_checkpoint  # keeps `dist-ckpt --help` fast
+    from dist_ckpt.training.checkpoints import list_checkpoints
 
     require_directory(args.dir)  # a file or a missing path: exit 2, saying which
-    info = inspect_checkpoint(args.dir)
+    try:
+        info = inspect_checkpoint(args.dir)
+    except NotACheckpointError:
+        run = list_checkpoints(args.dir)  # a run's directory of checkpoints, as training writes them
+        if not run:
+            raise
+        return _print_run(args, run)
     if args.keys is not None:
         info = replace(info, tensors=tuple(t for t in info.tensors if fnmatch.fnmatchcase(t.key, args.keys)))
     if args.json:

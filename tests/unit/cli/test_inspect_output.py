@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import List
 
@@ -12,6 +14,7 @@ import torch
 import dist_ckpt as dc
 from dist_ckpt.cli import main
 from dist_ckpt.cli.common import format_table
+from dist_ckpt.training.metrics import save_checkpoint_metrics
 
 #: two keys that differ only in their middle, as an optimizer's two moments of one layer do
 MOMENTS = [f"optimizer.state.{moment}.decoder.layers.pre_mlp_layernorm.bias" for moment in ("exp_avg", "exp_avg_sq")]
@@ -53,3 +56,25 @@ def test_a_table_wraps_its_wrapping_column_instead_of_eliding_it() -> None:
     assert len(lines) > 2 and table.split() == ["key", "layout", "k", *rows[0][1].split()], (
         table
     )  # every word, in order
+
+
+def test_inspect_of_a_run_directory_lists_its_checkpoints(
+    moments: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    for step in (100, 200):
+        shutil.copytree(moments, run / f"checkpoint-{step}")
+    save_checkpoint_metrics(run / "checkpoint-200", {"eval_loss": 0.474})
+    shutil.copytree(moments, run / "checkpoint-300")
+    (run / "checkpoint-300" / "metadata.json").unlink()  # a save that did not finish
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert main(["inspect", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert f"{run}: a run directory of 2 complete checkpoints" in out, out
+    rows = {line.split()[1]: line for line in out.splitlines() if line.split()[:1] in (["100"], ["200"])}
+    assert set(rows) == {"checkpoint-100", "checkpoint-200"} and "eval_loss=0.474" in rows["checkpoint-200"], out
+    assert "checkpoint-300" not in out.split("note:")[0] and f"dist-ckpt inspect {run / 'checkpoint-200'}" in out
+    assert main(["inspect", str(run), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["kind"] == "run" and [c["step"] for c in doc["checkpoints"]] == [100, 200]
+    assert doc["checkpoints"][1]["metrics"] == {"eval_loss": 0.474}
