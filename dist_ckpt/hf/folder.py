@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Union
 
 from dist_ckpt.backends.safetensors import SafetensorsHeader, StoredShard, StoredTensor, TensorIndex, read_header
+from dist_ckpt.backends.stored_shards import stored_key
 from dist_ckpt.engine.commit import BIN_WEIGHTS_INDEX_NAME, BIN_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from dist_ckpt.errors import CorruptCheckpointError, KeyMismatchError, NotACheckpointError, format_keys
 from dist_ckpt.hf.index import SharingMetadataT, load_shard_index, refuse_bin, sharing_groups, validate_shard_index
@@ -157,6 +158,7 @@ class HFFolder:
         tensors: Dict[str, StoredTensor] = {}
         for name in stored:
             file = self.weight_map[name]
+            stored_key(name, repr(str(self.directory / file)))
             entry = headers[file].entries.get(name)
             if entry is None:
                 raise CorruptCheckpointError(

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict
 
 import pytest
+import torch
 
 import dist_ckpt as dc
 from dist_ckpt.engine.load_parts import load_plain_tensors, load_tensors_metadata
@@ -133,3 +134,12 @@ def test_a_key_read_from_the_safetensors_index_is_validated(saved, tmp_path):
         load_tensors_metadata(ckpt)
     assert isinstance(info.value.__cause__, dc.InvalidKeyError)
     assert not dc.verify_checkpoint(ckpt).ok
+
+
+def test_a_key_read_from_a_huggingface_header_is_validated(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"../../../x": torch.zeros(2), "model.w": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(dc.CorruptCheckpointError, match=r"\.\./\.\./\.\./x") as info:
+        load_tensors_metadata(tmp_path)
+    assert isinstance(info.value.__cause__, dc.InvalidKeyError) and "model.safetensors" in str(info.value)
