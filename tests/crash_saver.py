@@ -23,6 +23,8 @@ from typing import Any, Callable, Dict
 
 import torch
 
+from tests.deadlines import scaled
+
 PIECE = 64 << 10
 PAUSE_S = 0.006
 COMMIT_PAUSE_S = 0.25
@@ -116,7 +118,7 @@ def main(argv: list) -> None:
     from dist_ckpt.testing import init_process_group
 
     slow_storage()
-    init_process_group(rank, world, port, timeout_s=60)
+    init_process_group(rank, world, port, timeout_s=scaled(60))
     sd = state(rank, world)
     if mode == "sync":
         dc.save(sd, ckpt)

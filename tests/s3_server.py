@@ -49,6 +49,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Type
 
+from tests.deadlines import scaled
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["FaultRule", "RecordedRequest", "S3TestServer", "main"]
@@ -329,16 +331,16 @@ class S3TestServer:
 
     Args:
         bucket: bucket created at start-up (more with :meth:`create_bucket`).
-        startup_timeout_s: how long to wait for the child to listen.
+        startup_timeout_s: how long to wait for the child to listen (default: 60 s, `scaled`).
 
     Attributes:
         endpoint: ``http://127.0.0.1:PORT`` once started.
         access_key_id, secret_access_key: credentials of the IAM user the server accepts.
     """
 
-    def __init__(self, bucket: str = DEFAULT_BUCKET, *, startup_timeout_s: float = 60.0) -> None:
+    def __init__(self, bucket: str = DEFAULT_BUCKET, *, startup_timeout_s: Optional[float] = None) -> None:
         self.bucket = bucket
-        self.startup_timeout_s = startup_timeout_s
+        self.startup_timeout_s = scaled(60.0) if startup_timeout_s is None else startup_timeout_s
         self.endpoint = ""
         self.access_key_id = ""
         self.secret_access_key = ""
@@ -500,7 +502,7 @@ class S3TestServer:
         # an explicit content type: urllib's default (a form) would hide the body from moto's API
         headers = {"Content-Type": "application/octet-stream"}
         request = urllib.request.Request(self.endpoint + path, data=body, method=method, headers=headers)
-        deadline = time.monotonic() + 10.0
+        deadline = time.monotonic() + scaled(10.0)
         while True:
             try:
                 with urllib.request.urlopen(request, timeout=30) as response:

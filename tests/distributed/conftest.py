@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from dist_ckpt.testing import free_port, init_process_group
+from tests.deadlines import scaled
 
 
 def _mpi_world():
@@ -35,7 +36,9 @@ def process_group(request: pytest.FixtureRequest) -> Iterator[None]:
     port = comm.bcast(free_port() if comm.rank == 0 else None, root=0)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    init_process_group(comm.rank, comm.size, port, timeout_s=float(os.environ.get("DIST_CKPT_TEST_TIMEOUT", "90")))
+    init_process_group(
+        comm.rank, comm.size, port, timeout_s=float(os.environ.get("DIST_CKPT_TEST_TIMEOUT", scaled(90)))
+    )
     yield
     dist.barrier()
     dist.destroy_process_group()

@@ -41,6 +41,7 @@ from dist_ckpt.training.model_optim import (
     unshard_model_state,
     unshard_optim_state,
 )
+from tests.deadlines import scaled
 
 from .helpers import assert_on_all_ranks, raises_on_all_ranks, rank, world
 
@@ -49,7 +50,7 @@ pytestmark = pytest.mark.mpi(min_size=2)
 N, M = 3, 2
 #: fresh-job world sizes to continue in, by session world size (1 = one process, no process group)
 CONTINUE_AT = {2: [4, 1], 4: [2, 1]}
-SPAWN_TIMEOUT_S = 75.0  # below the session's collective timeout, so a hang is reported, not waited out
+SPAWN_TIMEOUT_S = scaled(75.0)  # below the session's collective timeout, so a hang is reported, not waited out
 
 
 def _continue(model: torch.nn.Module, optimizer: str, ckpt: str, loss_scale: float) -> State:

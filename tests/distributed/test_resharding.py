@@ -31,6 +31,7 @@ from dist_ckpt.testing.layouts import (
     participants_of,
     tp_shards,
 )
+from tests.deadlines import scaled
 
 from .helpers import (
     StrategyCombo,
@@ -220,7 +221,7 @@ def test_flattened_ranges_saved_at_4_loaded_at_2_and_1(combo: StrategyCombo, sha
     ok, detail = True, ""
     if rank() == 0:
         try:
-            ok = all(spawn_ranks(_load_flat_at, 2, str(shared_tmp_path), 2, combo.name, timeout_s=60))
+            ok = all(spawn_ranks(_load_flat_at, 2, str(shared_tmp_path), 2, combo.name, timeout_s=scaled(60)))
             with multiprocessing.get_context("spawn").Pool(1) as pool:
                 ok = ok and pool.apply(_load_single_process, (str(shared_tmp_path), combo.name))
         except Exception as e:  # noqa: BLE001 -- reported on every rank below

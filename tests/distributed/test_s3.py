@@ -24,6 +24,7 @@ from dist_ckpt.storage.s3 import S3StorageOptions
 from dist_ckpt.testing import spawn_ranks
 from dist_ckpt.testing.layouts import bitwise_equal, expected_data, full_tensor, tp_shards
 from dist_ckpt.training.checkpoints import find_latest_checkpoint, next_checkpoint_path
+from tests.deadlines import scaled
 
 from .helpers import assert_on_all_ranks, raises_on_all_ranks, rank, world
 
@@ -274,7 +275,7 @@ def test_a_save_killed_before_commit_is_not_a_checkpoint(s3: Optional[Any], url:
     outcome = "ok"
     if rank() == 0:
         try:
-            spawn_ranks(_save_and_die_before_commit, 2, crashed, timeout_s=120)
+            spawn_ranks(_save_and_die_before_commit, 2, crashed, timeout_s=scaled(120))
             outcome = "the save was not killed"
         except Exception as e:  # noqa: BLE001 -- expected: rank 0 died without reporting
             if "exited with code" not in str(e):

@@ -26,6 +26,7 @@ from dist_ckpt.async_save.queue import AsyncCallsQueue, AsyncRequest
 from dist_ckpt.errors import AsyncSaveError
 from dist_ckpt.testing import free_port
 from dist_ckpt.testing.layouts import bitwise_equal, full_tensor
+from tests.deadlines import scaled
 from tests.paths import REPO_ROOT
 
 #: a training script as users write them: no __main__ guard, rank and world from the environment
@@ -221,7 +222,7 @@ class SlowToRelease:
     def __del__(self) -> None:
         if os.getpid() == self.owner:
             return
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + scaled(60)
         while not os.path.exists(self.release_file) and time.monotonic() < deadline:
             time.sleep(0.05)
 
@@ -262,7 +263,7 @@ def test_the_outcome_is_sent_before_the_arguments_are_released(tmp_path: Path) -
         request = AsyncRequest(importable_finished_at, (ImportableArg(str(release)),))
         queue.schedule_async_request(request)
         worker = queue._get_worker()
-        assert worker.wait(request.outcome, timeout_s=30), "the outcome waited for the arguments' release"
+        assert worker.wait(request.outcome, timeout_s=scaled(30)), "the outcome waited for the arguments' release"
         assert isinstance(request.outcome.result, float)
     finally:
         release.touch()
@@ -282,7 +283,7 @@ def test_arguments_are_kept_while_idle_then_released(tmp_path: Path) -> None:
         request = AsyncRequest(importable_finished_at, (ImportableMarks(str(marker)),))
         queue.schedule_async_request(request)
         queue.maybe_finalize_async_calls(blocking=True)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + scaled(60)
         while not marker.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert marker.exists(), "an idle writer kept the last call's arguments"

@@ -37,6 +37,7 @@ from dist_ckpt.errors import NotACheckpointError
 from dist_ckpt.testing import free_port
 from dist_ckpt.training.checkpoints import find_latest_checkpoint
 from tests.crash_saver import full_tensors, state
+from tests.deadlines import scaled
 from tests.paths import REPO_ROOT
 
 pytestmark = pytest.mark.slow
@@ -104,7 +105,7 @@ def _join_group(pgid: int) -> Dict[str, Any]:
 def _run_to_completion(ckpt: Path, mode: str, side: Path) -> None:
     procs = _start(ckpt, mode, side)
     for p in procs:
-        _, err = p.communicate(timeout=120)
+        _, err = p.communicate(timeout=scaled(120))
         assert p.returncode == 0, err.decode()[-3000:]
 
 
@@ -186,7 +187,7 @@ def test_kill_at(mode, point_name, make_point, sizes, tmp_path):
     shutil.copytree(_previous(sizes), run / "iter_0000001")
     ckpt = run / "iter_0000002"
     procs = _start(ckpt, mode, side)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + scaled(60)
     seen: Optional[Snapshot] = None
     try:
         while time.monotonic() < deadline:
@@ -199,7 +200,7 @@ def test_kill_at(mode, point_name, make_point, sizes, tmp_path):
             time.sleep(0.002)
     finally:
         os.killpg(procs[0].pid, signal.SIGKILL)
-        errors = [p.communicate(timeout=30)[1].decode() for p in procs]
+        errors = [p.communicate(timeout=scaled(30))[1].decode() for p in procs]
     assert seen is not None, (
         f"the save never reached '{point_name}' (exit codes {[p.returncode for p in procs]}): {errors}"
     )

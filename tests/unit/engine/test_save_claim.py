@@ -26,6 +26,7 @@ from dist_ckpt.engine.process_identity import ProcessIdentity
 from dist_ckpt.engine.save_claim import IN_PROGRESS_FILENAME, SaveClaim
 from dist_ckpt.errors import InvalidKeyError, SaveConflictError
 from dist_ckpt.model.sharded import ShardedObject, ShardedTensor
+from tests.deadlines import scaled
 
 
 def _state(value: float) -> Dict[str, Any]:
@@ -54,7 +55,7 @@ class _Paused(SafetensorsSaveShardedStrategy):
 
     def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
         self.started.set()
-        assert self.release.wait(60)
+        assert self.release.wait(scaled(60))
         super().save(sharded_state_dict, checkpoint_dir)
 
 
@@ -72,14 +73,14 @@ def _race(target: Any) -> None:
 
     thread = threading.Thread(target=first)
     thread.start()
-    assert paused.started.wait(60)
+    assert paused.started.wait(scaled(60))
     try:
         with pytest.raises(SaveConflictError, match="is being written by save") as info:
             dc.save(_state(2.0), target)
         assert "nothing was written or deleted" in str(info.value)
     finally:
         paused.release.set()
-        thread.join(60)
+        thread.join(scaled(60))
     assert outcome["a"] == "committed", outcome
     assert _loaded(target) == 1.0 and dc.verify_checkpoint(target).ok
 

@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any, Dict
 
+from tests.deadlines import scaled
+
 
 def _die_at(where: str, rank: int, victim: int) -> None:
     """Patch the library so that ``victim`` exits when it reaches ``where``."""
@@ -47,7 +49,7 @@ def main(rank: int, world: int, port: int, ckpt: str, victim: int, where: str, o
     import dist_ckpt as dc
     from dist_ckpt.testing import init_process_group
 
-    init_process_group(rank, world, port, timeout_s=60)
+    init_process_group(rank, world, port, timeout_s=scaled(60))
     shard = torch.arange(16.0).reshape(4, 4) + 100 * rank
 
     def sd() -> Dict[str, Any]:

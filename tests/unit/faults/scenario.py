@@ -27,6 +27,7 @@ from dist_ckpt.backends.safetensors.strategy import SafetensorsSaveOptions, Safe
 from dist_ckpt.backends.torch_dist.save import TorchDistSaveShardedStrategy
 from dist_ckpt.errors import NotACheckpointError
 from dist_ckpt.model.sharded import ShardedObject, ShardedTensor
+from tests.deadlines import scaled
 
 from .inject import InjectedFault, Injector
 from .tally import DataLost, Hang, SilentWrong, is_typed
@@ -197,7 +198,7 @@ def kill_at(run: Run, at: int, save: Callable[[Path], None], seconds: float = 60
                 report.write_text(traceback.format_exc())
                 code = 1
             os._exit(code)
-        give_up = time.monotonic() + seconds
+        give_up = time.monotonic() + scaled(seconds)
         while True:
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional
 
 from dist_ckpt.errors import CheckpointingException
+from tests.deadlines import scaled
 
 COLUMNS = ("attempts", "clean", "silent wrong", "hang", "raw exception", "data lost")
 CLEAN, SILENT, HANG, RAW, LOST = COLUMNS[1:]
@@ -92,7 +93,7 @@ def attempt(row: str, what: str, run: Callable[[], None], seconds: float = 120.0
     """Run one attempt and record its outcome: ``run`` raises :class:`SilentWrong` /
     :class:`DataLost` for those outcomes, anything else for a raw exception; returns the outcome."""
     try:
-        with deadline(seconds):
+        with deadline(scaled(seconds)):
             run()
         outcome, detail = CLEAN, ""
     except Hang as e:

@@ -17,6 +17,7 @@ from typing import List, Tuple
 import pytest
 
 from dist_ckpt.testing import free_port
+from tests.deadlines import scaled
 
 from . import tally
 
@@ -45,7 +46,7 @@ def _run_job(tmp_path: Path, world: int, victim: int, where: str, seconds: float
         )
         for r in range(world)
     ]
-    give_up = time.monotonic() + seconds
+    give_up = time.monotonic() + scaled(seconds)
     try:
         for p in procs:
             p.wait(timeout=max(1.0, give_up - time.monotonic()))

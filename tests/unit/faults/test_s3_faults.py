@@ -24,6 +24,7 @@ import pytest
 import dist_ckpt as dc
 from dist_ckpt.storage import StorageError, open_storage
 from dist_ckpt.storage.s3 import S3StorageOptions
+from tests.deadlines import scaled
 from tests.s3_server import FaultRule, S3TestServer
 
 from . import tally
@@ -151,12 +152,12 @@ def test_the_server_killed_in_the_middle_of_a_save(monkeypatch, caplog):
         def attempt() -> None:
             thread = threading.Thread(target=save)
             thread.start()
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + scaled(60)
             while len(server.requests()) < 4 and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert server._proc is not None
             server._proc.kill()  # no goodbye: connections reset, then refused
-            thread.join(120)
+            thread.join(scaled(120))
             if thread.is_alive():
                 raise tally.Hang("the save did not end after the server died")
             error = outcome["error"]

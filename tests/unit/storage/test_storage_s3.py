@@ -33,6 +33,7 @@ from dist_ckpt.storage import (
 )
 from dist_ckpt.storage.s3 import S3Storage, S3StorageOptions, parse_s3_url
 from dist_ckpt.tools.launch import free_port
+from tests.deadlines import scaled
 from tests.s3_server import FaultRule, RecordedRequest
 
 MiB = 2**20
@@ -378,7 +379,7 @@ def test_an_upload_killed_midway_leaves_nothing_visible(s3_url: str, s3_env: Any
     s3_env.inject_faults([FaultRule(status=None, delay_s=5.0, count=1, method="PUT", query_contains="partNumber=2")])
     proc = subprocess.Popen([sys.executable, "-c", _UPLOADER, s3_url], env=_child_env())
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + scaled(30)
         while time.monotonic() < deadline and proc.poll() is None:
             parts = [
                 r
@@ -390,7 +391,7 @@ def test_an_upload_killed_midway_leaves_nothing_visible(s3_url: str, s3_env: Any
             time.sleep(0.05)
         assert proc.poll() is None and parts, "the uploader should be mid-upload (part 1 stored, part 2 held)"
         proc.kill()
-        proc.wait(timeout=10)
+        proc.wait(timeout=scaled(10))
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -23,6 +23,7 @@ from dist_ckpt.backends.safetensors.early_writes import EarlyRegion, EarlyWriter
 from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.storage import direct_io
 from dist_ckpt.storage.direct_io import DIRECT_IO_ALIGN
+from tests.deadlines import scaled
 
 CHUNK = 3 * DIRECT_IO_ALIGN
 
@@ -78,7 +79,7 @@ def test_regions_land_in_their_files_in_block_aligned_pieces(
     snapshot = SnapshotPool().take(tensors, in_use=lambda: writer.busy, layout=layout, on_copied=writer.copied)
     writer.finish()
     wait_for_early_writes(writer.status, str(tmp_path))
-    writer._thread.join(5)
+    writer._thread.join(scaled(5))
     assert not writer.busy
     for r, members in ((0, range(2)), (1, range(2, 4))):
         expected = b"H" * offsets[r] + b"".join(bytes(snapshot.view(i).numpy()) for i in members)
@@ -114,7 +115,7 @@ def test_a_failed_write_is_reported_and_nothing_more_is_written(tmp_path: Path, 
     message = str(raised.value)
     assert "ckpt/safetensors" in message and "No space left" in message and str(regions[0].path) in message
     assert len(calls) == 1  # the pieces queued after the failure were not written
-    writer._thread.join(5)
+    writer._thread.join(scaled(5))
     writer.status.close()
     # the files were closed too (on a full disk, a deleted file held open keeps its space)
     assert len(os.listdir("/proc/self/fd")) == before
@@ -185,7 +186,7 @@ def test_a_dropped_request_does_not_stop_the_thread(tmp_path: Path) -> None:
     writer.status.close()
     SnapshotPool().take(tensors, in_use=lambda: writer.busy, layout=layout, on_copied=writer.copied)
     writer.finish()
-    writer._thread.join(5)
+    writer._thread.join(scaled(5))
     assert not writer.busy
 
 

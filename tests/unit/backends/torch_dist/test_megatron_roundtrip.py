@@ -27,6 +27,7 @@ import dist_ckpt as dc
 from dist_ckpt.async_save.queue import AsyncCallsQueue
 from dist_ckpt.testing import spawn_ranks
 from dist_ckpt.tools.convert import convert
+from tests.deadlines import scaled
 
 SCRIPT = Path(__file__).with_name("megatron_load.py")
 VENV_PYTHON = Path("/opt/mcore-venv/bin/python")
@@ -74,9 +75,9 @@ def test_megatron_core_loads_what_dist_ckpt_saved(tmp_path: Path) -> None:
     if python is None:
         pytest.skip("megatron-core is not installed here (pip install 'dist_ckpt[test]') and /opt/mcore-venv is absent")
     ckpts = {"sync": tmp_path / "sync", "async": tmp_path / "async", "converted": tmp_path / "converted"}
-    spawn_ranks(_save_rank, TP, str(ckpts["sync"]), timeout_s=300)
-    spawn_ranks(_save_rank, TP, str(ckpts["async"]), "torch_dist", True, timeout_s=300)
-    spawn_ranks(_save_rank, TP, str(tmp_path / "safetensors"), "safetensors", timeout_s=300)
+    spawn_ranks(_save_rank, TP, str(ckpts["sync"]), timeout_s=scaled(300))
+    spawn_ranks(_save_rank, TP, str(ckpts["async"]), "torch_dist", True, timeout_s=scaled(300))
+    spawn_ranks(_save_rank, TP, str(tmp_path / "safetensors"), "safetensors", timeout_s=scaled(300))
     convert(tmp_path / "safetensors", ckpts["converted"], to="torch_dist")
     spec = {
         "tensors": {"emb": [[8, 6], "bfloat16"], "norm": [[6], "float32"], "layers.qkv": [[LAYERS, 12, 6], "float32"]},
