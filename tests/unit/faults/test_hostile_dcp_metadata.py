@@ -182,3 +182,19 @@ def test_a_huge_chunk_with_forged_bytes_is_refused_before_allocating(plain_dcp, 
         md.storage_data[MetadataIndex("w", torch.Size((0, 0)))] = info
 
     _refused_everywhere(_forge(plain_dcp, tmp_path / "forged_length", huge), "truncated")
+
+
+def test_chunks_that_tile_but_do_not_match_their_items_are_refused(plain_dcp, tmp_path):
+    """Rows [0, 3) and [3, 4) tile the tensor, but the items hold two rows each."""
+
+    def reshape(md: Metadata) -> None:
+        top, bottom = _chunks(md)
+        md.storage_data[MetadataIndex("w", torch.Size((3, 0)))] = md.storage_data.pop(
+            MetadataIndex("w", bottom.offsets)
+        )
+        top.sizes, bottom.offsets, bottom.sizes = torch.Size((3, 4)), torch.Size((3, 0)), torch.Size((1, 4))
+
+    ckpt = _forge(plain_dcp, tmp_path / "reshaped", reshape)
+    for call in (lambda: dc.load(_request(), ckpt), lambda: load_plain_tensors(ckpt), lambda: dc.unshard(ckpt)):
+        with pytest.raises(dc.CorruptCheckpointError, match=str(ckpt)):
+            call()
