@@ -35,7 +35,14 @@ from types import TracebackType
 from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tuple, Type, TypeVar
 
 from dist_ckpt.engine.distributed import all_gather_json, get_rank, get_world_size, run_collectively
-from dist_ckpt.engine.report import CheckpointReport, Operation, PhaseTiming, ProgressCallback, ProgressEvent
+from dist_ckpt.engine.report import (
+    CheckpointReport,
+    Operation,
+    PhaseTiming,
+    ProgressCallback,
+    ProgressEvent,
+    format_rate,
+)
 from dist_ckpt.engine.steps import Step
 from dist_ckpt.engine.watchdog import Watchdog
 from dist_ckpt.model.dict_utils import nested_values
@@ -292,10 +299,10 @@ class StepMonitor:
         if report.rank == 0:
             logger.info("%s", report.summary())
         logger.debug(
-            "rank %d: %d bytes in %.3f s (%.3g GiB/s)",
+            "rank %d: %d bytes in %.3f s (%s)",
             report.rank,
             report.nbytes,
             report.seconds,
-            report.rank_gib_per_s,
+            format_rate(report.nbytes, report.seconds),
         )
         return report

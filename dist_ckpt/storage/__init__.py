@@ -15,6 +15,7 @@ keys, ``ranges.py`` buffers and byte ranges,
 from dist_ckpt.storage.base import S3_SCHEMES, ObjectInfo, ObjectReader, ObjectWriter, Storage, open_storage
 from dist_ckpt.storage.errors import (
     BucketNotFoundError,
+    NotARegularFileError,
     ObjectExistsError,
     ObjectNotFoundError,
     RetriesExhaustedError,
@@ -26,9 +27,11 @@ from dist_ckpt.storage.errors import (
 from dist_ckpt.storage.files import (
     FileReader,
     atomic_write,
+    check_regular,
     fsync_dir,
     fsync_file,
     make_dirs,
+    open_regular,
     preadv_into,
     write_bytes_atomic,
 )
@@ -54,6 +57,7 @@ __all__ = [
     "IOStats",
     "LocalStorage",
     "LocalStorageOptions",
+    "NotARegularFileError",
     "ObjectExistsError",
     "ObjectInfo",
     "ObjectNotFoundError",
@@ -67,6 +71,7 @@ __all__ = [
     "StorageError",
     "TruncatedObjectError",
     "atomic_write",
+    "check_regular",
     "confined",
     "decode_key",
     "encode_key",
@@ -74,6 +79,7 @@ __all__ = [
     "fsync_dir",
     "fsync_file",
     "make_dirs",
+    "open_regular",
     "open_storage",
     "preadv_into",
     "safe_join",

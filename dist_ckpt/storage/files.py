@@ -56,6 +56,7 @@ __all__ = [
     "sync_filesystem",
     "make_dirs",
     "open_regular",
+    "check_regular",
     "preadv_into",
     "replace_durably",
     "temp_name",
@@ -366,6 +367,25 @@ def open_regular(path: Union[str, Path], url: Optional[str] = None) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def check_regular(path: Union[str, Path], url: Optional[str] = None) -> None:
+    """Refuse ``path`` if it exists and is not a regular file, for a library that opens it by
+    path itself (zarr-python, TensorStore); a missing file is left to that library to report.
+
+    Example:
+
+    ```python
+    check_regular(storage.local_path("zarr/w/c/0/0"))     # before TensorStore reads it
+    ```
+
+    Raises:
+        NotARegularFileError: a FIFO, a socket or a device (see `open_regular()`).
+    """
+    try:
+        os.close(open_regular(path, url))
+    except ObjectNotFoundError:
+        return
 
 
 class FileReader(int, ObjectReader):

@@ -39,15 +39,17 @@ from __future__ import annotations
 import copy
 import io
 import logging
+import os
 import pickle
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, ClassVar, Dict, List, Optional, Sequence, Tuple, cast
+from typing import IO, Any, ClassVar, Dict, Generator, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
@@ -90,7 +92,7 @@ from dist_ckpt.errors import (
 from dist_ckpt.integrity.checksums import IntegrityReport
 from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
 from dist_ckpt.model.sharded import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
-from dist_ckpt.storage import Storage
+from dist_ckpt.storage import Storage, open_regular
 from dist_ckpt.storage.errors import ObjectNotFoundError
 from dist_ckpt.storage.location import LocationLike, require_local, resolve_location
 
@@ -217,6 +219,35 @@ def unpickle_item(data: bytes, where: str, what: str, allow_pickle: bool, opt_in
         raise CorruptCheckpointError(f"{what} in {where} is truncated or corrupt: {type(e).__name__}: {e}") from e
 
 
+class _CheckpointFiles(FileSystem):
+    """DCP's local file system, opening only the checkpoint's own files for DCP's reader: each is
+    found through the checkpoint's storage (`local_path()`, the one link policy: a link out of the
+    checkpoint raises [`UnsafeLinkError`][dist_ckpt.errors.UnsafeLinkError]) and opened as a regular file
+    (`open_regular()`: a FIFO raises instead of blocking the load forever).
+
+    Args:
+        storage: the checkpoint.
+        directory: its local directory, the one DCP's reader joins the files' names to.
+    """
+
+    def __init__(self, storage: Storage, directory: Path) -> None:
+        super().__init__()
+        self._storage = storage
+        self._directory = directory
+
+    def open_file(self, name: str) -> IO[bytes]:
+        """The checkpoint's file ``name`` (a name from ``.metadata``), open for reading."""
+        return open(open_regular(self._storage.local_path(name), self._storage.url_of(name)), "rb")
+
+    @contextmanager
+    def create_stream(self, path: Union[str, "os.PathLike[str]"], mode: str) -> Generator[io.IOBase, None, None]:
+        if mode != "rb":
+            raise CheckpointingException(f"the torch_dist loader opens {path} for reading only, not {mode!r}")
+        name = os.path.relpath(path, self._directory)
+        with self.open_file(name) as stream:
+            yield cast(io.IOBase, stream)
+
+
 class _Reader(FileSystemReader):
     """DCP's file reader, given the metadata already read safely, checking each item's bytes
     against the recorded crc32c (when there is a manifest) as DCP reads them.
@@ -226,13 +257,16 @@ class _Reader(FileSystemReader):
     ``before_item``), when the next item is opened, and when a read fails (a damaged byte then
     raises [`ChecksumMismatchError`][dist_ckpt.errors.ChecksumMismatchError] rather than whatever
     ``torch.load`` made of it).
+
+    DCP opens the files through `_CheckpointFiles`: the link policy of every other read holds.
     """
 
     def __init__(self, opened: OpenedCheckpoint, verify: bool) -> None:
         super().__init__(opened.directory)
         self._opened = opened
+        self.fs = self._files = _CheckpointFiles(opened.storage, opened.directory)
         self._spans: Dict[str, Tuple[List[int], Tuple[Span, ...]]] = {}
-        self._pending: Optional[Tuple[ItemCheck, Any, Path]] = None
+        self._pending: Optional[Tuple[ItemCheck, Any, str]] = None
         if verify and opened.manifest is not None:
             for name, spans in opened.manifest.items():
                 self._spans[name] = ([s[0] for s in spans.spans], spans.spans)
@@ -256,7 +290,7 @@ class _Reader(FileSystemReader):
             return view
         where = self._opened.storage.url_of(sinfo.relative_path)
         check = ItemCheck(inside, where, f"[rank {get_rank()}] item at byte {sinfo.offset}")
-        self._pending = (check, file, self._opened.directory / sinfo.relative_path)
+        self._pending = (check, file, sinfo.relative_path)
         return cast(IO[bytes], CheckedView(view, sinfo.offset, check))
 
     def finish_item(self) -> None:
@@ -268,11 +302,11 @@ class _Reader(FileSystemReader):
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        check, file, path = pending
+        check, file, name = pending
         if not file.closed:
             check.finish(file.fileno())
             return
-        with open(path, "rb") as reopened:  # DCP closed the file when the read failed
+        with self._files.open_file(name) as reopened:  # DCP closed the file when the read failed
             check.finish(reopened.fileno())
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:

@@ -54,6 +54,7 @@ from dist_ckpt.integrity.checksums import (
 )
 from dist_ckpt.model.dtypes import dtype_from_name, dtype_info
 from dist_ckpt.model.geometry import Box
+from dist_ckpt.storage import check_regular
 from dist_ckpt.storage.object_path import ObjectPath, node_files
 
 __all__ = [
@@ -240,7 +241,7 @@ class VerifyingStore:
         ``local_paths``; `open_objects()` serves object stores)."""
         if self._cls is None:
             self._cls = _store_class()
-        return self._cls(array_path.local_path(), array_path.relative_to(self.root), self.manifest)
+        return self._cls(array_path, array_path.relative_to(self.root), self.manifest)
 
     def open_objects(self, obstore_store: Any, url: str) -> Any:
         """A read-only ``zarr.storage.ObjectStore`` subclass over ``obstore_store``, which must be
@@ -265,12 +266,16 @@ def _store_class() -> Any:
     from zarr.storage import LocalStore
 
     class _Store(LocalStore):
-        def __init__(self, path: Path, prefix: str, manifest: Mapping[str, FileDigest]) -> None:
-            super().__init__(str(path), read_only=True)
+        def __init__(self, node: ObjectPath, prefix: str, manifest: Mapping[str, FileDigest]) -> None:
+            super().__init__(str(node.local_path()), read_only=True)
+            self._node = node
             self._prefix = prefix
             self._manifest = manifest
 
         async def get(self, key: str, prototype: Any = None, byte_range: Any = None) -> Any:
+            # zarr-python opens the file by path: the storage checks where it leads, and that it is
+            # a regular file (a FIFO would block the read forever)
+            check_regular((self._node / key).local_path(), str(self._node / key))
             buf = await super().get(key, prototype, byte_range)
             expected = self._manifest.get(f"{self._prefix}/{key}")
             if buf is not None and byte_range is None and expected is not None:

@@ -40,11 +40,10 @@ from dist_ckpt.model.dtype_cast import copy_cast
 from dist_ckpt.model.dtypes import tensor_to_numpy
 from dist_ckpt.model.geometry import sub_view
 from dist_ckpt.storage.meter import count_bytes
+from dist_ckpt.storage import ObjectNotFoundError, open_regular
 from dist_ckpt.storage.object_path import ObjectPath
 
 __all__ = ["read_chunk_into", "read_chunk_part"]
-
-_OPEN = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 
 
 def read_chunk_part(
@@ -93,9 +92,9 @@ def read_chunk_into(
     """
     node = array_dir / chunk
     want = dest.numel() * dest.element_size()
-    try:
-        fd = os.open(node.local_path(), _OPEN)  # through the storage: a link out of the checkpoint is refused
-    except FileNotFoundError:
+    try:  # through the storage: a link out of the checkpoint is refused, and a FIFO (it would block)
+        fd = open_regular(node.local_path(), str(node))
+    except ObjectNotFoundError:
         raise CorruptCheckpointError(
             f"[rank {get_rank()}] chunk file {str(node)!r} of tensor {key!r} is missing; the checkpoint is incomplete"
         ) from None

@@ -45,7 +45,7 @@ from dist_ckpt.model.dtype_cast import copy_cast
 from dist_ckpt.model.dtypes import numpy_to_tensor, tensor_to_numpy
 from dist_ckpt.model.geometry import Box, piece_view, sub_view
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
-from dist_ckpt.storage import Storage
+from dist_ckpt.storage import Storage, check_regular
 from dist_ckpt.storage.object_path import ObjectPath
 
 __all__ = ["DEFAULT_MAX_STAGED_BYTES", "TensorStoreLoadShardedStrategy"]
@@ -129,7 +129,8 @@ class TensorStoreLoadShardedStrategy(ZarrLoadStrategyBase):
             for plan in plans.values():
                 for op in plan.ops:
                     for f in [op.array_path / "zarr.json", *chunk_files(op.array_path, op.region)]:
-                        f.local_path()  # a link out of the checkpoint: UnsafeLinkError
+                        # a link out of the checkpoint: UnsafeLinkError; a FIFO (TensorStore would block on it)
+                        check_regular(f.local_path(), str(f))
         if manifest is not None:
             _check_touched_files(requested, plans, local, manifest)
         # 3. every read issued before any is awaited

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+import dist_ckpt as dc
 from dist_ckpt.engine.report import CheckpointReport, Operation, format_rate
 
 
@@ -17,3 +24,10 @@ def test_a_summary_of_one_file_on_one_rank_says_so_in_the_singular() -> None:
     summary = report.summary()
     assert "on 1 rank;" in summary and "; 1 file," in summary, summary
     assert "e-" not in summary, summary  # 100 B/s is 9.31e-08 GiB/s: written out
+
+
+def test_each_rank_logs_its_rate_without_an_exponent(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.DEBUG, logger="dist_ckpt.engine.monitor"):
+        dc.save({"w": dc.ShardedTensor.from_rank_offsets("w", torch.zeros(4))}, tmp_path / "c")
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rank 0: 16 bytes")]
+    assert lines and "GiB/s" in lines[0] and "e-" not in lines[0], lines

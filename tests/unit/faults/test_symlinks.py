@@ -1,4 +1,5 @@
-"""One symlink policy for every file dist_ckpt reads (dist_ckpt.storage.confined).
+"""One symlink policy for every file dist_ckpt reads (dist_ckpt.storage.confined), and no read of
+a file that is not a regular one (a FIFO would block the read forever).
 
 A file (or a directory on its way) that is a link leading outside the checkpoint directory is
 refused with UnsafeLinkError -- even when what it leads to has the right bytes -- by load, by
@@ -9,12 +10,14 @@ HuggingFace hub-cache snapshot may link into its repository's blobs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
-from typing import Dict, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
 import torch
@@ -125,3 +128,97 @@ def test_a_huggingface_cache_snapshot_may_link_to_its_blobs(tmp_path):
     os.symlink(elsewhere, snapshot / "model.safetensors")
     with pytest.raises(dc.UnsafeLinkError, match="outside the checkpoint directory"):
         dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2, 3))}, snapshot)
+
+
+def test_a_torch_dist_data_file_linked_out_is_refused(saved, tmp_path):
+    """DCP's own data files follow the one link policy too: load, load_plain_tensors and convert
+    refuse a ``.distcp`` that leads out of the checkpoint, though its bytes are the right ones."""
+    from dist_ckpt.tools.convert import convert
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved["torch_dist"], ckpt)
+    (tmp_path / "outside").mkdir()
+    (data,) = sorted(p.relative_to(ckpt) for p in ckpt.glob("*.distcp"))
+    _link_out(ckpt, data, tmp_path / "outside")
+    with pytest.raises(dc.UnsafeLinkError, match="outside the checkpoint"):
+        check_loads(ckpt, 2.0)
+    with pytest.raises(dc.UnsafeLinkError, match=data.name):
+        dc.load_plain_tensors(ckpt)
+    with pytest.raises(dc.UnsafeLinkError, match=data.name):
+        convert(ckpt, tmp_path / "converted", "safetensors")
+
+
+def _without_blocking(run: Callable[[], None], fifo: Path) -> None:
+    """Run ``run`` in a thread; if it is still blocked on ``fifo`` after a generous wait, open the
+    FIFO's writing end (so the reader sees its end and the thread finishes) and raise Hang."""
+    outcome: List[BaseException] = []
+
+    def body() -> None:
+        try:
+            run()
+        except BaseException as e:  # noqa: BLE001 -- handed to the test's thread
+            outcome.append(e)
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    thread.join(60.0)  # never reached unless the read blocks: the refusal is immediate
+    if thread.is_alive():
+        while thread.is_alive():
+            with contextlib.suppress(OSError):  # ENXIO: nobody has it open for reading yet
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            thread.join(0.1)
+        raise tally.Hang(f"blocked reading the FIFO {fifo}")
+    if outcome:
+        raise outcome[0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_fifo_in_place_of_a_file_is_a_typed_error(saved, tmp_path, backend):
+    """A FIFO where a file should be -- the file itself, or a link within the checkpoint to one --
+    is refused as not a regular file (or not needed by the load), never read: reading one blocks
+    until someone writes to it, forever."""
+    pristine = saved[backend]
+    files = sorted(p.relative_to(pristine) for p in pristine.rglob("*") if p.is_file())
+    row = f"FIFOs, {backend}"
+    for rel in files:
+        for kind in ("fifo", "link to a fifo"):
+            ckpt = tmp_path / "ckpt"
+
+            def attempt(rel: Path = rel, kind: str = kind) -> None:
+                shutil.rmtree(ckpt, ignore_errors=True)
+                shutil.copytree(pristine, ckpt)
+                (ckpt / rel).unlink()
+                fifo = ckpt / rel if kind == "fifo" else ckpt / ".fifo"
+                os.mkfifo(fifo)
+                if kind != "fifo":
+                    os.symlink(os.path.relpath(fifo, (ckpt / rel).parent), ckpt / rel)
+
+                def load() -> None:
+                    with contextlib.suppress(dc.CheckpointingException):
+                        check_loads(ckpt, 2.0)
+
+                _without_blocking(load, fifo)
+                report: List[Any] = []
+                _without_blocking(lambda: report.append(dc.verify_checkpoint(ckpt)), fifo)
+                assert not report[0].ok, f"verify says a checkpoint with {rel} a FIFO is ok"
+
+            tally.attempt(row, f"{rel}: {kind}", attempt)
+    tally.assert_clean(row)
+
+
+@pytest.mark.parametrize("name", ["zarr/f/0.0_0/zarr.json", "zarr/f/0.0_0/c.0", "zarr/w/c.0.0"])
+def test_tensorstore_is_not_handed_a_fifo(saved, tmp_path, name):
+    """TensorStore opens files by path itself: the loader checks each first, as zarr-python's store
+    does -- also unverified, when no manifest read would have refused the FIFO first."""
+    from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreLoadShardedStrategy
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved["zarr"], ckpt)
+    (ckpt / name).unlink()
+    os.mkfifo(ckpt / name)
+
+    def load() -> None:
+        with pytest.raises(dc.CheckpointingException, match=name):
+            check_loads(ckpt, 2.0, TensorStoreLoadShardedStrategy(verify_checksums=False))
+
+    _without_blocking(load, ckpt / name)
