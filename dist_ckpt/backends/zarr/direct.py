@@ -39,8 +39,8 @@ from dist_ckpt.integrity.checksums import FileDigest, check_file
 from dist_ckpt.model.dtype_cast import copy_cast
 from dist_ckpt.model.dtypes import tensor_to_numpy
 from dist_ckpt.model.geometry import sub_view
-from dist_ckpt.storage.meter import count_bytes
 from dist_ckpt.storage import ObjectNotFoundError, open_regular
+from dist_ckpt.storage.meter import count_bytes
 from dist_ckpt.storage.object_path import ObjectPath
 
 __all__ = ["read_chunk_into", "read_chunk_part"]
