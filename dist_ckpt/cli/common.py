@@ -162,11 +162,14 @@ def _cell_lines(
     return [lines(cells) for cells in [headers, *rows]]
 
 
-def table_width(headers: Sequence[str], rows: Sequence[Sequence[str]], narrowest: Sequence[int] = ()) -> int:
+def table_width(
+    headers: Sequence[str], rows: Sequence[Sequence[str]], narrowest: Sequence[int] = (), floor: int = 0
+) -> int:
     """The width of `format_table()`'s widest line, with the columns in ``narrowest`` shrunk
-    to `MIN_COLUMN_WIDTH` (whether a table can fit a terminal at all)."""
+    to ``floor`` characters (default `MIN_COLUMN_WIDTH`): whether a table fits a terminal."""
+    floor = floor or MIN_COLUMN_WIDTH
     widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
-    widths = [min(w, MIN_COLUMN_WIDTH) if i in narrowest else w for i, w in enumerate(widths)]
+    widths = [min(w, floor) if i in narrowest else w for i, w in enumerate(widths)]
     return sum(widths) + 2 * (len(widths) - 1)
 
 

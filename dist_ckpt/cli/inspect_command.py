@@ -69,6 +69,9 @@ _KIND_NAMES = {"hf": "HuggingFace folder", "dcp": "torch.distributed.checkpoint 
 
 #: the column of the tensor table that wraps when the terminal is narrow (keys never shrink)
 _LAYOUT = 5
+#: narrower than this, the layout column would wrap over three lines or more: each key gets a
+#: line of its own instead ("4 flattened ranges of" / "chunks [1, 42]" still reads as one)
+_LAYOUT_MIN_WIDTH = 22
 
 
 def _shape(shape: Sequence[int]) -> str:
@@ -180,7 +183,8 @@ def run_inspect_command(args: argparse.Namespace) -> int:
                 shrink=[_LAYOUT],
                 wrap=[_LAYOUT],
                 # keys are what tells tensors apart: never shortened, on lines of their own if need be
-                keys_on_own_lines=width is not None and table_width(headers, rows, [_LAYOUT]) > width,
+                keys_on_own_lines=width is not None
+                and table_width(headers, rows, [_LAYOUT], floor=_LAYOUT_MIN_WIDTH) > width,
             )
         )
     if info.common_keys:
