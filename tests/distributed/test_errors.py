@@ -15,6 +15,7 @@ import torch
 
 import dist_ckpt as dc
 from dist_ckpt.backends.base import SaveShardedStrategy
+from dist_ckpt.storage.errors import StorageError
 from dist_ckpt.testing.layouts import full_tensor, tp_shards
 
 from .helpers import assert_on_all_ranks, raises_on_all_ranks, rank, world
@@ -143,8 +144,9 @@ class _FailingOnRank1(SaveShardedStrategy):
 
 
 def test_io_failure_on_one_rank_raises_everywhere_and_commits_nothing(shared_tmp_path: Path) -> None:
+    """A failed write is a StorageError (an OSError of the family) on every rank, naming rank 1."""
     err = raises_on_all_ranks(
-        dc.RankFailedError, lambda: dc.save(state(), shared_tmp_path, sharded_strategy=_FailingOnRank1())
+        StorageError, lambda: dc.save(state(), shared_tmp_path, sharded_strategy=_FailingOnRank1())
     )
     assert_on_all_ranks("[rank 1]" in str(err) and "No space left" in str(err), str(err))
     assert_nothing_committed(shared_tmp_path)
