@@ -10,6 +10,7 @@ to fix the problem when there is an obvious fix.
 
 from __future__ import annotations
 
+import difflib
 from typing import Iterable, Optional, Sequence, Tuple
 
 
@@ -201,6 +202,34 @@ def format_keys(keys: Iterable[str], limit: int = 20) -> str:
     if len(ordered) > limit:
         shown += f", ... ({len(ordered) - limit} more)"
     return "[" + shown + "]"
+
+
+#: how many keys `did_you_mean()` looks for a close match for
+_MAX_GUESSED = 50
+
+
+def did_you_mean(keys: Iterable[str], candidates: Iterable[str], limit: int = MAX_REPORTED_PROBLEMS) -> str:
+    """For keys that were asked for and not found, the closest of ``candidates`` (``difflib``):
+    ``" (did you mean: 'decoder.weigth' -> 'decoder.weight')"``, or "" when none is close. The
+    one did-you-mean of dist_ckpt's key errors: a typo then points at its fix, not at a
+    consequence of it.
+
+    Example:
+
+    ```python
+    did_you_mean(["decoder.weigth"], ["decoder.weight", "decoder.bias"])
+    # " (did you mean: 'decoder.weigth' -> 'decoder.weight')"
+    ```
+    """
+    pool = sorted(set(candidates))
+    guesses = []
+    for key in sorted(set(keys))[:_MAX_GUESSED]:  # an error path, but a whole other model is no typo
+        close = difflib.get_close_matches(key, pool, n=1, cutoff=0.75)
+        if close and close[0] != key:
+            guesses.append(f"{key!r} -> {close[0]!r}")
+        if len(guesses) == limit:
+            break
+    return f" (did you mean: {', '.join(guesses)})" if guesses else ""
 
 
 def with_rank(message: str, rank: Optional[int]) -> str:

@@ -20,6 +20,7 @@ from typing import Any, Dict, Literal, Optional, Set, Tuple, Union, overload
 
 from dist_ckpt.backends.base import LoadCommonStrategy, LoadShardedStrategy
 from dist_ckpt.engine.checks.compatibility import validate_sharded_objects_handling, verify_checkpoint_and_load_strategy
+from dist_ckpt.engine.checks.key_hints import diagnose_integrity_error, with_key_suggestions
 from dist_ckpt.engine.checks.strict import StrictHandling, parse_strict_flag, validate_integrity_and_strict_load
 from dist_ckpt.engine.distributed import run_collectively
 from dist_ckpt.engine.load_parts import load_sharded_metadata
@@ -29,6 +30,7 @@ from dist_ckpt.engine.report import CheckpointReport, Operation, ProgressCallbac
 from dist_ckpt.engine.state_assembly import assemble, loaded_values
 from dist_ckpt.engine.steps import Step
 from dist_ckpt.engine.watchdog import DEFAULT_WATCHDOG_TIMEOUT_S
+from dist_ckpt.errors import KeyMismatchError, ShardingIntegrityError
 from dist_ckpt.model.dict_utils import dict_list_map_inplace, extract_matching_values, nested_values
 from dist_ckpt.model.sharded import (
     ShardedBase,
@@ -169,13 +171,24 @@ def _load_steps(
 
     common_state, request, sharded_part, factories, ckpt_metadata = monitor.run(Step.LOAD_COMMON, prepare)
 
-    # 3. key matching and sharding validation
-    sharded_part, missing, unexpected = monitor.run(
-        Step.MATCH_KEYS,
-        lambda: validate_integrity_and_strict_load(
-            sharded_part, strict, validate_access_integrity, ckpt_sharded_metadata=ckpt_metadata
-        ),
-    )
+    def stored_keys() -> Optional[Set[str]]:
+        """The checkpoint's keys, for the errors of a request that fails (`key_hints`)."""
+        try:
+            return {sh.key for sh in load_sharded_metadata(location, sharded_strat, common_strat).values()}
+        except Exception as e:  # noqa: BLE001 -- only a hint for the error under way
+            logger.debug("cannot list the keys of %s for an error message: %s", location.url, e)
+            return None
+
+    # 3. key matching and sharding validation (a failed sharding check says if a mistyped key caused it)
+    def match_keys() -> Tuple[ShardedStateDict, Set[str], Set[str]]:
+        try:
+            return validate_integrity_and_strict_load(
+                sharded_part, strict, validate_access_integrity, ckpt_sharded_metadata=ckpt_metadata
+            )
+        except ShardingIntegrityError as e:  # raised on every rank
+            diagnose_integrity_error(e, sharded_part, stored_keys, repr(location.url))
+
+    sharded_part, missing, unexpected = monitor.run(Step.MATCH_KEYS, match_keys)
 
     # 4. sharded objects and tensors
     def load_sharded() -> Dict[int, Any]:
@@ -191,8 +204,17 @@ def _load_steps(
         values.update(loaded_values(inputs, sharded_strat.load(tensors, location)))
         return values
 
+    def load_sharded_or_suggest() -> Dict[int, Any]:
+        try:
+            return load_sharded()
+        except KeyMismatchError as e:  # did you mean a stored key?
+            suggested = with_key_suggestions(e, stored_keys)
+            if suggested is e:
+                raise
+            raise suggested from e
+
     nbytes = requested_bytes(sharded_part)
-    values = monitor.run(Step.LOAD_SHARDED, load_sharded, bytes_total=nbytes)
+    values = monitor.run(Step.LOAD_SHARDED, load_sharded_or_suggest, bytes_total=nbytes)
 
     # 5. reassemble
     def reassemble() -> StateDict:

@@ -201,3 +201,19 @@ def test_error_exchanged_in_a_subgroup_still_reaches_the_world() -> None:
 
     err = raises_on_all_ranks(dc.CorruptCheckpointError, lambda: run_collectively("outer step", outer), "chunk missing")
     assert_on_all_ranks("[rank 0]" in str(err), str(err))
+
+
+def test_a_key_mistyped_on_one_rank_is_named_on_every_rank(shared_tmp_path: Path) -> None:
+    """Rank 1 asks for 'decoder.weigth': every rank raises a KeyMismatchError naming rank 1, the
+    key and the stored key it resembles, not a gap in the coverage of 'decoder.weight' (issue 39
+    item 10), though the sharding check on rank 0 finds that gap first."""
+    full = full_tensor("decoder.weight", (8 * world(), 4))
+    dc.save(tp_shards("decoder.weight", full, 0, world(), rank(), world()), shared_tmp_path)
+    request = tp_shards("decoder.weight", full, 0, world(), rank(), world(), empty=True)
+    if rank() == 1:
+        for sh in request.values():
+            sh.key = "decoder.weigth"
+    err = raises_on_all_ranks(dc.KeyMismatchError, lambda: dc.load(request, shared_tmp_path))
+    text = str(err)
+    assert_on_all_ranks("[rank 1]" in text and "'decoder.weigth' -> 'decoder.weight'" in text, text)
+    assert_on_all_ranks(err.unexpected_keys == ["decoder.weigth"], repr(err.unexpected_keys))

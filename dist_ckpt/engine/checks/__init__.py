@@ -4,6 +4,7 @@
 * [`strict`][dist_ckpt.engine.checks.strict] -- requested keys vs stored keys (the ``StrictHandling`` modes);
 * `common_state` -- does the common state agree across ranks?
 * `compatibility` -- which load strategies fit the checkpoint's ``metadata.json``?
+* `key_hints` -- when a load request fails: which mistyped key caused it, which stored key it meant?
 
 The checks are pure functions over per-rank metadata (``global_metadata[rank]`` is the list of
 that rank's shards without data), so they are tested without processes; the collective

@@ -10,7 +10,14 @@ from dist_ckpt.engine.checks.sharding import check_shard_table
 from dist_ckpt.engine.distributed import broadcast_json, gather_bytes, get_rank, run_collectively
 from dist_ckpt.engine.shard_metadata import decode_tables
 from dist_ckpt.engine.shard_table import ShardTable, encode_table
-from dist_ckpt.errors import MISSING_KEYS, UNEXPECTED_KEYS, CheckpointingException, KeyMismatchError, format_keys
+from dist_ckpt.errors import (
+    MISSING_KEYS,
+    UNEXPECTED_KEYS,
+    CheckpointingException,
+    KeyMismatchError,
+    did_you_mean,
+    format_keys,
+)
 from dist_ckpt.model.dict_utils import extract_matching_values, nested_values
 from dist_ckpt.model.sharded import ShardedBase, ShardedStateDict
 
@@ -86,15 +93,22 @@ def determine_missing_and_unexpected_keys(
 
 
 def maybe_report_missing_and_unexpected_keys(
-    missing_keys: Iterable[str], unexpected_keys: Iterable[str], raise_error: bool = True
+    missing_keys: Iterable[str],
+    unexpected_keys: Iterable[str],
+    raise_error: bool = True,
+    stored_keys: Iterable[str] = (),
 ) -> None:
-    """Raise [`KeyMismatchError`][dist_ckpt.errors.KeyMismatchError] (or log at WARNING) describing mismatched keys."""
+    """Raise [`KeyMismatchError`][dist_ckpt.errors.KeyMismatchError] (or log at WARNING) describing mismatched keys,
+    with the stored keys (``stored_keys``, default the missing ones) that unexpected keys resemble."""
     missing, unexpected = sorted(missing_keys), sorted(unexpected_keys)
     if not missing and not unexpected:
         return
     parts = []
     if unexpected:
-        parts.append(f"{UNEXPECTED_KEYS} (requested by load but absent from the checkpoint): {format_keys(unexpected)}")
+        parts.append(
+            f"{UNEXPECTED_KEYS} (requested by load but absent from the checkpoint): {format_keys(unexpected)}"
+            + did_you_mean(unexpected, stored_keys or missing)
+        )
     if missing:
         parts.append(f"{MISSING_KEYS} (in the checkpoint but requested by no rank): {format_keys(missing)}")
     message = f"[rank {get_rank()}] " + "; ".join(parts)
@@ -166,11 +180,13 @@ def validate_integrity_and_strict_load(
         unexpected = determine_missing_and_unexpected_keys(ckpt_sharded_metadata, local_metadata)[1]
         sharded_state_dict = adjust_non_strict_load(sharded_state_dict, unexpected)
 
+        stored = {sh.key for sh in ckpt_sharded_metadata.values()}
+
         def report() -> None:
             if strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
-                maybe_report_missing_and_unexpected_keys(missing, unexpected, raise_error=True)
+                maybe_report_missing_and_unexpected_keys(missing, unexpected, raise_error=True, stored_keys=stored)
             elif strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
-                maybe_report_missing_and_unexpected_keys(missing, unexpected, raise_error=False)
+                maybe_report_missing_and_unexpected_keys(missing, unexpected, raise_error=False, stored_keys=stored)
             elif strict == StrictHandling.IGNORE_ALL and (missing or unexpected):
                 logger.info("strict=IGNORE_ALL: skipping %d requested keys absent from the checkpoint", len(unexpected))
 
