@@ -24,6 +24,7 @@ import torch
 
 import dist_ckpt as dc
 from dist_ckpt.model.sharded import ShardedTensor
+from tests.deadlines import scaled
 
 from . import tally
 from .scenario import check_loads, state, strategy
@@ -161,7 +162,7 @@ def _without_blocking(run: Callable[[], None], fifo: Path) -> None:
 
     thread = threading.Thread(target=body, daemon=True)
     thread.start()
-    thread.join(60.0)  # never reached unless the read blocks: the refusal is immediate
+    thread.join(scaled(20))  # never waited out unless the read blocks: the refusal is immediate
     if thread.is_alive():
         while thread.is_alive():
             with contextlib.suppress(OSError):  # ENXIO: nobody has it open for reading yet
