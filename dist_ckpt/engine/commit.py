@@ -2,7 +2,7 @@
 
 ``metadata.json`` is the last file of a save, written by rank 0 after every rank has flushed its
 files. Its presence (with valid content) is what makes a directory (or an object-store prefix) a
-checkpoint. Schema (format version 1):
+checkpoint. Schema (format version 2):
 
 ```python
 {
@@ -11,12 +11,12 @@ checkpoint. Schema (format version 1):
   "common_backend": "torch",          # str: format of the common (non-sharded) state
   "common_backend_version": 1,        # int
   "dist_ckpt": {                      # optional; written by dist_ckpt
-    "format_version": 1,
+    "format_version": 2,
     "library_version": "0.1.0",
     "world_size": 4,
     "save_id": "3f2a..."              # random id of the save that committed it
   },
-  "integrity_records": {              # optional; every integrity record the save wrote
+  "integrity_records": {              # every integrity record the save wrote (from format version 2 on)
     "safetensors/index.json": {"size": 1834, "crc32c": "1a2b3c4d", "version": 2}
   }
 }
@@ -24,8 +24,11 @@ checkpoint. Schema (format version 1):
 
 ``integrity_records`` (see `dist_ckpt.integrity.records`) makes integrity fail closed: a
 record it lists that is missing, modified or downgraded is corruption, never "saved without
-checksums". A checkpoint without the field was saved before records existed and loads
-unverified, with a warning.
+checksums". The format version moves whenever a field becomes mandatory: from version 2
+(`RECORDS_REQUIRED_SINCE`) on, ``integrity_records`` is, so a record of version 2 without it (or
+without a version at all) is a [`CorruptCheckpointError`][dist_ckpt.errors.CorruptCheckpointError]: the field was
+removed. A checkpoint of version 1 without the field was saved before records existed and loads unverified, with a
+warning.
 
 Megatron-Core reads ``metadata.json`` with ``CheckpointingConfig(**json)`` and refuses any key it
 does not know. For the backends Megatron-Core loads (`MEGATRON_BACKENDS`: ``torch_dist``)
@@ -85,7 +88,10 @@ METADATA_FILENAME = "metadata.json"
 RECORD_FILENAME = "dist_ckpt.json"
 #: sharded backends whose ``metadata.json`` Megatron-Core reads (and refuses with unknown keys)
 MEGATRON_BACKENDS = frozenset({"torch_dist"})
-FORMAT_VERSION = 1
+#: the format version of the record dist_ckpt writes (see the module docstring)
+FORMAT_VERSION = 2
+#: the first format version whose record must list its integrity records
+RECORDS_REQUIRED_SINCE = 2
 LIBRARY_VERSION = __version__  # the version of the dist_ckpt that writes metadata.json
 
 
@@ -126,8 +132,8 @@ def save_config(
     """Write ``metadata.json`` atomically and durably: the commit of a checkpoint (rank 0 only).
 
     ``records`` are the integrity records the save wrote (see
-    `dist_ckpt.engine.records.digest_records()`); None writes none, which readers take for a
-    checkpoint saved before records existed (unverified).
+    `dist_ckpt.engine.records.digest_records()`); None: it wrote none (an empty list is recorded,
+    so that a record file found later is refused).
 
     The marker is created only if absent ([`put_if_absent()`][dist_ckpt.storage.base.Storage.put_if_absent]:
     on a local disk a fsynced temporary file hard-linked into place, then the directory fsynced;
@@ -153,14 +159,11 @@ def save_config(
     if config.sharded_backend in MEGATRON_BACKENDS:
         # Megatron-Core's exact metadata.json; dist_ckpt's records in their own file, written whole before the commit
         data = json.dumps(record).encode("utf-8")
-        side: Dict[str, Any] = {"dist_ckpt": writer}
-        if records is not None:
-            side[RECORDS_FIELD] = records_json(records)
+        side: Dict[str, Any] = {"dist_ckpt": writer, RECORDS_FIELD: records_json(records or {})}
         location.write(RECORD_FILENAME, json.dumps(side, indent=2, sort_keys=True).encode("utf-8"))
     else:
         record["dist_ckpt"] = writer
-        if records is not None:
-            record[RECORDS_FIELD] = records_json(records)
+        record[RECORDS_FIELD] = records_json(records or {})
         data = json.dumps(record, indent=2, sort_keys=True).encode("utf-8")
     try:
         location.put_if_absent(METADATA_FILENAME, data)
@@ -257,10 +260,11 @@ def maybe_load_config(checkpoint_dir: LocationLike) -> Optional[CheckpointingCon
 def read_integrity_records(checkpoint_dir: LocationLike) -> Optional[Dict[str, IntegrityRecord]]:
     """The integrity records ``metadata.json`` lists (for Megatron-format checkpoints,
     ``dist_ckpt.json``; see `dist_ckpt.integrity.records`), or None for a checkpoint saved
-    before records existed (or without ``metadata.json``).
+    before records existed (format version 1, or written by another tool; or without ``metadata.json``).
 
     Raises:
-        CorruptCheckpointError: ``metadata.json`` or its records are malformed.
+        CorruptCheckpointError: ``metadata.json`` or its records are malformed, or a record of
+            a format version that requires them lists none (the field was removed).
 
     Example:
 
@@ -272,11 +276,36 @@ def read_integrity_records(checkpoint_dir: LocationLike) -> Optional[Dict[str, I
     found = _read_record(location)
     if found is None:
         return None
-    if RECORDS_FIELD not in found[0]:  # a Megatron-format checkpoint keeps them beside metadata.json
-        found = _read_record(location, RECORD_FILENAME)
-        if found is None or RECORDS_FIELD not in found[0]:
-            return None
-    return parse_records(found[0][RECORDS_FIELD], found[1])
+    if RECORDS_FIELD not in found[0] and "dist_ckpt" not in found[0]:
+        # a Megatron-format checkpoint keeps them beside metadata.json
+        found = _read_record(location, RECORD_FILENAME) or found
+    doc, where = found
+    if RECORDS_FIELD in doc:
+        return parse_records(doc[RECORDS_FIELD], where)
+    _check_records_optional(doc, where)
+    return None
+
+
+def _check_records_optional(doc: Dict[str, Any], where: str) -> None:
+    """Raise [`CorruptCheckpointError`][dist_ckpt.errors.CorruptCheckpointError] if the record ``doc`` (read from
+    ``where``, without integrity records) was written by a dist_ckpt format that always lists them: the list was
+    removed, and reading the checkpoint as one saved before records existed would switch verification off."""
+    writer = doc.get("dist_ckpt")
+    if not isinstance(writer, dict):  # written by another tool (Megatron-Core, a test): nothing was recorded
+        return
+    version = writer.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise CorruptCheckpointError(
+            f"{where}: the 'dist_ckpt' record has no integer 'format_version' (found {version!r}) and no "
+            f"{RECORDS_FIELD!r}: both were removed or damaged; the checkpoint is corrupt ('dist-ckpt verify' lists "
+            "every problem)"
+        )
+    if version >= RECORDS_REQUIRED_SINCE:
+        raise CorruptCheckpointError(
+            f"{where} was written with format version {version}, which always lists the save's integrity records, "
+            f"but has no {RECORDS_FIELD!r} field: it was removed, and the checkpoint's checksum manifests and index "
+            "cannot be checked; the checkpoint is corrupt ('dist-ckpt verify' lists every problem)"
+        )
 
 
 def read_config(checkpoint_dir: LocationLike) -> CheckpointingConfig:

@@ -11,8 +11,10 @@ The records a save writes (checksum manifests, the safetensors index; see
   ``safetensors/index.json`` as version 1 no longer switches verification off);
 * ``metadata.json`` lists records but not this one: the save did not write it (e.g. saved
   without checksums); a file found there anyway was not written by the save and is refused;
-* a checkpoint saved before records existed: the record is read as it is (unverified; the
-  engine logs that once per load).
+* a checkpoint saved before records existed (``metadata.json`` of format version 1 without the
+  list): the record is read as it is (unverified; the engine logs that once per load). A record
+  of a later format version without the list is corrupt: the list was removed
+  ([`read_integrity_records()`][dist_ckpt.engine.commit.read_integrity_records]).
 
 Tools that change a committed checkpoint (``remove_sharded_tensors``) rewrite the record and
 then its entry (`refresh_record()`).

@@ -39,7 +39,8 @@ from dist_ckpt.integrity.safe_json import want_int, want_object
 __all__ = ["RECORDS_FIELD", "IntegrityRecord", "check_record", "parse_records", "record_of", "records_json"]
 
 #: the field of ``metadata.json`` that lists the records; its absence marks a checkpoint saved
-#: before records existed (loaded unverified, with a warning)
+#: before records existed (format version 1: loaded unverified, with a warning), and is
+#: corruption in a later format version (``dist_ckpt.engine.commit.RECORDS_REQUIRED_SINCE``)
 RECORDS_FIELD = "integrity_records"
 
 

@@ -56,7 +56,8 @@ class TestSaveAndRead:
         assert record["common_backend"] == "torch"
         assert record["common_backend_version"] == 2
         assert record["dist_ckpt"]["world_size"] == 8
-        assert record["dist_ckpt"]["format_version"] == 1
+        assert record["dist_ckpt"]["format_version"] == dist_ckpt.engine.commit.FORMAT_VERSION
+        assert record["integrity_records"] == {}  # the save wrote none: a record file found later is refused
         assert os.listdir(tmp_path) == [METADATA_FILENAME]  # no temporary left behind
 
     def test_without_world_size(self, tmp_path):
@@ -98,7 +99,7 @@ class TestSaveAndRead:
         raw = (tmp_path / METADATA_FILENAME).read_text()
         assert raw == json.dumps(dataclasses.asdict(CheckpointingConfig("torch_dist")))
         assert read_save_record(tmp_path) == {
-            "format_version": 1,
+            "format_version": dist_ckpt.engine.commit.FORMAT_VERSION,
             "library_version": dist_ckpt.engine.commit.LIBRARY_VERSION,
             "world_size": 4,
             "save_id": "abc",

@@ -125,6 +125,7 @@ def test_a_record_the_save_did_not_write_is_refused(ckpt):
 def test_checkpoints_from_before_records_load_unverified_with_a_warning(ckpt, caplog):
     doc = json.loads((ckpt / "metadata.json").read_text())
     del doc["integrity_records"]
+    doc["dist_ckpt"]["format_version"] = 1  # the format before records were mandatory
     (ckpt / "metadata.json").write_text(json.dumps(doc))
     with caplog.at_level(logging.WARNING, logger="dist_ckpt"):
         _assert_loads(ckpt)
@@ -158,6 +159,7 @@ def test_load_plain_tensors_never_drops_a_tensor(ckpt):
     # also without the manifest's help (a checkpoint saved before records)
     doc = json.loads((ckpt / "metadata.json").read_text())
     del doc["integrity_records"]
+    doc["dist_ckpt"]["format_version"] = 1
     (ckpt / "metadata.json").write_text(json.dumps(doc))
     (ckpt / "zarr" / "checksums.json").unlink()
     with pytest.raises(CorruptCheckpointError, match="zarr.json"):
