@@ -238,6 +238,30 @@ def merge(x1: Nested, x2: Nested, key: Tuple[Any, ...] = ()) -> Nested:
     return x1
 
 
+def zip_strict(*iterables: Iterable[Any]) -> Iterator[Tuple[Any, ...]]:
+    """``zip`` of iterables that must have equal lengths; the error names every length.
+
+    Each iterable is consumed into a list first, so the lengths are checked before the first
+    tuple is produced (``zip(..., strict=True)`` notices only at the end, and names only which
+    one ran out).
+
+    Example:
+
+    ```pycon
+    >>> list(zip_strict([1, 2], "ab"))
+    [(1, 'a'), (2, 'b')]
+    ```
+
+    Raises:
+        StateDictStructureError: the lengths differ (also a ValueError).
+    """
+    lists = [list(it) for it in iterables]
+    lengths = [len(x) for x in lists]
+    if len(set(lengths)) > 1:
+        raise StateDictStructureError(f"zip_strict got iterables of unequal lengths {lengths}; expected equal lengths")
+    return zip(*lists)
+
+
 def map_reduce(
     xs: Iterable[Any],
     key_fn: Callable[[Any], Any] = lambda x: x,

@@ -21,6 +21,7 @@ from dist_ckpt.model.dict_utils import (
     merge,
     nested_items_iter,
     nested_values,
+    zip_strict,
 )
 
 
@@ -213,3 +214,12 @@ class TestMapReduce:
 
     def test_empty(self):
         assert map_reduce([]) == {}
+
+
+def test_zip_strict_zips_equal_lengths_and_names_unequal_ones():
+    assert list(zip_strict([1, 2], "ab", iter((True, False)))) == [(1, "a", True), (2, "b", False)]
+    assert list(zip_strict()) == []
+    with pytest.raises(StateDictStructureError, match=r"unequal lengths \[2, 3\]"):
+        zip_strict([1, 2], [1, 2, 3])
+    with pytest.raises(ValueError):  # also the builtin a caller of zip(strict=True) catches
+        zip_strict([1], [])
