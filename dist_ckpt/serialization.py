@@ -1,6 +1,7 @@
 """Megatron-Core module path ``dist_ckpt.serialization``:
-re-exports [`dist_ckpt.engine.save`][dist_ckpt.engine.save], [`dist_ckpt.engine.load`][dist_ckpt.engine.load]
-and [`dist_ckpt.engine.load_parts`][dist_ckpt.engine.load_parts].
+re-exports [`dist_ckpt.engine.save`][dist_ckpt.engine.save], [`dist_ckpt.engine.load`][dist_ckpt.engine.load],
+[`dist_ckpt.engine.load_parts`][dist_ckpt.engine.load_parts]
+and ``load_content_metadata`` of [`dist_ckpt.engine.preprocess`][dist_ckpt.engine.preprocess].
 
 Code written for ``megatron.core.dist_checkpointing.serialization`` imports from here unchanged.
 """
@@ -15,6 +16,7 @@ from dist_ckpt.engine.load_parts import (
     load_tensors_metadata,
     remove_sharded_tensors,
 )
+from dist_ckpt.engine.preprocess import load_content_metadata
 from dist_ckpt.engine.save import (
     SaveResult,
     get_default_save_common_strategy,
@@ -31,6 +33,7 @@ __all__ = [
     "get_default_save_sharded_strategy",
     "load",
     "load_common_state_dict",
+    "load_content_metadata",
     "load_plain_tensors",
     "load_sharded_metadata",
     "load_sharded_objects",

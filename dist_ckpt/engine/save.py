@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from dist_ckpt.async_save.queue import AsyncRequest
 from dist_ckpt.backends.base import AsyncSaveShardedStrategy, SaveCommonStrategy, SaveShardedStrategy
@@ -28,6 +28,7 @@ from dist_ckpt.engine.commit import RECORD_FILENAME, CheckpointingConfig, new_sa
 from dist_ckpt.engine.distributed import broadcast_json, get_rank, get_world_size, run_collectively
 from dist_ckpt.engine.monitor import StepMonitor, main_replica_bytes
 from dist_ckpt.engine.peer_failures import is_transport_failure
+from dist_ckpt.engine.preprocess import add_content_metadata
 from dist_ckpt.engine.records import digest_records
 from dist_ckpt.engine.registry import (
     DEFAULT_COMMON_BACKEND,
@@ -175,6 +176,7 @@ def save(
     validate_access_integrity: bool = True,
     async_sharded_save: bool = False,
     preprocess_common_before_consistancy_check: Optional[Callable[[StateDict], StateDict]] = None,
+    content_metadata: Optional[Dict[str, Any]] = None,
     *,
     progress: Optional[ProgressCallback] = None,
     watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
@@ -189,7 +191,8 @@ def save(
     1. Resolve the strategies; rank 0 claims the location (``save_in_progress.json``; see
        `dist_ckpt.engine.save_claim`): a committed checkpoint, another save in progress
        there, or entries this save would write that no save record explains are refused.
-    2. Apply factories, drop LocalNonPersistentObjects, split into sharded and common parts.
+    2. Apply factories, drop LocalNonPersistentObjects, split into sharded and common parts
+       (``content_metadata`` joins the common part).
     3. Check keys; if ``validate_access_integrity``, check the sharding on rank 0 and warn if
        the common state differs between ranks (one small all-reduce in all when both are
        unchanged since the last save: see `dist_ckpt.engine.checks.save_checks`).
@@ -214,6 +217,10 @@ def save(
             them (needs an AsyncSaveShardedStrategy).
         preprocess_common_before_consistancy_check: applied to the common state before the
             cross-rank consistency check only (e.g. to drop entries expected to differ).
+        content_metadata: a dict describing the checkpoint's content, stored in the common state
+            under ``"content_metadata"`` (Megatron-Core's key; a ``dp_cp_group`` entry, a process
+            group, is left out) and read back with
+            [`load_content_metadata()`][dist_ckpt.engine.preprocess.load_content_metadata].
         progress: called with a [`ProgressEvent`][dist_ckpt.engine.report.ProgressEvent] as each step starts
             and ends (keyword only).
         watchdog_timeout_s: log a WARNING naming the rank and step when a step lasts longer
@@ -231,6 +238,7 @@ def save(
         validate_access_integrity,
         async_sharded_save,
         preprocess_common_before_consistancy_check,
+        content_metadata,
         progress=progress,
         watchdog_timeout_s=watchdog_timeout_s,
     ).async_request
@@ -244,6 +252,7 @@ def save_with_report(
     validate_access_integrity: bool = True,
     async_sharded_save: bool = False,
     preprocess_common_before_consistancy_check: Optional[Callable[[StateDict], StateDict]] = None,
+    content_metadata: Optional[Dict[str, Any]] = None,
     *,
     progress: Optional[ProgressCallback] = None,
     watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
@@ -280,6 +289,7 @@ def save_with_report(
                 validate_access_integrity,
                 async_sharded_save,
                 preprocess_common_before_consistancy_check,
+                content_metadata,
             )
     except BaseException as e:
         _abandon(location, claims, e)
@@ -300,6 +310,7 @@ def _save_steps(
     validate_access_integrity: bool,
     async_sharded_save: bool,
     preprocess_common_before_consistancy_check: Optional[Callable[[StateDict], StateDict]],
+    content_metadata: Optional[Dict[str, Any]],
 ) -> Tuple[Optional[AsyncRequest], int]:
     """The numbered steps of [`save()`][dist_ckpt.engine.save.save]; returns the async request (or None) and the bytes
     of this rank's main replicas.
@@ -328,6 +339,7 @@ def _save_steps(
         apply_factories(sharded_state_dict)
         _, persistent = extract_nonpersistent(sharded_state_dict)
         sharded_part, common_part = extract_sharded_base(persistent)
+        add_content_metadata(common_part, content_metadata)
         return sharded_part, common_part, _check_save_inputs(sharded_part, sharded_strat, common_strat)
 
     sharded_part, common_state_dict, local_metadata = monitor.run(Step.CHECK_STATE, split)

@@ -49,6 +49,30 @@ def extract_nonpersistent(sharded_state_dict: ShardedStateDict) -> Tuple[StateDi
     return _split(sharded_state_dict, (LocalNonPersistentObject,))
 
 
+def filter_out_empty_flatten_tensor(sharded_state_dict: ShardedStateDict) -> ShardedStateDict:
+    """A copy of the structure without the ShardedTensors whose ``flattened_range`` is empty.
+
+    A rank of a distributed optimizer (or a custom FSDP) may hold an empty slice of a tensor: it
+    contributes no element, and torch.distributed.checkpoint refuses a zero-length local shard,
+    so the save and load preprocessing of Megatron-Core drop it. Every other leaf is kept; the
+    input is not modified.
+
+    Example:
+
+    ```python
+    st = ShardedTensor.from_rank_offsets_flat("w", torch.zeros(0), (4,), flattened_range=slice(2, 2))
+    filter_out_empty_flatten_tensor({"w": st, "step": 1})      # {'step': 1}
+    ```
+    """
+
+    def non_empty(v: Any) -> bool:
+        rng = v.flattened_range if isinstance(v, ShardedTensor) else None
+        return rng is None or rng.start != rng.stop
+
+    kept, _ = extract_matching_values(sharded_state_dict, non_empty)
+    return kept  # type: ignore[return-value]
+
+
 def add_prefix_for_sharding(sharded_state_dict: ShardedStateDict, prefix: str) -> None:
     """Prepend ``prefix`` to the key of every ShardedBase leaf, in place."""
 

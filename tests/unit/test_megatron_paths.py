@@ -126,3 +126,81 @@ def test_importing_a_megatron_path_imports_no_optional_backend() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# Every public class and function that megatron-core 0.16.1 defines in these modules (listed with
+# ``inspect`` over the installed package, written out here because importing megatron-core takes
+# half a minute); a module listed is covered completely.
+MEGATRON_0_16_NAMES = {
+    "utils": [
+        "add_prefix_for_sharding",
+        "apply_prefix_mapping",
+        "debug_msg",
+        "debug_time",
+        "extract_nonpersistent",
+        "extract_sharded_base",
+        "extract_sharded_tensors",
+        "extract_sharded_tensors_and_factories",
+        "extract_sharded_tensors_or_nonpersistent",
+        "force_all_tensors_to_non_fp8",
+        "logger_stack",
+        "replace_prefix_for_sharding",
+        "zip_strict",
+    ],
+    "state_dict_utils": ["filter_out_empty_flatten_tensor", "load_preprocess", "save_preprocess"],
+    "serialization": [
+        "get_default_load_sharded_strategy",
+        "get_default_save_common_strategy",
+        "get_default_save_sharded_strategy",
+        "load",
+        "load_common_state_dict",
+        "load_content_metadata",
+        "load_plain_tensors",
+        "load_sharded_metadata",
+        "load_tensors_metadata",
+        "remove_sharded_tensors",
+        "save",
+    ],
+}
+
+
+@pytest.mark.parametrize("module", sorted(MEGATRON_0_16_NAMES))
+def test_megatron_0_16_module_path_has_every_public_name(module: str) -> None:
+    mod = importlib.import_module(f"dist_ckpt.{module}")
+    missing = [name for name in MEGATRON_0_16_NAMES[module] if not hasattr(mod, name)]
+    assert missing == []
+    assert set(MEGATRON_0_16_NAMES[module]) <= set(mod.__all__)
+
+
+# megatron-core 0.16.1's parameters of save() and load(), in order: a caller passing any of them,
+# by position or by keyword, gets the same meaning here
+MEGATRON_0_16_PARAMETERS = {
+    "save": [
+        "sharded_state_dict",
+        "checkpoint_dir",
+        "sharded_strategy",
+        "common_strategy",
+        "validate_access_integrity",
+        "async_sharded_save",
+        "preprocess_common_before_consistancy_check",
+        "content_metadata",
+    ],
+    "load": [
+        "sharded_state_dict",
+        "checkpoint_dir",
+        "sharded_strategy",
+        "common_strategy",
+        "validate_access_integrity",
+        "strict",
+    ],
+    "load_content_metadata": ["checkpoint_dir", "preloaded_state_dict"],
+}
+
+
+@pytest.mark.parametrize("function", sorted(MEGATRON_0_16_PARAMETERS))
+def test_megatron_0_16_serialization_parameters_come_first_in_the_same_order(function: str) -> None:
+    import inspect
+
+    fn = getattr(importlib.import_module("dist_ckpt.serialization"), function)
+    expected = MEGATRON_0_16_PARAMETERS[function]
+    assert list(inspect.signature(fn).parameters)[: len(expected)] == expected

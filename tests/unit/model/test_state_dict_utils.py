@@ -16,6 +16,7 @@ from dist_ckpt.model.state_dict_utils import (
     extract_sharded_tensors,
     extract_sharded_tensors_and_factories,
     extract_sharded_tensors_or_nonpersistent,
+    filter_out_empty_flatten_tensor,
     replace_prefix_for_sharding,
 )
 
@@ -118,3 +119,13 @@ class TestPrefixes:
         assert sd["b"].key == "m.emb"
         assert sd["c"].key == "opt.x"  # no matching prefix: unchanged
         assert sd["d"][0].key == "m.f"
+
+
+def test_filter_out_empty_flatten_tensor_drops_only_empty_flattened_ranges():
+    empty = ShardedTensor.from_rank_offsets_flat("w", torch.zeros(0), (2, 2), flattened_range=slice(3, 3))
+    part = ShardedTensor.from_rank_offsets_flat("v", torch.zeros(2), (2, 2), flattened_range=slice(1, 3))
+    whole = ShardedTensor.from_rank_offsets("u", torch.zeros(0))  # empty but not flattened: kept
+    sd = {"w": empty, "nested": {"v": part, "u": whole, "lst": [empty, 5]}, "step": 1}
+    out = filter_out_empty_flatten_tensor(sd)
+    assert out == {"nested": {"v": part, "u": whole, "lst": [5]}, "step": 1}
+    assert sd["w"] is empty and sd["nested"]["lst"] == [empty, 5]  # input untouched
