@@ -98,3 +98,33 @@ def test_a_deleted_manifest_is_corruption_on_every_rank(shared_tmp_path: Path) -
         (target / "objects" / "checksums.json").unlink()
     dist.barrier()
     raises_on_all_ranks(dc.CorruptCheckpointError, lambda: dc.load(state(), target), match="objects/checksums.json")
+
+
+def _out_of_bounds_on_the_last_rank(sd: Dict[str, Any]) -> None:
+    """The last rank's shard of ``w`` is moved past the end of the tensor (a layout error only
+    that rank can see: its own shard's bounds)."""
+    if rank() == world() - 1:
+        for sh in sd.values():
+            if isinstance(sh, dc.ShardedTensor):
+                sh.global_offset = (8 * world() - 4, 0)
+
+
+def test_a_layout_error_found_on_one_rank_only_raises_on_every_rank(shared_tmp_path: Path) -> None:
+    """Save and load: the same InvalidShardedTensorError on every rank, naming the rank and the key,
+    never a rank left waiting in a collective (which would end in RankFailedError at the timeout)."""
+    target = shared_tmp_path / "ckpt"
+    sd = state()
+    _out_of_bounds_on_the_last_rank(sd)
+    err = raises_on_all_ranks(dc.InvalidShardedTensorError, lambda: dc.save(sd, target), match="exceeds the global")
+    assert_on_all_ranks(f"[rank {world() - 1}]" in str(err) and "'w'" in str(err), str(err))
+    assert_on_all_ranks(files(target) == {}, f"the refused save left {sorted(files(target))}")
+    dc.save(state(), target)
+    request = state()
+    _out_of_bounds_on_the_last_rank(request)
+    err = raises_on_all_ranks(
+        dc.InvalidShardedTensorError, lambda: dc.load(request, target), match="exceeds the global"
+    )
+    assert_on_all_ranks(f"[rank {world() - 1}]" in str(err) and "'w'" in str(err), str(err))
+    loaded, expected = dc.load(state(), target), state()  # the ranks are still in step
+    same = all(torch.equal(loaded[k], v.data) for k, v in expected.items() if isinstance(v, dc.ShardedTensor))
+    assert_on_all_ranks(same, "the load after the refused one differs")

@@ -138,28 +138,43 @@ def validate_integrity_and_strict_load(
     """Collective: apply ``strict`` and (optionally) check the requested sharding.
 
     Global metadata is gathered to rank 0 only; rank 0 validates the sharding and finds
-    missing keys, and shares the outcome. Unexpected keys are found locally on each rank.
+    missing keys, and shares the outcome. Unexpected keys are found locally on each rank. A
+    request that one rank cannot describe (a shard outside its tensor, say) still takes that
+    rank through the gather, with an empty blob, and fails in the exchange that follows it, so
+    every rank raises the same error instead of the others waiting in the gather.
 
     Returns:
         ``(sharded_state_dict without unexpected keys, missing_keys, unexpected_keys)``.
     """
     missing: Set[str] = set()
     unexpected: Set[str] = set()
-    if local_metadata is None:
-        local_metadata = [sh.without_data() for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedBase)]
     check_mismatch = StrictHandling.requires_explicit_ckpt_mismatch_check(strict)
     need_global = StrictHandling.requires_global_app_metadata(strict) and check_mismatch
     if check_mismatch and ckpt_sharded_metadata is None:
         raise CheckpointingException("cannot check key mismatches without the checkpoint's sharded metadata")
+    gathers = (validate_access_integrity or need_global) and global_metadata is None
+    failure: Optional[Exception] = None  # this rank's requests could not be described
+    blob = b""  # this rank's table, encoded; empty when it failed (a table never is)
+    try:
+        if local_metadata is None:
+            local_metadata = [
+                sh.without_data() for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedBase)
+            ]
+        if gathers:
+            blob = encode_table(ShardTable.from_shards(local_metadata))
+    except Exception as e:  # noqa: BLE001 -- raised in the exchange after the gather, on every rank
+        if not gathers:
+            raise  # the other ranks' next collective is an exchange: it reports this error
+        local_metadata, failure = [], e
 
     if validate_access_integrity or need_global:
         # every rank's requests reach rank 0 as compact tables (see engine/shard_metadata.py)
-        blobs = (
-            None if global_metadata is not None else gather_bytes(encode_table(ShardTable.from_shards(local_metadata)))
-        )
+        blobs = gather_bytes(blob) if gathers else None
 
         def check_on_rank0() -> List[str]:
-            if get_rank() != 0:
+            if failure is not None:
+                raise failure
+            if get_rank() != 0 or (blobs is not None and not all(blobs)):  # a rank that failed reports why
                 return []
             if global_metadata is not None:
                 table, world_size = ShardTable.from_global(global_metadata), len(global_metadata)
