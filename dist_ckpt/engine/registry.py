@@ -238,6 +238,56 @@ def _load_builtin(key: StrategyKey, builtin: _Builtin) -> Any:
     return factory
 
 
+def register_builtin_strategies(backend: str, version: int = 1) -> List[StrategyKey]:
+    """Register the built-in strategies of ``(backend, version)`` explicitly, replacing any
+    application registration of their keys; returns the keys registered.
+
+    Built-ins are resolved lazily without this; it exists for code that registers defaults the
+    Megatron-Core way, and to restore a built-in after an override. Idempotent: each call
+    registers the same classes again. Imports the backend's module (not an optional dependency
+    of another backend).
+
+    Raises:
+        UnknownStrategyError: ``(backend, version)`` has no built-in strategy.
+        MissingDependencyError: the backend's optional dependency is not installed.
+    """
+    keys = [k for k in _BUILTINS if (k.backend, k.version) == (backend, version)]
+    if not keys:
+        known = sorted({f"({k.backend!r}, {k.version})" for k in _BUILTINS})
+        raise UnknownStrategyError(f"no built-in strategy for ({backend!r}, {version}); built-ins: {', '.join(known)}")
+    for key in keys:
+        _registry[key] = _load_builtin(key, _BUILTINS[key])
+    return keys
+
+
+def register_default_common_strategies() -> None:
+    """Register the built-in common strategies ``("torch", 1)`` (Megatron-Core's function of
+    this name; see `register_builtin_strategies()`).
+
+    Example:
+
+    ```python
+    register_default_common_strategies()
+    get_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1)   # TorchCommonSaveStrategy
+    ```
+    """
+    register_builtin_strategies(*DEFAULT_COMMON_BACKEND)
+
+
+def register_default_torch_strategies() -> None:
+    """Register the built-in ``("torch_dist", 1)`` save and load strategies (Megatron-Core's
+    function of this name; see `register_builtin_strategies()`).
+
+    Example:
+
+    ```python
+    register_default_torch_strategies()
+    get_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dist", 1)   # TorchDistLoadShardedStrategy
+    ```
+    """
+    register_builtin_strategies("torch_dist", 1)
+
+
 def get_default_strategy(action: StrategyAction, backend: str, version: int) -> Strategy:
     """The default strategy for ``(action, backend, version)``.
 
@@ -318,7 +368,10 @@ __all__ = [
     "alternative_strategies",
     "get_alternative_strategy",
     "get_default_strategy",
+    "register_builtin_strategies",
+    "register_default_common_strategies",
     "register_default_strategy",
+    "register_default_torch_strategies",
     "registered_strategies",
     "resolve_strategy",
     "unregister_strategy",

@@ -1,5 +1,6 @@
 """Megatron-Core module path ``dist_ckpt.strategies.common``:
-re-exports `dist_ckpt.backends.torch_common.strategy`.
+re-exports `dist_ckpt.backends.torch_common.strategy`
+and ``register_default_common_strategies`` of [`dist_ckpt.engine.registry`][dist_ckpt.engine.registry].
 
 Code written for ``megatron.core.dist_checkpointing.strategies.common`` imports from here unchanged.
 """
@@ -17,6 +18,7 @@ from dist_ckpt.backends.torch_common.strategy import (
     logger,
     verify_common,
 )
+from dist_ckpt.engine.registry import register_default_common_strategies
 
 __all__ = [
     "COMMON_CHECKSUMS_FNAME",
@@ -28,6 +30,7 @@ __all__ = [
     "TorchCommonSaveStrategy",
     "UNSAFE_KEYS_FNAME",
     "find_unsafe_values",
+    "register_default_common_strategies",
     "logger",
     "verify_common",
 ]

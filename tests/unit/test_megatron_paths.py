@@ -148,6 +148,7 @@ MEGATRON_0_16_NAMES = {
         "zip_strict",
     ],
     "state_dict_utils": ["filter_out_empty_flatten_tensor", "load_preprocess", "save_preprocess"],
+    "strategies.common": ["TorchCommonLoadStrategy", "TorchCommonSaveStrategy", "register_default_common_strategies"],
     "serialization": [
         "get_default_load_sharded_strategy",
         "get_default_save_common_strategy",

@@ -604,3 +604,48 @@ class TestMissingDependency:
 
     def test_common_backend_unaffected(self, no_zarr):
         assert type(get_default_strategy(A.SAVE_COMMON, "torch", 1)).__name__ == "TorchCommonSaveStrategy"
+
+
+@pytest.mark.parametrize(
+    "module, function, backend, expected",
+    [
+        (
+            "dist_ckpt.strategies.common",
+            "register_default_common_strategies",
+            "torch",
+            {
+                StrategyAction.SAVE_COMMON: "TorchCommonSaveStrategy",
+                StrategyAction.LOAD_COMMON: "TorchCommonLoadStrategy",
+            },
+        ),
+        (
+            "dist_ckpt.strategies.torch",
+            "register_default_torch_strategies",
+            "torch_dist",
+            {
+                StrategyAction.SAVE_SHARDED: "TorchDistSaveShardedStrategy",
+                StrategyAction.LOAD_SHARDED: "TorchDistLoadShardedStrategy",
+            },
+        ),
+    ],
+)
+def test_megatron_register_default_functions_register_the_builtins_idempotently(
+    module: str, function: str, backend: str, expected: Dict[StrategyAction, str]
+) -> None:
+    register = getattr(importlib.import_module(module), function)
+    try:
+        for action in expected:  # an application's override, which the call replaces
+            register_default_strategy(action, backend, 1, lambda: None, override=True)
+        register()
+        register()  # again: the same registrations, no duplicate error
+        for action, name in expected.items():
+            assert type(get_default_strategy(action, backend, 1)).__name__ == name
+            assert registry._registry[StrategyKey(action, backend, 1)].__name__ == name
+    finally:
+        for action in expected:
+            unregister_strategy(action, backend, 1)
+
+
+def test_register_builtin_strategies_names_the_builtins_for_an_unknown_backend() -> None:
+    with pytest.raises(dc.UnknownStrategyError, match=r"no built-in strategy for \('nope', 1\).*'torch_dist'"):
+        registry.register_builtin_strategies("nope")
