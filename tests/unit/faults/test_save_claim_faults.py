@@ -27,6 +27,7 @@ from dist_ckpt.engine.process_identity import ProcessIdentity
 from dist_ckpt.engine.save_claim import IN_PROGRESS_FILENAME, SaveClaim, claim_location
 from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.storage import LocalStorage
+from dist_ckpt.storage.location import resolve_location
 
 DEAD_SAVE = "d" * 32
 
@@ -35,7 +36,7 @@ def _state(value: float) -> Dict[str, Any]:
     return {"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 4), value)), "step": int(value)}
 
 
-def _loaded(path: Path) -> float:
+def _loaded(path: Any) -> float:
     out = dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, 4))}, path)
     return float(out["w"][0, 0])
 
@@ -190,3 +191,17 @@ def test_a_save_that_finds_the_takeover_done_meanwhile_deletes_nothing(tmp_path,
     assert (target / "safetensors" / "rank00000_0.safetensors").read_bytes() == b"the winner's file"
     assert (target / IN_PROGRESS_FILENAME).read_bytes() == winner.to_bytes()
     assert not list(target.glob("save_takeover*"))
+
+
+def test_on_an_object_store_a_glob_in_the_record_deletes_nothing_either(s3_url):
+    location = resolve_location(s3_url)
+    location.write("safetensors/rank00000_0.safetensors", b"half a file")
+    location.write("notes.txt", b"a user's object")
+    location.write(IN_PROGRESS_FILENAME, _record(DEAD_SAVE, ["safetensors", "*"], _dead_process()))
+    with pytest.raises(dc.SaveConflictError, match=r"\['\*'\].*left alone"):
+        dc.save(_state(1.0), s3_url)
+    keys = {o.key for o in location.list()}
+    assert keys == {IN_PROGRESS_FILENAME, "notes.txt", "safetensors/rank00000_0.safetensors"}
+    location.write(IN_PROGRESS_FILENAME, _record(DEAD_SAVE, ["safetensors", "common.pt"], _dead_process()))
+    dc.save(_state(2.0), s3_url)  # exact names of this save: cleared, and the save commits
+    assert _loaded(s3_url) == 2.0 and location.read("notes.txt") == b"a user's object"
