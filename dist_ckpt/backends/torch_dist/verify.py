@@ -9,7 +9,8 @@ One process, never raises for damage. Checks, in order:
 4. without one (Megatron-Core, torchtitan, ``dcp.save``): a note says no checksums were recorded
    (a problem when ``.metadata`` says dist_ckpt recorded them: the manifest was deleted), and each
    item is checked as what DCP writes, a ``torch.save`` zip archive whose members carry
-   their own CRC-32.
+   their own CRC-32, and each tensor chunk's item as a tensor of the dtype and shape
+   ``.metadata`` declares (loads refuse one stored in another dtype).
 
 Example:
 
@@ -26,8 +27,10 @@ import zipfile
 from bisect import bisect_right
 from typing import Dict, List, Optional, Tuple
 
+import torch
+
 from dist_ckpt.backends.torch_dist.checksums import CHECKSUMS_FILENAME, FileSpans, parse_manifest, require_manifest
-from dist_ckpt.backends.torch_dist.layout import StoredItem, TorchDistLayout, parse_layout
+from dist_ckpt.backends.torch_dist.layout import StoredChunk, StoredItem, StoredTensor, TorchDistLayout, parse_layout
 from dist_ckpt.backends.torch_dist.metadata import DCP_METADATA_FILENAME, unpickle_metadata
 from dist_ckpt.engine.records import read_recorded
 from dist_ckpt.errors import CheckpointingException
@@ -101,8 +104,27 @@ def _check_zip(data: bytes) -> Optional[str]:
     return None if bad is None else f"member {bad!r} fails its CRC-32 check (corrupt)"
 
 
+def _check_tensor(data: bytes, stored: StoredTensor, chunk: StoredChunk) -> Optional[str]:
+    """How the tensor in a chunk's item differs from what ``.metadata`` declares for it (its
+    dtype, which loads refuse to cast silently, and its shape), or None."""
+    try:
+        values = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 -- torch.load fails in many ways on damaged bytes
+        return f"not a loadable tensor: {type(e).__name__}: {e}"
+    if not isinstance(values, torch.Tensor):
+        return f"holds a {type(values).__name__}, not a tensor"
+    if values.dtype != stored.dtype:
+        return f"is stored as {values.dtype}, the DCP metadata declares {stored.dtype}"
+    if tuple(values.shape) != chunk.sizes:
+        return f"holds a tensor of shape {list(values.shape)}, its chunk is {list(chunk.sizes)}"
+    return None
+
+
 def _check_items(storage: Storage, layout: TorchDistLayout, report: IntegrityReport) -> None:
+    """Each item as ``torch.save`` writes it (its zip CRC-32s), and each tensor chunk's item as
+    the tensor ``.metadata`` declares (dtype and shape)."""
     keys = _keys_by_item(layout)
+    chunks = {c.item: (t, c) for t in layout.tensors.values() for c in t.chunks}
     by_file: Dict[str, List[StoredItem]] = {}
     for item in keys:
         by_file.setdefault(item.file, []).append(item)
@@ -112,6 +134,8 @@ def _check_items(storage: Storage, layout: TorchDistLayout, report: IntegrityRep
                 data = _read(reader, item.offset, item.length)
                 report.bytes_checked += len(data)
                 problem = _check_zip(data)
+                if problem is None and item in chunks:
+                    problem = _check_tensor(data, *chunks[item])
                 if problem is not None:
                     report.add(name, f"item at byte {item.offset}: {problem}", keys[item])
 

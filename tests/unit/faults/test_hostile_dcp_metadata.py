@@ -162,6 +162,9 @@ def test_a_declared_dtype_over_data_of_another_is_refused_unless_a_cast_is_asked
         with pytest.raises(dc.CorruptCheckpointError, match="stored as torch.float32") as info:
             call()
         assert "'w'" in str(info.value) and "float64" in str(info.value), name
+    report = dc.verify_checkpoint(ckpt)
+    assert not report.ok
+    assert any("stored as torch.float32, the DCP metadata declares torch.float64" in str(p) for p in report.problems)
     # a request of another dtype asks for a cast: it gets the stored values, converted
     wanted = dc.ShardedTensor.from_rank_offsets("w", torch.zeros(4, 4, dtype=torch.float16))
     loaded = dc.load({"w": wanted}, ckpt)["w"]
