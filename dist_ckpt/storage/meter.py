@@ -74,7 +74,10 @@ class ByteMeter:
         self._step = max(1, int(self.total * fraction))
         self._interval_s = interval_s
         self._clock = clock
-        self._lock = threading.Lock()
+        # re-entrant: a callback that itself writes through dist_ckpt (a metrics file) counts
+        # those bytes on the same thread, inside the report; they are counted, not reported
+        self._lock = threading.RLock()
+        self._reporting = False
         self._done = 0
         self._reported = 0
         self._reported_at = clock()
@@ -93,10 +96,14 @@ class ByteMeter:
             shown = min(self._done, self.total)
             now = self._clock()
             due = shown - self._reported >= self._step or now - self._reported_at >= self._interval_s
-            if shown <= self._reported or not due:
+            if shown <= self._reported or not due or self._reporting:
                 return
             self._reported, self._reported_at = shown, now
-            self._report(shown)  # under the lock: reports never overlap, and never go backwards
+            self._reporting = True
+            try:
+                self._report(shown)  # under the lock: reports never overlap, and never go backwards
+            finally:
+                self._reporting = False
 
 
 _active: Optional[ByteMeter] = None

@@ -47,3 +47,16 @@ def test_only_an_installed_meter_counts_and_an_inner_one_leaves_the_outer_counti
         count_bytes(1)
     count_bytes(3)
     assert (outer.done, inner.done) == (6, 0)
+
+
+def test_a_report_that_moves_bytes_itself_counts_them_without_a_deadlock() -> None:
+    seen: List[int] = []
+
+    def report(done: int) -> None:
+        seen.append(done)
+        count_bytes(3)  # e.g. a callback that writes a metrics file through dist_ckpt
+
+    meter = ByteMeter(100, report)
+    with metering(meter):
+        count_bytes(50)
+    assert seen == [50] and meter.done == 53
