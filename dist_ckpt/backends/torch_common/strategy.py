@@ -41,6 +41,7 @@ import torch
 
 from dist_ckpt.backends.base import LoadCommonStrategy, SaveCommonStrategy
 from dist_ckpt.backends.request_checks import object_layout_error
+from dist_ckpt.backends.stored_shards import stored_key
 from dist_ckpt.backends.torch_common.plain_types import plain_data_allowed
 from dist_ckpt.engine.distributed import gather_json, get_rank, run_collectively
 from dist_ckpt.engine.records import read_recorded
@@ -365,13 +366,15 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
                 by_dir.setdefault(parts[1], []).append(parts[2])
         for dir_name in sorted(by_dir):
             key = decode_key(dir_name)
+            where = storage.url_of(f"{OBJECTS_DIR}/{dir_name}")
             if key is None:
                 raw = storage.read(f"{OBJECTS_DIR}/{dir_name}/{KEY_FNAME}")
+                where = storage.url_of(f"{OBJECTS_DIR}/{dir_name}/{KEY_FNAME}")
                 try:
                     key = raw.decode("utf-8")
                 except UnicodeDecodeError as e:
-                    where = storage.url_of(f"{OBJECTS_DIR}/{dir_name}/{KEY_FNAME}")
                     raise CorruptCheckpointError(f"{where} is not UTF-8 text: it is damaged") from e
+            stored_key(key, where)
             for name in sorted(by_dir[dir_name]):
                 if name.startswith("shard_") and name.endswith(".pt"):
                     sh_obj = ShardedObject.empty_from_unique_key(f"{key}/{name[:-3]}")

@@ -143,3 +143,15 @@ def test_a_key_read_from_a_huggingface_header_is_validated(tmp_path):
     with pytest.raises(dc.CorruptCheckpointError, match=r"\.\./\.\./\.\./x") as info:
         load_tensors_metadata(tmp_path)
     assert isinstance(info.value.__cause__, dc.InvalidKeyError) and "model.safetensors" in str(info.value)
+
+
+def test_a_key_read_from_an_object_key_file_is_validated(tmp_path):
+    """A ShardedObject key too long for a file name is stored in ``_key.txt`` beside its shards."""
+    ckpt = tmp_path / "ckpt"
+    dc.save({"x": dc.ShardedObject("o" * 300, {"v": 1}, (1,), (0,))}, ckpt, sharded_strategy=strategy("safetensors"))
+    (key_file,) = ckpt.glob("objects/*/_key.txt")
+    key_file.write_text("../../../x")
+    _resign(ckpt, str(key_file.relative_to(ckpt)))
+    with pytest.raises(dc.CorruptCheckpointError, match=r"\.\./\.\./\.\./x") as info:
+        dc.load_sharded_metadata(ckpt)
+    assert isinstance(info.value.__cause__, dc.InvalidKeyError) and "_key.txt" in str(info.value)
