@@ -25,7 +25,7 @@ import logging
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import AbstractSet, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -53,6 +53,8 @@ logger = logging.getLogger(__name__)
 
 #: a shard's identity: canonical JSON of everything that determines its loaded contents
 ShardId = str
+#: any hashable, sortable shard id (`distribute_shards_to_ranks()` takes Megatron-Core's too)
+T = TypeVar("T")
 #: shards of one source are packed into broadcasts of at most this many bytes. Small: larger
 #: shards then travel alone, sent from and received into their own memory (no packing copy),
 #: which measured faster than large buckets (benchmarks/bench_parallel.py); smaller shards are
@@ -110,15 +112,21 @@ def shard_nbytes(sh: ShardedTensor) -> int:
 
 
 def distribute_shards_to_ranks(
-    shard_to_ranks: Mapping[ShardId, Sequence[int]], shard_to_size: Mapping[ShardId, int], num_ranks: int
-) -> Dict[ShardId, int]:
+    shard_to_ranks: Mapping[T, Sequence[int]],
+    shard_to_size: Mapping[T, int],
+    num_ranks: int,
+    cross_parallelization_group_loads: AbstractSet[T] = frozenset(),
+) -> Dict[T, int]:
     """Pick, for every shard, the one rank (among those that hold or need it) that reads or
     writes it, so that the bytes per rank are balanced. Pure and deterministic: every rank
     computes the same answer from the same gathered metadata.
 
-    Greedy: shards with the fewest candidate ranks go first (they have the least choice), then
+    Greedy: shards in ``cross_parallelization_group_loads`` (a load's shards whose main replica
+    is in another group) go last, so that a load's distribution stays close to the save's; before
+    them, shards with the fewest candidate ranks go first (they have the least choice), then
     larger before smaller, then by id; each goes to its candidate with the fewest bytes so far
-    (the lowest rank on ties).
+    (the lowest rank on ties). Shard ids may be any sortable values (this module's JSON ids,
+    Megatron-Core's tuples).
 
     Example:
 
@@ -131,8 +139,11 @@ def distribute_shards_to_ranks(
         CheckpointingException: a shard has no candidate, or a candidate is not in ``range(num_ranks)``.
     """
     load = [0] * num_ranks
-    chosen: Dict[ShardId, int] = {}
-    order = sorted(shard_to_ranks, key=lambda s: (len(set(shard_to_ranks[s])), -shard_to_size[s], s))
+    chosen: Dict[T, int] = {}
+    order = sorted(
+        shard_to_ranks,
+        key=lambda s: (s in cross_parallelization_group_loads, len(set(shard_to_ranks[s])), -shard_to_size[s], s),
+    )
     for sid in order:
         candidates = sorted(set(shard_to_ranks[sid]))
         if not candidates or candidates[0] < 0 or candidates[-1] >= num_ranks:

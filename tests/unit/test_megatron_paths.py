@@ -149,6 +149,22 @@ MEGATRON_0_16_NAMES = {
     ],
     "state_dict_utils": ["filter_out_empty_flatten_tensor", "load_preprocess", "save_preprocess"],
     "strategies.common": ["TorchCommonLoadStrategy", "TorchCommonSaveStrategy", "register_default_common_strategies"],
+    "strategies.fully_parallel": [
+        "FullyParallelLoadStrategyWrapper",
+        "FullyParallelSaveStrategyWrapper",
+        "distribute_main_replicas_with_precomputed_distribution",
+    ],
+    "exchange_utils": [
+        "ShardDistribution",
+        "determine_main_replica_uniform_distribution",
+        "distribute_shards_to_ranks",
+        "exchange_by_distribution",
+        "exchange_loaded_objects_gather_object",
+        "exchange_loaded_tensors_broadcast",
+        "exchange_loaded_tensors_gather_object",
+        "exchange_loaded_tensors_gather_rounds",
+        "is_float8tensor",
+    ],
     "serialization": [
         "get_default_load_sharded_strategy",
         "get_default_save_common_strategy",
