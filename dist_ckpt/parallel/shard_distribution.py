@@ -43,6 +43,7 @@ from dist_ckpt.engine.distributed import (
     get_rank,
     get_world_size,
     raise_if_any_rank_failed,
+    run_collectively,
 )
 from dist_ckpt.errors import (
     ArgumentTypeError,
@@ -67,6 +68,8 @@ from dist_ckpt.parallel.exchange import (
 
 #: Megatron-Core's shard id: key, global offset and flattened range (None if not flattened)
 MegatronShardId = Tuple[str, Tuple[int, ...], Optional[Tuple[int, int]]]
+
+_PREPARING = "preparing the exchange of loaded tensors"
 
 #: the algorithms of `exchange_by_distribution()`, by Megatron-Core's names
 EXCHANGE_ALGORITHMS = ("broadcast", "gather_rounds", "gather_object")
@@ -116,13 +119,12 @@ def determine_main_replica_uniform_distribution(
     group_size = get_world_size(parallelization_group)
     if group_size <= 1:
         return None
-    mine = sorted(
-        {
-            (shard_id(sh), is_main_replica(sh.replica_id))
-            for sh in nested_values(sharded_state_dict)
-            if isinstance(sh, ShardedTensor)
-        }
-    )
+
+    def describe() -> List[Tuple[str, bool]]:
+        shards = [sh for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedTensor)]
+        return sorted({(shard_id(sh), is_main_replica(sh.replica_id)) for sh in shards})
+
+    mine = run_collectively("describing the shards to distribute", describe, parallelization_group)
     ranks_for: Dict[MegatronShardId, List[int]] = defaultdict(list)
     sizes: Dict[MegatronShardId, int] = {}
     metadata: Dict[MegatronShardId, ShardedTensor] = {}
@@ -217,16 +219,14 @@ def exchange_loaded_tensors_broadcast(
     rank = get_rank(parallelization_group)
     meta = shard_distribution.shard_to_metadata
     ours = {mid: shard_id(meta[mid]) for mid in shard_distribution.main_rank_for_shard}
-    error: Optional[BaseException] = None
-    tensors: Dict[str, torch.Tensor] = {}
-    dests: Dict[str, torch.Tensor] = {}
-    try:
+
+    def prepare() -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
         _check_loaded(loaded_tensors, shard_distribution, rank)
         tensors = {ours[mid]: _nominal(t) for mid, t in loaded_tensors.items() if mid in ours}
         dests = {ours[mid]: load_destination(sh) for mid, sh in unloaded_shards.items() if mid in ours}
-    except Exception as e:  # noqa: BLE001 -- the other ranks are on their way to the broadcasts
-        error = e
-    raise_if_any_rank_failed(error, "preparing the exchange of loaded tensors", parallelization_group)
+        return tensors, dests
+
+    tensors, dests = run_collectively(_PREPARING, prepare, parallelization_group)
     owner = {ours[mid]: r for mid, r in shard_distribution.main_rank_for_shard.items()}
     needers = {ours[mid]: shard_distribution.all_ranks_for_shard[mid] for mid in shard_distribution.main_rank_for_shard}
     sizes = {sid: shard_nbytes(shard_from_id(sid)) for sid in owner}
@@ -310,7 +310,8 @@ def exchange_loaded_tensors_gather_object(
     Raises:
         CheckpointingException: a shard was loaded by two ranks (on every rank, naming them).
     """
-    gathered = all_gather_bytes(_encode_tensors(loaded_tensors), parallelization_group)
+    payload = run_collectively(_PREPARING, lambda: _encode_tensors(loaded_tensors), parallelization_group)
+    gathered = all_gather_bytes(payload, parallelization_group)
     me = get_rank(parallelization_group)
     parts = [dict(loaded_tensors) if r == me else _decode_tensors(b) for r, b in enumerate(gathered)]
     return _merge_without_duplicates(parts, "loaded")
@@ -327,12 +328,16 @@ def exchange_loaded_objects_gather_object(loaded_objects: Dict[MegatronShardId, 
         UnsafeObjectError: an object needs pickle beyond tensors and plain containers.
         CheckpointingException: an object id was loaded by two ranks.
     """
-    buf = io.BytesIO()
-    torch.save(
-        {json.dumps([k, list(o), None if r is None else list(r)]): v for (k, o, r), v in loaded_objects.items()}, buf
-    )
+
+    def encode() -> bytes:
+        buf = io.BytesIO()
+        named = {json.dumps([k, list(o), None if r is None else list(r)]): v for (k, o, r), v in loaded_objects.items()}
+        torch.save(named, buf)
+        return buf.getvalue()
+
+    payload = run_collectively("preparing the exchange of loaded objects", encode)
     parts: List[Dict[MegatronShardId, Any]] = []
-    for rank, data in enumerate(all_gather_bytes(buf.getvalue())):
+    for rank, data in enumerate(all_gather_bytes(payload)):
         try:
             decoded = torch.load(io.BytesIO(data), weights_only=True)
         except Exception as e:
@@ -363,27 +368,30 @@ def exchange_loaded_tensors_gather_rounds(
     """
     me = get_rank(parallelization_group)
     size = get_world_size(parallelization_group)
-    error: Optional[BaseException] = None
-    try:
-        _check_loaded(loaded_tensors, shard_distribution, me)
-    except CheckpointingException as e:
-        error = e
-    raise_if_any_rank_failed(error, "preparing the exchange of loaded tensors", parallelization_group)
+    run_collectively(_PREPARING, lambda: _check_loaded(loaded_tensors, shard_distribution, me), parallelization_group)
     by_rank: List[List[MegatronShardId]] = [[] for _ in range(size)]
     for mid, owner in sorted(shard_distribution.main_rank_for_shard.items(), key=str):
         if len(shard_distribution.all_ranks_for_shard.get(mid, ())) > 1:
             by_rank[owner].append(mid)
     out = dict(loaded_tensors)
+    error: Optional[BaseException] = None  # kept, not raised: every rank takes part in every round
     for round_ids in zip_longest(*by_rank):
         mine = round_ids[me]
-        payload = {mine: loaded_tensors[mine]} if mine is not None else {}
-        for r, data in enumerate(all_gather_bytes(_encode_tensors(payload), parallelization_group)):
+        try:
+            payload = _encode_tensors({mine: loaded_tensors[mine]} if mine is not None else {})
+        except Exception as e:  # noqa: BLE001 -- still take part; reported after the rounds
+            error, payload = error or e, _encode_tensors({})
+        for r, data in enumerate(all_gather_bytes(payload, parallelization_group)):
             mid = round_ids[r]
-            if r == me or mid is None or mid not in unloaded_shards:
+            if error is not None or r == me or mid is None or mid not in unloaded_shards:
                 continue
-            dest = load_destination(unloaded_shards[mid])
-            dest.copy_(_decode_tensors(data)[mid].reshape(dest.shape))
-            out[mid] = dest
+            try:
+                dest = load_destination(unloaded_shards[mid])
+                dest.copy_(_decode_tensors(data)[mid].reshape(dest.shape))
+                out[mid] = dest
+            except Exception as e:  # noqa: BLE001 -- still take part; reported after the rounds
+                error = e
+    raise_if_any_rank_failed(error, "exchanging loaded tensors in rounds", parallelization_group)
     return out
 
 

@@ -68,8 +68,7 @@ def test_save_distribution_gives_each_shard_one_writer_balanced_over_the_group()
     agreed = all_gather_json(sorted(map(str, distribution.main_rank_for_shard.items())))
     assert_on_all_ranks(all(a == agreed[0] for a in agreed), "every rank computes the same distribution")
     distribute_main_replicas_with_precomputed_distribution(sd, None, distribution)
-    mains = [[_sharded_tensor_shard_id(sh) and sh.key for sh in sd.values() if sh.replica_id == 0]]
-    written: List[str] = sum(all_gather_json(mains[0]), [])
+    written: List[str] = sum(all_gather_json([sh.key for sh in sd.values() if sh.replica_id == 0]), [])
     replicated = [k for k in sd if k != "own"]
     assert_on_all_ranks(sorted(written) == sorted(replicated + ["own"] * world()), f"writers: {sorted(written)}")
     nbytes = all_gather_json(sum(sh.data.numel() * sh.data.element_size() for sh in sd.values() if sh.replica_id == 0))
@@ -139,6 +138,12 @@ def test_objects_gather_to_every_rank_and_unsafe_ones_are_refused_everywhere() -
         lambda: exchange_loaded_objects_gather_object({("obj", (me,), None): _Custom()}),
         "cannot be exchanged safely",
     )
+
+
+def test_an_object_one_rank_cannot_serialize_fails_every_rank_instead_of_hanging() -> None:
+    me = rank()
+    objects = {("obj", (me,), None): (lambda: None) if me == world() - 1 else {"ok": me}}
+    raises_on_all_ranks(CheckpointingException, lambda: exchange_loaded_objects_gather_object(objects))
 
 
 class _Custom:
