@@ -58,3 +58,8 @@ def test_too_many_split_axes(monkeypatch):
     assert "split it along 2 axes" in (tiling_problem((4, 4), grid) or "")
     assert tiling_problem((4, 4), grid[:2] + [((2, 0), (2, 4))]) is not None  # still checked: 2 axes
     assert tiling_problem((4, 4), [((0, 0), (2, 4)), ((2, 0), (2, 4)), ((4, 4), (0, 0))]) is None  # 1 axis
+
+
+def test_sizes_beyond_any_tensor_are_a_problem_not_an_overflow():
+    boxes = [((0, 0), (2**62, 2)), ((2**62, 0), (2**62, 2))]
+    assert "beyond any tensor" in (tiling_problem((2**63, 2), boxes) or "")
