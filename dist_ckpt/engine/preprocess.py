@@ -48,7 +48,9 @@ def content_metadata_to_save(content_metadata: Any) -> Dict[str, Any]:
 
 
 def add_content_metadata(common_state_dict: StateDict, content_metadata: Optional[Dict[str, Any]]) -> None:
-    """Put ``content_metadata`` (if given) in the common state under `CONTENT_METADATA_KEY`.
+    """Put ``content_metadata`` (if given) in the common state under `CONTENT_METADATA_KEY`;
+    without it, a dict the state dict itself holds there loses its process-local entries
+    (`content_metadata_to_save()`), as Megatron-Core's save does.
 
     Raises:
         ArgumentTypeError: ``content_metadata`` is not a dict.
@@ -56,6 +58,9 @@ def add_content_metadata(common_state_dict: StateDict, content_metadata: Optiona
             the content metadata would silently replace.
     """
     if content_metadata is None:
+        existing = common_state_dict.get(CONTENT_METADATA_KEY) if isinstance(common_state_dict, dict) else None
+        if isinstance(existing, dict):
+            common_state_dict[CONTENT_METADATA_KEY] = content_metadata_to_save(existing)
         return
     value = content_metadata_to_save(content_metadata)
     if not isinstance(common_state_dict, dict):
@@ -109,8 +114,9 @@ def save_preprocess(
     """Prepare a state dict for saving: ``(sharded part, common part)``.
 
     Applies factories (in place, as the save does), drops LocalNonPersistentObjects, splits the
-    ShardedBase leaves from the common state and drops empty flattened ranges
-    (`filter_out_empty_flatten_tensor()`). With ``validate_access_integrity`` it then checks, as
+    ShardedBase leaves from the common state, drops empty flattened ranges
+    (`filter_out_empty_flatten_tensor()`) and the process-local entries of a
+    ``"content_metadata"`` dict. With ``validate_access_integrity`` it then checks, as
     a save does, that the main replicas cover every tensor exactly once and warns where the
     common state differs between ranks (collective then; the same error on every rank).
 
@@ -134,6 +140,7 @@ def save_preprocess(
     _, persistent = extract_nonpersistent(sharded_state_dict)
     sharded_part, common_state_dict = extract_sharded_base(persistent)
     sharded_part = filter_out_empty_flatten_tensor(sharded_part)
+    add_content_metadata(common_state_dict, None)
     if validate_access_integrity:
         local_metadata = [sh.without_data() for sh in nested_values(sharded_part) if isinstance(sh, ShardedBase)]
         validate_save(local_metadata, common_state_dict, preprocess_common_before_consistancy_check)

@@ -94,3 +94,11 @@ def test_save_refuses_content_metadata_that_is_not_a_dict_or_would_replace_an_en
     assert not check_is_distributed_checkpoint(tmp_path / "b")
     dc.save({CONTENT_METADATA_KEY: {"a": 1}}, tmp_path / "c", content_metadata={"a": 1})  # the same: fine
     assert load_content_metadata(tmp_path / "c") == {"a": 1}
+
+
+def test_content_metadata_held_by_the_state_dict_loses_its_process_group_too(tmp_path):
+    meta = {"a": 1, "dp_cp_group": object()}
+    _, common = save_preprocess({"content_metadata": meta, "step": 1})
+    assert common == {"content_metadata": {"a": 1}, "step": 1} and "dp_cp_group" in meta
+    dc.save({"content_metadata": meta, "w": ShardedTensor.from_rank_offsets("w", torch.zeros(2))}, tmp_path / "c")
+    assert load_content_metadata(tmp_path / "c") == {"a": 1}
