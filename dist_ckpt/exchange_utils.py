@@ -17,11 +17,13 @@ from dist_ckpt.parallel.shard_distribution import (
     exchange_loaded_tensors_gather_object,
     exchange_loaded_tensors_gather_rounds,
 )
+from dist_ckpt.parallel.shard_distribution import empty_tensor_for_exchange as _get_empty_tensor_for_exchange
 from dist_ckpt.parallel.shard_distribution import sharded_tensor_shard_id as _sharded_tensor_shard_id
 
 __all__ = [
     "ShardDistribution",
-    "_sharded_tensor_shard_id",  # imported from here by Megatron-Core's users
+    "_get_empty_tensor_for_exchange",  # Megatron-Core's private names that its users import
+    "_sharded_tensor_shard_id",
     "determine_main_replica_uniform_distribution",
     "distribute_shards_to_ranks",
     "exchange_by_distribution",

@@ -35,11 +35,12 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Set, Tuple
 
 import torch
 
-from dist_ckpt.backends.base import load_destination
+from dist_ckpt.backends.base import load_destination, loaded_shape
 from dist_ckpt.engine.distributed import (
     ProcessGroup,
     all_gather_bytes,
     all_gather_json,
+    comm_device,
     get_rank,
     get_world_size,
     raise_if_any_rank_failed,
@@ -201,6 +202,34 @@ def _check_loaded(loaded: Mapping[MegatronShardId, torch.Tensor], distribution: 
                 f"[rank {get_rank()}] the distribution has this rank load shard {mid} for "
                 f"{distribution.all_ranks_for_shard[mid]}, but it is not in loaded_tensors"
             )
+
+
+def empty_tensor_for_exchange(
+    shard_id: MegatronShardId,
+    needed_shards: Mapping[MegatronShardId, ShardedTensor],
+    unneeded_shards: Mapping[MegatronShardId, ShardedTensor],
+    loaded_tensors: Dict[MegatronShardId, torch.Tensor],
+) -> Tuple[torch.Tensor, Optional[torch.device]]:
+    """A tensor to receive shard ``shard_id`` into, on the default group's `comm_device()`, and
+    the device the result belongs on (None when this rank does not need the shard).
+
+    A shard this rank needs is received into its own memory when that already lives on the
+    communication device (`load_destination()`), and is recorded in ``loaded_tensors``; one it
+    does not need gets a scratch tensor from ``unneeded_shards``' metadata, dropped afterwards.
+    Megatron-Core's ``_get_empty_tensor_for_exchange``, for code that writes its own exchange.
+
+    Raises:
+        KeyError: ``shard_id`` is in neither mapping.
+    """
+    device = comm_device()
+    needed = needed_shards.get(shard_id)
+    if needed is None:
+        meta = unneeded_shards[shard_id]
+        return torch.empty(loaded_shape(meta), dtype=meta.dtype, device=device), None
+    dest = load_destination(needed)
+    tensor = dest if dest.device == device else torch.empty_like(dest, device=device)
+    loaded_tensors[shard_id] = tensor
+    return tensor, dest.device
 
 
 def exchange_loaded_tensors_broadcast(
@@ -434,6 +463,7 @@ __all__ = [
     "ShardDistribution",
     "determine_main_replica_uniform_distribution",
     "distribute_main_replicas_with_precomputed_distribution",
+    "empty_tensor_for_exchange",
     "exchange_by_distribution",
     "exchange_loaded_objects_gather_object",
     "exchange_loaded_tensors_broadcast",

@@ -221,3 +221,10 @@ def test_megatron_0_16_serialization_parameters_come_first_in_the_same_order(fun
     fn = getattr(importlib.import_module("dist_ckpt.serialization"), function)
     expected = MEGATRON_0_16_PARAMETERS[function]
     assert list(inspect.signature(fn).parameters)[: len(expected)] == expected
+
+
+def test_megatron_private_helpers_that_its_users_import_exist() -> None:
+    exchange_utils = importlib.import_module("dist_ckpt.exchange_utils")
+    fully_parallel = importlib.import_module("dist_ckpt.strategies.fully_parallel")
+    assert callable(exchange_utils._get_empty_tensor_for_exchange)
+    assert exchange_utils._sharded_tensor_shard_id is fully_parallel._sharded_tensor_shard_id

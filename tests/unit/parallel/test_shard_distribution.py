@@ -13,6 +13,7 @@ from dist_ckpt.parallel.shard_distribution import (
     ShardDistribution,
     determine_main_replica_uniform_distribution,
     distribute_main_replicas_with_precomputed_distribution,
+    empty_tensor_for_exchange,
     exchange_by_distribution,
     exchange_loaded_objects_gather_object,
     exchange_loaded_tensors_gather_object,
@@ -64,3 +65,15 @@ def test_broadcast_refuses_a_missing_shard_it_must_send() -> None:
     distribution = ShardDistribution({sid: 0}, {sid}, {sid: st.without_data()}, {sid: [0, 1]})
     with pytest.raises(CheckpointingException, match="not in loaded_tensors"):
         exchange_by_distribution({}, {}, distribution, None, "broadcast")
+
+
+def test_empty_tensor_for_exchange_receives_a_needed_shard_in_place_and_a_scratch_one_otherwise() -> None:
+    needed = dc.ShardedTensor.from_rank_offsets("w", torch.zeros(2, 3))
+    unneeded = dc.ShardedTensor.from_rank_offsets_flat("f", torch.zeros(4), (2, 3), flattened_range=slice(1, 5))
+    loaded: dict = {}
+    tensor, device = empty_tensor_for_exchange(("w", (0, 0), None), {("w", (0, 0), None): needed}, {}, loaded)
+    assert tensor is needed.data and device == torch.device("cpu") and loaded == {("w", (0, 0), None): tensor}
+    scratch, none = empty_tensor_for_exchange(
+        ("f", (0, 0), (1, 5)), {}, {("f", (0, 0), (1, 5)): unneeded.without_data()}, loaded
+    )
+    assert scratch.shape == (4,) and none is None and len(loaded) == 1
