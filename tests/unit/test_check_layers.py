@@ -67,3 +67,20 @@ def test_the_package_has_no_violation_beyond_the_recorded_debt(layers: types.Mod
     debt = layers.read_debt()
     assert found - debt == set(), "new layer violations; see scripts/check_layers.py"
     assert debt - found == set(), "fixed violations still listed in scripts/layer_debt.txt"
+
+
+def test_imports_for_type_checking_only_are_not_edges(layers: types.ModuleType, tmp_path: Path) -> None:
+    source = tmp_path / "mod.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "import typing\n"
+        "if TYPE_CHECKING:\n"
+        "    from dist_ckpt.engine.save import save\n"
+        "if typing.TYPE_CHECKING:\n"
+        "    import dist_ckpt.engine.load\n"
+        "else:\n"
+        "    import dist_ckpt.storage.base\n",
+        encoding="utf-8",
+    )
+    known = {"dist_ckpt.engine.save", "dist_ckpt.engine.load", "dist_ckpt.storage.base"}
+    assert set(layers.imported_modules(source, "dist_ckpt.storage.mod", known)) == {"dist_ckpt.storage.base"}
