@@ -40,14 +40,14 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from dist_ckpt.async_save.queue import AsyncCallsQueue
+from dist_ckpt.asynchronous.queue import AsyncCallsQueue
 from dist_ckpt.backends.safetensors.strategy import (
     SafetensorsLoadOptions,
     SafetensorsLoadShardedStrategy,
     SafetensorsSaveOptions,
     SafetensorsSaveShardedStrategy,
 )
-from dist_ckpt.engine.distributed import barrier, time_collectively
+from dist_ckpt.collectives.distributed import barrier, time_collectively
 from dist_ckpt.engine.load import load
 from dist_ckpt.engine.save import save
 from dist_ckpt.model.sharded import ShardedTensor

@@ -56,7 +56,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from raw_io import BLOCK, read_whole  # the script's directory: sys.path[0]
 
-from dist_ckpt.engine.distributed import barrier, time_collectively
+from dist_ckpt.collectives.distributed import barrier, time_collectively
 from dist_ckpt.engine.load import load
 from dist_ckpt.engine.save import save
 from dist_ckpt.model.sharded import ShardedTensor, is_main_replica
@@ -256,7 +256,7 @@ def memory_job(rank: int, world: int, job: Job) -> Tuple[int, int, int]:
     import torch.distributed.checkpoint as dcp  # noqa: F401
 
     if job.system != DCP:
-        from dist_ckpt.engine.registry import StrategyAction, get_default_strategy
+        from dist_ckpt.backends.registry import StrategyAction, get_default_strategy
 
         get_default_strategy(StrategyAction.LOAD_SHARDED, *_backend(job.system))
     _reset_peak_rss()

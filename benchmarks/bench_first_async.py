@@ -32,7 +32,7 @@ CHILD = r"""
 import json, sys, time
 import torch
 import dist_ckpt as dc
-from dist_ckpt.async_save.queue import AsyncCallsQueue
+from dist_ckpt.asynchronous.queue import AsyncCallsQueue
 
 mode, mib, root = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 train_s, back_to_back = float(sys.argv[4]), int(sys.argv[5])

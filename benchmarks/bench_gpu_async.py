@@ -26,7 +26,7 @@ from typing import Callable, List
 import torch
 
 import dist_ckpt as dc
-from dist_ckpt.async_save.queue import AsyncCallsQueue
+from dist_ckpt.asynchronous.queue import AsyncCallsQueue
 from dist_ckpt.backends.safetensors.strategy import SafetensorsSaveShardedStrategy
 
 

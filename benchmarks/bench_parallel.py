@@ -34,9 +34,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 import dist_ckpt as dc
+from dist_ckpt.backends.registry import StrategyAction, get_default_strategy
 from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreLoadShardedStrategy
-from dist_ckpt.engine.distributed import barrier, time_collectively
-from dist_ckpt.engine.registry import StrategyAction, get_default_strategy
+from dist_ckpt.collectives.distributed import barrier, time_collectively
 from dist_ckpt.parallel.fully_parallel import FullyParallelLoadStrategyWrapper, FullyParallelSaveStrategyWrapper
 from dist_ckpt.parallel.two_stage import TwoStageDataParallelLoadShardedStrategy
 from dist_ckpt.testing import spawn_ranks

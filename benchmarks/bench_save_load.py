@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence, Tuple
 
-from dist_ckpt.engine.registry import DEFAULT_SHARDED_BACKEND
+from dist_ckpt.backends.registry import DEFAULT_SHARDED_BACKEND
 from dist_ckpt.tools.bench import BenchOptions, render_table, run_bench
 
 

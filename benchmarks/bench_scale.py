@@ -46,9 +46,9 @@ from dist_ckpt.backends.safetensors.index_parts import IndexPart, merge_index_pa
 from dist_ckpt.backends.safetensors.index_write import write_merged
 from dist_ckpt.backends.safetensors.load import plan_reads
 from dist_ckpt.backends.safetensors.write import PartResult, plan_file
+from dist_ckpt.collectives.shard_metadata import decode_tables
 from dist_ckpt.engine.checks.coverage import find_table_problems
-from dist_ckpt.engine.shard_metadata import decode_tables
-from dist_ckpt.engine.shard_table import ShardTable, encode_table, shard_fields
+from dist_ckpt.model.shard_table import ShardTable, encode_table, shard_fields
 from dist_ckpt.model.sharded import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
 from dist_ckpt.storage import LocalStorage
 
@@ -288,8 +288,8 @@ def real(tensors: int, rounds: int, directory: Optional[str]) -> None:
     from mpi4py import MPI
 
     import dist_ckpt as dc
+    from dist_ckpt.collectives.distributed import barrier, broadcast_json, get_rank, get_world_size
     from dist_ckpt.engine.checks.verdict_cache import VERDICTS
-    from dist_ckpt.engine.distributed import barrier, broadcast_json, get_rank, get_world_size
     from dist_ckpt.engine.steps import Step
     from dist_ckpt.testing import free_port, init_process_group
 

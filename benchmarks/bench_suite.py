@@ -207,7 +207,7 @@ def _available(system: str, mcore_python: str) -> Optional[str]:
         )
     if system == "dc-torch_dist":
         try:
-            from dist_ckpt.engine.registry import StrategyAction, get_default_strategy
+            from dist_ckpt.backends.registry import StrategyAction, get_default_strategy
 
             get_default_strategy(StrategyAction.SAVE_SHARDED, "torch_dist", 1)
         except Exception as e:  # noqa: BLE001 -- any failure means: not in this checkout

@@ -14,10 +14,17 @@ This module re-exports the public API; importing it imports no optional backend.
 """
 
 from dist_ckpt._version import __version__
-from dist_ckpt.async_save.queue import AsyncCallsQueue, AsyncRequest
+from dist_ckpt.asynchronous.queue import AsyncCallsQueue, AsyncRequest
+from dist_ckpt.backends.registry import (
+    StrategyAction,
+    StrategyKey,
+    get_default_strategy,
+    register_default_strategy,
+    registered_strategies,
+)
+from dist_ckpt.engine.async_api import AsyncSaveFuture, async_save
 from dist_ckpt.engine.checks.sharding import validate_sharding_integrity
 from dist_ckpt.engine.checks.strict import StrictHandling
-from dist_ckpt.engine.commit import CheckpointingConfig, check_is_distributed_checkpoint, maybe_load_config
 from dist_ckpt.engine.load import LoadResult, load, load_with_report
 from dist_ckpt.engine.load_parts import (
     load_common_state_dict,
@@ -26,13 +33,6 @@ from dist_ckpt.engine.load_parts import (
     load_sharded_objects,
     load_tensors_metadata,
     remove_sharded_tensors,
-)
-from dist_ckpt.engine.registry import (
-    StrategyAction,
-    StrategyKey,
-    get_default_strategy,
-    register_default_strategy,
-    registered_strategies,
 )
 from dist_ckpt.engine.report import CheckpointReport, ProgressEvent
 from dist_ckpt.engine.save import SaveResult, save, save_with_report
@@ -62,7 +62,6 @@ from dist_ckpt.errors import (
     UnsafeLinkError,
     UnsafeObjectError,
 )
-from dist_ckpt.integrity.verify import VerifyReport, verify_checkpoint
 from dist_ckpt.model.sharded import (
     LocalNonPersistentObject,
     LocalNonpersistentObject,
@@ -77,9 +76,11 @@ from dist_ckpt.model.sharded import (
     apply_factory_merges,
     is_main_replica,
 )
+from dist_ckpt.record.commit import CheckpointingConfig, check_is_distributed_checkpoint, maybe_load_config
 from dist_ckpt.tools.convert import ConvertResult, convert
 from dist_ckpt.tools.inspection import CheckpointInfo, TensorInfo, inspect_checkpoint
 from dist_ckpt.tools.unshard import iter_unsharded, unshard
+from dist_ckpt.tools.verify import VerifyReport, verify_checkpoint
 from dist_ckpt.training.checkpointer import Checkpointer, CheckpointMetadata, TensorMetadata
 from dist_ckpt.training.model_optim import (
     async_save_model_and_optim_state,
@@ -92,6 +93,7 @@ from dist_ckpt.training.model_optim import (
 __all__ = [
     "AsyncCallsQueue",
     "AsyncRequest",
+    "AsyncSaveFuture",
     "ArgumentTypeError",
     "AsyncSaveError",
     "CheckpointExistsError",
@@ -143,6 +145,7 @@ __all__ = [
     "__version__",
     "apply_factories",
     "apply_factory_merges",
+    "async_save",
     "async_save_model_and_optim_state",
     "check_is_distributed_checkpoint",
     "convert",

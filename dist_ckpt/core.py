@@ -1,9 +1,9 @@
-"""Megatron-Core module path ``dist_ckpt.core``: re-exports [`dist_ckpt.engine.commit`][dist_ckpt.engine.commit].
+"""Megatron-Core module path ``dist_ckpt.core``: re-exports [`dist_ckpt.record.commit`][dist_ckpt.record.commit].
 
 Code written for ``megatron.core.dist_checkpointing.core`` imports from here unchanged.
 """
 
-from dist_ckpt.engine.commit import (
+from dist_ckpt.record.commit import (
     HF_CONFIG,
     METADATA_FILENAME,
     CheckpointingConfig,

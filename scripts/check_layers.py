@@ -34,7 +34,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"collectives"}),
     frozenset({"integrity"}),
     frozenset({"record"}),
-    frozenset({"backends", "parallel", "async_save"}),
+    frozenset({"backends", "parallel", "asynchronous"}),
     frozenset({"engine"}),
     frozenset({"hf", "training", "tools"}),
     frozenset({"cli"}),

@@ -114,7 +114,7 @@ def main(argv: list) -> None:
     ckpt, mode, side = Path(argv[3]), argv[4], Path(argv[5])
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import dist_ckpt as dc
-    from dist_ckpt.async_save.queue import AsyncCallsQueue
+    from dist_ckpt.asynchronous.queue import AsyncCallsQueue
     from dist_ckpt.testing import init_process_group
 
     slow_storage()

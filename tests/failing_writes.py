@@ -8,9 +8,9 @@ import dataclasses
 import errno
 from typing import Any, Tuple
 
-from dist_ckpt.async_save.queue import AsyncRequest
+from dist_ckpt.asynchronous.queue import AsyncRequest
 from dist_ckpt.backends.safetensors.strategy import SafetensorsSaveShardedStrategy
-from dist_ckpt.engine.distributed import get_rank
+from dist_ckpt.collectives.distributed import get_rank
 from dist_ckpt.model.sharded import ShardedStateDict
 from dist_ckpt.storage import Storage
 

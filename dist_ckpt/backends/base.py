@@ -2,7 +2,7 @@
 
 A *strategy* saves or loads one part of a checkpoint: the sharded tensors (a *sharded backend*
 such as safetensors or Zarr) or the common, non-sharded state. Strategies are found through
-[`dist_ckpt.engine.registry`][dist_ckpt.engine.registry] by ``(action, backend, version)``, where ``backend`` is the
+[`dist_ckpt.backends.registry`][dist_ckpt.backends.registry] by ``(action, backend, version)``, where ``backend`` is the
 on-disk format name recorded in ``metadata.json``.
 
 Call order (all methods are collective unless noted: every rank calls them together):
@@ -48,7 +48,7 @@ from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict, 
 from dist_ckpt.storage.base import Storage
 
 if TYPE_CHECKING:
-    from dist_ckpt.async_save.queue import AsyncRequest
+    from dist_ckpt.asynchronous.queue import AsyncRequest
 
 
 class SaveStrategyBase(ABC):
@@ -63,7 +63,7 @@ class SaveStrategyBase(ABC):
     #: files (relative keys) this strategy writes that vouch for other files' bytes: checksum
     #: manifests, indexes with checksums. Those present at commit are digested into
     #: ``metadata.json``, so that deleting or downgrading one is corruption (see
-    #: :mod:`dist_ckpt.engine.records`); loaders read them with ``read_recorded``
+    #: :mod:`dist_ckpt.record.records`); loaders read them with ``read_recorded``
     integrity_records: ClassVar[Tuple[str, ...]] = ()
     #: file names a key cannot be stored under because the strategy's own records use them
     #: (compared with the key's encoded name, :func:`dist_ckpt.storage.encode_key`); ``save``

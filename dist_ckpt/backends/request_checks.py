@@ -14,7 +14,7 @@ from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from dist_ckpt.engine.distributed import get_rank
+from dist_ckpt.collectives.distributed import get_rank
 from dist_ckpt.errors import (
     UNEXPECTED_KEYS,
     CheckpointingException,

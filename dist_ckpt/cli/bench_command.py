@@ -6,6 +6,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from dist_ckpt.backends.registry import DEFAULT_SHARDED_BACKEND
 from dist_ckpt.cli.common import (
     EXIT_OK,
     BadPathError,
@@ -19,7 +20,6 @@ from dist_ckpt.cli.common import (
     print_json,
     progress_enabled,
 )
-from dist_ckpt.engine.registry import DEFAULT_SHARDED_BACKEND
 
 __all__ = ["add_bench_command"]
 

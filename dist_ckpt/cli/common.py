@@ -21,7 +21,7 @@ import textwrap
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-from dist_ckpt.engine.registry import StrategyAction, registered_strategies
+from dist_ckpt.backends.registry import StrategyAction, registered_strategies
 from dist_ckpt.engine.report import format_bytes, format_rate, gib_per_s
 from dist_ckpt.errors import counted
 from dist_ckpt.tools.launch import RankError

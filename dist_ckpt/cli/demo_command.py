@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dist_ckpt.backends.registry import DEFAULT_SHARDED_BACKEND
 from dist_ckpt.cli.common import (
     EXIT_OK,
     CommandFailed,
@@ -16,7 +17,6 @@ from dist_ckpt.cli.common import (
     mib,
     positive_float_arg,
 )
-from dist_ckpt.engine.registry import DEFAULT_SHARDED_BACKEND
 from dist_ckpt.engine.report import significant
 from dist_ckpt.errors import counted
 

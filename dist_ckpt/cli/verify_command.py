@@ -56,8 +56,8 @@ def add_verify_command(subparsers: SubParsers, common: argparse.ArgumentParser) 
 def run_verify_command(args: argparse.Namespace) -> int:
     """Verify and print one line per problem (or the JSON report)."""
     from dist_ckpt.cli.progress import ProgressBars
-    from dist_ckpt.integrity.verify import verify_checkpoint  # keeps `dist-ckpt --help` fast
     from dist_ckpt.storage.location import resolve_location
+    from dist_ckpt.tools.verify import verify_checkpoint  # keeps `dist-ckpt --help` fast
 
     require_directory(args.dir)  # a bad path, not a damaged checkpoint: exit 2
     with ProgressBars(progress_enabled(args), "verifying") as bars:

@@ -1,5 +1,6 @@
-"""The save and load orchestration: numbered steps, the commit record, checks, the registry.
+"""The save and load orchestration: numbered steps, checks, reports, ``async_save()``.
 
-The engine asks the registry for backends and never imports a concrete one; its
-``distributed`` module is the only user of ``torch.distributed`` in dist_ckpt.
+The engine asks the registry (``backends/registry.py``) for backends and never imports a
+concrete one; collectives come from ``dist_ckpt.collectives``, the commit record from
+``dist_ckpt.record``.
 """

@@ -1,8 +1,8 @@
 """`async_save()`: an asynchronous save in one call, returning a handle to wait on.
 
 Users of ``torch.distributed.checkpoint`` look for ``async_save(state_dict, ...)`` returning a
-future; Megatron-Core users schedule an [`AsyncRequest`][dist_ckpt.async_save.queue.AsyncRequest]
-on their own [`AsyncCallsQueue`][dist_ckpt.async_save.queue.AsyncCallsQueue]. This module gives
+future; Megatron-Core users schedule an [`AsyncRequest`][dist_ckpt.asynchronous.queue.AsyncRequest]
+on their own [`AsyncCallsQueue`][dist_ckpt.asynchronous.queue.AsyncCallsQueue]. This module gives
 the first on top of the second: `async_save()` runs a save with ``async_sharded_save=True``,
 schedules the request on a queue (the process's default one unless given) and returns an
 `AsyncSaveFuture`. Training goes on as soon as it returns; the snapshot is taken by then.
@@ -19,9 +19,9 @@ import logging
 import threading
 from typing import Callable, Optional
 
-from dist_ckpt.async_save.queue import AsyncCallsQueue
-from dist_ckpt.engine.distributed import run_collectively
-from dist_ckpt.engine.registry import StrategySpec
+from dist_ckpt.asynchronous.queue import AsyncCallsQueue
+from dist_ckpt.backends.registry import StrategySpec
+from dist_ckpt.collectives.distributed import run_collectively
 from dist_ckpt.engine.report import ProgressCallback
 from dist_ckpt.engine.save import save
 from dist_ckpt.engine.watchdog import DEFAULT_WATCHDOG_TIMEOUT_S
@@ -141,7 +141,7 @@ def async_save(
     """Save in the background (collective); return once the state is snapshotted.
 
     The arguments are [`save()`][dist_ckpt.engine.save.save]'s; ``queue`` is the
-    [`AsyncCallsQueue`][dist_ckpt.async_save.queue.AsyncCallsQueue] to run it on (default:
+    [`AsyncCallsQueue`][dist_ckpt.asynchronous.queue.AsyncCallsQueue] to run it on (default:
     `default_async_queue()`). Everything before the background write -- checks, the common
     state, the snapshot -- happens before this returns, and raises here.
 

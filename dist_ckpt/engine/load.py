@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from typing import Any, Dict, Literal, Optional, Set, Tuple, Union, overload
 
 from dist_ckpt.backends.base import LoadCommonStrategy, LoadShardedStrategy
+from dist_ckpt.backends.registry import StrategySpec
+from dist_ckpt.collectives.distributed import run_collectively
 from dist_ckpt.engine.checks.compatibility import validate_sharded_objects_handling, verify_checkpoint_and_load_strategy
 from dist_ckpt.engine.checks.key_hints import diagnose_integrity_error, with_key_suggestions
 from dist_ckpt.engine.checks.strict import StrictHandling, parse_strict_flag, validate_integrity_and_strict_load
-from dist_ckpt.engine.distributed import run_collectively
 from dist_ckpt.engine.load_parts import load_sharded_metadata
 from dist_ckpt.engine.monitor import StepMonitor, requested_bytes
-from dist_ckpt.engine.registry import StrategySpec
 from dist_ckpt.engine.report import CheckpointReport, Operation, ProgressCallback
 from dist_ckpt.engine.state_assembly import assemble, loaded_values
 from dist_ckpt.engine.steps import Step

@@ -8,9 +8,9 @@ its own while a process group is initialized (as with Megatron-Core's), since th
 
 from __future__ import annotations
 
+from dist_ckpt.backends.registry import StrategySpec
+from dist_ckpt.collectives.distributed import local_only
 from dist_ckpt.engine.checks.compatibility import validate_sharded_objects_handling, verify_checkpoint_and_load_strategy
-from dist_ckpt.engine.distributed import local_only
-from dist_ckpt.engine.registry import StrategySpec
 from dist_ckpt.model.dict_utils import dict_list_map_inplace, merge, nested_values
 from dist_ckpt.model.sharded import ShardedObject, ShardedStateDict, StateDict
 from dist_ckpt.storage.location import LocationLike, resolve_location

@@ -34,7 +34,7 @@ from contextlib import nullcontext
 from types import TracebackType
 from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tuple, Type, TypeVar
 
-from dist_ckpt.engine.distributed import all_gather_json, get_rank, get_world_size, run_collectively
+from dist_ckpt.collectives.distributed import all_gather_json, get_rank, get_world_size, run_collectively
 from dist_ckpt.engine.report import (
     CheckpointReport,
     Operation,

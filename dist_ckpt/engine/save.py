@@ -20,17 +20,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
-from dist_ckpt.async_save.queue import AsyncRequest
+from dist_ckpt.asynchronous.queue import AsyncRequest
 from dist_ckpt.backends.base import AsyncSaveShardedStrategy, SaveCommonStrategy, SaveShardedStrategy
-from dist_ckpt.engine.checks.compatibility import validate_sharded_objects_handling
-from dist_ckpt.engine.checks.save_checks import validate_save
-from dist_ckpt.engine.commit import RECORD_FILENAME, CheckpointingConfig, new_save_id, save_config
-from dist_ckpt.engine.distributed import broadcast_json, get_rank, get_world_size, run_collectively
-from dist_ckpt.engine.monitor import StepMonitor, main_replica_bytes
-from dist_ckpt.engine.peer_failures import is_transport_failure
-from dist_ckpt.engine.preprocess import add_content_metadata
-from dist_ckpt.engine.records import digest_records
-from dist_ckpt.engine.registry import (
+from dist_ckpt.backends.registry import (
     DEFAULT_COMMON_BACKEND,
     DEFAULT_SHARDED_BACKEND,
     StrategyAction,
@@ -38,6 +30,12 @@ from dist_ckpt.engine.registry import (
     get_default_strategy,
     resolve_strategy,
 )
+from dist_ckpt.collectives.distributed import broadcast_json, get_rank, get_world_size, run_collectively
+from dist_ckpt.collectives.peer_failures import is_transport_failure
+from dist_ckpt.engine.checks.compatibility import validate_sharded_objects_handling
+from dist_ckpt.engine.checks.save_checks import validate_save
+from dist_ckpt.engine.monitor import StepMonitor, main_replica_bytes
+from dist_ckpt.engine.preprocess import add_content_metadata
 from dist_ckpt.engine.report import CheckpointReport, Operation, ProgressCallback
 from dist_ckpt.engine.save_claim import SaveClaim, abandon_claim, check_claim, claim_location, release_claim
 from dist_ckpt.engine.steps import Step
@@ -59,6 +57,8 @@ from dist_ckpt.model.sharded import (
     is_main_replica,
 )
 from dist_ckpt.model.state_dict_utils import extract_nonpersistent, extract_sharded_base
+from dist_ckpt.record.commit import RECORD_FILENAME, CheckpointingConfig, new_save_id, save_config
+from dist_ckpt.record.records import digest_records
 from dist_ckpt.storage import Storage, encode_key, validate_key
 from dist_ckpt.storage.location import LocationLike, resolve_location
 

@@ -43,10 +43,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
-from dist_ckpt.engine.commit import METADATA_FILENAME
-from dist_ckpt.engine.process_identity import ProcessIdentity
+from dist_ckpt.collectives.process_identity import ProcessIdentity
 from dist_ckpt.errors import CheckpointExistsError, CheckpointingException, SaveConflictError
 from dist_ckpt.integrity.safe_json import MAX_SMALL_JSON_BYTES, loads, want_object
+from dist_ckpt.record.commit import METADATA_FILENAME
 from dist_ckpt.storage import ObjectExistsError, ObjectNotFoundError, Storage
 from dist_ckpt.storage.files import is_temp_name
 

@@ -14,7 +14,7 @@ ckpt/iter_1000 for 600 s
 and again every further ``timeout_s`` seconds while the step lasts. It only logs: the step keeps
 going (a slow disk is not an error), and nothing is killed. The nested step names after ``>``
 are the collective steps the strategies are in at that moment
-(`dist_ckpt.engine.distributed.active_steps()`).
+(`dist_ckpt.collectives.distributed.active_steps()`).
 
 The thread starts when the watchdog is entered and is joined when it exits, so no thread is
 left behind after a save or load returns.
@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from types import TracebackType
 from typing import Iterator, Optional, Type
 
-from dist_ckpt.engine.distributed import active_steps, get_rank
+from dist_ckpt.collectives.distributed import active_steps, get_rank
 from dist_ckpt.errors import CheckpointingException
 
 __all__ = ["DEFAULT_WATCHDOG_TIMEOUT_S", "Watchdog"]

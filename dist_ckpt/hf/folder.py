@@ -15,10 +15,10 @@ from typing import Any, Dict, Iterable, List, Optional, Union
 
 from dist_ckpt.backends.safetensors import SafetensorsHeader, StoredShard, StoredTensor, TensorIndex, read_header
 from dist_ckpt.backends.stored_shards import stored_key
-from dist_ckpt.engine.commit import BIN_WEIGHTS_INDEX_NAME, BIN_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from dist_ckpt.errors import CorruptCheckpointError, KeyMismatchError, NotACheckpointError, format_keys
 from dist_ckpt.hf.index import SharingMetadataT, load_shard_index, refuse_bin, sharing_groups, validate_shard_index
 from dist_ckpt.integrity.safe_json import loads
+from dist_ckpt.record.commit import BIN_WEIGHTS_INDEX_NAME, BIN_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from dist_ckpt.storage import LocalStorage
 
 __all__ = ["HFFolder", "folder_storage", "has_hf_weights", "open_folder", "single_file_metadata"]

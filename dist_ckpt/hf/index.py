@@ -31,10 +31,10 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 
-from dist_ckpt.engine.commit import BIN_WEIGHTS_INDEX_NAME, BIN_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError, with_article
 from dist_ckpt.integrity.safe_json import loads
 from dist_ckpt.model.module_names import ModuleNames
+from dist_ckpt.record.commit import BIN_WEIGHTS_INDEX_NAME, BIN_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from dist_ckpt.storage import write_bytes_atomic
 
 __all__ = [

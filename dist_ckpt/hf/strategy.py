@@ -2,7 +2,7 @@
 
 A folder with ``model.safetensors`` or ``model.safetensors.index.json`` and no ``metadata.json``
 is read with the built-in backend ``("hf", 1)`` (see
-[`dist_ckpt.engine.commit.detect_config()`][dist_ckpt.engine.commit.detect_config]): each rank asks for the slices its
+[`dist_ckpt.record.commit.detect_config()`][dist_ckpt.record.commit.detect_config]): each rank asks for the slices its
 ShardedTensors describe -- any TP split, flattened ranges, prepended axes -- and reads only those bytes, in place, from
 the files that hold them. The common state of such a checkpoint is empty, and it holds no ShardedObjects.
 
@@ -25,7 +25,7 @@ from dist_ckpt.backends.base import LoadCommonStrategy, LoadShardedStrategy
 from dist_ckpt.backends.request_checks import refuse_sharded_objects
 from dist_ckpt.backends.safetensors import ReadOptions, describe_tensor_index, load_from_index, tensors_metadata
 from dist_ckpt.backends.stored_shards import StoredShardInfo
-from dist_ckpt.engine.distributed import get_rank
+from dist_ckpt.collectives.distributed import get_rank
 from dist_ckpt.errors import KeyMismatchError, format_keys
 from dist_ckpt.hf.folder import HFFolder, open_folder
 from dist_ckpt.model.dict_utils import nested_values

@@ -1,1 +1,1 @@
-"""crc32c checksums of stored bytes and the whole-checkpoint verifier."""
+"""crc32c checksums of stored bytes, integrity records and the safe JSON reader (pure: no I/O of their own)."""

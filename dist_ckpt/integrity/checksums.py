@@ -16,7 +16,7 @@ Every backend records, at save time, a crc32c (Castagnoli; hardware-accelerated 
 A checkpoint written before checksums existed has none: its loads skip verification, and
 ``dist-ckpt verify`` says so. [`IntegrityProblem`][dist_ckpt.integrity.checksums.IntegrityProblem] and
 [`IntegrityReport`][dist_ckpt.integrity.checksums.IntegrityReport] are what each strategy's ``verify_integrity`` returns
-to [`dist_ckpt.integrity.verify`][dist_ckpt.integrity.verify].
+to [`dist_ckpt.tools.verify`][dist_ckpt.tools.verify].
 
 Example:
 

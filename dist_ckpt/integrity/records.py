@@ -5,8 +5,8 @@ A checkpoint's data is verified against *integrity records*: the checksum manife
 safetensors ``index.json``, whose version 2 carries block checksums. A record that is missing or
 replaced by an older version would switch verification off -- "saved without checksums" -- so
 ``metadata.json``, written last, lists every record the save wrote with its size, crc32c and
-format version ([`dist_ckpt.engine.commit`][dist_ckpt.engine.commit]). Loaders read records through
-`dist_ckpt.engine.records.read_recorded()`, which checks them against that list: a missing,
+format version ([`dist_ckpt.record.commit`][dist_ckpt.record.commit]). Loaders read records through
+`dist_ckpt.record.records.read_recorded()`, which checks them against that list: a missing,
 truncated, tampered or downgraded record is a [`CorruptCheckpointError`][dist_ckpt.errors.CorruptCheckpointError].
 
 This module holds the data model and the pure checks (no I/O):
@@ -40,7 +40,7 @@ __all__ = ["RECORDS_FIELD", "IntegrityRecord", "check_record", "parse_records", 
 
 #: the field of ``metadata.json`` that lists the records; its absence marks a checkpoint saved
 #: before records existed (format version 1: loaded unverified, with a warning), and is
-#: corruption in a later format version (``dist_ckpt.engine.commit.RECORDS_REQUIRED_SINCE``)
+#: corruption in a later format version (``dist_ckpt.record.commit.RECORDS_REQUIRED_SINCE``)
 RECORDS_FIELD = "integrity_records"
 
 

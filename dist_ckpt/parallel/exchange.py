@@ -30,7 +30,7 @@ from typing import AbstractSet, Any, Callable, Dict, List, Mapping, Optional, Se
 import torch
 
 from dist_ckpt.backends.base import LoadShardedStrategy, load_destination
-from dist_ckpt.engine.distributed import (
+from dist_ckpt.collectives.distributed import (
     ProcessGroup,
     all_gather_json,
     broadcast_tensor,
@@ -42,7 +42,7 @@ from dist_ckpt.engine.distributed import (
     raise_if_any_rank_failed,
     run_collectively,
 )
-from dist_ckpt.engine.shard_metadata import dtype_from_token, dtype_token
+from dist_ckpt.collectives.shard_metadata import dtype_from_token, dtype_token
 from dist_ckpt.errors import CheckpointingException, ProcessGroupMismatchError
 from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
 from dist_ckpt.model.dtypes import align_up

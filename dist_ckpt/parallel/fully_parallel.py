@@ -35,9 +35,9 @@ from collections import defaultdict
 from dataclasses import replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
-from dist_ckpt.async_save.queue import AsyncRequest
+from dist_ckpt.asynchronous.queue import AsyncRequest
 from dist_ckpt.backends.base import AsyncSaveShardedStrategy, LoadShardedStrategy, SaveShardedStrategy
-from dist_ckpt.engine.distributed import ProcessGroup, all_gather_json, get_rank, run_collectively
+from dist_ckpt.collectives.distributed import ProcessGroup, all_gather_json, get_rank, run_collectively
 from dist_ckpt.errors import IncompatibleStrategyError
 from dist_ckpt.model.dict_utils import dict_list_map_outplace, nested_values
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict, is_main_replica

@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Set, Tuple
 import torch
 
 from dist_ckpt.backends.base import load_destination, loaded_shape
-from dist_ckpt.engine.distributed import (
+from dist_ckpt.collectives.distributed import (
     ProcessGroup,
     all_gather_bytes,
     all_gather_json,

@@ -33,9 +33,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, TypeV
 import torch
 
 from dist_ckpt.backends.base import LoadShardedStrategy
-from dist_ckpt.engine.commit import read_config
-from dist_ckpt.engine.distributed import ProcessGroup, all_gather_json, get_rank, new_group
-from dist_ckpt.engine.registry import StrategyAction, get_default_strategy, registered_strategies
+from dist_ckpt.backends.registry import StrategyAction, get_default_strategy, registered_strategies
+from dist_ckpt.collectives.distributed import ProcessGroup, all_gather_json, get_rank, new_group
 from dist_ckpt.errors import IncompatibleStrategyError
 from dist_ckpt.model.sharded import ShardedBase, ShardedStateDict, ShardedTensor, StateDict
 from dist_ckpt.parallel.exchange import (
@@ -50,6 +49,7 @@ from dist_ckpt.parallel.exchange import (
     shard_from_id,
     shard_id,
 )
+from dist_ckpt.record.commit import read_config
 from dist_ckpt.storage import Storage
 
 __all__ = ["TwoStageDataParallelLoadShardedStrategy", "sharded_tensor_chunk_id", "timed"]

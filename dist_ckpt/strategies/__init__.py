@@ -15,8 +15,7 @@ from dist_ckpt.backends.base import (
     TensorLayout,
     TensorStreamWriter,
 )
-from dist_ckpt.backends.stored_shards import StoredShardInfo
-from dist_ckpt.engine.registry import (
+from dist_ckpt.backends.registry import (
     StrategyAction,
     StrategyKey,
     alternative_strategies,
@@ -25,6 +24,7 @@ from dist_ckpt.engine.registry import (
     register_default_strategy,
     registered_strategies,
 )
+from dist_ckpt.backends.stored_shards import StoredShardInfo
 
 __all__ = [
     "AsyncSaveShardedStrategy",

@@ -1,9 +1,9 @@
 """Megatron-Core module path ``dist_ckpt.strategies.async_utils``: re-exports
-[`dist_ckpt.async_save.queue`][dist_ckpt.async_save.queue].
+[`dist_ckpt.asynchronous.queue`][dist_ckpt.asynchronous.queue].
 
 Code written for ``megatron.core.dist_checkpointing.strategies.async_utils`` imports from here unchanged.
 """
 
-from dist_ckpt.async_save.queue import AsyncCallsQueue, AsyncOutcome, AsyncRequest
+from dist_ckpt.asynchronous.queue import AsyncCallsQueue, AsyncOutcome, AsyncRequest
 
 __all__ = ["AsyncCallsQueue", "AsyncOutcome", "AsyncRequest"]

@@ -1,7 +1,7 @@
 """Megatron-Core module path ``dist_ckpt.strategies.base``: the strategy interfaces and the registry.
 
 Re-exports [`dist_ckpt.backends.base`][dist_ckpt.backends.base] (interfaces) and
-[`dist_ckpt.engine.registry`][dist_ckpt.engine.registry]; code written for
+[`dist_ckpt.backends.registry`][dist_ckpt.backends.registry]; code written for
 ``megatron.core.dist_checkpointing.strategies.base`` imports from here unchanged.
 """
 
@@ -20,7 +20,7 @@ from dist_ckpt.backends.base import (
     loaded_shape,
     main_replica_shards,
 )
-from dist_ckpt.engine.registry import (
+from dist_ckpt.backends.registry import (
     ENTRY_POINT_GROUP,
     Strategy,
     StrategyAction,

@@ -1,10 +1,11 @@
 """Megatron-Core module path ``dist_ckpt.strategies.common``:
 re-exports `dist_ckpt.backends.torch_common.strategy`
-and ``register_default_common_strategies`` of [`dist_ckpt.engine.registry`][dist_ckpt.engine.registry].
+and ``register_default_common_strategies`` of [`dist_ckpt.backends.registry`][dist_ckpt.backends.registry].
 
 Code written for ``megatron.core.dist_checkpointing.strategies.common`` imports from here unchanged.
 """
 
+from dist_ckpt.backends.registry import register_default_common_strategies
 from dist_ckpt.backends.torch_common.strategy import (
     COMMON_CHECKSUMS_FNAME,
     COMMON_STATE_FNAME,
@@ -18,7 +19,6 @@ from dist_ckpt.backends.torch_common.strategy import (
     logger,
     verify_common,
 )
-from dist_ckpt.engine.registry import register_default_common_strategies
 
 __all__ = [
     "COMMON_CHECKSUMS_FNAME",

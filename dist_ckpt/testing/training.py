@@ -103,7 +103,7 @@ def shard_with_fsdp2(model: nn.Module) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from dist_ckpt.engine.distributed import get_world_size
+    from dist_ckpt.collectives.distributed import get_world_size
 
     mesh = init_device_mesh("cpu", (get_world_size(),))
     for layer in model.children():

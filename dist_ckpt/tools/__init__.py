@@ -1,1 +1,1 @@
-"""Whole-checkpoint tools used by the CLI and scripts: convert, unshard, inspect, bench, demo."""
+"""Whole-checkpoint tools used by the CLI and scripts: convert, unshard, inspect, verify, bench, demo."""

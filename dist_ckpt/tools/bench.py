@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from dist_ckpt.engine.registry import DEFAULT_SHARDED_BACKEND
+from dist_ckpt.backends.registry import DEFAULT_SHARDED_BACKEND
 from dist_ckpt.tools.demo import DemoOptions, DemoResult, run_demo
 from dist_ckpt.tools.gpt_state import DemoConfig, state_bytes
 

@@ -53,13 +53,11 @@ from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from dist_ckpt.backends.base import LoadCommonStrategy, LoadShardedStrategy, SaveShardedStrategy, TensorStreamWriter
+from dist_ckpt.backends.registry import StrategyAction, StrategySpec, get_default_strategy, registered_strategies
 from dist_ckpt.backends.torch_common.strategy import OBJECTS_CHECKSUMS_FNAME, OBJECTS_DIR, TorchCommonSaveStrategy
+from dist_ckpt.collectives.distributed import get_world_size
 from dist_ckpt.engine.checks.compatibility import verify_checkpoint_and_load_strategy
-from dist_ckpt.engine.commit import CheckpointingConfig, detect_config, save_config
-from dist_ckpt.engine.distributed import get_world_size
 from dist_ckpt.engine.monitor import StepMonitor
-from dist_ckpt.engine.records import digest_records
-from dist_ckpt.engine.registry import StrategyAction, StrategySpec, get_default_strategy, registered_strategies
 from dist_ckpt.engine.report import CheckpointReport, Operation, ProgressCallback
 from dist_ckpt.engine.steps import Step
 from dist_ckpt.engine.watchdog import DEFAULT_WATCHDOG_TIMEOUT_S
@@ -71,6 +69,8 @@ from dist_ckpt.errors import (
 )
 from dist_ckpt.integrity.checksums import FileDigest, bytes_digest, manifest_bytes
 from dist_ckpt.model.sharded import ShardedObject, ShardedTensor
+from dist_ckpt.record.commit import CheckpointingConfig, detect_config, save_config
+from dist_ckpt.record.records import digest_records
 from dist_ckpt.storage import Storage
 from dist_ckpt.storage.location import LocationLike, require_local, resolve_location
 from dist_ckpt.tools.unshard import iter_with, unsharded_metadata

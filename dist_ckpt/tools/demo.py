@@ -38,9 +38,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from dist_ckpt.engine.distributed import time_collectively
+from dist_ckpt.backends.registry import DEFAULT_SHARDED_BACKEND, StrategyAction, get_default_strategy
+from dist_ckpt.collectives.distributed import time_collectively
 from dist_ckpt.engine.load import load_with_report
-from dist_ckpt.engine.registry import DEFAULT_SHARDED_BACKEND, StrategyAction, get_default_strategy
 from dist_ckpt.engine.save import save
 from dist_ckpt.model.sharded import is_main_replica
 from dist_ckpt.tools.gpt_state import (

@@ -33,11 +33,11 @@ import torch
 from dist_ckpt.backends.base import LoadCommonStrategy, LoadShardedStrategy
 from dist_ckpt.backends.stored_shards import StoredShardInfo
 from dist_ckpt.engine.checks.compatibility import verify_checkpoint_and_load_strategy
-from dist_ckpt.engine.commit import DCP_CONFIG, HF_CONFIG, CheckpointingConfig, detect_config, read_save_record
 from dist_ckpt.engine.monitor import count_files
 from dist_ckpt.errors import CheckpointingException, UnsafeObjectError
 from dist_ckpt.model.dtypes import dtype_to_name
 from dist_ckpt.model.sharded import ShardedTensor
+from dist_ckpt.record.commit import DCP_CONFIG, HF_CONFIG, CheckpointingConfig, detect_config, read_save_record
 from dist_ckpt.storage import Storage
 from dist_ckpt.storage.location import LocationLike, resolve_location
 

@@ -23,7 +23,7 @@ import time
 import traceback
 from typing import Any, Callable, List, Sequence
 
-from dist_ckpt.engine.distributed import destroy_process_group, init_gloo_process_group
+from dist_ckpt.collectives.distributed import destroy_process_group, init_gloo_process_group
 
 
 class RankError(RuntimeError):

@@ -26,8 +26,8 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple, Union
 import torch
 
 from dist_ckpt.backends.base import LoadShardedStrategy
+from dist_ckpt.backends.registry import StrategySpec
 from dist_ckpt.engine.checks.compatibility import verify_checkpoint_and_load_strategy
-from dist_ckpt.engine.registry import StrategySpec
 from dist_ckpt.errors import KeyMismatchError, format_keys
 from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.storage import Storage

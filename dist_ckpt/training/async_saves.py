@@ -2,7 +2,7 @@
 
 ``Checkpointer.save(..., async_save=True)`` runs a save up to its snapshot (``dist_ckpt.save``
 with ``async_sharded_save=True``) and hands the request to `PendingSaves`, which schedules
-it on its [`AsyncCallsQueue`][dist_ckpt.async_save.queue.AsyncCallsQueue] -- one writer process per rank,
+it on its [`AsyncCallsQueue`][dist_ckpt.asynchronous.queue.AsyncCallsQueue] -- one writer process per rank,
 started at the first save and reused -- and remembers the checkpoint's directory. The semantics
 are the queue's, nothing is re-implemented here:
 
@@ -36,9 +36,9 @@ import logging
 import os
 from typing import List, Optional
 
-from dist_ckpt.async_save.queue import AsyncCallsQueue, AsyncRequest
-from dist_ckpt.async_save.worker import DEFAULT_WRITER_TIMEOUT_S
-from dist_ckpt.engine.distributed import get_rank
+from dist_ckpt.asynchronous.queue import AsyncCallsQueue, AsyncRequest
+from dist_ckpt.asynchronous.worker import DEFAULT_WRITER_TIMEOUT_S
+from dist_ckpt.collectives.distributed import get_rank
 from dist_ckpt.errors import CheckpointExistsError
 from dist_ckpt.storage import Storage
 from dist_ckpt.storage.location import LocationLike
@@ -66,7 +66,7 @@ class PendingSaves:
 
     Args:
         writer_timeout_s: the queue's bound on a writer that does not start or stops making
-            progress (see [`AsyncCallsQueue`][dist_ckpt.async_save.queue.AsyncCallsQueue]).
+            progress (see [`AsyncCallsQueue`][dist_ckpt.asynchronous.queue.AsyncCallsQueue]).
     """
 
     def __init__(self, writer_timeout_s: float = DEFAULT_WRITER_TIMEOUT_S) -> None:

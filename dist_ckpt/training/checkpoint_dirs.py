@@ -15,8 +15,8 @@ from enum import Enum
 from typing import List, Mapping, Optional, Tuple, Union
 
 from dist_ckpt.backends.torch_common.strategy import COMMON_STATE_FNAME
-from dist_ckpt.engine.commit import HF_WEIGHT_FILES, METADATA_FILENAME, CheckpointingConfig, maybe_load_config
 from dist_ckpt.errors import CheckpointingException, CheckpointManagementError
+from dist_ckpt.record.commit import HF_WEIGHT_FILES, METADATA_FILENAME, CheckpointingConfig, maybe_load_config
 from dist_ckpt.storage import Storage, StorageError
 from dist_ckpt.storage.location import LocationLike, resolve_location
 from dist_ckpt.training.hf_weights import index_shards, weights_file_whole

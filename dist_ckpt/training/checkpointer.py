@@ -37,14 +37,19 @@ from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Seque
 
 import torch
 
-from dist_ckpt.async_save.queue import AsyncRequest
-from dist_ckpt.async_save.worker import DEFAULT_WRITER_TIMEOUT_S
+from dist_ckpt.asynchronous.queue import AsyncRequest
+from dist_ckpt.asynchronous.worker import DEFAULT_WRITER_TIMEOUT_S
+from dist_ckpt.backends.registry import (
+    DEFAULT_SHARDED_BACKEND,
+    Strategy,
+    StrategyAction,
+    StrategySpec,
+    resolve_strategy,
+)
+from dist_ckpt.collectives.distributed import get_rank, run_collectively
 from dist_ckpt.engine.checks.compatibility import verify_checkpoint_and_load_strategy
-from dist_ckpt.engine.commit import METADATA_FILENAME, check_is_distributed_checkpoint
-from dist_ckpt.engine.distributed import get_rank, run_collectively
 from dist_ckpt.engine.load import load_with_report
 from dist_ckpt.engine.load_parts import load_tensors_metadata
-from dist_ckpt.engine.registry import DEFAULT_SHARDED_BACKEND, Strategy, StrategyAction, StrategySpec, resolve_strategy
 from dist_ckpt.engine.report import ProgressCallback
 from dist_ckpt.engine.save import save
 from dist_ckpt.engine.watchdog import DEFAULT_WATCHDOG_TIMEOUT_S
@@ -58,6 +63,7 @@ from dist_ckpt.errors import (
 )
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
 from dist_ckpt.model.stored_metadata import shaped
+from dist_ckpt.record.commit import METADATA_FILENAME, check_is_distributed_checkpoint
 from dist_ckpt.storage.location import resolve_location
 from dist_ckpt.training.async_saves import PendingSaves
 from dist_ckpt.training.dtensor_shards import to_sharded_tensor
@@ -150,7 +156,7 @@ class Checkpointer:
             [`dist_ckpt.engine.watchdog`][dist_ckpt.engine.watchdog]).
         writer_timeout_s: for asynchronous saves, how long a background writer may take to
             start, or go without making progress, before its save fails (see
-            [`AsyncCallsQueue`][dist_ckpt.async_save.queue.AsyncCallsQueue]).
+            [`AsyncCallsQueue`][dist_ckpt.asynchronous.queue.AsyncCallsQueue]).
 
     Example:
 
@@ -278,7 +284,7 @@ class Checkpointer:
 
         It is Megatron-Core's ``save(..., async_sharded_save=True)`` with this checkpointer's
         strategy -- resolved once and reused, so that its snapshot buffer is too -- for a caller
-        with its own [`AsyncCallsQueue`][dist_ckpt.async_save.queue.AsyncCallsQueue];
+        with its own [`AsyncCallsQueue`][dist_ckpt.asynchronous.queue.AsyncCallsQueue];
         [`save_sharded()`][..save_sharded] with ``async_save=True`` schedules it on this checkpointer's queue.
         With ``save_overwrite``, a committed checkpoint in ``dir`` is removed now.
 

@@ -30,7 +30,7 @@ layout), not in a ``checkpoints/`` subdirectory.
 directory is a *complete* checkpoint iff
 
 * it is a committed dist_ckpt checkpoint: its ``metadata.json`` is valid
-  ([`dist_ckpt.engine.commit.maybe_load_config()`][dist_ckpt.engine.commit.maybe_load_config]), or
+  ([`dist_ckpt.record.commit.maybe_load_config()`][dist_ckpt.record.commit.maybe_load_config]), or
 * it holds HuggingFace weights, looked for in this order: ``model.safetensors.index.json``,
   ``model.safetensors``, ``pytorch_model.bin.index.json``, ``pytorch_model.bin`` (the first
   one present decides). An index must hold a non-empty ``weight_map`` whose every shard file

@@ -6,7 +6,7 @@ DTensor *metadata* only -- the global shape, the placements (``Shard(d)`` / ``Re
 the device mesh's shape and this rank's coordinate in it -- and the local shard
 (``to_local()``). It never calls a collective (``full_tensor``, ``redistribute``): the data
 movement of a resharded load is done by the checkpoint backends, so the rule that only
-`dist_ckpt.engine.distributed` communicates still holds.
+`dist_ckpt.collectives.distributed` communicates still holds.
 
 How a DTensor maps onto a ShardedTensor:
 
@@ -48,7 +48,7 @@ from typing import Any, List, Optional, Sequence, Tuple, cast
 
 import torch
 
-from dist_ckpt.engine.distributed import get_rank
+from dist_ckpt.collectives.distributed import get_rank
 from dist_ckpt.errors import InvalidShardedTensorError
 from dist_ckpt.model.sharded import ReplicaId, ShardedTensor
 

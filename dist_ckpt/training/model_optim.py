@@ -9,9 +9,9 @@
   and load into the plain one, or the reverse.
 * [`async_save_model_and_optim_state()`][dist_ckpt.training.model_optim.async_save_model_and_optim_state] -- the same
   save, asynchronous: it returns after a snapshot of the tensors, as a Megatron-style
-  [`AsyncRequest`][dist_ckpt.async_save.queue.AsyncRequest] to schedule on an
-  [`AsyncCallsQueue`][dist_ckpt.async_save.queue.AsyncCallsQueue]; the checkpoint is committed when the queue finalizes
-  it on every rank.
+  [`AsyncRequest`][dist_ckpt.asynchronous.queue.AsyncRequest] to schedule on an
+  [`AsyncCallsQueue`][dist_ckpt.asynchronous.queue.AsyncCallsQueue]; the checkpoint is committed when the queue
+  finalizes it on every rank.
 * [`unshard_model_state()`][dist_ckpt.training.model_optim.unshard_model_state] /
   [`unshard_optim_state()`][dist_ckpt.training.model_optim.unshard_optim_state] -- whole tensors in one process.
 
@@ -43,10 +43,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from dist_ckpt.async_save.queue import AsyncRequest
-from dist_ckpt.engine.distributed import get_rank, run_collectively
+from dist_ckpt.asynchronous.queue import AsyncRequest
+from dist_ckpt.backends.registry import StrategySpec
+from dist_ckpt.collectives.distributed import get_rank, run_collectively
 from dist_ckpt.engine.load_parts import load_common_state_dict, load_tensors_metadata
-from dist_ckpt.engine.registry import StrategySpec
 from dist_ckpt.model.sharded import ShardedTensor, StateDict
 from dist_ckpt.training.checkpointer import Checkpointer, PathOrStr
 from dist_ckpt.training.load_targets import LoadTarget
@@ -121,7 +121,7 @@ def async_save_model_and_optim_state(
     (collective).
 
     The semantics are Megatron-Core's asynchronous save
-    ([`AsyncCallsQueue`][dist_ckpt.async_save.queue.AsyncCallsQueue]): schedule the request on a queue, call
+    ([`AsyncCallsQueue`][dist_ckpt.asynchronous.queue.AsyncCallsQueue]): schedule the request on a queue, call
     ``queue.maybe_finalize_async_calls()`` on every rank equally often (e.g. every step) and ``queue.close()`` before
     the process group goes. Training may change the model and optimizer as soon as this returns: the checkpoint holds
     their values at the call.
@@ -155,7 +155,7 @@ def async_save_model_and_optim_state(
             buffer instead of allocating shared memory per save.
 
     Returns:
-        The [`AsyncRequest`][dist_ckpt.async_save.queue.AsyncRequest], not scheduled yet.
+        The [`AsyncRequest`][dist_ckpt.asynchronous.queue.AsyncRequest], not scheduled yet.
 
     Raises:
         IncompatibleStrategyError: ``save_strategy`` cannot save asynchronously (e.g. zarr):

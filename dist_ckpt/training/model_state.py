@@ -58,7 +58,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, TypedDic
 
 import torch
 
-from dist_ckpt.engine.distributed import get_rank
+from dist_ckpt.collectives.distributed import get_rank
 from dist_ckpt.errors import (
     CheckpointingException,
     KeyMismatchError,

@@ -14,8 +14,8 @@ import uuid
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Set
 
-from dist_ckpt.engine.commit import HF_WEIGHT_FILES, METADATA_FILENAME
 from dist_ckpt.errors import CheckpointManagementError
+from dist_ckpt.record.commit import HF_WEIGHT_FILES, METADATA_FILENAME
 from dist_ckpt.storage import Storage, fsync_dir
 from dist_ckpt.storage.location import LocationLike, resolve_location
 from dist_ckpt.training.checkpoint_dirs import checkpoint_names, validate_checkpoint

@@ -29,8 +29,8 @@ import torch
 
 import dist_ckpt as dc
 from dist_ckpt.backends.base import LoadShardedStrategy, SaveShardedStrategy
-from dist_ckpt.engine.distributed import get_rank
-from dist_ckpt.engine.registry import StrategyAction
+from dist_ckpt.backends.registry import StrategyAction
+from dist_ckpt.collectives.distributed import get_rank
 from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
 from dist_ckpt.model.dtypes import dtype_from_name, dtype_to_name
 from dist_ckpt.model.geometry import Box, piece_view, shard_pieces, sub_view

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from dist_ckpt.backends.base import LoadShardedStrategy, SaveShardedStrategy
-from dist_ckpt.engine.registry import (
+from dist_ckpt.backends.registry import (
     StrategyAction,
     alternative_strategies,
     get_alternative_strategy,

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import dist_ckpt as dc
-from dist_ckpt.async_save.queue import AsyncCallsQueue, AsyncRequest
+from dist_ckpt.asynchronous.queue import AsyncCallsQueue, AsyncRequest
 from dist_ckpt.backends.safetensors.strategy import SafetensorsSaveOptions, SafetensorsSaveShardedStrategy
 from dist_ckpt.errors import AsyncSaveError, NotACheckpointError
 from dist_ckpt.model.sharded import ShardedObject
@@ -217,7 +217,7 @@ def test_hung_writer_on_one_rank_fails_the_save_on_every_rank(shared_tmp_path: P
 def test_writer_that_does_not_start_on_one_rank_fails_the_save_on_every_rank(
     shared_tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import dist_ckpt.async_save.worker as worker_module
+    import dist_ckpt.asynchronous.worker as worker_module
 
     victim = world() - 1
     if rank() == victim:  # an interpreter that never says it is ready
@@ -291,10 +291,8 @@ def test_ranks_finalizing_different_calls_raise_on_every_rank() -> None:
 
 def test_async_save_function_commits_on_every_rank_and_reshards(shared_tmp_path: Path, queue) -> None:
     """dist_ckpt's async_save(): the future's result() is collective and commits the values of the call."""
-    from dist_ckpt.engine.async_api import async_save
-
     sd = _state(tp=world())
-    future = async_save(sd, shared_tmp_path / "c", queue=queue)
+    future = dc.async_save(sd, shared_tmp_path / "c", queue=queue)
     for v in sd.values():  # training goes on
         if isinstance(v, dc.ShardedTensor):
             v.data.zero_()

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import dist_ckpt as dc
-from dist_ckpt.async_save.queue import AsyncCallsQueue, AsyncRequest
+from dist_ckpt.asynchronous.queue import AsyncCallsQueue, AsyncRequest
 from dist_ckpt.errors import AsyncSaveError, NotACheckpointError
 from dist_ckpt.testing.layouts import bitwise_equal
 from dist_ckpt.testing.training import (

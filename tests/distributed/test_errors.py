@@ -187,7 +187,7 @@ def test_common_state_difference_is_logged(shared_tmp_path: Path, caplog: pytest
 def test_error_exchanged_in_a_subgroup_still_reaches_the_world() -> None:
     """Ranks {0, 1} exchange an error in their own group; the enclosing world-level step must
     still raise it on ranks 2 and 3 instead of leaving them waiting."""
-    from dist_ckpt.engine.distributed import new_group, run_collectively
+    from dist_ckpt.collectives.distributed import new_group, run_collectively
 
     pair = new_group([0, 1])
 

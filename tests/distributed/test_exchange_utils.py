@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dist_ckpt as dc
-from dist_ckpt.engine.distributed import all_gather_json
+from dist_ckpt.collectives.distributed import all_gather_json
 from dist_ckpt.errors import CheckpointingException, UnsafeObjectError
 from dist_ckpt.exchange_utils import (
     _sharded_tensor_shard_id,

@@ -13,9 +13,9 @@ import torch.distributed as dist
 
 import dist_ckpt as dc
 from dist_ckpt.backends.base import LoadShardedStrategy, SaveShardedStrategy
+from dist_ckpt.backends.registry import StrategyAction as A
+from dist_ckpt.backends.registry import get_default_strategy
 from dist_ckpt.backends.zarr.tensorstore_engine import TensorStoreLoadShardedStrategy
-from dist_ckpt.engine.registry import StrategyAction as A
-from dist_ckpt.engine.registry import get_default_strategy
 from dist_ckpt.model.dict_utils import nested_values
 from dist_ckpt.parallel import exchange
 from dist_ckpt.parallel.exchange import shard_id, shard_nbytes

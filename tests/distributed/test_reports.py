@@ -15,10 +15,10 @@ import pytest
 import torch.distributed as dist
 
 import dist_ckpt as dc
-from dist_ckpt.async_save.queue import AsyncCallsQueue
+from dist_ckpt.asynchronous.queue import AsyncCallsQueue
 from dist_ckpt.backends.base import SaveShardedStrategy
 from dist_ckpt.backends.safetensors.strategy import SafetensorsSaveShardedStrategy
-from dist_ckpt.engine.distributed import all_gather_json, run_collectively
+from dist_ckpt.collectives.distributed import all_gather_json, run_collectively
 from dist_ckpt.engine.report import Operation
 from dist_ckpt.model.sharded import ShardedObject, ShardedTensor, is_main_replica
 from dist_ckpt.testing.layouts import full_tensor, tp_shards

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 import dist_ckpt as dc
+from dist_ckpt.collectives.distributed import active_steps
 from dist_ckpt.engine.checks import common_state, save_checks
-from dist_ckpt.engine.distributed import active_steps
 from dist_ckpt.engine.steps import Step
 
 from .helpers import assert_on_all_ranks, raises_on_all_ranks, rank, world

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import dist_ckpt as dc
-from dist_ckpt.async_save.queue import AsyncCallsQueue
+from dist_ckpt.asynchronous.queue import AsyncCallsQueue
 from tests.golden.torch_dist import expected as E
 from tests.torch_dist_golden import STYLES, check_loaded, fixture_dir, golden_requests
 

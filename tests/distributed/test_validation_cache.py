@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import dist_ckpt as dc
+from dist_ckpt.collectives.distributed import ProcessGroup, new_group
 from dist_ckpt.engine.checks import sharding
-from dist_ckpt.engine.distributed import ProcessGroup, new_group
 from dist_ckpt.model.sharded import ShardedBase, ShardedObject, ShardedTensor
 
 from .helpers import assert_on_all_ranks, raises_on_all_ranks, rank, world

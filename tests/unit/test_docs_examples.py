@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from dist_ckpt.engine.registry import StrategyAction, unregister_strategy
+from dist_ckpt.backends.registry import StrategyAction, unregister_strategy
 from tests.paths import REPO_ROOT
 
 EXAMPLES = REPO_ROOT / "docs" / "examples"

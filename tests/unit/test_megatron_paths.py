@@ -105,8 +105,8 @@ def test_megatron_module_path_exports_its_documented_names(module: str) -> None:
 
 
 def test_megatron_paths_are_the_real_objects() -> None:
+    from dist_ckpt.backends.registry import get_default_strategy
     from dist_ckpt.engine.load import load
-    from dist_ckpt.engine.registry import get_default_strategy
     from dist_ckpt.model.sharded import ShardedTensor
 
     assert importlib.import_module("dist_ckpt.mapping").ShardedTensor is ShardedTensor

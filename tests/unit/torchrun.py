@@ -5,7 +5,7 @@ torchrun gets ``--standalone`` (a free port, so that concurrent runs never share
 failure of torch itself is retried once: a rank that finished its work aborts while the
 interpreter tears down, with ``terminate called without an active exception`` (gloo's C++ threads
 at exit; see pytorch/pytorch#179291). dist_ckpt's own collectives wait until gloo lets go of
-their tensors (``engine.distributed.wait_released``), so only a script's own collectives can still
+their tensors (``collectives.distributed.wait_released``), so only a script's own collectives can still
 set it off. Nothing else is retried, and the retry starts from a fresh working directory
 (``prepare``), so a retried run proves the same as a first one.
 """

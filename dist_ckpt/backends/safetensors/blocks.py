@@ -21,7 +21,7 @@ from typing import Sequence, Tuple, Union
 
 import numpy as np
 
-from dist_ckpt.engine.distributed import get_rank
+from dist_ckpt.collectives.distributed import get_rank
 from dist_ckpt.errors import CheckpointingException, ChecksumMismatchError
 from dist_ckpt.integrity.checksums import crc32c, crc_to_hex
 

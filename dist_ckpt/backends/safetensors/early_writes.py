@@ -15,7 +15,7 @@ travels with the request (`PassedFd`): a line saying ``ok`` or the error that st
 writes, or end-of-file if the training process ended first -- so a save is durable and
 committed only once every byte of it was written. Before that line the thread sends a mark
 for each piece written, which the waiting process notes as progress
-(`dist_ckpt.async_save.progress`): however long the disk takes, it is not taken for a hung one.
+(`dist_ckpt.asynchronous.progress`): however long the disk takes, it is not taken for a hung one.
 
 Where a file system takes ``O_DIRECT`` opens but refuses the writes, `direct_io.write_at()`
 writes through the page cache instead, from this thread: correct, at the CPU cost of a
@@ -47,8 +47,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from dist_ckpt.async_save.channel import PassedFd
-from dist_ckpt.async_save.progress import note_progress
+from dist_ckpt.asynchronous.channel import PassedFd
+from dist_ckpt.asynchronous.progress import note_progress
 from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.storage import direct_io
 from dist_ckpt.storage.direct_io import DIRECT_IO_ALIGN, open_direct

@@ -89,12 +89,12 @@ from dist_ckpt.backends.safetensors.tensor_index import (
     tensors_metadata,
 )
 from dist_ckpt.backends.stored_shards import stored_key
-from dist_ckpt.engine.records import read_recorded
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError, IncompatibleStrategyError
 from dist_ckpt.integrity.checksums import ALGORITHM, block_count, crc_from_hex, decode_block_crcs
 from dist_ckpt.integrity.safe_json import check_tensor_bytes, loads, shown
 from dist_ckpt.model.dtypes import dtype_from_name
 from dist_ckpt.model.sharded import ShardedTensor
+from dist_ckpt.record.records import read_recorded
 from dist_ckpt.storage import Storage
 from dist_ckpt.storage.location import LocationLike, resolve_location
 

@@ -25,7 +25,7 @@ from dist_ckpt.backends.safetensors.index import INDEX_FILENAME, SAFETENSORS_DIR
 from dist_ckpt.backends.safetensors.index_parts import COLUMNS, MergedIndex, merge_index_parts
 from dist_ckpt.backends.safetensors.index_v3 import is_table_file
 from dist_ckpt.backends.safetensors.tensor_index import TensorIndex
-from dist_ckpt.engine.distributed import get_rank
+from dist_ckpt.collectives.distributed import get_rank
 from dist_ckpt.model.dtypes import dtype_to_name
 from dist_ckpt.storage import Storage
 

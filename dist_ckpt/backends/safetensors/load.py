@@ -47,7 +47,7 @@ from dist_ckpt.backends.safetensors.format import SafetensorsHeader, read_header
 from dist_ckpt.backends.safetensors.io import ReadOp, ReadOptions, byte_view, plan_copy
 from dist_ckpt.backends.safetensors.read_threads import execute
 from dist_ckpt.backends.safetensors.tensor_index import StoredShard, StoredTensor, TensorIndex
-from dist_ckpt.engine.distributed import get_rank
+from dist_ckpt.collectives.distributed import get_rank
 from dist_ckpt.errors import ChecksumMismatchError, CorruptCheckpointError, format_keys
 from dist_ckpt.integrity.checksums import crc_to_hex
 from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values

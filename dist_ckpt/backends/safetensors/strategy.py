@@ -51,8 +51,8 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from dist_ckpt.async_save.queue import AsyncOutcome, AsyncRequest
-from dist_ckpt.async_save.snapshot import PROCESS_SNAPSHOTS, file_order_layout, snapshot_layout
+from dist_ckpt.asynchronous.queue import AsyncOutcome, AsyncRequest
+from dist_ckpt.asynchronous.snapshot import PROCESS_SNAPSHOTS, file_order_layout, snapshot_layout
 from dist_ckpt.backends.base import (
     AsyncSaveShardedStrategy,
     LoadShardedStrategy,
@@ -93,12 +93,12 @@ from dist_ckpt.backends.safetensors.write import (
     write_snapshot_parts,
 )
 from dist_ckpt.backends.stored_shards import StoredShardInfo
-from dist_ckpt.engine.distributed import gather_bytes, get_rank, run_collectively
-from dist_ckpt.engine.records import refresh_record
+from dist_ckpt.collectives.distributed import gather_bytes, get_rank, run_collectively
 from dist_ckpt.errors import CheckpointingException, InvalidShardedTensorError
 from dist_ckpt.integrity.checksums import DEFAULT_BLOCK_BYTES, IntegrityReport
 from dist_ckpt.integrity.safe_json import loads, want_object
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
+from dist_ckpt.record.records import refresh_record
 from dist_ckpt.storage import Storage
 from dist_ckpt.storage.direct_io import accepts_direct_writes
 from dist_ckpt.storage.location import LocationLike, resolve_location
@@ -260,7 +260,7 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     Reuse one strategy object for every save where you can: it keeps its pinned staging buffers,
     which are slow to allocate. The shared-memory snapshot buffer is kept for the process (see
-    `dist_ckpt.async_save.snapshot.PROCESS_SNAPSHOTS`), so a new strategy object does not fault in
+    `dist_ckpt.asynchronous.snapshot.PROCESS_SNAPSHOTS`), so a new strategy object does not fault in
     a fresh one.
     """
 

@@ -44,8 +44,8 @@ from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from dist_ckpt.async_save.channel import PassedFd
-from dist_ckpt.async_save.snapshot import Snapshot
+from dist_ckpt.asynchronous.channel import PassedFd
+from dist_ckpt.asynchronous.snapshot import Snapshot
 from dist_ckpt.backends.safetensors.early_writes import wait_for_early_writes
 from dist_ckpt.backends.safetensors.format import StagingBuffer, encode_header, storage_layout, tensor_bytes
 from dist_ckpt.errors import CheckpointingException

@@ -42,9 +42,7 @@ import torch
 from dist_ckpt.backends.base import LoadCommonStrategy, SaveCommonStrategy
 from dist_ckpt.backends.request_checks import object_layout_error
 from dist_ckpt.backends.stored_shards import stored_key
-from dist_ckpt.backends.torch_common.plain_types import plain_data_allowed
-from dist_ckpt.engine.distributed import gather_json, get_rank, run_collectively
-from dist_ckpt.engine.records import read_recorded
+from dist_ckpt.collectives.distributed import gather_json, get_rank, run_collectively
 from dist_ckpt.errors import (
     UNEXPECTED_KEYS,
     CheckpointingException,
@@ -64,7 +62,9 @@ from dist_ckpt.integrity.checksums import (
 )
 from dist_ckpt.integrity.safe_json import MAX_SMALL_JSON_BYTES, loads
 from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
+from dist_ckpt.model.plain_types import plain_data_allowed
 from dist_ckpt.model.sharded import ShardedObject, ShardedStateDict, StateDict, is_main_replica
+from dist_ckpt.record.records import read_recorded
 from dist_ckpt.storage import ObjectNotFoundError, Storage, decode_key, encode_key, is_shortened
 from dist_ckpt.storage.location import LocationLike, resolve_location
 

@@ -58,7 +58,6 @@ from torch.futures import Future
 from dist_ckpt.backends.base import LoadShardedStrategy
 from dist_ckpt.backends.request_checks import check_requested_tensors, object_layout_error
 from dist_ckpt.backends.stored_shards import StoredShardInfo
-from dist_ckpt.backends.torch_common.plain_types import plain_data_allowed
 from dist_ckpt.backends.torch_dist.checksums import (
     CHECKSUMS_FILENAME,
     FileSpans,
@@ -79,8 +78,7 @@ from dist_ckpt.backends.torch_dist.metadata import DCP_METADATA_FILENAME, unpick
 from dist_ckpt.backends.torch_dist.read_plan import ReadPlanner, object_read_item, plan_tensor_reads
 from dist_ckpt.backends.torch_dist.verified_read import CheckedView, ItemCheck
 from dist_ckpt.backends.torch_dist.verify import short_files
-from dist_ckpt.engine.distributed import get_rank
-from dist_ckpt.engine.records import read_recorded
+from dist_ckpt.collectives.distributed import get_rank
 from dist_ckpt.errors import (
     CheckpointingException,
     CorruptCheckpointError,
@@ -91,7 +89,9 @@ from dist_ckpt.errors import (
 )
 from dist_ckpt.integrity.checksums import IntegrityReport
 from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
+from dist_ckpt.model.plain_types import plain_data_allowed
 from dist_ckpt.model.sharded import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
+from dist_ckpt.record.records import read_recorded
 from dist_ckpt.storage import Storage, open_regular
 from dist_ckpt.storage.errors import ObjectNotFoundError
 from dist_ckpt.storage.location import LocationLike, require_local, resolve_location

@@ -49,8 +49,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan
 
-from dist_ckpt.engine.commit import DCP_METADATA_FILENAME
 from dist_ckpt.errors import CorruptCheckpointError, NotACheckpointError, UnsafeObjectError
+from dist_ckpt.record.commit import DCP_METADATA_FILENAME
 from dist_ckpt.storage.errors import ObjectNotFoundError
 from dist_ckpt.storage.location import LocationLike, resolve_location
 

@@ -1,7 +1,7 @@
 """Plain DCP directories: what ``torch.distributed.checkpoint.save`` writes (torchtitan, OLMo-core).
 
 A directory with DCP's ``.metadata`` and no ``metadata.json`` is loaded with the backend
-``("dcp", 1)`` (see [`dist_ckpt.engine.commit.detect_config()`][dist_ckpt.engine.commit.detect_config]), as HuggingFace
+``("dcp", 1)`` (see [`dist_ckpt.record.commit.detect_config()`][dist_ckpt.record.commit.detect_config]), as HuggingFace
 folders are with ``("hf", 1)``:
 
 * tensors are requested by their DCP key -- the state dict's flattened path, ``model.layers.0.w``

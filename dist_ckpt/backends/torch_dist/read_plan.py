@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from dist_ckpt.backends.base import load_destination
 from dist_ckpt.backends.torch_dist.layout import StoredTensor, TorchDistLayout
-from dist_ckpt.engine.distributed import get_rank
+from dist_ckpt.collectives.distributed import get_rank
 from dist_ckpt.errors import CorruptCheckpointError
 from dist_ckpt.model.geometry import Box, flat_range_boxes, piece_view, shard_pieces, sub_view
 from dist_ckpt.model.sharded import ShardedTensor

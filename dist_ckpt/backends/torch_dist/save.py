@@ -21,7 +21,7 @@ it, so both produce the same files:
 
 1. (local) plan this rank's items; synchronous: write them now, straight from the tensors;
    asynchronous: copy the tensors into a shared-memory snapshot and return an
-   [`AsyncRequest`][dist_ckpt.async_save.queue.AsyncRequest] whose background process writes them
+   [`AsyncRequest`][dist_ckpt.asynchronous.queue.AsyncRequest] whose background process writes them
    (into the staging directory ``.partial-distcp``);
 2. (collective, at the end of ``save`` or at finalization) gather what each rank wrote; rank 0
    renames every rank's files into place, then writes ``.metadata`` and the checksum manifest,
@@ -51,8 +51,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from dist_ckpt.async_save.queue import AsyncOutcome, AsyncRequest
-from dist_ckpt.async_save.snapshot import PROCESS_SNAPSHOTS, Snapshot
+from dist_ckpt.asynchronous.queue import AsyncOutcome, AsyncRequest
+from dist_ckpt.asynchronous.snapshot import PROCESS_SNAPSHOTS, Snapshot
 from dist_ckpt.backends.base import AsyncSaveShardedStrategy, TensorLayout, TensorStreamWriter, main_replica_shards
 from dist_ckpt.backends.torch_dist.checksums import (
     CHECKSUMS_FILENAME,
@@ -65,7 +65,7 @@ from dist_ckpt.backends.torch_dist.layout import REFORMULATED_SHAPE, chunk_data,
 from dist_ckpt.backends.torch_dist.load import local_storage
 from dist_ckpt.backends.torch_dist.metadata import DCP_METADATA_FILENAME
 from dist_ckpt.backends.torch_dist.staging import STAGING_DIR, publish_staged, staged_names, staging_dir
-from dist_ckpt.engine.distributed import gather_json, get_rank, run_collectively
+from dist_ckpt.collectives.distributed import gather_json, get_rank, run_collectively
 from dist_ckpt.errors import CheckpointingException, InvalidShardedTensorError, ShardingIntegrityError
 from dist_ckpt.integrity.checksums import crc32c
 from dist_ckpt.model.dict_utils import nested_values

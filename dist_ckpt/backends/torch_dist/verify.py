@@ -32,9 +32,9 @@ import torch
 from dist_ckpt.backends.torch_dist.checksums import CHECKSUMS_FILENAME, FileSpans, parse_manifest, require_manifest
 from dist_ckpt.backends.torch_dist.layout import StoredChunk, StoredItem, StoredTensor, TorchDistLayout, parse_layout
 from dist_ckpt.backends.torch_dist.metadata import DCP_METADATA_FILENAME, unpickle_metadata
-from dist_ckpt.engine.records import read_recorded
 from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.integrity.checksums import IntegrityReport, crc32c, crc_to_hex
+from dist_ckpt.record.records import read_recorded
 from dist_ckpt.storage import ObjectReader, Storage
 from dist_ckpt.storage.errors import ObjectNotFoundError, StorageError, TruncatedObjectError
 from dist_ckpt.storage.location import LocationLike, resolve_location

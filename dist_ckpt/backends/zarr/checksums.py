@@ -40,8 +40,7 @@ from dist_ckpt.backends.zarr.metadata import (
 )
 from dist_ckpt.backends.zarr.metadata_index import index_part, merged_documents, write_root
 from dist_ckpt.backends.zarr.nodes import in_threads
-from dist_ckpt.engine.distributed import gather_json, get_rank, get_world_size, run_collectively
-from dist_ckpt.engine.records import location_of_node, read_recorded, refresh_record
+from dist_ckpt.collectives.distributed import gather_json, get_rank, get_world_size, run_collectively
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
 from dist_ckpt.integrity.checksums import (
     FileDigest,
@@ -54,6 +53,7 @@ from dist_ckpt.integrity.checksums import (
 )
 from dist_ckpt.model.dtypes import dtype_from_name, dtype_info
 from dist_ckpt.model.geometry import Box
+from dist_ckpt.record.records import location_of_node, read_recorded, refresh_record
 from dist_ckpt.storage import check_regular
 from dist_ckpt.storage.object_path import ObjectPath, node_files
 

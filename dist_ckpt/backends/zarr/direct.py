@@ -33,7 +33,7 @@ import torch
 
 from dist_ckpt.backends.zarr.nodes import ByteBudget
 from dist_ckpt.backends.zarr.read_plan import ReadOp
-from dist_ckpt.engine.distributed import get_rank
+from dist_ckpt.collectives.distributed import get_rank
 from dist_ckpt.errors import CorruptCheckpointError
 from dist_ckpt.integrity.checksums import FileDigest, check_file
 from dist_ckpt.model.dtype_cast import copy_cast

@@ -64,7 +64,7 @@ from dist_ckpt.backends.zarr.nodes import (
     stored_values,
     zarr_json_bytes,
 )
-from dist_ckpt.engine.distributed import get_rank
+from dist_ckpt.collectives.distributed import get_rank
 from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.integrity.checksums import FileDigest, bytes_digest
 from dist_ckpt.model.sharded import ShardedTensor

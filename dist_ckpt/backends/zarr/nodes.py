@@ -32,7 +32,7 @@ from dist_ckpt.backends.zarr.layout import (
     PARTIAL_ZARR_DIR,
     ZARR_DIR,
 )
-from dist_ckpt.engine.distributed import get_rank
+from dist_ckpt.collectives.distributed import get_rank
 from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.model.dtypes import dtype_info, tensor_to_numpy
 from dist_ckpt.model.sharded import ShardedTensor

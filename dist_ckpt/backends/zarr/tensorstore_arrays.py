@@ -31,7 +31,7 @@ except ImportError as _e:  # pragma: no cover -- exercised in a subprocess witho
     ) from _e
 
 from dist_ckpt.backends.zarr.layout import s3_storage
-from dist_ckpt.engine.distributed import get_rank
+from dist_ckpt.collectives.distributed import get_rank
 from dist_ckpt.storage.object_path import ObjectPath
 
 __all__ = [

@@ -50,10 +50,10 @@ register_default_tensorstore_strategies()  # or: make it the default loader, as 
 
 from __future__ import annotations
 
+from dist_ckpt.backends.registry import StrategyAction, register_default_strategy
 from dist_ckpt.backends.zarr.tensorstore_arrays import merge_global_slice_with_shape, open_ts_array
 from dist_ckpt.backends.zarr.tensorstore_load import TensorStoreLoadShardedStrategy
 from dist_ckpt.backends.zarr.tensorstore_save import TensorStoreSaveShardedStrategy
-from dist_ckpt.engine.registry import StrategyAction, register_default_strategy
 
 __all__ = [
     "TensorStoreLoadShardedStrategy",

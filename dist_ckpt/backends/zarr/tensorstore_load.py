@@ -37,7 +37,7 @@ from dist_ckpt.backends.zarr.tensorstore_arrays import (
     ts_context,
     wait_all,
 )
-from dist_ckpt.engine.distributed import get_rank
+from dist_ckpt.collectives.distributed import get_rank
 from dist_ckpt.errors import CorruptCheckpointError
 from dist_ckpt.integrity.checksums import FileDigest
 from dist_ckpt.model.dict_utils import dict_list_map_inplace

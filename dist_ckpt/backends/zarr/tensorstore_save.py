@@ -45,7 +45,7 @@ from dist_ckpt.backends.zarr.nodes import (
 )
 from dist_ckpt.backends.zarr.strategy_base import ZarrSaveStrategyBase
 from dist_ckpt.backends.zarr.tensorstore_arrays import ENGINE, create_array, open_for_write, ts_context, wait_all
-from dist_ckpt.engine.distributed import get_rank, run_collectively
+from dist_ckpt.collectives.distributed import get_rank, run_collectively
 from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.integrity.checksums import FileDigest, bytes_digest
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor

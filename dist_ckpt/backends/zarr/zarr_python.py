@@ -61,7 +61,7 @@ __all__ = [
 
 def register_default_zarr_strategies() -> None:
     """Make the Zarr strategies the defaults for ``("zarr", 1)`` (they already are, lazily)."""
-    from dist_ckpt.engine.registry import StrategyAction, register_default_strategy
+    from dist_ckpt.backends.registry import StrategyAction, register_default_strategy
 
     register_default_strategy(StrategyAction.SAVE_SHARDED, "zarr", 1, ZarrSaveShardedStrategy, override=True)
     register_default_strategy(StrategyAction.LOAD_SHARDED, "zarr", 1, ZarrLoadShardedStrategy, override=True)

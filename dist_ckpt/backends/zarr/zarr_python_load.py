@@ -33,7 +33,7 @@ from dist_ckpt.backends.zarr.nodes import READ_BUDGET_BYTES, ByteBudget, in_thre
 from dist_ckpt.backends.zarr.read_plan import ReadOp, ReadPlan
 from dist_ckpt.backends.zarr.strategy_base import ShapeDtype, ZarrLoadStrategyBase
 from dist_ckpt.backends.zarr.zarr_python_stores import ENGINE, Stores, as_storage_errors, client_error
-from dist_ckpt.engine.distributed import get_rank
+from dist_ckpt.collectives.distributed import get_rank
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
 from dist_ckpt.integrity.checksums import FileDigest
 from dist_ckpt.model.dict_utils import dict_list_map_inplace

@@ -49,7 +49,7 @@ from dist_ckpt.backends.zarr.nodes import (
 )
 from dist_ckpt.backends.zarr.strategy_base import ZarrSaveStrategyBase
 from dist_ckpt.backends.zarr.zarr_python_stores import ENGINE, Stores, as_storage_errors
-from dist_ckpt.engine.distributed import get_rank, run_collectively
+from dist_ckpt.collectives.distributed import get_rank, run_collectively
 from dist_ckpt.errors import CheckpointingException
 from dist_ckpt.model.dtypes import tensor_to_numpy
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import numpy as np
 import torch
 
-from dist_ckpt.engine.distributed import all_reduce_max, gather_json, get_world_size
+from dist_ckpt.collectives.distributed import all_reduce_max, gather_json, get_world_size
 from dist_ckpt.errors import MAX_REPORTED_PROBLEMS
 
 logger = logging.getLogger(__name__)

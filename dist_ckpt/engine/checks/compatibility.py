@@ -6,10 +6,10 @@ import logging
 from typing import Any, Tuple
 
 from dist_ckpt.backends.base import LoadCommonStrategy, LoadShardedStrategy
-from dist_ckpt.engine.commit import DCP_CONFIG, HF_CONFIG, detect_config, read_integrity_records
-from dist_ckpt.engine.distributed import get_rank
-from dist_ckpt.engine.registry import StrategyAction, StrategySpec, resolve_strategy
+from dist_ckpt.backends.registry import StrategyAction, StrategySpec, resolve_strategy
+from dist_ckpt.collectives.distributed import get_rank
 from dist_ckpt.errors import IncompatibleStrategyError
+from dist_ckpt.record.commit import DCP_CONFIG, HF_CONFIG, detect_config, read_integrity_records
 from dist_ckpt.storage.location import LocationLike, resolve_location
 
 logger = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ def verify_checkpoint_and_load_strategy(
     """Read ``metadata.json`` and return load strategies compatible with it.
 
     A folder holding HuggingFace weights and no ``metadata.json`` is read with the ``hf``
-    strategies (see [`dist_ckpt.engine.commit.detect_config()`][dist_ckpt.engine.commit.detect_config]).
+    strategies (see [`dist_ckpt.record.commit.detect_config()`][dist_ckpt.record.commit.detect_config]).
 
     Strategies the caller passes are checked for compatibility; missing ones come from the
     registry, keyed by the backend and version the checkpoint records. On an object store

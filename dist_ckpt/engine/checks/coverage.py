@@ -35,7 +35,7 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
-from dist_ckpt.engine.shard_table import KIND_OBJECT, SIG, ShardTable, dtype_from_token
+from dist_ckpt.model.shard_table import KIND_OBJECT, SIG, ShardTable, dtype_from_token
 
 __all__ = ["FLATTENED_GAP", "find_table_problems"]
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, NoReturn, Optional, Set
 
-from dist_ckpt.engine.distributed import get_rank, run_collectively
+from dist_ckpt.collectives.distributed import get_rank, run_collectively
 from dist_ckpt.errors import UNEXPECTED_KEYS, KeyMismatchError, ShardingIntegrityError, did_you_mean, format_keys
 from dist_ckpt.model.dict_utils import nested_values
 from dist_ckpt.model.sharded import ShardedBase, ShardedStateDict

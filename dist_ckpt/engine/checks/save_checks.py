@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
+from dist_ckpt.collectives.distributed import all_reduce_max, raise_if_any_rank_failed, run_collectively
 from dist_ckpt.engine.checks.common_state import (
     FingerprintDoc,
     fingerprint_common_state,
@@ -47,9 +48,8 @@ from dist_ckpt.engine.checks.common_state import (
 )
 from dist_ckpt.engine.checks.sharding import DESCRIBING_SHARDS, check_fields_in_full
 from dist_ckpt.engine.checks.verdict_cache import VERDICTS, VOTES, Agreement
-from dist_ckpt.engine.distributed import all_reduce_max, raise_if_any_rank_failed, run_collectively
-from dist_ckpt.engine.shard_table import ShardFields, shard_fields
 from dist_ckpt.engine.steps import Step
+from dist_ckpt.model.shard_table import ShardFields, shard_fields
 from dist_ckpt.model.sharded import ShardedBase, StateDict
 
 __all__ = ["validate_save"]

@@ -1,7 +1,7 @@
 """Sharding integrity: the main replicas of every tensor cover it exactly once, with one shape and dtype.
 
 Pure functions over per-rank metadata, and the collective check a save runs: each rank sends its
-shard metadata to rank 0 once, as a compact binary table (`dist_ckpt.engine.shard_metadata`),
+shard metadata to rank 0 once, as a compact binary table (`dist_ckpt.collectives.shard_metadata`),
 rank 0 checks every rank's table at once (`dist_ckpt.engine.checks.coverage`), and the
 verdict reaches every rank. A save whose shard metadata is unchanged since the last passing check
 skips the gather (`dist_ckpt.engine.checks.verdict_cache`): one all-reduce of 4 ints (which a save
@@ -13,10 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from dist_ckpt.engine.checks.common_state import validate_common_state_dict
-from dist_ckpt.engine.checks.coverage import FLATTENED_GAP, find_table_problems
-from dist_ckpt.engine.checks.verdict_cache import VERDICTS, Agreement
-from dist_ckpt.engine.distributed import (
+from dist_ckpt.collectives.distributed import (
     ProcessGroup,
     gather_bytes,
     get_rank,
@@ -24,10 +21,13 @@ from dist_ckpt.engine.distributed import (
     raise_if_any_rank_failed,
     run_collectively,
 )
-from dist_ckpt.engine.shard_metadata import all_gather_metadata, decode_tables
-from dist_ckpt.engine.shard_table import ShardFields, ShardTable, encode_table, shard_fields
+from dist_ckpt.collectives.shard_metadata import all_gather_metadata, decode_tables
+from dist_ckpt.engine.checks.common_state import validate_common_state_dict
+from dist_ckpt.engine.checks.coverage import FLATTENED_GAP, find_table_problems
+from dist_ckpt.engine.checks.verdict_cache import VERDICTS, Agreement
 from dist_ckpt.errors import CheckpointingException, ShardingIntegrityError, format_problems
 from dist_ckpt.model.dict_utils import nested_values
+from dist_ckpt.model.shard_table import ShardFields, ShardTable, encode_table, shard_fields
 from dist_ckpt.model.sharded import ShardedBase, ShardedStateDict
 
 logger = logging.getLogger(__name__)

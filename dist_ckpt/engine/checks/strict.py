@@ -6,10 +6,9 @@ import logging
 from enum import Enum
 from typing import Any, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
+from dist_ckpt.collectives.distributed import broadcast_json, gather_bytes, get_rank, run_collectively
+from dist_ckpt.collectives.shard_metadata import decode_tables
 from dist_ckpt.engine.checks.sharding import check_shard_table
-from dist_ckpt.engine.distributed import broadcast_json, gather_bytes, get_rank, run_collectively
-from dist_ckpt.engine.shard_metadata import decode_tables
-from dist_ckpt.engine.shard_table import ShardTable, encode_table
 from dist_ckpt.errors import (
     MISSING_KEYS,
     UNEXPECTED_KEYS,
@@ -19,6 +18,7 @@ from dist_ckpt.errors import (
     format_keys,
 )
 from dist_ckpt.model.dict_utils import extract_matching_values, nested_values
+from dist_ckpt.model.shard_table import ShardTable, encode_table
 from dist_ckpt.model.sharded import ShardedBase, ShardedStateDict
 
 logger = logging.getLogger(__name__)
@@ -168,7 +168,7 @@ def validate_integrity_and_strict_load(
         local_metadata, failure = [], e
 
     if validate_access_integrity or need_global:
-        # every rank's requests reach rank 0 as compact tables (see engine/shard_metadata.py)
+        # every rank's requests reach rank 0 as compact tables (see collectives/shard_metadata.py)
         blobs = gather_bytes(blob) if gathers else None
 
         def check_on_rank0() -> List[str]:

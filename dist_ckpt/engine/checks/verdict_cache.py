@@ -49,8 +49,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from dist_ckpt.engine.distributed import ProcessGroup, all_reduce_max, get_rank, group_identity
-from dist_ckpt.engine.shard_table import ShardFields
+from dist_ckpt.collectives.distributed import ProcessGroup, all_reduce_max, get_rank, group_identity
+from dist_ckpt.model.shard_table import ShardFields
 
 __all__ = ["MAX_GROUPS", "VERDICTS", "VOTES", "Agreement", "VerdictCache"]
 

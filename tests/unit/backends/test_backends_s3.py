@@ -23,9 +23,9 @@ from dist_ckpt.errors import (
     IncompatibleStrategyError,
     LoadMismatchError,
 )
-from dist_ckpt.integrity.verify import verify_checkpoint
 from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.storage import open_storage
+from dist_ckpt.tools.verify import verify_checkpoint
 
 pytest.importorskip("zarr")
 ts = pytest.importorskip("tensorstore")

@@ -201,7 +201,7 @@ def test_convert_reads_zarr_with_the_engine_chosen(sample, tmp_path):
     assert "zarr:1 (read with tensorstore) -> safetensors:1" in proc.stdout
     # the engine is really the one registered for ("zarr", 1) in the command's process
     code = (
-        "import sys; from dist_ckpt.cli import main; from dist_ckpt.engine.registry import StrategyAction, "
+        "import sys; from dist_ckpt.cli import main; from dist_ckpt.backends.registry import StrategyAction, "
         "get_default_strategy; status = main(sys.argv[1:]); "
         "print(type(get_default_strategy(StrategyAction.LOAD_SHARDED, 'zarr', 1)).__name__); sys.exit(status)"
     )

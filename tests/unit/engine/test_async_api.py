@@ -1,4 +1,4 @@
-"""async_save(): one call schedules a background save; its future commits it, or raises its error."""
+"""dc.async_save(): one call schedules a background save; its future commits it, or raises its error."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ import pytest
 import torch
 
 import dist_ckpt as dc
-from dist_ckpt.async_save.queue import AsyncCallsQueue
-from dist_ckpt.engine.async_api import AsyncSaveFuture, async_save
+from dist_ckpt.asynchronous.queue import AsyncCallsQueue
 from dist_ckpt.errors import AsyncSaveError, CheckpointExistsError
 from dist_ckpt.model.sharded import ShardedTensor
 
@@ -37,8 +36,8 @@ def _loaded(path: Path) -> torch.Tensor:
 
 def test_the_future_commits_the_state_as_it_was_when_scheduled(tmp_path: Path, queue: AsyncCallsQueue) -> None:
     sd = _state(1.0)
-    future = async_save(sd, tmp_path / "c", queue=queue)
-    assert isinstance(future, AsyncSaveFuture) and not future.done()
+    future = dc.async_save(sd, tmp_path / "c", queue=queue)
+    assert isinstance(future, dc.AsyncSaveFuture) and not future.done()
     sd["w"].data.fill_(7.0)  # type: ignore[union-attr]  # training goes on: the snapshot is taken
     assert future.result() == str(tmp_path / "c")
     assert future.done() and "committed" in repr(future)
@@ -47,7 +46,7 @@ def test_the_future_commits_the_state_as_it_was_when_scheduled(tmp_path: Path, q
 
 
 def test_waiting_for_a_later_save_commits_the_earlier_ones(tmp_path: Path, queue: AsyncCallsQueue) -> None:
-    futures = [async_save(_state(float(i)), tmp_path / f"c{i}", queue=queue) for i in range(3)]
+    futures = [dc.async_save(_state(float(i)), tmp_path / f"c{i}", queue=queue) for i in range(3)]
     futures[-1].result()
     assert all(f.done() for f in futures)
     for i in range(3):
@@ -55,11 +54,11 @@ def test_waiting_for_a_later_save_commits_the_earlier_ones(tmp_path: Path, queue
 
 
 def test_a_failed_save_raises_from_its_own_future_only(tmp_path: Path, queue: AsyncCallsQueue) -> None:
-    bad = async_save(_state(2.0), tmp_path / "bad", queue=queue)
+    bad = dc.async_save(_state(2.0), tmp_path / "bad", queue=queue)
     # the files' directory replaced by a file: what the background write still has to do fails
     shutil.rmtree(tmp_path / "bad" / "safetensors")
     (tmp_path / "bad" / "safetensors").write_text("in the way")
-    good = async_save(_state(3.0), tmp_path / "good", queue=queue)
+    good = dc.async_save(_state(3.0), tmp_path / "good", queue=queue)
     assert good.result() == str(tmp_path / "good")  # the earlier failure does not hide this save
     assert bad.done() and "failed" in repr(bad)
     with pytest.raises(AsyncSaveError, match=r"\[rank 0\]"):
@@ -71,7 +70,7 @@ def test_a_failed_save_raises_from_its_own_future_only(tmp_path: Path, queue: As
 def test_errors_before_the_background_write_raise_at_the_call(tmp_path: Path, queue: AsyncCallsQueue) -> None:
     dc.save(_state(1.0), tmp_path / "c")
     with pytest.raises(CheckpointExistsError):
-        async_save(_state(2.0), tmp_path / "c", queue=queue)
+        dc.async_save(_state(2.0), tmp_path / "c", queue=queue)
     assert queue.get_num_unfinalized_calls() == 0
 
 
@@ -81,9 +80,8 @@ def test_the_default_queue_commits_a_pending_save_at_exit(tmp_path: Path) -> Non
         f"""
         import torch
         import dist_ckpt as dc
-        from dist_ckpt.engine.async_api import async_save
         sd = {{"w": dc.ShardedTensor.from_rank_offsets("w", torch.full((4,), 5.0))}}
-        async_save(sd, {str(tmp_path / "c")!r})
+        dc.async_save(sd, {str(tmp_path / "c")!r})
         """
     )
     subprocess.run([sys.executable, "-c", script], check=True, cwd=tmp_path)

@@ -1,4 +1,4 @@
-"""Unit tests of dist_ckpt.engine.commit: CheckpointingConfig and the metadata.json commit record."""
+"""Unit tests of dist_ckpt.record.commit: CheckpointingConfig and the metadata.json commit record."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import os
 import pytest
 
 import dist_ckpt
-from dist_ckpt.engine.commit import (
+from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError, NotACheckpointError
+from dist_ckpt.record.commit import (
     DCP_CONFIG,
     METADATA_FILENAME,
     RECORD_FILENAME,
@@ -22,7 +23,6 @@ from dist_ckpt.engine.commit import (
     read_save_record,
     save_config,
 )
-from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError, NotACheckpointError
 
 
 class TestConfig:
@@ -41,7 +41,7 @@ class TestConfig:
 
     def test_exported(self):
         assert dist_ckpt.CheckpointingConfig is CheckpointingConfig
-        assert dist_ckpt.engine.commit.CheckpointingException is CheckpointingException
+        assert dist_ckpt.record.commit.CheckpointingException is CheckpointingException
 
 
 class TestSaveAndRead:
@@ -56,7 +56,7 @@ class TestSaveAndRead:
         assert record["common_backend"] == "torch"
         assert record["common_backend_version"] == 2
         assert record["dist_ckpt"]["world_size"] == 8
-        assert record["dist_ckpt"]["format_version"] == dist_ckpt.engine.commit.FORMAT_VERSION
+        assert record["dist_ckpt"]["format_version"] == dist_ckpt.record.commit.FORMAT_VERSION
         assert record["integrity_records"] == {}  # the save wrote none: a record file found later is refused
         assert os.listdir(tmp_path) == [METADATA_FILENAME]  # no temporary left behind
 
@@ -99,8 +99,8 @@ class TestSaveAndRead:
         raw = (tmp_path / METADATA_FILENAME).read_text()
         assert raw == json.dumps(dataclasses.asdict(CheckpointingConfig("torch_dist")))
         assert read_save_record(tmp_path) == {
-            "format_version": dist_ckpt.engine.commit.FORMAT_VERSION,
-            "library_version": dist_ckpt.engine.commit.LIBRARY_VERSION,
+            "format_version": dist_ckpt.record.commit.FORMAT_VERSION,
+            "library_version": dist_ckpt.record.commit.LIBRARY_VERSION,
             "world_size": 4,
             "save_id": "abc",
         }

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
+from dist_ckpt.collectives.shard_metadata import decode_tables
 from dist_ckpt.engine.checks.coverage import find_table_problems
 from dist_ckpt.engine.checks.sharding import find_sharding_problems
-from dist_ckpt.engine.shard_metadata import decode_tables
-from dist_ckpt.engine.shard_table import ShardTable, encode_table
+from dist_ckpt.model.shard_table import ShardTable, encode_table
 from dist_ckpt.model.sharded import ShardedBase, ShardedObject, ShardedTensor
 
 from .sharding_reference import reference_sharding_problems

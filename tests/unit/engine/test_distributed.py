@@ -1,4 +1,4 @@
-"""Unit tests of dist_ckpt.engine.distributed without a process group (a world of one rank)."""
+"""Unit tests of dist_ckpt.collectives.distributed without a process group (a world of one rank)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_ckpt.engine import distributed
-from dist_ckpt.engine.distributed import (
+from dist_ckpt.collectives import distributed
+from dist_ckpt.collectives.distributed import (
     all_gather_json,
     barrier,
     broadcast_json,
@@ -78,7 +78,7 @@ def test_tensor_broadcast_and_backend_without_process_group():
 def test_storage_errors_keep_their_type_on_every_rank() -> None:
     """What another rank receives: the storage layer's errors are rebuilt with their own type
     (callers catch BucketNotFoundError or StorageAuthError, not a generic RankFailedError)."""
-    from dist_ckpt.engine.distributed import _describe, _rebuild
+    from dist_ckpt.collectives.distributed import _describe, _rebuild
     from dist_ckpt.errors import RankFailedError
     from dist_ckpt.storage import BucketNotFoundError, RetriesExhaustedError, StorageAuthError
 
@@ -95,7 +95,7 @@ def test_storage_errors_keep_their_type_on_every_rank() -> None:
 def test_key_mismatches_of_several_ranks_are_named_together() -> None:
     """What every rank raises when several ranks lack keys: each rank's keys (ranks with the same
     message listed once), the union as attributes, and the ranks that failed otherwise."""
-    from dist_ckpt.engine.distributed import _describe, _rebuild
+    from dist_ckpt.collectives.distributed import _describe, _rebuild
     from dist_ckpt.errors import KeyMismatchError
 
     def mismatch(rank: int, keys: list) -> dict:
@@ -115,7 +115,7 @@ def test_key_mismatches_of_several_ranks_are_named_together() -> None:
 
 
 def test_exchanged_key_lists_are_bounded() -> None:
-    from dist_ckpt.engine.distributed import _describe
+    from dist_ckpt.collectives.distributed import _describe
     from dist_ckpt.errors import KeyMismatchError
 
     info = _describe(KeyMismatchError("m", unexpected_keys=[f"k{i:04d}" for i in range(5000)]), 0, "loading")

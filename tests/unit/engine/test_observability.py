@@ -16,8 +16,8 @@ import torch
 import dist_ckpt as dc
 from dist_ckpt.backends.base import SaveShardedStrategy
 from dist_ckpt.backends.safetensors.strategy import SafetensorsSaveShardedStrategy
+from dist_ckpt.collectives.distributed import active_steps, run_collectively
 from dist_ckpt.engine import monitor as monitor_module
-from dist_ckpt.engine.distributed import active_steps, run_collectively
 from dist_ckpt.engine.report import Operation, ProgressEvent
 from dist_ckpt.engine.watchdog import Watchdog
 from dist_ckpt.errors import CheckpointingException

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import dist_ckpt as dc
-from dist_ckpt.async_save.queue import AsyncRequest
+from dist_ckpt.asynchronous.queue import AsyncRequest
+from dist_ckpt.backends import registry
 from dist_ckpt.backends.base import (
     AsyncSaveShardedStrategy,
     LoadCommonStrategy,
@@ -29,9 +30,7 @@ from dist_ckpt.backends.base import (
     SaveShardedStrategy,
     SaveStrategyBase,
 )
-from dist_ckpt.engine import registry
-from dist_ckpt.engine.distributed import get_rank
-from dist_ckpt.engine.registry import (
+from dist_ckpt.backends.registry import (
     ENTRY_POINT_GROUP,
     StrategyAction,
     StrategyKey,
@@ -41,6 +40,7 @@ from dist_ckpt.engine.registry import (
     resolve_strategy,
     unregister_strategy,
 )
+from dist_ckpt.collectives.distributed import get_rank
 from dist_ckpt.errors import (
     CheckpointingException,
     IncompatibleStrategyError,

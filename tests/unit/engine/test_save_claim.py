@@ -22,7 +22,7 @@ import torch
 
 import dist_ckpt as dc
 from dist_ckpt.backends.safetensors.strategy import SafetensorsSaveShardedStrategy
-from dist_ckpt.engine.process_identity import ProcessIdentity
+from dist_ckpt.collectives.process_identity import ProcessIdentity
 from dist_ckpt.engine.save_claim import IN_PROGRESS_FILENAME, SaveClaim
 from dist_ckpt.errors import InvalidKeyError, SaveConflictError
 from dist_ckpt.model.sharded import ShardedObject, ShardedTensor

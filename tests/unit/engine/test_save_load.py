@@ -33,9 +33,9 @@ from dist_ckpt import (
     UnknownStrategyError,
     UnsafeObjectError,
 )
+from dist_ckpt.backends.registry import DEFAULT_SHARDED_BACKEND, StrategyAction, get_default_strategy
 from dist_ckpt.backends.torch_common.strategy import TorchCommonLoadStrategy
 from dist_ckpt.backends.zarr import zarr_python as zarr_strategy
-from dist_ckpt.engine.registry import DEFAULT_SHARDED_BACKEND, StrategyAction, get_default_strategy
 
 
 class UserThing:

@@ -1,4 +1,4 @@
-"""Unit tests of dist_ckpt.engine.shard_table and shard_metadata: the compact binary exchange of shard metadata."""
+"""Unit tests of dist_ckpt.model.shard_table and shard_metadata: the compact binary exchange of shard metadata."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from dist_ckpt.engine.shard_metadata import (
+from dist_ckpt.collectives.shard_metadata import (
     all_gather_metadata,
     decode_tables,
     dtype_from_token,
     dtype_token,
     gather_metadata,
 )
-from dist_ckpt.engine.shard_table import ShardTable, concat_tables, decode_table, encode_table
 from dist_ckpt.errors import CorruptCheckpointError
 from dist_ckpt.model.columns import narrowest, pack_columns, unpack_columns
+from dist_ckpt.model.shard_table import ShardTable, concat_tables, decode_table, encode_table
 from dist_ckpt.model.sharded import LocalNonPersistentObject, ShardedObject, ShardedTensor
 
 SHARDS = [

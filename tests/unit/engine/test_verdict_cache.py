@@ -9,8 +9,8 @@ import torch
 
 from dist_ckpt.engine.checks import sharding, verdict_cache
 from dist_ckpt.engine.checks.verdict_cache import Agreement, VerdictCache
-from dist_ckpt.engine.shard_table import shard_fields
 from dist_ckpt.errors import ShardingIntegrityError
+from dist_ckpt.model.shard_table import shard_fields
 from dist_ckpt.model.sharded import ShardedObject, ShardedTensor
 
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict
 import pytest
 
 import dist_ckpt as dc
-from dist_ckpt.engine.commit import FORMAT_VERSION
+from dist_ckpt.record.commit import FORMAT_VERSION
 
 from .scenario import check_loads, state, strategy
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import dist_ckpt as dc
-from dist_ckpt.async_save.queue import AsyncCallsQueue
+from dist_ckpt.asynchronous.queue import AsyncCallsQueue
 from dist_ckpt.errors import AsyncSaveError
 from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.storage.errors import AsyncStorageError, StorageError

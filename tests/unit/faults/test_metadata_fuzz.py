@@ -36,12 +36,12 @@ from dist_ckpt.backends.torch_dist.layout import parse_layout
 from dist_ckpt.backends.torch_dist.metadata import unpickle_metadata
 from dist_ckpt.backends.zarr.metadata import open_tensor_info
 from dist_ckpt.backends.zarr.metadata import tensors_metadata as zarr_tensors_metadata
-from dist_ckpt.engine.commit import RECORD_FILENAME, read_config, read_integrity_records, read_save_record
 from dist_ckpt.engine.save_claim import IN_PROGRESS_FILENAME, SaveClaim
 from dist_ckpt.hf.index import load_shard_index
 from dist_ckpt.integrity.checksums import bytes_digest, crc_to_hex, parse_manifest_bytes
 from dist_ckpt.integrity.records import record_of
 from dist_ckpt.integrity.safe_json import loads
+from dist_ckpt.record.commit import RECORD_FILENAME, read_config, read_integrity_records, read_save_record
 from dist_ckpt.storage import LocalStorage
 from dist_ckpt.storage.object_path import ObjectPath
 from tests.json_damage import (

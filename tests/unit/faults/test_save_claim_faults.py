@@ -22,8 +22,8 @@ import torch
 
 import dist_ckpt as dc
 from dist_ckpt.backends.torch_dist.save import TorchDistSaveShardedStrategy
+from dist_ckpt.collectives.process_identity import ProcessIdentity
 from dist_ckpt.engine import save_claim
-from dist_ckpt.engine.process_identity import ProcessIdentity
 from dist_ckpt.engine.save_claim import IN_PROGRESS_FILENAME, SaveClaim, claim_location
 from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.storage import LocalStorage

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, List
 import pytest
 
 import dist_ckpt as dc
-from dist_ckpt.async_save.queue import AsyncCallsQueue, AsyncRequest
+from dist_ckpt.asynchronous.queue import AsyncCallsQueue, AsyncRequest
 from dist_ckpt.backends.safetensors.strategy import SafetensorsSaveOptions, SafetensorsSaveShardedStrategy
 from dist_ckpt.backends.torch_dist.save import TorchDistSaveShardedStrategy
 

@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 import dist_ckpt as dc
 from dist_ckpt.backends.torch_dist.checksums import CHECKSUMS_FILENAME
 from dist_ckpt.backends.torch_dist.save import TorchDistSaveOptions, TorchDistSaveShardedStrategy
-from dist_ckpt.engine.commit import RECORD_FILENAME
+from dist_ckpt.record.commit import RECORD_FILENAME
 
 from .scenario import check_loads, request, state, strategy
 

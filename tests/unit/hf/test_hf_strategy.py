@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import save_file
 
 import dist_ckpt as dc
-from dist_ckpt.engine.commit import HF_CONFIG, detect_config
 from dist_ckpt.errors import CorruptCheckpointError, KeyMismatchError, LoadMismatchError
 from dist_ckpt.hf import HFLoadShardedStrategy, save_checkpoint
+from dist_ckpt.record.commit import HF_CONFIG, detect_config
 from dist_ckpt.testing.layouts import bitwise_equal, expected_data, flat_shards, tp_shards
 
 FULL = {

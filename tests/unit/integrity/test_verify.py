@@ -13,8 +13,8 @@ import torch
 import dist_ckpt as dc
 from dist_ckpt.backends.base import LoadShardedStrategy
 from dist_ckpt.cli import main
-from dist_ckpt.integrity.verify import verify_checkpoint
 from dist_ckpt.model.sharded import ShardedObject, ShardedTensor
+from dist_ckpt.tools.verify import verify_checkpoint
 from tests.paths import GOLDEN_DIR
 
 GOLDEN = GOLDEN_DIR

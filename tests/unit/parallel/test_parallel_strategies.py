@@ -14,8 +14,8 @@ import torch
 
 import dist_ckpt as dc
 from dist_ckpt.backends.base import LoadShardedStrategy
-from dist_ckpt.engine.registry import StrategyAction as A
-from dist_ckpt.engine.registry import get_default_strategy
+from dist_ckpt.backends.registry import StrategyAction as A
+from dist_ckpt.backends.registry import get_default_strategy
 from dist_ckpt.errors import CheckpointingException, IncompatibleStrategyError
 from dist_ckpt.model.dtypes import SUPPORTED_DTYPE_NAMES
 from dist_ckpt.model.sharded import ShardedTensor
@@ -330,7 +330,7 @@ class TestWrappersInOneProcess:
             with pytest.raises(IncompatibleStrategyError, match="base_strategy"):
                 dc.load({"a": ShardedTensor.from_rank_offsets("w", torch.empty(4, 6, dtype=torch.bfloat16))}, path)
         finally:
-            from dist_ckpt.engine.registry import unregister_strategy
+            from dist_ckpt.backends.registry import unregister_strategy
 
             unregister_strategy(A.LOAD_SHARDED, "zarr", 1)
 

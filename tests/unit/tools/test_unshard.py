@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dist_ckpt as dc
-from dist_ckpt.engine.registry import StrategyAction, get_default_strategy
+from dist_ckpt.backends.registry import StrategyAction, get_default_strategy
 from dist_ckpt.errors import KeyMismatchError, NotACheckpointError
 from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.testing.layouts import bitwise_equal, flat_shards, full_tensor, tp_shards

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import dist_ckpt as dc
-from dist_ckpt.async_save.queue import AsyncCallsQueue, AsyncRequest
+from dist_ckpt.asynchronous.queue import AsyncCallsQueue, AsyncRequest
 from dist_ckpt.errors import AsyncSaveError, CheckpointExistsError, IncompatibleStrategyError, NotACheckpointError
 from dist_ckpt.testing.layouts import bitwise_equal
 from dist_ckpt.testing.training import full_state, make_model, make_optimizer, reference_run, state_differences, train

@@ -17,7 +17,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import dist_ckpt as dc
-from dist_ckpt.engine.commit import METADATA_FILENAME, read_config
 from dist_ckpt.errors import (
     CheckpointingException,
     CheckpointManagementError,
@@ -25,6 +24,7 @@ from dist_ckpt.errors import (
     NotACheckpointError,
     SymlinkConflictError,
 )
+from dist_ckpt.record.commit import METADATA_FILENAME, read_config
 from dist_ckpt.training import checkpoints as C
 from dist_ckpt.training import rotation
 from dist_ckpt.training.checkpoints import (

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import save as safetensors_bytes
 
 import dist_ckpt
-from dist_ckpt.engine.commit import CheckpointingConfig, save_config
 from dist_ckpt.errors import CheckpointManagementError, CorruptCheckpointError, NotACheckpointError
+from dist_ckpt.record.commit import CheckpointingConfig, save_config
 from dist_ckpt.storage import StorageError, open_storage
 from dist_ckpt.training.checkpoints import (
     CheckpointFormat,

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from dist_ckpt.backends.safetensors.index import INDEX_FILENAME, SAFETENSORS_DIR, read_index
-from dist_ckpt.engine.records import refresh_record
 from dist_ckpt.integrity.checksums import encode_block_crcs
 from dist_ckpt.model.dtypes import dtype_to_name
+from dist_ckpt.record.records import refresh_record
 from dist_ckpt.storage import LocalStorage
 
 

@@ -15,9 +15,9 @@ from typing import Any, List, Tuple
 import pytest
 import torch
 
-from dist_ckpt.async_save.channel import PassedFd
-from dist_ckpt.async_save.progress import progress_count
-from dist_ckpt.async_save.snapshot import SnapshotPool, file_order_layout
+from dist_ckpt.asynchronous.channel import PassedFd
+from dist_ckpt.asynchronous.progress import progress_count
+from dist_ckpt.asynchronous.snapshot import SnapshotPool, file_order_layout
 from dist_ckpt.backends.safetensors import early_writes
 from dist_ckpt.backends.safetensors.early_writes import EarlyRegion, EarlyWriter, wait_for_early_writes
 from dist_ckpt.errors import CheckpointingException

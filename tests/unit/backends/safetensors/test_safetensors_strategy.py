@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 import dist_ckpt as dc
+from dist_ckpt.backends.registry import StrategyAction, get_default_strategy
 from dist_ckpt.backends.safetensors import io as safetensors_io
 from dist_ckpt.backends.safetensors.index import INDEX_FILENAME, INDEX_VERSION, SAFETENSORS_DIR, read_index
 from dist_ckpt.backends.safetensors.strategy import (
@@ -27,7 +28,6 @@ from dist_ckpt.backends.safetensors.strategy import (
     assign_writers,
     stored_bytes,
 )
-from dist_ckpt.engine.registry import StrategyAction, get_default_strategy
 from dist_ckpt.errors import (
     CheckpointingException,
     ChecksumMismatchError,

@@ -19,9 +19,9 @@ from dist_ckpt import StrictHandling
 from dist_ckpt.backends.torch_dist import load as load_module
 from dist_ckpt.backends.torch_dist.load import TorchDistLoadShardedStrategy
 from dist_ckpt.errors import CorruptCheckpointError, KeyMismatchError, LoadMismatchError, ShardedObjectLayoutError
-from dist_ckpt.integrity.verify import verify_checkpoint
 from dist_ckpt.tools.convert import convert
 from dist_ckpt.tools.inspection import inspect_checkpoint
+from dist_ckpt.tools.verify import verify_checkpoint
 from tests.golden.torch_dist import expected as E
 from tests.torch_dist_golden import STYLES, check_loaded, fixture_dir, golden_requests
 from tests.unit.backends.torch_dist.conftest import Cli

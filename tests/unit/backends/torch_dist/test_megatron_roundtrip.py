@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import dist_ckpt as dc
-from dist_ckpt.async_save.queue import AsyncCallsQueue
+from dist_ckpt.asynchronous.queue import AsyncCallsQueue
 from dist_ckpt.testing import spawn_ranks
 from dist_ckpt.tools.convert import convert
 from tests.deadlines import scaled

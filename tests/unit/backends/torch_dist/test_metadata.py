@@ -17,7 +17,7 @@ import dist_ckpt as dc
 from dist_ckpt.backends.torch_dist.metadata import LegacyMCoreMetadata, mcore_data, read_metadata, unpickle_metadata
 from dist_ckpt.backends.torch_dist.plain import DCPCommonLoadStrategy, DCPLoadShardedStrategy
 from dist_ckpt.errors import CorruptCheckpointError, NotACheckpointError, UnsafeObjectError
-from dist_ckpt.integrity.verify import verify_checkpoint
+from dist_ckpt.tools.verify import verify_checkpoint
 from tests.golden.torch_dist import expected as E
 from tests.torch_dist_golden import fixture_dir
 

@@ -14,8 +14,8 @@ import dist_ckpt as dc
 from dist_ckpt.backends.torch_dist.metadata import read_metadata
 from dist_ckpt.backends.torch_dist.verify import verify_torch_dist
 from dist_ckpt.errors import IncompatibleStrategyError
-from dist_ckpt.integrity.verify import verify_checkpoint
 from dist_ckpt.storage import open_storage
+from dist_ckpt.tools.verify import verify_checkpoint
 from tests.torch_dist_golden import fixture_dir
 
 

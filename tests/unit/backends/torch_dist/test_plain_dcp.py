@@ -14,11 +14,11 @@ import torch
 from safetensors.torch import load_file
 
 import dist_ckpt as dc
-from dist_ckpt.engine.commit import DCP_CONFIG, detect_config, is_plain_dcp_directory
 from dist_ckpt.errors import KeyMismatchError, NotACheckpointError
-from dist_ckpt.integrity.verify import verify_checkpoint
+from dist_ckpt.record.commit import DCP_CONFIG, detect_config, is_plain_dcp_directory
 from dist_ckpt.tools.convert import convert
 from dist_ckpt.tools.inspection import inspect_checkpoint
+from dist_ckpt.tools.verify import verify_checkpoint
 from tests.unit.backends.torch_dist.conftest import Cli
 
 W = torch.arange(48, dtype=torch.float32).reshape(6, 8)

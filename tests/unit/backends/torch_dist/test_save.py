@@ -17,7 +17,6 @@ from dist_ckpt.backends.torch_dist.checksums import CHECKSUMS_FILENAME, item_spa
 from dist_ckpt.backends.torch_dist.load import TorchDistLoadShardedStrategy
 from dist_ckpt.backends.torch_dist.metadata import read_metadata
 from dist_ckpt.backends.torch_dist.save import TorchDistSaveOptions, TorchDistSaveShardedStrategy
-from dist_ckpt.engine.commit import RECORD_FILENAME, read_save_record
 from dist_ckpt.errors import (
     CheckpointExistsError,
     ChecksumMismatchError,
@@ -25,9 +24,10 @@ from dist_ckpt.errors import (
     NotACheckpointError,
     SaveConflictError,
 )
-from dist_ckpt.integrity.verify import verify_checkpoint
+from dist_ckpt.record.commit import RECORD_FILENAME, read_save_record
 from dist_ckpt.tools.convert import convert
 from dist_ckpt.tools.inspection import inspect_checkpoint
+from dist_ckpt.tools.verify import verify_checkpoint
 
 TORCH_DIST = ("torch_dist", 1)
 MEGATRON_KEYS = ["sharded_backend", "sharded_backend_version", "common_backend", "common_backend_version"]

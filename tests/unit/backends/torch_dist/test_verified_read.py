@@ -30,7 +30,7 @@ from dist_ckpt.backends.torch_dist.save import TorchDistSaveShardedStrategy
 from dist_ckpt.backends.torch_dist.verified_read import CheckedView, ItemCheck
 from dist_ckpt.errors import ChecksumMismatchError, CorruptCheckpointError
 from dist_ckpt.integrity.checksums import crc32c
-from dist_ckpt.integrity.verify import verify_checkpoint
+from dist_ckpt.tools.verify import verify_checkpoint
 
 BIG = OWN_SPAN_BYTES  # float32 elements: a data record of 4 x OWN_SPAN_BYTES bytes
 

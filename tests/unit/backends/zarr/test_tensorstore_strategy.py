@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import dist_ckpt as dc
+from dist_ckpt.backends.registry import StrategyAction as A
 from dist_ckpt.backends.zarr import layout as zarr_layout
 from dist_ckpt.backends.zarr import tensorstore_arrays
 from dist_ckpt.backends.zarr.layout import ZARR_DIR
@@ -32,7 +33,6 @@ from dist_ckpt.backends.zarr.tensorstore_engine import (
     register_default_tensorstore_strategies,
 )
 from dist_ckpt.backends.zarr.zarr_python import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
-from dist_ckpt.engine.registry import StrategyAction as A
 from dist_ckpt.errors import CorruptCheckpointError, KeyMismatchError, LoadMismatchError, MissingDependencyError
 from dist_ckpt.model.dtypes import SUPPORTED_DTYPE_NAMES
 from dist_ckpt.model.sharded import ShardedTensor

@@ -2,7 +2,7 @@
 
 A rank that dies (killed, out of memory, a crashed host) cannot report anything: the transport
 of the next collective fails instead (gloo: "Connection closed by peer", NCCL: a
-``DistBackendError``, either: a timeout). [`distributed`][dist_ckpt.engine.distributed] runs every
+``DistBackendError``, either: a timeout). [`distributed`][dist_ckpt.collectives.distributed] runs every
 collective through one guard that, on such a failure, asks this module:
 
 * whether the error is a transport failure at all (`is_transport_error()`), as opposed to a
@@ -23,7 +23,7 @@ import json
 import time
 from typing import Any, List, Optional, Sequence
 
-from dist_ckpt.engine.process_identity import ProcessIdentity
+from dist_ckpt.collectives.process_identity import ProcessIdentity
 from dist_ckpt.errors import RankFailedError
 
 __all__ = [

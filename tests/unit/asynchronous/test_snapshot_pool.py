@@ -9,8 +9,8 @@ from typing import Iterator, List
 import pytest
 import torch
 
-from dist_ckpt.async_save import snapshot as snapshot_module
-from dist_ckpt.async_save.snapshot import MAX_KEPT_BUFFERS, SnapshotPool
+from dist_ckpt.asynchronous import snapshot as snapshot_module
+from dist_ckpt.asynchronous.snapshot import MAX_KEPT_BUFFERS, SnapshotPool
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """Check a whole checkpoint directory: which files are missing, damaged or uncommitted.
 
-[`verify_checkpoint()`][dist_ckpt.integrity.verify.verify_checkpoint] is what ``dist-ckpt verify DIR`` runs, on a local
+[`verify_checkpoint()`][dist_ckpt.tools.verify.verify_checkpoint] is what ``dist-ckpt verify DIR`` runs, on a local
 directory or an ``s3://bucket/prefix`` (reading every object once). One process, no process group:
 
 1. read ``metadata.json``: missing means the save never committed (a partial checkpoint that
@@ -12,7 +12,7 @@ directory or an ``s3://bucket/prefix`` (reading every object once). One process,
    such (``dcp:1``);
 3. check every integrity record ``metadata.json`` lists (checksum manifests, the safetensors
    index) against its recorded size, crc32c and version: a deleted or downgraded record is a
-   problem, never "saved without checksums" (see `dist_ckpt.engine.records`);
+   problem, never "saved without checksums" (see `dist_ckpt.record.records`);
 4. let each strategy check its files against the checksums recorded at save time
    (``LoadStrategyBase.verify_integrity``): every safetensors block, every zarr file, common.pt
    and every ShardedObject file.
@@ -38,7 +38,11 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from dist_ckpt.backends.base import LoadStrategyBase
-from dist_ckpt.engine.commit import (
+from dist_ckpt.backends.registry import StrategyAction, get_default_strategy
+from dist_ckpt.engine.report import Operation, ProgressCallback, ProgressEvent
+from dist_ckpt.errors import CheckpointingException
+from dist_ckpt.integrity.checksums import IntegrityProblem, IntegrityReport
+from dist_ckpt.record.commit import (
     DCP_CONFIG,
     DCP_METADATA_FILENAME,
     METADATA_FILENAME,
@@ -47,11 +51,7 @@ from dist_ckpt.engine.commit import (
     maybe_load_config,
     read_integrity_records,
 )
-from dist_ckpt.engine.records import read_recorded
-from dist_ckpt.engine.registry import StrategyAction, get_default_strategy
-from dist_ckpt.engine.report import Operation, ProgressCallback, ProgressEvent
-from dist_ckpt.errors import CheckpointingException
-from dist_ckpt.integrity.checksums import IntegrityProblem, IntegrityReport
+from dist_ckpt.record.records import read_recorded
 from dist_ckpt.storage import Storage
 from dist_ckpt.storage.errors import StorageError
 from dist_ckpt.storage.location import LocationLike, resolve_location
@@ -66,7 +66,7 @@ _BACKEND_DIRS: Tuple[Tuple[str, str, int], ...] = (("safetensors", "safetensors"
 
 @dataclass
 class VerifyReport:
-    """The outcome of [`verify_checkpoint()`][dist_ckpt.integrity.verify.verify_checkpoint].
+    """The outcome of [`verify_checkpoint()`][dist_ckpt.tools.verify.verify_checkpoint].
 
     Attributes:
         checkpoint_dir: the directory (or ``s3://`` URL) checked.

@@ -6,14 +6,14 @@ An asynchronous save has three phases:
    bytes are copied (device-to-host, or memory to shared memory), so training may change its
    tensors as soon as the call returns;
 2. **write**, in a background process, with no collectives: ``async_fn(*async_fn_args,
-   **async_fn_kwargs)`` of the returned [`AsyncRequest`][dist_ckpt.async_save.queue.AsyncRequest];
+   **async_fn_kwargs)`` of the returned [`AsyncRequest`][dist_ckpt.asynchronous.queue.AsyncRequest];
 3. **finalize**, collective, once the write finished on *every* rank: the ranks first exchange
    how their writes ended -- a failure on any rank raises
    [`AsyncSaveError`][dist_ckpt.errors.AsyncSaveError] on every rank, naming the rank and the cause, and
    nothing is committed -- then run ``finalize_fns`` in order (e.g. gather the index, commit
    ``metadata.json``).
 
-[`AsyncCallsQueue`][dist_ckpt.async_save.queue.AsyncCallsQueue] follows Megatron-Core's
+[`AsyncCallsQueue`][dist_ckpt.asynchronous.queue.AsyncCallsQueue] follows Megatron-Core's
 ``dist_checkpointing.strategies.async_utils``:
 
 ```python
@@ -41,15 +41,15 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
-from dist_ckpt.async_save.snapshot import PROCESS_SNAPSHOTS
-from dist_ckpt.async_save.worker import DEFAULT_WRITER_TIMEOUT_S, AsyncOutcome, AsyncWorker
-from dist_ckpt.engine.distributed import all_reduce_max, get_rank, raise_if_any_rank_failed
-from dist_ckpt.engine.registry import (
+from dist_ckpt.asynchronous.snapshot import PROCESS_SNAPSHOTS
+from dist_ckpt.asynchronous.worker import DEFAULT_WRITER_TIMEOUT_S, AsyncOutcome, AsyncWorker
+from dist_ckpt.backends.registry import (
     DEFAULT_COMMON_BACKEND,
     DEFAULT_SHARDED_BACKEND,
     StrategyAction,
     get_default_strategy,
 )
+from dist_ckpt.collectives.distributed import all_reduce_max, get_rank, raise_if_any_rank_failed
 from dist_ckpt.errors import AsyncSaveError, CheckpointingException
 
 __all__ = ["AsyncCallsQueue", "AsyncOutcome", "AsyncRequest"]
@@ -63,7 +63,7 @@ class AsyncRequest:
 
     Args:
         async_fn: the background work (None if there is nothing to write). It runs in another
-            process (``python -m dist_ckpt.async_save.writer``): it must be a function of an
+            process (``python -m dist_ckpt.asynchronous.writer``): it must be a function of an
             importable module (not of the script run as ``__main__``), its arguments picklable
             (tensors in shared memory are passed without copying), and it must not call
             collectives.
@@ -180,10 +180,10 @@ class _ActiveCall:
 
 
 class AsyncCallsQueue:
-    """Runs scheduled [`AsyncRequest`][dist_ckpt.async_save.queue.AsyncRequest] s in a background process and finalizes
-    them in order.
+    """Runs scheduled [`AsyncRequest`][dist_ckpt.asynchronous.queue.AsyncRequest] s in a background process
+    and finalizes them in order.
 
-    The background process is a fresh ``python -m dist_ckpt.async_save.writer``: it never imports
+    The background process is a fresh ``python -m dist_ckpt.asynchronous.writer``: it never imports
     the user's main module, so saving works from any script (no ``if __name__ == "__main__":``
     guard needed, ``python -c``, stdin, notebooks). ``async_fn`` must come from an importable
     module.
@@ -200,7 +200,7 @@ class AsyncCallsQueue:
             imports torch: seconds), so that the first save does not wait for its start-up;
             False starts it at the first request.
         snapshot_bytes: fault in a snapshot buffer of this many bytes now, on a thread of its own
-            ([`reserve()`][dist_ckpt.async_save.snapshot.SnapshotPool.reserve]), so that the
+            ([`reserve()`][dist_ckpt.asynchronous.snapshot.SnapshotPool.reserve]), so that the
             first save's snapshot copies at the speed of the later ones' (e.g. the bytes of this
             rank's tensors; 0: none).
 

@@ -35,8 +35,8 @@ does not know. For the backends Megatron-Core loads (`MEGATRON_BACKENDS`: ``torc
 ``metadata.json`` therefore holds exactly its four keys, as Megatron-Core writes them, and the
 ``"dist_ckpt"`` record and the ``integrity_records`` go to ``dist_ckpt.json``
 (`RECORD_FILENAME`) beside it, written before the commit;
-[`read_save_record()`][dist_ckpt.engine.commit.read_save_record] and
-[`read_integrity_records()`][dist_ckpt.engine.commit.read_integrity_records] find them in either place. (Such a
+[`read_save_record()`][dist_ckpt.record.commit.read_save_record] and
+[`read_integrity_records()`][dist_ckpt.record.commit.read_integrity_records] find them in either place. (Such a
 checkpoint written by Megatron-Core itself has no ``dist_ckpt.json``, so there a deleted ``dist_ckpt.json`` cannot be
 told from one never written: it loads unverified, with the warning.)
 """
@@ -118,7 +118,7 @@ _FIELD_TYPES = {
 
 def new_save_id() -> str:
     """A random identifier of one save, recorded in ``metadata.json`` (see
-    [`save_config()`][dist_ckpt.engine.commit.save_config])."""
+    [`save_config()`][dist_ckpt.record.commit.save_config])."""
     return uuid.uuid4().hex
 
 
@@ -132,7 +132,7 @@ def save_config(
     """Write ``metadata.json`` atomically and durably: the commit of a checkpoint (rank 0 only).
 
     ``records`` are the integrity records the save wrote (see
-    `dist_ckpt.engine.records.digest_records()`); None: it wrote none (an empty list is recorded,
+    `dist_ckpt.record.records.digest_records()`); None: it wrote none (an empty list is recorded,
     so that a record file found later is refused).
 
     The marker is created only if absent ([`put_if_absent()`][dist_ckpt.storage.base.Storage.put_if_absent]:
@@ -355,10 +355,10 @@ def detect_config(checkpoint_dir: LocationLike) -> CheckpointingConfig:
     """The config to load ``checkpoint_dir`` with: its ``metadata.json``; for a local folder without
     one, `HF_CONFIG` if it holds HuggingFace weights (``model.safetensors`` or its index), or
     `DCP_CONFIG` if it is a plain DCP directory
-    ([`is_plain_dcp_directory()`][dist_ckpt.engine.commit.is_plain_dcp_directory]).
+    ([`is_plain_dcp_directory()`][dist_ckpt.record.commit.is_plain_dcp_directory]).
 
     Neither is a committed dist_ckpt checkpoint
-    ([`check_is_distributed_checkpoint()`][dist_ckpt.engine.commit.check_is_distributed_checkpoint] stays False); this
+    ([`check_is_distributed_checkpoint()`][dist_ckpt.record.commit.check_is_distributed_checkpoint] stays False); this
     only lets ``load`` read them. Both are read from local disks only (storages with ``local_paths``: the HF reader and
     DCP's file reader need files).
     """

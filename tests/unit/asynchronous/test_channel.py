@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from dist_ckpt.async_save.channel import FrameReader, PassedFd, decode, encode, map_shared, recv_frame, send_frame
-from dist_ckpt.async_save.snapshot import SnapshotPool
+from dist_ckpt.asynchronous.channel import FrameReader, PassedFd, decode, encode, map_shared, recv_frame, send_frame
+from dist_ckpt.asynchronous.snapshot import SnapshotPool
 
 
 def _roundtrip(obj: object) -> object:

@@ -1,7 +1,7 @@
 """Progress that a call run by the async writer reports without using CPU.
 
 The training process stops a writer whose CPU time stops growing for too long, taking it as
-hung (`dist_ckpt.async_save.worker`). A call that waits on purpose -- for the training
+hung (`dist_ckpt.asynchronous.worker`). A call that waits on purpose -- for the training
 process's own writes of an async save (`dist_ckpt.backends.safetensors.early_writes`) -- calls
 `note_progress()` whenever what it waits for moves on; the writer's status carries the count,
 and a count that grows is progress as well.

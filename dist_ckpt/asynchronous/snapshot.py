@@ -19,11 +19,11 @@ back to back alternate between two buffers and pay the page faults once.
 
 Memory bound: the process keeps at most two buffers (`MAX_KEPT_BUFFERS`), each at most the size
 of the largest snapshot taken into it (or reserved) since the pool was last released
-([`release()`][dist_ckpt.async_save.snapshot.SnapshotPool.release]), the second only once two
+([`release()`][dist_ckpt.asynchronous.snapshot.SnapshotPool.release]), the second only once two
 saves overlapped; plus the buffers of saves still writing when a third overlapping one starts
 (the writer process lets go of a save's buffer within a second of finishing it). A trainer can
 fault a buffer in before its first checkpoint, in the background
-([`reserve()`][dist_ckpt.async_save.snapshot.SnapshotPool.reserve]).
+([`reserve()`][dist_ckpt.asynchronous.snapshot.SnapshotPool.reserve]).
 
 Snapshots of CUDA tensors page-lock the kept buffer for CUDA once (``cudaHostRegister``), so
 that the device-to-host copies run at the link's speed: on an H200 a copy of 4 GiB took 0.079 s
@@ -269,7 +269,7 @@ class SnapshotPool:
     def release(self) -> None:
         """Drop the kept buffers, e.g. after the last checkpoint of a job, or before a phase that
         needs the memory. Their memory is freed once no save uses them (the async writer process
-        lets go of a save's buffer within a second of finishing it: `dist_ckpt.async_save.writer`)."""
+        lets go of a save's buffer within a second of finishing it: `dist_ckpt.asynchronous.writer`)."""
         self.wait_reserved()
         with self._lock:
             for kept in self._kept:

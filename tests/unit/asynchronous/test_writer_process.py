@@ -1,6 +1,6 @@
 """The async writer process: started without the user's main module, and never waited on forever.
 
-The writer is ``python -m dist_ckpt.async_save.writer``, so async saves work from any script:
+The writer is ``python -m dist_ckpt.asynchronous.writer``, so async saves work from any script:
 one without an ``if __name__ == "__main__":`` guard, ``python -c`` and a script read from stdin
 (each run here as two ranks, with a gloo process group). A writer that does not start, or that
 stops making progress, fails its save within the queue's ``writer_timeout_s``.
@@ -20,9 +20,9 @@ import pytest
 import torch
 
 import dist_ckpt as dc
-import dist_ckpt.async_save.worker as worker_module
-from dist_ckpt.async_save.progress import note_progress
-from dist_ckpt.async_save.queue import AsyncCallsQueue, AsyncRequest
+import dist_ckpt.asynchronous.worker as worker_module
+from dist_ckpt.asynchronous.progress import note_progress
+from dist_ckpt.asynchronous.queue import AsyncCallsQueue, AsyncRequest
 from dist_ckpt.errors import AsyncSaveError
 from dist_ckpt.testing import free_port
 from dist_ckpt.testing.layouts import bitwise_equal, full_tensor
@@ -166,7 +166,7 @@ def test_the_writer_exits_with_its_training_process(tmp_path: Path) -> None:
     """A training process that dies leaves no writer behind (it was writing when it died)."""
     code = (
         "import time, dist_ckpt as dc\n"
-        "from dist_ckpt.async_save.queue import AsyncRequest\n"
+        "from dist_ckpt.asynchronous.queue import AsyncRequest\n"
         "q = dc.AsyncCallsQueue()\n"
         "q.schedule_async_request(AsyncRequest(time.sleep, (3600,)))\n"
         "print(q._worker.pid, flush=True)\n"

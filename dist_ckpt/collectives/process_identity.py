@@ -6,7 +6,7 @@ namespace, its PID and that process's start time (so a reused PID is not mistake
 namespace, None elsewhere: a process on another machine can never be proven dead from here.
 
 Used by `dist_ckpt.engine.save_claim` (may an interrupted save's files be cleared?) and
-`dist_ckpt.engine.distributed` (which rank died during a collective?).
+`dist_ckpt.collectives.distributed` (which rank died during a collective?).
 
 Example:
 

@@ -2,7 +2,7 @@
 
 Where strategies come from (nothing registers at import time):
 
-1. [`register_default_strategy()`][dist_ckpt.engine.registry.register_default_strategy] calls made by the application;
+1. [`register_default_strategy()`][dist_ckpt.backends.registry.register_default_strategy] calls made by the application;
 2. the built-in table below (``"module:Class"`` strings imported on first use);
 3. the entry-point group ``dist_ckpt.strategies``: an entry point named
    ``<action>.<backend>.<version>`` (e.g. ``load_sharded.mybackend.1``) pointing at a strategy
@@ -10,8 +10,8 @@ Where strategies come from (nothing registers at import time):
 
 A key has one default. Other built-in engines for the same on-disk format (TensorStore for
 ``("zarr", 1)``) are *alternatives*, listed by
-[`alternative_strategies()`][dist_ckpt.engine.registry.alternative_strategies] and built by
-[`get_alternative_strategy()`][dist_ckpt.engine.registry.get_alternative_strategy]; they are never chosen implicitly.
+[`alternative_strategies()`][dist_ckpt.backends.registry.alternative_strategies] and built by
+[`get_alternative_strategy()`][dist_ckpt.backends.registry.get_alternative_strategy]; they are never chosen implicitly.
 The engine looks backends up here and never imports a concrete one.
 """
 
@@ -208,7 +208,8 @@ def _entry_points() -> Dict[StrategyKey, importlib_metadata.EntryPoint]:
 
 
 def registered_strategies() -> List[StrategyKey]:
-    """Every key that [`get_default_strategy()`][dist_ckpt.engine.registry.get_default_strategy] can resolve, sorted."""
+    """Every key that [`get_default_strategy()`][dist_ckpt.backends.registry.get_default_strategy] can resolve,
+    sorted."""
     keys = set(_registry) | set(_BUILTINS) | set(_entry_points())
     return sorted(keys, key=lambda k: (k.action.value, k.backend, k.version))
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import dist_ckpt as dc
-from dist_ckpt.async_save.queue import AsyncCallsQueue, AsyncRequest
-from dist_ckpt.async_save.snapshot import PROCESS_SNAPSHOTS
+from dist_ckpt.asynchronous.queue import AsyncCallsQueue, AsyncRequest
+from dist_ckpt.asynchronous.snapshot import PROCESS_SNAPSHOTS
 from dist_ckpt.errors import AsyncSaveError
 from tests.paths import REPO_ROOT
 

@@ -1,6 +1,6 @@
-"""The async writer process: ``python -m dist_ckpt.async_save.writer FD``.
+"""The async writer process: ``python -m dist_ckpt.asynchronous.writer FD``.
 
-Started by `dist_ckpt.async_save.worker.AsyncWorker` as a fresh interpreter that imports
+Started by `dist_ckpt.asynchronous.worker.AsyncWorker` as a fresh interpreter that imports
 dist_ckpt and never the user's main module, so it works from any script: one without an
 ``if __name__ == "__main__":`` guard, ``python -c``, a script read from stdin, a notebook.
 ``FD`` is its end of a Unix socket to the training process (see `channel`).
@@ -40,8 +40,8 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional, Tuple
 
-from dist_ckpt.async_save.channel import decode, readable, recv_frame, send_frame
-from dist_ckpt.async_save.progress import progress_count
+from dist_ckpt.asynchronous.channel import decode, readable, recv_frame, send_frame
+from dist_ckpt.asynchronous.progress import progress_count
 from dist_ckpt.storage.errors import storage_error_in
 
 __all__ = ["main"]

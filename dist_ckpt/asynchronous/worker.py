@@ -1,6 +1,6 @@
 """The training process's handle on the background process that writes asynchronous saves.
 
-`AsyncWorker` starts one writer process (`dist_ckpt.async_save.writer`) and sends it
+`AsyncWorker` starts one writer process (`dist_ckpt.asynchronous.writer`) and sends it
 calls (a function, its arguments), which it runs one after another, in the order submitted;
 `AsyncWorker.poll()` collects their outcomes without blocking.
 
@@ -12,7 +12,7 @@ Why a separate process, and how it is started:
   (a forked child cannot use CUDA and may deadlock on a lock another thread held at the fork);
 * multiprocessing's ``spawn`` re-runs the user's main module in the child, so a training script
   without ``if __name__ == "__main__":``, a ``python -c`` or stdin script or a notebook hangs or
-  fails. The writer is instead ``python -m dist_ckpt.async_save.writer`` (same interpreter, an
+  fails. The writer is instead ``python -m dist_ckpt.asynchronous.writer`` (same interpreter, an
   environment that imports this dist_ckpt): a clean process that imports only dist_ckpt and the
   modules of the functions it is sent, under every launcher and from any script;
 * it runs in a session of its own, so that a Ctrl-C in the terminal interrupts the training
@@ -28,7 +28,7 @@ while it has calls, it is asked (at most every ``heartbeat_s``, whenever the tra
 polls or waits) what it is doing and how much CPU it used; a writer that does not answer for
 ``timeout_s`` seconds, or whose CPU time stops growing for ``timeout_s`` seconds (blocked on a
 hung file system, deadlocked) while its call notes no progress either
-(`dist_ckpt.async_save.progress`: a call that waits on purpose), is killed and its calls fail with an
+(`dist_ckpt.asynchronous.progress`: a call that waits on purpose), is killed and its calls fail with an
 [`AsyncSaveError`][dist_ckpt.errors.AsyncSaveError] naming the rank and what the writer was doing. A
 writer that dies (killed, out of memory) fails its calls the same way.
 
@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from dist_ckpt.async_save.channel import FrameReader, encode, readable, send_frame
+from dist_ckpt.asynchronous.channel import FrameReader, encode, readable, send_frame
 from dist_ckpt.errors import AsyncSaveError
 from dist_ckpt.storage.errors import AsyncStorageError
 
@@ -105,7 +105,7 @@ class AsyncOutcome:
 
 def writer_command(fd: int) -> List[str]:
     """The command line of a writer process serving the socket ``fd``."""
-    return [sys.executable, "-m", "dist_ckpt.async_save.writer", str(fd)]
+    return [sys.executable, "-m", "dist_ckpt.asynchronous.writer", str(fd)]
 
 
 def writer_environment() -> Dict[str, str]:
@@ -128,7 +128,7 @@ class _Progress:
     """What the training process knows of the running writer."""
 
     ready: bool = False
-    doing: str = "starting (python -m dist_ckpt.async_save.writer: importing torch and dist_ckpt)"
+    doing: str = "starting (python -m dist_ckpt.asynchronous.writer: importing torch and dist_ckpt)"
     ping_seq: int = 0
     ping_sent_at: Optional[float] = None  # this process's clock; None: no ping unanswered
     last_ping_at: float = 0.0

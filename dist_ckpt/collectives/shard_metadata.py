@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence
 
-from dist_ckpt.engine.distributed import ProcessGroup, all_gather_bytes, gather_bytes, get_rank, get_world_size
-from dist_ckpt.engine.shard_table import (
+from dist_ckpt.collectives.distributed import ProcessGroup, all_gather_bytes, gather_bytes, get_rank, get_world_size
+from dist_ckpt.model.shard_table import (
     ShardTable,
     concat_tables,
     decode_table,

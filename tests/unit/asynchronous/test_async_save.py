@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import dist_ckpt as dc
-from dist_ckpt.async_save import snapshot as snapshot_module
-from dist_ckpt.async_save.queue import AsyncCallsQueue, AsyncRequest
-from dist_ckpt.async_save.snapshot import PROCESS_SNAPSHOTS, SnapshotPool, file_order_layout, snapshot_layout
+from dist_ckpt.asynchronous import snapshot as snapshot_module
+from dist_ckpt.asynchronous.queue import AsyncCallsQueue, AsyncRequest
+from dist_ckpt.asynchronous.snapshot import PROCESS_SNAPSHOTS, SnapshotPool, file_order_layout, snapshot_layout
 from dist_ckpt.backends.safetensors import strategy as safetensors_strategy
 from dist_ckpt.backends.safetensors.strategy import (
     SafetensorsSaveOptions,

@@ -1,7 +1,7 @@
 """Messages between a training process and its async writer process, over a Unix socket.
 
 A message is a pickle. Tensors in shared memory (an async save's snapshot, see
-`dist_ckpt.async_save.snapshot`) are not copied into it: each distinct shared storage is
+`dist_ckpt.asynchronous.snapshot`) are not copied into it: each distinct shared storage is
 passed as a file descriptor beside the bytes (``SCM_RIGHTS``), and the receiver maps the same
 memory. So is a `PassedFd` (e.g. the read end of a pipe): the receiver gets its own descriptor
 of the same file. Every other object is pickled as usual.
@@ -68,7 +68,7 @@ class PassedFd:
         self._closer()
 
     def __reduce__(self) -> Any:
-        raise TypeError("a PassedFd travels only through dist_ckpt.async_save.channel, not a plain pickle")
+        raise TypeError("a PassedFd travels only through dist_ckpt.asynchronous.channel, not a plain pickle")
 
 
 class _Pickler(pickle.Pickler):

@@ -10,8 +10,8 @@ from typing import List, Tuple
 import pytest
 import torch
 
-from dist_ckpt.async_save import snapshot as snapshot_module
-from dist_ckpt.async_save.snapshot import SnapshotPool
+from dist_ckpt.asynchronous import snapshot as snapshot_module
+from dist_ckpt.asynchronous.snapshot import SnapshotPool
 
 
 @pytest.fixture

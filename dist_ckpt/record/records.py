@@ -3,7 +3,7 @@
 The records a save writes (checksum manifests, the safetensors index; see
 `dist_ckpt.integrity.records`) are declared by its strategies
 (``SaveStrategyBase.integrity_records``). At commit, rank 0 digests the ones present
-(`digest_records()`) and [`save_config()`][dist_ckpt.engine.commit.save_config] lists them in
+(`digest_records()`) and [`save_config()`][dist_ckpt.record.commit.save_config] lists them in
 ``metadata.json``. Every reader of a record goes through `read_recorded()`:
 
 * the record is listed: it must exist with the recorded size, crc32c and version, else
@@ -14,7 +14,7 @@ The records a save writes (checksum manifests, the safetensors index; see
 * a checkpoint saved before records existed (``metadata.json`` of format version 1 without the
   list): the record is read as it is (unverified; the engine logs that once per load). A record
   of a later format version without the list is corrupt: the list was removed
-  ([`read_integrity_records()`][dist_ckpt.engine.commit.read_integrity_records]).
+  ([`read_integrity_records()`][dist_ckpt.record.commit.read_integrity_records]).
 
 Tools that change a committed checkpoint (``remove_sharded_tensors``) rewrite the record and
 then its entry (`refresh_record()`).
@@ -32,10 +32,10 @@ import json
 import logging
 from typing import Dict, Iterable, Optional, Union
 
-from dist_ckpt.engine.commit import METADATA_FILENAME, RECORD_FILENAME, read_integrity_records
 from dist_ckpt.errors import CorruptCheckpointError
 from dist_ckpt.integrity.records import RECORDS_FIELD, IntegrityRecord, check_record, record_of, records_json
 from dist_ckpt.integrity.safe_json import MAX_SMALL_JSON_BYTES, loads, want_object
+from dist_ckpt.record.commit import METADATA_FILENAME, RECORD_FILENAME, read_integrity_records
 from dist_ckpt.storage import ObjectNotFoundError, Storage
 from dist_ckpt.storage.object_path import ObjectPath
 

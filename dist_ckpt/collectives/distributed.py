@@ -13,7 +13,7 @@ of the next collective fails instead (gloo: "Connection closed by peer", NCCL: a
 ``DistBackendError``, either: a timeout). Every collective here turns that into
 [`RankFailedError`][dist_ckpt.errors.RankFailedError] on each survivor, naming the step it was in and the
 ranks that did not answer a short roll call over the process group's store
-(how, and the roll call, are [`peer_failures`][dist_ckpt.engine.peer_failures]'s job); the process
+(how, and the roll call, are [`peer_failures`][dist_ckpt.collectives.peer_failures]'s job); the process
 group is unusable afterwards, so no further exchange is attempted.
 """
 
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from dist_ckpt import errors
-from dist_ckpt.engine.peer_failures import (
+from dist_ckpt.collectives.peer_failures import (
     is_transport_error,
     is_transport_failure,
     publish_identity,
@@ -359,7 +359,7 @@ def _default_store() -> Any:
 
 def _publish_identity() -> None:
     """Once per default process group: put this process's identity in the group's store (see
-    [`peer_failures`][dist_ckpt.engine.peer_failures]). One small store write per process."""
+    [`peer_failures`][dist_ckpt.collectives.peer_failures]). One small store write per process."""
     default = dist.distributed_c10d._get_default_group()
     if _published and _published[0]() is default:
         return

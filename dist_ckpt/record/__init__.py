@@ -1,0 +1,1 @@
+"""The commit record: ``metadata.json`` (names, ``CheckpointingConfig``) and its integrity records."""
