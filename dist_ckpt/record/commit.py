@@ -75,6 +75,7 @@ __all__ = [
     "check_is_distributed_checkpoint",
     "detect_config",
     "is_plain_dcp_directory",
+    "lacks_dist_ckpt_record",
     "maybe_load_config",
     "new_save_id",
     "read_config",
@@ -284,6 +285,27 @@ def read_integrity_records(checkpoint_dir: LocationLike) -> Optional[Dict[str, I
         return parse_records(doc[RECORDS_FIELD], where)
     _check_records_optional(doc, where)
     return None
+
+
+def lacks_dist_ckpt_record(checkpoint_dir: LocationLike) -> bool:
+    """Whether the checkpoint has a ``metadata.json`` but neither it nor ``dist_ckpt.json`` holds
+    the ``dist_ckpt`` record that every dist_ckpt save writes: written by another tool, or the
+    record was removed. A backend only dist_ckpt writes refuses such a checkpoint.
+
+    Example:
+
+    ```python
+    lacks_dist_ckpt_record("ckpt/iter_10")   # False for a checkpoint dist_ckpt saved
+    ```
+    """
+    location = resolve_location(checkpoint_dir)
+    found = _read_record(location)
+    if found is None:  # not committed: nothing to say
+        return False
+    if isinstance(found[0].get("dist_ckpt"), dict):
+        return False
+    side = _read_record(location, RECORD_FILENAME)
+    return side is None or not isinstance(side[0].get("dist_ckpt"), dict)
 
 
 def _check_records_optional(doc: Dict[str, Any], where: str) -> None:

@@ -94,6 +94,7 @@ from dist_ckpt.integrity.checksums import ALGORITHM, block_count, crc_from_hex, 
 from dist_ckpt.integrity.safe_json import check_tensor_bytes, loads, shown
 from dist_ckpt.model.dtypes import dtype_from_name
 from dist_ckpt.model.sharded import ShardedTensor
+from dist_ckpt.record.commit import METADATA_FILENAME, lacks_dist_ckpt_record, read_integrity_records
 from dist_ckpt.record.records import read_recorded
 from dist_ckpt.storage import Storage
 from dist_ckpt.storage.location import LocationLike, resolve_location
@@ -336,6 +337,14 @@ def read_index(checkpoint_dir: LocationLike) -> TensorIndex:
     storage = location.child(SAFETENSORS_DIR)  # the index names its files relative to safetensors/
     where = storage.url_of(INDEX_FILENAME)
     raw = read_recorded(location, f"{SAFETENSORS_DIR}/{INDEX_FILENAME}")  # fails closed
+    if read_integrity_records(location) is None and lacks_dist_ckpt_record(location):
+        # only dist_ckpt writes this backend, and every save records itself: both were removed,
+        # which would otherwise read as another tool's checkpoint and load unverified
+        raise CorruptCheckpointError(
+            f"{location.url_of(METADATA_FILENAME)!r} has neither the 'dist_ckpt' record nor integrity records, "
+            f"which every save of the safetensors backend writes: they were removed, and {where!r} cannot be "
+            "checked; the checkpoint is corrupt ('dist-ckpt verify' lists every problem)"
+        )
     if raw is None:
         raise CorruptCheckpointError(
             f"{where!r} is missing: the safetensors part of checkpoint {location.url!r} is incomplete"

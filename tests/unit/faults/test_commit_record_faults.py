@@ -18,6 +18,7 @@ import pytest
 
 import dist_ckpt as dc
 from dist_ckpt.record.commit import FORMAT_VERSION
+from tests.unit.backends.safetensors.legacy_index import downgrade_index_to_v1
 
 from .scenario import check_loads, state, strategy
 
@@ -83,3 +84,20 @@ def test_a_checkpoint_of_format_version_1_without_records_still_loads_unverified
     with caplog.at_level(logging.WARNING, logger="dist_ckpt"):
         check_loads(ckpt, 2.0)
     assert "loads unverified" in caplog.text
+
+
+def test_a_safetensors_checkpoint_stripped_of_both_records_is_corruption(saved, tmp_path):
+    """The 'dist_ckpt' record and the integrity list both removed, and the index rewritten without
+    its checksums: the checkpoint would read as another tool's, unchecked; but only dist_ckpt
+    writes the safetensors backend, which always records both, so the flipped byte is not loaded."""
+    ckpt = _copy(saved, "safetensors", tmp_path)
+    downgrade_index_to_v1(ckpt)
+    _edit_record(ckpt, lambda doc: (doc.pop("integrity_records"), doc.pop("dist_ckpt")))
+    data = next((ckpt / "safetensors").glob("*.safetensors"))
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0x40
+    data.write_bytes(bytes(raw))
+    with pytest.raises(dc.CorruptCheckpointError, match="'dist_ckpt' record") as info:
+        check_loads(ckpt, 2.0)
+    assert str(ckpt) in str(info.value)
+    assert not dc.verify_checkpoint(ckpt).ok
