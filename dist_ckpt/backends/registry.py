@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass
 from enum import Enum
 from importlib import metadata as importlib_metadata
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 from dist_ckpt.backends.base import (
     LoadCommonStrategy,
@@ -83,6 +83,22 @@ _ACTION_BASES: Dict[StrategyAction, type] = {
 class _Builtin:
     target: str  # "module:attribute"
     extra: Optional[str]  # pip extra that provides the dependency, if any
+
+
+def builtin_save_owned_paths() -> List[str]:
+    """The top-level names (or patterns) that dist_ckpt's built-in save strategies write, of the
+    backends whose dependencies are installed: what a save may clear after an interrupted save of
+    another built-in backend (imports those strategies' modules; used only then)."""
+    names: Set[str] = set()
+    for key, builtin in _BUILTINS.items():
+        if key.action not in (StrategyAction.SAVE_SHARDED, StrategyAction.SAVE_COMMON):
+            continue
+        try:
+            factory = _load_builtin(key, builtin)
+        except MissingDependencyError:
+            continue
+        names.update(getattr(factory, "owned_paths", ()))
+    return sorted(names)
 
 
 def _key(action: StrategyAction, backend: str, version: int) -> StrategyKey:
@@ -367,6 +383,7 @@ __all__ = [
     "StrategyKey",
     "StrategySpec",
     "alternative_strategies",
+    "builtin_save_owned_paths",
     "get_alternative_strategy",
     "get_default_strategy",
     "register_builtin_strategies",

@@ -27,6 +27,7 @@ from dist_ckpt.backends.registry import (
     DEFAULT_SHARDED_BACKEND,
     StrategyAction,
     StrategySpec,
+    builtin_save_owned_paths,
     get_default_strategy,
     resolve_strategy,
 )
@@ -109,7 +110,7 @@ def _claim(location: Storage, strategies: List[Any], claims: List[SaveClaim]) ->
     the claim is appended to ``claims``."""
     if get_rank() == 0:
         owned = _owned_names(strategies) | {RECORD_FILENAME}  # dist_ckpt.json: written at a Megatron-format commit
-        claims.append(claim_location(location, sorted(owned), new_save_id()))
+        claims.append(claim_location(location, sorted(owned), new_save_id(), builtin_save_owned_paths))
 
 
 def _abandon(location: Storage, claims: List[SaveClaim], error: BaseException) -> None:

@@ -41,7 +41,7 @@ import shutil
 import stat
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from dist_ckpt.collectives.process_identity import ProcessIdentity
 from dist_ckpt.errors import CheckpointExistsError, CheckpointingException, SaveConflictError
@@ -217,7 +217,9 @@ def _delete_local_entry(storage: Storage, name: str) -> None:
             temp.unlink(missing_ok=True)
 
 
-def claim_location(storage: Storage, owned: Sequence[str], save_id: str) -> SaveClaim:
+def claim_location(
+    storage: Storage, owned: Sequence[str], save_id: str, clearable: Callable[[], Sequence[str]] = lambda: ()
+) -> SaveClaim:
     """Make this save the owner of the location ``storage`` (rank 0, before anything is written).
 
     Steps: refuse a committed checkpoint; create the in-progress record (create-if-absent);
@@ -241,7 +243,7 @@ def claim_location(storage: Storage, owned: Sequence[str], save_id: str) -> Save
         try:
             storage.put_if_absent(IN_PROGRESS_FILENAME, claim.to_bytes())
         except ObjectExistsError:
-            _take_over(storage, claim)
+            _take_over(storage, claim, clearable)
         foreign = _present(storage, claim.owned)
         if foreign:
             raise SaveConflictError(
@@ -264,9 +266,11 @@ def _remove_if_ours(storage: Storage, claim: SaveClaim) -> None:
         logger.warning("could not remove %s of save %s: %s", IN_PROGRESS_FILENAME, claim.save_id, e)
 
 
-def _take_over(storage: Storage, claim: SaveClaim) -> None:
+def _take_over(storage: Storage, claim: SaveClaim, clearable: Callable[[], Sequence[str]]) -> None:
     """Replace the record of a provably dead save by ``claim``, deleting what it wrote (the entries
-    `_deletable_entries()` allows, checked before anything is deleted)."""
+    `_deletable_entries()` allows, checked before anything is deleted): names this save writes, and
+    ``clearable()`` -- the names dist_ckpt's other built-in strategies write, so that a save may
+    follow one of another backend that died there."""
     where = storage.url_of(IN_PROGRESS_FILENAME)
     other = _read_record(storage, IN_PROGRESS_FILENAME)
     if other is None:  # released between our attempt and this read: the other save committed or failed
@@ -279,7 +283,7 @@ def _take_over(storage: Storage, claim: SaveClaim) -> None:
             f"and this one is refused (nothing was written or deleted). Save to another location; if that save is "
             f"known to be dead (its job ended), delete {where} and the entries it lists ({list(other.owned)})"
         )
-    entries = _deletable_entries(storage, other, claim.owned)
+    entries = _deletable_entries(storage, other, sorted(set(claim.owned) | set(clearable())))
     # takeover records are named after the save they take over: the dead save's, then each dead taker's
     records = [_TAKEOVER.format(c.save_id) for c in (other, *_take_over_record(storage, claim, other))]
     try:

@@ -196,7 +196,7 @@ def patient_wait(seconds: float) -> str:
 
 
 def test_a_call_that_notes_progress_outlives_the_timeout() -> None:
-    from tests.unit.async_save.test_writer_process import patient_wait as importable_patient_wait
+    from tests.unit.asynchronous.test_writer_process import patient_wait as importable_patient_wait
 
     queue = AsyncCallsQueue()
     try:
@@ -254,8 +254,8 @@ def _started_queue() -> AsyncCallsQueue:
 
 
 def test_the_outcome_is_sent_before_the_arguments_are_released(tmp_path: Path) -> None:
-    from tests.unit.async_save.test_writer_process import SlowToRelease as ImportableArg
-    from tests.unit.async_save.test_writer_process import finished_at as importable_finished_at
+    from tests.unit.asynchronous.test_writer_process import SlowToRelease as ImportableArg
+    from tests.unit.asynchronous.test_writer_process import finished_at as importable_finished_at
 
     release = tmp_path / "release"
     queue = _started_queue()
@@ -274,8 +274,8 @@ def test_arguments_are_kept_while_idle_then_released(tmp_path: Path) -> None:
     """Kept after the outcome is sent, so that the unmapping of a snapshot shares the CPU
     neither with the finished save's completion nor with the copy of a save started right
     after; released after an idle moment. Both times are taken in the writer process."""
-    from tests.unit.async_save.test_writer_process import MarksRelease as ImportableMarks
-    from tests.unit.async_save.test_writer_process import finished_at as importable_finished_at
+    from tests.unit.asynchronous.test_writer_process import MarksRelease as ImportableMarks
+    from tests.unit.asynchronous.test_writer_process import finished_at as importable_finished_at
 
     marker = tmp_path / "released"
     queue = _started_queue()
@@ -294,8 +294,8 @@ def test_arguments_are_kept_while_idle_then_released(tmp_path: Path) -> None:
 
 
 def test_arguments_are_released_before_the_next_call_runs(tmp_path: Path) -> None:
-    from tests.unit.async_save.test_writer_process import MarksRelease as ImportableMarks
-    from tests.unit.async_save.test_writer_process import finished_at as importable_finished_at
+    from tests.unit.asynchronous.test_writer_process import MarksRelease as ImportableMarks
+    from tests.unit.asynchronous.test_writer_process import finished_at as importable_finished_at
 
     marker = tmp_path / "released"
     queue = _started_queue()

@@ -132,6 +132,19 @@ def test_exact_names_of_the_save_are_still_cleared(tmp_path):
     assert _loaded(target) == 3.0 and (target / "notes.txt").read_text() == "a user's file"
 
 
+def test_the_files_of_a_dead_save_of_another_built_in_backend_are_cleared(tmp_path):
+    """A zarr save killed mid-write, then a save of the default backend into the same directory (a
+    restarted job): the names a built-in strategy writes are dist_ckpt's, so they are cleared; a
+    user's file is still left alone."""
+    target = tmp_path / "ckpt"
+    _interrupted(target, ["safetensors", "zarr", ".partial-zarr"])
+    (target / ".partial-zarr" / "w").mkdir(parents=True)
+    (target / ".partial-zarr" / "w" / "c.0").write_bytes(b"half a chunk")
+    dc.save(_state(4.0), target)
+    assert _loaded(target) == 4.0 and not (target / ".partial-zarr").exists()
+    assert (target / "notes.txt").read_text() == "a user's file"
+
+
 def _died_taking_over(target: Path) -> None:
     """An interrupted save (dead), and a second save (dead too) that died while taking it over:
     its takeover record is there, the first save's record and files still are."""
