@@ -64,6 +64,7 @@ __all__ = [
     "BIN_WEIGHTS_NAME",
     "CheckpointingConfig",
     "CheckpointingException",
+    "DCP_CHECKSUMS_FILENAME",
     "DCP_CONFIG",
     "MEGATRON_BACKENDS",
     "METADATA_FILENAME",
@@ -356,6 +357,9 @@ HF_CONFIG = CheckpointingConfig("hf", 1, "hf", 1)
 DCP_CONFIG = CheckpointingConfig("dcp", 1, "dcp", 1)
 #: DCP's metadata file, written last by its save: what makes a directory a DCP checkpoint
 DCP_METADATA_FILENAME = ".metadata"
+#: the crc32c manifest that dist_ckpt writes beside DCP's files (torch_dist backend, dist_ckpt.dcp.StorageWriter);
+#: defined here so that a DCP directory holding it is still told to be one
+DCP_CHECKSUMS_FILENAME = "torch_dist.checksums.json"
 
 # HuggingFace weight file names (transformers' names), defined here, where a location is told
 # to be a dist_ckpt checkpoint or an HF folder, for every package above (hf/, training/)
@@ -396,7 +400,8 @@ def detect_config(checkpoint_dir: LocationLike) -> CheckpointingConfig:
 def is_plain_dcp_directory(checkpoint_dir: LocationLike) -> bool:
     """Whether ``checkpoint_dir`` is what ``torch.distributed.checkpoint.save`` writes: DCP's
     ``.metadata`` and nothing but DCP's files (``*.distcp``, per-rank ``__<r>.metadata``), no
-    subdirectory.
+    subdirectory -- or what ``dist_ckpt.dcp.StorageWriter`` writes: the same and its checksum
+    manifest (`DCP_CHECKSUMS_FILENAME`).
 
     A directory that also holds other files -- the ``common.pt`` of Megatron-Core's or
     dist_ckpt's torch_dist saves -- is not: there ``metadata.json`` is the commit record, and
@@ -411,7 +416,10 @@ def is_plain_dcp_directory(checkpoint_dir: LocationLike) -> bool:
     location = resolve_location(checkpoint_dir)
     if not location.exists(DCP_METADATA_FILENAME) or location.list_dirs():
         return False
-    return all(o.key == DCP_METADATA_FILENAME or o.key.endswith((".distcp", ".metadata")) for o in location.list())
+    return all(
+        o.key in (DCP_METADATA_FILENAME, DCP_CHECKSUMS_FILENAME) or o.key.endswith((".distcp", ".metadata"))
+        for o in location.list()
+    )
 
 
 def check_is_distributed_checkpoint(checkpoint_dir: LocationLike) -> bool:

@@ -61,6 +61,7 @@ from dist_ckpt.backends.torch_dist.metadata import DCP_METADATA_FILENAME
 from dist_ckpt.errors import ChecksumMismatchError, CorruptCheckpointError, IncompatibleStrategyError
 from dist_ckpt.integrity.checksums import ALGORITHM, crc32c, crc_from_hex, crc_to_hex
 from dist_ckpt.integrity.safe_json import loads
+from dist_ckpt.record.commit import DCP_CHECKSUMS_FILENAME
 from dist_ckpt.storage import Storage
 
 __all__ = [
@@ -79,7 +80,7 @@ __all__ = [
 ]
 
 #: the manifest of a torch_dist checkpoint written by dist_ckpt
-CHECKSUMS_FILENAME = "torch_dist.checksums.json"
+CHECKSUMS_FILENAME = DCP_CHECKSUMS_FILENAME
 _FORMAT = "dist_ckpt.torch_dist.checksums"
 _VERSION = 1
 
