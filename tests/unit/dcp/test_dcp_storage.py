@@ -187,3 +187,22 @@ def test_round_trip_on_s3(s3_url: str) -> None:
     got = _empty()
     dcp.load(got, storage_reader=dist_ckpt.dcp.StorageReader(s3_url))
     assert _same(got, want)
+
+
+def test_dist_ckpt_load_and_verify_read_it_and_fail_closed(tmp_path: Path) -> None:
+    """A StorageWriter checkpoint is a plain DCP directory to dist_ckpt.load and dist-ckpt verify,
+    its manifest included."""
+    import dist_ckpt as dc
+    from dist_ckpt.tools.verify import verify_checkpoint
+
+    want = _save(tmp_path, thread_count=1)
+    out = dc.load({"w": dc.ShardedTensor.from_rank_offsets("w", torch.zeros(6, 8))}, tmp_path)
+    assert torch.equal(out["w"], want["w"])
+    assert verify_checkpoint(tmp_path).ok
+    data = tmp_path / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+    assert not verify_checkpoint(tmp_path).ok
+    with pytest.raises(ChecksumMismatchError, match="__0_0.distcp"):
+        dc.load({"big": dc.ShardedTensor.from_rank_offsets("big", torch.zeros(40_000, dtype=torch.bfloat16))}, tmp_path)
