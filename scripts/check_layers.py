@@ -36,7 +36,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"record"}),
     frozenset({"backends", "parallel", "asynchronous"}),
     frozenset({"engine"}),
-    frozenset({"hf", "training", "tools", "dcp"}),
+    frozenset({"hf", "training", "tools", "dcp", "tiers"}),
     frozenset({"cli"}),
 )
 FACADE = len(LAYERS)
