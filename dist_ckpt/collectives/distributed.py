@@ -255,6 +255,47 @@ def all_gather_bytes(data: bytes, group: Optional[ProcessGroup] = None) -> List[
     return [buf[:n].cpu().numpy().tobytes() for buf, n in zip(out, lengths)]
 
 
+def exchange_bytes(outgoing: Dict[int, bytes], group: Optional[ProcessGroup] = None) -> Dict[int, bytes]:
+    """Collective: send ``outgoing[dst]`` to each group rank ``dst``; return what each rank sent here.
+
+    Point to point (each payload crosses the network once, unlike `all_gather_bytes()`): one
+    all-gather of the sizes, then a send and a receive per pair. For bulk data between chosen
+    peers, e.g. a rank's checkpoint files to its replica ranks (`dist_ckpt.tiers`).
+
+    Example:
+
+    ```python
+    got = exchange_bytes({(rank + 1) % world: payload})   # {(rank - 1) % world: their payload}
+    ```
+    """
+    me = get_rank(group)
+    if get_world_size(group) == 1:
+        return {me: bytes(outgoing[me])} if me in outgoing else {}
+    sizes = all_gather_json({str(dst): len(data) for dst, data in outgoing.items()}, group)
+    received: Dict[int, bytes] = {}
+    local = outgoing.get(me)
+    sends = [(dst, _as_uint8(data)) for dst, data in sorted(outgoing.items()) if dst != me]
+    recvs = [
+        (src, torch.empty(table[str(me)], dtype=torch.uint8))
+        for src, table in enumerate(sizes)
+        if src != me and str(me) in table
+    ]
+    ops = [dist.P2POp(dist.isend, buf, global_rank_of(group, dst), group) for dst, buf in sends]
+    ops += [dist.P2POp(dist.irecv, buf, global_rank_of(group, src), group) for src, buf in recvs]
+
+    def run() -> None:
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+    _collective("an exchange of bytes between peers", group, run, [buf for _, buf in sends + recvs])
+    for src, buf in recvs:
+        received[src] = buf.numpy().tobytes()
+    if local is not None:
+        received[me] = bytes(local)
+    return received
+
+
 def all_reduce_max(values: Sequence[int], group: Optional[ProcessGroup] = None) -> List[int]:
     """Collective: the element-wise maximum of every rank's ``values`` (int64; one all-reduce).
 
