@@ -137,12 +137,14 @@ def async_save(
     queue: Optional[AsyncCallsQueue] = None,
     progress: Optional[ProgressCallback] = None,
     watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
+    host_memory_budget_bytes: Optional[int] = None,
 ) -> AsyncSaveFuture:
     """Save in the background (collective); return once the state is snapshotted.
 
     The arguments are [`save()`][dist_ckpt.engine.save.save]'s; ``queue`` is the
     [`AsyncCallsQueue`][dist_ckpt.asynchronous.queue.AsyncCallsQueue] to run it on (default:
-    `default_async_queue()`). Everything before the background write -- checks, the common
+    `default_async_queue()`); ``host_memory_budget_bytes`` bounds the snapshot (what does not
+    fit is written before this returns). Everything before the background write -- checks, the common
     state, the snapshot -- happens before this returns, and raises here.
 
     Example:
@@ -165,6 +167,7 @@ def async_save(
         preprocess_common_before_consistancy_check,
         progress=progress,
         watchdog_timeout_s=watchdog_timeout_s,
+        host_memory_budget_bytes=host_memory_budget_bytes,
     )
     if request is None:  # pragma: no cover -- save() returns a request whenever asked for one
         raise CheckpointingException(f"save to {location.url!r} returned no asynchronous request")

@@ -43,6 +43,7 @@ from dist_ckpt.model.sharded import (
 )
 from dist_ckpt.model.state_dict_utils import extract_sharded_base
 from dist_ckpt.storage import Storage
+from dist_ckpt.storage.host_memory import host_memory_budget
 from dist_ckpt.storage.location import LocationLike, resolve_location
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ def load_with_report(
     progress: Optional[ProgressCallback] = None,
     watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
     allow_dtype_cast: Optional[bool] = None,
+    host_memory_budget_bytes: Optional[int] = None,
 ) -> LoadResult:
     """Load like [`load()`][dist_ckpt.engine.load.load], always returning a
     [`LoadResult`][dist_ckpt.engine.load.LoadResult] (collective), with the load's report (seconds per phase, bytes,
@@ -111,7 +113,8 @@ def load_with_report(
 
     A key requested but absent from the checkpoint raises (naming it) unless ``strict`` says
     to skip it; it is never silently left unloaded. ``progress`` and ``watchdog_timeout_s`` are
-    as in [`save()`][dist_ckpt.engine.save.save], ``allow_dtype_cast`` as in [`load()`][dist_ckpt.engine.load.load].
+    as in [`save()`][dist_ckpt.engine.save.save], ``allow_dtype_cast`` and ``host_memory_budget_bytes``
+    as in [`load()`][dist_ckpt.engine.load.load].
 
     Example:
 
@@ -125,7 +128,7 @@ def load_with_report(
     location = run_collectively("opening the checkpoint location", lambda: resolve_location(checkpoint_dir))
     monitor = StepMonitor(Operation.LOAD, location, phases, progress, watchdog_timeout_s)
     monitor.count_files_meanwhile()
-    with monitor:
+    with monitor, host_memory_budget(host_memory_budget_bytes) as memory:
         state, missing, unexpected, nbytes = _load_steps(
             monitor,
             sharded_state_dict,
@@ -136,6 +139,7 @@ def load_with_report(
             parse_strict_flag(strict),
             allow_dtype_cast,
         )
+    monitor.report.host_memory_budget_bytes = memory.budget
     return LoadResult(state, missing, unexpected, monitor.finish(nbytes))
 
 
@@ -264,6 +268,7 @@ def load(
     progress: Optional[ProgressCallback] = None,
     watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
     allow_dtype_cast: Optional[bool] = None,
+    host_memory_budget_bytes: Optional[int] = None,
 ) -> StateDict: ...
 
 
@@ -279,6 +284,7 @@ def load(
     progress: Optional[ProgressCallback] = None,
     watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
     allow_dtype_cast: Optional[bool] = None,
+    host_memory_budget_bytes: Optional[int] = None,
 ) -> StateDictAndMismatchKeys: ...
 
 
@@ -294,6 +300,7 @@ def load(
     progress: Optional[ProgressCallback] = None,
     watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
     allow_dtype_cast: Optional[bool] = None,
+    host_memory_budget_bytes: Optional[int] = None,
 ) -> StateDictAndMismatchKeys: ...
 
 
@@ -309,6 +316,7 @@ def load(
     progress: Optional[ProgressCallback] = None,
     watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
     allow_dtype_cast: Optional[bool] = None,
+    host_memory_budget_bytes: Optional[int] = None,
 ) -> Union[StateDict, StateDictAndMismatchKeys]: ...
 
 
@@ -323,6 +331,7 @@ def load(
     progress: Optional[ProgressCallback] = None,
     watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
     allow_dtype_cast: Optional[bool] = None,
+    host_memory_budget_bytes: Optional[int] = None,
 ) -> Union[StateDict, StateDictAndMismatchKeys]:
     """Load a checkpoint into the layout described by ``sharded_state_dict`` (collective).
 
@@ -352,6 +361,10 @@ def load(
             logged at INFO). ``False`` raises ``LoadMismatchError`` naming the key, rank,
             checkpoint and both dtypes instead; ``None`` leaves the choice to the strategy's own
             option (e.g. ``SafetensorsLoadOptions(allow_dtype_cast=...)``).
+        host_memory_budget_bytes: most host memory the load stages at once on the way to
+            destinations it cannot read into directly (GPU or strided tensors), keyword only;
+            None: the process's budget ([`dist_ckpt.storage.host_memory`][dist_ckpt.storage.host_memory]), else
+            no bound.
 
     Example:
 
@@ -370,6 +383,7 @@ def load(
         progress=progress,
         watchdog_timeout_s=watchdog_timeout_s,
         allow_dtype_cast=allow_dtype_cast,
+        host_memory_budget_bytes=host_memory_budget_bytes,
     )
     if StrictHandling.requires_returning_mismatch_keys(parse_strict_flag(strict)):
         return result.state_dict, result.missing_keys, result.unexpected_keys

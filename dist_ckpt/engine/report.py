@@ -175,6 +175,14 @@ class CheckpointReport:
             reads), or None if they could not be listed.
         file_bytes: their total size, or None.
         complete: False until the operation ended (an async save: until it is finalized).
+        host_memory_budget_bytes: the host-memory budget the operation ran under (None: no
+            bound; see `dist_ckpt.storage.host_memory`).
+        snapshot_nbytes: an async save: bytes this rank copied into its snapshot (None for
+            other operations).
+        written_before_return_nbytes: an async save: bytes this rank wrote before returning,
+            because they did not fit the budget (None for other operations).
+        blocked_seconds: an async save: seconds the call blocked the caller on this rank
+            (checks, common state, what was written at once, and the snapshot).
     """
 
     operation: Operation
@@ -189,6 +197,10 @@ class CheckpointReport:
     files: Optional[int] = None
     file_bytes: Optional[int] = None
     complete: bool = False
+    host_memory_budget_bytes: Optional[int] = None
+    snapshot_nbytes: Optional[int] = None
+    written_before_return_nbytes: Optional[int] = None
+    blocked_seconds: Optional[float] = None
 
     @property
     def gib_per_s(self) -> float:
@@ -234,9 +246,21 @@ class CheckpointReport:
         state = "" if self.complete else " (not complete)"
         return (
             f"{self.operation.value} of {self.checkpoint_dir}{state}: {format_bytes(self.total_nbytes)} in "
-            f"{self.max_seconds:.3f} s ({format_rate(self.total_nbytes, self.max_seconds)}){ranks}{files}; "
-            f"phases: {phases}"
+            f"{self.max_seconds:.3f} s ({format_rate(self.total_nbytes, self.max_seconds)}){ranks}{files}"
+            f"{self._memory_summary()}; phases: {phases}"
         )
+
+    def _memory_summary(self) -> str:
+        """The budget and, for an async save, how this rank split its bytes ("" without either)."""
+        parts = (
+            [] if self.host_memory_budget_bytes is None else [f"budget {format_bytes(self.host_memory_budget_bytes)}"]
+        )
+        if self.snapshot_nbytes is not None:
+            parts.append(
+                f"snapshotted {format_bytes(self.snapshot_nbytes)}, written before returning "
+                f"{format_bytes(self.written_before_return_nbytes or 0)}, blocked {self.blocked_seconds or 0.0:.3f} s"
+            )
+        return f"; {', '.join(parts)}" if parts else ""
 
     def to_json(self) -> Dict[str, Any]:
         """The report as a JSON-serializable dict.
@@ -261,4 +285,8 @@ class CheckpointReport:
             "files": self.files,
             "file_bytes": self.file_bytes,
             "phases": [{"name": p.name, "seconds": p.seconds} for p in self.phases],
+            "host_memory_budget_bytes": self.host_memory_budget_bytes,
+            "snapshot_nbytes": self.snapshot_nbytes,
+            "written_before_return_nbytes": self.written_before_return_nbytes,
+            "blocked_seconds": self.blocked_seconds,
         }

@@ -61,6 +61,7 @@ from dist_ckpt.model.state_dict_utils import extract_nonpersistent, extract_shar
 from dist_ckpt.record.commit import RECORD_FILENAME, CheckpointingConfig, new_save_id, save_config
 from dist_ckpt.record.records import digest_records
 from dist_ckpt.storage import Storage, encode_key, validate_key
+from dist_ckpt.storage.host_memory import host_memory_budget
 from dist_ckpt.storage.location import LocationLike, resolve_location
 
 logger = logging.getLogger(__name__)
@@ -181,6 +182,7 @@ def save(
     *,
     progress: Optional[ProgressCallback] = None,
     watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
+    host_memory_budget_bytes: Optional[int] = None,
 ) -> Optional[AsyncRequest]:
     """Save a sharded state dict (collective).
 
@@ -227,6 +229,10 @@ def save(
         watchdog_timeout_s: log a WARNING naming the rank and step when a step lasts longer
             than this (see [`dist_ckpt.engine.watchdog`][dist_ckpt.engine.watchdog]); None disables the watchdog
             (keyword only).
+        host_memory_budget_bytes: most extra host memory the save may hold at once -- the async
+            snapshot, device-to-host staging -- (keyword only; None: the process's budget, see
+            [`dist_ckpt.storage.host_memory`][dist_ckpt.storage.host_memory], else no bound). What an
+            async save cannot snapshot within it is written before this returns.
 
     Returns:
         None, or the AsyncRequest when ``async_sharded_save`` is set.
@@ -242,6 +248,7 @@ def save(
         content_metadata,
         progress=progress,
         watchdog_timeout_s=watchdog_timeout_s,
+        host_memory_budget_bytes=host_memory_budget_bytes,
     ).async_request
 
 
@@ -257,6 +264,7 @@ def save_with_report(
     *,
     progress: Optional[ProgressCallback] = None,
     watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
+    host_memory_budget_bytes: Optional[int] = None,
 ) -> SaveResult:
     """Save like [`save()`][dist_ckpt.engine.save.save] and return a [`SaveResult`][dist_ckpt.engine.save.SaveResult]:
     the report and, for an asynchronous save, the request (collective; same arguments and steps as
@@ -278,8 +286,9 @@ def save_with_report(
     location = run_collectively("opening the checkpoint location", lambda: resolve_location(checkpoint_dir))
     monitor = StepMonitor(Operation.SAVE, location, phases, progress, watchdog_timeout_s)
     claims: List[SaveClaim] = []  # rank 0's claim of the location, once made
+    started = time.perf_counter()
     try:
-        with monitor:
+        with monitor, host_memory_budget(host_memory_budget_bytes) as memory:
             request, nbytes = _save_steps(
                 monitor,
                 sharded_state_dict,
@@ -295,8 +304,12 @@ def save_with_report(
     except BaseException as e:
         _abandon(location, claims, e)
         raise
+    monitor.report.host_memory_budget_bytes = memory.budget
     if request is None:
         return SaveResult(monitor.finish(nbytes), None)
+    monitor.report.snapshot_nbytes = memory.snapshot_nbytes
+    monitor.report.written_before_return_nbytes = memory.written_before_return_nbytes
+    monitor.report.blocked_seconds = time.perf_counter() - started
     request.add_finalize_fn(lambda: monitor.finish(nbytes))  # completes the report after the commit
     return SaveResult(monitor.report, request)
 

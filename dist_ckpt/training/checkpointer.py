@@ -64,6 +64,7 @@ from dist_ckpt.errors import (
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
 from dist_ckpt.model.stored_metadata import shaped
 from dist_ckpt.record.commit import METADATA_FILENAME, check_is_distributed_checkpoint
+from dist_ckpt.storage.host_memory import check_budget, host_memory_budget
 from dist_ckpt.storage.location import resolve_location
 from dist_ckpt.training.async_saves import PendingSaves
 from dist_ckpt.training.dtensor_shards import to_sharded_tensor
@@ -157,6 +158,8 @@ class Checkpointer:
         writer_timeout_s: for asynchronous saves, how long a background writer may take to
             start, or go without making progress, before its save fails (see
             [`AsyncCallsQueue`][dist_ckpt.asynchronous.queue.AsyncCallsQueue]).
+        host_memory_budget_bytes: the host-memory budget of every save and load of this
+            checkpointer (None: the process's; see [`dist_ckpt.storage.host_memory`][dist_ckpt.storage.host_memory]).
 
     Example:
 
@@ -182,8 +185,10 @@ class Checkpointer:
         progress: Optional[ProgressCallback] = None,
         watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
         writer_timeout_s: float = DEFAULT_WRITER_TIMEOUT_S,
+        host_memory_budget_bytes: Optional[int] = None,
     ) -> None:
         self.save_strategy = save_strategy
+        self.host_memory_budget_bytes = check_budget(host_memory_budget_bytes)
         self.load_strategy = load_strategy
         self.progress = progress
         self.watchdog_timeout_s = watchdog_timeout_s
@@ -274,6 +279,7 @@ class Checkpointer:
             sharded_strategy=self.save_strategy,
             progress=self.progress,
             watchdog_timeout_s=self.watchdog_timeout_s,
+            host_memory_budget_bytes=self.host_memory_budget_bytes,
         )
 
     def async_save_request(
@@ -317,6 +323,7 @@ class Checkpointer:
             async_sharded_save=True,
             progress=self.progress,
             watchdog_timeout_s=self.watchdog_timeout_s,
+            host_memory_budget_bytes=self.host_memory_budget_bytes,
         )
         if request is None:  # save(async_sharded_save=True) always returns one
             raise CheckpointingException(
@@ -450,7 +457,8 @@ class Checkpointer:
         # 2. load
         if no_dist:
             strategy, _ = verify_checkpoint_and_load_strategy(location, self.load_strategy)
-            loaded: StateDict = strategy.load(request, location)
+            with host_memory_budget(self.host_memory_budget_bytes):
+                loaded: StateDict = strategy.load(request, location)
         else:
             loaded = load_with_report(
                 request,
@@ -458,6 +466,7 @@ class Checkpointer:
                 sharded_strategy=self.load_strategy,
                 progress=self.progress,
                 watchdog_timeout_s=self.watchdog_timeout_s,
+                host_memory_budget_bytes=self.host_memory_budget_bytes,
             ).state_dict
 
         # 3. copy back, 4. check coverage

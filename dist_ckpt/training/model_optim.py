@@ -78,6 +78,7 @@ def save_model_and_optim_state(
     save_overwrite: bool = False,
     *,
     save_strategy: StrategySpec = None,
+    host_memory_budget_bytes: Optional[int] = None,
 ) -> None:
     """Save ``model``'s and ``optim``'s state (collective) to load at any world size.
 
@@ -94,6 +95,8 @@ def save_model_and_optim_state(
             alone.
         save_overwrite: replace a committed checkpoint in ``dir``.
         save_strategy: sharded save strategy (None: dist_ckpt's default backend).
+        host_memory_budget_bytes: most extra host memory the save holds at once (None: the
+            process's budget; see `dist_ckpt.storage.host_memory`).
 
     Example:
 
@@ -105,7 +108,8 @@ def save_model_and_optim_state(
     save that returns after a snapshot.
     """
     sd = run_collectively("describing the model and optimizer", lambda: model_optim_state_dict(model, optim))
-    Checkpointer(save_strategy=save_strategy).save_sharded(dir, sd, save_overwrite)
+    checkpointer = Checkpointer(save_strategy=save_strategy, host_memory_budget_bytes=host_memory_budget_bytes)
+    checkpointer.save_sharded(dir, sd, save_overwrite)
 
 
 def async_save_model_and_optim_state(
@@ -115,6 +119,7 @@ def async_save_model_and_optim_state(
     save_overwrite: bool = False,
     *,
     save_strategy: StrategySpec = None,
+    host_memory_budget_bytes: Optional[int] = None,
 ) -> AsyncRequest:
     """Save like [`save_model_and_optim_state()`][dist_ckpt.training.model_optim.save_model_and_optim_state],
     asynchronously: return once the tensors are snapshotted, with the request that writes and commits the checkpoint
@@ -153,6 +158,8 @@ def async_save_model_and_optim_state(
         save_strategy: an asynchronous sharded save strategy (None: dist_ckpt's default,
             safetensors). Passing the same strategy object to every call reuses its snapshot
             buffer instead of allocating shared memory per save.
+        host_memory_budget_bytes: most bytes snapshotted (the rest is written before this
+            returns; None: the process's budget; see `dist_ckpt.storage.host_memory`).
 
     Returns:
         The [`AsyncRequest`][dist_ckpt.asynchronous.queue.AsyncRequest], not scheduled yet.
@@ -174,7 +181,8 @@ def async_save_model_and_optim_state(
     ```
     """
     sd = run_collectively("describing the model and optimizer", lambda: model_optim_state_dict(model, optim))
-    return Checkpointer(save_strategy=save_strategy).async_save_request(dir, sd, save_overwrite)
+    checkpointer = Checkpointer(save_strategy=save_strategy, host_memory_budget_bytes=host_memory_budget_bytes)
+    return checkpointer.async_save_request(dir, sd, save_overwrite)
 
 
 def load_model_and_optim_state(

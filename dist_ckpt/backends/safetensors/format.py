@@ -37,6 +37,7 @@ from dist_ckpt.integrity.safe_json import loads, shown
 from dist_ckpt.model.dtypes import TENSOR_ALIGN, dtype_from_safetensors_name, dtype_info
 from dist_ckpt.storage import FileReader, ObjectNotFoundError, ObjectReader, fsync_dir
 from dist_ckpt.storage.files import SequentialWriter
+from dist_ckpt.storage.host_memory import DEFAULT_STAGING_BYTES, host_pieces, needs_staging, piece_bytes
 
 __all__ = [
     "DATA_ALIGN",
@@ -339,10 +340,11 @@ class ByteSink(Protocol):
 
 
 class StagingBuffer:
-    """A reusable pinned host buffer through which non-CPU tensors are written.
+    """A reusable pinned host buffer through which non-CPU (and strided CPU) tensors are written.
 
     Device memory cannot be handed to ``os.write``; each GPU tensor is copied to this buffer in
-    pieces and written from there. Pinned memory makes the device-to-host copies fast; the buffer
+    pieces (`dist_ckpt.storage.host_memory.host_pieces`) and written from there. Pinned memory
+    makes the device-to-host copies fast; the buffer
     is allocated on first use and reused for every tensor of a file.
     """
 
@@ -359,14 +361,11 @@ class StagingBuffer:
         so the buffer can be reused right away)."""
         if self._buffer is None:
             self._buffer = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        for start in range(0, flat.numel(), self.nbytes):
-            piece = flat[start : start + self.nbytes]
-            host = self._buffer[: piece.numel()]
-            host.copy_(piece)  # synchronous: the buffer is reused right after
-            writer.write(host.numpy().data)
+        # piece by piece, never the whole tensor: a strided view is copied row block by row block
+        for piece in host_pieces(tensor, self.nbytes, self._buffer, force=True):
+            writer.write(piece)  # synchronous: the buffer is reused right after
             if observe is not None:
-                observe(host.numpy().data)
+                observe(piece)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -440,11 +439,11 @@ class SafetensorsFileWriter:
                 f"{self.path}: tensor {name!r} was declared as {dtype} {list(shape)}, got {tensor.dtype} "
                 f"{list(tensor.shape)}"
             )
-        if tensor.device.type == "cpu":
+        if not needs_staging(tensor):
             self._writer.write(tensor_bytes(tensor))
         else:
             if self._staging is None:
-                self._staging = StagingBuffer(64 * 2**20)
+                self._staging = StagingBuffer(piece_bytes(DEFAULT_STAGING_BYTES))
             self._staging.write_device_tensor(self._writer, tensor)
         self._next += 1
 

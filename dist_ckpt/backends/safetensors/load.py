@@ -34,7 +34,7 @@ No collective is called: the loader works in a single process without a process 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import PurePosixPath
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
@@ -54,6 +54,7 @@ from dist_ckpt.model.dict_utils import dict_list_map_inplace, nested_values
 from dist_ckpt.model.geometry import Box, ShardPiece, piece_view, shard_pieces, sub_view
 from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
 from dist_ckpt.storage import ObjectReader
+from dist_ckpt.storage.host_memory import piece_bytes
 
 __all__ = ["FileCheck", "PlannedReads", "default_file_check", "load_from_index", "plan_reads"]
 
@@ -277,6 +278,10 @@ def load_from_index(
     verify = options.verify_checksums and index.block_bytes is not None
     if not index.storage.positional_reads:  # every read is a request: more in flight, fewer small ones
         options = options.for_object_store()
+    # with a host-memory budget the threads' bounce buffers (GPU or strided destinations) share it
+    bounce = piece_bytes(options.bounce_buffer_bytes, shares=options.thread_count)
+    if bounce != options.bounce_buffer_bytes:
+        options = replace(options, bounce_buffer_bytes=bounce)
     files = _OpenFiles(index, check or default_file_check(index), verify)
 
     def read_ops() -> Iterator[ReadOp]:

@@ -16,7 +16,7 @@ the layout is the same: each writer thread uploads its file as one object (multi
 storage's part size, parts in parallel) straight from the tensors' memory, rank 0 writes the
 index object, and loads fetch only the byte ranges they need with concurrent ranged GETs into the
 destination tensors, verifying the blocks they read. An object cannot be written by two
-processes, so an asynchronous save with ``snapshot_budget_bytes`` snapshots whole files (those
+processes, so an asynchronous save with a host-memory budget snapshots whole files (those
 that fit) and uploads the others before returning.
 
 Why it is fast:
@@ -101,6 +101,12 @@ from dist_ckpt.model.sharded import ShardedStateDict, ShardedTensor, StateDict
 from dist_ckpt.record.records import refresh_record
 from dist_ckpt.storage import Storage
 from dist_ckpt.storage.direct_io import accepts_direct_writes
+from dist_ckpt.storage.host_memory import (
+    DEFAULT_STAGING_BYTES,
+    MIN_PIECE_BYTES,
+    get_host_memory_budget,
+    note_async_split,
+)
 from dist_ckpt.storage.location import LocationLike, resolve_location
 
 __all__ = [
@@ -131,30 +137,51 @@ class SafetensorsSaveOptions:
             `SequentialWriter`); off, the save only fsyncs at the end.
         checksum_block_bytes: record a crc32c per block of this many bytes of every shard
             (recorded in the index); None records none.
-        snapshot_budget_bytes: most bytes an asynchronous save copies into its snapshot. When a
-            rank's shards are larger, the save streams: the shards that do not fit are written
-            before [`async_save()`][dist_ckpt.backends.safetensors.strategy.SafetensorsSaveShardedStrategy.async_save]
+        host_memory_budget_bytes: most extra host memory a save holds at once (the snapshot of
+            an asynchronous save and the staging buffers of GPU tensors together; see
+            `dist_ckpt.storage.host_memory`). When a rank's shards are larger, an asynchronous
+            save streams: the shards that do not fit are written before
+            [`async_save()`][dist_ckpt.backends.safetensors.strategy.SafetensorsSaveShardedStrategy.async_save]
             returns, straight from the tensors' memory (so the call blocks longer), and only the rest is written in the
             background. On an object store the choice is by whole files (an object is written
-            by one process). None: no bound, everything is snapshotted.
+            by one process). None: the budget of the call or the process
+            (`get_host_memory_budget()`), else no bound (everything is snapshotted).
+        snapshot_budget_bytes: the former name of ``host_memory_budget_bytes`` (an alias: set
+            one of the two, or both to the same value).
     """
 
     thread_count: int = 2
-    staging_buffer_bytes: int = 64 * 2**20
+    staging_buffer_bytes: int = DEFAULT_STAGING_BYTES
     early_writeback: bool = True
     checksum_block_bytes: Optional[int] = DEFAULT_BLOCK_BYTES
     snapshot_budget_bytes: Optional[int] = None
+    host_memory_budget_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
-        for name in ("thread_count", "staging_buffer_bytes", "checksum_block_bytes", "snapshot_budget_bytes"):
+        budgets = ("snapshot_budget_bytes", "host_memory_budget_bytes")
+        for name in ("thread_count", "staging_buffer_bytes", "checksum_block_bytes", *budgets):
             value = getattr(self, name)
-            if value is None and name in ("checksum_block_bytes", "snapshot_budget_bytes"):
+            if value is None and name in ("checksum_block_bytes", *budgets):
                 continue
-            smallest = 0 if name == "snapshot_budget_bytes" else 1
+            smallest = 0 if name in budgets else 1
             if not isinstance(value, int) or isinstance(value, bool) or value < smallest:
                 raise CheckpointingException(
                     f"SafetensorsSaveOptions.{name} must be an int >= {smallest}, got {value!r}"
                 )
+        old, new = self.snapshot_budget_bytes, self.host_memory_budget_bytes
+        if old is not None and new is not None and old != new:
+            raise CheckpointingException(
+                f"SafetensorsSaveOptions: snapshot_budget_bytes={old} and host_memory_budget_bytes={new} name one "
+                f"budget (the first is the old name of the second); set one of them"
+            )
+        budget = new if new is not None else old
+        object.__setattr__(self, "snapshot_budget_bytes", budget)  # both names read the same value
+        object.__setattr__(self, "host_memory_budget_bytes", budget)
+
+    def budget(self) -> Optional[int]:
+        """The budget in force for a save with these options: their own, else the call's or the
+        process's (`get_host_memory_budget()`), else None."""
+        return self.host_memory_budget_bytes if self.host_memory_budget_bytes is not None else get_host_memory_budget()
 
 
 def _nbytes(sh: ShardedTensor) -> int:
@@ -276,8 +303,22 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.options = options or SafetensorsSaveOptions()
         # one pinned buffer per writer thread, allocated at the first GPU tensor and kept for
         # later saves with this strategy (pinning memory is slow)
-        self._staging = [StagingBuffer(self.options.staging_buffer_bytes) for _ in range(self.options.thread_count)]
+        self._kept_staging = [
+            StagingBuffer(self.options.staging_buffer_bytes) for _ in range(self.options.thread_count)
+        ]
         self._snapshots = PROCESS_SNAPSHOTS  # shared: a new strategy object reuses the last buffer
+
+    def _staging(self, budget: Optional[int] = None) -> List[StagingBuffer]:
+        """One staging buffer per writer thread, for the GPU (and strided) tensors of a save:
+        the kept ones, or, where the budget leaves each thread less, smaller ones for this save."""
+        budget = self.options.budget() if budget is None else budget
+        threads = self.options.thread_count
+        size = self.options.staging_buffer_bytes
+        if budget is not None:
+            size = max(MIN_PIECE_BYTES, min(size, budget // threads))
+        if size == self.options.staging_buffer_bytes:
+            return self._kept_staging
+        return [StagingBuffer(size) for _ in range(threads)]
 
     # ----------------------------------------------------------------------- synchronous
 
@@ -297,7 +338,7 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
                 storage.child(SAFETENSORS_DIR),
                 parts,
                 block_bytes=self.options.checksum_block_bytes,
-                staging=self._staging,
+                staging=self._staging(),
             )
             return self._rank_index(shards, files, uploaded)
         storage.make_dir(SAFETENSORS_DIR)
@@ -307,7 +348,7 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
             parts,
             block_bytes=self.options.checksum_block_bytes,
             early_writeback=self.options.early_writeback,
-            staging=self._staging,
+            staging=self._staging(),
         )
         publish(root, [plan.name for plan, _ in files])  # written under temporary names until now
         return self._rank_index(shards, files, results)
@@ -357,7 +398,7 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
         ``sharded_state_dict`` now, e.g. at start-up, so that page faults of fresh memory do not
         add to the first checkpoint's blocking time. Local (not collective). Returns its size.
 
-        With a ``snapshot_budget_bytes``, pass ``object_store=True`` for saves to an object store
+        With a host-memory budget, pass ``object_store=True`` for saves to an object store
         (which snapshot whole files).
 
         Example:
@@ -368,9 +409,10 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
         ```
         """
         shards = [sh for sh in main_replica_shards(sharded_state_dict) if sh.data is not None]
-        files = self._plan(shards, smallest_last=self.options.snapshot_budget_bytes is not None)
+        budget = self.options.budget()
+        files = self._plan(shards, smallest_last=budget is not None)
         choose = whole_file_starts if object_store else deferred_starts
-        starts = choose([[_nbytes(sh) for sh in group] for _, group in files], self.options.snapshot_budget_bytes)
+        starts = choose([[_nbytes(sh) for sh in group] for _, group in files], budget)
         nbytes = _snapshot_layout(files, starts, file_order=not object_store)[1]
         self._snapshots.reserve(nbytes)
         return nbytes
@@ -381,7 +423,7 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
         Steps:
 
         1. Plan every file: which shards, in which order, at which byte ranges.
-        2. Choose what the snapshot holds: every shard, or with ``snapshot_budget_bytes`` the
+        2. Choose what the snapshot holds: every shard, or with a host-memory budget the
            ends of the files that fit ([`deferred_starts()`][dist_ckpt.backends.safetensors.strategy.deferred_starts];
            on an object store, the whole files that fit:
            [`whole_file_starts()`][dist_ckpt.backends.safetensors.strategy.whole_file_starts]).
@@ -407,7 +449,7 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
             remote = storage
             remote_root = remote.child(SAFETENSORS_DIR)
         shards = main_replica_shards(sharded_state_dict)
-        budget = self.options.snapshot_budget_bytes
+        budget = self.options.budget()  # the staging of step 3 ends before the snapshot of step 4 starts
         block = self.options.checksum_block_bytes
         # 1. plan
         files = self._plan(shards, smallest_last=budget is not None and remote is None)
@@ -421,11 +463,15 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
                 WritePart(plan, 0, tuple(v[:k]), fsync=False) for (plan, _), v, k in zip(files, views, starts) if k > 0
             ]
             head_results = write_parts(
-                root, heads, block_bytes=block, early_writeback=self.options.early_writeback, staging=self._staging
+                root,
+                heads,
+                block_bytes=block,
+                early_writeback=self.options.early_writeback,
+                staging=self._staging(budget),
             )
         else:
             heads = [WritePart(plan, 0, tuple(v)) for (plan, _), v, k in zip(files, views, starts) if k > 0]
-            head_results = write_objects(remote_root, heads, block_bytes=block, staging=self._staging)
+            head_results = write_objects(remote_root, heads, block_bytes=block, staging=self._staging(budget))
         # 4. snapshot
         outcome = AsyncOutcome()
         deferred = [t for v, k in zip(views, starts) for t in v[k:]]
@@ -451,11 +497,9 @@ class SafetensorsSaveShardedStrategy(AsyncSaveShardedStrategy):
             if k < len(group) or remote_root is None:
                 parts.append(SnapshotPart(plan, k, tuple(range(slot, slot + len(group) - k))))
             slot += len(group) - k
-        logger.debug(
-            "async save: %d bytes snapshotted, %d written before returning",
-            snapshot.nbytes,
-            sum(_nbytes(sh) for (_, group), k in zip(files, starts) for sh in group[:k]),
-        )
+        written_now = sum(_nbytes(sh) for (_, group), k in zip(files, starts) for sh in group[:k])
+        note_async_split(snapshot.nbytes, written_now)
+        logger.debug("async save: %d bytes snapshotted, %d written before returning", snapshot.nbytes, written_now)
 
         # 5. the request; its finalization needs the index entries, not the shards' data
         part = IndexPart(get_rank(), shards, files)

@@ -53,6 +53,7 @@ from dist_ckpt.integrity.checksums import BlockChecksums, crc32c, crc_to_hex, en
 from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.storage import ObjectWriter, Storage, fsync_dir
 from dist_ckpt.storage.files import SequentialWriter
+from dist_ckpt.storage.host_memory import DEFAULT_STAGING_BYTES, needs_staging, piece_bytes
 
 __all__ = [
     "FILE_METADATA",
@@ -282,7 +283,7 @@ def _write_tensor(
     writer: SequentialWriter, tensor: torch.Tensor, block_bytes: Optional[int], staging: Optional[StagingBuffer]
 ) -> str:
     blocks = BlockChecksums(block_bytes) if block_bytes else None
-    if tensor.device.type == "cpu":
+    if not needs_staging(tensor):
         data = tensor_bytes(tensor)
         for s in range(0, len(data), _PIECE_BYTES):
             piece = data[s : s + _PIECE_BYTES]
@@ -290,7 +291,9 @@ def _write_tensor(
             if blocks is not None:
                 blocks.update(piece)
     else:
-        (staging or StagingBuffer(64 << 20)).write_device_tensor(writer, tensor, blocks.update if blocks else None)
+        (staging or StagingBuffer(piece_bytes(DEFAULT_STAGING_BYTES))).write_device_tensor(
+            writer, tensor, blocks.update if blocks else None
+        )
     return encode_block_crcs(blocks.finish()) if blocks is not None else ""
 
 
@@ -434,7 +437,7 @@ def write_object(
                 f"planned {end - begin}"
             )
     header_crc = crc_to_hex(crc32c(plan.prefix)) if block_bytes else None
-    if all(t.device.type == "cpu" for t in part.tensors):
+    if not any(needs_staging(t) for t in part.tensors):
         views = [tensor_bytes(t) for t in part.tensors]
         crcs = [_block_crcs(v, block_bytes) for v in views]
         storage.write_buffers(plan.name, [memoryview(plan.prefix), *views])
@@ -460,14 +463,16 @@ def stream_tensor(
     """Append ``tensor``'s bytes to an object upload (a device tensor through ``staging``, or a
     temporary staging buffer); return its block crcs, encoded ("" without checksums)."""
     blocks = BlockChecksums(block_bytes) if block_bytes else None
-    if tensor.device.type == "cpu":
+    if not needs_staging(tensor):
         data = tensor_bytes(tensor)
         for s in range(0, len(data), _PIECE_BYTES):
             writer.write(data[s : s + _PIECE_BYTES])
             if blocks is not None:
                 blocks.update(data[s : s + _PIECE_BYTES])
     else:
-        (staging or StagingBuffer(64 << 20)).write_device_tensor(writer, tensor, blocks.update if blocks else None)
+        (staging or StagingBuffer(piece_bytes(DEFAULT_STAGING_BYTES))).write_device_tensor(
+            writer, tensor, blocks.update if blocks else None
+        )
     return encode_block_crcs(blocks.finish()) if blocks is not None else ""
 
 
