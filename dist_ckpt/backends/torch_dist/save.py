@@ -73,6 +73,7 @@ from dist_ckpt.model.dtypes import dtype_from_name, dtype_to_name
 from dist_ckpt.model.sharded import ShardedObject, ShardedStateDict, is_main_replica
 from dist_ckpt.storage import Storage, fsync_dir
 from dist_ckpt.storage.errors import storage_error_in
+from dist_ckpt.storage.host_memory import get_host_memory_budget, note_async_split
 
 __all__ = [
     "ChunkEntry",
@@ -84,6 +85,7 @@ __all__ = [
     "write_global_metadata",
     "write_rank",
     "write_snapshot",
+    "written_already",
 ]
 
 logger = logging.getLogger(__name__)
@@ -279,6 +281,12 @@ def write_rank(
     }
 
 
+def written_already(written: Dict[str, Any]) -> Dict[str, Any]:
+    """The background step of an async save that wrote its files before returning (its state
+    did not fit the host-memory budget): what `write_rank()` returned."""
+    return written
+
+
 def write_snapshot(directory: str, plan: RankPlan, snapshot: Snapshot, options: TorchDistSaveOptions) -> Dict[str, Any]:
     """`write_rank()` from a shared-memory snapshot: the background half of an asynchronous
     save (runs in the async worker process, calls no collective)."""
@@ -439,12 +447,21 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         storage.make_dir()
         plan, tensors = plan_rank(sharded_state_dict)
         outcome = AsyncOutcome()
-        snapshot = self._snapshots.take(tensors, in_use=lambda: not outcome.done)
-        logger.debug("torch_dist async save: %d bytes snapshotted", snapshot.nbytes)
 
         def finalize() -> None:
             commit_metadata(storage, outcome.result, self.options)
 
+        budget = get_host_memory_budget()
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        if budget is not None and nbytes > budget:
+            # DCP writes a rank's files in one call: a state over the budget is written now, whole
+            # (the request's background step only hands the result on)
+            written = write_rank(str(storage.local_dir), plan, tensors, self.options)
+            note_async_split(0, nbytes)
+            return AsyncRequest(written_already, (written,), [finalize], outcome=outcome)
+        snapshot = self._snapshots.take(tensors, in_use=lambda: not outcome.done)
+        note_async_split(snapshot.nbytes, 0)
+        logger.debug("torch_dist async save: %d bytes snapshotted", snapshot.nbytes)
         args = (str(storage.local_dir), plan, snapshot, self.options)
         return AsyncRequest(write_snapshot, args, [finalize], outcome=outcome)
 
