@@ -70,7 +70,7 @@ def _rank(rank: int, world: int, root: str, mib: int, budgets: List[Optional[int
     dist.init_process_group("gloo", rank=rank, world_size=world)
     sd = _state(rank, world, mib, fill=True)
     target = _state(rank, world, mib, fill=False)
-    nbytes = sum(sh.data.numel() * 4 for sh in sd.values())  # type: ignore[union-attr]
+    nbytes = sum(sh.local_shape[0] * sh.local_shape[1] * 4 for sh in sd.values())
     block = memoryview(bytearray(BLOCK))
     rows = []
     for b, budget in enumerate(budgets):
@@ -120,7 +120,8 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="bench_memory_", dir=os.environ.get("BENCH_DIR"))
     out = os.path.join(root, "result.txt")
     try:
-        mp.spawn(_rank, args=(args.world, root, args.rank_mib, budgets, out), nprocs=args.world)
+        spawn_args = (args.world, root, args.rank_mib, budgets, out)
+        mp.spawn(_rank, args=spawn_args, nprocs=args.world)  # type: ignore[attr-defined,no-untyped-call]
         print(Path(out).read_text(), end="")
     finally:
         shutil.rmtree(root, ignore_errors=True)
