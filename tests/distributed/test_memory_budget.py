@@ -1,7 +1,7 @@
 """Multi-rank: a host-memory budget far below the state bounds the peak RSS of each path.
 
 Each rank holds 64 MiB in two strided tensors (transposed views: a non-host layout, so they take
-the same staging code as GPU tensors) and saves, async-saves and loads them with an 8 MiB budget.
+the same staging code as GPU tensors) and saves (safetensors and zarr), async-saves and loads them with an 8 MiB budget.
 The peak is VmHWM after resetting it (``/proc/self/clear_refs``), over VmRSS at the start; the
 allowance over the budget, ``SLACK_BYTES``, covers the Python and allocator noise of a save (a few
 MiB measured) and the 1 MiB floor of each thread's piece. Without the budget each path holds 32 to
@@ -58,6 +58,12 @@ def test_budget_bounds_peak_rss_of_each_path(shared_tmp_path: Path) -> None:
     peaks = {}
     peaks["save"] = _peak_over_base(
         lambda: dc.save(sd, shared_tmp_path / "sync", host_memory_budget_bytes=BUDGET_BYTES)
+    )
+
+    peaks["zarr save"] = _peak_over_base(
+        lambda: dc.save(
+            sd, shared_tmp_path / "zarr", sharded_strategy=("zarr", 1), host_memory_budget_bytes=BUDGET_BYTES
+        )
     )
 
     def async_save() -> None:

@@ -32,6 +32,7 @@ rank writes), then written several nodes at a time (`write_node_files()`).
 
 from __future__ import annotations
 
+import contextvars
 import errno
 import math
 import os
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+import torch
 
 from dist_ckpt.backends.zarr.layout import (
     ATTR,
@@ -51,6 +53,7 @@ from dist_ckpt.backends.zarr.layout import (
     tensor_dir_name,
 )
 from dist_ckpt.backends.zarr.nodes import (
+    IO_THREADS,
     array_chunk_shape,
     array_metadata,
     chunked_attributes,
@@ -66,10 +69,11 @@ from dist_ckpt.backends.zarr.nodes import (
 )
 from dist_ckpt.collectives.distributed import get_rank
 from dist_ckpt.errors import CheckpointingException
-from dist_ckpt.integrity.checksums import FileDigest, bytes_digest
+from dist_ckpt.integrity.checksums import FileDigest, bytes_digest, crc32c
 from dist_ckpt.model.sharded import ShardedTensor
 from dist_ckpt.storage.errors import ObjectExistsError, StorageError
 from dist_ckpt.storage.files import SequentialWriter, WritebackWindow, spread_subdirectories
+from dist_ckpt.storage.host_memory import DEFAULT_STAGING_BYTES, host_pieces, needs_staging, piece_bytes
 from dist_ckpt.storage.object_path import ObjectPath
 
 __all__ = [
@@ -204,11 +208,36 @@ def _write_new(path: str, data: memoryview, window: Optional[WritebackWindow]) -
     return bytes_digest(data)
 
 
+def _write_staged(path: str, tensor: torch.Tensor, piece: int, window: Optional[WritebackWindow]) -> FileDigest:
+    """Create ``path`` with ``tensor``'s row-major bytes, staged through host memory in pieces of
+    at most ``piece`` bytes (a GPU or strided tensor: never copied whole, `host_pieces()`)."""
+    fd = os.open(path, _CREATE, 0o666)
+    nbytes = tensor.numel() * tensor.element_size()
+    early = nbytes >= EARLY_WRITEBACK_BYTES
+    crc = 0
+    try:
+        writer = SequentialWriter(fd, early_writeback=early, url=path)
+        for data in host_pieces(tensor, piece, force=True):
+            writer.write(data)
+            crc = crc32c(data, crc)
+        writer.start_writeback()
+    except BaseException:
+        os.close(fd)
+        raise
+    if early and window is not None:
+        window.hand_over(fd, nbytes)
+    else:
+        os.close(fd)
+    return FileDigest(nbytes, crc)
+
+
 def write_node_files(
     top: str, node: NodeFiles, window: Optional[WritebackWindow] = None
 ) -> List[Tuple[str, FileDigest]]:
     """Write ``node`` under the local directory ``top`` (the tree's root, which exists); returns
-    ``(name, digest)`` of each file written. Its large files go to ``window`` once written.
+    ``(name, digest)`` of each file written. Its large files go to ``window`` once written. A
+    GPU or strided shard stored as one chunk is staged in pieces of the host-memory budget's
+    share of one of the `IO_THREADS` (run it in the caller's context to see a call's budget).
 
     Raises:
         ObjectExistsError: a file or directory of the node exists already (a file is written once).
@@ -216,7 +245,7 @@ def write_node_files(
             rank, the tensor and the path, the ``OSError`` is its cause.
     """
     try:
-        return _write_node_files(top, node, window)
+        return _write_node_files(top, node, window, piece_bytes(DEFAULT_STAGING_BYTES, shares=IO_THREADS))
     except OSError as e:
         what = f"of {node.shard.key!r}" if node.shard is not None else "of the tree"
         if isinstance(e, StorageError) and not isinstance(e, ObjectExistsError):  # a write: it names the file
@@ -229,11 +258,18 @@ def write_node_files(
         raise error(message, url=str(path), operation="write") from e
 
 
-def _write_node_files(top: str, node: NodeFiles, window: Optional[WritebackWindow]) -> List[Tuple[str, FileDigest]]:
+def _write_node_files(
+    top: str, node: NodeFiles, window: Optional[WritebackWindow], staged_piece: int
+) -> List[Tuple[str, FileDigest]]:
     for directory in node.directories:
         _make_dir(os.path.join(top, directory))
     written = [(name, _write_new(os.path.join(top, name), memoryview(raw), window)) for name, raw in node.documents]
-    if node.shard is not None:
+    data = node.shard.data if node.shard is not None else None
+    whole = len(node.chunks) == 1 and node.chunks[0][1:] == (0, node.chunk_elements)
+    if data is not None and whole and needs_staging(data) and data.numel() == node.chunk_elements:
+        name = node.chunks[0][0]
+        written.append((name, _write_staged(os.path.join(top, name), data, staged_piece, window)))
+    elif node.shard is not None:
         # converted here, in the writing thread: one tensor's copy at a time
         raw = stored_values(node.shard).reshape(-1).view(np.uint8)
         itemsize = node.shard.dtype.itemsize
@@ -253,9 +289,10 @@ def write_planned(
     (`WritebackWindow`); returns the files written, their digests recorded in ``digests``."""
     top = str(root.local_path())
     files = []
+    caller = contextvars.copy_context()  # a call's host-memory budget, which threads do not inherit
     try:
         with WritebackWindow() as window:
-            per_node = in_threads(lambda node: write_node_files(top, node, window), nodes)
+            per_node = in_threads(lambda node: caller.copy().run(write_node_files, top, node, window), nodes)
     except OSError as e:
         if isinstance(e, CheckpointingException):  # a node's write failed: it names the file
             raise
