@@ -65,6 +65,7 @@ from dist_ckpt.backends.torch_dist.layout import REFORMULATED_SHAPE, chunk_data,
 from dist_ckpt.backends.torch_dist.load import local_storage
 from dist_ckpt.backends.torch_dist.metadata import DCP_METADATA_FILENAME
 from dist_ckpt.backends.torch_dist.staging import STAGING_DIR, publish_staged, staged_names, staging_dir
+from dist_ckpt.backends.torch_dist.tensor_bytes import exact_storage, on_storage
 from dist_ckpt.collectives.distributed import gather_json, get_rank, run_collectively
 from dist_ckpt.errors import CheckpointingException, InvalidShardedTensorError, ShardingIntegrityError
 from dist_ckpt.integrity.checksums import crc32c
@@ -89,6 +90,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+_exact_storage = exact_storage  # the name dist_ckpt.dcp.items imports
 
 #: the format name and version in ``metadata.json`` (Megatron-Core's)
 TORCH_DIST_BACKEND: Tuple[str, int] = ("torch_dist", 1)
@@ -198,26 +201,6 @@ def plan_rank(sharded_state_dict: ShardedStateDict) -> Tuple[RankPlan, List[torc
     return RankPlan(rank, tuple(chunks), objects), tensors
 
 
-def _on_storage(storage: torch.UntypedStorage, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
-    """A contiguous tensor of ``shape`` over the whole of ``storage`` (no copy)."""
-    strides, step = [], 1
-    for n in reversed(tuple(shape)):
-        strides.append(step)
-        step *= max(n, 1)
-    empty = torch.empty(0, dtype=dtype, device=storage.device)
-    return empty.set_(storage, 0, tuple(shape), tuple(reversed(strides)))
-
-
-def _exact_storage(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` on a storage holding exactly its bytes (a view, no copy) when it is a contiguous
-    part of a larger storage: DCP's writer would otherwise copy it (``torch.save`` writes whole
-    storages)."""
-    if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() == tensor.nbytes:
-        return tensor
-    start = tensor.storage_offset() * tensor.element_size()
-    return _on_storage(tensor.untyped_storage()[start : start + tensor.nbytes], tensor.dtype, tensor.shape)
-
-
 class _ItemData(DefaultSavePlanner):
     """Hands DCP's writer the data of each item (only ``resolve_data`` is used)."""
 
@@ -227,7 +210,7 @@ class _ItemData(DefaultSavePlanner):
 
     def resolve_data(self, write_item: WriteItem) -> Union[torch.Tensor, io.BytesIO]:
         value = self._data[write_item.index]
-        return io.BytesIO(value) if isinstance(value, bytes) else _exact_storage(value.detach())
+        return io.BytesIO(value) if isinstance(value, bytes) else exact_storage(value.detach())
 
 
 def write_rank(
@@ -294,7 +277,7 @@ def write_snapshot(directory: str, plan: RankPlan, snapshot: Snapshot, options: 
     for i, entry in enumerate(plan.chunks):
         raw = snapshot.view(i)
         storage = raw.untyped_storage()[raw.storage_offset() : raw.storage_offset() + raw.numel()]
-        tensors.append(_on_storage(storage, dtype_from_name(entry.dtype), entry.sizes))
+        tensors.append(on_storage(storage, dtype_from_name(entry.dtype), entry.sizes))
     return write_rank(directory, plan, tensors, options)
 
 
