@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import dist_ckpt as dc
-from tests.distributed.helpers import assert_on_all_ranks, rank
+from tests.distributed.helpers import assert_on_all_ranks, rank, world
 
 BUDGET_BYTES = 8 << 20
 SLACK_BYTES = 24 << 20
@@ -42,7 +42,7 @@ def _peak_over_base(fn: Callable[[], object]) -> int:
 def _state(seed: int) -> Dict[str, dc.ShardedTensor]:
     gen = torch.Generator().manual_seed(seed)
     return {
-        f"w{i}": dc.ShardedTensor.from_rank_offsets(f"w{i}", torch.randn(2048, 4096, generator=gen).t(), (1, rank(), 2))
+        f"w{i}": dc.ShardedTensor.from_rank_offsets(f"w{i}", torch.randn(2048, 4096, generator=gen).t(), (1, rank(), world()))
         for i in range(2)
     }
 
@@ -72,7 +72,7 @@ def test_budget_bounds_peak_rss_of_each_path(shared_tmp_path: Path) -> None:
         request.execute_sync()
 
     peaks["async save"] = _peak_over_base(async_save)
-    target = {k: dc.ShardedTensor.from_rank_offsets(k, torch.zeros(2048, 4096).t(), (1, rank(), 2)) for k in sd}
+    target = {k: dc.ShardedTensor.from_rank_offsets(k, torch.zeros(2048, 4096).t(), (1, rank(), world())) for k in sd}
     peaks["load"] = _peak_over_base(
         lambda: dc.load(target, shared_tmp_path / "async", host_memory_budget_bytes=BUDGET_BYTES)
     )
