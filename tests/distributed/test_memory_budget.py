@@ -42,7 +42,9 @@ def _peak_over_base(fn: Callable[[], object]) -> int:
 def _state(seed: int) -> Dict[str, dc.ShardedTensor]:
     gen = torch.Generator().manual_seed(seed)
     return {
-        f"w{i}": dc.ShardedTensor.from_rank_offsets(f"w{i}", torch.randn(2048, 4096, generator=gen).t(), (1, rank(), world()))
+        f"w{i}": dc.ShardedTensor.from_rank_offsets(
+            f"w{i}", torch.randn(2048, 4096, generator=gen).t(), (1, rank(), world())
+        )
         for i in range(2)
     }
 
