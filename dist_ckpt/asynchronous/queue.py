@@ -77,6 +77,10 @@ class AsyncRequest:
         abort_fns: called in order, on every rank, with the error when the request fails
             (``async_fn`` on any rank, or a finalize function): e.g. delete the files of the
             uncommitted save. Their own errors are logged, not raised.
+        preload_fn: Megatron-Core's staging step, called on the caller when the request is run
+            or scheduled: its result replaces ``async_fn_args[1]`` (e.g. the write buckets with
+            their tensors copied to the host, from ``FileSystemWriterAsync``).
+        call_idx: the request's index in its queue (Megatron-Core's field; informative).
 
     Example:
 
@@ -93,6 +97,26 @@ class AsyncRequest:
     is_frozen: bool = False
     outcome: AsyncOutcome = field(default_factory=AsyncOutcome, compare=False, repr=False)
     abort_fns: List[Callable[[BaseException], Any]] = field(default_factory=list)
+    preload_fn: Optional[Callable[[], Any]] = None
+    call_idx: int = 0
+
+    def call_args(self) -> Tuple[Any, ...]:
+        """``async_fn``'s positional arguments, with ``args[1]`` replaced by ``preload_fn()`` if
+        there is one (it stages the data, e.g. device-to-host copies).
+
+        Raises:
+            AsyncSaveError: a ``preload_fn`` with fewer than two arguments to replace.
+        """
+        if self.preload_fn is None:
+            return self.async_fn_args
+        if len(self.async_fn_args) < 2:
+            raise AsyncSaveError(
+                f"an AsyncRequest with a preload_fn replaces async_fn_args[1], but it has {len(self.async_fn_args)} "
+                f"arguments"
+            )
+        args = list(self.async_fn_args)
+        args[1] = self.preload_fn()
+        return tuple(args)
 
     def add_finalize_fn(self, fn: Callable[[], Any]) -> None:
         """Append a finalization step (only before the request is frozen)."""
@@ -121,7 +145,7 @@ class AsyncRequest:
         """
         error: Optional[BaseException] = None
         try:
-            result = self.async_fn(*self.async_fn_args, **self.async_fn_kwargs) if self.async_fn is not None else None
+            result = self.async_fn(*self.call_args(), **self.async_fn_kwargs) if self.async_fn is not None else None
             self.outcome.succeed(result)
         except Exception as e:  # noqa: BLE001 -- exchanged below, so that every rank raises
             self.outcome.fail(e)
@@ -266,14 +290,14 @@ class AsyncCallsQueue:
         Raises:
             AsyncSaveError: the work cannot be sent to the background process.
         """
-        request = async_request.freeze()
         idx = self._next_idx
+        request = replace(async_request.freeze(), call_idx=idx)
         self._next_idx += 1
         worker = self._get_worker()
         if request.async_fn is None:
             request.outcome.succeed(None)
         else:
-            worker.submit(idx, request.async_fn, request.async_fn_args, request.async_fn_kwargs, request.outcome)
+            worker.submit(idx, request.async_fn, request.call_args(), request.async_fn_kwargs, request.outcome)
         self._calls.append(_ActiveCall(idx, request, worker))
         logger.debug("scheduled async call %d", idx)
         return idx
