@@ -163,6 +163,12 @@ MEGATRON_0_16_NAMES = {
     ],
     "strategies.checkpointable": ["CheckpointableShardedTensor", "LocalShardsContainer"],
     "strategies.cached_metadata_filesystem_reader": ["CachedMetadataFileSystemReader"],
+    "strategies.filesystem_async": ["FileSystemWriterAsync"],
+    "strategies.state_dict_saver": [
+        "save_state_dict_async_finalize",
+        "save_state_dict_async_plan",
+        "verify_global_md_reuse",
+    ],
     "strategies.fully_parallel": [
         "FullyParallelLoadStrategyWrapper",
         "FullyParallelSaveStrategyWrapper",
