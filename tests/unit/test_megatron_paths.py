@@ -164,6 +164,13 @@ MEGATRON_0_16_NAMES = {
     "strategies.checkpointable": ["CheckpointableShardedTensor", "LocalShardsContainer"],
     "strategies.cached_metadata_filesystem_reader": ["CachedMetadataFileSystemReader"],
     "strategies.filesystem_async": ["FileSystemWriterAsync"],
+    "strategies.async_utils": [
+        "AsyncCaller",
+        "AsyncCallsQueue",
+        "AsyncRequest",
+        "PersistentAsyncCaller",
+        "TemporalAsyncCaller",
+    ],
     "strategies.state_dict_saver": [
         "save_state_dict_async_finalize",
         "save_state_dict_async_plan",
