@@ -5,7 +5,7 @@ An [`AsyncCaller`][dist_ckpt.asynchronous.callers.AsyncCaller] is the piece belo
 ``AsyncCallsQueue``: the queue hands it each request (``schedule_async_call``) and asks it, on every
 rank and equally often, whether the current one is done everywhere (``is_current_async_call_done``)
 before finalizing. The work runs in dist_ckpt's writer process
-([`AsyncWorker`][dist_ckpt.asynchronous.worker.AsyncWorker]: a fresh ``python -m
+(``AsyncWorker``: a fresh ``python -m
 dist_ckpt.asynchronous.writer``, never a fork of the training process, so ``async_fn`` must be a
 function of an importable module and its arguments picklable):
 

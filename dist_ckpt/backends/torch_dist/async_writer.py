@@ -233,7 +233,8 @@ class FileSystemWriterAsync(FileSystemWriter):
 
     Args:
         path: the checkpoint directory.
-        *args, **kwargs: DCP's ``FileSystemWriter`` arguments (``single_file_per_rank`` must stay
+        *args: DCP's ``FileSystemWriter`` arguments.
+        **kwargs: DCP's ``FileSystemWriter`` keyword arguments (``single_file_per_rank`` must stay
             True; ``thread_count`` is the number of files per rank; ``sync_files`` makes every file
             durable before the write returns).
         separation_hint: items whose key starts with this prefix are written to files of their own

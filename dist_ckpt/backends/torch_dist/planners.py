@@ -51,7 +51,8 @@ class MCoreSavePlanner(DefaultSavePlanner):
     """DCP's default save planner, with every rank writing its own bytes entries as they are.
 
     Args:
-        *args, **kwargs: DCP's ``DefaultSavePlanner`` arguments (``flatten_state_dict`` must be
+        *args: DCP's ``DefaultSavePlanner`` arguments.
+        **kwargs: DCP's ``DefaultSavePlanner`` keyword arguments (``flatten_state_dict`` must be
             False for a decentralized plan: the state dict is flat already).
         dedup_replicated_tensors: DCP's deduplication (deprecated in DCP; must be falsy for a
             decentralized plan: the ShardedTensors' ``replica_id`` already decides who saves).
@@ -109,7 +110,8 @@ class MCoreLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner with Megatron-Core's checks of global shapes.
 
     Args:
-        *args, **kwargs: DCP's ``DefaultLoadPlanner`` arguments.
+        *args: DCP's ``DefaultLoadPlanner`` arguments.
+        **kwargs: DCP's ``DefaultLoadPlanner`` keyword arguments.
         shapes_validation_sharded_tensors: ShardedTensors whose key must be in the checkpoint with
             exactly their global shape.
         allow_shape_mismatch_sharded_tensors: key -> ShardedTensor whose stored shape may differ
