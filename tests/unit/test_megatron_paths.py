@@ -68,7 +68,16 @@ MEGATRON_NAMES = {
         "open_ts_array",
         "register_default_tensorstore_strategies",
     ],
-    "strategies.torch": ["TorchDistLoadShardedStrategy", "TorchDistSaveShardedStrategy"],
+    "strategies.torch": ["TorchDistLoadShardedStrategy", "TorchDistSaveShardedStrategy", "get_reformulation_metadata"],
+    # megatron-core < 0.16 (still imported by released code)
+    "strategies.resharding": [
+        "TensorReformulationMetadata",
+        "apply_nd_flattened_tensors_reformulation",
+        "is_nd_flattened_tensor",
+        "nd_flattened_tensor_reformulated_global_shape",
+        "reformulate_single_nd_flattened_tensor",
+        "restore_nd_flattened_tensors_formulation",
+    ],
     "strategies.two_stage": [
         "TwoStageDataParallelLoadShardedStrategy",
         "_ShardedTensorMetadata",
