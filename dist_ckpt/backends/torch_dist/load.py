@@ -76,6 +76,7 @@ from dist_ckpt.backends.torch_dist.layout import (
 )
 from dist_ckpt.backends.torch_dist.metadata import DCP_METADATA_FILENAME, unpickle_metadata
 from dist_ckpt.backends.torch_dist.read_plan import ReadPlanner, object_read_item, plan_tensor_reads
+from dist_ckpt.backends.torch_dist.remove import remove_tensors
 from dist_ckpt.backends.torch_dist.verified_read import CheckedView, ItemCheck
 from dist_ckpt.backends.torch_dist.verify import short_files
 from dist_ckpt.collectives.distributed import get_rank
@@ -399,6 +400,16 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     @property
     def can_handle_sharded_objects(self) -> bool:
         return True
+
+    def remove_sharded_tensors(self, checkpoint_dir: Storage, key_prefix: str) -> None:
+        """Delete every stored key that starts with ``key_prefix`` (one process; see `remove`).
+
+        Raises:
+            IncompatibleStrategyError: the checkpoint is on an object store.
+            NotACheckpointError, CorruptCheckpointError: it cannot be opened, checksums verified.
+        """
+        remove_tensors(open_checkpoint(local_storage(checkpoint_dir)), key_prefix)
+        self._cached = None
 
     def open(self, checkpoint_dir: LocationLike) -> OpenedCheckpoint:
         """The checkpoint's layout (cached while ``.metadata`` is unchanged).
