@@ -31,6 +31,7 @@ from dist_ckpt.engine.state_assembly import assemble, loaded_values
 from dist_ckpt.engine.steps import Step
 from dist_ckpt.engine.watchdog import DEFAULT_WATCHDOG_TIMEOUT_S
 from dist_ckpt.errors import KeyMismatchError, ShardingIntegrityError
+from dist_ckpt.integrity.file_manifest import verify_integrity_manifest
 from dist_ckpt.model.dict_utils import dict_list_map_inplace, extract_matching_values, nested_values
 from dist_ckpt.model.sharded import (
     ShardedBase,
@@ -95,6 +96,7 @@ def load_with_report(
     watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
     allow_dtype_cast: Optional[bool] = None,
     host_memory_budget_bytes: Optional[int] = None,
+    verify_integrity: bool = False,
 ) -> LoadResult:
     """Load like [`load()`][dist_ckpt.engine.load.load], always returning a
     [`LoadResult`][dist_ckpt.engine.load.LoadResult] (collective), with the load's report (seconds per phase, bytes,
@@ -103,7 +105,9 @@ def load_with_report(
     Steps:
 
     1. Read ``metadata.json`` and pick load strategies compatible with it (configured with
-       ``allow_dtype_cast`` when it is given).
+       ``allow_dtype_cast`` when it is given). With ``verify_integrity``, check every file that
+       Megatron-Core's ``integrity.json`` lists (each rank a share; see
+       `dist_ckpt.integrity.file_manifest`).
     2. Load the common state: the base of the result. Build factories.
     3. Match requested keys against the checkpoint (``strict``) and, if
        ``validate_access_integrity``, check the requested sharding on rank 0.
@@ -124,7 +128,8 @@ def load_with_report(
     print(report.summary())
     ```
     """
-    phases = [Step.OPEN_CHECKPOINT, Step.LOAD_COMMON, Step.MATCH_KEYS, Step.LOAD_SHARDED, Step.ASSEMBLE]
+    phases = [Step.OPEN_CHECKPOINT] + ([Step.VERIFY_INTEGRITY] if verify_integrity else [])
+    phases += [Step.LOAD_COMMON, Step.MATCH_KEYS, Step.LOAD_SHARDED, Step.ASSEMBLE]
     location = run_collectively("opening the checkpoint location", lambda: resolve_location(checkpoint_dir))
     monitor = StepMonitor(Operation.LOAD, location, phases, progress, watchdog_timeout_s)
     monitor.count_files_meanwhile()
@@ -138,6 +143,7 @@ def load_with_report(
             validate_access_integrity,
             parse_strict_flag(strict),
             allow_dtype_cast,
+            verify_integrity,
         )
     monitor.report.host_memory_budget_bytes = memory.budget
     return LoadResult(state, missing, unexpected, monitor.finish(nbytes))
@@ -152,6 +158,7 @@ def _load_steps(
     validate_access_integrity: bool,
     strict: StrictHandling,
     allow_dtype_cast: Optional[bool],
+    verify_integrity: bool = False,
 ) -> Tuple[StateDict, Set[str], Set[str], int]:
     """The numbered steps of [`load_with_report()`][dist_ckpt.engine.load.load_with_report]; returns the state, the
     missing and unexpected keys, and the tensor bytes this rank requested."""
@@ -162,6 +169,8 @@ def _load_steps(
         return (sharded if allow_dtype_cast is None else sharded.with_dtype_cast(allow_dtype_cast)), common
 
     sharded_strat, common_strat = monitor.run(Step.OPEN_CHECKPOINT, strategies)
+    if verify_integrity:  # Megatron-Core's integrity.json: every file it lists, before any is read
+        monitor.run(Step.VERIFY_INTEGRITY, lambda: verify_integrity_manifest(location), exchanges_errors=True)
 
     # 2. common state and factories
     def prepare() -> Tuple[StateDict, ShardedStateDict, ShardedStateDict, ShardedStateDict, Optional[ShardedStateDict]]:
@@ -269,6 +278,7 @@ def load(
     watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
     allow_dtype_cast: Optional[bool] = None,
     host_memory_budget_bytes: Optional[int] = None,
+    verify_integrity: bool = False,
 ) -> StateDict: ...
 
 
@@ -285,6 +295,7 @@ def load(
     watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
     allow_dtype_cast: Optional[bool] = None,
     host_memory_budget_bytes: Optional[int] = None,
+    verify_integrity: bool = False,
 ) -> StateDictAndMismatchKeys: ...
 
 
@@ -301,6 +312,7 @@ def load(
     watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
     allow_dtype_cast: Optional[bool] = None,
     host_memory_budget_bytes: Optional[int] = None,
+    verify_integrity: bool = False,
 ) -> StateDictAndMismatchKeys: ...
 
 
@@ -317,6 +329,7 @@ def load(
     watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
     allow_dtype_cast: Optional[bool] = None,
     host_memory_budget_bytes: Optional[int] = None,
+    verify_integrity: bool = False,
 ) -> Union[StateDict, StateDictAndMismatchKeys]: ...
 
 
@@ -332,6 +345,7 @@ def load(
     watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
     allow_dtype_cast: Optional[bool] = None,
     host_memory_budget_bytes: Optional[int] = None,
+    verify_integrity: bool = False,
 ) -> Union[StateDict, StateDictAndMismatchKeys]:
     """Load a checkpoint into the layout described by ``sharded_state_dict`` (collective).
 
@@ -365,6 +379,9 @@ def load(
             destinations it cannot read into directly (GPU or strided tensors), keyword only;
             None: the process's budget ([`dist_ckpt.storage.host_memory`][dist_ckpt.storage.host_memory]), else
             no bound.
+        verify_integrity: first check the SHA-256 of every file listed in Megatron-Core's
+            ``integrity.json`` (keyword only); a missing manifest, or a file missing or different,
+            raises on every rank, naming each file.
 
     Example:
 
@@ -384,6 +401,7 @@ def load(
         watchdog_timeout_s=watchdog_timeout_s,
         allow_dtype_cast=allow_dtype_cast,
         host_memory_budget_bytes=host_memory_budget_bytes,
+        verify_integrity=verify_integrity,
     )
     if StrictHandling.requires_returning_mismatch_keys(parse_strict_flag(strict)):
         return result.state_dict, result.missing_keys, result.unexpected_keys

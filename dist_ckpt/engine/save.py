@@ -47,6 +47,7 @@ from dist_ckpt.errors import (
     InvalidKeyError,
     InvalidShardedTensorError,
 )
+from dist_ckpt.integrity.file_manifest import write_integrity_manifest
 from dist_ckpt.model.dict_utils import extract_matching_values, nested_values
 from dist_ckpt.model.sharded import (
     ShardedBase,
@@ -183,6 +184,7 @@ def save(
     progress: Optional[ProgressCallback] = None,
     watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
     host_memory_budget_bytes: Optional[int] = None,
+    verify_integrity: bool = False,
 ) -> Optional[AsyncRequest]:
     """Save a sharded state dict (collective).
 
@@ -203,6 +205,8 @@ def save(
     5. Save the sharded tensors (in the background if ``async_sharded_save``).
     6. Commit: once every rank succeeded, rank 0 checks the location is still its own, writes
        ``metadata.json`` (listing the integrity records the save wrote) and removes its claim.
+    7. With ``verify_integrity``, Megatron-Core's ``integrity.json``: the SHA-256 of every file,
+       each rank hashing a share (see `dist_ckpt.integrity.file_manifest`).
 
     Each step ends with an error exchange (step 3 exchanges its errors itself), so a failure on
     any rank raises the same CheckpointingException on every rank, and no partial checkpoint is
@@ -233,6 +237,8 @@ def save(
             snapshot, device-to-host staging -- (keyword only; None: the process's budget, see
             [`dist_ckpt.storage.host_memory`][dist_ckpt.storage.host_memory], else no bound). What an
             async save cannot snapshot within it is written before this returns.
+        verify_integrity: write Megatron-Core's ``integrity.json`` after the commit (step 7), which
+            ``load(..., verify_integrity=True)`` checks (keyword only).
 
     Returns:
         None, or the AsyncRequest when ``async_sharded_save`` is set.
@@ -249,6 +255,7 @@ def save(
         progress=progress,
         watchdog_timeout_s=watchdog_timeout_s,
         host_memory_budget_bytes=host_memory_budget_bytes,
+        verify_integrity=verify_integrity,
     ).async_request
 
 
@@ -265,6 +272,7 @@ def save_with_report(
     progress: Optional[ProgressCallback] = None,
     watchdog_timeout_s: Optional[float] = DEFAULT_WATCHDOG_TIMEOUT_S,
     host_memory_budget_bytes: Optional[int] = None,
+    verify_integrity: bool = False,
 ) -> SaveResult:
     """Save like [`save()`][dist_ckpt.engine.save.save] and return a [`SaveResult`][dist_ckpt.engine.save.SaveResult]:
     the report and, for an asynchronous save, the request (collective; same arguments and steps as
@@ -283,6 +291,7 @@ def save_with_report(
     phases += [Step.SAVE_COMMON]
     phases += [Step.PREPARE_ASYNC, Step.FINALIZE_SHARDED] if async_sharded_save else [Step.SAVE_SHARDED]
     phases += [Step.COMMIT]
+    phases += [Step.WRITE_INTEGRITY] if verify_integrity else []
     location = run_collectively("opening the checkpoint location", lambda: resolve_location(checkpoint_dir))
     monitor = StepMonitor(Operation.SAVE, location, phases, progress, watchdog_timeout_s)
     claims: List[SaveClaim] = []  # rank 0's claim of the location, once made
@@ -300,6 +309,7 @@ def save_with_report(
                 async_sharded_save,
                 preprocess_common_before_consistancy_check,
                 content_metadata,
+                verify_integrity,
             )
     except BaseException as e:
         _abandon(location, claims, e)
@@ -325,6 +335,7 @@ def _save_steps(
     async_sharded_save: bool,
     preprocess_common_before_consistancy_check: Optional[Callable[[StateDict], StateDict]],
     content_metadata: Optional[Dict[str, Any]],
+    verify_integrity: bool = False,
 ) -> Tuple[Optional[AsyncRequest], int]:
     """The numbered steps of [`save()`][dist_ckpt.engine.save.save]; returns the async request (or None) and the bytes
     of this rank's main replicas.
@@ -395,6 +406,8 @@ def _save_steps(
                 release_claim(location, claim)
 
         monitor.run(Step.COMMIT, write_metadata)
+        if verify_integrity:  # 7. after the commit, so that metadata.json is hashed too
+            monitor.run(Step.WRITE_INTEGRITY, lambda: write_integrity_manifest(location), exchanges_errors=True)
 
     # 5. sharded tensors
     if async_sharded_save:

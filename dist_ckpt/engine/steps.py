@@ -34,8 +34,10 @@ class Step(str, Enum):
     WRITE_IN_BACKGROUND = "writing in the background (until finalized)"
     FINALIZE_SHARDED = "finalizing the sharded tensors"
     COMMIT = "committing metadata.json"
+    WRITE_INTEGRITY = "writing integrity.json"
     # load
     OPEN_CHECKPOINT = "opening the checkpoint"
+    VERIFY_INTEGRITY = "verifying integrity.json"
     LOAD_COMMON = "loading the common state"
     MATCH_KEYS = "matching the requested keys"
     LOAD_SHARDED = "loading sharded tensors"
