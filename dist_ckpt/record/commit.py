@@ -342,9 +342,10 @@ def read_config(checkpoint_dir: LocationLike) -> CheckpointingConfig:
                 f"checkpoint directory {location.url} does not exist; pass a committed checkpoint"
             )
         where = "directory" if location.local_paths else "location"
+        # starts as Megatron-Core words it (callers match "<dir> is not a distributed checkpoint")
         raise NotACheckpointError(
-            f"{location.url!r} is not a committed dist_ckpt checkpoint: {METADATA_FILENAME} is missing "
-            f"(the save did not finish, or this is not a checkpoint {where})"
+            f"{location.url} is not a distributed checkpoint: it is not a committed dist_ckpt checkpoint, "
+            f"{METADATA_FILENAME} is missing (the save did not finish, or this is not a checkpoint {where})"
         )
     return config
 

@@ -215,6 +215,14 @@ class TestDirectory:
             with pytest.raises(NotACheckpointError, match="metadata.json"):
                 fn(tmp_path / "c")
 
+    def test_an_existing_directory_that_is_not_a_checkpoint_is_worded_as_megatron_core_words_it(self, tmp_path):
+        (tmp_path / "c").mkdir()
+        (tmp_path / "c" / "notes.txt").write_text("not a checkpoint")
+        with pytest.raises(NotACheckpointError) as info:  # callers match Megatron-Core's "<dir> is not a ..."
+            dc.load({}, tmp_path / "c")
+        assert f"{tmp_path / 'c'} is not a distributed checkpoint" in str(info.value)
+        assert "metadata.json is missing" in str(info.value)
+
     def test_missing_directory(self, tmp_path):
         with pytest.raises(NotACheckpointError, match="does not exist"):
             dc.load({}, tmp_path / "nope")
