@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import io
 import logging
-import os
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -47,9 +46,11 @@ from dist_ckpt.backends.torch_dist.checksums import (
 )
 from dist_ckpt.backends.torch_dist.metadata import DCP_METADATA_FILENAME, unpickle_metadata
 from dist_ckpt.collectives.distributed import get_rank
+from dist_ckpt.dcp.location import CheckpointLocation
 from dist_ckpt.errors import CorruptCheckpointError, IncompatibleStrategyError, LoadMismatchError, NotACheckpointError
-from dist_ckpt.storage import ObjectNotFoundError, RangeRead, Storage, open_storage
+from dist_ckpt.storage import ObjectNotFoundError, RangeRead
 from dist_ckpt.storage.base import StorageOptions
+from dist_ckpt.storage.location import LocationLike
 
 __all__ = ["BATCH_BYTES", "StorageReader"]
 
@@ -57,8 +58,6 @@ logger = logging.getLogger(__name__)
 
 #: about how many bytes of items one batch of concurrent reads holds in memory
 BATCH_BYTES = 256 << 20
-
-Location = Union[str, "os.PathLike[str]", Storage]
 
 
 class _CheckedFile:
@@ -69,7 +68,7 @@ class _CheckedFile:
         self.starts = [s[0] for s in spans.spans]
 
 
-class StorageReader(DCPStorageReader):
+class StorageReader(CheckpointLocation, DCPStorageReader):
     """A ``torch.distributed.checkpoint`` storage reader over dist_ckpt's storage, checking crc32c.
 
     Pass it to ``dcp.load`` as ``storage_reader``. It reads any DCP checkpoint saved with DCP's
@@ -91,34 +90,18 @@ class StorageReader(DCPStorageReader):
     """
 
     def __init__(
-        self, path: Location, *, storage_options: Optional[StorageOptions] = None, allow_pickle: bool = False
+        self, path: LocationLike, *, storage_options: Optional[StorageOptions] = None, allow_pickle: bool = False
     ) -> None:
-        super().__init__()
-        self._location: Location = path
-        self._options = storage_options
+        super().__init__(path, storage_options)
         self.allow_pickle = allow_pickle
-        self._storage: Optional[Storage] = None
         self._files: Optional[Dict[str, _CheckedFile]] = None
         self._storage_data: Dict[MetadataIndex, Any] = {}
         self._rank = 0
 
-    @property
-    def storage(self) -> Storage:
-        """The storage of the checkpoint (opened on first use, in this process)."""
-        if self._storage is None:
-            self._storage = open_storage(self._location, self._options)
-        return self._storage
-
-    def reset(self, checkpoint_id: Optional[Location] = None) -> None:
-        if checkpoint_id is not None:
-            self._location = checkpoint_id
-            self._storage = None
+    def reset(self, checkpoint_id: Optional[LocationLike] = None) -> None:
+        super().reset(checkpoint_id)
         self._files = None
         self._storage_data = {}
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Union[str, "os.PathLike[str]"]) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike, Storage))
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """``.metadata``, unpickled safely and, for a checksummed checkpoint, checked against its

@@ -33,10 +33,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import pickle
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, List, Optional, Union
+from typing import Any, List, Optional
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -48,18 +47,17 @@ from dist_ckpt.backends.torch_dist.checksums import CHECKSUMS_FILENAME, mark_che
 from dist_ckpt.backends.torch_dist.metadata import DCP_METADATA_FILENAME
 from dist_ckpt.collectives.distributed import get_rank
 from dist_ckpt.dcp.items import DATA_SUFFIX, gathered_files, manifest, split_items, write_file
+from dist_ckpt.dcp.location import CheckpointLocation
 from dist_ckpt.errors import CheckpointExistsError, CheckpointingException
-from dist_ckpt.storage import Storage, open_storage
 from dist_ckpt.storage.base import StorageOptions
+from dist_ckpt.storage.location import LocationLike
 
 __all__ = ["StorageWriter"]
 
 logger = logging.getLogger(__name__)
 
-Location = Union[str, "os.PathLike[str]", Storage]
 
-
-class StorageWriter(DCPStorageWriter):
+class StorageWriter(CheckpointLocation, DCPStorageWriter):
     """A ``torch.distributed.checkpoint`` storage writer over dist_ckpt's storage and checksums.
 
     Pass it to ``dcp.save`` or ``dcp.async_save`` as ``storage_writer``; the checkpoint it
@@ -85,42 +83,23 @@ class StorageWriter(DCPStorageWriter):
 
     def __init__(
         self,
-        path: Location,
+        path: LocationLike,
         *,
         thread_count: int = 2,
         storage_options: Optional[StorageOptions] = None,
         overwrite: bool = True,
     ) -> None:
-        super().__init__()
         if not isinstance(thread_count, int) or isinstance(thread_count, bool) or thread_count < 1:
             raise CheckpointingException(f"StorageWriter: thread_count must be an int >= 1, got {thread_count!r}")
-        self._location: Location = path
-        self._options = storage_options
+        super().__init__(path, storage_options)
         self.thread_count = thread_count
         self.overwrite = overwrite
-        self._storage: Optional[Storage] = None
         self._rank = 0
-
-    @property
-    def storage(self) -> Storage:
-        """The storage of the checkpoint (opened on first use, in this process)."""
-        if self._storage is None:
-            self._storage = open_storage(self._location, self._options)
-        return self._storage
 
     def __getstate__(self) -> Any:  # a storage carries its location, not its connection
         state = dict(self.__dict__)
         state["_storage"] = None
         return state
-
-    def reset(self, checkpoint_id: Optional[Location] = None) -> None:
-        if checkpoint_id is not None:
-            self._location = checkpoint_id
-            self._storage = None
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Union[str, "os.PathLike[str]"]) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike, Storage))
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         rank = kwargs.get("rank")
