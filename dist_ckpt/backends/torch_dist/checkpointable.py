@@ -33,14 +33,21 @@ from dist_ckpt.model.sharded import ShardedTensor
 __all__ = ["CheckpointableShardedTensor", "LocalShardsContainer"]
 
 
-def _not_a_tensor(cls: type, func: Any) -> ArgumentTypeError:
-    return ArgumentTypeError(
-        f"{cls.__name__} is a container that torch.distributed.checkpoint saves and loads; it supports no tensor "
-        f"operation (called: {func}); use its ShardedTensor's data instead"
-    )
+class _CheckpointContainer(torch.Tensor):
+    """A tensor subclass that only carries values for DCP's ``_Checkpointable`` protocol: every
+    tensor operation on it is refused."""
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]  # torch's stub omits func
+        cls, func: Any, types: Sequence[type], args: Tuple[Any, ...] = (), kwargs: Optional[Dict[str, Any]] = None
+    ) -> Any:
+        raise ArgumentTypeError(
+            f"{cls.__name__} is a container that torch.distributed.checkpoint saves and loads; it supports no tensor "
+            f"operation (called: {func}); use its ShardedTensor's data instead"
+        )
 
 
-class CheckpointableShardedTensor(torch.Tensor):
+class CheckpointableShardedTensor(_CheckpointContainer):
     """One ShardedTensor as a value DCP saves and loads in place (its ``_Checkpointable`` protocol).
 
     The wrapper has the ShardedTensor's global shape; its one chunk is at ``global_offset`` (prepended
@@ -108,17 +115,11 @@ class CheckpointableShardedTensor(torch.Tensor):
         """The ShardedTensor's data shaped like its chunk (a view: a load fills ``data`` in place)."""
         return chunk_data(self._sh_ten)
 
-    @classmethod
-    def __torch_dispatch__(  # type: ignore[override]  # torch's stub omits func
-        cls, func: Any, types: Sequence[type], args: Tuple[Any, ...] = (), kwargs: Optional[Dict[str, Any]] = None
-    ) -> Any:
-        raise _not_a_tensor(cls, func)
-
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return f"{type(self).__name__}({self._sh_ten})"
 
 
-class LocalShardsContainer(torch.Tensor):
+class LocalShardsContainer(_CheckpointContainer):
     """The several shards one rank has of one tensor, as one DCP value.
 
     DCP takes one value per key on each rank; this container answers its protocol for all of its
@@ -179,12 +180,6 @@ class LocalShardsContainer(torch.Tensor):
             f"{index.fqn!r}: this rank has no shard at offset {tuple(index.offset)} "
             f"(its shards start at {[tuple(s._chunk()[0]) for s in shards]})"
         )
-
-    @classmethod
-    def __torch_dispatch__(  # type: ignore[override]  # torch's stub omits func
-        cls, func: Any, types: Sequence[type], args: Tuple[Any, ...] = (), kwargs: Optional[Dict[str, Any]] = None
-    ) -> Any:
-        raise _not_a_tensor(cls, func)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return f"{type(self).__name__}({[s._sh_ten for s in self._local_shards]})"
