@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from dist_ckpt.backends.torch_dist.checksums import FileSpans, RecordingStream, Span, manifest_json, spans_within
 from dist_ckpt.backends.torch_dist.metadata import DCP_METADATA_FILENAME
-from dist_ckpt.backends.torch_dist.save import _exact_storage
+from dist_ckpt.backends.torch_dist.tensor_bytes import exact_storage
 from dist_ckpt.errors import CheckpointingException, CorruptCheckpointError
 from dist_ckpt.integrity.checksums import crc32c
 from dist_ckpt.storage import ObjectWriter, Storage
@@ -122,7 +122,7 @@ def _write_item(stream: RecordingStream, item: WriteItem, planner: SavePlanner) 
         raise CheckpointingException(
             f"the planner resolved tensor item {item.index.fqn!r} to a {type(data).__name__}, not a tensor"
         )
-    torch.save(_exact_storage(data.detach().cpu()), cast(IO[bytes], stream))
+    torch.save(exact_storage(data.detach().cpu()), cast(IO[bytes], stream))
 
 
 def write_file(

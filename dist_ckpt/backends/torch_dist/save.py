@@ -91,7 +91,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_exact_storage = exact_storage  # the name dist_ckpt.dcp.items imports
 
 #: the format name and version in ``metadata.json`` (Megatron-Core's)
 TORCH_DIST_BACKEND: Tuple[str, int] = ("torch_dist", 1)
